@@ -1,0 +1,54 @@
+"""The built-in CUDA accelerator (NCCL). megatron-core targets CUDA, so it needs no adaptation."""
+
+from __future__ import annotations
+
+import torch
+
+from loongforge.core.accelerators.base import Accelerator, MemoryStats
+
+# Dense bf16/fp16 tensor-core peak FLOP/s per device, by name fragment (for MFU only).
+_PEAK_BF16 = {"H200": 989e12, "H100": 989e12, "H800": 989e12, "H20": 148e12, "A100": 312e12, "A800": 312e12, "L40": 181e12}
+
+
+class CudaAccelerator(Accelerator):
+    name = "cuda"
+    device_type = "cuda"
+    dist_backend = "nccl"
+
+    def is_available(self) -> bool:
+        return torch.cuda.is_available()
+
+    def device_count(self) -> int:
+        return torch.cuda.device_count()
+
+    def set_device(self, device: torch.device) -> None:
+        torch.cuda.set_device(device)
+
+    def manual_seed(self, seed: int) -> None:
+        torch.manual_seed(seed)
+        torch.cuda.manual_seed_all(seed)
+
+    def synchronize(self) -> None:
+        torch.cuda.synchronize()
+
+    def memory_stats(self) -> MemoryStats:
+        free, total = torch.cuda.mem_get_info()
+        return MemoryStats(
+            allocated=torch.cuda.memory_allocated(),
+            peak_allocated=torch.cuda.max_memory_allocated(),
+            reserved=torch.cuda.memory_reserved(),
+            total=total,
+        )
+
+    def reset_peak_memory_stats(self) -> None:
+        torch.cuda.reset_peak_memory_stats()
+
+    def supports_triton(self) -> bool:
+        return torch.cuda.is_available()
+
+    def peak_flops(self, dtype: torch.dtype) -> float | None:
+        name = torch.cuda.get_device_name()
+        for frag, flops in _PEAK_BF16.items():
+            if frag in name:
+                return flops / 2 if dtype == torch.float32 else flops  # fp32 runs as TF32
+        return None

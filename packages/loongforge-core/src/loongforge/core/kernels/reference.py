@@ -1,0 +1,73 @@
+"""Torch reference implementations of LoongForge's named fused ops.
+
+These define each op's contract (shapes, dtypes, numerics). Fused versions registered through
+the ``loongforge.kernels`` entry-point group must match them; they are what runs when no fused
+version applies (CPU, a device without Triton, or ``kernels.force_reference``).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    """``x * rsqrt(mean(x^2) + eps) * weight`` over the last dim, computed in fp32, cast back."""
+    xf = x.float()
+    y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return (y * weight.float()).to(x.dtype)
+
+
+def add_rms_norm(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Residual add then RMSNorm: returns ``(rms_norm(x + residual), x + residual)``."""
+    summed = x + residual
+    return rms_norm(summed, weight, eps), summed
+
+
+def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotary embedding, rotate-half (Llama/NeoX) convention.
+
+    ``x``: ``[*tokens, heads, head_dim]``; ``cos``/``sin``: ``[*tokens, rot_dim]`` (broadcastable
+    to ``x.shape[:-2]``), ``rot_dim <= head_dim`` even; dims past ``rot_dim`` pass through.
+    Packed (THD) inputs pass per-token cos/sin gathered at each token's position in its sequence.
+    """
+    rot = cos.shape[-1]
+    c = cos.unsqueeze(-2).float()
+    s = sin.unsqueeze(-2).float()
+    xr, xp = x[..., :rot].float(), x[..., rot:]
+    x1, x2 = xr.chunk(2, dim=-1)
+    rotated = torch.cat((-x2, x1), dim=-1)
+    out = (xr * c + rotated * s).to(x.dtype)
+    return torch.cat((out, xp), dim=-1) if xp.shape[-1] else out
+
+
+def swiglu(gate_up: torch.Tensor) -> torch.Tensor:
+    """``silu(gate) * up`` where ``gate_up = cat([gate, up], -1)`` (megatron's fc1 layout)."""
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
+def linear_cross_entropy(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    labels: torch.Tensor,
+    ignore_index: int = -100,
+) -> torch.Tensor:
+    """Per-token cross-entropy of ``hidden @ weight.T`` against ``labels``, in fp32.
+
+    ``hidden``: ``[N, H]``, ``weight``: ``[V, H]``, ``labels``: ``[N]``; returns ``[N]`` fp32 losses
+    with 0 at ``ignore_index``. Fused versions never materialise the full ``[N, V]`` fp32 logits.
+    """
+    logits = (hidden @ weight.t()).float()
+    return F.cross_entropy(logits, labels, ignore_index=ignore_index, reduction="none")
+
+
+REFERENCE_OPS = {
+    "rms_norm": rms_norm,
+    "add_rms_norm": add_rms_norm,
+    "rope": rope,
+    "swiglu": swiglu,
+    "linear_cross_entropy": linear_cross_entropy,
+}

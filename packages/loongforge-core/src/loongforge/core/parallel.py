@@ -1,0 +1,160 @@
+"""Process groups for one training job, built once on top of ``megatron.core.parallel_state``.
+
+``init_parallel`` validates the layout against the world size *before* any process group is
+made, initialises torch.distributed with the accelerator's backend (gloo on CPU, nccl on CUDA),
+builds megatron's TP/PP/CP/EP/DP groups, seeds the TP-aware RNG tracker, and returns an explicit
+``ParallelContext`` whose ``pgs`` (megatron-core's ``ProcessGroupCollection``) is what models and
+optimizers receive. Launch with ``torchrun`` for one or many nodes; a plain ``python`` process is
+a world of one.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from loongforge.core.accelerators import Accelerator, get_accelerator
+
+
+@dataclass(frozen=True)
+class ParallelLayout:
+    """Model-parallel sizes; data parallel is what the world size leaves over."""
+
+    tp: int = 1
+    pp: int = 1
+    cp: int = 1
+    ep: int = 1
+
+    def data_parallel_size(self, world_size: int) -> int:
+        self.validate(world_size)
+        return world_size // (self.tp * self.pp * self.cp)
+
+    def validate(self, world_size: int) -> None:
+        for key in ("tp", "pp", "cp", "ep"):
+            value = getattr(self, key)
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"parallel.{key}={value!r}: must be a positive integer")
+        model_parallel = self.tp * self.pp * self.cp
+        if world_size % model_parallel:
+            raise ValueError(
+                f"world size {world_size} is not divisible by tp*pp*cp = "
+                f"{self.tp}*{self.pp}*{self.cp} = {model_parallel}"
+            )
+        dp = world_size // model_parallel
+        if (dp * self.cp) % self.ep:
+            raise ValueError(f"parallel.ep={self.ep} must divide dp*cp = {dp * self.cp} (world size {world_size})")
+
+
+@dataclass
+class ParallelContext:
+    """What one process knows about the job's layout."""
+
+    layout: ParallelLayout
+    accelerator: Accelerator
+    device: torch.device
+    rank: int
+    world_size: int
+    local_rank: int
+    dp_size: int
+    pgs: object  # megatron.core.process_groups_config.ProcessGroupCollection
+
+    @property
+    def tp_rank(self) -> int:
+        return self.pgs.tp.rank()
+
+    @property
+    def pp_rank(self) -> int:
+        return self.pgs.pp.rank()
+
+    @property
+    def dp_rank(self) -> int:
+        return self.pgs.dp.rank()
+
+    @property
+    def is_first_stage(self) -> bool:
+        return self.pp_rank == 0
+
+    @property
+    def is_last_stage(self) -> bool:
+        return self.pp_rank == self.layout.pp - 1
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+
+def world_size_from_env() -> int:
+    return int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def init_parallel(
+    tp: int = 1,
+    pp: int = 1,
+    cp: int = 1,
+    ep: int = 1,
+    *,
+    seed: int = 1234,
+    accelerator: Accelerator | None = None,
+) -> ParallelContext:
+    layout = ParallelLayout(tp=tp, pp=pp, cp=cp, ep=ep)
+    world_size = world_size_from_env()
+    layout.validate(world_size)  # before any process group exists
+
+    accel = accelerator or get_accelerator()
+    accel.install_megatron_adaptations()
+    local_rank = accel.local_rank()
+    device = accel.device(local_rank)
+    accel.set_device(device)
+
+    if not dist.is_initialized():
+        if world_size == 1 and "MASTER_ADDR" not in os.environ:
+            os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+            os.environ.setdefault("MASTER_PORT", str(_free_port()))
+            os.environ.setdefault("RANK", "0")
+        kwargs = {"device_id": device} if device.type != "cpu" else {}
+        dist.init_process_group(backend=accel.dist_backend, world_size=world_size,
+                                rank=int(os.environ.get("RANK", "0")), **kwargs)
+
+    from megatron.core import parallel_state
+    from megatron.core.process_groups_config import ProcessGroupCollection
+    from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
+
+    if parallel_state.model_parallel_is_initialized():
+        parallel_state.destroy_model_parallel()
+    parallel_state.initialize_model_parallel(
+        tensor_model_parallel_size=tp,
+        pipeline_model_parallel_size=pp,
+        context_parallel_size=cp,
+        expert_model_parallel_size=ep,
+    )
+    accel.manual_seed(seed)
+    model_parallel_cuda_manual_seed(seed)
+    return ParallelContext(
+        layout=layout,
+        accelerator=accel,
+        device=device,
+        rank=dist.get_rank(),
+        world_size=world_size,
+        local_rank=local_rank,
+        dp_size=layout.data_parallel_size(world_size),
+        pgs=ProcessGroupCollection.use_mpu_process_groups(),
+    )
+
+
+def destroy_parallel() -> None:
+    from megatron.core import parallel_state
+
+    if parallel_state.model_parallel_is_initialized():
+        parallel_state.destroy_model_parallel()
+    if dist.is_initialized():
+        dist.destroy_process_group()

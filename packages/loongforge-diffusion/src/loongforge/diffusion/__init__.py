@@ -1,0 +1,1 @@
+"""LoongForge diffusion package (skeleton: not built yet)."""

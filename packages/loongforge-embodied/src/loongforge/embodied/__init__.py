@@ -1,0 +1,1 @@
+"""LoongForge embodied package (skeleton: not built yet)."""

@@ -1,0 +1,1 @@
+"""LoongForge kernels package (skeleton: not built yet)."""

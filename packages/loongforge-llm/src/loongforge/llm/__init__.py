@@ -1,0 +1,1 @@
+"""LoongForge LLM training."""

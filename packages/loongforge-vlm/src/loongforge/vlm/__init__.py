@@ -1,0 +1,1 @@
+"""LoongForge vlm package (skeleton: not built yet)."""

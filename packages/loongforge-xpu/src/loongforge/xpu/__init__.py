@@ -1,0 +1,1 @@
+"""LoongForge xpu package (skeleton: not built yet)."""
