@@ -1,0 +1,24 @@
+"""The LoongForge checkpoint format: sharded safetensors + JSON manifest, layout-independent,
+written atomically (see format.py, pieces.py, storage.py)."""
+
+from loongforge.core.checkpoint.format import (
+    FORMAT_VERSION,
+    Checkpoint,
+    load_checkpoint,
+    read_manifest,
+    save_checkpoint,
+)
+from loongforge.core.checkpoint.pieces import CheckpointReadError, Piece, PieceReader
+from loongforge.core.checkpoint.storage import latest_checkpoint
+
+__all__ = [
+    "FORMAT_VERSION",
+    "Checkpoint",
+    "CheckpointReadError",
+    "Piece",
+    "PieceReader",
+    "latest_checkpoint",
+    "load_checkpoint",
+    "read_manifest",
+    "save_checkpoint",
+]

@@ -1,0 +1,110 @@
+"""Crash-safe checkpoint directories.
+
+A checkpoint is written into ``ROOT/.tmp-<name>``, every file fsynced, then renamed to
+``ROOT/<name>``; the ``ROOT/latest`` pointer (a one-line text file) is replaced last. A save that
+dies at any point leaves the previous checkpoint and pointer untouched; a leftover temp dir is
+removed by the next save of that name.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import re
+import shutil
+from pathlib import Path
+
+LATEST = "latest"
+STEP_DIR = re.compile(r"^step_(\d{8,})$")
+
+
+def step_dir_name(step: int) -> str:
+    return f"step_{step:08d}"
+
+
+def temp_dir(root: Path, name: str) -> Path:
+    return root / f".tmp-{name}"
+
+
+def fsync_path(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def fsync_tree(path: Path) -> None:
+    for p in sorted(path.rglob("*")):
+        if p.is_file():
+            fsync_path(p)
+    fsync_path(path)
+
+
+def sha256_file(path: Path, chunk: int = 1 << 22) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(chunk):
+            h.update(block)
+    return h.hexdigest()
+
+
+def prepare_temp(root: Path, name: str) -> Path:
+    root.mkdir(parents=True, exist_ok=True)
+    tmp = temp_dir(root, name)
+    if tmp.exists():
+        shutil.rmtree(tmp)
+    tmp.mkdir()
+    return tmp
+
+
+def commit(root: Path, name: str) -> Path:
+    """Atomically publish ``.tmp-<name>`` as ``<name>`` and point ``latest`` at it."""
+    tmp, final = temp_dir(root, name), root / name
+    fsync_tree(tmp)
+    old = None
+    if final.exists():
+        old = root / f".old-{name}"
+        if old.exists():
+            shutil.rmtree(old)
+        os.replace(final, old)
+    os.replace(tmp, final)
+    fsync_path(root)
+    write_latest(root, name)
+    if old is not None:
+        shutil.rmtree(old)
+    return final
+
+
+def write_latest(root: Path, name: str) -> None:
+    tmp = root / f".{LATEST}.tmp"
+    with open(tmp, "w") as f:
+        f.write(name + "\n")
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, root / LATEST)
+    fsync_path(root)
+
+
+def latest_checkpoint(root: str | Path) -> Path | None:
+    """The directory ``ROOT/latest`` points at, or None when there is no checkpoint yet."""
+    root = Path(root)
+    pointer = root / LATEST
+    if not pointer.is_file():
+        return None
+    target = root / pointer.read_text().strip()
+    if not target.is_dir():
+        raise FileNotFoundError(f"{pointer} points at {target.name}, which does not exist")
+    return target
+
+
+def prune(root: Path, keep_last: int | None) -> list[Path]:
+    """Delete all but the newest ``keep_last`` step directories (never the one ``latest`` names)."""
+    if not keep_last:
+        return []
+    steps = sorted((int(m.group(1)), p) for p in root.iterdir() if (m := STEP_DIR.match(p.name)) and p.is_dir())
+    current = latest_checkpoint(root)
+    doomed = [p for _, p in steps[:-keep_last] if p != current]
+    for p in doomed:
+        shutil.rmtree(p)
+    return doomed

@@ -1,0 +1,126 @@
+"""Configuration: YAML composed with Hydra, validated into dataclasses.
+
+``load_config(Schema, "name_or_path", ["a.b=1", "group=option"])``:
+
+1. The YAML is found as a file path, or by name in ``config_dirs`` (configs ship as package data).
+   Hydra composes its ``defaults`` list; overrides whose key names a config group
+   (``foundation=llama``) select group options.
+2. The composed YAML is merged into the dataclass schema: a key the schema does not know is an
+   error naming the key and the file it came from.
+3. Every other ``key=value`` override is applied on top (a key the schema does not know is an
+   error naming the override), then the dataclass is built, which runs each ``__post_init__``.
+
+All of this happens before any process group is made, so a bad config costs no cluster time.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import fields, is_dataclass
+from pathlib import Path
+from typing import Any, TypeVar
+
+from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+
+T = TypeVar("T")
+
+
+class ConfigError(ValueError):
+    """A configuration that cannot be used; the message names the key and where it came from."""
+
+
+def find_config(name_or_path: str, config_dirs: Sequence[Path]) -> Path:
+    """Resolve a config given as a path or as a name (with or without .yaml) in ``config_dirs``."""
+    candidate = Path(name_or_path).expanduser()
+    if candidate.is_file():
+        return candidate.resolve()
+    if candidate.suffix in (".yaml", ".yml") or "/" in name_or_path:
+        raise ConfigError(f"config file not found: {name_or_path}")
+    for d in config_dirs:
+        for suffix in (".yaml", ".yml"):
+            path = Path(d) / f"{name_or_path}{suffix}"
+            if path.is_file():
+                return path.resolve()
+    available = sorted({p.stem for d in config_dirs for p in Path(d).glob("*.y*ml")})
+    raise ConfigError(f"no config named {name_or_path!r}; available: {', '.join(available) or 'none'}")
+
+
+def _compose(path: Path, group_overrides: list[str], config_dirs: Sequence[Path]) -> DictConfig:
+    from hydra import compose, initialize_config_dir
+    from hydra.errors import HydraException
+
+    search = [d for d in {Path(d).resolve() for d in config_dirs} if d != path.parent]
+    overrides = list(group_overrides)
+    if search:
+        overrides.append("hydra.searchpath=[" + ",".join(f"file://{d}" for d in sorted(search)) + "]")
+    try:
+        with initialize_config_dir(config_dir=str(path.parent), version_base=None):
+            cfg = compose(config_name=path.stem, overrides=overrides)
+    except (HydraException, OmegaConfBaseException) as exc:
+        raise ConfigError(f"{path}: cannot compose config: {exc}") from exc
+    cfg = OmegaConf.create(OmegaConf.to_container(cfg, resolve=False))
+    cfg.pop("hydra", None)
+    return cfg
+
+
+def _is_group(key: str, path: Path, config_dirs: Sequence[Path]) -> bool:
+    dirs = [path.parent, *map(Path, config_dirs)]
+    return "." not in key.lstrip("+~") and any((d / key.lstrip("+~")).is_dir() for d in dirs)
+
+
+def _unknown_key_message(exc: OmegaConfBaseException) -> str:
+    key = getattr(exc, "full_key", None) or getattr(exc, "key", None)
+    msg = getattr(exc, "msg", None) or str(exc).splitlines()[0]
+    return f"key {key!r}: {msg}" if key else msg
+
+
+def load_config(
+    schema: type[T],
+    name_or_path: str | None,
+    overrides: Sequence[str] = (),
+    config_dirs: Sequence[Path] = (),
+) -> T:
+    """Compose, merge into ``schema`` (a dataclass), apply overrides, validate. See module doc."""
+    if not is_dataclass(schema):
+        raise TypeError(f"config schema must be a dataclass, got {schema!r}")
+    for item in overrides:
+        if "=" not in item:
+            raise ConfigError(f"override {item!r} is not of the form key=value")
+    structured = OmegaConf.structured(schema)
+    source = "defaults"
+    value_overrides = list(overrides)
+    if name_or_path is not None:
+        path = find_config(name_or_path, config_dirs)
+        source = str(path)
+        groups = [o for o in overrides if _is_group(o.split("=", 1)[0], path, config_dirs)]
+        value_overrides = [o for o in overrides if o not in groups]
+        composed = _compose(path, groups, config_dirs)
+        try:
+            structured = OmegaConf.merge(structured, composed)
+        except OmegaConfBaseException as exc:
+            raise ConfigError(f"{path}: {_unknown_key_message(exc)}") from exc
+    for item in value_overrides:
+        try:
+            structured = OmegaConf.merge(structured, OmegaConf.from_dotlist([item]))
+        except OmegaConfBaseException as exc:
+            raise ConfigError(f"override {item!r} (config {source}): {_unknown_key_message(exc)}") from exc
+    try:
+        return OmegaConf.to_object(structured)
+    except OmegaConfBaseException as exc:
+        raise ConfigError(f"{source}: {_unknown_key_message(exc)}") from exc
+    except (ValueError, TypeError) as exc:  # raised by a schema's __post_init__
+        raise ConfigError(f"{source}: {exc}") from exc
+
+
+def to_dict(cfg: Any) -> dict:
+    """A plain, JSON-serialisable dict of a config dataclass."""
+    return OmegaConf.to_container(OmegaConf.structured(cfg), resolve=True)
+
+
+def to_yaml(cfg: Any) -> str:
+    return OmegaConf.to_yaml(OmegaConf.structured(cfg))
+
+
+def field_names(schema: type) -> list[str]:
+    return [f.name for f in fields(schema)]

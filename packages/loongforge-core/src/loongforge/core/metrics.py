@@ -1,0 +1,68 @@
+"""Run metrics: one JSON line per logged step in ``RUN_DIR/metrics.jsonl``, TensorBoard scalars,
+and the tqdm progress bar long work shows."""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from pathlib import Path
+
+from tqdm.auto import tqdm
+
+
+class MetricsLogger:
+    """Appends ``{"step": ..., "time": ..., **metrics}`` lines and TensorBoard scalars.
+
+    Only the process with ``enabled=True`` (normally global rank 0) writes anything.
+    """
+
+    def __init__(self, run_dir: str | Path, enabled: bool = True, tensorboard: bool = True):
+        self.run_dir = Path(run_dir)
+        self.enabled = enabled
+        self._writer = None
+        self._file = None
+        if enabled:
+            self.run_dir.mkdir(parents=True, exist_ok=True)
+            self._file = open(self.run_dir / "metrics.jsonl", "a", buffering=1)
+            if tensorboard:
+                from torch.utils.tensorboard import SummaryWriter
+
+                self._writer = SummaryWriter(log_dir=str(self.run_dir / "tensorboard"))
+
+    def log(self, step: int, metrics: dict[str, float]) -> None:
+        if not self.enabled:
+            return
+        clean = {k: (float(v) if isinstance(v, (int, float)) or hasattr(v, "item") else v) for k, v in metrics.items()}
+        record = {"step": int(step), "time": time.time(), **clean}
+        self._file.write(json.dumps(record, allow_nan=True) + "\n")
+        if self._writer is not None:
+            for key, value in clean.items():
+                if isinstance(value, float) and math.isfinite(value):
+                    self._writer.add_scalar(key, value, step)
+
+    def close(self) -> None:
+        if self._file is not None:
+            self._file.close()
+            self._file = None
+        if self._writer is not None:
+            self._writer.close()
+            self._writer = None
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+        return False
+
+
+def read_metrics(run_dir: str | Path) -> list[dict]:
+    """The records of ``RUN_DIR/metrics.jsonl``, in order."""
+    path = Path(run_dir) / "metrics.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def progress(total: int, desc: str, enabled: bool = True, initial: int = 0) -> tqdm:
+    """A progress bar (disabled on non-main ranks)."""
+    return tqdm(total=total, desc=desc, initial=initial, disable=not enabled, dynamic_ncols=True, leave=True)
