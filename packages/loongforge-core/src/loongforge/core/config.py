@@ -71,7 +71,7 @@ def _is_group(key: str, path: Path, config_dirs: Sequence[Path]) -> bool:
 
 def _unknown_key_message(exc: OmegaConfBaseException) -> str:
     key = getattr(exc, "full_key", None) or getattr(exc, "key", None)
-    msg = getattr(exc, "msg", None) or str(exc).splitlines()[0]
+    msg = (getattr(exc, "msg", None) or str(exc)).splitlines()[0]
     return f"key {key!r}: {msg}" if key else msg
 
 

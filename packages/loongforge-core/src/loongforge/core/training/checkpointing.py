@@ -1,0 +1,146 @@
+"""Saving and resuming the megatron trainer: model, optimizer (incl. distributed-optimizer
+shards), LR scheduler, RNG states and the data position, in the core checkpoint format.
+
+Model and optimizer tensors are stored as layout-independent pieces (see
+``checkpoint.sharded``), so a checkpoint saved under one TP/PP/DP layout loads under another.
+RNG states are per rank and restored only when the layout is the same (a resharded run cannot
+replay the same random streams anyway).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from loongforge.core.checkpoint import Checkpoint, CheckpointReadError, latest_checkpoint, save_checkpoint
+from loongforge.core.checkpoint.sharded import flatten_for_save, load_into, move_tensors
+
+OPTIM_METADATA = {"distrib_optim_sharding_type": "fully_reshardable"}
+
+
+def _module(model):
+    while hasattr(model, "module"):
+        model = model.module
+    return model
+
+
+def _sharded_state_dict(trainer, is_loading: bool, with_optimizer: bool = True) -> dict:
+    model_sd = _module(trainer.model).sharded_state_dict()
+    out = {"model": model_sd}
+    if with_optimizer:
+        out["optimizer"] = trainer.optimizer.sharded_state_dict(model_sd, is_loading=is_loading, metadata=OPTIM_METADATA)
+    return out
+
+
+def _rng_state(trainer) -> dict:
+    from megatron.core import tensor_parallel
+
+    state = {"torch": torch.get_rng_state(), "tracker": tensor_parallel.get_cuda_rng_tracker().get_states()}
+    if trainer.ctx.device.type == "cuda":
+        state["cuda"] = torch.cuda.get_rng_state()
+    return state
+
+
+def _set_rng_state(trainer, state: dict) -> None:
+    from megatron.core import tensor_parallel
+
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and trainer.ctx.device.type == "cuda":
+        torch.cuda.set_rng_state(state["cuda"])
+    tensor_parallel.get_cuda_rng_tracker().set_states(state["tracker"])
+
+
+def layout_record(ctx) -> dict:
+    return {"tp": ctx.layout.tp, "pp": ctx.layout.pp, "cp": ctx.layout.cp, "ep": ctx.layout.ep,
+            "dp": ctx.dp_size, "world_size": ctx.world_size}
+
+
+def has_checkpoint(root: str | Path) -> bool:
+    return latest_checkpoint(root) is not None if Path(root).exists() else False
+
+
+def save(trainer, root: str | Path) -> Path:
+    ctx = trainer.ctx
+    pieces, objects, common = flatten_for_save(_sharded_state_dict(trainer, is_loading=False))
+    per_rank = {
+        "sharded_objects": objects,
+        "rng": _rng_state(trainer),
+        "scheduler": trainer.scheduler.state_dict(),
+        "step": trainer.step,
+        "consumed_samples": trainer.consumed_samples,
+    }
+    if ctx.rank == 0:
+        per_rank["common"] = common
+    manifest = {
+        "family": trainer.task.family,
+        "model_config": trainer.task.model_config_dict(),
+        "config": trainer.config_record,
+        "layout": layout_record(ctx),
+        "consumed_samples": trainer.consumed_samples,
+        "tokenizer": getattr(trainer.task, "tokenizer_ref", lambda: None)(),
+    }
+    return save_checkpoint(root, trainer.step, pieces, manifest=manifest, objects=per_rank,
+                           keep_last=trainer.ckpt_cfg.keep_last or None)
+
+
+def _check_model_config(ckpt: Checkpoint, trainer) -> None:
+    saved, current = ckpt.manifest.get("model_config", {}), trainer.task.model_config_dict()
+    diff = {k: (saved.get(k), current.get(k)) for k in sorted(set(saved) | set(current)) if saved.get(k) != current.get(k)}
+    if diff:
+        detail = ", ".join(f"model.{k}: checkpoint {a!r} vs config {b!r}" for k, (a, b) in diff.items())
+        raise CheckpointReadError(f"{ckpt.directory / 'manifest.json'}: model config does not match ({detail})")
+
+
+def _all_objects(ckpt: Checkpoint) -> tuple[dict, dict]:
+    objects, common = {}, {}
+    for rank in range(int(ckpt.manifest.get("world_size", 1))):
+        data = ckpt.objects(rank)
+        objects.update(data.get("sharded_objects", {}))
+        if "common" in data:
+            common = data["common"]
+    return objects, common
+
+
+def _load(trainer, path, with_optimizer: bool) -> Checkpoint:
+    ckpt = Checkpoint(path)
+    _check_model_config(ckpt, trainer)
+    objects, common = _all_objects(ckpt)
+    if not with_optimizer:
+        common = {k: v for k, v in common.items() if k == "model"}
+    state = load_into(_sharded_state_dict(trainer, is_loading=True, with_optimizer=with_optimizer), ckpt.reader, objects, common)
+    move_tensors(state, trainer.ctx.device)
+    _module(trainer.model).load_state_dict(state["model"], strict=True)
+    if with_optimizer:
+        trainer.optimizer.load_state_dict(state["optimizer"])
+        _unshare_adam_steps(trainer.optimizer)
+    return ckpt
+
+
+def _unshare_adam_steps(optimizer) -> None:
+    """After a load, Adam's per-parameter ``step`` may be one tensor shared by all params; the
+    next ``step()`` would then advance it once per parameter. Give each its own copy."""
+    optimizers = getattr(optimizer, "chained_optimizers", [optimizer])
+    for opt in optimizers:
+        inner = getattr(opt, "optimizer", None)
+        if inner is None:
+            continue
+        for st in inner.state.values():
+            if torch.is_tensor(st.get("step")):
+                st["step"] = st["step"].clone()
+
+
+def load(trainer, root: str | Path) -> None:
+    """Resume: everything, from ``root``'s latest checkpoint."""
+    ckpt = _load(trainer, root, with_optimizer=True)
+    mine = ckpt.objects(trainer.ctx.rank) if ckpt.manifest.get("layout") == layout_record(trainer.ctx) else ckpt.objects(0)
+    trainer.scheduler.load_state_dict(mine["scheduler"])
+    trainer.step = int(mine["step"])
+    trainer.consumed_samples = int(mine["consumed_samples"])
+    if ckpt.manifest.get("layout") == layout_record(trainer.ctx):
+        _set_rng_state(trainer, mine["rng"])
+
+
+def load_weights(trainer, path: str | Path) -> None:
+    """Initial weights only (fine-tuning from a checkpoint): no optimizer, step 0."""
+    _load(trainer, path, with_optimizer=False)

@@ -1,0 +1,226 @@
+"""The shared training loop on megatron-core.
+
+One loop for every megatron-based modality: megatron's ``get_forward_backward_func`` schedules
+(pipeline parallel with micro-batches), megatron DDP or the distributed optimizer, AdamW,
+warmup + cosine LR (megatron's ``OptimizerParamScheduler``), grad clipping, per-token loss
+normalisation (so any DP/micro-batch split of a global batch gives the same loss and gradients),
+and logging of loss, grad norm, LR, tokens/s and MFU to the console (progress bar),
+``RUN_DIR/metrics.jsonl`` and TensorBoard. Checkpoints use the core format (``checkpoint``).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from loongforge.core.metrics import MetricsLogger, progress
+from loongforge.core.parallel import ParallelContext
+from loongforge.core.training.schema import CheckpointConfig, LogConfig, TrainConfig
+from loongforge.core.training.task import MegatronTask
+
+
+def resolve_dtype(precision: str, ctx: ParallelContext) -> torch.dtype:
+    if precision == "auto":
+        return torch.bfloat16 if ctx.device.type != "cpu" else torch.float32
+    return {"bf16": torch.bfloat16, "fp32": torch.float32}[precision]
+
+
+@dataclass
+class StepResult:
+    step: int
+    loss: float
+    grad_norm: float
+    lr: float
+    tokens: int
+    seconds: float
+    extra: dict = field(default_factory=dict)
+
+
+class MegatronTrainer:
+    def __init__(
+        self,
+        task: MegatronTask,
+        ctx: ParallelContext,
+        train: TrainConfig,
+        log: LogConfig | None = None,
+        checkpoint: CheckpointConfig | None = None,
+        config_record: dict | None = None,
+    ):
+        from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
+        from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+        from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+        from megatron.core.transformer import TransformerConfig
+        from megatron.core.transformer.module import Float16Module
+
+        self.task, self.ctx, self.train = task, ctx, train
+        self.log_cfg = log or LogConfig()
+        self.ckpt_cfg = checkpoint or CheckpointConfig(save=False)
+        self.config_record = config_record or {}
+        dp = ctx.dp_size
+        if train.global_batch_size % (train.micro_batch_size * dp):
+            raise ValueError(
+                f"train.global_batch_size={train.global_batch_size} must be a multiple of "
+                f"micro_batch_size*dp = {train.micro_batch_size}*{dp}"
+            )
+        self.num_microbatches = train.global_batch_size // (train.micro_batch_size * dp)
+        self.dtype = resolve_dtype(train.precision, ctx)
+        bf16 = self.dtype == torch.bfloat16
+        recompute = {}
+        if train.recompute == "full":
+            recompute = dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
+        elif train.recompute == "selective":
+            recompute = dict(recompute_granularity="selective")
+        self.transformer_config = TransformerConfig(
+            **task.transformer_config_kwargs(),
+            tensor_model_parallel_size=ctx.layout.tp,
+            pipeline_model_parallel_size=ctx.layout.pp,
+            context_parallel_size=ctx.layout.cp,
+            expert_model_parallel_size=ctx.layout.ep,
+            sequence_parallel=False,
+            use_cpu_initialization=True,
+            perform_initialization=True,
+            params_dtype=self.dtype,
+            pipeline_dtype=self.dtype,
+            bf16=bf16,
+            calculate_per_token_loss=True,
+            **recompute,
+        )
+        module = task.build_model(ctx, self.transformer_config, ctx.is_first_stage, ctx.is_last_stage)
+        module.to(ctx.device)
+        if bf16:
+            module = Float16Module(self.transformer_config, module)
+        ddp_config = DistributedDataParallelConfig(
+            grad_reduce_in_fp32=True,
+            overlap_grad_reduce=train.overlap_grad_reduce,
+            use_distributed_optimizer=train.use_distributed_optimizer,
+        )
+        self.model = DistributedDataParallel(self.transformer_config, ddp_config, module, pg_collection=ctx.pgs)
+        self.optimizer = get_megatron_optimizer(
+            OptimizerConfig(
+                optimizer="adam",
+                lr=train.lr,
+                min_lr=train.min_lr,
+                weight_decay=train.weight_decay,
+                adam_beta1=train.adam_beta1,
+                adam_beta2=train.adam_beta2,
+                adam_eps=train.adam_eps,
+                clip_grad=train.clip_grad,
+                bf16=bf16,
+                params_dtype=self.dtype,
+                use_distributed_optimizer=train.use_distributed_optimizer,
+            ),
+            [self.model],
+            use_gloo_process_groups=False,
+            pg_collection=ctx.pgs,
+        )
+        self.scheduler = OptimizerParamScheduler(
+            self.optimizer,
+            init_lr=0.0 if train.warmup_steps else train.lr,
+            max_lr=train.lr,
+            min_lr=train.min_lr if train.lr_decay_style != "constant" else train.lr,
+            lr_warmup_steps=train.warmup_steps * train.global_batch_size,
+            lr_decay_steps=max(train.steps, 1) * train.global_batch_size,
+            lr_decay_style=train.lr_decay_style,
+            start_wd=train.weight_decay,
+            end_wd=train.weight_decay,
+            wd_incr_steps=max(train.steps, 1) * train.global_batch_size,
+            wd_incr_style="constant",
+        )
+        cfg = self.transformer_config
+        cfg.finalize_model_grads_func = finalize_model_grads
+        cfg.no_sync_func = self.model.no_sync
+        if train.overlap_grad_reduce:
+            cfg.grad_sync_func = self.model.start_grad_sync
+        self.step = 0
+        self.consumed_samples = 0
+        self.run_dir = Path(self.log_cfg.run_dir)
+        self.ckpt_dir = Path(self.ckpt_cfg.dir) if self.ckpt_cfg.dir else self.run_dir / "checkpoints"
+        self._flops_per_token = task.flops_per_token(train.seq_length)
+        peak = ctx.accelerator.peak_flops(self.dtype)
+        self._peak_total = peak * ctx.world_size if peak else None
+
+    # -- one step ---------------------------------------------------------------------------
+    def train_step(self, micro_batches: list[dict[str, torch.Tensor]]) -> StepResult:
+        from megatron.core.pipeline_parallel import get_forward_backward_func
+
+        if len(micro_batches) != self.num_microbatches:
+            raise ValueError(f"expected {self.num_microbatches} micro-batches, got {len(micro_batches)}")
+        t0 = time.perf_counter()
+        self.model.zero_grad_buffer()
+        self.optimizer.zero_grad()
+        forward_backward = get_forward_backward_func(pp_size=self.ctx.layout.pp)
+        losses = forward_backward(
+            forward_step_func=self.task.forward_step,
+            data_iterator=iter(micro_batches),
+            model=[self.model],
+            num_microbatches=self.num_microbatches,
+            seq_length=self.train.seq_length,
+            micro_batch_size=self.train.micro_batch_size,
+            forward_only=False,
+        )
+        _, grad_norm, _ = self.optimizer.step()
+        self.scheduler.step(increment=self.train.global_batch_size)
+        totals = torch.zeros(2, dtype=torch.float64, device=self.ctx.device)
+        if self.ctx.is_last_stage:
+            for entry in losses:
+                loss_sum, num_tokens = entry["lm loss"]
+                totals[0] += loss_sum.detach().double()
+                totals[1] += float(num_tokens)
+        if self.ctx.is_last_stage and self.ctx.tp_rank != 0:
+            totals.zero_()  # TP ranks hold the same loss; count it once
+        dist.all_reduce(totals)
+        self.ctx.accelerator.synchronize()
+        seconds = time.perf_counter() - t0
+        self.step += 1
+        self.consumed_samples += self.train.global_batch_size
+        tokens = self.train.global_batch_size * self.train.seq_length
+        return StepResult(
+            step=self.step,
+            loss=(totals[0] / totals[1].clamp(min=1)).item(),
+            grad_norm=float(grad_norm) if grad_norm is not None else float("nan"),
+            lr=self.optimizer.param_groups[0]["lr"],
+            tokens=tokens,
+            seconds=seconds,
+        )
+
+    def metrics(self, result: StepResult) -> dict[str, float]:
+        tps = result.tokens / result.seconds
+        out = {"loss": result.loss, "grad_norm": result.grad_norm, "lr": result.lr, "tokens_per_s": tps,
+               "step_time_s": result.seconds, "consumed_samples": self.consumed_samples}
+        if self._peak_total:
+            out["mfu"] = tps * self._flops_per_token / self._peak_total
+        out.update(result.extra)
+        return out
+
+    # -- the loop ---------------------------------------------------------------------------
+    def fit(self) -> list[StepResult]:
+        from loongforge.core.training import checkpointing
+
+        if self.ckpt_cfg.resume and checkpointing.has_checkpoint(self.ckpt_dir):
+            checkpointing.load(self, self.ckpt_dir)
+        elif self.ckpt_cfg.load:
+            checkpointing.load_weights(self, self.ckpt_cfg.load)
+        results: list[StepResult] = []
+        batches = self.task.micro_batches(self.ctx, self.consumed_samples)
+        logger = MetricsLogger(self.run_dir, enabled=self.ctx.is_main, tensorboard=self.log_cfg.tensorboard)
+        bar = progress(self.train.steps, "train", enabled=self.ctx.is_main and self.log_cfg.progress, initial=self.step)
+        try:
+            while self.step < self.train.steps:
+                result = self.train_step(next(batches))
+                results.append(result)
+                metrics = self.metrics(result)
+                if self.step % self.log_cfg.interval == 0 or self.step == self.train.steps:
+                    logger.log(self.step, metrics)
+                bar.update(1)
+                bar.set_postfix(loss=f"{result.loss:.4f}", tok_s=f"{metrics['tokens_per_s']:.0f}")
+                interval = self.ckpt_cfg.interval
+                if self.ckpt_cfg.save and ((interval and self.step % interval == 0) or self.step == self.train.steps):
+                    checkpointing.save(self, self.ckpt_dir)
+        finally:
+            bar.close()
+            logger.close()
+        return results

@@ -1,0 +1,101 @@
+"""``lf-llm``: train, preprocess, info and plot for LLMs on megatron-core.
+
+    lf-llm train [--config NAME_OR_PATH] [key=value ...]
+    lf-llm preprocess --input F [F ...] --output-prefix P [--tokenizer DIR] [--json-key text]
+    lf-llm info [--config NAME_OR_PATH] [key=value ...]
+    lf-llm plot RUN_DIR
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from loongforge.core.cli import add_config_arguments, normalise_overrides, run_main
+from loongforge.core.config import load_config
+from loongforge.llm.recipe import CONFIG_DIR, LLMConfig
+
+
+def load_llm_config(args) -> LLMConfig:
+    return load_config(LLMConfig, args.config, normalise_overrides(args.overrides), [CONFIG_DIR])
+
+
+def cmd_train(args) -> int:
+    cfg = load_llm_config(args)  # fails here, before any process group, on a bad config
+    from loongforge.core.config import to_dict
+    from loongforge.core.parallel import destroy_parallel, init_parallel
+    from loongforge.core.training.trainer import MegatronTrainer
+    from loongforge.llm.recipe import LLMTask
+
+    p = cfg.parallel
+    ctx = init_parallel(tp=p.tp, pp=p.pp, cp=p.cp, ep=p.ep, seed=cfg.train.seed)
+    try:
+        task = LLMTask(cfg)
+        trainer = MegatronTrainer(task, ctx, cfg.train, cfg.log, cfg.checkpoint, config_record=to_dict(cfg))
+        if ctx.is_main:
+            print(f"lf-llm: {cfg.model.family} on {ctx.accelerator.name} x{ctx.world_size} "
+                  f"(tp={p.tp} pp={p.pp} dp={ctx.dp_size}), {trainer.dtype}, run dir {cfg.log.run_dir}", flush=True)
+        results = trainer.fit()
+        if ctx.is_main and results:
+            tps = sorted(r.tokens / r.seconds for r in results[len(results) // 2 :])
+            print(f"lf-llm: step {results[0].step} loss {results[0].loss:.4f} -> step {results[-1].step} loss "
+                  f"{results[-1].loss:.4f}; median {tps[len(tps) // 2]:.0f} tokens/s", flush=True)
+    finally:
+        destroy_parallel()
+    return 0
+
+
+def cmd_info(args) -> int:
+    cfg = load_llm_config(args)
+    m = cfg.model
+    counts = m.parameter_counts()
+    total = sum(counts.values())
+    print(json.dumps({"family": m.family, "parameters": counts, "total_parameters": total,
+                      "flops_per_token": m.flops_per_token(cfg.train.seq_length)}, indent=1))
+    return 0
+
+
+def cmd_preprocess(args) -> int:
+    from loongforge.llm.data.preprocess import preprocess
+
+    prefix = preprocess(args.input, args.tokenizer, args.output_prefix, json_key=args.json_key)
+    print(f"lf-llm: wrote {prefix}.bin / {prefix}.idx")
+    return 0
+
+
+def cmd_plot(args) -> int:
+    from loongforge.core.plot import plot_run
+
+    print(plot_run(args.run_dir))
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="lf-llm", description="LoongForge LLM training on megatron-core")
+    sub = parser.add_subparsers(dest="command", required=True)
+    train = sub.add_parser("train", help="train (no arguments: the debug model on the bundled corpus)")
+    add_config_arguments(train, "train_debug")
+    train.set_defaults(fn=cmd_train)
+    info = sub.add_parser("info", help="parameter counts and FLOPs of a config")
+    add_config_arguments(info, "train_debug")
+    info.set_defaults(fn=cmd_info)
+    pre = sub.add_parser("preprocess", help="tokenize text/JSONL into a megatron indexed dataset (.bin/.idx)")
+    pre.add_argument("--input", nargs="+", required=True)
+    pre.add_argument("--output-prefix", required=True)
+    pre.add_argument("--tokenizer", default=None, help="local tokenizer dir (default: the bundled tokenizer)")
+    pre.add_argument("--json-key", default="text")
+    pre.set_defaults(fn=cmd_preprocess)
+    plot = sub.add_parser("plot", help="draw loss/throughput curves of RUN_DIR to PNG")
+    plot.add_argument("run_dir")
+    plot.set_defaults(fn=cmd_plot)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(sys.argv[1:] if argv is None else argv)
+    return run_main(lambda: args.fn(args))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

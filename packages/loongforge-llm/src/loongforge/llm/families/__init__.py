@@ -1,0 +1,1 @@
+"""Model families of loongforge-llm, each registered as a ``loongforge.models`` entry point."""

@@ -1,0 +1,73 @@
+"""Building megatron-core GPT models (Llama-style: RMSNorm, RoPE, SwiGLU, GQA) from a GPTConfig."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from loongforge.core.config import load_config
+from loongforge.llm.model_config import GPTConfig
+
+MODEL_CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs" / "model"
+
+
+def load_flavour(name: str) -> GPTConfig:
+    """A model config shipped in ``configs/model/<name>.yaml``."""
+    return load_config(GPTConfig, name, config_dirs=[MODEL_CONFIG_DIR])
+
+
+def transformer_config_kwargs(cfg: GPTConfig) -> dict:
+    """The architecture part of megatron's TransformerConfig."""
+    return dict(
+        num_layers=cfg.num_layers,
+        hidden_size=cfg.hidden_size,
+        num_attention_heads=cfg.num_attention_heads,
+        num_query_groups=cfg.num_query_groups,
+        ffn_hidden_size=cfg.ffn_hidden_size,
+        kv_channels=cfg.head_dim,
+        normalization="RMSNorm",
+        layernorm_epsilon=cfg.norm_epsilon,
+        gated_linear_unit=True,
+        activation_func=F.silu,
+        add_bias_linear=False,
+        add_qkv_bias=cfg.add_qkv_bias,
+        qk_layernorm=cfg.qk_layernorm,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        init_method_std=cfg.init_method_std,
+        bias_activation_fusion=False,
+        masked_softmax_fusion=False,
+        persist_layer_norm=False,
+        bias_dropout_fusion=False,
+        apply_rope_fusion=False,
+    )
+
+
+def layer_spec(cfg: GPTConfig):
+    """The megatron ModuleSpec of one decoder layer (TE's when installed, else local)."""
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+
+    return get_gpt_layer_local_spec(qk_layernorm=cfg.qk_layernorm, normalization="RMSNorm")
+
+
+def build_gpt(cfg: GPTConfig, ctx, transformer_config, pre_process: bool, post_process: bool) -> torch.nn.Module:
+    from megatron.core.models.gpt import GPTModel
+
+    vocab = cfg.vocab_size
+    if vocab % ctx.layout.tp:
+        raise ValueError(f"model.vocab_size={vocab} must be divisible by parallel.tp={ctx.layout.tp}")
+    return GPTModel(
+        config=transformer_config,
+        transformer_layer_spec=layer_spec(cfg),
+        vocab_size=vocab,
+        max_sequence_length=cfg.max_position_embeddings,
+        pre_process=pre_process,
+        post_process=post_process,
+        share_embeddings_and_output_weights=cfg.tie_embeddings,
+        position_embedding_type="rope",
+        rotary_percent=cfg.rotary_percent,
+        rotary_base=int(cfg.rotary_base),
+        pg_collection=ctx.pgs,
+    )

@@ -1,0 +1,20 @@
+"""The Llama family: RMSNorm, RoPE, SwiGLU, GQA on megatron-core."""
+
+from __future__ import annotations
+
+from loongforge.core.models import ModelSpec
+from loongforge.llm.families.gpt import build_gpt, layer_spec, load_flavour
+from loongforge.llm.model_config import GPTConfig
+
+LLAMA_SPEC = ModelSpec(
+    name="llama",
+    config_class=GPTConfig,
+    build=build_gpt,
+    flavours={"debug": "llama_debug", "0.5b": "llama_0_5b"},
+    layer_spec=layer_spec,
+    flops_per_token=GPTConfig.flops_per_token,
+)
+
+
+def flavour(name: str) -> GPTConfig:
+    return load_flavour(LLAMA_SPEC.flavour(name))

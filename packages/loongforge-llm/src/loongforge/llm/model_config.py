@@ -1,0 +1,62 @@
+"""The architecture config of megatron GPT-style families (Llama, Qwen2.5, Qwen3 ...)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass
+class GPTConfig:
+    family: str = "llama"
+    num_layers: int = 2
+    hidden_size: int = 64
+    num_attention_heads: int = 4
+    num_query_groups: int = 2  # KV heads (GQA); == num_attention_heads for MHA
+    ffn_hidden_size: int = 128
+    vocab_size: int = 4096  # model vocab (>= tokenizer vocab; padded for TP)
+    max_position_embeddings: int = 4096
+    kv_channels: int | None = None  # head dim; default hidden_size // num_attention_heads
+    rotary_base: float = 10000.0
+    rotary_percent: float = 1.0
+    norm_epsilon: float = 1e-5
+    tie_embeddings: bool = False
+    qk_layernorm: bool = False  # Qwen3
+    add_qkv_bias: bool = False  # Qwen2.5
+    init_method_std: float = 0.02
+
+    def __post_init__(self):
+        for key in ("num_layers", "hidden_size", "num_attention_heads", "num_query_groups", "ffn_hidden_size", "vocab_size"):
+            if getattr(self, key) < 1:
+                raise ValueError(f"model.{key}={getattr(self, key)}: must be >= 1")
+        if self.num_attention_heads % self.num_query_groups:
+            raise ValueError(
+                f"model.num_attention_heads={self.num_attention_heads} must be a multiple of "
+                f"model.num_query_groups={self.num_query_groups}"
+            )
+        if self.kv_channels is None and self.hidden_size % self.num_attention_heads:
+            raise ValueError(
+                f"model.hidden_size={self.hidden_size} is not divisible by model.num_attention_heads="
+                f"{self.num_attention_heads}; set model.kv_channels"
+            )
+
+    @property
+    def head_dim(self) -> int:
+        return self.kv_channels or self.hidden_size // self.num_attention_heads
+
+    def parameter_counts(self) -> dict[str, int]:
+        """Parameters by part: embedding, output layer and the transformer layers."""
+        h, d, L = self.hidden_size, self.head_dim, self.num_layers
+        q, kv = self.num_attention_heads * d, self.num_query_groups * d
+        attn = h * (q + 2 * kv) + q * h + (q + 2 * kv if self.add_qkv_bias else 0) + (2 * d if self.qk_layernorm else 0)
+        mlp = 3 * h * self.ffn_hidden_size
+        layer = attn + mlp + 2 * h
+        embedding = self.vocab_size * h
+        output = 0 if self.tie_embeddings else self.vocab_size * h
+        return {"embedding": embedding, "output": output, "layers": L * layer + h}
+
+    def flops_per_token(self, seq_length: int) -> float:
+        """Training FLOPs per token: 6 x matmul params (incl. the output layer) plus causal
+        attention scores and values, 6 * layers * seq * (heads * head_dim) (half of 12, causal)."""
+        counts = self.parameter_counts()
+        matmul = counts["layers"] + (counts["output"] or counts["embedding"])
+        return 6.0 * matmul + 6.0 * self.num_layers * seq_length * self.num_attention_heads * self.head_dim

@@ -1,0 +1,126 @@
+"""The LLM pre-training recipe: config schema and the megatron task the shared trainer runs."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from loongforge.core.config import to_dict
+from loongforge.core.models import get_model_spec
+from loongforge.core.training.schema import CheckpointConfig, LogConfig, ParallelConfig, TrainConfig
+from loongforge.llm.families.gpt import transformer_config_kwargs
+from loongforge.llm.model_config import GPTConfig
+
+CONFIG_DIR = Path(__file__).resolve().parent / "configs"
+
+
+@dataclass
+class DataConfig:
+    # Indexed datasets (prefixes of .bin/.idx written by `lf-llm preprocess`); empty: the bundled corpus.
+    prefixes: list[str] = field(default_factory=list)
+    weights: list[float] = field(default_factory=list)  # blend weights, one per prefix (default equal)
+    tokenizer: str | None = None  # local tokenizer dir; default: the bundled tokenizer
+    cache_dir: str = "runs/cache/llm-data"
+
+    def __post_init__(self):
+        if self.weights and len(self.weights) != len(self.prefixes):
+            raise ValueError(f"data.weights has {len(self.weights)} entries for {len(self.prefixes)} data.prefixes")
+        if any(w <= 0 for w in self.weights):
+            raise ValueError(f"data.weights={self.weights}: must be positive")
+
+
+@dataclass
+class LLMConfig:
+    model: GPTConfig = field(default_factory=GPTConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    log: LogConfig = field(default_factory=LogConfig)
+
+
+def collate(samples: list[dict]) -> dict[str, torch.Tensor]:
+    return {k: torch.stack([torch.as_tensor(s[k]) for s in samples]) for k in ("tokens", "labels", "loss_mask", "position_ids")}
+
+
+class GlobalBatchSampler:
+    """Step k trains on dataset samples ``[k*G, (k+1)*G)``; DP rank r takes its contiguous
+    ``G/dp`` share, split into micro-batches. The same global batch on any layout is the same
+    set of samples, and the position is just ``consumed_samples``."""
+
+    def __init__(self, global_batch_size: int, micro_batch_size: int, dp_rank: int, dp_size: int):
+        self.G, self.mbs, self.dp_rank, self.dp_size = global_batch_size, micro_batch_size, dp_rank, dp_size
+
+    def step_indices(self, step: int) -> list[list[int]]:
+        per_rank = self.G // self.dp_size
+        start = step * self.G + self.dp_rank * per_rank
+        idx = list(range(start, start + per_rank))
+        return [idx[i : i + self.mbs] for i in range(0, per_rank, self.mbs)]
+
+
+class LLMTask:
+    """GPT pre-training on an indexed dataset: next-token loss over ``loss_mask`` tokens."""
+
+    def __init__(self, cfg: LLMConfig):
+        self.cfg = cfg
+        self.family = cfg.model.family
+        self.spec = get_model_spec(cfg.model.family)
+        self._dataset = None
+
+    def model_config_dict(self) -> dict:
+        return to_dict(self.cfg.model)
+
+    def transformer_config_kwargs(self) -> dict:
+        return transformer_config_kwargs(self.cfg.model)
+
+    def build_model(self, ctx, transformer_config, pre_process, post_process):
+        return self.spec.build(self.cfg.model, ctx, transformer_config, pre_process, post_process)
+
+    def flops_per_token(self, seq_length: int) -> float:
+        return self.cfg.model.flops_per_token(seq_length)
+
+    def dataset(self):
+        if self._dataset is None:
+            from loongforge.llm.data import gpt
+
+            train = self.cfg.train
+            num_samples = train.steps * train.global_batch_size
+            if self.cfg.data.prefixes:
+                weights = self.cfg.data.weights or [1.0] * len(self.cfg.data.prefixes)
+                blend = list(zip(weights, self.cfg.data.prefixes))
+                self._dataset = gpt.build_gpt_dataset(
+                    blend, seq_length=train.seq_length, num_samples=num_samples, seed=train.seed,
+                    tokenizer=self.cfg.data.tokenizer, cache_dir=self.cfg.data.cache_dir,
+                )
+            else:
+                self._dataset = gpt.bundled_dataset(
+                    self.cfg.data.cache_dir, seq_length=train.seq_length, num_samples=num_samples, seed=train.seed
+                )
+        return self._dataset
+
+    def micro_batches(self, ctx, consumed_samples: int) -> Iterator[list[dict[str, torch.Tensor]]]:
+        train = self.cfg.train
+        sampler = GlobalBatchSampler(train.global_batch_size, train.micro_batch_size, ctx.dp_rank, ctx.dp_size)
+        data = self.dataset()
+        step = consumed_samples // train.global_batch_size
+        while True:
+            yield [
+                {k: v.to(ctx.device) for k, v in collate([data[i] for i in mb]).items()}
+                for mb in sampler.step_indices(step)
+            ]
+            step += 1
+
+    def forward_step(self, data_iterator, model):
+        batch = next(data_iterator)
+        output = model(batch["tokens"], batch["position_ids"], None, labels=batch["labels"])
+        mask = batch["loss_mask"].float()
+
+        def loss_func(per_token_loss: torch.Tensor):
+            loss_sum = (per_token_loss.float() * mask).sum()
+            num_tokens = mask.sum().to(torch.int)
+            return loss_sum, num_tokens, {"lm loss": (loss_sum.detach(), num_tokens)}
+
+        return output, loss_func
