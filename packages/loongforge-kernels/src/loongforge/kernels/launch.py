@@ -1,0 +1,54 @@
+"""Launch helpers shared by the Triton kernels: device checks, block sizes, program counts."""
+
+from __future__ import annotations
+
+import torch
+import triton
+from triton import knobs
+
+# Fixed when the kernel modules are imported: ``triton.jit`` decides then whether a kernel is
+# compiled for the GPU or run by the CPU interpreter (``TRITON_INTERPRET=1``).
+INTERPRETED = bool(knobs.runtime.interpret)
+
+# Largest row a kernel holds in one block (Triton caps a block at 2**20 elements; rows far below
+# that keep register pressure sane).
+MAX_ROW_BLOCK = 65536
+
+
+def check_tensors(op: str, *tensors: torch.Tensor) -> torch.device:
+    """The device of ``tensors``; raises when they are split over devices or cannot run Triton."""
+    device = tensors[0].device
+    for t in tensors:
+        if t.device != device:
+            raise ValueError(f"{op}: all inputs must be on one device; got {device} and {t.device}")
+    if device.type == "cpu" and not INTERPRETED:
+        raise ValueError(
+            f"{op}: the fused Triton kernel runs on a GPU but got CPU tensors (shape "
+            f"{tuple(tensors[0].shape)}); on CPU use the torch reference (get_kernel picks it for the "
+            f"cpu accelerator) or set TRITON_INTERPRET=1 before importing loongforge.kernels"
+        )
+    return device
+
+
+def row_block(op: str, n: int) -> int:
+    """Power-of-two block that holds a row of ``n`` elements."""
+    block = triton.next_power_of_2(max(n, 1))
+    if block > MAX_ROW_BLOCK:
+        raise ValueError(f"{op}: rows of {n} elements exceed the fused kernel's limit of {MAX_ROW_BLOCK}")
+    return block
+
+
+def warps_for(block: int) -> int:
+    """Warps per program for a row block of ``block`` elements (4 to 16)."""
+    return min(max(block // 512, 4), 16)
+
+
+def persistent_programs(device: torch.device, n_rows: int) -> int:
+    """How many programs share ``n_rows`` rows in kernels that reduce over rows (e.g. dweight)."""
+    if device.type == "cuda":
+        slots = 2 * torch.cuda.get_device_properties(device).multi_processor_count
+    elif device.type == "cpu":  # the interpreter: few programs, each a python loop over rows
+        slots = 4
+    else:
+        slots = 128
+    return max(1, min(n_rows, slots))

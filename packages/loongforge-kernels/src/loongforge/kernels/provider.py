@@ -1,0 +1,61 @@
+"""The ``loongforge.kernels`` entry point: which fused ops this wheel provides and where they run.
+
+The registry in ``loongforge.core.kernels`` calls :func:`fused_kernels` when it first looks for
+fused ops. The op functions here import their Triton module on first call, so loading the
+provider on a machine that never runs them (CPU, a device without Triton) costs nothing.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+
+import torch
+
+from loongforge.core.kernels import KernelImpl
+
+
+def supports(accelerator) -> bool:
+    """Whether the Triton kernels run on ``accelerator``: it must say so, and Triton must be installed."""
+    return bool(accelerator.supports_triton()) and importlib.util.find_spec("triton") is not None
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    from loongforge.kernels.rms_norm import rms_norm as fused
+
+    return fused(x, weight, eps)
+
+
+def add_rms_norm(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6
+) -> tuple[torch.Tensor, torch.Tensor]:
+    from loongforge.kernels.rms_norm import add_rms_norm as fused
+
+    return fused(x, residual, weight, eps)
+
+
+def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    from loongforge.kernels.rope import rope as fused
+
+    return fused(x, cos, sin)
+
+
+def swiglu(gate_up: torch.Tensor) -> torch.Tensor:
+    from loongforge.kernels.swiglu import swiglu as fused
+
+    return fused(gate_up)
+
+
+def linear_cross_entropy(
+    hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, ignore_index: int = -100
+) -> torch.Tensor:
+    from loongforge.kernels.linear_cross_entropy import linear_cross_entropy as fused
+
+    return fused(hidden, weight, labels, ignore_index)
+
+
+_OPS = (rms_norm, add_rms_norm, rope, swiglu, linear_cross_entropy)
+
+
+def fused_kernels() -> dict[str, KernelImpl]:
+    """``{op_name: KernelImpl}`` for every op of this wheel (the entry-point provider)."""
+    return {fn.__name__: KernelImpl(fn=fn, supports=supports) for fn in _OPS}
