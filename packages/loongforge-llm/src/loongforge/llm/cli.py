@@ -57,9 +57,9 @@ def cmd_info(args) -> int:
 
 
 def cmd_preprocess(args) -> int:
-    from loongforge.llm.data.preprocess import preprocess
+    from loongforge.llm.data.preprocess import preprocess_from_args
 
-    prefix = preprocess(args.input, args.tokenizer, args.output_prefix, json_key=args.json_key)
+    prefix = preprocess_from_args(args)
     print(f"lf-llm: wrote {prefix}.bin / {prefix}.idx")
     return 0
 
@@ -81,10 +81,9 @@ def build_parser() -> argparse.ArgumentParser:
     add_config_arguments(info, "train_debug")
     info.set_defaults(fn=cmd_info)
     pre = sub.add_parser("preprocess", help="tokenize text/JSONL into a megatron indexed dataset (.bin/.idx)")
-    pre.add_argument("--input", nargs="+", required=True)
-    pre.add_argument("--output-prefix", required=True)
-    pre.add_argument("--tokenizer", default=None, help="local tokenizer dir (default: the bundled tokenizer)")
-    pre.add_argument("--json-key", default="text")
+    from loongforge.llm.data.preprocess import add_preprocess_arguments
+
+    add_preprocess_arguments(pre)
     pre.set_defaults(fn=cmd_preprocess)
     plot = sub.add_parser("plot", help="draw loss/throughput curves of RUN_DIR to PNG")
     plot.add_argument("run_dir")

@@ -84,7 +84,7 @@ class LLMTask:
 
     def dataset(self):
         if self._dataset is None:
-            from loongforge.llm.data import gpt
+            from loongforge.llm.data import gpt, shipped
 
             train = self.cfg.train
             num_samples = train.steps * train.global_batch_size
@@ -93,13 +93,19 @@ class LLMTask:
                 blend = list(zip(weights, self.cfg.data.prefixes))
                 self._dataset = gpt.build_gpt_dataset(
                     blend, seq_length=train.seq_length, num_samples=num_samples, seed=train.seed,
-                    tokenizer=self.cfg.data.tokenizer, cache_dir=self.cfg.data.cache_dir,
+                    tokenizer=self.cfg.data.tokenizer or shipped.bundled_tokenizer_path(),
+                    cache_dir=self.cfg.data.cache_dir,
                 )
             else:
-                self._dataset = gpt.bundled_dataset(
+                self._dataset = shipped.bundled_dataset(
                     self.cfg.data.cache_dir, seq_length=train.seq_length, num_samples=num_samples, seed=train.seed
                 )
         return self._dataset
+
+    def tokenizer_ref(self) -> str:
+        from loongforge.llm.data import shipped
+
+        return str(self.cfg.data.tokenizer or shipped.bundled_tokenizer_path())
 
     def micro_batches(self, ctx, consumed_samples: int) -> Iterator[list[dict[str, torch.Tensor]]]:
         train = self.cfg.train

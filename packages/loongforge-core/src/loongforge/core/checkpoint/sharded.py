@@ -19,6 +19,27 @@ def _is_primary(replica_id) -> bool:
     return all(r == 0 for r in replica_id) if isinstance(replica_id, tuple) else replica_id == 0
 
 
+# The fp32 master weights are named differently by megatron's two optimizers, and a plain fp32
+# optimizer keeps none (its master weights are the model weights). A load reads the first of
+# these names present in the checkpoint.
+MASTER_WEIGHT_ALIASES = {
+    "optimizer.state.param.": ("optimizer.state.fp32_param.", ""),
+    "optimizer.state.fp32_param.": ("optimizer.state.param.", ""),
+}
+
+
+def stored_key(key: str, reader: PieceReader) -> str:
+    if key in reader.keys():
+        return key
+    for prefix, alternatives in MASTER_WEIGHT_ALIASES.items():
+        if key.startswith(prefix):
+            for alt in alternatives:
+                candidate = alt + key[len(prefix):]
+                if candidate in reader.keys():
+                    return candidate
+    return key
+
+
 def _region(sh) -> tuple[tuple[int, ...], tuple[int, ...]]:
     return tuple(sh.global_offset), (1,) * sh.prepend_axis_num + tuple(sh.local_shape)
 
@@ -59,13 +80,14 @@ def load_into(sharded_state_dict: dict, reader: PieceReader, objects: dict, comm
 
     def fill(sh):
         if isinstance(sh, ShardedTensor):
-            if sh.key in reader.keys() and tuple(reader.global_shape(sh.key)) != tuple(sh.global_shape):
+            key = stored_key(sh.key, reader)
+            if key in reader.keys() and tuple(reader.global_shape(key)) != tuple(sh.global_shape):
                 raise CheckpointReadError(
-                    f"{reader.directory}: tensor {sh.key!r} has global shape {list(reader.global_shape(sh.key))}, the "
+                    f"{reader.directory}: tensor {key!r} has global shape {list(reader.global_shape(key))}, the "
                     f"model expects {list(sh.global_shape)} (the model config does not match the checkpoint)"
                 )
             offset, local = _region(sh)
-            value = reader.read(sh.key, offset, local).reshape(sh.local_shape)
+            value = reader.read(key, offset, local).reshape(sh.local_shape)
             if sh.flattened_range is not None:
                 value = value.flatten()[sh.flattened_range]
             return value.to(dtype=sh.dtype) if sh.dtype is not None else value

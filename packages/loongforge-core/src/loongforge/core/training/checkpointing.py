@@ -25,7 +25,26 @@ def _module(model):
     return model
 
 
+def _prime_adam_state(optimizer) -> None:
+    """A fresh optimizer has no state; megatron's distributed optimizer (without TE/Apex) reads
+    each param's Adam ``step`` when it builds a loading state dict. Give every param zero state
+    first, the same values a first ``step()`` would start from; the load then overwrites them."""
+    for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
+        inner = getattr(opt, "optimizer", None)
+        if inner is None:
+            continue
+        for group in inner.param_groups:
+            for p in group["params"]:
+                st = inner.state[p]
+                if not st:
+                    st["exp_avg"] = torch.zeros_like(p.data)
+                    st["exp_avg_sq"] = torch.zeros_like(p.data)
+                    st["step"] = torch.zeros((), dtype=torch.float32)
+
+
 def _sharded_state_dict(trainer, is_loading: bool, with_optimizer: bool = True) -> dict:
+    if is_loading and with_optimizer:
+        _prime_adam_state(trainer.optimizer)
     model_sd = _module(trainer.model).sharded_state_dict()
     out = {"model": model_sd}
     if with_optimizer:
@@ -77,11 +96,26 @@ def save(trainer, root: str | Path) -> Path:
         "model_config": trainer.task.model_config_dict(),
         "config": trainer.config_record,
         "layout": layout_record(ctx),
+        "optimizer": _optimizer_kind(trainer),
         "consumed_samples": trainer.consumed_samples,
         "tokenizer": getattr(trainer.task, "tokenizer_ref", lambda: None)(),
     }
     return save_checkpoint(root, trainer.step, pieces, manifest=manifest, objects=per_rank,
                            keep_last=trainer.ckpt_cfg.keep_last or None)
+
+
+def _optimizer_kind(trainer) -> str:
+    return "distributed" if trainer.train.use_distributed_optimizer else "standard"
+
+
+def _check_optimizer_kind(ckpt: Checkpoint, trainer) -> None:
+    saved = ckpt.manifest.get("optimizer")
+    if saved != _optimizer_kind(trainer):
+        raise CheckpointReadError(
+            f"{ckpt.directory / 'manifest.json'}: optimizer state was saved by the {saved} optimizer; this run uses "
+            f"the {_optimizer_kind(trainer)} one (set train.use_distributed_optimizer to match, or load weights only "
+            f"with checkpoint.load=DIR and checkpoint.resume=false)"
+        )
 
 
 def _check_model_config(ckpt: Checkpoint, trainer) -> None:
@@ -106,7 +140,9 @@ def _load(trainer, path, with_optimizer: bool) -> Checkpoint:
     ckpt = Checkpoint(path)
     _check_model_config(ckpt, trainer)
     objects, common = _all_objects(ckpt)
-    if not with_optimizer:
+    if with_optimizer:
+        _check_optimizer_kind(ckpt, trainer)
+    else:
         common = {k: v for k, v in common.items() if k == "model"}
     state = load_into(_sharded_state_dict(trainer, is_loading=True, with_optimizer=with_optimizer), ckpt.reader, objects, common)
     move_tensors(state, trainer.ctx.device)

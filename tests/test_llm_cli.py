@@ -1,0 +1,34 @@
+"""`lf-llm` end to end: the default run learns, bad configs fail before any process group."""
+
+import json
+
+import torch.distributed as dist
+from cli_runner import run_cli
+
+from loongforge.llm.cli import main
+
+
+def test_unknown_key_fails_before_process_group(capsys):
+    rc = main(["train", "train.no_such_key=1"])
+    err = capsys.readouterr().err
+    assert rc == 2
+    assert "train.no_such_key" in err and "train_debug.yaml" in err
+    assert not dist.is_initialized()
+
+
+def test_bad_value_names_key(capsys):
+    rc = main(["train", "train.global_batch_size=7", "train.micro_batch_size=2"])
+    assert rc == 2
+    assert "train.global_batch_size=7" in capsys.readouterr().err
+    assert not dist.is_initialized()
+
+
+def test_default_train_loss_falls(tmp_path, llm_data_cache):
+    proc = run_cli(["lf-llm", "train", "train.steps=30", f"log.run_dir={tmp_path}", f"data.cache_dir={llm_data_cache}",
+                    "log.interval=1", "log.tensorboard=false"])
+    assert proc.returncode == 0, proc.stderr[-5000:]
+    records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == list(range(1, 31))
+    assert records[-1]["loss"] < records[0]["loss"] - 1.5
+    assert all(r["tokens_per_s"] > 0 and r["grad_norm"] > 0 for r in records)
+    assert (tmp_path / "checkpoints" / "latest").read_text().strip() == "step_00000030"
