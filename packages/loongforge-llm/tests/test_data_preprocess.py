@@ -122,6 +122,9 @@ def test_cli(tok, tmp_path, capsys):
     out = capsys.readouterr().out
     assert f"{len(JSONL_DOCS)} documents, {sum(map(len, docs))} tokens" in out
     assert [tok.decode(ids[:-1]) for ids in docs] == JSONL_DOCS
+    # Without --tokenizer: the bundled one, the same ids.
+    assert preprocess_cli(["--input", str(jsonl), "--output-prefix", str(tmp_path / "default"), "--json-key", "text"]) == 0
+    assert read_docs(tmp_path / "default")[0] == docs
 
     bad = tmp_path / "bad.jsonl"
     bad.write_text("{oops\n")

@@ -55,7 +55,11 @@ def _check_prefix(prefix: str) -> None:
 def _token_count(prefix: str) -> int:
     from megatron.core.datasets.indexed_dataset import IndexedDataset
 
-    return int(IndexedDataset(prefix).sequence_lengths.sum(dtype="int64"))
+    # Keep the dataset alive while reading: its __del__ unmaps the index the lengths point into.
+    dataset = IndexedDataset(prefix)
+    count = int(dataset.sequence_lengths.sum(dtype="int64"))
+    del dataset
+    return count
 
 
 def resolve_blend(data: DataSpec) -> tuple[list[str], list[float] | None]:

@@ -15,7 +15,7 @@ renamed into place, ``.idx`` last, so a reader never sees a partial dataset.
 
 Command line (``lf-llm preprocess`` mounts the same arguments)::
 
-    python -m loongforge.llm.data.preprocess --input a.jsonl b.txt --tokenizer TOK_DIR --output-prefix out/corpus
+    python -m loongforge.llm.data.preprocess --input a.jsonl b.txt [--tokenizer TOK_DIR] --output-prefix out/corpus
 """
 
 from __future__ import annotations
@@ -204,8 +204,9 @@ def add_preprocess_arguments(parser: argparse.ArgumentParser) -> argparse.Argume
     """Arguments of ``lf-llm preprocess`` (for a subcommand parser or a standalone one)."""
     parser.add_argument("--input", nargs="+", required=True, type=Path, metavar="FILE",
                         help="text (.txt) and JSONL (.jsonl) files, tokenized in the order given")
-    parser.add_argument("--tokenizer", required=True, type=Path, metavar="PATH",
-                        help="tokenizer.json or a directory holding one")
+    parser.add_argument("--tokenizer", type=Path, default=None, metavar="PATH",
+                        help="tokenizer.json or a directory holding one (default: the bundled tokenizer, "
+                             "which is also what training uses when data.tokenizer is not set)")
     parser.add_argument("--output-prefix", required=True, type=Path, metavar="PREFIX",
                         help="writes PREFIX.bin and PREFIX.idx")
     parser.add_argument("--json-key", default="text", help="JSONL field holding the document (default: text)")
@@ -219,10 +220,13 @@ def preprocess_from_args(args: argparse.Namespace) -> Path:
     """Run ``preprocess`` for parsed ``add_preprocess_arguments`` arguments and print a summary."""
     from megatron.core.datasets.indexed_dataset import IndexedDataset
 
-    prefix = preprocess(args.input, args.tokenizer, args.output_prefix, json_key=args.json_key,
+    from loongforge.llm.data.shipped import bundled_tokenizer_path
+
+    tokenizer = args.tokenizer if args.tokenizer is not None else bundled_tokenizer_path()
+    prefix = preprocess(args.input, tokenizer, args.output_prefix, json_key=args.json_key,
                         append_eod=not args.no_eod, txt_unit=args.txt_unit)
     written = IndexedDataset(str(prefix))
-    print(f"{prefix}.bin/.idx: {len(written)} documents, {int(written.sequence_lengths.sum())} tokens")
+    print(f"{prefix}.{{bin,idx}}: {len(written)} documents, {int(written.sequence_lengths.sum())} tokens")
     return prefix
 
 
