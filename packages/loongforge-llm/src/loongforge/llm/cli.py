@@ -59,8 +59,7 @@ def cmd_info(args) -> int:
 def cmd_preprocess(args) -> int:
     from loongforge.llm.data.preprocess import preprocess_from_args
 
-    prefix = preprocess_from_args(args)
-    print(f"lf-llm: wrote {prefix}.bin / {prefix}.idx")
+    preprocess_from_args(args)  # prints what it wrote
     return 0
 
 
