@@ -33,10 +33,6 @@ class XpuAccelerator(Accelerator):
     def device_count(self) -> int:
         return int(self._dev.device_count())
 
-    def device(self, local_rank: int | None = None) -> torch.device:
-        rank = self.local_rank() if local_rank is None else local_rank
-        return torch.device(self.device_type, rank % max(self.device_count(), 1))
-
     def set_device(self, device: torch.device) -> None:
         device = torch.device(device)
         if device.type != self.device_type:
