@@ -1,0 +1,123 @@
+"""``lf-embodied``: train, eval, export and convert VLA policies.
+
+    lf-embodied train [--config NAME|PATH] [--policy pi05|groot] [--dataset.root PATH] [key=value ...]
+    lf-embodied eval --checkpoint RUN_DIR|CKPT_DIR [--dataset.root PATH] [key=value ...]
+    lf-embodied export --checkpoint RUN_DIR|CKPT_DIR --out FILE.safetensors [--format loongforge|lerobot]
+    lf-embodied convert --from-lerobot FILE.safetensors --out FILE.safetensors
+    lf-embodied info [--config NAME|PATH] [key=value ...]
+
+``train`` with no arguments trains the tiny Pi0.5-style policy on a synthetic LeRobot dataset
+(written to the cache directory on first use) on the current accelerator, resuming from
+``RUN_DIR/checkpoints/latest`` if a previous run left one. Launch several processes with
+``torchrun --nproc-per-node N -m loongforge.embodied.cli train parallel.mode=fsdp``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+
+
+def split_overrides(rest: list[str]) -> list[str]:
+    """``--a.b VALUE`` / ``--a.b=VALUE`` / ``a.b=VALUE`` -> ``a.b=VALUE`` (``--policy X`` -> ``policy=X``)."""
+    out, i = [], 0
+    while i < len(rest):
+        arg = rest[i]
+        if arg.startswith("--"):
+            key = arg[2:]
+            if "=" in key:
+                out.append(key)
+            elif i + 1 < len(rest):
+                out.append(f"{key}={rest[i + 1]}")
+                i += 1
+            else:
+                raise SystemExit(f"lf-embodied: {arg} needs a value")
+        elif "=" in arg:
+            out.append(arg)
+        else:
+            raise SystemExit(f"lf-embodied: cannot parse argument {arg!r} (expected key=value)")
+        i += 1
+    return out
+
+
+def _config(args, rest):
+    from loongforge.embodied.config import load_train_config
+
+    return load_train_config(args.config, split_overrides(rest))
+
+
+def cmd_train(args, rest) -> int:
+    from loongforge.embodied.trainer import train
+
+    result = train(_config(args, rest))
+    if result.losses:
+        print(f"trained steps {result.start_step}..{result.final_step}: loss {result.losses[0]:.4f} -> {result.losses[-1]:.4f}"
+              f" (metrics: {result.run_dir / 'metrics.jsonl'})")
+    else:
+        print(f"nothing to do: {result.run_dir} is already at step {result.final_step}")
+    return 0
+
+
+def cmd_eval(args, rest) -> int:
+    from loongforge.embodied.evaluation import evaluate_checkpoint
+
+    print(json.dumps(evaluate_checkpoint(args.checkpoint, split_overrides(rest)), indent=1, sort_keys=True))
+    return 0
+
+
+def cmd_export(args, rest) -> int:
+    from loongforge.embodied.export import export_checkpoint
+
+    path = export_checkpoint(args.checkpoint, args.out, fmt=args.format)
+    print(f"wrote {path}")
+    return 0
+
+
+def cmd_convert(args, rest) -> int:
+    from loongforge.embodied.export import convert_lerobot_file
+
+    print(f"wrote {convert_lerobot_file(args.from_lerobot, args.out)}")
+    return 0
+
+
+def cmd_info(args, rest) -> int:
+    import torch
+
+    from loongforge.core.accelerators import get_accelerator
+    from loongforge.core.config import to_yaml
+    from loongforge.embodied.policies.registry import build_policy
+
+    cfg = _config(args, rest)
+    policy = build_policy(cfg.policy, cfg.dataset.image_size)
+    n = sum(p.numel() for p in policy.parameters())
+    trainable = sum(p.numel() for p in policy.parameters() if p.requires_grad)
+    print(to_yaml(cfg))
+    print(f"policy {cfg.policy.name}: {n:,} parameters ({trainable:,} trainable); accelerator {get_accelerator()}; torch {torch.__version__}")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="lf-embodied", description="LoongForge embodied (VLA) policies", allow_abbrev=False)
+    sub = parser.add_subparsers(dest="command", required=True)
+    for name in ("train", "info"):
+        p = sub.add_parser(name, allow_abbrev=False)
+        p.add_argument("--config", default="train", help="config name (shipped) or YAML path")
+    p = sub.add_parser("eval")
+    p.add_argument("--checkpoint", required=True, help="a run directory or checkpoint directory")
+    p = sub.add_parser("export")
+    p.add_argument("--checkpoint", required=True)
+    p.add_argument("--out", required=True)
+    p.add_argument("--format", default="loongforge", choices=["loongforge", "lerobot"])
+    p = sub.add_parser("convert")
+    p.add_argument("--from-lerobot", required=True, help="a LeRobot pi05 model.safetensors")
+    p.add_argument("--out", required=True)
+    args, rest = parser.parse_known_args(argv)
+    if args.command in ("export", "convert") and rest:
+        parser.error(f"unexpected arguments: {rest}")
+    return {"train": cmd_train, "eval": cmd_eval, "export": cmd_export, "convert": cmd_convert, "info": cmd_info}[args.command](args, rest)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,1 @@
+"""Weight import/export between LoongForge policies and other layouts (declarative name maps)."""

@@ -1,0 +1,1 @@
+"""LeRobot datasets as policy batches: chunking, normalisation, cameras, language tokens."""

@@ -1,0 +1,51 @@
+"""Test helpers: a tiny LeRobot dataset written with LeRobot's own API, tiny config overrides."""
+
+from __future__ import annotations
+
+import numpy as np
+
+EPISODE_LENGTHS = (7, 9, 6)
+TASKS = ("pick the cube", "place_the cube\non the plate")
+CAMERAS = {"observation.images.front": (16, 16), "observation.images.wrist": (12, 20)}  # (h, w)
+
+
+def write_tiny_dataset(root, seed: int = 0):
+    from lerobot.datasets import LeRobotDataset
+
+    features = {
+        "observation.state": {"dtype": "float32", "shape": (3,), "names": ["a", "b", "c"]},
+        "action": {"dtype": "float32", "shape": (2,), "names": ["x", "y"]},
+    }
+    for cam, (h, w) in CAMERAS.items():
+        features[cam] = {"dtype": "image", "shape": (h, w, 3), "names": ["height", "width", "channels"]}
+    rng = np.random.default_rng(seed)
+    ds = LeRobotDataset.create("local/tiny", fps=10, features=features, root=root, use_videos=False)
+    for ep, n in enumerate(EPISODE_LENGTHS):
+        for _ in range(n):
+            frame = {
+                "observation.state": rng.normal(size=3).astype(np.float32),
+                "action": (rng.normal(size=2) * np.array([1.0, 3.0]) + np.array([0.5, -1.0])).astype(np.float32),
+                "task": TASKS[ep % 2],
+            }
+            for cam, (h, w) in CAMERAS.items():
+                frame[cam] = rng.integers(0, 256, size=(h, w, 3), dtype=np.uint8)
+            ds.add_frame(frame)
+        ds.save_episode()
+    ds.finalize()
+    return root
+
+
+def tiny_overrides(dataset_root, run_dir, *extra: str) -> list[str]:
+    """Config overrides for a fast CPU run on the tiny dataset."""
+    return [
+        f"dataset.root={dataset_root}",
+        "dataset.repo_id=local/tiny",
+        f"run_dir={run_dir}",
+        "dataset.image_size=16",
+        "policy.chunk_size=4",
+        "policy.max_state_dim=4",
+        "policy.max_action_dim=4",
+        "batch_size=4",
+        "progress=false",
+        *extra,
+    ]
