@@ -1,0 +1,53 @@
+from dataclasses import dataclass, field
+
+import pytest
+
+from loongforge.core.config import ConfigError, load_config
+from loongforge.core.models import ModelRegistryError, ModelSpec, collect, get_model_spec
+
+
+def test_duplicate_family_name_raises():
+    a = ModelSpec(name="fam", config_class=dict, build=lambda *a: None)
+    b = ModelSpec(name="fam", config_class=dict, build=lambda *a: None)
+    with pytest.raises(ModelRegistryError, match="registered twice: by pkg_a:SPEC and by pkg_b:SPEC"):
+        collect([("pkg_a:SPEC", a), ("pkg_b:SPEC", b)])
+
+
+def test_installed_llama_and_missing_family():
+    assert get_model_spec("llama").flavours["debug"] == "llama_debug"
+    with pytest.raises(ModelRegistryError, match="no model family 'nope'"):
+        get_model_spec("nope")
+
+
+@dataclass
+class Part:
+    kind: str = "a"
+    size: int = 1
+
+
+@dataclass
+class Top:
+    part: Part = field(default_factory=Part)
+    steps: int = 3
+
+    def __post_init__(self):
+        if self.steps < 1:
+            raise ValueError(f"steps={self.steps}: must be >= 1")
+
+
+def test_compose_group_and_overrides(tmp_path):
+    (tmp_path / "part").mkdir()
+    (tmp_path / "part" / "big.yaml").write_text("kind: big\nsize: 9\n")
+    (tmp_path / "main.yaml").write_text("defaults:\n  - part: big\n  - _self_\nsteps: 5\n")
+    cfg = load_config(Top, "main", ["part.size=4"], [tmp_path])
+    assert cfg == Top(part=Part(kind="big", size=4), steps=5)
+
+
+def test_errors_name_key_and_file(tmp_path):
+    (tmp_path / "bad.yaml").write_text("stepz: 2\n")
+    with pytest.raises(ConfigError, match=r"bad\.yaml: key 'stepz'"):
+        load_config(Top, str(tmp_path / "bad.yaml"))
+    with pytest.raises(ConfigError, match="steps=0: must be >= 1"):
+        load_config(Top, None, ["steps=0"])
+    with pytest.raises(ConfigError, match="no config named 'missing'"):
+        load_config(Top, "missing", [], [tmp_path])
