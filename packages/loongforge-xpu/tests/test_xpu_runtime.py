@@ -39,6 +39,8 @@ def test_selecting_xpu_without_the_runtime_fails_clearly(monkeypatch):
     """The plugin is installed, Kunlunxin's runtime is not: LOONGFORGE_ACCELERATOR=xpu is an
     AcceleratorError naming the module and how to install it, and nothing falls back to cpu."""
     assert "xpu" in installed_accelerators()
+    for var in (DEVICE_TYPE_ENV, DIST_BACKEND_ENV, TRITON_ENV):
+        monkeypatch.delenv(var, raising=False)
     monkeypatch.setitem(sys.modules, "torch_xmlir", None)  # `import torch_xmlir` raises ImportError
     monkeypatch.setenv("LOONGFORGE_ACCELERATOR", "xpu")
     with pytest.raises(KunlunRuntimeMissing) as err:
