@@ -47,10 +47,6 @@ class XpuAccelerator(Accelerator):
     def synchronize(self) -> None:
         self._dev.synchronize()
 
-    def _current_index(self) -> int:
-        index = self._dev.current_device()
-        return index if isinstance(index, int) else 0
-
     def memory_stats(self) -> MemoryStats:
         dev = self._dev
         if not hasattr(dev, "memory_allocated"):
@@ -60,7 +56,7 @@ class XpuAccelerator(Accelerator):
             allocated=int(dev.memory_allocated()),
             peak_allocated=int(dev.max_memory_allocated()),
             reserved=int(dev.memory_reserved()),
-            total=int(dev.get_device_properties(self._current_index()).total_memory),
+            total=int(dev.get_device_properties(dev.current_device()).total_memory),
         )
 
     def reset_peak_memory_stats(self) -> None:
