@@ -28,7 +28,7 @@ HAS_CUDA = torch.cuda.is_available()
 EXPECTED = {  # name -> (device type, collective backend)
     "cpu": ("cpu", "gloo"),
     "cuda": ("cuda", "nccl"),
-    "xpu": ("cuda", "nccl"),  # xpytorch builds serve the Kunlun device as torch.cuda over BKCL-backed "nccl"
+    "xpu": ("cuda", "nccl"),  # xpytorch builds serve the Kunlun device as torch.cuda, collectives as "nccl"
 }
 CASES = [
     "cpu",

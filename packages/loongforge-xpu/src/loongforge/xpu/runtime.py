@@ -4,8 +4,8 @@ Kunlunxin's runtime for PyTorch is the ``torch_xmlir`` module that the "xpytorch
 next to a Kunlunxin build of torch. Importing it activates the Kunlun device, which it does not
 register as a device type of its own: it serves it through torch's CUDA device module, so
 tensors report ``device.type == "cuda"``, ``torch.cuda.*`` drives the XPU, and collectives run
-through the ``"nccl"`` backend name (Kunlunxin's BKCL underneath). The package README lists the
-public sources for each of these facts.
+through the ``"nccl"`` backend name. The package README lists the public sources for each of
+these facts.
 
 So the runtime this plugin binds is three things: the imported vendor module, the torch device
 type and collective backend it serves, and the torch device module of that type (``torch.cuda``
