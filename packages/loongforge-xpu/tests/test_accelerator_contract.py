@@ -14,6 +14,7 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -37,6 +38,7 @@ CASES = [
 ]
 
 _running: dict[str, subprocess.Popen] = {}
+_outputs: dict[str, tuple] = {}
 _reports: dict[str, dict] = {}
 
 
@@ -48,20 +50,25 @@ def _env(name: str) -> dict[str, str]:
     return env
 
 
-def _start_all() -> None:
-    """Start every probe at once (they run side by side), the first time any report is asked for."""
+def start_background_runs() -> None:
+    """Start every probe at once (they run side by side); conftest.py calls this after collection."""
     for name in ("cpu", "cuda", "xpu"):
         if name in _running or (name == "cuda" and not HAS_CUDA):
             continue
         args = [sys.executable, str(PROBE), name] + (["--compile-watch"] if name == "xpu" else [])
-        _running[name] = subprocess.Popen(args, env=_env(name), cwd=HERE,
-                                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        # files, not pipes: the probes run while other tests do, and nobody reads them until then
+        out, err = tempfile.TemporaryFile("w+"), tempfile.TemporaryFile("w+")
+        _running[name] = subprocess.Popen(args, env=_env(name), cwd=HERE, stdout=out, stderr=err)
+        _outputs[name] = (out, err)
 
 
 def report(name: str) -> dict:
     if name not in _reports:
-        _start_all()
-        out, err = _running[name].communicate(timeout=300)
+        start_background_runs()
+        _running[name].wait(timeout=300)
+        for f in _outputs[name]:
+            f.seek(0)
+        out, err = (f.read() for f in _outputs[name])
         assert _running[name].returncode == 0, f"probe {name} failed:\n{err[-4000:]}"
         _reports[name] = json.loads(out.strip().splitlines()[-1])
     return _reports[name]

@@ -18,8 +18,10 @@ from __future__ import annotations
 import json
 import math
 import os
+import shutil
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -27,6 +29,8 @@ import pytest
 STANDIN = Path(__file__).resolve().parent / "standin"
 LF_LLM = Path(sys.executable).with_name("lf-llm")
 STEPS = 3
+_runs: dict[str, subprocess.Popen] = {}
+_root: list[Path] = []
 
 
 def _start(accelerator: str, run_dir: Path, extra_env: dict[str, str]) -> subprocess.Popen:
@@ -34,7 +38,8 @@ def _start(accelerator: str, run_dir: Path, extra_env: dict[str, str]) -> subpro
     env.update(OMP_NUM_THREADS="1", LOONGFORGE_ACCELERATOR=accelerator, **extra_env)
     args = [str(LF_LLM), "train", f"train.steps={STEPS}", "train.warmup_steps=1", f"log.run_dir={run_dir}",
             "log.interval=1", "checkpoint.save=false"]
-    return subprocess.Popen(args, env=env, cwd=run_dir.parent, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    with open(run_dir.parent / f"{accelerator}.log", "w") as log:  # a file, not a pipe: read only when the test runs
+        return subprocess.Popen(args, env=env, cwd=run_dir.parent, stdout=log, stderr=subprocess.STDOUT)
 
 
 def _losses(run_dir: Path) -> list[float]:
@@ -42,24 +47,39 @@ def _losses(run_dir: Path) -> list[float]:
     return [row["loss"] for row in rows if "loss" in row]
 
 
+def start_background_runs() -> None:
+    """Start the xpu run and the cpu reference run side by side; conftest.py calls this after collection."""
+    if _runs or not LF_LLM.exists():
+        return
+    root = Path(tempfile.mkdtemp(prefix="loongforge-xpu-train-"))
+    _root.append(root)
+    xpu_env = {"PYTHONPATH": str(STANDIN), "STANDIN_XMLIR_SERVES": "cpu",
+               "STANDIN_XMLIR_RECORD": str(root / "runtime_calls.jsonl"),
+               "LOONGFORGE_XPU_DEVICE_TYPE": "cpu", "LOONGFORGE_XPU_DIST_BACKEND": "gloo"}
+    _runs.update(xpu=_start("xpu", root / "xpu", xpu_env), cpu=_start("cpu", root / "cpu", {}))
+
+
 @pytest.mark.slow
-def test_debug_training_runs_through_the_xpu_plugin(tmp_path):
+def test_debug_training_runs_through_the_xpu_plugin():
     if not LF_LLM.exists():
         pytest.skip(f"lf-llm is not installed next to {sys.executable}")
-    record = tmp_path / "runtime_calls.jsonl"
-    xpu_env = {"PYTHONPATH": str(STANDIN), "STANDIN_XMLIR_SERVES": "cpu", "STANDIN_XMLIR_RECORD": str(record),
-               "LOONGFORGE_XPU_DEVICE_TYPE": "cpu", "LOONGFORGE_XPU_DIST_BACKEND": "gloo"}
-    runs = {"xpu": _start("xpu", tmp_path / "xpu", xpu_env), "cpu": _start("cpu", tmp_path / "cpu", {})}
-    out = {}
-    for name, proc in runs.items():
-        out[name] = proc.communicate(timeout=300)[0]
-        assert proc.returncode == 0, f"{name} run failed:\n{out[name][-4000:]}"
+    start_background_runs()
+    root = _root[0]
+    try:
+        out = {}
+        for name, proc in _runs.items():
+            proc.wait(timeout=300)
+            out[name] = (root / f"{name}.log").read_text()
+            assert proc.returncode == 0, f"{name} run failed:\n{out[name][-4000:]}"
 
-    assert "lf-llm: llama on xpu x1" in out["xpu"]
-    assert "lf-llm: llama on cpu x1" in out["cpu"]
-    # the plugin imported the runtime once; on a host-device runtime every device call goes to torch.cpu
-    assert [json.loads(line) for line in record.read_text().splitlines()] == [["import", "cpu"]]
-    xpu, cpu = _losses(tmp_path / "xpu"), _losses(tmp_path / "cpu")
-    assert len(xpu) == STEPS and all(math.isfinite(v) for v in xpu)
-    assert xpu == pytest.approx(cpu, rel=1e-6, abs=0)
-    assert xpu[-1] < xpu[0]
+        assert "lf-llm: llama on xpu x1" in out["xpu"]
+        assert "lf-llm: llama on cpu x1" in out["cpu"]
+        # the plugin imported the runtime once; on a host-device runtime every device call goes to torch.cpu
+        calls = [json.loads(line) for line in (root / "runtime_calls.jsonl").read_text().splitlines()]
+        assert calls == [["import", "cpu"]]
+        xpu, cpu = _losses(root / "xpu"), _losses(root / "cpu")
+        assert len(xpu) == STEPS and all(math.isfinite(v) for v in xpu)
+        assert xpu == pytest.approx(cpu, rel=1e-6, abs=0)
+        assert xpu[-1] < xpu[0]
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
