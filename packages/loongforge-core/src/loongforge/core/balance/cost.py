@@ -44,7 +44,12 @@ class SampleSizes:
         tokens = np.empty(len(lengths), dtype=np.int64)
         squares = np.empty(len(lengths), dtype=np.int64)
         for i, sample in enumerate(lengths):
-            segments = [sample] if isinstance(sample, (int, np.integer)) else list(sample)
+            if isinstance(sample, (int, np.integer)):
+                segments = [sample]
+            elif isinstance(sample, (Sequence, np.ndarray)):
+                segments = list(sample)
+            else:
+                raise ValueError(f"sample {i}: {sample!r} is neither a length nor a list of segment lengths")
             if not segments:
                 raise ValueError(f"sample {i} has no segments")
             for seg in segments:
