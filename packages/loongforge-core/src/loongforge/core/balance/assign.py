@@ -8,7 +8,8 @@ import numpy as np
 
 from loongforge.core.balance.ordering import ordered
 
-BIG_FRACTION = 1 / 8  # a sample costing more than this share of the mean rank cost is placed one by one
+BIG_FRACTION = 1 / 8  # samples costing more than this share of the mean rank cost are placed one by one
+MEDIUM_FRACTION = 1 / 32  # ... more than this share, a block of ranks at a time
 FINEST_BAND = 1e-5  # below this share of the mean rank cost, the remaining samples are filled in one band
 
 
@@ -30,13 +31,18 @@ def water_level(loads: np.ndarray, amount: float) -> float:
 def greedy_assignment(costs: np.ndarray, num_ranks: int) -> np.ndarray:
     """Largest-first assignment of samples to ranks, minimising the most loaded rank.
 
-    Samples are taken in decreasing cost. The big ones (more than ``BIG_FRACTION`` of the mean
-    rank cost; at most ``num_ranks / BIG_FRACTION`` of them, and at least the first
-    ``num_ranks``, so no rank is left empty) go one by one to the least-loaded rank (LPT). The
-    rest are taken in bands of halving cost; each band fills the ranks towards a common water
-    level: with the ranks' room to the level laid end to end, a sample goes to the rank that holds
-    the middle of its cost interval, so each rank lands within half a band-sample of the level, and
-    the next, finer band evens that out. Ties go to the lower position and the lower rank.
+    Samples are taken in decreasing cost, in three tiers by their share of the mean rank cost T:
+
+    1. above ``BIG_FRACTION * T`` (at most ``num_ranks / BIG_FRACTION`` samples, and at least the
+       first ``num_ranks``, so no rank is left empty): one by one to the least-loaded rank (LPT);
+    2. above ``MEDIUM_FRACTION * T``: in blocks of ``num_ranks // 4``, the block's k-th largest
+       to the k-th least-loaded rank (LPT, vectorised a block at a time);
+    3. the rest, in bands of halving cost: each band fills the ranks towards a common water
+       level (with the ranks' room to the level laid end to end, a sample goes to the rank that
+       holds the middle of its cost interval), so each rank lands within half a band-sample of
+       the level, and the next, finer band evens that out.
+
+    Ties go to the lower position and the lower rank.
     """
     n = len(costs)
     order = ordered(costs)
@@ -44,8 +50,10 @@ def greedy_assignment(costs: np.ndarray, num_ranks: int) -> np.ndarray:
     mean_rank = float(sorted_costs.sum()) / num_ranks
     rank_of = np.empty(n, dtype=np.int64)
 
-    n_big = int(np.searchsorted(-sorted_costs, -BIG_FRACTION * mean_rank, side="left"))
-    n_big = max(n_big, min(n, num_ranks))
+    def count_above(fraction: float) -> int:
+        return int(np.searchsorted(-sorted_costs, -fraction * mean_rank, side="left"))
+
+    n_big = max(count_above(BIG_FRACTION), min(n, num_ranks))
     heap = [(0.0, r) for r in range(num_ranks)]
     big_ranks = []
     for cost in sorted_costs[:n_big].tolist():
@@ -57,14 +65,21 @@ def greedy_assignment(costs: np.ndarray, num_ranks: int) -> np.ndarray:
     for load, r in heap:
         loads[r] = load
 
-    start, ceiling = n_big, BIG_FRACTION * mean_rank
+    n_medium = max(count_above(MEDIUM_FRACTION), n_big)
+    block = max(1, num_ranks // 4)
+    for start in range(n_big, n_medium, block):
+        items = sorted_costs[start:min(start + block, n_medium)]
+        ranks = np.argsort(loads, kind="stable")[:len(items)]
+        rank_of[order[start:start + len(items)]] = ranks
+        loads[ranks] += items
+
+    start, ceiling = n_medium, MEDIUM_FRACTION * mean_rank
     while start < n:
         ceiling *= 0.5
         if ceiling < FINEST_BAND * mean_rank:
             stop = n
         else:
-            stop = int(np.searchsorted(-sorted_costs, -ceiling, side="left"))
-            stop = max(stop, start)
+            stop = max(int(np.searchsorted(-sorted_costs, -ceiling, side="left")), start)
         if stop == start:
             continue
         band = sorted_costs[start:stop]

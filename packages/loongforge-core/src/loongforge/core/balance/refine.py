@@ -1,12 +1,16 @@
-"""Move/swap refinement of a plan: shed load from the most loaded ranks onto the least loaded.
+"""Move/swap refinement of a plan: shed load from the most loaded ranks onto the lighter ones.
 
-Each round takes the H most loaded ranks above the tolerance and the L least loaded ranks (H
-and L sized so that H*L pairs of candidate swaps fit a fixed budget) and, for every
-(heavy, light) pair at once (vectorised), finds the single move of one sample, or swap of two,
-that lowers the pair's larger load the most while keeping every micro-batch under its token cap.
-Heaviest first, each heavy rank takes its best light partner that no heavier rank took; those
-actions are applied together (they share no rank). When no pair improves, the maximum cannot be
-lowered by one move or swap against the light ranks and refinement ends.
+Each round takes every rank above the tolerance (at most half the ranks), heaviest first. For
+each of its samples i it looks for the best swap partner among the samples of all lighter ranks:
+swapping i (cost c_i, on rank p) with j (on rank q) moves d = c_i - c_j and leaves
+``max(load_p - d, load_q + d)``, best when c_j is near ``c_i - (load_p - load_q)/2``, so the
+lighter ranks' samples are sorted by cost once per round and the ``NEIGHBOURS`` on each side of
+that target are checked exactly. Moving i alone to one of the ``MOVE_TARGETS`` lightest ranks is
+checked too. An action counts when it lowers the pair's larger load below load_p and keeps every
+micro-batch within its token cap. Heaviest first, each heavy rank takes its best action whose
+partner no heavier rank took; those are applied together (they share no rank), all vectorised
+but the pick. When the most loaded rank has no such action the maximum cannot be lowered by one
+move or swap and refinement ends.
 """
 
 from __future__ import annotations
@@ -14,10 +18,11 @@ from __future__ import annotations
 import numpy as np
 
 from loongforge.core.balance.ordering import ordered
-
 from loongforge.core.balance.packing import Bins
 
-BUDGET = 1 << 15  # candidate swaps scored per round (bounds the time of a round)
+NEIGHBOURS = 2  # samples of the lighter ranks checked on each side of the ideal swap cost
+MOVE_TARGETS = 2  # lightest ranks a single sample may move to
+OPTIONS = 4  # ranked actions a heavy rank keeps in case a heavier rank took the partner
 
 
 class Members:
@@ -53,67 +58,68 @@ class Members:
         self.pos[i], self.pos[j] = pj, pi
 
 
-def _best_actions(bins: Bins, members: Members, heavy: np.ndarray, light: np.ndarray):
-    """For each pair (heavy[k], light[k]): the best move or swap and the larger load after it.
+def _candidates(bins: Bins, members: Members, heavy: np.ndarray, light: np.ndarray, by_cost: np.ndarray):
+    """Per heavy rank, its candidate actions: score (larger load after), partner rank, i, j (-1: a move).
 
-    Moving or swapping cost d from p to q leaves ``max(load_p - d, load_q + d)``, which is
-    ``mid + |d - gap/2|`` (mid the pair's mean load, gap their difference) and lower than load_p
-    exactly when ``|d - gap/2| < gap/2``. Padding slots carry NaN and so are never valid.
+    ``by_cost`` is every sample, by cost ascending (ties by position).
     """
-    k = len(heavy)
-    rows = np.arange(k)
-    mp, mq = int(members.count[heavy].max()), int(members.count[light].max())
-    p_items, q_items = members.slots[heavy, :mp], members.slots[light, :mq]
-    vp, vq = p_items >= 0, q_items >= 0
-    p_items, q_items = np.where(vp, p_items, 0), np.where(vq, q_items, 0)
-    ci = np.where(vp, bins.costs[p_items], np.nan)
-    cj = np.where(vq, bins.costs[q_items], np.nan)
-    lp, lq = bins.load[heavy], bins.load[light]
-    half = (0.5 * (lp - lq))[:, None]
-    mid = 0.5 * (lp + lq)
+    n_heavy = len(heavy)
+    mp = int(members.count[heavy].max())
+    p_items = members.slots[heavy, :mp]
+    vp = p_items >= 0
+    p_items = np.where(vp, p_items, 0)
+    lp = bins.load[heavy][:, None, None]
+    ci = np.where(vp, bins.costs[p_items], np.nan)[:, :, None]
+    ti = bins.tokens[p_items][:, :, None]
     capped = np.isfinite(bins.cap)
 
-    err = np.abs(ci - half)
-    valid = err < half
-    if capped and not bins.growable:
-        room = bins.cap - bins.tok[light].min(axis=1)
-        valid &= bins.tokens[p_items] <= room[:, None]
-    move_err = np.where(valid, err, np.inf)
-    move_at = np.argmin(move_err, axis=1)
-    move_best = move_err[rows, move_at]
-
-    err = np.abs(ci[:, :, None] - cj[:, None, :] - half[:, :, None])
-    valid = err < half[:, :, None]
+    # swaps with the samples of the lighter ranks nearest the ideal cost
+    is_light = np.zeros(bins.num_ranks, dtype=bool)
+    is_light[light] = True
+    pool = by_cost[is_light[bins.rank_of[by_cost]]]
+    pool_cost = bins.costs[pool]
+    target = ci[:, :, 0] - 0.5 * (lp[:, :, 0] - bins.load[light].mean())
+    at = np.searchsorted(pool_cost, np.nan_to_num(target, nan=0.0))
+    near = np.clip(at[:, :, None] + np.arange(-NEIGHBOURS, NEIGHBOURS)[None, None, :], 0, len(pool) - 1)
+    j = pool[near]
+    q = bins.rank_of[j]
+    lq = bins.load[q]
+    d = ci - pool_cost[near]
+    ok = vp[:, :, None] & (d > 0) & (d < lp - lq)
     if capped:
-        ti = np.where(vp, bins.tokens[p_items], np.nan)
-        tj = np.where(vq, bins.tokens[q_items], np.nan)
-        lo = bins.tok[heavy[:, None], bins.bin_of[p_items]] - bins.cap  # dt must be >= this ...
-        hi = bins.cap - bins.tok[light[:, None], bins.bin_of[q_items]]  # ... and <= this
-        dt = ti[:, :, None] - tj[:, None, :]
-        valid &= (dt >= lo[:, :, None]) & (dt <= hi[:, None, :])
-    swap_err = np.where(valid, err, np.inf).reshape(k, -1)
-    swap_at = np.argmin(swap_err, axis=1)
-    swap_best = swap_err[rows, swap_at]
+        dt = ti - bins.tokens[j]
+        ok &= bins.tok[heavy[:, None], bins.bin_of[p_items]][:, :, None] - dt <= bins.cap
+        ok &= bins.tok[q, bins.bin_of[j]] + dt <= bins.cap
+    swap_score = np.where(ok, np.maximum(lp - d, lq + d), np.inf)
 
-    is_swap = swap_best < move_best
-    best = np.where(is_swap, swap_best, move_best)
-    score = mid + best
-    i = np.where(is_swap, p_items[rows, swap_at // mq], p_items[rows, move_at])
-    j = q_items[rows, swap_at % mq]
-    improves = np.isfinite(best) & (score < lp * (1.0 - 1e-12))
-    return score, improves, is_swap, i, j
+    # moves of one sample to one of the lightest ranks
+    dest = light[:MOVE_TARGETS]
+    ld = bins.load[dest][None, None, :]
+    ok = vp[:, :, None] & (ci < lp - ld)
+    if capped and not bins.growable:
+        ok &= ti <= (bins.cap - bins.tok[dest].min(axis=1))[None, None, :]
+    move_score = np.where(ok, np.maximum(lp - ci, ld + ci), np.inf)
+
+    shape = (n_heavy, -1)
+    score = np.concatenate([swap_score.reshape(shape), move_score.reshape(shape)], axis=1)
+    partner = np.concatenate([q.reshape(shape), np.broadcast_to(dest, move_score.shape).reshape(shape)], axis=1)
+    first = np.concatenate([np.broadcast_to(p_items[:, :, None], swap_score.shape).reshape(shape),
+                            np.broadcast_to(p_items[:, :, None], move_score.shape).reshape(shape)], axis=1)
+    second = np.concatenate([j.reshape(shape), np.full((n_heavy, move_score[0].size), -1)], axis=1)
+    score = np.where(score < bins.load[heavy][:, None] * (1.0 - 1e-12), score, np.inf)
+    return score, partner, first, second
 
 
-def _apply(bins: Bins, members: Members, heavy, light, is_swap, i, j) -> None:
-    s = is_swap
-    if s.any():
-        bins.swap(i[s], j[s])
-        members.swap(i[s], heavy[s], j[s], light[s])
-    m = ~is_swap
-    if m.any():
-        bins.remove(i[m])
-        bins.add(light[m], i[m])
-        members.move(i[m], heavy[m], light[m])
+def _best_columns(score: np.ndarray, k: int) -> np.ndarray:
+    """The columns of each row's k lowest scores, lowest first (ties: lower column)."""
+    score = score.copy()
+    rows = np.arange(score.shape[0])
+    best = []
+    for _ in range(min(k, score.shape[1])):
+        col = np.argmin(score, axis=1)
+        best.append(col)
+        score[rows, col] = np.inf
+    return np.stack(best, axis=1)
 
 
 def refine(bins: Bins, *, tolerance: float, max_rounds: int) -> int:
@@ -122,37 +128,43 @@ def refine(bins: Bins, *, tolerance: float, max_rounds: int) -> int:
     if num_ranks < 2:
         return 0
     limit = bins.load.mean() * (1.0 + tolerance)
-    members = None
+    members = by_cost = None
     for rounds in range(max_rounds):
         over = int(np.count_nonzero(bins.load > limit))
         if over == 0:
             return rounds
-        members = members or Members(bins.rank_of, num_ranks)
+        if members is None:
+            members = Members(bins.rank_of, num_ranks)
+            by_cost = ordered(bins.costs, descending=False)
         order = np.argsort(bins.load, kind="stable")
-        heavy_all = order[::-1][:min(over, num_ranks // 2)]
-        per_pair = max(1, int(members.count[heavy_all].max()) * int(members.count[order[:num_ranks // 2]].max()))
-        pairs = max(1, BUDGET // per_pair)
-        n_heavy = max(1, min(len(heavy_all), int(np.sqrt(pairs))))
-        n_light = max(n_heavy, min(num_ranks - n_heavy, pairs // n_heavy))
-        heavy, light = heavy_all[:n_heavy], order[:n_light]
-        score, improves, is_swap, i, j = _best_actions(bins, members, np.repeat(heavy, n_light), np.tile(light, n_heavy))
-        if not improves.any():
-            return rounds + 1
-        score = np.where(improves, score, np.inf).reshape(n_heavy, n_light)
-        ranked = np.argsort(score, axis=1, kind="stable").tolist()
-        finite = np.isfinite(score).tolist()
-        if not any(finite[0]):
+        n_heavy = max(1, min(over, num_ranks // 2))
+        heavy, light = order[::-1][:n_heavy], order[:num_ranks - n_heavy]
+        score, partner, first, second = _candidates(bins, members, heavy, light, by_cost)
+        ranked = _best_columns(score, OPTIONS)
+        good = np.isfinite(np.take_along_axis(score, ranked, axis=1))
+        if not good[0].any():
             return rounds + 1  # the most loaded rank cannot shed load: the maximum is final
+        partner_of = np.take_along_axis(partner, ranked, axis=1).tolist()
         taken, chosen = set(), []
-        for h, row in enumerate(ranked):  # heaviest first: its best partner nobody took yet
-            for c in row:
-                if not finite[h][c]:
+        for h, (options, fine) in enumerate(zip(partner_of, good.tolist())):
+            for option, (q, ok) in enumerate(zip(options, fine)):
+                if not ok:
                     break
-                if c not in taken:
-                    taken.add(c)
-                    chosen.append(h * n_light + c)
+                if q not in taken:
+                    taken.add(q)
+                    chosen.append((h, int(ranked[h, option])))
                     break
-        pick = np.array(chosen, dtype=np.int64)
-        _apply(bins, members, np.repeat(heavy, n_light)[pick], np.tile(light, n_heavy)[pick],
-               is_swap[pick], i[pick], j[pick])
+        rows = np.array([h for h, _ in chosen], dtype=np.int64)
+        cols = np.array([c for _, c in chosen], dtype=np.int64)
+        p, q = heavy[rows], partner[rows, cols]
+        i, j = first[rows, cols], second[rows, cols]
+        swap = j >= 0
+        if swap.any():
+            bins.swap(i[swap], j[swap])
+            members.swap(i[swap], p[swap], j[swap], q[swap])
+        move = ~swap
+        if move.any():
+            bins.remove(i[move])
+            bins.add(q[move], i[move])
+            members.move(i[move], p[move], q[move])
     return max_rounds

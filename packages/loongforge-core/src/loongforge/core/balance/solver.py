@@ -118,7 +118,7 @@ def plan_step(
     token_cap: int | None = None,
     max_micro_batches: int | None = None,
     skip_threshold: float = 1.02,
-    tolerance: float = 1e-3,
+    tolerance: float = 2e-3,
     max_refine_rounds: int = 256,
 ) -> Plan:
     """Plan one step; ``costs[i]`` and ``tokens[i]`` describe the step's i-th sample.
