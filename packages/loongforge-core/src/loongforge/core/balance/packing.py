@@ -74,9 +74,7 @@ class Bins:
         elif self.growable:
             self._cut_end_to_end(rank_of)
         else:
-            left = self._rounds(rank_of)
-            self.used = np.full(self.num_ranks, self.width, dtype=np.int64)
-            return left
+            return self._rounds(rank_of)
         self._recount()
         self.used = np.full(self.num_ranks, self.width, dtype=np.int64)
         return np.zeros(0, dtype=np.int64)
@@ -167,10 +165,11 @@ class Bins:
         fits = self.fits(np.arange(self.num_ranks), np.full(self.num_ranks, self.tokens[s]))
         open_ranks = np.flatnonzero(fits.any(axis=1))
         if open_ranks.size == 0:
+            fill = self.tokens.sum() / (self.num_ranks * self.width * self.cap)
             raise PlanError(
-                f"sample {s} of the step ({int(self.tokens[s])} tokens) fits in no micro-batch: all "
-                f"{self.num_ranks} ranks x {self.width} micro-batches of {int(self.cap)} tokens are too full; "
-                "raise max_micro_batches or token_cap, or lower the samples per step"
+                f"the planner found no micro-batch with room for sample {s} of the step ({int(self.tokens[s])} "
+                f"tokens): the step fills {fill:.0%} of {self.num_ranks} ranks x {self.width} micro-batches of "
+                f"{int(self.cap)} tokens; raise max_micro_batches or token_cap, or lower the samples per step"
             )
         self.add(np.array([open_ranks[np.argmin(self.load[open_ranks])]]), np.array([s]))
 
