@@ -4,8 +4,8 @@ Each round takes every rank above the tolerance (at most half the ranks), heavie
 each of its samples i it looks for the best swap partner among the samples of all lighter ranks:
 swapping i (cost c_i, on rank p) with j (on rank q) moves d = c_i - c_j and leaves
 ``max(load_p - d, load_q + d)``, best when c_j is near ``c_i - (load_p - load_q)/2``, so the
-lighter ranks' samples are sorted by cost once per round and the ``NEIGHBOURS`` on each side of
-that target are checked exactly. Moving i alone to one of the ``MOVE_TARGETS`` lightest ranks is
+lighter ranks' samples, kept sorted by cost, are searched for that target (taken with the mean
+load of the lighter ranks) and the ``NEIGHBOURS`` on each side of it are checked exactly. Moving i alone to one of the ``MOVE_TARGETS`` lightest ranks is
 checked too. An action counts when it lowers the pair's larger load below load_p and keeps every
 micro-batch within its token cap. Heaviest first, each heavy rank takes its best action whose
 partner no heavier rank took; those are applied together (they share no rank), all vectorised
