@@ -84,9 +84,8 @@ def split_state(ckpt: Checkpoint) -> tuple[dict[str, torch.Tensor], dict]:
     return model_sd, {"state": state, "param_groups": groups}
 
 
-def load_training_state(path: str | Path, model: nn.Module, optimizer: torch.optim.Optimizer | None) -> Checkpoint:
-    """Load a checkpoint's model (and optimizer) state into the wrapped ``model`` on every rank."""
-    ckpt = Checkpoint(path)
+def load_training_state(ckpt: Checkpoint, model: nn.Module, optimizer: torch.optim.Optimizer | None) -> Checkpoint:
+    """Load an opened checkpoint's model (and optimizer) state into the wrapped ``model`` on every rank."""
     model_sd, optim_sd = split_state(ckpt)
     if not model_sd:
         raise ValueError(f"checkpoint {ckpt.directory}: holds no model tensors")

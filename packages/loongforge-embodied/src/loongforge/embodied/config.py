@@ -170,7 +170,7 @@ class ParallelConfig:
 
 @dataclass
 class OptimConfig:
-    lr: float = 1e-3
+    lr: float = 3e-3
     min_lr: float = 1e-4
     warmup_steps: int = 5
     weight_decay: float = 0.01
@@ -197,14 +197,15 @@ class EvalConfig:
 @dataclass
 class TrainConfig:
     run_dir: str = "runs/embodied"
-    steps: int = 60
+    steps: int = 100
     batch_size: int = 8  # global batch (split evenly over data-parallel ranks)
     seed: int = 1234
-    log_every: int = 5
-    save_every: int = 30  # 0 = only at the end
+    log_every: int = 10
+    save_every: int = 50  # 0 = only at the end
     keep_last: int = 2
     resume: bool = True  # continue from RUN_DIR/checkpoints/latest when present
     progress: bool = True
+    tensorboard: bool = True  # TensorBoard scalars next to RUN_DIR/metrics.jsonl
     dataset: DatasetConfig = field(default_factory=DatasetConfig)
     policy: PolicyConfig = field(default_factory=PolicyConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)

@@ -4,8 +4,8 @@ Per step: this rank's slice of global batch ``s`` (``StepBatchSampler``), noise 
 global batch ``s`` (``draw_noise_and_time``), the per-element flow-matching loss masked to real
 action dimensions and in-episode chunk steps, normalised by the *global* number of valid
 elements (so any data-parallel split gives the loss and gradients of one process on the whole
-batch), gradient clipping, AdamW with warmup + cosine LR. Rank 0 logs to
-``RUN_DIR/metrics.jsonl`` and TensorBoard; checkpoints go to ``RUN_DIR/checkpoints``.
+batch), gradient clipping, AdamW with warmup + cosine LR. Rank 0 logs (every ``log_every`` steps: mean loss over those
+steps, last step's loss, grad norm, LR, samples/s) to ``RUN_DIR/metrics.jsonl`` and TensorBoard; checkpoints go to ``RUN_DIR/checkpoints``.
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ import torch
 from safetensors.torch import load_file
 from torch.utils.data import DataLoader
 
+from loongforge.core.checkpoint import Checkpoint
 from loongforge.core.config import to_dict
 from loongforge.core.metrics import MetricsLogger, progress
 from loongforge.embodied.checkpointing import find_resume_checkpoint, load_training_state, save_training_state
@@ -147,17 +148,18 @@ def train(cfg: TrainConfig) -> TrainResult:
     start = 0
     resume_from = find_resume_checkpoint(run_dir) if cfg.resume else None
     if resume_from is not None:
-        ckpt = load_training_state(resume_from, model, optimizer)
+        ckpt = Checkpoint(resume_from)
         check_resume_config(ckpt.manifest["config"], cfg, resume_from)
+        load_training_state(ckpt, model, optimizer)
         start = ckpt.step
     sampler = StepBatchSampler(len(dataset), cfg.batch_size, env.rank, env.world, cfg.seed, start_step=start)
     loader = DataLoader(dataset, batch_sampler=sampler, num_workers=cfg.dataset.num_workers,
                         pin_memory=env.device.type != "cpu")
-    logger = MetricsLogger(run_dir, enabled=env.is_main)
+    logger = MetricsLogger(run_dir, enabled=env.is_main, tensorboard=cfg.tensorboard)
     bar = progress(cfg.steps, f"train {policy.family}", enabled=env.is_main and cfg.progress, initial=start)
     losses: list[float] = []
     step, it = start, iter(loader)
-    tick, window = time.perf_counter(), 0
+    tick, window, window_loss = time.perf_counter(), 0, 0.0
     model.train()
     try:
         while step < cfg.steps:
@@ -175,6 +177,7 @@ def train(cfg: TrainConfig) -> TrainResult:
             step += 1
             window += 1
             losses.append(float(mean_loss))
+            window_loss += losses[-1]
             bar.update(1)
             bar.set_postfix(loss=f"{losses[-1]:.4f}")
             if step % cfg.log_every == 0 or step == cfg.steps:
@@ -182,7 +185,7 @@ def train(cfg: TrainConfig) -> TrainResult:
                 elapsed = time.perf_counter() - tick
                 logger.log(step, {"loss": losses[-1], "grad_norm": float(grad_norm), "lr": lr,
                                   "samples_per_s": window * cfg.batch_size / max(elapsed, 1e-9)})
-                tick, window = time.perf_counter(), 0
+                tick, window, window_loss = time.perf_counter(), 0, 0.0
             if (cfg.save_every and step % cfg.save_every == 0) or step == cfg.steps:
                 save_training_state(run_dir, step, model, optimizer,
                                     checkpoint_manifest(cfg, unwrap(model), dataset, step, mode, env.world),

@@ -1,0 +1,59 @@
+"""``lf-embodied`` end to end: train with no arguments (synthetic dataset written on first use),
+export (LoongForge and LeRobot names), convert back, eval."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from loongforge.embodied.cli import main, split_overrides
+from loongforge.embodied.config import load_train_config
+
+
+def test_override_syntax():
+    assert split_overrides(["--policy", "groot", "--dataset.root", "/d", "steps=3", "--seed=4"]) == [
+        "policy=groot", "dataset.root=/d", "steps=3", "seed=4"]
+    assert load_train_config("train", split_overrides(["--policy", "groot"])).policy.name == "groot"
+
+
+@pytest.mark.slow
+def test_train_with_no_arguments_then_export_convert_eval(tmp_path, capsys):
+    env = {**os.environ, "LOONGFORGE_CACHE": str(tmp_path / "cache"), "OMP_NUM_THREADS": "1", "LOONGFORGE_ACCELERATOR": "cpu"}
+    exe = shutil.which("lf-embodied")
+    assert exe, "the lf-embodied entry point is not installed"
+    proc = subprocess.run([exe, "train"], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=400)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    assert (tmp_path / "cache" / "embodied-synthetic-v1" / "meta" / "info.json").is_file()
+    run_dir = tmp_path / "runs" / "embodied"
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == list(range(10, 101, 10))
+    losses = [r["loss"] for r in records]  # each the mean over 10 steps
+    assert sum(losses[-3:]) / 3 < 0.8 * losses[0], losses
+    assert (run_dir / "tensorboard").is_dir() and "samples_per_s" in records[0]
+
+    out = tmp_path / "policy.safetensors"
+    assert main(["export", "--checkpoint", str(run_dir), "--out", str(out)]) == 0
+    ours = load_file(str(out))
+    lerobot_file = tmp_path / "lerobot" / "model.safetensors"
+    assert main(["export", "--checkpoint", str(run_dir), "--out", str(lerobot_file), "--format", "lerobot"]) == 0
+    lerobot = load_file(str(lerobot_file))
+    assert all(k.startswith("model.paligemma_with_expert.") or k.startswith("model.") for k in lerobot)
+    torch.testing.assert_close(lerobot["model.action_out_proj.weight"], ours["action_out_proj.weight"])
+    back = tmp_path / "back.safetensors"
+    assert main(["convert", "--from-lerobot", str(lerobot_file), "--out", str(back)]) == 0
+    converted = load_file(str(back))
+    assert set(converted) == set(ours) and all(torch.equal(converted[k], ours[k]) for k in ours)
+
+    capsys.readouterr()
+    dataset_root = tmp_path / "cache" / "embodied-synthetic-v1"
+    assert main(["eval", "--checkpoint", str(run_dir), f"dataset.root={dataset_root}", "eval.max_batches=2"]) == 0
+    metrics = json.loads(capsys.readouterr().out)
+    assert metrics["step"] == 100 and metrics["samples"] == 16 and metrics["episodes"] == 1
+    assert metrics["action_mse"] > 0 and metrics["action_mse_normalized"] > 0

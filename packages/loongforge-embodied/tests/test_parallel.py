@@ -1,0 +1,49 @@
+"""Two gloo processes (torchrun): DDP, FSDP2, HSDP and FSDP2 + activation checkpointing give the
+loss and gradients of one process on the whole batch; a run checkpointed under FSDP2 resumes
+under DDP on the trajectory of an uninterrupted one-process run."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from embodied_helpers import tiny_overrides
+from loongforge.embodied.config import load_train_config
+from loongforge.embodied.trainer import train
+
+HERE = Path(__file__).parent
+
+
+@pytest.fixture(scope="module")
+def two_process_results(tiny_dataset, tmp_path_factory):
+    out = tmp_path_factory.mktemp("dist")
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "LOONGFORGE_ACCELERATOR": "cpu"}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+           str(HERE / "dist_equivalence.py"), str(out), str(tiny_dataset)]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=400)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+    return json.loads((out / "results.json").read_text())
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("policy", ["pi05", "groot"])
+@pytest.mark.parametrize("mode", ["ddp", "fsdp", "hsdp", "fsdp_ac"])
+def test_two_processes_match_one(two_process_results, policy, mode):
+    r = two_process_results[policy][mode]
+    assert r["loss"] == pytest.approx(r["ref_loss"], rel=1e-4)
+    assert r["grad_violation"] <= 1.0, r  # every gradient within rtol=1e-4 (atol=1e-7) of one process
+    assert r["num_grads"] > 50
+
+
+@pytest.mark.slow
+def test_resume_across_layouts_follows_one_process(two_process_results, tiny_dataset, tmp_path):
+    r = two_process_results["resume"]
+    assert r["second_start"] == 2 and len(r["first"]) == 2 and len(r["second"]) == 2
+    ref = train(load_train_config("train", tiny_overrides(tiny_dataset, tmp_path / "ref", "steps=4", "save_every=0",
+                                                         "tensorboard=false")))
+    assert r["first"] + r["second"] == pytest.approx(ref.losses, rel=1e-4)
