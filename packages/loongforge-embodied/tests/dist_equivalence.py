@@ -56,10 +56,10 @@ def full_grads(model):
 
 
 def equivalence(env, name):
-    cfg = PolicyConfig(name=name, chunk_size=CHUNK, max_action_dim=ADIM, max_state_dim=ADIM, num_cameras=2)
+    cfg = PolicyConfig(name=name, chunk_size=CHUNK, max_action_dim=ADIM, max_state_dim=ADIM, num_cameras=2, image_size=SIZE)
     batch, noise, t = global_batch()
     torch.manual_seed(0)
-    ref = build_policy(cfg, SIZE)
+    ref = build_policy(cfg)
     per = ref(batch, noise, t)
     mask = loss_mask(batch)
     ref_loss = (per * mask).sum() / mask.sum()
@@ -70,7 +70,7 @@ def equivalence(env, name):
     result = {}
     for mode, pcfg in MODES.items():
         torch.manual_seed(0)
-        model = parallelize(build_policy(cfg, SIZE), pcfg, env)
+        model = parallelize(build_policy(cfg), pcfg, env)
         loss, mean = distributed_loss(model, local, noise[rows], t[rows], env.world)
         loss.backward()
         grads = full_grads(model)
@@ -83,7 +83,7 @@ def equivalence(env, name):
 
 
 def resume_across_layouts(dataset_root, run_dir):
-    base = [f"dataset.root={dataset_root}", "dataset.repo_id=local/tiny", f"run_dir={run_dir}", "dataset.image_size=16",
+    base = [f"dataset.root={dataset_root}", "dataset.repo_id=local/tiny", f"run_dir={run_dir}", "policy.image_size=16",
             "policy.chunk_size=4", "policy.max_state_dim=4", "policy.max_action_dim=4", "batch_size=4",
             "progress=false", "tensorboard=false", "save_every=2", "log_every=1"]
     first = train(load_train_config("train", base + ["steps=2", "parallel.mode=fsdp"]))

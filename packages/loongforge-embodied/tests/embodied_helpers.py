@@ -41,7 +41,7 @@ def tiny_overrides(dataset_root, run_dir, *extra: str) -> list[str]:
         f"dataset.root={dataset_root}",
         "dataset.repo_id=local/tiny",
         f"run_dir={run_dir}",
-        "dataset.image_size=16",
+        "policy.image_size=16",
         "policy.chunk_size=4",
         "policy.max_state_dim=4",
         "policy.max_action_dim=4",

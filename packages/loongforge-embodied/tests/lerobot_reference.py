@@ -18,7 +18,7 @@ from transformers.models.auto import CONFIG_MAPPING
 from loongforge.embodied.config import PolicyConfig
 
 
-def build_lerobot_pi05(cfg: PolicyConfig, image_size: int) -> PI05Pytorch:
+def build_lerobot_pi05(cfg: PolicyConfig) -> PI05Pytorch:
     vlm, expert, vis = cfg.vlm, cfg.expert, cfg.vision
     vlm_hf = CONFIG_MAPPING["paligemma"]()
     vlm_hf._vocab_size = cfg.vocab_size
@@ -29,7 +29,7 @@ def build_lerobot_pi05(cfg: PolicyConfig, image_size: int) -> PI05Pytorch:
     t.hidden_activation, t.dtype, t.vocab_size = "gelu_pytorch_tanh", "float32", cfg.vocab_size
     t.use_adarms, t.adarms_cond_dim = False, None
     v = vlm_hf.vision_config
-    v.image_size, v.patch_size, v.hidden_size = image_size, vis.patch_size, vis.hidden_size
+    v.image_size, v.patch_size, v.hidden_size = cfg.image_size, vis.patch_size, vis.hidden_size
     v.intermediate_size, v.num_hidden_layers, v.num_attention_heads = vis.intermediate_size, vis.num_layers, vis.num_heads
     v.projection_dim, v.projector_hidden_act, v.dtype = vlm.width, "gelu_fast", "float32"
     expert_hf = CONFIG_MAPPING["gemma"](
@@ -61,7 +61,7 @@ def build_lerobot_pi05(cfg: PolicyConfig, image_size: int) -> PI05Pytorch:
         n_action_steps=cfg.chunk_size,
         max_state_dim=cfg.max_state_dim,
         max_action_dim=cfg.max_action_dim,
-        image_resolution=(image_size, image_size),
+        image_resolution=(cfg.image_size, cfg.image_size),
         min_period=cfg.min_period,
         max_period=cfg.max_period,
     )

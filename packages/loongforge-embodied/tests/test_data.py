@@ -31,8 +31,8 @@ def read_frames(root: Path):
 
 
 def make(root, split="train", **data_kw):
-    data = DatasetConfig(root=str(root), repo_id="local/tiny", image_size=16, **data_kw)
-    policy = PolicyConfig(chunk_size=CHUNK, max_state_dim=4, max_action_dim=4, num_cameras=3)
+    data = DatasetConfig(root=str(root), repo_id="local/tiny", **data_kw)
+    policy = PolicyConfig(chunk_size=CHUNK, max_state_dim=4, max_action_dim=4, num_cameras=3, image_size=16)
     return EmbodiedDataset(data, policy, str(root), split)
 
 

@@ -72,8 +72,8 @@ def test_policy_loss_is_squared_velocity_error():
     """The policy's per-element loss is (noise - actions - v(x_t, t))^2 with x_t built by hand."""
     for name in ("pi05", "groot"):
         torch.manual_seed(0)
-        cfg = PolicyConfig(name=name, chunk_size=4, max_action_dim=3, max_state_dim=3, num_cameras=1)
-        policy = build_policy(cfg, 16).eval()
+        cfg = PolicyConfig(name=name, chunk_size=4, max_action_dim=3, max_state_dim=3, num_cameras=1, image_size=16)
+        policy = build_policy(cfg).eval()
         b = 2
         batch = {
             "images": torch.rand(b, 1, 3, 16, 16) * 2 - 1,

@@ -19,14 +19,14 @@ UNUSED = "paligemma_with_expert.gemma_expert.lm_head.weight"
 
 @pytest.fixture(scope="module")
 def pair():
-    cfg = PolicyConfig()
+    cfg = PolicyConfig(image_size=IMAGE)
     torch.manual_seed(0)
-    ref = build_lerobot_pi05(cfg, IMAGE)
+    ref = build_lerobot_pi05(cfg)
     with torch.no_grad():  # zero-initialised norms and adaRMS projections would hide mistakes
         for name, p in ref.named_parameters():
             if "norm" in name:
                 p.add_(torch.randn_like(p) * 0.2)
-    ours = build_policy(cfg, IMAGE)
+    ours = build_policy(cfg)
     ours.load_state_dict(from_lerobot_pi05(ref.state_dict()), strict=True)
     return cfg, ref, ours
 
@@ -99,3 +99,23 @@ def test_cached_sampling_matches_full_recompute(pair):
         full = euler_integrate(lambda x, t: ours.velocity(batch, x, t), noise, 3)
     torch.testing.assert_close(cached, full, rtol=1e-4, atol=1e-5)
     assert cached.abs().mean() > 0.1
+
+
+def test_released_size_preset_has_lerobot_pi05_shapes():
+    """``policy=pi05_base`` against LeRobot's own ``PI05Pytorch(PI05Config())`` (gemma_2b +
+    gemma_300m), both built on the meta device: every released tensor maps onto a tensor of ours of
+    the same shape, so LeRobot's pi05 checkpoints load with ``policy.pretrained_format=lerobot``."""
+    from lerobot.policies.pi05.configuration_pi05 import PI05Config
+    from lerobot.policies.pi05.modeling_pi05 import PI05Pytorch
+
+    from loongforge.embodied.config import load_train_config
+
+    cfg = load_train_config("train", ["policy=pi05_base"]).policy
+    with torch.device("meta"):
+        ref = PI05Pytorch(PI05Config(dtype="float32"))
+        ours = build_policy(cfg)
+    mapped = from_lerobot_pi05({k: v for k, v in ref.state_dict().items()})
+    shapes = {k: tuple(v.shape) for k, v in ours.state_dict().items()}
+    assert set(mapped) == set(shapes)
+    assert {k: tuple(v.shape) for k, v in mapped.items()} == shapes
+    assert sum(v.numel() for v in ours.state_dict().values()) > 3.3e9

@@ -90,7 +90,7 @@ def cmd_info(args, rest) -> int:
     from loongforge.embodied.policies.registry import build_policy
 
     cfg = _config(args, rest)
-    policy = build_policy(cfg.policy, cfg.dataset.image_size)
+    policy = build_policy(cfg.policy)
     n = sum(p.numel() for p in policy.parameters())
     trainable = sum(p.numel() for p in policy.parameters() if p.requires_grad)
     print(to_yaml(cfg))

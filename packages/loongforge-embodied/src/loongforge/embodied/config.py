@@ -35,8 +35,6 @@ class DatasetConfig:
     image_keys: list[str] | None = None  # cameras to use, in order; None = every camera of the dataset
     state_key: str = "observation.state"
     action_key: str = "action"
-    image_size: int = 32  # square side the cameras are resized (with padding) to
-    max_token_len: int = 48  # language tokens (instruction + discretised state), padded
     state_norm: str = "quantiles"
     action_norm: str = "quantiles"
     eval_episodes: int = 1  # the last N episodes are held out from training for `lf-embodied eval`
@@ -44,7 +42,6 @@ class DatasetConfig:
     video_backend: str = "pyav"
 
     def __post_init__(self):
-        _positive("dataset", self, "image_size", "max_token_len")
         for key in ("state_norm", "action_norm"):
             if getattr(self, key) not in NORM_MODES:
                 raise ValueError(f"dataset.{key}={getattr(self, key)!r}: one of {', '.join(NORM_MODES)}")
@@ -111,6 +108,8 @@ class PolicyConfig:
     max_state_dim: int = 8  # state/action vectors are zero-padded to these sizes
     max_action_dim: int = 8
     num_cameras: int = 2  # image slots; absent cameras are filled with masked -1 images
+    image_size: int = 32  # square input side; camera frames are resized (with padding) to it
+    max_token_len: int = 48  # language tokens (instruction + discretised state), padded
     vocab_size: int = 520  # >= the tokenizer's vocabulary (ByteTokenizer.vocab_size)
     discrete_state: bool = True  # pi05: the normalised state enters as 256-bin tokens in the prompt
     vision: VisionConfig = field(default_factory=VisionConfig)
@@ -133,7 +132,9 @@ class PolicyConfig:
         if self.name not in POLICY_NAMES:
             raise ValueError(f"policy.name={self.name!r}: one of {', '.join(POLICY_NAMES)}")
         _positive("policy", self, "chunk_size", "max_state_dim", "max_action_dim", "num_cameras", "vocab_size",
-                  "num_inference_steps")
+                  "num_inference_steps", "image_size", "max_token_len")
+        if self.image_size % self.vision.patch_size:
+            raise ValueError(f"policy.image_size={self.image_size} is not a multiple of policy.vision.patch_size={self.vision.patch_size}")
         if self.time_sampling not in ("beta", "uniform"):
             raise ValueError(f"policy.time_sampling={self.time_sampling!r}: one of beta, uniform")
         if self.pretrained_format not in ("loongforge", "lerobot"):

@@ -27,7 +27,7 @@ def config_from_checkpoint(ckpt: Checkpoint, overrides: Sequence[str] = ()) -> T
 def restore_policy(path: str | Path, overrides: Sequence[str] = ()) -> tuple[nn.Module, TrainConfig, Checkpoint]:
     ckpt = Checkpoint(path)
     cfg = config_from_checkpoint(ckpt, overrides)
-    policy = build_policy(cfg.policy, cfg.dataset.image_size)
+    policy = build_policy(cfg.policy)
     model_sd, _ = split_state(ckpt)
     policy.load_state_dict(model_sd, strict=True)
     return policy, cfg, ckpt

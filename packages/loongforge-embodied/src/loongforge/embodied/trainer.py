@@ -136,7 +136,7 @@ def train(cfg: TrainConfig) -> TrainResult:
     root = resolve_dataset_root(cfg.dataset, env)
     dataset = EmbodiedDataset(cfg.dataset, cfg.policy, root, "train")
     env.accelerator.manual_seed(cfg.seed)
-    policy = build_policy(cfg.policy, cfg.dataset.image_size)
+    policy = build_policy(cfg.policy)
     load_pretrained(policy, cfg.policy)
     policy.to(env.device)
     model = parallelize(policy, cfg.parallel, env)

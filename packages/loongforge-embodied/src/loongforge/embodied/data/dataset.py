@@ -84,7 +84,7 @@ class EmbodiedDataset(Dataset):
         self.normalizer = Normalizer(
             self.meta.stats, {data_cfg.state_key: data_cfg.state_norm, data_cfg.action_key: data_cfg.action_norm}
         )
-        self.tokenizer = ByteTokenizer(data_cfg.max_token_len, policy_cfg.discrete_state)
+        self.tokenizer = ByteTokenizer(policy_cfg.max_token_len, policy_cfg.discrete_state)
         if self.tokenizer.vocab_size > policy_cfg.vocab_size:
             raise ValueError(f"policy.vocab_size={policy_cfg.vocab_size} < tokenizer vocabulary {self.tokenizer.vocab_size}")
         self.data_cfg = data_cfg
@@ -98,7 +98,7 @@ class EmbodiedDataset(Dataset):
         spec, pcfg = self.spec, self.policy_cfg
         state = self.normalizer.normalize(spec.state_key, raw[spec.state_key])
         actions = self.normalizer.normalize(spec.action_key, raw[spec.action_key])
-        size = self.data_cfg.image_size
+        size = pcfg.image_size
         images = torch.full((pcfg.num_cameras, 3, size, size), -1.0)
         image_mask = torch.zeros(pcfg.num_cameras, dtype=torch.bool)
         for slot, key in enumerate(spec.camera_keys):

@@ -11,16 +11,14 @@ from loongforge.embodied.config import PolicyConfig
 from loongforge.embodied.policies.layers import embed_scale
 
 
-def siglip_config(cfg: PolicyConfig, image_size: int) -> SiglipVisionConfig:
+def siglip_config(cfg: PolicyConfig) -> SiglipVisionConfig:
     v = cfg.vision
-    if image_size % v.patch_size:
-        raise ValueError(f"dataset.image_size={image_size} is not a multiple of policy.vision.patch_size={v.patch_size}")
     return SiglipVisionConfig(
         hidden_size=v.hidden_size,
         intermediate_size=v.intermediate_size,
         num_hidden_layers=v.num_layers,
         num_attention_heads=v.num_heads,
-        image_size=image_size,
+        image_size=cfg.image_size,
         patch_size=v.patch_size,
         layer_norm_eps=v.layer_norm_eps,
         hidden_act="gelu_pytorch_tanh",
@@ -30,9 +28,9 @@ def siglip_config(cfg: PolicyConfig, image_size: int) -> SiglipVisionConfig:
 
 
 class PrefixEmbedder(nn.Module):
-    def __init__(self, cfg: PolicyConfig, image_size: int):
+    def __init__(self, cfg: PolicyConfig):
         super().__init__()
-        self.vision_tower = SiglipVisionModel(siglip_config(cfg, image_size))
+        self.vision_tower = SiglipVisionModel(siglip_config(cfg))
         self.multi_modal_projector = nn.Linear(cfg.vision.hidden_size, cfg.vlm.width)
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.vlm.width)
         self.scale = embed_scale(cfg.vlm.width)

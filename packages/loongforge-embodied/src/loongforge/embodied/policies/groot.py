@@ -32,12 +32,12 @@ from loongforge.embodied.policies.layers import (
 class GrootPolicy(nn.Module):
     family = "groot"
 
-    def __init__(self, cfg: PolicyConfig, image_size: int):
+    def __init__(self, cfg: PolicyConfig):
         super().__init__()
         self.cfg = cfg
         vlm, dit = cfg.vlm, cfg.dit
         self.num_vlm_layers = dit.vlm_layer % vlm.depth + 1
-        self.prefix = PrefixEmbedder(cfg, image_size)
+        self.prefix = PrefixEmbedder(cfg)
         self.layers = nn.ModuleList([JointLayer(vlm) for _ in range(self.num_vlm_layers)])
         w = dit.width
         self.vl_norm = nn.LayerNorm(vlm.width)

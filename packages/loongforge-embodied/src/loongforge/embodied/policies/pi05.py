@@ -36,11 +36,11 @@ from loongforge.embodied.policies.layers import (
 class Pi05Policy(nn.Module):
     family = "pi05"
 
-    def __init__(self, cfg: PolicyConfig, image_size: int):
+    def __init__(self, cfg: PolicyConfig):
         super().__init__()
         self.cfg = cfg
         vlm, expert = cfg.vlm, cfg.expert
-        self.prefix = PrefixEmbedder(cfg, image_size)
+        self.prefix = PrefixEmbedder(cfg)
         self.layers = nn.ModuleList([JointLayer(vlm, expert, expert_cond_dim=expert.width) for _ in range(vlm.depth)])
         self.norm = RMSNorm(vlm.width, vlm.rms_norm_eps)
         self.expert_norm = AdaRMSNorm(expert.width, expert.width, expert.rms_norm_eps)

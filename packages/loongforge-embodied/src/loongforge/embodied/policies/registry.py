@@ -11,8 +11,8 @@ from loongforge.embodied.policies.pi05 import Pi05Policy
 POLICIES: dict[str, type[nn.Module]] = {"pi05": Pi05Policy, "groot": GrootPolicy}
 
 
-def build_policy(cfg: PolicyConfig, image_size: int) -> nn.Module:
+def build_policy(cfg: PolicyConfig) -> nn.Module:
     """A freshly initialised policy (weights drawn from the current torch RNG)."""
     if cfg.name not in POLICIES:
         raise KeyError(f"policy.name={cfg.name!r}: known policies {sorted(POLICIES)}")
-    return POLICIES[cfg.name](cfg, image_size)
+    return POLICIES[cfg.name](cfg)
