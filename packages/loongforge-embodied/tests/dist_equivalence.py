@@ -25,6 +25,7 @@ MODES = {
     "fsdp": ParallelConfig(mode="fsdp"),
     "hsdp": ParallelConfig(mode="hsdp", dp_replicate=2),
     "fsdp_ac": ParallelConfig(mode="fsdp", activation_checkpointing=True),
+    "fsdp_bf16": ParallelConfig(mode="fsdp", param_dtype="bf16", reduce_dtype="fp32"),
 }
 
 
@@ -77,8 +78,11 @@ def equivalence(env, name):
         assert set(grads) == set(ref_grads), (mode, set(grads) ^ set(ref_grads))
         # |g - g_ref| <= atol + rtol * |g_ref| elementwise, i.e. torch.testing.assert_close(rtol=1e-4, atol=1e-7);
         # the atol covers gradients that are exactly zero in exact arithmetic (attention key biases)
+        flat = torch.cat([grads[k].flatten() - ref_grads[k].flatten() for k in grads])
+        rel_l2 = float(flat.norm() / torch.cat([ref_grads[k].flatten() for k in grads]).norm())
         worst = max(float(((grads[k] - ref_grads[k]).abs() / (1e-7 + 1e-4 * ref_grads[k].abs())).max()) for k in grads)
-        result[mode] = {"loss": float(mean), "ref_loss": float(ref_loss.detach()), "grad_violation": worst, "num_grads": len(grads)}
+        result[mode] = {"loss": float(mean), "ref_loss": float(ref_loss.detach()), "grad_violation": worst,
+                        "grad_rel_l2": rel_l2, "num_grads": len(grads)}
     return result
 
 

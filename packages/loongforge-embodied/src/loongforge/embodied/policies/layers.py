@@ -23,9 +23,10 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.eps = eps
         self.weight = nn.Parameter(torch.zeros(dim))
+        self._rms_norm = get_kernel("rms_norm")
 
     def forward(self, x: torch.Tensor, cond: torch.Tensor | None = None) -> tuple[torch.Tensor, None]:
-        return get_kernel("rms_norm")(x, 1.0 + self.weight.float(), self.eps), None
+        return self._rms_norm(x, 1.0 + self.weight.float(), self.eps), None
 
 
 class AdaRMSNorm(nn.Module):
@@ -136,6 +137,7 @@ class JointLayer(nn.Module):
         self.vlm = GemmaBlock(vlm)
         self.expert = GemmaBlock(expert, expert_cond_dim) if expert is not None else None
         self.scale = vlm.head_dim**-0.5
+        self._rope = get_kernel("rope")  # resolved once: the fused op when installed, else the reference
 
     def forward(
         self,
@@ -148,7 +150,7 @@ class JointLayer(nn.Module):
         prefix_kv: tuple[torch.Tensor, torch.Tensor] | None = None,
         prefix_output: bool = True,
     ):
-        rope = get_kernel("rope")
+        rope = self._rope
         streams = [(self.vlm, prefix, None), (self.expert, suffix, cond)]
         streams = [(blk, x, c) for blk, x, c in streams if x is not None]
         qs, ks, vs, gates, lens = [], [], [], [], []
