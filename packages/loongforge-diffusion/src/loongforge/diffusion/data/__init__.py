@@ -1,0 +1,1 @@
+"""Data: video/image decoding, the VAE and text encoders, latent shards, the built-in synthetic set."""

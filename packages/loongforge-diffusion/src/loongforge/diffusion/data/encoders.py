@@ -1,0 +1,105 @@
+"""The frozen encoders of preprocessing: diffusers' ``AutoencoderKLWan`` for videos and a
+T5/UMT5 encoder (transformers) for prompts, loaded from local directories (never downloaded).
+
+Latents are stored normalised as WanPipeline expects them (``(mean - latents_mean) / latents_std``
+of the VAE posterior); prompts as the encoder's last hidden state trimmed to the prompt's length
+(WanPipeline zero-pads them to ``max_sequence_length`` at use).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+
+def _component_dir(path: str | Path, component: str, marker: str = "config.json") -> Path:
+    """``path`` itself, or its ``component/`` subfolder (a diffusers pipeline directory)."""
+    root = Path(path).expanduser()
+    if (root / marker).is_file():
+        return root
+    if (root / component / marker).is_file():
+        return root / component
+    raise FileNotFoundError(f"{path}: no {marker} here or in {component}/ (a local {component} directory is expected)")
+
+
+def read_component_config(path: str | Path, component: str) -> dict:
+    """The config.json of a local ``vae`` / ``text_encoder`` directory."""
+    import json
+
+    return json.loads((_component_dir(path, component) / "config.json").read_text())
+
+
+def load_vae(path: str | Path, device, dtype=torch.float32):
+    from diffusers import AutoencoderKLWan
+
+    vae = AutoencoderKLWan.from_pretrained(
+        str(_component_dir(path, "vae")), local_files_only=True, torch_dtype=dtype, low_cpu_mem_usage=False
+    )
+    return vae.to(device).eval().requires_grad_(False)
+
+
+def vae_factors(config: dict) -> tuple[int, int]:
+    """(temporal, spatial) compression of a VAE config."""
+    return int(config.get("scale_factor_temporal") or 4), int(config.get("scale_factor_spatial") or 8)
+
+
+def _latent_stats(vae, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    shape = (1, vae.config.z_dim, 1, 1, 1)
+    mean = torch.tensor(vae.config.latents_mean, dtype=like.dtype, device=like.device).view(shape)
+    std = torch.tensor(vae.config.latents_std, dtype=like.dtype, device=like.device).view(shape)
+    return mean, std
+
+
+@torch.no_grad()
+def encode_video(vae, video: torch.Tensor) -> torch.Tensor:
+    """``[3, F, H, W]`` in [-1, 1] -> normalised latent ``[z, f, h, w]`` (posterior mean)."""
+    param = next(vae.parameters())
+    mu = vae.encode(video[None].to(param.device, param.dtype)).latent_dist.mean
+    mean, std = _latent_stats(vae, mu)
+    return ((mu - mean) / std)[0].float().cpu()
+
+
+@torch.no_grad()
+def decode_latent(vae, latent: torch.Tensor) -> torch.Tensor:
+    """Normalised latent ``[z, f, h, w]`` -> video ``[3, F, H, W]`` in [-1, 1]."""
+    param = next(vae.parameters())
+    z = latent[None].to(param.device, param.dtype)
+    mean, std = _latent_stats(vae, z)
+    return vae.decode(z * std + mean).sample[0].float().clamp(-1, 1).cpu()
+
+
+def load_text_encoder(path: str | Path, tokenizer_path: str | Path | None, device, dtype=torch.float32):
+    """``(tokenizer, encoder)``: a T5/UMT5 encoder and its tokenizer from local directories."""
+    from transformers import AutoTokenizer, T5EncoderModel, UMT5EncoderModel
+
+    enc_dir = _component_dir(path, "text_encoder")
+    tok_dir = _component_dir(tokenizer_path or path, "tokenizer", marker="tokenizer_config.json")
+    tokenizer = AutoTokenizer.from_pretrained(str(tok_dir), local_files_only=True)
+    model_type = read_component_config(path, "text_encoder").get("model_type")
+    cls = {"umt5": UMT5EncoderModel, "t5": T5EncoderModel}.get(model_type)
+    if cls is None:
+        raise ValueError(f"{enc_dir / 'config.json'}: model_type={model_type!r}; expected 'umt5' or 't5'")
+    encoder = cls.from_pretrained(str(enc_dir), local_files_only=True, torch_dtype=dtype)
+    return tokenizer, encoder.to(device).eval().requires_grad_(False)
+
+
+@torch.no_grad()
+def encode_prompts(tokenizer, encoder, prompts: list[str], max_sequence_length: int) -> list[torch.Tensor]:
+    """Prompt embeddings ``[L_i, D]`` (L_i = prompt tokens incl. EOS), as WanPipeline computes them."""
+    from diffusers.pipelines.wan.pipeline_wan import prompt_clean
+
+    inputs = tokenizer(
+        [prompt_clean(p) for p in prompts],
+        padding="max_length",
+        max_length=max_sequence_length,
+        truncation=True,
+        add_special_tokens=True,
+        return_attention_mask=True,
+        return_tensors="pt",
+    )
+    device = next(encoder.parameters()).device
+    mask = inputs.attention_mask.to(device)
+    hidden = encoder(inputs.input_ids.to(device), mask).last_hidden_state
+    lengths = mask.gt(0).sum(dim=1).tolist()
+    return [h[:n].float().cpu() for h, n in zip(hidden, lengths)]

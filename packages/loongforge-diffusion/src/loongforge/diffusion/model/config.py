@@ -1,0 +1,99 @@
+"""The ``model`` config group: Wan DiT architecture (diffusers' ``WanTransformer3DModel`` field
+names) plus how LoongForge runs it."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from loongforge.diffusion.model.attention import BACKENDS
+
+# diffusers WanTransformer3DModel config fields this implementation reproduces exactly
+DIFFUSERS_FIELDS = (
+    "patch_size",
+    "num_attention_heads",
+    "attention_head_dim",
+    "in_channels",
+    "out_channels",
+    "text_dim",
+    "freq_dim",
+    "ffn_dim",
+    "num_layers",
+    "cross_attn_norm",
+    "qk_norm",
+    "eps",
+    "rope_max_seq_len",
+)
+# diffusers fields of image-conditioned variants (Wan 2.1 I2V); they must be unset
+UNSUPPORTED_FIELDS = ("image_dim", "added_kv_proj_dim", "pos_embed_seq_len")
+
+
+@dataclass
+class WanConfig:
+    # architecture (diffusers names and meanings)
+    patch_size: list[int] = field(default_factory=lambda: [1, 2, 2])
+    num_attention_heads: int = 2
+    attention_head_dim: int = 32
+    in_channels: int = 4
+    out_channels: int = 4
+    text_dim: int = 32
+    freq_dim: int = 32
+    ffn_dim: int = 128
+    num_layers: int = 2
+    cross_attn_norm: bool = True
+    qk_norm: str = "rms_norm_across_heads"
+    eps: float = 1e-6
+    rope_max_seq_len: int = 1024
+    # prompt embeddings are zero-padded to this many tokens (Wan: 512), as WanPipeline does
+    text_len: int = 16
+    # Wan 2.2 two experts: timesteps >= boundary_ratio * 1000 go to the high-noise expert
+    boundary_ratio: float | None = None
+    # how it runs
+    attention_backend: str = "auto"
+    activation_checkpointing: bool = False
+    # a local diffusers directory (WanTransformer3DModel, or a pipeline with transformer/ and
+    # transformer_2/ for two experts) to start from; None: random init
+    pretrained: str | None = None
+
+    def __post_init__(self):
+        if len(self.patch_size) != 3 or any(p < 1 for p in self.patch_size):
+            raise ValueError(f"model.patch_size={list(self.patch_size)}: three positive ints (t, h, w)")
+        for key in ("num_attention_heads", "attention_head_dim", "in_channels", "out_channels", "text_dim",
+                    "freq_dim", "ffn_dim", "num_layers", "rope_max_seq_len", "text_len"):
+            if getattr(self, key) < 1:
+                raise ValueError(f"model.{key}={getattr(self, key)}: must be >= 1")
+        if self.attention_head_dim % 2 or (self.attention_head_dim - 4 * (self.attention_head_dim // 6)) % 2:
+            raise ValueError(f"model.attention_head_dim={self.attention_head_dim}: its 3D RoPE bands must be even")
+        if self.qk_norm != "rms_norm_across_heads":
+            raise ValueError(f"model.qk_norm={self.qk_norm!r}: only 'rms_norm_across_heads' (Wan) is supported")
+        if self.boundary_ratio is not None and not 0.0 < self.boundary_ratio < 1.0:
+            raise ValueError(f"model.boundary_ratio={self.boundary_ratio}: must be in (0, 1) or null")
+        if self.attention_backend not in BACKENDS:
+            raise ValueError(f"model.attention_backend={self.attention_backend!r}: one of {', '.join(BACKENDS)}")
+
+    @property
+    def hidden_size(self) -> int:
+        return self.num_attention_heads * self.attention_head_dim
+
+    @property
+    def patch_volume(self) -> int:
+        pt, ph, pw = self.patch_size
+        return pt * ph * pw
+
+    def diffusers_kwargs(self) -> dict:
+        """Keyword arguments of an equivalent ``WanTransformer3DModel``."""
+        out = {k: getattr(self, k) for k in DIFFUSERS_FIELDS}
+        out["patch_size"] = tuple(self.patch_size)
+        return out
+
+    @classmethod
+    def from_diffusers(cls, config: dict, source: str = "diffusers config", **overrides) -> "WanConfig":
+        """A WanConfig from a ``WanTransformer3DModel`` config dict (e.g. its config.json)."""
+        for key in UNSUPPORTED_FIELDS:
+            if config.get(key) is not None:
+                raise ValueError(f"{source}: {key}={config[key]!r} (image-conditioned Wan) is not supported")
+        values = {k: config[k] for k in DIFFUSERS_FIELDS if k in config}
+        if "patch_size" in values:
+            values["patch_size"] = list(values["patch_size"])
+        if values.get("qk_norm") is None:
+            values.pop("qk_norm", None)
+        return cls(**values, **overrides)

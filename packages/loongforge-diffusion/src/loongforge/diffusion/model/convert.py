@@ -1,0 +1,119 @@
+"""diffusers <-> LoongForge weights for the Wan DiT.
+
+The mapping is the identity: ``WanDiT`` has ``WanTransformer3DModel``'s parameter names and
+shapes. ``check_layout`` verifies that (both directions, shapes included) before any copy, so a
+mismatching checkpoint fails with the offending keys instead of loading half a model.
+Two-expert checkpoints are diffusers pipeline directories with ``transformer/`` (high noise) and
+``transformer_2/`` (low noise).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+from loongforge.diffusion.model.config import WanConfig
+from loongforge.diffusion.model.experts import WanExperts
+
+
+def check_layout(ours: dict[str, torch.Tensor], theirs: dict[str, torch.Tensor], source: str) -> None:
+    missing = sorted(set(ours) - set(theirs))
+    unexpected = sorted(set(theirs) - set(ours))
+    shapes = [k for k in set(ours) & set(theirs) if tuple(ours[k].shape) != tuple(theirs[k].shape)]
+    if missing or unexpected or shapes:
+        parts = []
+        if missing:
+            parts.append(f"missing {missing[:5]}{' ...' if len(missing) > 5 else ''}")
+        if unexpected:
+            parts.append(f"unexpected {unexpected[:5]}{' ...' if len(unexpected) > 5 else ''}")
+        for k in sorted(shapes)[:5]:
+            parts.append(f"{k}: {list(theirs[k].shape)} vs model {list(ours[k].shape)}")
+        raise ValueError(f"{source}: weights do not match the Wan DiT layout: " + "; ".join(parts))
+
+
+def transformer_dirs(path: str | Path, names: list[str]) -> dict[str, Path]:
+    """The diffusers transformer directory of each expert under ``path``."""
+    root = Path(path).expanduser()
+    if not root.is_dir():
+        raise FileNotFoundError(f"model.pretrained={str(path)!r}: not a directory")
+    if len(names) == 1 and (root / "config.json").is_file():
+        return {names[0]: root}
+    dirs = {name: root / name for name in names}
+    for name, d in dirs.items():
+        if not (d / "config.json").is_file():
+            raise FileNotFoundError(f"model.pretrained={str(path)!r}: no {name}/config.json (diffusers layout expected)")
+    return dirs
+
+
+def read_diffusers_config(directory: Path) -> dict:
+    path = directory / "config.json"
+    try:
+        return json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError) as exc:
+        raise ValueError(f"{path}: cannot read diffusers config ({exc})") from exc
+
+
+def check_config(cfg: WanConfig, directory: Path) -> None:
+    theirs = WanConfig.from_diffusers(read_diffusers_config(directory), source=str(directory / "config.json"))
+    for key, value in cfg.diffusers_kwargs().items():
+        other = theirs.diffusers_kwargs()[key]
+        if value != other:
+            raise ValueError(f"{directory / 'config.json'}: {key}={other!r} but model.{key}={value!r}")
+
+
+WEIGHTS = "diffusion_pytorch_model.safetensors"
+
+
+def read_diffusers_weights(directory: Path) -> dict[str, torch.Tensor]:
+    """The tensors of a diffusers model directory (single or sharded safetensors)."""
+    from safetensors.torch import load_file
+
+    index = directory / f"{WEIGHTS}.index.json"
+    if index.is_file():
+        files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+    elif (directory / WEIGHTS).is_file():
+        files = [WEIGHTS]
+    else:
+        raise FileNotFoundError(f"{directory}: no {WEIGHTS} (or its .index.json); diffusers safetensors weights expected")
+    state: dict[str, torch.Tensor] = {}
+    for name in files:
+        state.update(load_file(str(directory / name)))
+    return state
+
+
+@torch.no_grad()
+def load_pretrained(model: WanExperts, path: str | Path) -> None:
+    """Copy diffusers ``WanTransformer3DModel`` weights from a local directory into ``model``."""
+    for name, directory in transformer_dirs(path, model.names).items():
+        check_config(model.config, directory)
+        theirs = read_diffusers_weights(directory)
+        expert = model.expert(name)
+        check_layout(expert.state_dict(), theirs, str(directory))
+        expert.load_state_dict({k: v.float() for k, v in theirs.items()}, strict=True)
+
+
+@torch.no_grad()
+def export_diffusers(state: dict[str, torch.Tensor], cfg: WanConfig, out_dir: str | Path) -> list[Path]:
+    """Write ``WanExperts`` weights (``transformer.*`` / ``transformer_2.*`` keys) as diffusers
+    ``WanTransformer3DModel`` directories; returns them."""
+    from diffusers import WanTransformer3DModel
+
+    out = Path(out_dir)
+    names = [n for n in ("transformer", "transformer_2") if any(k.startswith(n + ".") for k in state)]
+    if not names:
+        raise ValueError("no transformer.* weights to export")
+    written = []
+    for name in names:
+        prefix = name + "."
+        weights = {k[len(prefix):]: v for k, v in state.items() if k.startswith(prefix)}
+        reference = WanTransformer3DModel(**cfg.diffusers_kwargs())
+        check_layout(reference.state_dict(), weights, f"export of {name}")
+        reference.load_state_dict(weights, strict=True)
+        directory = out / name if cfg.boundary_ratio is not None else out
+        reference.save_pretrained(str(directory))
+        written.append(directory)
+    if cfg.boundary_ratio is not None:
+        (out / "boundary.json").write_text(json.dumps({"boundary_ratio": cfg.boundary_ratio}) + "\n")
+    return written

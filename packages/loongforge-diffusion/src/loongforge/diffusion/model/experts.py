@@ -1,0 +1,35 @@
+"""One DiT (Wan 2.1, Wan 2.2 TI2V) or Wan 2.2's two experts, named as in diffusers' WanPipeline:
+``transformer`` denoises timesteps ``t >= boundary_ratio * num_train_timesteps`` (high noise),
+``transformer_2`` the rest (low noise)."""
+
+from __future__ import annotations
+
+import torch.nn as nn
+
+from loongforge.diffusion.model.config import WanConfig
+from loongforge.diffusion.model.dit import WanDiT
+
+EXPERT_NAMES = ("transformer", "transformer_2")  # high-noise, low-noise
+
+
+class WanExperts(nn.Module):
+    def __init__(self, cfg: WanConfig):
+        super().__init__()
+        self.config = cfg
+        self.names = list(EXPERT_NAMES if cfg.boundary_ratio is not None else EXPERT_NAMES[:1])
+        for name in self.names:
+            self.add_module(name, WanDiT(cfg))
+
+    def expert(self, name: str) -> nn.Module:
+        if name not in self.names:
+            raise KeyError(f"no expert {name!r}; this model has {self.names}")
+        return getattr(self, name)
+
+    def boundary_timestep(self, num_train_timesteps: int) -> float | None:
+        r = self.config.boundary_ratio
+        return None if r is None else r * num_train_timesteps
+
+    def expert_for(self, timestep: float, num_train_timesteps: int) -> str:
+        """The expert that denoises at ``timestep`` (WanPipeline's rule)."""
+        boundary = self.boundary_timestep(num_train_timesteps)
+        return EXPERT_NAMES[0] if boundary is None or timestep >= boundary else EXPERT_NAMES[1]

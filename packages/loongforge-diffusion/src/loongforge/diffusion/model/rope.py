@@ -1,0 +1,43 @@
+"""Wan's 3D rotary position embedding for packed tokens.
+
+Wan splits each head's channels into (frame, height, width) bands of sizes
+``(hd - 2*(2*(hd//6)), 2*(hd//6), 2*(hd//6))`` and rotates channel pairs ``(2i, 2i+1)`` of each band
+by ``pos * theta**(-2i/band)`` (diffusers' ``WanRotaryPosEmbed``, interleaved pairs). The core
+``rope`` kernel rotates in the rotate-half convention, i.e. pairs ``(i, i + hd/2)``. Permuting a
+head's channels from ``[c0, c1, c2, c3, ...]`` to ``[c0, c2, ..., c1, c3, ...]`` turns one convention
+into the other; applying the same permutation to queries and keys leaves every dot product, hence
+attention, unchanged. So queries and keys are permuted once (``to_rotate_half``) and rotated by the
+kernel with the half-width tables returned here.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def band_sizes(head_dim: int) -> tuple[int, int, int]:
+    """Channels per head given to the (frame, height, width) axes, as in diffusers."""
+    h = w = 2 * (head_dim // 6)
+    return head_dim - h - w, h, w
+
+
+def _angles(positions: torch.Tensor, dim: int, theta: float) -> torch.Tensor:
+    freqs = 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.float64, device=positions.device)[: dim // 2] / dim))
+    return positions.to(torch.float64)[:, None] * freqs[None, :]
+
+
+def rope_tables(positions: torch.Tensor, head_dim: int, theta: float = 10000.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """``cos``/``sin`` of shape ``[tokens, head_dim]`` (rotate-half layout, fp32) for token grid
+    positions ``[tokens, 3]`` (frame, row, column index inside each sample)."""
+    if positions.dim() != 2 or positions.shape[1] != 3:
+        raise ValueError(f"positions must be [tokens, 3], got {list(positions.shape)}")
+    angles = torch.cat(
+        [_angles(positions[:, axis], dim, theta) for axis, dim in enumerate(band_sizes(head_dim))], dim=1
+    )  # [tokens, head_dim/2], channel-pair order of the interleaved layout
+    cos, sin = angles.cos().float(), angles.sin().float()
+    return torch.cat([cos, cos], dim=1), torch.cat([sin, sin], dim=1)
+
+
+def to_rotate_half(x: torch.Tensor) -> torch.Tensor:
+    """Permute the last dim from interleaved pairs to rotate-half halves: evens first, then odds."""
+    return x.unflatten(-1, (-1, 2)).transpose(-1, -2).flatten(-2)

@@ -1,0 +1,142 @@
+"""Euler flow sampling with diffusers' ``FlowMatchEulerDiscreteScheduler`` (the Wan 2.2 rule picks
+the expert per step by the timestep boundary), then VAE decoding and a PNG grid / GIF."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from loongforge.diffusion.model.experts import WanExperts
+from loongforge.diffusion.packing import pack, unpack_outputs
+
+
+@torch.no_grad()
+def generate(
+    experts: WanExperts,
+    text: torch.Tensor,
+    shapes: Sequence[Sequence[int]],
+    *,
+    num_steps: int,
+    shift: float,
+    guidance_scale: float = 1.0,
+    seed: int = 0,
+    num_train_timesteps: int = 1000,
+) -> list[torch.Tensor]:
+    """Latents ``[C, F, H, W]`` for prompts ``text`` ``[B, L, D]`` (one per shape), from noise."""
+    from diffusers import FlowMatchEulerDiscreteScheduler
+
+    scheduler = FlowMatchEulerDiscreteScheduler(num_train_timesteps=num_train_timesteps, shift=shift)
+    scheduler.set_timesteps(num_steps)
+    device = next(experts.parameters()).device
+    patch = experts.config.patch_size
+    g = torch.Generator().manual_seed(seed)
+    latents = [torch.randn(tuple(s), generator=g) for s in shapes]
+    sizes = [x.numel() for x in latents]
+    flat = torch.cat([x.flatten() for x in latents])
+    negative = torch.zeros_like(text)
+
+    def velocity(model, xs, t, prompts):
+        batch = pack(xs, t.expand(len(xs)).float(), prompts, patch).to(device)
+        return torch.cat([v.flatten().float().cpu() for v in unpack_outputs(model(batch), batch, patch)])
+
+    for t in scheduler.timesteps:
+        model = experts.expert(experts.expert_for(float(t), num_train_timesteps))
+        xs = [c.view(x.shape) for c, x in zip(flat.split(sizes), latents)]
+        v = velocity(model, xs, t, text)
+        if guidance_scale > 1.0:
+            v_neg = velocity(model, xs, t, negative)
+            v = v_neg + guidance_scale * (v - v_neg)
+        flat = scheduler.step(v, t, flat, return_dict=False)[0]
+    return [c.view(x.shape).clone() for c, x in zip(flat.split(sizes), latents)]
+
+
+def _to_uint8(video: torch.Tensor) -> np.ndarray:
+    """``[3, F, H, W]`` in [-1, 1] -> ``[F, H, W, 3]`` uint8."""
+    return ((video.clamp(-1, 1) + 1) * 127.5).round().byte().permute(1, 2, 3, 0).numpy()
+
+
+def write_grid(rows: Sequence[Sequence[torch.Tensor]], png: str | Path, gif: str | Path | None = None, fps: int = 4) -> list[Path]:
+    """Draw videos ``[3, F, H, W]`` in [-1, 1] given as rows (e.g. generated, reference).
+
+    The PNG has one strip per video (its frames left to right), the rows' videos one below the
+    other; the GIF animates the frames with each row's videos side by side."""
+    from PIL import Image
+
+    videos = [[_to_uint8(v) for v in row] for row in rows]
+    cell_h = max(v.shape[1] for row in videos for v in row)
+    cell_w = max(v.shape[2] for row in videos for v in row)
+    max_f = max(v.shape[0] for row in videos for v in row)
+    cols = max(len(row) for row in videos)
+    pad = 2
+    # PNG: one line per video (its frames left to right), videos of a row one below the other
+    lines = [v for row in videos for v in row]
+    sheet = np.zeros((len(lines) * (cell_h + pad), max_f * (cell_w + pad), 3), dtype=np.uint8)
+    for i, v in enumerate(lines):
+        for f in range(v.shape[0]):
+            y, x = i * (cell_h + pad), f * (cell_w + pad)
+            sheet[y : y + v.shape[1], x : x + v.shape[2]] = v[f]
+    png = Path(png)
+    png.parent.mkdir(parents=True, exist_ok=True)
+    Image.fromarray(sheet).save(png)
+    out = [png]
+    if gif is not None:
+        frames = []
+        for f in range(max_f):
+            canvas = np.zeros((len(videos) * (cell_h + pad), cols * (cell_w + pad), 3), dtype=np.uint8)
+            for r, row in enumerate(videos):
+                for c, v in enumerate(row):
+                    y, x = r * (cell_h + pad), c * (cell_w + pad)
+                    canvas[y : y + v.shape[1], x : x + v.shape[2]] = v[min(f, v.shape[0] - 1)]
+            frames.append(Image.fromarray(canvas))
+        gif = Path(gif)
+        frames[0].save(gif, save_all=True, append_images=frames[1:], duration=int(1000 / fps), loop=0)
+        out.append(gif)
+    return out
+
+
+def sample_run(recipe, checkpoint: str | Path, out_dir: str | Path) -> list[Path]:
+    """``lf-diffusion sample``: generate from a checkpoint of ``recipe``'s run and draw the result."""
+    from loongforge.core.accelerators import get_accelerator
+    from loongforge.core.checkpoint.format import Checkpoint
+    from loongforge.diffusion.checkpointing import load_model
+    from loongforge.diffusion.data.encoders import decode_latent, encode_prompts, load_text_encoder, load_vae
+    from loongforge.diffusion.data.shards import LatentShards
+    from loongforge.diffusion.packing import pad_text
+
+    s, m = recipe.sample, recipe.model
+    ckpt = Checkpoint(checkpoint)
+    device = get_accelerator().device()
+    experts = WanExperts(m)
+    load_model({n: experts.expert(n) for n in experts.names}, ckpt, prefix="model.")
+    if s.use_ema and ckpt.manifest.get("ema"):  # EMA covers the trained experts; others keep model weights
+        trained = {n: experts.expert(n) for n in experts.names if f"ema.{n}.proj_out.weight" in ckpt.reader.keys()}
+        load_model(trained, ckpt, prefix="ema.")
+    experts.to(device).eval()
+
+    dataset = LatentShards(ckpt.manifest["data_root"])
+    facts = dataset.manifest
+    vae = load_vae(facts["vae"], device)
+    reference = None
+    if s.prompts:
+        tokenizer, encoder = load_text_encoder(facts["text_encoder"], facts["tokenizer"], device)
+        embeddings = encode_prompts(tokenizer, encoder, list(s.prompts), facts["max_sequence_length"])
+        t_factor, s_factor = facts["vae_factors"]
+        shape = [facts["latent_channels"], 1 + (s.num_frames - 1) // t_factor, s.height // s_factor, s.width // s_factor]
+        shapes = [shape] * len(embeddings)
+    else:
+        picks = list(range(min(s.num_samples, len(dataset))))
+        loaded = [dataset.load(i) for i in picks]
+        embeddings = [t for _, t in loaded]
+        shapes = [list(x.shape) for x, _ in loaded]
+        reference = [decode_latent(vae, x) for x, _ in loaded]
+    latents = generate(experts, pad_text(embeddings, m.text_len), shapes, num_steps=s.num_steps, shift=s.shift,
+                       guidance_scale=s.guidance_scale, seed=s.seed,
+                       num_train_timesteps=recipe.objective.num_train_timesteps)
+    videos = [decode_latent(vae, x) for x in latents]
+    rows = [videos] + ([reference] if reference is not None else [])
+    out_dir = Path(out_dir)
+    name = f"step_{ckpt.step:08d}"
+    return write_grid(rows, out_dir / f"{name}.png", out_dir / f"{name}.gif", fps=s.fps)

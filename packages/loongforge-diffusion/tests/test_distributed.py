@@ -1,0 +1,57 @@
+"""Parallel layouts give the single-process result: Ulysses CP=2 and DP=2 (FSDP2, packed
+micro-batches, core balancer) on 2 gloo processes against 1 process, same data and weights."""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from loongforge.core.checkpoint import load_checkpoint
+from loongforge.core.metrics import read_metrics
+from loongforge.diffusion.cli import main
+
+WORKER = Path(__file__).with_name("distributed_worker.py")
+LR = 2e-3
+
+
+def _compare(run: Path, ref: Path) -> None:
+    got, want = read_metrics(run), read_metrics(ref)
+    assert [r["step"] for r in got] == [r["step"] for r in want] == [1, 2]
+    for g, w in zip(got, want):
+        assert g["loss"] == pytest.approx(w["loss"], rel=1e-5)
+        assert g["grad_norm"] == pytest.approx(w["grad_norm"], rel=1e-4)
+    tg, mg, _ = load_checkpoint(run / "checkpoints")
+    tw, _, _ = load_checkpoint(ref / "checkpoints")
+    assert set(tg) == set(tw)
+    for key in tw:
+        if key.startswith("optim."):  # Adam moments: the gradients of both steps
+            scale = float(tw[key].abs().max())
+            torch.testing.assert_close(tg[key], tw[key], atol=1e-4 * scale, rtol=0, msg=key)
+        else:  # weights after two steps; Adam normalises tiny gradients, so allow 5% of one lr step
+            torch.testing.assert_close(tg[key], tw[key], atol=0.05 * LR, rtol=0, msg=key)
+    return mg
+
+
+@pytest.mark.slow
+def test_cp2_and_fsdp2_dp2_equal_one_process(tmp_path, synthetic_overrides, cache_dir):
+    common = ["train.steps=2", "train.global_batch_size=6", "train.warmup_steps=0", f"train.lr={LR}", "checkpoint.keep_last=1",
+              *synthetic_overrides]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "LOONGFORGE_ACCELERATOR": "cpu"}
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", str(WORKER),
+         str(tmp_path), *common],
+        env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    )
+    ref = tmp_path / "ref"
+    assert main(["train", f"log.run_dir={ref}", *common]) == 0  # meanwhile, the 1-process reference
+    output, _ = proc.communicate(timeout=400)
+    assert proc.returncode == 0, output[-4000:]
+
+    manifest = _compare(tmp_path / "cp2", ref)
+    assert manifest["layout"] == {"dp": 1, "cp": 2, "data_parallel": "ddp"}
+    manifest = _compare(tmp_path / "dp2_fsdp2", ref)
+    assert manifest["layout"] == {"dp": 2, "cp": 1, "data_parallel": "fsdp2"}
+    assert max(r["micro_batches"] for r in read_metrics(tmp_path / "dp2_fsdp2")) > 1

@@ -1,0 +1,132 @@
+"""The Wan DiT against diffusers' WanTransformer3DModel on the same weights."""
+
+import json
+
+import pytest
+import torch
+from diffusers import FlowMatchEulerDiscreteScheduler, WanTransformer3DModel
+
+from loongforge.diffusion.model import WanConfig, WanDiT, WanExperts
+from loongforge.diffusion.model.convert import export_diffusers, load_pretrained, read_diffusers_weights
+from loongforge.diffusion.packing import pack, unpack_outputs
+from loongforge.diffusion.sampling import generate
+
+TOL = dict(atol=2e-5, rtol=1e-5)
+
+
+def _pair(**overrides):
+    cfg = WanConfig(**overrides)
+    ref = WanTransformer3DModel(**cfg.diffusers_kwargs()).eval()
+    ours = WanDiT(cfg).eval()
+    ours.load_state_dict(ref.state_dict(), strict=True)
+    return cfg, ref, ours
+
+
+@pytest.mark.parametrize("overrides", [{}, {"cross_attn_norm": False, "patch_size": [2, 2, 2], "num_attention_heads": 4,
+                                             "attention_head_dim": 16}])
+def test_forward_equals_diffusers(overrides):
+    cfg, ref, ours = _pair(**overrides)
+    pt = cfg.patch_size[0]
+    x = torch.randn(2, cfg.in_channels, 2 * pt, 8, 6)
+    t = torch.tensor([37.0, 912.5])
+    text = torch.randn(2, cfg.text_len, cfg.text_dim)
+    with torch.no_grad():
+        expected = ref(x, t, text, return_dict=False)[0]
+        got = ours.forward_video(x, t, text)
+    assert got.shape == expected.shape
+    torch.testing.assert_close(got, expected, **TOL)
+
+
+@pytest.mark.parametrize("backend", ["split", "masked", "flex"])
+def test_packed_mixed_sizes_equal_each_sample_alone(backend):
+    """Three videos of different durations and resolutions in one padded pack: every sample's
+    output equals diffusers run on that sample alone."""
+    cfg, ref, ours = _pair(attention_backend=backend)
+    xs = [torch.randn(4, 3, 8, 6), torch.randn(4, 1, 4, 4), torch.randn(4, 2, 6, 10)]
+    t = torch.tensor([10.0, 500.0, 999.0])
+    text = torch.randn(3, cfg.text_len, cfg.text_dim)
+    batch = pack(xs, t, text, cfg.patch_size, pad_to_multiple=4)
+    assert batch.num_pad > 0 and batch.num_tokens % 4 == 0
+    with torch.no_grad():
+        outs = unpack_outputs(ours(batch), batch, cfg.patch_size)
+        for i, x in enumerate(xs):
+            expected = ref(x[None], t[i : i + 1], text[i : i + 1], return_dict=False)[0][0]
+            torch.testing.assert_close(outs[i], expected, **TOL)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the varlen (flash) backend needs a CUDA device")
+def test_varlen_backend_equals_split_on_gpu():
+    cfg = WanConfig(attention_backend="varlen")
+    ours = WanDiT(cfg).cuda().to(torch.bfloat16).eval()
+    xs = [torch.randn(4, 3, 8, 6), torch.randn(4, 1, 4, 4), torch.randn(4, 2, 6, 10)]
+    batch = pack(xs, torch.tensor([10.0, 500.0, 999.0]), torch.randn(3, cfg.text_len, cfg.text_dim), cfg.patch_size).to("cuda")
+    with torch.no_grad():
+        varlen = ours(batch)
+        ours.config.attention_backend = "split"
+        split = ours(batch)
+    torch.testing.assert_close(varlen.float(), split.float(), atol=3e-2, rtol=3e-2)
+
+
+def test_activation_checkpointing_same_gradients():
+    cfg, _, ours = _pair()
+    batch = pack([torch.randn(4, 3, 4, 6), torch.randn(4, 1, 6, 4)], torch.tensor([100.0, 700.0]),
+                 torch.randn(2, cfg.text_len, cfg.text_dim), cfg.patch_size)
+    grads = []
+    for ckpt in (False, True):
+        ours.zero_grad()
+        ours.activation_checkpointing = ckpt
+        ours(batch).pow(2).mean().backward()
+        grads.append({k: p.grad.clone() for k, p in ours.named_parameters()})
+    for k in grads[0]:
+        torch.testing.assert_close(grads[1][k], grads[0][k], atol=1e-6, rtol=1e-5)
+
+
+def test_pretrained_import_and_export_roundtrip(tmp_path):
+    cfg = WanConfig()
+    ref = WanTransformer3DModel(**cfg.diffusers_kwargs()).eval()
+    ref.save_pretrained(str(tmp_path / "src"))
+    model = WanExperts(cfg)
+    load_pretrained(model, tmp_path / "src")
+    x, t, text = torch.randn(1, 4, 2, 4, 4), torch.tensor([400.0]), torch.randn(1, cfg.text_len, cfg.text_dim)
+    with torch.no_grad():
+        torch.testing.assert_close(model.transformer.eval().forward_video(x, t, text), ref(x, t, text, return_dict=False)[0], **TOL)
+    state = {f"transformer.{k}": v for k, v in model.transformer.state_dict().items()}
+    (out,) = export_diffusers(state, cfg, tmp_path / "out")
+    back = read_diffusers_weights(out)
+    assert json.loads((out / "config.json").read_text())["_class_name"] == "WanTransformer3DModel"
+    assert set(back) == set(ref.state_dict())
+    for k, v in ref.state_dict().items():
+        assert torch.equal(back[k], v), k
+    with pytest.raises(ValueError, match="num_layers=2 but model.num_layers=3"):
+        load_pretrained(WanExperts(WanConfig(num_layers=3)), tmp_path / "src")
+
+
+def test_two_expert_sampling_follows_wan_pipeline():
+    """Euler sampling with two experts equals WanPipeline's loop (diffusers scheduler, transformer
+    for t >= boundary, transformer_2 below) on the same weights."""
+    cfg = WanConfig(boundary_ratio=0.6)
+    torch.manual_seed(1)
+    experts = WanExperts(cfg).eval()
+    assert experts.expert_for(600.0, 1000) == "transformer" and experts.expert_for(599.9, 1000) == "transformer_2"
+    refs = {}
+    for name in experts.names:
+        refs[name] = WanTransformer3DModel(**cfg.diffusers_kwargs()).eval()
+        refs[name].load_state_dict(experts.expert(name).state_dict())
+    text = torch.randn(2, cfg.text_len, cfg.text_dim)
+    shape = (4, 2, 4, 6)
+    got = generate(experts, text, [shape, shape], num_steps=6, shift=2.0, seed=3)
+
+    g = torch.Generator().manual_seed(3)
+    latents = torch.stack([torch.randn(shape, generator=g), torch.randn(shape, generator=g)])
+    scheduler = FlowMatchEulerDiscreteScheduler(shift=2.0)
+    scheduler.set_timesteps(6)
+    used = set()
+    with torch.no_grad():
+        for t in scheduler.timesteps:
+            name = "transformer" if t >= 600 else "transformer_2"
+            used.add(name)
+            v = refs[name](latents, t.expand(2), text, return_dict=False)[0]
+            latents = scheduler.step(v, t, latents, return_dict=False)[0]
+    assert used == {"transformer", "transformer_2"}
+    torch.testing.assert_close(torch.stack(got), latents, atol=1e-4, rtol=1e-4)

@@ -1,0 +1,74 @@
+"""`lf-diffusion preprocess`: shards that reload to what the encoders compute, and resume."""
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from loongforge.diffusion.data import shards
+from loongforge.diffusion.data.encoders import encode_prompts, encode_video, load_text_encoder, load_vae
+from loongforge.diffusion.data.shards import LatentShards
+from loongforge.diffusion.data.synthetic import generate_clips
+from loongforge.diffusion.data.video_io import read_frames, to_model_input
+from loongforge.diffusion.preprocess import PreprocessConfig, preprocess
+
+
+@pytest.fixture
+def setup(tmp_path, builtin_latents):
+    clips = generate_clips(tmp_path / "clips", num_clips=5, seed=7)
+    encoders = builtin_latents.parent / "encoders"
+    cfg = PreprocessConfig(input=str(clips), output=str(tmp_path / "out"), vae=str(encoders), text_encoder=str(encoders),
+                           max_sequence_length=16, max_frames=9, max_area=48 * 48, shard_size=2, progress=False)
+    return cfg, clips, encoders
+
+
+def test_shards_reload_to_encoder_outputs(setup):
+    cfg, clips, encoders = setup
+    manifest = preprocess(cfg)
+    assert manifest is not None and manifest.name == "manifest.json"
+    data = LatentShards(cfg.output)
+    assert len(data) == 5 and len(data.manifest["shards"]) == 3
+    assert data.manifest["latent_channels"] == 4 and data.manifest["text_dim"] == 32
+    rows = [json.loads(line) for line in (clips / "metadata.jsonl").read_text().splitlines()]
+    vae = load_vae(encoders, "cpu")
+    tokenizer, encoder = load_text_encoder(encoders, None, "cpu")
+    for i, row in enumerate(rows):
+        latents, text = data.load(i)
+        video = to_model_input(read_frames(clips / row["file_name"], 9), 48 * 48, 16, 4)
+        torch.testing.assert_close(latents, encode_video(vae, video))
+        (expected_text,) = encode_prompts(tokenizer, encoder, [row["text"]], 16)
+        torch.testing.assert_close(text, expected_text)
+        assert data.records[i]["text"] == row["text"]
+        # spatial latent sides are multiples of the 2x2 patch; frames follow the 4x causal grid
+        _, f, h, w = latents.shape
+        assert h % 2 == 0 and w % 2 == 0 and (video.shape[1] - 1) // 4 + 1 == f
+
+
+def test_resume_skips_finished_shards(setup):
+    cfg, _, _ = setup
+    preprocess(cfg)
+    out = Path(cfg.output)
+    stamps = {i: (out / shards.shard_name(i)).stat().st_mtime_ns for i in range(3)}
+    before = LatentShards(out).load(3)
+    # an interrupted run: shard 1 was never finished (no record), the manifest not yet written
+    (out / shards.record_name(1)).unlink()
+    (out / shards.shard_name(1)).unlink()
+    (out / shards.MANIFEST).unlink()
+    assert preprocess(cfg) is not None
+    assert (out / shards.shard_name(0)).stat().st_mtime_ns == stamps[0]
+    assert (out / shards.shard_name(2)).stat().st_mtime_ns == stamps[2]
+    after = LatentShards(out)
+    assert len(after) == 5
+    torch.testing.assert_close(after.load(3)[0], before[0])
+
+
+def test_ranks_split_shards_and_settings_are_checked(setup):
+    cfg, _, _ = setup
+    assert preprocess(cfg, rank=1, world=2) is None  # rank 1: shard 1 only; no manifest yet
+    out = Path(cfg.output)
+    assert [shards.finished_record(out, i) is not None for i in range(3)] == [False, True, False]
+    assert preprocess(cfg, rank=0, world=2) is not None  # rank 0: shards 0, 2 and the manifest
+    cfg.max_frames = 5
+    with pytest.raises(ValueError, match=r"preprocess.json: this directory was preprocessed with max_frames=9"):
+        preprocess(cfg)
