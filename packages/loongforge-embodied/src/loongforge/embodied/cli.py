@@ -5,6 +5,7 @@
     lf-embodied export --checkpoint RUN_DIR|CKPT_DIR --out FILE.safetensors [--format loongforge|lerobot]
     lf-embodied convert --from-lerobot FILE.safetensors --out FILE.safetensors
     lf-embodied info [--config NAME|PATH] [key=value ...]
+    lf-embodied bench [--against-lerobot] [--batch-size B] [--steps N] [key=value ...]
 
 ``train`` with no arguments trains the tiny Pi0.5-style policy on a synthetic LeRobot dataset
 (written to the cache directory on first use) on the current accelerator, resuming from
@@ -90,11 +91,44 @@ def cmd_info(args, rest) -> int:
     from loongforge.embodied.policies.registry import build_policy
 
     cfg = _config(args, rest)
-    policy = build_policy(cfg.policy)
+    with torch.device("meta"):  # shapes only: released sizes need no memory
+        policy = build_policy(cfg.policy)
     n = sum(p.numel() for p in policy.parameters())
     trainable = sum(p.numel() for p in policy.parameters() if p.requires_grad)
     print(to_yaml(cfg))
     print(f"policy {cfg.policy.name}: {n:,} parameters ({trainable:,} trainable); accelerator {get_accelerator()}; torch {torch.__version__}")
+    return 0
+
+
+def cmd_bench(args, rest) -> int:
+    import torch
+
+    from loongforge.embodied.bench import (
+        build_lerobot_pi05_released,
+        lerobot_step,
+        loongforge_step,
+        samples_per_second,
+        synthetic_batch,
+    )
+    from loongforge.embodied.parallel import init_distributed
+    from loongforge.embodied.policies.registry import build_policy
+
+    cfg = _config(args, rest)
+    env = init_distributed()
+    batch = synthetic_batch(cfg.policy, args.batch_size, env.device)
+    sync = env.accelerator.synchronize
+    report = {"policy": cfg.policy.name, "batch_size": args.batch_size, "image_size": cfg.policy.image_size,
+              "device": str(env.device), "param_dtype": cfg.parallel.param_dtype, "compile": cfg.parallel.compile}
+    policy = build_policy(cfg.policy).to(env.device)
+    step = loongforge_step(policy, cfg.parallel, env, batch)
+    report["loongforge_samples_per_s"] = samples_per_second(step, args.batch_size, args.steps, args.warmup, sync)
+    del policy, step
+    if args.against_lerobot:
+        dtype = "bfloat16" if cfg.parallel.param_dtype == "bf16" else "float32"
+        ref = build_lerobot_pi05_released(cfg.policy, dtype=dtype).to(env.device)
+        report["lerobot_samples_per_s"] = samples_per_second(lerobot_step(ref, batch), args.batch_size, args.steps, args.warmup, sync)
+        report["speedup"] = report["loongforge_samples_per_s"] / report["lerobot_samples_per_s"]
+    print(json.dumps(report, indent=1))
     return 0
 
 
@@ -104,6 +138,12 @@ def main(argv: list[str] | None = None) -> int:
     for name in ("train", "info"):
         p = sub.add_parser(name, allow_abbrev=False)
         p.add_argument("--config", default="train", help="config name (shipped) or YAML path")
+    p = sub.add_parser("bench", allow_abbrev=False)
+    p.add_argument("--config", default="train")
+    p.add_argument("--against-lerobot", action="store_true", help="also time LeRobot's PI05Pytorch (needs policy=pi05_base)")
+    p.add_argument("--batch-size", type=int, default=8)
+    p.add_argument("--steps", type=int, default=10)
+    p.add_argument("--warmup", type=int, default=3)
     p = sub.add_parser("eval")
     p.add_argument("--checkpoint", required=True, help="a run directory or checkpoint directory")
     p = sub.add_parser("export")
@@ -116,7 +156,8 @@ def main(argv: list[str] | None = None) -> int:
     args, rest = parser.parse_known_args(argv)
     if args.command in ("export", "convert") and rest:
         parser.error(f"unexpected arguments: {rest}")
-    return {"train": cmd_train, "eval": cmd_eval, "export": cmd_export, "convert": cmd_convert, "info": cmd_info}[args.command](args, rest)
+    return {"train": cmd_train, "eval": cmd_eval, "export": cmd_export, "convert": cmd_convert, "info": cmd_info,
+            "bench": cmd_bench}[args.command](args, rest)
 
 
 if __name__ == "__main__":

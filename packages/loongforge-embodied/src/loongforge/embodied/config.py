@@ -154,7 +154,7 @@ class PolicyConfig:
 class ParallelConfig:
     mode: str = "auto"  # auto (ddp when world > 1) | none | ddp | fsdp | hsdp
     dp_replicate: int = 1  # hsdp: replica groups; each shards over world / dp_replicate ranks
-    param_dtype: str = "fp32"  # fsdp/hsdp compute & all-gather dtype (bf16 = mixed precision)
+    param_dtype: str = "fp32"  # compute dtype: fsdp/hsdp cast parameters (MixedPrecisionPolicy); none/ddp autocast
     reduce_dtype: str = "fp32"  # fsdp/hsdp gradient reduction dtype
     activation_checkpointing: bool = False
     compile: bool = False  # torch.compile each transformer block

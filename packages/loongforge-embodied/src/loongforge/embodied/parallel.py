@@ -10,6 +10,7 @@ group and all-reduces across groups. Every data-parallel rank reads its own slic
 
 from __future__ import annotations
 
+import contextlib
 import os
 from dataclasses import dataclass
 
@@ -84,8 +85,6 @@ def parallelize(policy: nn.Module, cfg: ParallelConfig, env: DistEnv) -> nn.Modu
     if mode == "none":
         return policy
     if mode == "ddp":
-        if cfg.param_dtype != "fp32":
-            raise ValueError("parallel.param_dtype=bf16 needs mode fsdp or hsdp (DDP keeps fp32 parameters)")
         ids = [env.device.index] if env.device.type != "cpu" and env.device.index is not None else None
         return DistributedDataParallel(policy, device_ids=ids)
     mesh = build_mesh(mode, cfg, env)
@@ -95,6 +94,14 @@ def parallelize(policy: nn.Module, cfg: ParallelConfig, env: DistEnv) -> nn.Modu
     fully_shard(policy, mesh=mesh, mp_policy=mp)
     register_fsdp_forward_method(policy, "sample_actions")
     return policy
+
+
+def compute_precision(cfg: ParallelConfig, world: int, device: torch.device):
+    """The forward's precision context: FSDP2/HSDP cast parameters themselves (``MixedPrecisionPolicy``);
+    without them ``param_dtype=bf16`` runs the forward under bf16 autocast with fp32 parameters."""
+    if cfg.param_dtype == "fp32" or resolve_mode(cfg, world) in ("fsdp", "hsdp"):
+        return contextlib.nullcontext()
+    return torch.autocast(device_type=device.type, dtype=DTYPE[cfg.param_dtype])
 
 
 def unwrap(model: nn.Module) -> nn.Module:

@@ -28,7 +28,16 @@ from loongforge.embodied.convert.lerobot_pi05 import from_lerobot_pi05
 from loongforge.embodied.data.dataset import EmbodiedDataset
 from loongforge.embodied.data.sampler import StepBatchSampler
 from loongforge.embodied.data.synthetic import ensure_synthetic_dataset
-from loongforge.embodied.parallel import DistEnv, all_reduce_sum, barrier, init_distributed, parallelize, resolve_mode, unwrap
+from loongforge.embodied.parallel import (
+    DistEnv,
+    all_reduce_sum,
+    barrier,
+    compute_precision,
+    init_distributed,
+    parallelize,
+    resolve_mode,
+    unwrap,
+)
 from loongforge.embodied.policies.flow_matching import draw_noise_and_time
 from loongforge.embodied.policies.registry import build_policy
 
@@ -168,7 +177,8 @@ def train(cfg: TrainConfig) -> TrainResult:
             lr = lr_at(step, cfg.steps, o)
             for group in optimizer.param_groups:
                 group["lr"] = lr
-            loss, mean_loss = distributed_loss(model, batch, noise, t, env.world)
+            with compute_precision(cfg.parallel, env.world, env.device):
+                loss, mean_loss = distributed_loss(model, batch, noise, t, env.world)
             loss.backward()
             grad_norm = torch.nn.utils.clip_grad_norm_(params, o.grad_clip)
             grad_norm = grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm
