@@ -26,17 +26,22 @@ def cache_dir() -> Path:
     return base / "loongforge"
 
 
-def synthetic_features(image_size: int, cameras: tuple[str, ...]) -> dict:
+def synthetic_features(image_size: int, cameras: tuple[str, ...], use_videos: bool = False) -> dict:
     features = {
         "observation.state": {"dtype": "float32", "shape": (4,), "names": ["x", "y", "vx", "vy"]},
         "action": {"dtype": "float32", "shape": (3,), "names": ["dx", "dy", "grip"]},
     }
     for cam in cameras:
-        features[cam] = {"dtype": "image", "shape": (image_size, image_size, 3), "names": ["height", "width", "channels"]}
+        features[cam] = {"dtype": "video" if use_videos else "image", "shape": (image_size, image_size, 3), "names": ["height", "width", "channels"]}
     return features
 
 
-def _render(x: float, y: float, colour: np.ndarray, size: int, zoom: float) -> np.ndarray:
+COLOURS = (np.array([220, 40, 40], np.uint8), np.array([40, 60, 220], np.uint8))
+
+
+def render_frame(x: float, y: float, task: int, size: int, camera: int) -> np.ndarray:
+    """Camera ``camera``'s ``[size, size, 3]`` uint8 view of the point (x, y) for task ``task``."""
+    colour, zoom = COLOURS[task], 1.0 + 0.5 * camera
     img = np.full((size, size, 3), 30, dtype=np.uint8)
     cx = int(round((x * zoom * 0.4 + 0.5) * (size - 1)))
     cy = int(round((y * zoom * 0.4 + 0.5) * (size - 1)))
@@ -62,9 +67,8 @@ def write_synthetic_dataset(
 
     rng = np.random.default_rng(seed)
     ds = LeRobotDataset.create(
-        repo_id, fps=fps, features=synthetic_features(image_size, cameras), root=root, use_videos=use_videos
+        repo_id, fps=fps, features=synthetic_features(image_size, cameras, use_videos), root=root, use_videos=use_videos
     )
-    colours = (np.array([220, 40, 40], np.uint8), np.array([40, 60, 220], np.uint8))
     for ep in range(episodes):
         task = ep % len(TASKS)
         goal = np.array([-0.8, 0.0]) if task == 0 else np.array([0.8, 0.0])
@@ -81,11 +85,11 @@ def write_synthetic_dataset(
                 "task": TASKS[task],
             }
             for i, cam in enumerate(cameras):
-                frame[cam] = _render(pos[0], pos[1], colours[task], image_size, zoom=1.0 + 0.5 * i)
+                frame[cam] = render_frame(pos[0], pos[1], task, image_size, i)
             ds.add_frame(frame)
             vel = move + rng.normal(scale=0.01, size=2)
             pos = np.clip(pos + 0.3 * vel, -1.2, 1.2)
-        ds.save_episode()
+        ds.save_episode(parallel_encoding=False)  # no process pool: safe in multi-threaded callers
     ds.finalize()
     return ds
 
