@@ -64,3 +64,31 @@ def test_resume_continues_exactly(tmp_path, synthetic_overrides):
     assert any(k.startswith("optim.") for k in ta) and any(k.startswith("ema.") for k in ta)
     for key in ta:
         assert torch.equal(ta[key], tb[key]), key
+
+
+def test_one_expert_of_two_trains_and_the_other_stays(tmp_path, synthetic_overrides):
+    """Wan 2.2 layout: train.expert=transformer_2 updates only the low-noise expert (EMA too)."""
+    from loongforge.diffusion.model import WanConfig, WanExperts
+
+    run = tmp_path / "run"
+    assert main(["train", f"log.run_dir={run}", "model.boundary_ratio=0.875", "train.expert=transformer_2",
+                 "train.steps=2", "train.global_batch_size=4", *synthetic_overrides]) == 0
+    assert {r["expert"] for r in read_metrics(run)} == {1.0}
+    tensors, manifest, _ = load_checkpoint(run / "checkpoints")
+    assert manifest["experts"] == ["transformer", "transformer_2"]
+    torch.manual_seed(1234)  # train.seed: the initial weights of both experts
+    init = WanExperts(WanConfig(boundary_ratio=0.875)).state_dict()
+    for key, value in init.items():
+        saved = tensors[f"model.{key}"]
+        if key.startswith("transformer."):
+            assert torch.equal(saved, value), key
+    assert not torch.equal(tensors["model.transformer_2.proj_out.weight"], init["transformer_2.proj_out.weight"])
+    assert {k.split(".")[1] for k in tensors if k.startswith(("ema.", "optim."))} == {"transformer_2"}
+
+
+def test_bench_and_info_run(capsys):
+    assert main(["bench", "--steps", "1", "--warmup", "1", "sample.num_frames=5", "sample.height=32", "sample.width=48"]) == 0
+    out = capsys.readouterr().out
+    assert "speed-up" in out and "12 tokens/step" in out  # 2 latent frames x 2 x 3 patches
+    assert main(["info", "model=wan2_1_t2v_1_3b"]) == 0
+    assert "parameters per expert: 1419.00M" in capsys.readouterr().out  # Wan 2.1 T2V 1.3B

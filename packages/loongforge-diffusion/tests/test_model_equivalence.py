@@ -130,3 +130,21 @@ def test_two_expert_sampling_follows_wan_pipeline():
             latents = scheduler.step(v, t, latents, return_dict=False)[0]
     assert used == {"transformer", "transformer_2"}
     torch.testing.assert_close(torch.stack(got), latents, atol=1e-4, rtol=1e-4)
+
+
+def test_registered_family_builds_every_flavour():
+    from loongforge.core.models import get_model_spec
+    from loongforge.diffusion.model.spec import load_flavour
+
+    spec = get_model_spec("wan")
+    assert spec.config_class is WanConfig
+    assert load_flavour("debug") == WanConfig()
+    a14b = load_flavour("wan2.2-t2v-a14b")
+    assert a14b.boundary_ratio == 0.875 and a14b.num_layers == 40
+    with torch.device("meta"):
+        model = spec.build(load_flavour("wan2.1-t2v-1.3b"))
+    assert model.names == ["transformer"]
+    assert sum(p.numel() for p in model.parameters()) == 1_418_996_800
+    # per-token FLOPs grow linearly with the length (attention) on top of the constant part
+    f = [spec.flops_per_token(WanConfig(), n) for n in (100, 200, 400)]
+    assert f[0] < f[1] < f[2]

@@ -12,6 +12,7 @@ from loongforge.diffusion.objective import (
     ObjectiveConfig,
     TimestepSampler,
     noisy_and_target,
+    pick_expert,
     token_weights,
     weighted_squared_error,
 )
@@ -66,6 +67,15 @@ def test_expert_ranges_truncate_the_same_density(weighting):
         ref_low = torch.quantile(t_all[t_all < boundary], q)
         assert abs(float(torch.quantile(t_high, q) - ref_high)) < 3.0
         assert abs(float(torch.quantile(t_low, q) - ref_low)) < 12.0
+
+
+def test_expert_choice_follows_the_density_mass():
+    sampler = TimestepSampler(ObjectiveConfig(shift=5.0))
+    ranges = {"transformer": sampler.index_range(875.0, 0), "transformer_2": sampler.index_range(875.0, 1)}
+    picks = [pick_expert(sampler, ranges, torch.Generator().manual_seed(i)) for i in range(4000)]
+    share = picks.count("transformer") / len(picks)
+    assert 0.2 < sampler.mass(ranges["transformer"]) < 0.8
+    assert abs(share - sampler.mass(ranges["transformer"])) < 0.03
 
 
 @pytest.mark.parametrize("reduction", ["token", "sample"])

@@ -11,42 +11,18 @@ the whole data position.
 
 from __future__ import annotations
 
-import math
-
 import torch
 import torch.distributed as dist
 
 from loongforge.core.checkpoint import Checkpoint, Piece, save_checkpoint
-from loongforge.diffusion.ema import local
+from loongforge.diffusion.sharding import is_dtensor, local, region
 
 ADAM_KEYS = ("exp_avg", "exp_avg_sq")
 
 
-def _is_dtensor(t: torch.Tensor) -> bool:
-    return hasattr(t, "device_mesh") and hasattr(t, "to_local")
-
-
-def _region(like: torch.Tensor) -> tuple[tuple[int, ...], tuple[int, ...]]:
-    """Global offset and local shape of the part of ``like`` this rank holds."""
-    shape = tuple(like.shape)
-    if not _is_dtensor(like):
-        return (0,) * len(shape), shape
-    placements = like.placements
-    if len(placements) != 1 or not (placements[0].is_shard() and placements[0].dim == 0):
-        raise ValueError(f"only dim-0 sharded parameters are supported, got placements {placements}")
-    mesh = like.device_mesh
-    size, rank = mesh.size(), mesh.get_local_rank()
-    chunk = math.ceil(shape[0] / size)
-    start = min(rank * chunk, shape[0])
-    rows = local(like).shape[0]
-    if rows != min(chunk, shape[0] - start):
-        raise ValueError(f"unexpected FSDP shard: {rows} rows at offset {start} of {shape[0]} on rank {rank}/{size}")
-    return (start,) + (0,) * (len(shape) - 1), (rows,) + shape[1:]
-
-
 def _pieces(key: str, like: torch.Tensor, data: torch.Tensor, write_whole: bool) -> list[Piece]:
-    if _is_dtensor(like):
-        offset, shape = _region(like)
+    if is_dtensor(like):
+        offset, shape = region(like)
         return [Piece(key, tuple(like.shape), offset, data.detach())] if shape[0] else []
     return [Piece(key, tuple(like.shape), (0,) * like.dim(), data.detach())] if write_whole else []
 
@@ -77,7 +53,7 @@ def save(trainer, root) -> None:
 
 @torch.no_grad()
 def _fill(target: torch.Tensor, reader, key: str) -> None:
-    offset, shape = _region(target)
+    offset, shape = region(target)
     if shape and shape[0] == 0:
         return
     value = reader.read(key, offset, shape)
@@ -99,7 +75,7 @@ def load(trainer, path) -> None:
         if trainer.ema is not None:
             key = f"ema.{full}"
             if key in ckpt.reader.keys():
-                offset, shape = _region(p)
+                offset, shape = region(p)
                 if shape[0]:
                     trainer.ema.shadow[full].copy_(ckpt.reader.read(key, offset, shape).float())
         if full not in steps:

@@ -1,10 +1,13 @@
-"""``lf-diffusion``: preprocess, train, sample, convert, info, plot."""
+"""``lf-diffusion``: preprocess, train, sample, convert, bench, info, plot."""
 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from pathlib import Path
+
+import torch.distributed as dist
 
 from loongforge.core.cli import add_config_arguments, normalise_overrides, run_main
 
@@ -44,7 +47,15 @@ def cmd_preprocess(args) -> int:
     from loongforge.diffusion.preprocess import PreprocessConfig, preprocess
 
     cfg = load_config(PreprocessConfig, args.config, normalise_overrides(args.overrides), config_dirs=[CONFIG_DIR])
-    manifest = preprocess(cfg)
+    # under torchrun: a CPU (gloo) group orders the manifest after every rank's shards
+    group = int(os.environ.get("WORLD_SIZE", "1")) > 1 and not dist.is_initialized()
+    if group:
+        dist.init_process_group(backend="gloo")
+    try:
+        manifest = preprocess(cfg)
+    finally:
+        if group:
+            dist.destroy_process_group()
     if manifest is not None:
         print(f"wrote {manifest}")
     return 0
@@ -106,6 +117,20 @@ def cmd_info(args) -> int:
     return 0
 
 
+def cmd_bench(args) -> int:
+    from loongforge.diffusion.bench import run_bench
+
+    recipe = _recipe(args.config, args.overrides)
+    r = run_bench(recipe, steps=args.steps, warmup=args.warmup, batch_size=args.batch_size)
+    print(f"latents {args.batch_size} x {recipe.sample.num_frames}x{recipe.sample.height}x{recipe.sample.width} frames, "
+          f"{int(r['tokens_per_step'])} tokens/step, {recipe.model.num_layers} layers")
+    for name in ("diffusers", "loongforge"):
+        print(f"{name:>10}: {r[f'{name}_step_s'] * 1e3:9.1f} ms/step  {r[f'{name}_tokens_per_s']:10.0f} tokens/s  "
+              f"peak {r[f'{name}_peak_bytes'] / 2**30:.2f} GiB  first loss {r[f'{name}_first_loss']:.5f}")
+    print(f"speed-up (diffusers step time / loongforge step time): {r['speedup']:.2f}x")
+    return 0
+
+
 def cmd_plot(args) -> int:
     from loongforge.core.plot import plot_run
 
@@ -141,6 +166,13 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("info", help="print the composed config, model size and accelerator")
     add_config_arguments(p, DEFAULT_TRAIN)
     p.set_defaults(fn=cmd_info)
+
+    p = sub.add_parser("bench", help="our training step vs a plain diffusers training step, same config and weights")
+    add_config_arguments(p, DEFAULT_TRAIN)
+    p.add_argument("--steps", type=int, default=10)
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--batch-size", type=int, default=1)
+    p.set_defaults(fn=cmd_bench)
 
     p = sub.add_parser("plot", help="draw a run's loss/throughput curves to PNG")
     p.add_argument("run_dir")

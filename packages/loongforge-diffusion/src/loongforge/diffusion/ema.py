@@ -5,10 +5,7 @@ from __future__ import annotations
 
 import torch
 
-
-def local(t: torch.Tensor) -> torch.Tensor:
-    """The locally held part of a parameter (an FSDP2 DTensor's shard, else itself)."""
-    return t.to_local() if hasattr(t, "to_local") else t
+from loongforge.diffusion.sharding import local
 
 
 class EMA:

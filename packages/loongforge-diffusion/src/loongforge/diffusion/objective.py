@@ -106,6 +106,12 @@ class TimestepSampler:
         return self.sigmas[idx], self.timesteps[idx]
 
 
+def pick_expert(sampler: TimestepSampler, ranges: dict[str, tuple[int, int]], generator: torch.Generator) -> str:
+    """One of two experts (``ranges``: high-noise first), with probability its density mass."""
+    (high, high_range), (low, _) = ranges.items()
+    return high if torch.rand(1, generator=generator).item() < sampler.mass(high_range) else low
+
+
 def noisy_and_target(x0: torch.Tensor, noise: torch.Tensor, sigma: float | torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """``(x_t, velocity target)`` of one sample."""
     return (1.0 - sigma) * x0 + sigma * noise, noise - x0

@@ -18,12 +18,15 @@ from loongforge.diffusion.model.dit import WanDiT
 
 
 def wrap(model: WanDiT, engine: str, group, device_type: str, compute_dtype: torch.dtype) -> nn.Module:
-    """``model`` ready for data-parallel training over ``group`` (itself for a group of one)."""
+    """``model`` ready for data-parallel training over ``group`` (itself for a group of one).
+    FSDP2 also shards frozen experts (they only cost memory); DDP leaves them alone."""
     if group is None or dist.get_world_size(group) == 1:
         return model
     if engine == "ddp":
         from torch.nn.parallel import DistributedDataParallel
 
+        if not any(p.requires_grad for p in model.parameters()):
+            return model  # a frozen expert: nothing to reduce
         return DistributedDataParallel(model, process_group=group)
     if engine == "fsdp2":
         from torch.distributed.device_mesh import DeviceMesh

@@ -11,6 +11,7 @@ clipping, EMA, metrics, checkpoints.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import time
 from pathlib import Path
@@ -29,7 +30,13 @@ from loongforge.diffusion.ema import EMA
 from loongforge.diffusion.model import EXPERT_NAMES, WanExperts
 from loongforge.diffusion.model.convert import load_pretrained
 from loongforge.diffusion.model.flops import cost_model, training_flops
-from loongforge.diffusion.objective import TimestepSampler, noisy_and_target, token_weights, weighted_squared_error
+from loongforge.diffusion.objective import (
+    TimestepSampler,
+    noisy_and_target,
+    pick_expert,
+    token_weights,
+    weighted_squared_error,
+)
 from loongforge.diffusion.packing import num_tokens, pack, pack_targets, pad_text
 from loongforge.diffusion.parallelize import accumulation, autocast, gradient_sync, wrap
 from loongforge.diffusion.schema import DiffusionRecipe
@@ -87,20 +94,27 @@ class DiffusionTrainer:
                 raise ValueError(f"{self.data_root}/manifest.json: {key}={facts[key]} but model.{field}={getattr(m, field)}")
         self.tokens = [num_tokens(self.dataset.latent_shape(i), m.patch_size) for i in range(len(self.dataset))]
 
-        torch.manual_seed(r.train.seed)  # same initial weights on every rank
-        self.model = WanExperts(m)
-        if m.pretrained:
+        self.trainable_names = (list(EXPERT_NAMES[: 2 if m.boundary_ratio is not None else 1])
+                                if r.train.expert == "all" else [r.train.expert])
+        # pretrained weights under FSDP2: build on the meta device, shard, then each rank reads
+        # only its rows; otherwise build on the host (same seed, so the same init on every rank)
+        sharded_init = bool(m.pretrained) and r.train.data_parallel == "fsdp2" and self.grad_world > 1
+        torch.manual_seed(r.train.seed)
+        with torch.device("meta") if sharded_init else contextlib.nullcontext():
+            self.model = WanExperts(m)
+        if m.pretrained and not sharded_init:
             load_pretrained(self.model, m.pretrained)
-        self.model.to(self.device)
-        self.trainable_names = self.model.names if r.train.expert == "all" else [r.train.expert]
+        if not sharded_init:
+            self.model.to(self.device)
         self.experts_by_name = {n: self.model.expert(n) for n in self.model.names}
         self.wrapped = {}
-        for name in self.model.names:
-            expert = self.model.expert(name)
-            if name in self.trainable_names:
-                self.wrapped[name] = wrap(expert, r.train.data_parallel, self.grad_group, self.device.type, self.dtype)
-            else:
+        for name, expert in self.experts_by_name.items():
+            if name not in self.trainable_names:
                 expert.requires_grad_(False)
+            self.wrapped[name] = wrap(expert, r.train.data_parallel, self.grad_group, self.device.type, self.dtype)
+        if sharded_init:
+            self.model.to_empty(device=self.device)
+            load_pretrained(self.model, m.pretrained)
         self.named_trainable = {f"{n}.{k}": p for n in self.trainable_names for k, p in self.model.expert(n).named_parameters()}
         self.optimizer = torch.optim.AdamW(
             list(self.named_trainable.values()), lr=r.train.lr, betas=(r.train.adam_beta1, r.train.adam_beta2),
@@ -137,9 +151,7 @@ class DiffusionTrainer:
             return self.model.names[0]
         if r.train.expert != "all":
             return r.train.expert
-        p_high = self.sampler.mass(self.ranges[EXPERT_NAMES[0]])
-        u = torch.rand(1, generator=generator(r.train.seed, step, -1)).item()
-        return EXPERT_NAMES[0] if u < p_high else EXPERT_NAMES[1]
+        return pick_expert(self.sampler, self.ranges, generator(r.train.seed, step, -1))
 
     # -- one step ---------------------------------------------------------------------------
     def micro_batch(self, step: int, positions: list[int], indices: list[int], index_range):

@@ -16,12 +16,14 @@ import torch
 
 from loongforge.diffusion.model.config import WanConfig
 from loongforge.diffusion.model.experts import WanExperts
+from loongforge.diffusion.sharding import local, region
 
 
-def check_layout(ours: dict[str, torch.Tensor], theirs: dict[str, torch.Tensor], source: str) -> None:
+def check_layout(ours: dict[str, tuple], theirs: dict[str, tuple], source: str) -> None:
+    """Same keys and shapes (``{name: shape}``), or an error naming the differences."""
     missing = sorted(set(ours) - set(theirs))
     unexpected = sorted(set(theirs) - set(ours))
-    shapes = [k for k in set(ours) & set(theirs) if tuple(ours[k].shape) != tuple(theirs[k].shape)]
+    shapes = [k for k in set(ours) & set(theirs) if tuple(ours[k]) != tuple(theirs[k])]
     if missing or unexpected or shapes:
         parts = []
         if missing:
@@ -29,8 +31,12 @@ def check_layout(ours: dict[str, torch.Tensor], theirs: dict[str, torch.Tensor],
         if unexpected:
             parts.append(f"unexpected {unexpected[:5]}{' ...' if len(unexpected) > 5 else ''}")
         for k in sorted(shapes)[:5]:
-            parts.append(f"{k}: {list(theirs[k].shape)} vs model {list(ours[k].shape)}")
+            parts.append(f"{k}: {list(theirs[k])} vs model {list(ours[k])}")
         raise ValueError(f"{source}: weights do not match the Wan DiT layout: " + "; ".join(parts))
+
+
+def shapes_of(state: dict[str, torch.Tensor]) -> dict[str, tuple]:
+    return {k: tuple(v.shape) for k, v in state.items()}
 
 
 def transformer_dirs(path: str | Path, names: list[str]) -> dict[str, Path]:
@@ -66,32 +72,50 @@ def check_config(cfg: WanConfig, directory: Path) -> None:
 WEIGHTS = "diffusion_pytorch_model.safetensors"
 
 
-def read_diffusers_weights(directory: Path) -> dict[str, torch.Tensor]:
-    """The tensors of a diffusers model directory (single or sharded safetensors)."""
-    from safetensors.torch import load_file
-
+def weight_files(directory: Path) -> list[Path]:
+    """The safetensors files of a diffusers model directory (single or sharded)."""
     index = directory / f"{WEIGHTS}.index.json"
     if index.is_file():
-        files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
-    elif (directory / WEIGHTS).is_file():
-        files = [WEIGHTS]
-    else:
-        raise FileNotFoundError(f"{directory}: no {WEIGHTS} (or its .index.json); diffusers safetensors weights expected")
+        return [directory / n for n in sorted(set(json.loads(index.read_text())["weight_map"].values()))]
+    if (directory / WEIGHTS).is_file():
+        return [directory / WEIGHTS]
+    raise FileNotFoundError(f"{directory}: no {WEIGHTS} (or its .index.json); diffusers safetensors weights expected")
+
+
+def read_diffusers_weights(directory: Path) -> dict[str, torch.Tensor]:
+    """All tensors of a diffusers model directory."""
+    from safetensors.torch import load_file
+
     state: dict[str, torch.Tensor] = {}
-    for name in files:
-        state.update(load_file(str(directory / name)))
+    for path in weight_files(directory):
+        state.update(load_file(str(path)))
     return state
 
 
 @torch.no_grad()
 def load_pretrained(model: WanExperts, path: str | Path) -> None:
-    """Copy diffusers ``WanTransformer3DModel`` weights from a local directory into ``model``."""
+    """Copy diffusers ``WanTransformer3DModel`` weights from a local directory into ``model``.
+
+    Tensor by tensor, and only the rows this rank holds: an FSDP2-sharded model (built on the
+    meta device, then ``to_empty``) loads its shards without ever materialising a full copy.
+    """
+    from safetensors import safe_open
+
     for name, directory in transformer_dirs(path, model.names).items():
         check_config(model.config, directory)
-        theirs = read_diffusers_weights(directory)
+        handles = [safe_open(str(p), framework="pt") for p in weight_files(directory)]
+        where = {key: h for h in handles for key in h.keys()}
+        theirs = {key: tuple(h.get_slice(key).get_shape()) for key, h in where.items()}
         expert = model.expert(name)
-        check_layout(expert.state_dict(), theirs, str(directory))
-        expert.load_state_dict({k: v.float() for k, v in theirs.items()}, strict=True)
+        ours = expert.state_dict()
+        check_layout(shapes_of(ours), theirs, str(directory))
+        for key, target in ours.items():
+            offset, shape = region(target)
+            if shape and shape[0] == 0:
+                continue
+            rows = slice(offset[0], offset[0] + shape[0]) if shape else ()
+            value = where[key].get_slice(key)[rows] if shape else where[key].get_tensor(key)
+            local(target).copy_(value.to(local(target).dtype))
 
 
 @torch.no_grad()
@@ -109,7 +133,7 @@ def export_diffusers(state: dict[str, torch.Tensor], cfg: WanConfig, out_dir: st
         prefix = name + "."
         weights = {k[len(prefix):]: v for k, v in state.items() if k.startswith(prefix)}
         reference = WanTransformer3DModel(**cfg.diffusers_kwargs())
-        check_layout(reference.state_dict(), weights, f"export of {name}")
+        check_layout(shapes_of(reference.state_dict()), shapes_of(weights), f"export of {name}")
         reference.load_state_dict(weights, strict=True)
         directory = out / name if cfg.boundary_ratio is not None else out
         reference.save_pretrained(str(directory))
