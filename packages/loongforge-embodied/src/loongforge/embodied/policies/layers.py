@@ -113,10 +113,15 @@ def rope_cos_sin(positions: torch.Tensor, head_dim: int, theta: float, dtype: to
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float) -> torch.Tensor:
-    """``q [B, Tq, H, D]``, ``k/v [B, Tk, KV, D]``, additive ``mask [B, 1, Tq, Tk]`` -> ``[B, Tq, H*D]``."""
+    """``q [B, Tq, H, D]``, ``k/v [B, Tk, KV, D]``, additive ``mask [B, 1, Tq, Tk]`` -> ``[B, Tq, H*D]``.
+
+    Key/value heads are repeated to the query heads (each serves ``H / KV`` consecutive query
+    heads) so the masked SDPA can use the memory-efficient kernel on GPUs."""
+    groups = q.shape[2] // k.shape[2]
+    if groups > 1:
+        k, v = k.repeat_interleave(groups, dim=2), v.repeat_interleave(groups, dim=2)
     out = F.scaled_dot_product_attention(
-        q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
-        attn_mask=mask.to(q.dtype), scale=scale, enable_gqa=k.shape[2] != q.shape[2],
+        q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask.to(q.dtype), scale=scale
     )
     b, h, t, d = out.shape
     return out.transpose(1, 2).reshape(b, t, h * d)
