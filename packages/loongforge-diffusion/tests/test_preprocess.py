@@ -72,3 +72,18 @@ def test_ranks_split_shards_and_settings_are_checked(setup):
     cfg.max_frames = 5
     with pytest.raises(ValueError, match=r"preprocess.json: this directory was preprocessed with max_frames=9"):
         preprocess(cfg)
+
+
+def test_cli_preprocess_with_shipped_defaults(setup, capsys):
+    from loongforge.diffusion.cli import main
+
+    cfg, clips, encoders = setup
+    args = [f"input={clips}", f"output={cfg.output}", f"vae={encoders}", f"text_encoder={encoders}",
+            "max_sequence_length=16", "max_area=2304", "progress=false"]
+    assert main(["preprocess", *args]) == 0
+    assert "manifest.json" in capsys.readouterr().out
+    data = LatentShards(cfg.output)
+    assert len(data) == 5 and data.load(0)[0].dtype == torch.float32  # stored bf16 (shipped default), read as fp32
+    assert json.loads((Path(cfg.output) / "preprocess.json").read_text())["storage_dtype"] == "bf16"
+    with pytest.raises(ValueError, match="preprocess.json: this directory was preprocessed with max_area=2304"):
+        main(["preprocess", *args[:-2]])  # other settings into the same directory: refused

@@ -92,6 +92,9 @@ class DiffusionTrainer:
         for key, field in (("latent_channels", "in_channels"), ("text_dim", "text_dim")):
             if facts.get(key) is not None and facts[key] != getattr(m, field):
                 raise ValueError(f"{self.data_root}/manifest.json: {key}={facts[key]} but model.{field}={getattr(m, field)}")
+        longest = max(rec["text_tokens"] for rec in self.dataset.records)
+        if longest > m.text_len:
+            raise ValueError(f"{self.data_root}/manifest.json: prompts of up to {longest} tokens but model.text_len={m.text_len}")
         self.tokens = [num_tokens(self.dataset.latent_shape(i), m.patch_size) for i in range(len(self.dataset))]
 
         self.trainable_names = (list(EXPERT_NAMES[: 2 if m.boundary_ratio is not None else 1])

@@ -1,23 +1,27 @@
 """Attention over packed sequences with per-segment boundaries.
 
 Queries ``[Tq, H, D]`` and keys/values ``[Tk, H, D]`` hold several segments back to back; segment
-``s`` of the queries (``q_bounds[s]:q_bounds[s+1]``) attends only to segment ``s`` of the keys
-(``k_bounds[s]:k_bounds[s+1]``). Self-attention over a pack of videos passes the same bounds twice;
-cross-attention passes each video's tokens against its own prompt. Every backend computes the same
-function:
+``s`` of the queries (``q.bounds[s]:q.bounds[s+1]``) attends only to segment ``s`` of the keys.
+Self-attention over a pack of videos passes the same segments twice; cross-attention passes each
+video's tokens against its own prompt. Every backend computes the same function:
 
 - ``split``: one ``scaled_dot_product_attention`` call per segment (no mask, so SDPA may pick
   flash/efficient kernels; the loop is over the few samples of a pack);
 - ``masked``: one SDPA call with a block-diagonal boolean mask (``O(Tq*Tk)`` memory);
-- ``flex``: ``torch.nn.attention.flex_attention`` with a block mask built from segment ids;
+- ``flex``: ``torch.nn.attention.flex_attention`` with a block mask built from segment ids
+  (compiled on CUDA; eager, i.e. materialising the scores, elsewhere);
 - ``varlen``: ``torch.nn.attention.varlen.varlen_attn`` (flash varlen; CUDA, fp16/bf16 only);
 - ``auto``: ``varlen`` on CUDA half precision, else ``split``.
+
+A ``Segments`` object caches what a backend derives from the bounds (cumulative lengths on the
+device, masks), so the layers of one forward build them once.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 import warnings
+from collections.abc import Sequence
+from dataclasses import dataclass, field
 from functools import cache
 
 import torch
@@ -26,34 +30,67 @@ import torch.nn.functional as F
 BACKENDS = ("auto", "split", "masked", "flex", "varlen")
 
 
-def _check(q_bounds: Sequence[int], k_bounds: Sequence[int], tq: int, tk: int) -> None:
-    if len(q_bounds) != len(k_bounds) or len(q_bounds) < 2:
-        raise ValueError(f"q_bounds and k_bounds must have the same length >= 2, got {len(q_bounds)} and {len(k_bounds)}")
-    if q_bounds[0] != 0 or q_bounds[-1] != tq or k_bounds[0] != 0 or k_bounds[-1] != tk:
-        raise ValueError(f"bounds must span [0, {tq}] and [0, {tk}], got {list(q_bounds)} and {list(k_bounds)}")
+@dataclass(eq=False)
+class Segments:
+    """Segment boundaries ``[0, b1, ..., T]`` plus per-device caches derived from them."""
+
+    bounds: list[int]
+    cache: dict = field(default_factory=dict, repr=False)
+
+    @property
+    def max_len(self) -> int:
+        return max(b - a for a, b in zip(self.bounds[:-1], self.bounds[1:]))
+
+    def cu(self, device) -> torch.Tensor:
+        """Cumulative lengths as int32 on ``device`` (copied once, without a host sync)."""
+        key = ("cu", str(device))
+        if key not in self.cache:
+            t = torch.tensor(self.bounds, dtype=torch.int32)
+            if torch.device(device).type == "cuda":
+                t = t.pin_memory()
+            self.cache[key] = t.to(device, non_blocking=True)
+        return self.cache[key]
+
+    def ids(self, device) -> torch.Tensor:
+        """Segment index of every position, on ``device``."""
+        key = ("ids", str(device))
+        if key not in self.cache:
+            lengths = torch.tensor([b - a for a, b in zip(self.bounds[:-1], self.bounds[1:])])
+            self.cache[key] = torch.repeat_interleave(torch.arange(len(lengths)), lengths).to(device)
+        return self.cache[key]
 
 
-def _segment_ids(bounds: Sequence[int], device) -> torch.Tensor:
-    lengths = torch.tensor([b - a for a, b in zip(bounds[:-1], bounds[1:])], device=device)
-    return torch.repeat_interleave(torch.arange(len(lengths), device=device), lengths)
+def as_segments(s: Segments | Sequence[int]) -> Segments:
+    return s if isinstance(s, Segments) else Segments(list(s))
 
 
-def _split(q, k, v, q_bounds, k_bounds):
+def _check(q: Segments, k: Segments, tq: int, tk: int) -> None:
+    if len(q.bounds) != len(k.bounds) or len(q.bounds) < 2:
+        raise ValueError(f"query and key segments must have the same count >= 1, got bounds {q.bounds} and {k.bounds}")
+    if q.bounds[0] != 0 or q.bounds[-1] != tq or k.bounds[0] != 0 or k.bounds[-1] != tk:
+        raise ValueError(f"bounds must span [0, {tq}] and [0, {tk}], got {q.bounds} and {k.bounds}")
+
+
+def _heads_first(x: torch.Tensor) -> torch.Tensor:
+    return x.transpose(0, 1).unsqueeze(0)  # [T, H, D] -> [1, H, T, D]
+
+
+def _split(q, k, v, qs: Segments, ks: Segments):
     outs = []
-    for s in range(len(q_bounds) - 1):
-        qa, qb, ka, kb = q_bounds[s], q_bounds[s + 1], k_bounds[s], k_bounds[s + 1]
+    for s in range(len(qs.bounds) - 1):
+        qa, qb, ka, kb = qs.bounds[s], qs.bounds[s + 1], ks.bounds[s], ks.bounds[s + 1]
         if qb == qa:
             continue
-        o = F.scaled_dot_product_attention(
-            q[qa:qb].transpose(0, 1).unsqueeze(0), k[ka:kb].transpose(0, 1).unsqueeze(0), v[ka:kb].transpose(0, 1).unsqueeze(0)
-        )
+        o = F.scaled_dot_product_attention(_heads_first(q[qa:qb]), _heads_first(k[ka:kb]), _heads_first(v[ka:kb]))
         outs.append(o.squeeze(0).transpose(0, 1))
     return torch.cat(outs, dim=0) if outs else q.new_empty(q.shape[0], q.shape[1], v.shape[2])
 
 
-def _masked(q, k, v, q_bounds, k_bounds):
-    mask = _segment_ids(q_bounds, q.device)[:, None] == _segment_ids(k_bounds, q.device)[None, :]
-    o = F.scaled_dot_product_attention(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), attn_mask=mask)
+def _masked(q, k, v, qs: Segments, ks: Segments):
+    key = ("mask", id(ks), str(q.device))
+    if key not in qs.cache:
+        qs.cache[key] = qs.ids(q.device)[:, None] == ks.ids(q.device)[None, :]
+    o = F.scaled_dot_product_attention(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), attn_mask=qs.cache[key])
     return o.transpose(0, 1)
 
 
@@ -61,44 +98,44 @@ def _masked(q, k, v, q_bounds, k_bounds):
 def _compiled_flex():
     from torch.nn.attention.flex_attention import flex_attention
 
-    return torch.compile(flex_attention, dynamic=False)
+    return torch.compile(flex_attention)
 
 
-def _flex(q, k, v, q_bounds, k_bounds):
+def _flex(q, k, v, qs: Segments, ks: Segments):
     from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
-    q_ids, k_ids = _segment_ids(q_bounds, q.device), _segment_ids(k_bounds, q.device)
+    key = ("flex", id(ks), str(q.device))
+    if key not in qs.cache:
+        q_ids, k_ids = qs.ids(q.device), ks.ids(q.device)
 
-    def same_segment(b, h, qi, ki):
-        return q_ids[qi] == k_ids[ki]
+        def same_segment(b, h, qi, ki):
+            return q_ids[qi] == k_ids[ki]
 
-    block_mask = create_block_mask(same_segment, None, None, q.shape[0], k.shape[0], device=q.device)
-    args = (q.transpose(0, 1).unsqueeze(0), k.transpose(0, 1).unsqueeze(0), v.transpose(0, 1).unsqueeze(0))
+        qs.cache[key] = create_block_mask(same_segment, None, None, q.shape[0], k.shape[0], device=q.device)
+    args = (_heads_first(q), _heads_first(k), _heads_first(v))
     if q.is_cuda:
-        o = _compiled_flex()(*args, block_mask=block_mask)
+        o = _compiled_flex()(*args, block_mask=qs.cache[key])
     else:  # eager flex (materialises the scores): the CPU reference path of this backend
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message="flex_attention called without torch.compile")
-            o = flex_attention(*args, block_mask=block_mask)
+            o = flex_attention(*args, block_mask=qs.cache[key])
     return o.squeeze(0).transpose(0, 1)
 
 
-def _varlen(q, k, v, q_bounds, k_bounds):
+def _varlen(q, k, v, qs: Segments, ks: Segments):
     from torch.nn.attention.varlen import varlen_attn
 
-    cu_q = torch.tensor(q_bounds, dtype=torch.int32, device=q.device)
-    cu_k = torch.tensor(k_bounds, dtype=torch.int32, device=q.device)
-    max_q = max(b - a for a, b in zip(q_bounds[:-1], q_bounds[1:]))
-    max_k = max(b - a for a, b in zip(k_bounds[:-1], k_bounds[1:]))
-    return varlen_attn(q.contiguous(), k.contiguous(), v.contiguous(), cu_q, cu_k, max_q, max_k)
+    return varlen_attn(q.contiguous(), k.contiguous(), v.contiguous(), qs.cu(q.device), ks.cu(q.device),
+                       qs.max_len, ks.max_len)
 
 
 def resolve_backend(backend: str, q: torch.Tensor) -> str:
     if backend not in BACKENDS:
         raise ValueError(f"attention backend {backend!r}: one of {', '.join(BACKENDS)}")
+    half_cuda = q.is_cuda and q.dtype in (torch.float16, torch.bfloat16)
     if backend == "auto":
-        return "varlen" if q.is_cuda and q.dtype in (torch.float16, torch.bfloat16) else "split"
-    if backend == "varlen" and not (q.is_cuda and q.dtype in (torch.float16, torch.bfloat16)):
+        return "varlen" if half_cuda else "split"
+    if backend == "varlen" and not half_cuda:
         raise ValueError(f"attention backend 'varlen' needs CUDA fp16/bf16 tensors, got {q.device} {q.dtype}")
     return backend
 
@@ -110,10 +147,11 @@ def packed_attention(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
-    q_bounds: Sequence[int],
-    k_bounds: Sequence[int],
+    q_segments: Segments | Sequence[int],
+    k_segments: Segments | Sequence[int],
     backend: str = "auto",
 ) -> torch.Tensor:
     """Segment-wise softmax attention (scale ``1/sqrt(D)``); returns ``[Tq, H, D]``."""
-    _check(q_bounds, k_bounds, q.shape[0], k.shape[0])
-    return _IMPLS[resolve_backend(backend, q)](q, k, v, list(q_bounds), list(k_bounds))
+    qs, ks = as_segments(q_segments), as_segments(k_segments)
+    _check(qs, ks, q.shape[0], k.shape[0])
+    return _IMPLS[resolve_backend(backend, q)](q, k, v, qs, ks)

@@ -32,7 +32,7 @@ from torch.utils.checkpoint import checkpoint
 
 from loongforge.core.kernels import get_kernel
 from loongforge.diffusion.context_parallel import ContextParallel, heads_to_seq, seq_to_heads
-from loongforge.diffusion.model.attention import packed_attention
+from loongforge.diffusion.model.attention import Segments, packed_attention
 from loongforge.diffusion.model.config import WanConfig
 from loongforge.diffusion.model.rope import rope_tables, to_rotate_half
 from loongforge.diffusion.packing import PackedBatch, pack, unpack_outputs
@@ -45,9 +45,9 @@ class TokenContext:
     sample_index: torch.Tensor  # [n] sample of each local token
     rope_cos: torch.Tensor  # [n, head_dim]
     rope_sin: torch.Tensor
-    self_bounds: list[int]  # segments of the full sequence (after the Ulysses all-to-all)
-    cross_q_bounds: list[int]  # local token segments, one per locally present sample
-    cross_k_bounds: list[int]  # their prompt rows in text[first_sample:last_sample + 1]
+    self_segments: Segments  # samples (and padding) of the full sequence (after the Ulysses all-to-all)
+    cross_q_segments: Segments  # local token segments, one per locally present sample
+    cross_k_segments: Segments  # their prompt rows in text[first_sample:last_sample + 1]
     first_sample: int
     last_sample: int
     single_sample: bool
@@ -96,13 +96,13 @@ class WanAttention(nn.Module):
             k = rope(to_rotate_half(k), tc.rope_cos, tc.rope_sin)
             if tc.cp is not None:
                 q, k, v = (seq_to_heads(t, tc.cp) for t in (q, k, v))
-            out = packed_attention(q, k, v, tc.self_bounds, tc.self_bounds, tc.backend)
+            out = packed_attention(q, k, v, tc.self_segments, tc.self_segments, tc.backend)
             if tc.cp is not None:
                 out = heads_to_seq(out, tc.cp)
         else:  # text: [B, L, heads*head_dim] already embedded; keep the locally present samples
             k = k[tc.first_sample : tc.last_sample + 1].flatten(0, 1)
             v = v[tc.first_sample : tc.last_sample + 1].flatten(0, 1)
-            out = packed_attention(q, k, v, tc.cross_q_bounds, tc.cross_k_bounds, tc.backend)
+            out = packed_attention(q, k, v, tc.cross_q_segments, tc.cross_k_segments, tc.backend)
         return self.to_out[0](out.flatten(1).type_as(x))
 
 
@@ -161,9 +161,9 @@ class WanDiT(nn.Module):
             sample_index=batch.sample_index[lo:hi].to(device),
             rope_cos=cos,
             rope_sin=sin,
-            self_bounds=batch.self_attention_bounds,
-            cross_q_bounds=cross_q,
-            cross_k_bounds=[i * L for i in range(last - first + 2)],
+            self_segments=Segments(batch.self_attention_bounds),
+            cross_q_segments=Segments(cross_q),
+            cross_k_segments=Segments([i * L for i in range(last - first + 2)]),
             first_sample=first,
             last_sample=last,
             single_sample=batch.num_samples == 1,
