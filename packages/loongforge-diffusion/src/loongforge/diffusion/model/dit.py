@@ -71,9 +71,9 @@ class WanAttention(nn.Module):
     """Self- or cross-attention with diffusers' ``WanAttention`` parameters (to_q/k/v, to_out.0,
     norm_q/norm_k RMSNorm across heads)."""
 
-    def __init__(self, dim: int, heads: int, eps: float, cross: bool):
+    def __init__(self, dim: int, heads: int, eps: float):
         super().__init__()
-        self.heads, self.head_dim, self.eps, self.cross = heads, dim // heads, eps, cross
+        self.heads, self.head_dim, self.eps = heads, dim // heads, eps
         self.to_q = nn.Linear(dim, dim)
         self.to_k = nn.Linear(dim, dim)
         self.to_v = nn.Linear(dim, dim)
@@ -86,7 +86,8 @@ class WanAttention(nn.Module):
 
     def forward(self, x: torch.Tensor, tc: TokenContext, text: torch.Tensor | None = None) -> torch.Tensor:
         rms_norm = get_kernel("rms_norm")
-        source = x if text is None else text
+        # cross-attention reads the prompts of the samples present in this rank's tokens
+        source = x if text is None else text[tc.first_sample : tc.last_sample + 1].flatten(0, 1)
         q = self._heads(rms_norm(self.to_q(x), self.norm_q.weight, self.eps))
         k = self._heads(rms_norm(self.to_k(source), self.norm_k.weight, self.eps))
         v = self._heads(self.to_v(source))
@@ -99,9 +100,7 @@ class WanAttention(nn.Module):
             out = packed_attention(q, k, v, tc.self_segments, tc.self_segments, tc.backend)
             if tc.cp is not None:
                 out = heads_to_seq(out, tc.cp)
-        else:  # text: [B, L, heads*head_dim] already embedded; keep the locally present samples
-            k = k[tc.first_sample : tc.last_sample + 1].flatten(0, 1)
-            v = v[tc.first_sample : tc.last_sample + 1].flatten(0, 1)
+        else:
             out = packed_attention(q, k, v, tc.cross_q_segments, tc.cross_k_segments, tc.backend)
         return self.to_out[0](out.flatten(1).type_as(x))
 
@@ -113,8 +112,8 @@ class WanBlock(nn.Module):
         super().__init__()
         dim = cfg.hidden_size
         self.norm1 = FP32LayerNorm(dim, cfg.eps, elementwise_affine=False)
-        self.attn1 = WanAttention(dim, cfg.num_attention_heads, cfg.eps, cross=False)
-        self.attn2 = WanAttention(dim, cfg.num_attention_heads, cfg.eps, cross=True)
+        self.attn1 = WanAttention(dim, cfg.num_attention_heads, cfg.eps)
+        self.attn2 = WanAttention(dim, cfg.num_attention_heads, cfg.eps)
         self.norm2 = FP32LayerNorm(dim, cfg.eps, elementwise_affine=True) if cfg.cross_attn_norm else nn.Identity()
         self.ffn = FeedForward(dim, inner_dim=cfg.ffn_dim, activation_fn="gelu-approximate")
         self.norm3 = FP32LayerNorm(dim, cfg.eps, elementwise_affine=False)
