@@ -37,6 +37,13 @@ def test_train_then_sample_then_convert(tmp_path, synthetic_overrides, builtin_l
     with Image.open(gif) as anim:
         assert anim.n_frames == frames
 
+    # new prompts through the dataset's text encoder, with classifier-free guidance
+    assert main(["sample", "--run", str(run), "--out", str(tmp_path / "prompted"), "sample.num_steps=3",
+                 "sample.prompts=[a red circle moving left on a black background]", "sample.guidance_scale=3.0",
+                 "sample.num_frames=5", "sample.height=32", "sample.width=48"]) == 0
+    prompted = np.asarray(Image.open(tmp_path / "prompted" / "step_00000030.png"))
+    assert prompted.shape == (32 + 2, 5 * (48 + 2), 3)
+
     out = tmp_path / "hf"
     assert main(["convert", "--run", str(run), "--out", str(out), "--ema"]) == 0
     tensors, manifest, _ = load_checkpoint(run / "checkpoints")
