@@ -40,7 +40,7 @@ def _barrier(group) -> None:
 
 
 def _all_gather(obj, group) -> list:
-    if dist.is_available() and dist.is_initialized():
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size(group) > 1:
         out = [None] * dist.get_world_size(group)
         dist.all_gather_object(out, obj, group=group)
         return out
