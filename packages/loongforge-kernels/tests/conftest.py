@@ -1,21 +1,9 @@
-"""Run the Triton kernels on CPU through Triton's interpreter.
-
-``triton.jit`` decides at decoration time whether a kernel is compiled or interpreted (and Triton
-imports more of itself lazily at the first launch), so ``TRITON_INTERPRET=1`` is set here, before
-any test imports a kernel module, and stays set for the process.
-"""
+"""The kernels' tests run on CPU through Triton's interpreter, which the repository's root
+conftest.py switches on (``TRITON_INTERPRET=1``) before anything imports triton."""
 
 from __future__ import annotations
 
 import os
-import sys
-
-if "loongforge.kernels.launch" in sys.modules and not sys.modules["loongforge.kernels.launch"].INTERPRETED:
-    raise RuntimeError(
-        "loongforge.kernels was imported without TRITON_INTERPRET=1 before its tests; run "
-        "packages/loongforge-kernels/tests in a pytest process that imports no kernel module earlier"
-    )
-os.environ["TRITON_INTERPRET"] = "1"
 
 
 def pytest_collection_modifyitems(config, items):

@@ -10,6 +10,27 @@ from triton import knobs
 # compiled for the GPU or run by the CPU interpreter (``TRITON_INTERPRET=1``).
 INTERPRETED = bool(knobs.runtime.interpret)
 
+
+def _check_interpreter_consistent() -> None:
+    """Triton's own library (``tl.max``, ``tl.sum``, ...) is decorated when ``triton`` is first
+    imported; if ``TRITON_INTERPRET=1`` came later, our interpreted kernels would call compiled
+    library functions and fail deep inside the interpreter. Say so at import instead."""
+    if not INTERPRETED:
+        return
+    from triton.language import standard
+    from triton.runtime.interpreter import InterpretedFunction
+
+    if not isinstance(standard.max, InterpretedFunction):
+        raise RuntimeError(
+            "loongforge.kernels: TRITON_INTERPRET=1 was set after `triton` had been imported, so "
+            "Triton's language library is compiled while our kernels are interpreted; set "
+            "TRITON_INTERPRET=1 before anything imports triton (for pytest, the repository's "
+            "root conftest.py does this)"
+        )
+
+
+_check_interpreter_consistent()
+
 # Largest row a kernel holds in one block (Triton caps a block at 2**20 elements; rows far below
 # that keep register pressure sane).
 MAX_ROW_BLOCK = 65536
