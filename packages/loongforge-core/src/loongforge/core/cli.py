@@ -1,4 +1,5 @@
-"""Pieces every ``lf-*`` CLI shares: ``--config NAME_OR_PATH`` plus ``key=value`` overrides."""
+"""Pieces every ``lf-*`` CLI shares: ``--config NAME_OR_PATH`` plus ``key=value`` overrides, the
+``plot`` subcommand, and one way to turn configuration errors into an exit code."""
 
 from __future__ import annotations
 
@@ -14,18 +15,36 @@ def add_config_arguments(parser: argparse.ArgumentParser, default: str) -> None:
 
 
 def normalise_overrides(items: list[str]) -> list[str]:
-    """Accept ``--a.b=1`` and ``--a.b 1`` spellings next to ``a.b=1``."""
+    """``--a.b VALUE`` / ``--a.b=VALUE`` / ``a.b=VALUE`` -> ``a.b=VALUE``; anything else is an error."""
     out, i = [], 0
     while i < len(items):
         item = items[i]
         if item.startswith("--"):
             item = item[2:]
-            if "=" not in item and i + 1 < len(items):
+            if "=" not in item:
+                if i + 1 >= len(items):
+                    raise ConfigError(f"--{item} needs a value")
                 item = f"{item}={items[i + 1]}"
                 i += 1
+        elif "=" not in item:
+            raise ConfigError(f"cannot parse argument {item!r} (expected key=value)")
         out.append(item)
         i += 1
     return out
+
+
+def add_plot_command(sub) -> None:
+    """``lf-* plot RUN_DIR``: the run's loss and throughput curves from ``metrics.jsonl`` to PNG."""
+    plot = sub.add_parser("plot", help="draw the loss/throughput curves of RUN_DIR to PNG")
+    plot.add_argument("run_dir")
+    plot.set_defaults(fn=_cmd_plot)
+
+
+def _cmd_plot(args) -> int:
+    from loongforge.core.plot import plot_run
+
+    print(f"wrote {plot_run(args.run_dir)}")
+    return 0
 
 
 def run_main(fn) -> int:

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import torch.distributed as dist
 
-from loongforge.core.cli import add_config_arguments, normalise_overrides, run_main
+from loongforge.core.cli import add_config_arguments, add_plot_command, normalise_overrides, run_main
 
 CONFIG_DIR = Path(__file__).parent / "configs"
 DEFAULT_TRAIN = "tiny"
@@ -131,13 +131,6 @@ def cmd_bench(args) -> int:
     return 0
 
 
-def cmd_plot(args) -> int:
-    from loongforge.core.plot import plot_run
-
-    print(f"wrote {plot_run(args.run_dir)}")
-    return 0
-
-
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="lf-diffusion", description="LoongForge Wan-style video diffusion")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -174,9 +167,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--batch-size", type=int, default=1)
     p.set_defaults(fn=cmd_bench)
 
-    p = sub.add_parser("plot", help="draw a run's loss/throughput curves to PNG")
-    p.add_argument("run_dir")
-    p.set_defaults(fn=cmd_plot)
+    add_plot_command(sub)
     return parser
 
 

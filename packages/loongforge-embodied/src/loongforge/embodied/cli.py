@@ -6,6 +6,7 @@
     lf-embodied convert --from-lerobot FILE.safetensors --out FILE.safetensors
     lf-embodied info [--config NAME|PATH] [key=value ...]
     lf-embodied bench [--against-lerobot] [--batch-size B] [--steps N] [key=value ...]
+    lf-embodied plot RUN_DIR
 
 ``train`` with no arguments trains the tiny Pi0.5-style policy on a synthetic LeRobot dataset
 (written to the cache directory on first use) on the current accelerator, resuming from
@@ -19,34 +20,13 @@ import argparse
 import json
 import sys
 
-
-
-def split_overrides(rest: list[str]) -> list[str]:
-    """``--a.b VALUE`` / ``--a.b=VALUE`` / ``a.b=VALUE`` -> ``a.b=VALUE`` (``--policy X`` -> ``policy=X``)."""
-    out, i = [], 0
-    while i < len(rest):
-        arg = rest[i]
-        if arg.startswith("--"):
-            key = arg[2:]
-            if "=" in key:
-                out.append(key)
-            elif i + 1 < len(rest):
-                out.append(f"{key}={rest[i + 1]}")
-                i += 1
-            else:
-                raise SystemExit(f"lf-embodied: {arg} needs a value")
-        elif "=" in arg:
-            out.append(arg)
-        else:
-            raise SystemExit(f"lf-embodied: cannot parse argument {arg!r} (expected key=value)")
-        i += 1
-    return out
+from loongforge.core.cli import add_plot_command, normalise_overrides, run_main
 
 
 def _config(args, rest):
     from loongforge.embodied.config import load_train_config
 
-    return load_train_config(args.config, split_overrides(rest))
+    return load_train_config(args.config, normalise_overrides(rest))
 
 
 def cmd_train(args, rest) -> int:
@@ -64,7 +44,7 @@ def cmd_train(args, rest) -> int:
 def cmd_eval(args, rest) -> int:
     from loongforge.embodied.evaluation import evaluate_checkpoint
 
-    print(json.dumps(evaluate_checkpoint(args.checkpoint, split_overrides(rest)), indent=1, sort_keys=True))
+    print(json.dumps(evaluate_checkpoint(args.checkpoint, normalise_overrides(rest)), indent=1, sort_keys=True))
     return 0
 
 
@@ -153,11 +133,15 @@ def main(argv: list[str] | None = None) -> int:
     p = sub.add_parser("convert")
     p.add_argument("--from-lerobot", required=True, help="a LeRobot pi05 model.safetensors")
     p.add_argument("--out", required=True)
+    add_plot_command(sub)
     args, rest = parser.parse_known_args(argv)
-    if args.command in ("export", "convert") and rest:
+    if args.command in ("export", "convert", "plot") and rest:
         parser.error(f"unexpected arguments: {rest}")
-    return {"train": cmd_train, "eval": cmd_eval, "export": cmd_export, "convert": cmd_convert, "info": cmd_info,
-            "bench": cmd_bench}[args.command](args, rest)
+    if args.command == "plot":
+        return args.fn(args)
+    commands = {"train": cmd_train, "eval": cmd_eval, "export": cmd_export, "convert": cmd_convert, "info": cmd_info,
+                "bench": cmd_bench}
+    return run_main(lambda: commands[args.command](args, rest))
 
 
 if __name__ == "__main__":

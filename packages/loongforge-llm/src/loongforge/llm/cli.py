@@ -12,7 +12,7 @@ import argparse
 import json
 import sys
 
-from loongforge.core.cli import add_config_arguments, normalise_overrides, run_main
+from loongforge.core.cli import add_config_arguments, add_plot_command, normalise_overrides, run_main
 from loongforge.core.config import load_config
 from loongforge.llm.recipe import CONFIG_DIR, LLMConfig
 
@@ -63,13 +63,6 @@ def cmd_preprocess(args) -> int:
     return 0
 
 
-def cmd_plot(args) -> int:
-    from loongforge.core.plot import plot_run
-
-    print(plot_run(args.run_dir))
-    return 0
-
-
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="lf-llm", description="LoongForge LLM training on megatron-core")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -84,9 +77,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_preprocess_arguments(pre)
     pre.set_defaults(fn=cmd_preprocess)
-    plot = sub.add_parser("plot", help="draw loss/throughput curves of RUN_DIR to PNG")
-    plot.add_argument("run_dir")
-    plot.set_defaults(fn=cmd_plot)
+    add_plot_command(sub)
     return parser
 
 
