@@ -1,0 +1,40 @@
+"""A model family's Hugging Face adapter (``ModelSpec.hf_adapter``): which HF architectures
+it reads, its mapping table and the translation of ``config.json`` to its model config and
+back."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from loongforge.core.hf_mapping.table import BoundMapping, HFMapping
+from loongforge.core.hf_mapping.transforms import MappingError
+
+
+@dataclass(frozen=True)
+class HFAdapter:
+    """``config_from_hf(config_json: dict) -> model config`` raises ``MappingError`` naming
+    the key of a feature the family does not support; ``config_to_hf(model config) -> dict``
+    is the ``config.json`` to write (``architectures`` included)."""
+
+    architectures: tuple[str, ...]
+    mapping: HFMapping
+    config_from_hf: Callable[[dict], Any]
+    config_to_hf: Callable[[Any], dict]
+
+    def bind(self, cfg: Any) -> BoundMapping:
+        return self.mapping.bind(cfg)
+
+
+def family_for_architectures(architectures: list[str] | None, source: str = "config.json") -> tuple[str, HFAdapter]:
+    """The installed ``(family name, adapter)`` that reads one of ``architectures``."""
+    from loongforge.core.models import installed_models
+
+    known = {arch: (name, spec.hf_adapter) for name, spec in sorted(installed_models().items())
+             if isinstance(spec.hf_adapter, HFAdapter) for arch in spec.hf_adapter.architectures}
+    for arch in architectures or []:
+        if arch in known:
+            return known[arch]
+    raise MappingError(f"{source}: architectures {architectures!r} are not supported by any installed model family; "
+                       f"supported: {', '.join(sorted(known)) or 'none'}")

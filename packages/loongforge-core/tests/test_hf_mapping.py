@@ -1,0 +1,189 @@
+"""The declarative HF mapping engine: layouts, expansion, errors, bitwise round trips."""
+
+from dataclasses import dataclass
+
+import pytest
+import torch
+
+from loongforge.core.hf_mapping import (
+    HFMapping,
+    Ignore,
+    Location,
+    MappingError,
+    Rule,
+    Transform,
+    get_transform,
+    register_transform,
+)
+
+
+@dataclass
+class Cfg:
+    num_layers: int = 2
+    num_attention_heads: int = 4
+    num_query_groups: int = 2
+    head_dim: int = 3
+    hidden: int = 5
+    num_experts: int = 3
+    bias: bool = True
+    tie: bool = False
+
+
+ATTN = "model.layers.{layer}.attn."
+TABLE = HFMapping(
+    rules=(
+        Rule("embed.weight", "embedding.word_embeddings.weight"),
+        Rule((ATTN + "q.weight", ATTN + "k.weight", ATTN + "v.weight"), "decoder.layers.{layer}.qkv.weight", "fuse_qkv"),
+        Rule((ATTN + "q.bias", ATTN + "k.bias", ATTN + "v.bias"), "decoder.layers.{layer}.qkv.bias", "fuse_qkv", when="bias"),
+        Rule(("model.layers.{layer}.gate.weight", "model.layers.{layer}.up.weight"), "decoder.layers.{layer}.fc1.weight", "fuse_gate_up"),
+        Rule("model.layers.{layer}.experts.{expert}.w", "decoder.layers.{layer}.experts.w{expert}"),
+        Rule("lm_head.weight", "output_layer.weight", when="not tie"),
+    ),
+    ranges={"layer": "num_layers", "expert": "num_experts"},
+    stacked=(("decoder.layers.{layer}.", "decoder.layers."), ("experts.w{expert}", "experts.w")),
+    ignore=(Ignore("model.layers.{layer}.attn.rotary.inv_freq"), Ignore("lm_head.weight", when="tie")),
+)
+
+
+def hf_state(cfg: Cfg, seed: int = 0) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    q, kv, h = cfg.num_attention_heads * cfg.head_dim, cfg.num_query_groups * cfg.head_dim, cfg.hidden
+    sd = {"embed.weight": torch.randn(11, h, generator=g)}
+    for i in range(cfg.num_layers):
+        p = f"model.layers.{i}."
+        sd |= {p + "attn.q.weight": torch.randn(q, h, generator=g), p + "attn.k.weight": torch.randn(kv, h, generator=g),
+               p + "attn.v.weight": torch.randn(kv, h, generator=g), p + "gate.weight": torch.randn(7, h, generator=g),
+               p + "up.weight": torch.randn(7, h, generator=g)}
+        if cfg.bias:
+            sd |= {p + "attn.q.bias": torch.randn(q, generator=g), p + "attn.k.bias": torch.randn(kv, generator=g),
+                   p + "attn.v.bias": torch.randn(kv, generator=g)}
+        sd |= {f"{p}experts.{e}.w": torch.randn(2, h, generator=g) for e in range(cfg.num_experts)}
+    if not cfg.tie:
+        sd["lm_head.weight"] = torch.randn(11, h, generator=g)
+    return sd
+
+
+def reference_fused_qkv(q, k, v, heads, groups, d):
+    """megatron's layout written out: per KV group, its query heads, its key head, its value head."""
+    per = heads // groups
+    rows = []
+    for grp in range(groups):
+        rows += [q[(grp * per + j) * d:(grp * per + j + 1) * d] for j in range(per)]
+        rows += [k[grp * d:(grp + 1) * d], v[grp * d:(grp + 1) * d]]
+    return torch.cat(rows)
+
+
+@pytest.mark.parametrize("tie", [False, True])
+@pytest.mark.parametrize("bias", [False, True])
+def test_round_trip_is_bitwise(bias, tie):
+    cfg = Cfg(bias=bias, tie=tie)
+    hf = hf_state(cfg)
+    bound = TABLE.bind(cfg)
+    bound.check_hf(hf)
+    lf = dict(bound.to_lf(hf.__getitem__))
+    bound.check_lf(lf)
+    assert ("decoder.layers.1.qkv.bias" in lf) == bias and ("output_layer.weight" in lf) == (not tie)
+    back = dict(bound.to_hf(lf.__getitem__))
+    assert sorted(back) == sorted(hf)
+    for name, t in hf.items():
+        assert back[name].dtype == t.dtype and torch.equal(back[name], t), name
+
+
+def test_qkv_weight_and_bias_layout_matches_megatron():
+    cfg = Cfg()
+    hf = hf_state(cfg)
+    lf = dict(TABLE.bind(cfg).to_lf(hf.__getitem__))
+    for kind in ("weight", "bias"):
+        q, k, v = (hf[f"model.layers.1.attn.{x}.{kind}"] for x in "qkv")
+        expected = reference_fused_qkv(q, k, v, cfg.num_attention_heads, cfg.num_query_groups, cfg.head_dim)
+        assert torch.equal(lf[f"decoder.layers.1.qkv.{kind}"], expected)
+    gate, up = hf["model.layers.0.gate.weight"], hf["model.layers.0.up.weight"]
+    assert torch.equal(lf["decoder.layers.0.fc1.weight"], torch.cat([gate, up]))
+
+
+def test_split_outputs_own_their_storage():
+    cfg = Cfg(num_query_groups=1)  # one group: q is a contiguous prefix of the fused tensor
+    hf = hf_state(cfg)
+    bound = TABLE.bind(cfg)
+    back = dict(bound.to_hf(dict(bound.to_lf(hf.__getitem__)).__getitem__))
+    ptrs = [back[f"model.layers.0.attn.{x}.weight"].untyped_storage().data_ptr() for x in "qkv"]
+    assert len(set(ptrs)) == 3
+
+
+def test_locations_fold_layers_and_experts():
+    bound = TABLE.bind(Cfg())
+    assert bound.location("decoder.layers.1.qkv.weight") == Location("decoder.layers.qkv.weight", (1,), (2,))
+    assert bound.location("decoder.layers.1.experts.w2") == Location("decoder.layers.experts.w", (1, 2), (2, 3))
+    assert bound.location("embedding.word_embeddings.weight") == Location("embedding.word_embeddings.weight")
+
+
+def test_gathered_placeholder_collects_all_indices_in_order():
+    class Stack(Transform):
+        n_lf = 1
+
+        def to_lf(self, tensors, ctx):
+            return [torch.stack(tensors)]
+
+        def to_hf(self, tensors, ctx):
+            return [t.clone() for t in tensors[0].unbind(0)]
+
+    register_transform("test_stack_experts", Stack())
+    table = HFMapping((Rule("l.{layer}.e.{expert}.w", "decoder.layers.{layer}.experts.w", "test_stack_experts"),),
+                      ranges={"layer": "num_layers", "expert": "num_experts"})
+    bound = table.bind(Cfg())
+    assert bound.conversions[1].hf == ("l.1.e.0.w", "l.1.e.1.w", "l.1.e.2.w")
+    hf = {f"l.{i}.e.{e}.w": torch.full((2,), float(10 * i + e)) for i in range(2) for e in range(3)}
+    lf = dict(bound.to_lf(hf.__getitem__))
+    assert lf["decoder.layers.1.experts.w"][:, 0].tolist() == [10.0, 11.0, 12.0]
+    assert all(torch.equal(v, hf[k]) for k, v in bound.to_hf(lf.__getitem__))
+
+
+def test_missing_and_unknown_tensors_are_named():
+    cfg = Cfg()
+    hf = hf_state(cfg)
+    del hf["model.layers.1.attn.v.weight"]
+    hf["model.layers.0.attn.rotary.inv_freq"] = torch.ones(2)  # ignored
+    hf["model.layers.0.mystery.weight"] = torch.ones(2)
+    with pytest.raises(MappingError, match=r"missing 1 tensor.*model\.layers\.1\.attn\.v\.weight.*"
+                                           r"1 tensor\(s\) the mapping does not know: model\.layers\.0\.mystery\.weight"):
+        TABLE.bind(cfg).check_hf(hf, source="ckpt-dir")
+
+
+def test_tied_lm_head_may_be_present():
+    cfg = Cfg(tie=True)
+    hf = hf_state(cfg) | {"lm_head.weight": torch.ones(11, 5)}
+    bound = TABLE.bind(cfg)
+    bound.check_hf(hf)
+    lf = dict(bound.to_lf(hf.__getitem__))
+    assert "output_layer.weight" not in lf and "lm_head.weight" not in dict(bound.to_hf(lf.__getitem__))
+    with pytest.raises(MappingError, match="does not know: output_layer.weight"):
+        bound.check_lf({**lf, "output_layer.weight": hf["lm_head.weight"]})
+
+
+def test_shape_errors_name_the_tensor():
+    cfg = Cfg()
+    hf = hf_state(cfg)
+    hf["model.layers.0.attn.k.weight"] = torch.ones(4, 5)
+    with pytest.raises(MappingError, match=r"model\.layers\.0\.attn\.k\.weight: shape \[4, 5\], expected 6 rows"):
+        dict(TABLE.bind(cfg).to_lf(hf.__getitem__))
+
+
+def test_prefixed_and_combined_parts():
+    text = TABLE.bind(Cfg(num_layers=1))
+    vision = HFMapping((Rule("blocks.{layer}.w", "decoder.layers.{layer}.w"),), ranges={"layer": "num_layers"},
+                       stacked=(("decoder.layers.{layer}.", "decoder.layers."),)).bind(Cfg(num_layers=3))
+    both = text.prefixed(hf="model.language_model.", lf="language_model.") + vision.prefixed(hf="model.visual.", lf="vision_model.")
+    assert "model.visual.blocks.2.w" in both.hf_names
+    assert both.location("vision_model.decoder.layers.2.w") == Location("vision_model.decoder.layers.w", (2,), (3,))
+    assert both.is_ignored("model.language_model.model.layers.0.attn.rotary.inv_freq")
+    with pytest.raises(MappingError, match="more than once"):
+        _ = text + text
+
+
+def test_transform_registry_errors():
+    with pytest.raises(MappingError, match="unknown transform 'nope'; registered: .*fuse_qkv"):
+        get_transform("nope")
+    with pytest.raises(MappingError, match="already registered"):
+        register_transform("fuse_qkv", get_transform("identity"))
+    with pytest.raises(MappingError, match=r"placeholder\(s\) \['head'\] have no range"):
+        HFMapping((Rule("a.{head}", "b.{head}"),)).bind(Cfg())
