@@ -27,11 +27,16 @@ def cmd_train(args) -> int:
     from loongforge.core.parallel import destroy_parallel, init_parallel
     from loongforge.core.training.trainer import MegatronTrainer
     from loongforge.llm.recipe import LLMTask
+    from loongforge.llm.sft_recipe import SFTTask
 
     p = cfg.parallel
     ctx = init_parallel(tp=p.tp, pp=p.pp, cp=p.cp, ep=p.ep, seed=cfg.train.seed)
     try:
-        task = LLMTask(cfg)
+        task = SFTTask(cfg) if cfg.recipe == "sft" else LLMTask(cfg)
+        if cfg.recipe == "sft":
+            report = task.dataset().report  # every rank: the index is built collectively
+            if ctx.is_main:
+                print(f"lf-llm: SFT data: {report}", flush=True)
         trainer = MegatronTrainer(task, ctx, cfg.train, cfg.log, cfg.checkpoint, config_record=to_dict(cfg))
         if ctx.is_main:
             print(f"lf-llm: {cfg.model.family} on {ctx.accelerator.name} x{ctx.world_size} "

@@ -1,4 +1,8 @@
-"""The LLM pre-training recipe: config schema and the megatron task the shared trainer runs."""
+"""The LLM recipes' config schema, and the pre-training task the shared trainer runs.
+
+``recipe: pretrain`` trains on indexed datasets (``data``); ``recipe: sft`` on chat
+conversations (``sft``, the task in ``loongforge.llm.sft_recipe``), planned over DP ranks by
+the load balancer (``balance``)."""
 
 from __future__ import annotations
 
@@ -10,7 +14,8 @@ import torch
 
 from loongforge.core.config import to_dict
 from loongforge.core.models import get_model_spec
-from loongforge.core.training.schema import CheckpointConfig, LogConfig, ParallelConfig, TrainConfig
+from loongforge.core.training.schema import BalanceConfig, CheckpointConfig, LogConfig, ParallelConfig, TrainConfig
+from loongforge.llm.data.sft import SFTDataConfig
 from loongforge.llm.families.gpt import transformer_config_kwargs
 from loongforge.llm.model_config import GPTConfig
 
@@ -40,6 +45,17 @@ class LLMConfig:
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     log: LogConfig = field(default_factory=LogConfig)
+    recipe: str = "pretrain"  # pretrain | sft
+    sft: SFTDataConfig = field(default_factory=SFTDataConfig)
+    balance: BalanceConfig = field(default_factory=BalanceConfig)  # used by recipe=sft
+
+    def __post_init__(self):
+        if self.recipe not in ("pretrain", "sft"):
+            raise ValueError(f"recipe={self.recipe!r}: one of pretrain, sft")
+        if self.recipe == "sft":
+            from loongforge.llm.sft_recipe import check_sft_config
+
+            check_sft_config(self)
 
 
 def collate(samples: list[dict]) -> dict[str, torch.Tensor]:

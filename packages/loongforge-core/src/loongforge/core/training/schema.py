@@ -1,4 +1,4 @@
-"""Config groups every megatron-core recipe shares (train, parallel, checkpoint, log)."""
+"""Config groups every megatron-core recipe shares (train, parallel, checkpoint, log, balance)."""
 
 from __future__ import annotations
 
@@ -80,3 +80,33 @@ class LogConfig:
     interval: int = 1
     tensorboard: bool = True
     progress: bool = True
+    sample_ids: bool = False  # write the dataset indices each DP rank trains to RUN_DIR/sample_ids/dp_rank_<r>.jsonl
+
+
+@dataclass
+class BalanceConfig:
+    """DP load balancing (``loongforge.core.balance``): per step, the global batch's samples are
+    planned across DP ranks and into micro-batches of at most ``token_cap`` tokens so that every
+    rank has about the same compute. With ``enable: false`` the same sampler keeps the plain
+    contiguous split (still packed under the cap)."""
+
+    enable: bool = True
+    coefficients: list[float] | None = None  # [a, b, c] of a*sum(len^2) + b*tokens + c; null: the model's FLOPs formula
+    fit_steps: int = 0  # > 0: refit a, b, c from the measured compute seconds of this many steps, then broadcast
+    skip_threshold: float = 1.02  # keep the plain split when its max/mean rank cost is at most this
+    token_cap: int | None = None  # tokens per micro-batch (the packing length); null: train.seq_length
+    max_micro_batches: int | None = None  # per rank and step; null: as many as the rank's samples need
+    shuffle: bool = True  # a fresh permutation of the dataset every epoch (seeded by train.seed)
+
+    def __post_init__(self):
+        if self.coefficients is not None:
+            if len(self.coefficients) != 3 or any(not float(v) >= 0 for v in self.coefficients) or not any(self.coefficients):
+                raise ValueError(f"balance.coefficients={list(self.coefficients)}: three numbers [a, b, c], >= 0, not all 0")
+        if self.fit_steps < 0:
+            raise ValueError(f"balance.fit_steps={self.fit_steps}: must be >= 0")
+        if self.skip_threshold < 1:
+            raise ValueError(f"balance.skip_threshold={self.skip_threshold}: must be >= 1 (max/mean rank cost)")
+        for key in ("token_cap", "max_micro_batches"):
+            value = getattr(self, key)
+            if value is not None and value < 1:
+                raise ValueError(f"balance.{key}={value}: must be >= 1 (or null)")

@@ -4,12 +4,15 @@ One loop for every megatron-based modality: megatron's ``get_forward_backward_fu
 (pipeline parallel with micro-batches), megatron DDP or the distributed optimizer, AdamW,
 warmup + cosine LR (megatron's ``OptimizerParamScheduler``), grad clipping, per-token loss
 normalisation (so any DP/micro-batch split of a global batch gives the same loss and gradients),
-and logging of loss, grad norm, LR, tokens/s and MFU to the console (progress bar),
+a number of micro-batches that may vary per step and per DP rank (a task that plans its own, e.g.
+with the DP load balancer: megatron's ``forward_backward_func`` takes the count per call, and the
+per-token normalisation sums the token counts over DP, so the result stays exact), and logging of loss, grad norm, LR, tokens/s and MFU to the console (progress bar),
 ``RUN_DIR/metrics.jsonl`` and TensorBoard. Checkpoints use the core format (``checkpoint``).
 """
 
 from __future__ import annotations
 
+import json
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -20,7 +23,7 @@ import torch.distributed as dist
 from loongforge.core.metrics import MetricsLogger, progress
 from loongforge.core.parallel import ParallelContext
 from loongforge.core.training.schema import CheckpointConfig, LogConfig, TrainConfig
-from loongforge.core.training.task import MegatronTask
+from loongforge.core.training.task import MegatronTask, StepBatch
 
 
 def resolve_dtype(precision: str, ctx: ParallelContext) -> torch.dtype:
@@ -38,6 +41,7 @@ class StepResult:
     tokens: int
     seconds: float
     extra: dict = field(default_factory=dict)
+    compute_seconds: float = float("nan")  # this rank's forward+backward, up to the gradient reduction
 
 
 class MegatronTrainer:
@@ -61,12 +65,18 @@ class MegatronTrainer:
         self.ckpt_cfg = checkpoint or CheckpointConfig(save=False)
         self.config_record = config_record or {}
         dp = ctx.dp_size
-        if train.global_batch_size % (train.micro_batch_size * dp):
-            raise ValueError(
-                f"train.global_batch_size={train.global_batch_size} must be a multiple of "
-                f"micro_batch_size*dp = {train.micro_batch_size}*{dp}"
-            )
-        self.num_microbatches = train.global_batch_size // (train.micro_batch_size * dp)
+        self.variable_micro_batches = bool(getattr(task, "variable_micro_batches", False))
+        if self.variable_micro_batches:
+            self.num_microbatches = None  # the task plans each step's micro-batches
+            if train.global_batch_size < dp:
+                raise ValueError(f"train.global_batch_size={train.global_batch_size} must be >= the DP size {dp}")
+        else:
+            if train.global_batch_size % (train.micro_batch_size * dp):
+                raise ValueError(
+                    f"train.global_batch_size={train.global_batch_size} must be a multiple of "
+                    f"micro_batch_size*dp = {train.micro_batch_size}*{dp}"
+                )
+            self.num_microbatches = train.global_batch_size // (train.micro_batch_size * dp)
         self.dtype = resolve_dtype(train.precision, ctx)
         bf16 = self.dtype == torch.bfloat16
         recompute = {}
@@ -131,12 +141,16 @@ class MegatronTrainer:
             wd_incr_style="constant",
         )
         cfg = self.transformer_config
-        cfg.finalize_model_grads_func = finalize_model_grads
+        self._finalize_model_grads = finalize_model_grads
+        cfg.finalize_model_grads_func = self._finalize_grads_timed
+        self._compute_end = None
         cfg.no_sync_func = self.model.no_sync
         if train.overlap_grad_reduce:
             cfg.grad_sync_func = self.model.start_grad_sync
         self.step = 0
         self.consumed_samples = 0
+        self.data = None  # the task's step iterator (made in fit)
+        self.resumed_data_state = None  # its state from the checkpoint resumed from, if any
         self.run_dir = Path(self.log_cfg.run_dir)
         self.ckpt_dir = Path(self.ckpt_cfg.dir) if self.ckpt_cfg.dir else self.run_dir / "checkpoints"
         self._flops_per_token = task.flops_per_token(train.seq_length)
@@ -144,11 +158,24 @@ class MegatronTrainer:
         self._peak_total = peak * ctx.world_size if peak else None
 
     # -- one step ---------------------------------------------------------------------------
-    def train_step(self, micro_batches: list[dict[str, torch.Tensor]]) -> StepResult:
+    def _finalize_grads_timed(self, *args, **kwargs):
+        """megatron's ``finalize_model_grads`` (gradient reduction over DP), timed at its start:
+        the rank's own compute ends there, before it waits for the slowest rank."""
+        if self.data is not None and getattr(self.data, "measuring", False):
+            self.ctx.accelerator.synchronize()
+        self._compute_end = time.perf_counter()
+        return self._finalize_model_grads(*args, **kwargs)
+
+    def train_step(self, step: StepBatch | list[dict[str, torch.Tensor]]) -> StepResult:
         from megatron.core.pipeline_parallel import get_forward_backward_func
 
-        if len(micro_batches) != self.num_microbatches:
+        if not isinstance(step, StepBatch):
+            step = StepBatch(micro_batches=list(step))
+        micro_batches = step.micro_batches
+        if self.num_microbatches is not None and len(micro_batches) != self.num_microbatches:
             raise ValueError(f"expected {self.num_microbatches} micro-batches, got {len(micro_batches)}")
+        if not micro_batches:
+            raise ValueError(f"step {self.step + 1}: DP rank {self.ctx.dp_rank} got no micro-batch")
         t0 = time.perf_counter()
         self.model.zero_grad_buffer()
         self.optimizer.zero_grad()
@@ -157,19 +184,23 @@ class MegatronTrainer:
             forward_step_func=self.task.forward_step,
             data_iterator=iter(micro_batches),
             model=[self.model],
-            num_microbatches=self.num_microbatches,
+            num_microbatches=len(micro_batches),
             seq_length=self.train.seq_length,
             micro_batch_size=self.train.micro_batch_size,
             forward_only=False,
         )
+        compute_seconds = (self._compute_end - t0) if self._compute_end is not None else float("nan")
+        self._compute_end = None
         _, grad_norm, _ = self.optimizer.step()
         self.scheduler.step(increment=self.train.global_batch_size)
-        totals = torch.zeros(2, dtype=torch.float64, device=self.ctx.device)
+        totals = torch.zeros(3, dtype=torch.float64, device=self.ctx.device)  # loss sum, loss tokens, input tokens
         if self.ctx.is_last_stage:
             for entry in losses:
                 loss_sum, num_tokens = entry["lm loss"]
                 totals[0] += loss_sum.detach().double()
                 totals[1] += float(num_tokens)
+            if step.tokens is not None and self.ctx.pgs.cp.rank() == 0:
+                totals[2] = float(step.tokens)  # one count per DP replica
         if self.ctx.is_last_stage and self.ctx.tp_rank != 0:
             totals.zero_()  # TP ranks hold the same loss; count it once
         dist.all_reduce(totals)
@@ -177,7 +208,7 @@ class MegatronTrainer:
         seconds = time.perf_counter() - t0
         self.step += 1
         self.consumed_samples += self.train.global_batch_size
-        tokens = self.train.global_batch_size * self.train.seq_length
+        tokens = int(totals[2].item()) if step.tokens is not None else self.train.global_batch_size * self.train.seq_length
         return StepResult(
             step=self.step,
             loss=(totals[0] / totals[1].clamp(min=1)).item(),
@@ -185,6 +216,8 @@ class MegatronTrainer:
             lr=self.optimizer.param_groups[0]["lr"],
             tokens=tokens,
             seconds=seconds,
+            extra=dict(step.metrics),
+            compute_seconds=compute_seconds,
         )
 
     def metrics(self, result: StepResult) -> dict[str, float]:
@@ -205,13 +238,22 @@ class MegatronTrainer:
         elif self.ckpt_cfg.load:
             checkpointing.load_weights(self, self.ckpt_cfg.load)
         results: list[StepResult] = []
-        batches = self.task.micro_batches(self.ctx, self.consumed_samples)
+        self.data = self.task.micro_batches(self.ctx, self.consumed_samples)
+        if self.resumed_data_state is not None and hasattr(self.data, "load_state_dict"):
+            self.data.load_state_dict(self.resumed_data_state)
         logger = MetricsLogger(self.run_dir, enabled=self.ctx.is_main, tensorboard=self.log_cfg.tensorboard)
+        samples_log = self._open_sample_log()
         bar = progress(self.train.steps, "train", enabled=self.ctx.is_main and self.log_cfg.progress, initial=self.step)
         try:
             while self.step < self.train.steps:
-                result = self.train_step(next(batches))
+                step = next(self.data)
+                result = self.train_step(step)
                 results.append(result)
+                if hasattr(self.data, "record_compute_seconds"):
+                    self.data.record_compute_seconds(result.compute_seconds)
+                if samples_log is not None and isinstance(step, StepBatch):
+                    samples_log.write(json.dumps({"step": self.step, "dp_rank": self.ctx.dp_rank,
+                                                  "ids": [int(i) for i in step.sample_ids]}) + "\n")
                 metrics = self.metrics(result)
                 if self.step % self.log_cfg.interval == 0 or self.step == self.train.steps:
                     logger.log(self.step, metrics)
@@ -223,4 +265,21 @@ class MegatronTrainer:
         finally:
             bar.close()
             logger.close()
+            if samples_log is not None:
+                samples_log.close()
         return results
+
+    def _open_sample_log(self):
+        """``RUN_DIR/sample_ids/dp_rank_<r>.jsonl`` (appended), written by the first rank of each DP replica."""
+        if not self.log_cfg.sample_ids:
+            return None
+        ctx = self.ctx
+        if ctx.tp_rank != 0 or ctx.pp_rank != 0 or ctx.pgs.cp.rank() != 0:
+            return None
+        directory = self.run_dir / "sample_ids"
+        directory.mkdir(parents=True, exist_ok=True)
+        return open(directory / f"dp_rank_{ctx.dp_rank}.jsonl", "a", buffering=1)
+
+    def data_state_dict(self) -> dict | None:
+        """The step iterator's state for the checkpoint (None when it keeps none)."""
+        return self.data.state_dict() if self.data is not None and hasattr(self.data, "state_dict") else None

@@ -1,0 +1,127 @@
+"""The LLM SFT recipe (``recipe: sft``): chat conversations, loss on assistant tokens only.
+
+Conversations (``sft.files``, default the shipped set) are rendered with the tokenizer's chat
+template and tokenized once into a cached index (``loongforge.llm.data.sft``). Each step takes
+``train.global_batch_size`` conversations; the DP load balancer (``balance``,
+``loongforge.core.training.balanced.BalancedSteps``) plans them across DP ranks and into
+micro-batches of at most ``balance.token_cap`` tokens (default ``train.seq_length``), and each
+rank reads only its own. A micro-batch is one packed row (``sft.packing``, THD with
+``cu_seqlens``: every conversation attends only to itself) or, unpacked, one right-padded row per
+conversation. The loss is summed over assistant tokens and normalised by their count over the
+whole global batch, so the split across ranks and micro-batches changes neither the loss nor the
+gradients.
+"""
+
+from __future__ import annotations
+
+from functools import partial
+
+import torch
+
+from loongforge.llm.data.errors import DataError
+from loongforge.llm.recipe import LLMConfig, LLMTask
+
+
+def check_sft_config(cfg: LLMConfig) -> None:
+    """Cross-group rules of ``recipe: sft`` (run while the config is built, before any process group)."""
+    train, parallel = cfg.train, cfg.parallel
+    if train.micro_batch_size != 1:
+        raise ValueError(
+            f"train.micro_batch_size={train.micro_batch_size}: recipe=sft plans its micro-batches by tokens "
+            f"(balance.token_cap); set train.micro_batch_size=1"
+        )
+    if parallel.cp != 1:
+        raise ValueError(f"parallel.cp={parallel.cp}: recipe=sft runs with parallel.cp=1")
+    cap = cfg.balance.token_cap
+    if cap is not None and cap < train.seq_length:
+        raise ValueError(f"balance.token_cap={cap} is below train.seq_length={train.seq_length}: "
+                         f"a conversation of seq_length positions would fit no micro-batch")
+    if parallel.pp > 1:
+        if not cfg.sft.packing:
+            raise ValueError("sft.packing=false with parallel.pp>1: the pipeline needs one micro-batch shape; use packing")
+        if cap not in (None, train.seq_length):
+            raise ValueError(f"balance.token_cap={cap} with parallel.pp>1: packed rows are padded to "
+                             f"train.seq_length={train.seq_length}, so the cap must equal it")
+    if cfg.data.prefixes:
+        raise ValueError("data.prefixes are indexed pre-training data; recipe=sft reads sft.files")
+
+
+class SFTTask(LLMTask):
+    """Supervised fine-tuning on chat conversations, on the model families of ``LLMTask``."""
+
+    variable_micro_batches = True
+
+    def __init__(self, cfg: LLMConfig):
+        super().__init__(cfg)
+        self._tokenizer = None
+
+    # -- data ----------------------------------------------------------------------------------
+    def tokenizer_dir(self):
+        from loongforge.llm.data import shipped
+
+        return self.cfg.data.tokenizer or shipped.bundled_tokenizer_path()
+
+    def tokenizer_ref(self) -> str:
+        return str(self.tokenizer_dir())
+
+    def tokenizer(self):
+        if self._tokenizer is None:
+            from loongforge.llm.data.sft import load_chat_tokenizer
+
+            self._tokenizer = load_chat_tokenizer(self.tokenizer_dir())
+            if len(self._tokenizer) > self.cfg.model.vocab_size:
+                raise DataError(f"tokenizer {self.tokenizer_dir()} has {len(self._tokenizer)} tokens, more than "
+                                f"model.vocab_size={self.cfg.model.vocab_size}")
+        return self._tokenizer
+
+    def dataset(self):
+        if self._dataset is None:
+            from loongforge.llm.data.sft import SFTDataset, build_sft_index, bundled_sft_path, read_template
+
+            sft = self.cfg.sft
+            self.tokenizer()  # checks the vocabulary first
+            index = build_sft_index(sft.files or [bundled_sft_path()], self.tokenizer_dir(), self.cfg.data.cache_dir,
+                                    chat_template=read_template(sft.chat_template))
+            self._dataset = SFTDataset(index, self.cfg.train.seq_length, sft.truncation)
+        return self._dataset
+
+    def pad_id(self) -> int:
+        tok = self.tokenizer()
+        return int(tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id or 0)
+
+    def micro_batches(self, ctx, consumed_samples: int):
+        from loongforge.core.training.balanced import BalancedSteps
+        from loongforge.llm.data.packing import pack, pad_rows
+
+        train, balance = self.cfg.train, self.cfg.balance
+        data = self.dataset()
+        if self.cfg.sft.packing:
+            # a pipeline sends one tensor shape between stages: pad every packed row to seq_length
+            collate = partial(pack, pad_to=train.seq_length if ctx.layout.pp > 1 else None, pad_id=self.pad_id())
+        else:
+            collate = partial(pad_rows, pad_id=self.pad_id())
+        return BalancedSteps(
+            data, data.lengths, collate, balance,
+            samples_per_step=train.global_batch_size,
+            token_cap=balance.token_cap or train.seq_length,
+            dp_rank=ctx.dp_rank, dp_size=ctx.dp_size, seed=train.seed,
+            flops_per_token=self.flops_per_token,
+            consumed_samples=consumed_samples,
+            device=ctx.device,
+        )
+
+    # -- the step ------------------------------------------------------------------------------
+    def forward_step(self, data_iterator, model):
+        from loongforge.llm.data.packing import packed_seq_params
+
+        batch = next(data_iterator)
+        output = model(batch["tokens"], batch["position_ids"], None, labels=batch["labels"],
+                       packed_seq_params=packed_seq_params(batch))
+        mask = batch["loss_mask"].float()
+
+        def loss_func(per_token_loss):
+            loss_sum = (per_token_loss.float() * mask).sum()
+            num_tokens = mask.sum().to(torch.int)
+            return loss_sum, num_tokens, {"lm loss": (loss_sum.detach(), num_tokens)}
+
+        return output, loss_func
