@@ -13,11 +13,15 @@ role, no assistant message) is a ``DataError`` naming ``file:line`` and the key.
 
 ``ChatRenderer`` renders a conversation with the tokenizer's chat template (``transformers``'
 ``apply_chat_template``), tokenizes the whole text once (the tokens the model also sees at
-inference), and marks the assistant tokens. The template decides where an assistant turn starts
-and ends: turn i spans from the end of ``render(messages[:i], add_generation_prompt=True)`` to
+inference), and marks the assistant tokens. A template that marks what the assistant generates
+with ``{% generation %}`` blocks says so itself, and ``transformers``' assistant mask of those
+blocks is used. Otherwise the template decides where an assistant turn starts and ends: turn i
+spans from the end of ``render(messages[:i], add_generation_prompt=True)`` to
 the end of ``render(messages[:i + 1])``, so it holds the answer and whatever the template closes
 a turn with (the end-of-turn token the model must learn to emit), and not the role header. A
-token is an assistant token when it starts inside such a span. A template for which these
+token is an assistant token when any of its characters is inside such a span (a token that
+merges the header's last space with the answer's first word belongs to the answer, as in
+``transformers``' own assistant mask). A template for which these
 renders are not prefixes of one another (one that rewrites earlier turns) is refused with an
 error, since its assistant turns cannot be located.
 """
@@ -25,6 +29,7 @@ error, since its assistant turns cannot be located.
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 
@@ -37,6 +42,7 @@ SHAREGPT_ROLES = {
     "system": "system", "human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant",
     "tool": "tool", "function": "tool", "observation": "tool",
 }
+GENERATION_TAG = re.compile(r"\{%-?\s*generation\s*-?%\}")
 FORMATS = {"messages": ("role", "content", {r: r for r in ROLES}), "conversations": ("from", "value", SHAREGPT_ROLES)}
 
 
@@ -102,6 +108,7 @@ class ChatRenderer:
             raise DataError(f"{name} has no chat template: give one with sft.chat_template=FILE.jinja")
         if not getattr(tokenizer, "is_fast", True):
             raise DataError(f"{name} is a slow tokenizer; SFT needs a fast one (tokenizer.json) for token offsets")
+        self.tagged = GENERATION_TAG.search(self.template) is not None
 
     def text(self, messages: Sequence[dict], add_generation_prompt: bool = False) -> str:
         return self.tokenizer.apply_chat_template(list(messages), chat_template=self.template, tokenize=False,
@@ -131,6 +138,8 @@ class ChatRenderer:
         return self.render_many([messages], [where])[0]
 
     def render_many(self, conversations: Sequence[Sequence[dict]], wheres: Sequence[str]) -> list[tuple[np.ndarray, np.ndarray]]:
+        if self.tagged:
+            return [self._render_tagged(messages, where) for messages, where in zip(conversations, wheres)]
         texts, all_spans = [], []
         for messages, where in zip(conversations, wheres):
             text, spans = self.assistant_spans(messages, where)
@@ -140,11 +149,21 @@ class ChatRenderer:
         out = []
         for ids, offsets, spans, where in zip(encoded["input_ids"], encoded["offset_mapping"], all_spans, wheres):
             ids = np.asarray(ids, dtype=np.int32)
-            starts = np.asarray([o[0] for o in offsets], dtype=np.int64)
+            bounds = np.asarray(offsets, dtype=np.int64).reshape(-1, 2)
             mask = np.zeros(len(ids), dtype=bool)
             for lo, hi in spans:
-                mask |= (starts >= lo) & (starts < hi)
-            if not mask.any():
-                raise DataError(f"{where}: no token of the rendered conversation falls in an assistant turn")
-            out.append((ids, mask))
+                mask |= (bounds[:, 1] > lo) & (bounds[:, 0] < hi)
+            out.append((ids, self._checked(mask, where)))
         return out
+
+    def _render_tagged(self, messages: Sequence[dict], where: str) -> tuple[np.ndarray, np.ndarray]:
+        out = self.tokenizer.apply_chat_template(list(messages), chat_template=self.template, tokenize=True,
+                                                 return_dict=True, return_assistant_tokens_mask=True)
+        ids = np.asarray(out["input_ids"], dtype=np.int32)
+        return ids, self._checked(np.asarray(out["assistant_masks"], dtype=bool), where)
+
+    @staticmethod
+    def _checked(mask: np.ndarray, where: str) -> np.ndarray:
+        if not mask.any():
+            raise DataError(f"{where}: no token of the rendered conversation falls in an assistant turn")
+        return mask
