@@ -148,20 +148,47 @@ def _load(trainer, path, with_optimizer: bool) -> Checkpoint:
     move_tensors(state, trainer.ctx.device)
     _module(trainer.model).load_state_dict(state["model"], strict=True)
     if with_optimizer:
-        trainer.optimizer.load_state_dict(state["optimizer"])
-        _unshare_adam_steps(trainer.optimizer)
+        _load_optimizer(trainer.optimizer, state["optimizer"])
     return ckpt
 
 
-def _unshare_adam_steps(optimizer) -> None:
-    """After a load, Adam's per-parameter ``step`` may be one tensor shared by all params; the
-    next ``step()`` would then advance it once per parameter. Give each its own copy."""
+def _sub_optimizer_states(optimizer, state_dict) -> list[tuple[object, dict]]:
+    """``(optimizer, its state dict)`` per megatron sub-optimizer, as ``ChainedOptimizer``
+    pairs them (one optimizer: the whole dict; several: entries in index order)."""
     optimizers = getattr(optimizer, "chained_optimizers", [optimizer])
-    for opt in optimizers:
+    if len(optimizers) == 1:
+        return [(optimizers[0], state_dict)]
+    return list(zip(optimizers, (state_dict[k] for k in sorted(state_dict))))
+
+
+def _load_optimizer(optimizer, state_dict: dict) -> None:
+    """Load megatron optimizer state, the distributed optimizer's parameter state included.
+
+    megatron's distributed optimizer, running on torch's Adam (no TransformerEngine/Apex), loads
+    its param groups by giving every parameter's state one shared ``step`` tensor taken from the
+    groups, then copies the per-parameter tensors (``fully_reshardable``) into *every* tensor of
+    that state, ``step`` included, which the saved parameter state does not carry (KeyError
+    'step'). So the parameter state is loaded here as a second phase, with ``step`` set aside
+    while megatron copies the other tensors. Afterwards each parameter gets its own ``step``
+    tensor: a shared one would be advanced once per parameter by the next ``step()``.
+    """
+    param_states = []
+    for opt, sd in _sub_optimizer_states(optimizer, state_dict):
+        if "param_state" in sd:
+            kind = sd.pop("param_state_sharding_type")
+            if kind != OPTIM_METADATA["distrib_optim_sharding_type"]:
+                raise CheckpointReadError(f"distributed optimizer state of sharding type {kind!r}; expected "
+                                          f"{OPTIM_METADATA['distrib_optim_sharding_type']!r}")
+            param_states.append((opt, sd.pop("param_state")))
+    optimizer.load_state_dict(state_dict)
+    for opt, param_state in param_states:
+        steps = {p: st.pop("step") for p, st in opt.optimizer.state.items() if "step" in st}
+        opt.load_parameter_state_from_fully_reshardable(param_state)
+        for p, step in steps.items():
+            opt.optimizer.state[p]["step"] = step
+    for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
         inner = getattr(opt, "optimizer", None)
-        if inner is None:
-            continue
-        for st in inner.state.values():
+        for st in (inner.state.values() if inner is not None else ()):
             if torch.is_tensor(st.get("step")):
                 st["step"] = st["step"].clone()
 

@@ -1,0 +1,119 @@
+"""Exact resume of `lf-llm train`: a run killed with SIGKILL after a checkpoint, then resumed,
+gives the uninterrupted run's losses bitwise (CPU, fp32) and ends in the same state (model,
+optimizer, LR scheduler, RNG, data position), for 1 process, DP=2 (plain and distributed
+optimizer) and TP=2. A config that does not match the checkpoint is refused by name."""
+
+import json
+import time
+
+import pytest
+import torch
+from cli_runner import Job, run_cli
+
+from loongforge.core.checkpoint import Checkpoint, latest_checkpoint
+
+STEPS, INTERVAL = 8, 2
+COMMON = [
+    f"train.steps={STEPS}", "train.global_batch_size=8", "train.micro_batch_size=2", "train.seq_length=64",
+    "train.warmup_steps=1", "train.precision=fp32", f"checkpoint.interval={INTERVAL}", "checkpoint.keep_last=2",
+    "log.interval=1", "log.progress=false", "log.tensorboard=false",
+]
+LAYOUTS = {
+    "1proc": (1, []),
+    "dp2": (2, []),
+    "dp2-distopt": (2, ["train.use_distributed_optimizer=true"]),
+    "tp2": (2, ["parallel.tp=2"]),
+}
+
+
+def args(run_dir, ckpt_dir, data_cache, extra) -> list[str]:
+    return ["lf-llm", "train", *COMMON, f"log.run_dir={run_dir}", f"checkpoint.dir={ckpt_dir}",
+            f"data.cache_dir={data_cache}", *extra]
+
+
+def records(run_dir) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def train(run_dir, ckpt_dir, data_cache, extra, nproc):
+    proc = run_cli(args(run_dir, ckpt_dir, data_cache, extra), nproc=nproc)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+    return records(run_dir)
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory, llm_data_cache):
+    """``uninterrupted(layout)``: ``(checkpoint dir, metrics)`` of one uninterrupted run of that
+    layout, made once per module and shared by every comparison against it."""
+    runs = {}
+
+    def get(name):
+        if name not in runs:
+            nproc, extra = LAYOUTS[name]
+            run = tmp_path_factory.mktemp(f"uninterrupted-{name}")
+            recs = train(run, run / "checkpoints", llm_data_cache, extra, nproc)
+            assert [r["step"] for r in recs] == list(range(1, STEPS + 1))
+            runs[name] = run / "checkpoints", recs
+        return runs[name]
+
+    return get
+
+
+def kill_after_first_checkpoint(run_dir, ckpt_dir, data_cache, extra, nproc, timeout=300.0) -> int:
+    """Start the run, SIGKILL its process group once a checkpoint has been committed; the step
+    the checkpoint directory's ``latest`` names afterwards."""
+    run_dir.mkdir()
+    job = Job(args(run_dir, ckpt_dir, data_cache, extra), nproc=nproc, log_dir=run_dir)
+    deadline = time.monotonic() + timeout
+    while not (ckpt_dir / "latest").exists():
+        if any(code is not None for code in job.poll()) or time.monotonic() > deadline:
+            job.kill()
+            logs = "\n".join((run_dir / f"rank{r}.log").read_text()[-3000:] for r in range(nproc))
+            pytest.fail(f"the run ended or stalled before its first checkpoint:\n{logs}")
+        time.sleep(0.01)
+    codes = job.kill()
+    assert all(code == -9 for code in codes), f"the run was not killed mid-way (exit codes {codes})"
+    return Checkpoint(ckpt_dir).step
+
+
+def assert_same_state(got_dir, want_dir):
+    """Two checkpoints hold the same tensors bitwise and the same RNG, scheduler, data position."""
+    got, want = Checkpoint(got_dir), Checkpoint(want_dir)
+    assert got.step == want.step and got.manifest["consumed_samples"] == want.manifest["consumed_samples"]
+    assert set(got.reader.keys()) == set(want.reader.keys())
+    for key in want.reader.keys():
+        assert torch.equal(got.tensor(key), want.tensor(key)), key
+    for rank in range(want.manifest["world_size"]):
+        a, b = got.objects(rank), want.objects(rank)
+        assert a["scheduler"] == b["scheduler"] and a["step"] == b["step"]
+        assert a["consumed_samples"] == b["consumed_samples"]
+        assert torch.equal(a["rng"]["torch"], b["rng"]["torch"])
+        assert a["rng"]["tracker"].keys() == b["rng"]["tracker"].keys()
+        for name in b["rng"]["tracker"]:
+            assert torch.equal(a["rng"]["tracker"][name], b["rng"]["tracker"][name]), name
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_kill_and_resume_is_exact(layout, uninterrupted, tmp_path, llm_data_cache):
+    ref_ckpt, ref = uninterrupted(layout)
+    nproc, extra = LAYOUTS[layout]
+    ckpt = tmp_path / "checkpoints"
+    resumed_from = kill_after_first_checkpoint(tmp_path / "killed", ckpt, llm_data_cache, extra, nproc)
+    assert INTERVAL <= resumed_from < STEPS
+
+    got = train(tmp_path / "resumed", ckpt, llm_data_cache, extra, nproc)
+    assert [r["step"] for r in got] == list(range(resumed_from + 1, STEPS + 1))
+    for key in ("loss", "grad_norm", "lr", "consumed_samples"):
+        assert [r[key] for r in got] == [r[key] for r in ref[resumed_from:]], key
+    assert latest_checkpoint(ckpt).name == latest_checkpoint(ref_ckpt).name
+    assert_same_state(ckpt, ref_ckpt)
+
+
+def test_model_config_mismatch_names_file_and_key(uninterrupted, tmp_path, llm_data_cache):
+    ref_ckpt, _ = uninterrupted("1proc")
+    step_dir = latest_checkpoint(ref_ckpt)
+    proc = run_cli(args(tmp_path, tmp_path / "checkpoints", llm_data_cache,
+                        ["model.ffn_hidden_size=256", f"checkpoint.load={step_dir}", "checkpoint.save=false"]))
+    assert proc.returncode != 0
+    assert str(step_dir / "manifest.json") in proc.stderr
+    assert "model.ffn_hidden_size: checkpoint 128 vs config 256" in proc.stderr
