@@ -46,10 +46,17 @@ def transformer_config_kwargs(cfg: GPTConfig) -> dict:
 
 
 def layer_spec(cfg: GPTConfig):
-    """The megatron ModuleSpec of one decoder layer (TE's when installed, else local)."""
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    """The megatron ModuleSpec of one decoder layer: Transformer Engine's when it is installed,
+    else megatron's local layer with LoongForge's SDPA core attention."""
+    import importlib.util
 
-    return get_gpt_layer_local_spec(qk_layernorm=cfg.qk_layernorm, normalization="RMSNorm")
+    if importlib.util.find_spec("transformer_engine") is not None:
+        from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_spec
+
+        return get_gpt_layer_with_transformer_engine_spec(qk_layernorm=cfg.qk_layernorm)
+    from loongforge.llm.layers.spec import sdpa_local_layer_spec
+
+    return sdpa_local_layer_spec(cfg)
 
 
 def build_gpt(cfg: GPTConfig, ctx, transformer_config, pre_process: bool, post_process: bool) -> torch.nn.Module:
