@@ -13,12 +13,12 @@ import json
 import sys
 
 from loongforge.core.cli import add_config_arguments, add_plot_command, normalise_overrides, run_main
-from loongforge.core.config import load_config
-from loongforge.llm.recipe import CONFIG_DIR, LLMConfig
+from loongforge.llm import recipe
+from loongforge.llm.recipe import LLMConfig
 
 
 def load_llm_config(args) -> LLMConfig:
-    return load_config(LLMConfig, args.config, normalise_overrides(args.overrides), [CONFIG_DIR])
+    return recipe.load_llm_config(args.config, normalise_overrides(args.overrides))
 
 
 def cmd_train(args) -> int:

@@ -43,6 +43,13 @@ class GPTConfig:
     def head_dim(self) -> int:
         return self.kv_channels or self.hidden_size // self.num_attention_heads
 
+    def transformer_config_kwargs(self) -> dict:
+        """The architecture part of megatron's TransformerConfig; families with more
+        architecture (MoE, multi-latent attention) extend it in their config subclass."""
+        from loongforge.llm.families.gpt import transformer_config_kwargs
+
+        return transformer_config_kwargs(self)
+
     def parameter_counts(self) -> dict[str, int]:
         """Parameters by part: embedding, output layer and the transformer layers."""
         h, d, L = self.hidden_size, self.head_dim, self.num_layers

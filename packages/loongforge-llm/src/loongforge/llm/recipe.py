@@ -6,17 +6,17 @@ the load balancer (``balance``)."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from dataclasses import dataclass, field
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field, fields, make_dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
-from loongforge.core.config import to_dict
-from loongforge.core.models import get_model_spec
+from loongforge.core.config import ConfigError, load_config, to_dict
+from loongforge.core.models import ModelRegistryError, get_model_spec
 from loongforge.core.training.schema import BalanceConfig, CheckpointConfig, LogConfig, ParallelConfig, TrainConfig
 from loongforge.llm.data.sft import SFTDataConfig
-from loongforge.llm.families.gpt import transformer_config_kwargs
 from loongforge.llm.model_config import GPTConfig
 
 CONFIG_DIR = Path(__file__).resolve().parent / "configs"
@@ -58,6 +58,30 @@ class LLMConfig:
             check_sft_config(self)
 
 
+def _family(name_or_path: str | None, overrides: Sequence[str]) -> str:
+    """``model.family`` of the composed config, read with every section untyped."""
+    sections = make_dataclass("LLMConfigSections", [(f.name, Any, field(default_factory=dict)) for f in fields(LLMConfig)])
+    try:
+        model = load_config(sections, name_or_path, overrides, [CONFIG_DIR]).model
+    except ConfigError:
+        return GPTConfig.family  # the full load below reports the error against the real schema
+    return model.get("family", GPTConfig.family) if isinstance(model, dict) else GPTConfig.family
+
+
+def load_llm_config(name_or_path: str | None, overrides: Sequence[str] = ()) -> LLMConfig:
+    """Compose and validate an LLM config. The ``model`` group is validated as its family's
+    config class (``ModelSpec.config_class``: the MoE families extend GPTConfig), so each
+    family's own fields are known keys and unknown ones are errors."""
+    family = _family(name_or_path, overrides)
+    try:
+        config_class = get_model_spec(family).config_class
+    except ModelRegistryError as exc:
+        raise ConfigError(f"model.family={family!r}: {exc}") from exc
+    if not (isinstance(config_class, type) and issubclass(config_class, GPTConfig)):
+        raise ConfigError(f"model.family={family!r} is not an LLM family (its config is {config_class.__name__})")
+    return load_config(LLMConfig(model=config_class()), name_or_path, overrides, [CONFIG_DIR])
+
+
 def collate(samples: list[dict]) -> dict[str, torch.Tensor]:
     return {k: torch.stack([torch.as_tensor(s[k]) for s in samples]) for k in ("tokens", "labels", "loss_mask", "position_ids")}
 
@@ -90,7 +114,7 @@ class LLMTask:
         return to_dict(self.cfg.model)
 
     def transformer_config_kwargs(self) -> dict:
-        return transformer_config_kwargs(self.cfg.model)
+        return self.cfg.model.transformer_config_kwargs()
 
     def build_model(self, ctx, transformer_config, pre_process, post_process):
         return self.spec.build(self.cfg.model, ctx, transformer_config, pre_process, post_process)

@@ -1,0 +1,22 @@
+"""The DeepSeek-V3 family: multi-latent attention, the first layers dense, then MoE layers with
+a shared expert and sigmoid, group-limited routing with an aux-loss-free balancing bias
+(megatron-core's MLA and MoE layers). Multi-token prediction is not built."""
+
+from __future__ import annotations
+
+from loongforge.core.models import ModelSpec
+from loongforge.llm.families.moe import build_moe_gpt, layer_spec, load_flavour
+from loongforge.llm.moe_config import MLAMoEConfig
+
+DEEPSEEK_V3_SPEC = ModelSpec(
+    name="deepseek_v3",
+    config_class=MLAMoEConfig,
+    build=build_moe_gpt,
+    flavours={"debug": "deepseek_v3_debug", "671b": "deepseek_v3_671b"},
+    layer_spec=layer_spec,
+    flops_per_token=MLAMoEConfig.flops_per_token,
+)
+
+
+def flavour(name: str) -> MLAMoEConfig:
+    return load_flavour(MLAMoEConfig, DEEPSEEK_V3_SPEC.flavour(name))

@@ -1,0 +1,99 @@
+"""Building megatron-core mixture-of-experts GPT models (Qwen3-MoE, DeepSeek-V3) from a MoEConfig.
+
+Layers come from megatron's own decoder block spec, so the dense/MoE pattern
+(``first_k_dense``), multi-latent attention and the MoE layer (router, ``SequentialMLP``
+experts, shared experts, alltoall token dispatch over the EP group) are megatron-core's
+modules; nothing here re-implements them. The experts use the local backend's
+``SequentialMLP`` (no Transformer Engine grouped GEMM), which runs anywhere megatron-core does.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from loongforge.llm.moe_config import MLAMoEConfig, MoEConfig
+
+
+def _latent_core_attention(layer):
+    """``layer`` (a TransformerLayer spec) with MLA's core attention on the local backend."""
+    from loongforge.llm.families.core_attention import LatentDotProductAttention
+
+    attention = layer.submodules.self_attention
+    attention = dataclasses.replace(
+        attention, submodules=dataclasses.replace(attention.submodules, core_attention=LatentDotProductAttention))
+    return dataclasses.replace(layer, submodules=dataclasses.replace(layer.submodules, self_attention=attention))
+
+
+def layer_spec(cfg: MoEConfig):
+    """The megatron ModuleSpec of one MoE decoder layer (local backend)."""
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+
+    mla = isinstance(cfg, MLAMoEConfig)
+    spec = get_gpt_layer_local_spec(num_experts=cfg.num_experts, moe_grouped_gemm=False, qk_layernorm=cfg.qk_layernorm,
+                                    multi_latent_attention=mla, normalization="RMSNorm")
+    return _latent_core_attention(spec) if mla else spec
+
+
+def block_spec(cfg: MoEConfig, config):
+    """This pipeline stage's layer specs: dense and MoE layers by ``config.moe_layer_freq``."""
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
+
+    block = get_gpt_decoder_block_spec(config, use_transformer_engine=False, normalization="RMSNorm")
+    if isinstance(cfg, MLAMoEConfig):
+        block = dataclasses.replace(block, layer_specs=[_latent_core_attention(s) for s in block.layer_specs])
+    return block
+
+
+def model_transformer_config(cfg: MoEConfig, transformer_config):
+    """The config the layers are built with.
+
+    megatron's MoE layer refuses to train under tensor parallelism without sequence
+    parallelism, so with TP > 1 the run's config switches it on (before the model and its DDP
+    wrapper exist: the embedding then scatters the sequence, the output layer gathers it and
+    finalize_model_grads all-reduces the norm and router gradients over TP). Multi-latent
+    attention needs megatron's ``MLATransformerConfig``, a subclass carrying the MLA fields;
+    the run's config is copied into one.
+    """
+    if transformer_config.tensor_model_parallel_size > 1:
+        transformer_config.sequence_parallel = True
+    if not isinstance(cfg, MLAMoEConfig):
+        return transformer_config
+    from megatron.core.transformer.transformer_config import MLATransformerConfig
+
+    values = {f.name: getattr(transformer_config, f.name) for f in dataclasses.fields(transformer_config) if f.init}
+    values.update(cfg.mla_config_kwargs())
+    return MLATransformerConfig(**values)
+
+
+def build_moe_gpt(cfg: MoEConfig, ctx, transformer_config, pre_process: bool, post_process: bool) -> torch.nn.Module:
+    from megatron.core.models.gpt import GPTModel
+
+    if cfg.vocab_size % ctx.layout.tp:
+        raise ValueError(f"model.vocab_size={cfg.vocab_size} must be divisible by parallel.tp={ctx.layout.tp}")
+    ep = ctx.layout.ep
+    if cfg.num_experts % ep:
+        raise ValueError(f"model.num_experts={cfg.num_experts} must be divisible by parallel.ep={ep}")
+    config = model_transformer_config(cfg, transformer_config)
+    return GPTModel(
+        config=config,
+        transformer_layer_spec=block_spec(cfg, config),
+        vocab_size=cfg.vocab_size,
+        max_sequence_length=cfg.max_position_embeddings,
+        pre_process=pre_process,
+        post_process=post_process,
+        share_embeddings_and_output_weights=cfg.tie_embeddings,
+        position_embedding_type="rope",
+        rotary_percent=cfg.rotary_percent,
+        rotary_base=int(cfg.rotary_base),
+        pg_collection=ctx.pgs,
+    )
+
+
+def load_flavour(config_class: type[MoEConfig], name: str) -> MoEConfig:
+    """A model config shipped in ``configs/model/<name>.yaml``, validated as ``config_class``."""
+    from loongforge.core.config import load_config
+    from loongforge.llm.families.gpt import MODEL_CONFIG_DIR
+
+    return load_config(config_class, name, config_dirs=[MODEL_CONFIG_DIR])
