@@ -2,8 +2,10 @@
 
 A checkpoint is written into ``ROOT/.tmp-<name>``, every file fsynced, then renamed to
 ``ROOT/<name>``; the ``ROOT/latest`` pointer (a one-line text file) is replaced last. A save that
-dies at any point leaves the previous checkpoint and pointer untouched; a leftover temp dir is
-removed by the next save of that name.
+dies at any point leaves the previous checkpoint and pointer untouched. Re-saving an existing
+name moves the old directory to ``ROOT/.old-<name>`` for the instant between the two renames;
+a save that dies there leaves the old one readable under that name (``latest_checkpoint``
+finds it). The next save into ``ROOT`` removes leftover temp dirs and settles ``.old-`` ones.
 """
 
 from __future__ import annotations
@@ -49,11 +51,32 @@ def sha256_file(path: Path, chunk: int = 1 << 22) -> str:
     return h.hexdigest()
 
 
+def old_dir(root: Path, name: str) -> Path:
+    return root / f".old-{name}"
+
+
+def recover(root: Path) -> None:
+    """Clean up after saves that died: remove their temp dirs; a ``.old-<name>`` whose
+    ``<name>`` is missing (died between the two renames of a re-save) is moved back, one whose
+    ``<name>`` exists (died before removing it) is removed. One writer per root at a time."""
+    for path in sorted(root.iterdir()):
+        if not path.is_dir():
+            continue
+        if path.name.startswith(".tmp-"):
+            shutil.rmtree(path)
+        elif path.name.startswith(".old-"):
+            final = root / path.name[len(".old-"):]
+            if final.exists():
+                shutil.rmtree(path)
+            else:
+                os.replace(path, final)
+                fsync_path(root)
+
+
 def prepare_temp(root: Path, name: str) -> Path:
     root.mkdir(parents=True, exist_ok=True)
+    recover(root)
     tmp = temp_dir(root, name)
-    if tmp.exists():
-        shutil.rmtree(tmp)
     tmp.mkdir()
     return tmp
 
@@ -64,9 +87,7 @@ def commit(root: Path, name: str) -> Path:
     fsync_tree(tmp)
     old = None
     if final.exists():
-        old = root / f".old-{name}"
-        if old.exists():
-            shutil.rmtree(old)
+        old = old_dir(root, name)
         os.replace(final, old)
     os.replace(tmp, final)
     fsync_path(root)
@@ -93,9 +114,11 @@ def latest_checkpoint(root: str | Path) -> Path | None:
     if not pointer.is_file():
         return None
     target = root / pointer.read_text().strip()
-    if not target.is_dir():
-        raise FileNotFoundError(f"{pointer} points at {target.name}, which does not exist")
-    return target
+    if target.is_dir():
+        return target
+    if old_dir(root, target.name).is_dir():  # a re-save of that name died half-way
+        return old_dir(root, target.name)
+    raise FileNotFoundError(f"{pointer} points at {target.name}, which does not exist")
 
 
 def prune(root: Path, keep_last: int | None) -> list[Path]:
