@@ -1,5 +1,6 @@
 """Saving and resuming the megatron trainer: model, optimizer (incl. distributed-optimizer
-shards), LR scheduler, RNG states and the data position, in the core checkpoint format.
+shards), LR scheduler, RNG states and the data position (with the state of the task's step
+iterator, e.g. the balanced sampler's plan state), in the core checkpoint format.
 
 Model and optimizer tensors are stored as layout-independent pieces (see
 ``checkpoint.sharded``), so a checkpoint saved under one TP/PP/DP layout loads under another.
@@ -88,6 +89,7 @@ def save(trainer, root: str | Path) -> Path:
         "scheduler": trainer.scheduler.state_dict(),
         "step": trainer.step,
         "consumed_samples": trainer.consumed_samples,
+        "data": trainer.data_state_dict(),  # the step iterator's position/plan state (None: it keeps none)
     }
     if ctx.rank == 0:
         per_rank["common"] = common
@@ -200,6 +202,7 @@ def load(trainer, root: str | Path) -> None:
     trainer.scheduler.load_state_dict(mine["scheduler"])
     trainer.step = int(mine["step"])
     trainer.consumed_samples = int(mine["consumed_samples"])
+    trainer.resumed_data_state = mine.get("data")
     if ckpt.manifest.get("layout") == layout_record(trainer.ctx):
         _set_rng_state(trainer, mine["rng"])
 
