@@ -1,0 +1,31 @@
+"""The ``vlm`` model family: an encoder + projector + foundation composition
+(``loongforge.models`` entry point), with the Qwen2.5-VL Hugging Face layout."""
+
+from __future__ import annotations
+
+from loongforge.core.models import ModelSpec
+from loongforge.vlm.hf import QWEN2_5_VL_ADAPTER
+from loongforge.vlm.model import VisionLanguageModel, VLMModelConfig
+from loongforge.vlm.parallel import build_vision_groups
+
+
+def build_vlm(cfg: VLMModelConfig, ctx, transformer_config, pre_process: bool = True, post_process: bool = True, *,
+              encoder_tp: int = 1, split_across_foundation_tp: bool = True, encoder_recompute: str = "none"):
+    """This rank's VLM; the vision tower gets its own process groups (``build_vision_groups``)."""
+    groups = build_vision_groups(ctx, encoder_tp, split_across_foundation_tp)
+    return VisionLanguageModel(cfg, transformer_config, ctx.pgs, groups, encoder_recompute=encoder_recompute,
+                               pre_process=pre_process, post_process=post_process)
+
+
+def flops_per_token(cfg: VLMModelConfig, seq_length: int) -> float:
+    """The foundation's training FLOPs per token (the vision tower's are counted per patch)."""
+    return cfg.foundation.flops_per_token(seq_length)
+
+
+VLM_SPEC = ModelSpec(
+    name="vlm",
+    config_class=VLMModelConfig,
+    build=build_vlm,
+    flops_per_token=flops_per_token,
+    hf_adapter=QWEN2_5_VL_ADAPTER,
+)

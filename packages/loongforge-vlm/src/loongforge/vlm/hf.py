@@ -1,0 +1,175 @@
+"""The Hugging Face layout of a Qwen2.5-VL composition (``Qwen2_5_VLForConditionalGeneration``).
+
+The checkpoint is three parts, each a declarative table of the core mapping engine bound to its
+own config and prefixed: the vision transformer (``visual.*`` <-> ``encoder.*``), its patch
+merger (``visual.merger.*`` <-> ``projector.*``) and the language model, whose layout is the
+GPT table of loongforge-llm (``model.*``/``lm_head`` <-> ``language_model.*``).
+
+Two transforms are the ViT's own: its fused ``qkv`` projection (q, k, v of all heads stacked)
+<-> megatron's per-head interleaved ``linear_qkv``, and the ``Conv3d`` patch embedding <-> the
+linear map of flattened patches (a reshape).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from loongforge.core.hf_mapping import FuseQKV, HFAdapter, HFMapping, MappingError, Rule, Transform, register_transform
+from loongforge.core.hf_mapping.transforms import config_value
+from loongforge.vlm.model_config import EncoderConfig, ProjectorConfig, VisionTokensConfig
+
+ARCHITECTURE = "Qwen2_5_VLForConditionalGeneration"
+
+
+class FusedQKV(Transform):
+    """HF ``[q; k; v]`` (all heads of each, stacked) <-> megatron's per-head ``[q_h, k_h, v_h]``."""
+
+    n_hf, n_lf = 1, 1
+    per_head = FuseQKV(heads="num_attention_heads", groups="num_attention_heads", head_dim="head_dim")
+
+    def to_lf(self, tensors, ctx):
+        (qkv,) = tensors
+        if qkv.shape[0] % 3:
+            raise MappingError(f"{ctx.hf[0]}: shape {list(qkv.shape)} does not split into q, k, v")
+        return self.per_head.to_lf(list(qkv.chunk(3, dim=0)), ctx)
+
+    def to_hf(self, tensors, ctx):
+        return [torch.cat(self.per_head.to_hf(tensors, ctx), dim=0)]
+
+
+class PatchEmbedding(Transform):
+    """``Conv3d`` weight ``[hidden, C, T, p, p]`` <-> linear weight ``[hidden, C*T*p*p]`` (stride = kernel)."""
+
+    n_hf, n_lf = 1, 1
+
+    def to_lf(self, tensors, ctx):
+        (w,) = tensors
+        return [w.reshape(w.shape[0], -1).clone()]
+
+    def to_hf(self, tensors, ctx):
+        (w,) = tensors
+        c, t, p = (int(config_value(ctx.cfg, k)) for k in ("in_channels", "temporal_patch_size", "patch_size"))
+        return [w.reshape(w.shape[0], c, t, p, p).clone()]
+
+
+register_transform("vit_fused_qkv", FusedQKV())
+register_transform("vit_patch_embedding", PatchEmbedding())
+
+_BLOCK, _LAYER = "blocks.{layer}.", "decoder.layers.{layer}."
+
+QWEN_VIT_MAPPING = HFMapping(
+    rules=(
+        Rule("patch_embed.proj.weight", "patch_embed.weight", "vit_patch_embedding"),
+        Rule(_BLOCK + "norm1.weight", _LAYER + "self_attention.linear_qkv.layer_norm_weight"),
+        Rule(_BLOCK + "attn.qkv.weight", _LAYER + "self_attention.linear_qkv.weight", "vit_fused_qkv"),
+        Rule(_BLOCK + "attn.qkv.bias", _LAYER + "self_attention.linear_qkv.bias", "vit_fused_qkv"),
+        Rule(_BLOCK + "attn.proj.weight", _LAYER + "self_attention.linear_proj.weight"),
+        Rule(_BLOCK + "attn.proj.bias", _LAYER + "self_attention.linear_proj.bias"),
+        Rule(_BLOCK + "norm2.weight", _LAYER + "mlp.linear_fc1.layer_norm_weight"),
+        *(Rule((_BLOCK + f"mlp.gate_proj.{p}", _BLOCK + f"mlp.up_proj.{p}"), _LAYER + f"mlp.linear_fc1.{p}", "fuse_gate_up")
+          for p in ("weight", "bias")),
+        *(Rule(_BLOCK + f"mlp.down_proj.{p}", _LAYER + f"mlp.linear_fc2.{p}") for p in ("weight", "bias")),
+    ),
+    ranges={"layer": "num_layers"},
+    stacked=(("decoder.layers.{layer}.", "decoder.layers."),),
+)
+
+PATCH_MERGER_MAPPING = HFMapping(
+    rules=(
+        Rule("ln_q.weight", "norm.weight"),
+        *(Rule(f"mlp.{i}.{p}", f"mlp.encoder.linear_fc{n}.{p}") for i, n in ((0, 1), (2, 2)) for p in ("weight", "bias")),
+    ),
+)
+
+
+def foundation_mapping():
+    from loongforge.llm.families.gpt_hf import GPT_HF_MAPPING
+
+    return GPT_HF_MAPPING
+
+
+@dataclass(frozen=True)
+class VLMHFAdapter(HFAdapter):
+    """An adapter binding each part's table to its own config (``mapping`` is the vision
+    transformer's table; the merger's and the foundation's are fixed by the layout)."""
+
+    def bind(self, cfg):
+        return (self.mapping.bind(cfg.encoder).prefixed(hf="visual.", lf="encoder.")
+                + PATCH_MERGER_MAPPING.bind(cfg.projector).prefixed(hf="visual.merger.", lf="projector.")
+                + foundation_mapping().bind(cfg.foundation).prefixed(lf="language_model."))
+
+
+def _qwen2_adapter():
+    from loongforge.core.models import get_model_spec
+
+    return get_model_spec("qwen2").hf_adapter
+
+
+def config_from_hf(raw: dict):
+    """``config.json`` of Qwen2.5-VL -> ``VLMModelConfig`` (a qwen2 foundation with mrope)."""
+    from transformers import Qwen2_5_VLConfig
+
+    from loongforge.vlm.model import VLMModelConfig
+
+    source = f"config.json of {ARCHITECTURE}"
+    hf = Qwen2_5_VLConfig.from_dict(raw)
+    v, t = hf.vision_config, hf.text_config
+    if v.hidden_act != "silu":
+        raise MappingError(f"{source}: vision_config.hidden_act={v.hidden_act!r}: the Qwen2.5 ViT uses silu")
+    if v.out_hidden_size != t.hidden_size:
+        raise MappingError(f"{source}: vision_config.out_hidden_size={v.out_hidden_size} != text_config.hidden_size={t.hidden_size}")
+    text = t.to_dict()
+    text["tie_word_embeddings"] = bool(hf.tie_word_embeddings)
+    foundation = _qwen2_adapter().config_from_hf(text)
+    rope = dict(getattr(t, "rope_parameters", None) or {})
+    vision_rope = dict(getattr(v, "rope_parameters", None) or {})
+    encoder = EncoderConfig(
+        kind="qwen2_5_vit", num_layers=v.depth, hidden_size=v.hidden_size, num_attention_heads=v.num_heads,
+        ffn_hidden_size=v.intermediate_size, in_channels=v.in_channels, patch_size=v.patch_size,
+        temporal_patch_size=v.temporal_patch_size, spatial_merge_size=v.spatial_merge_size, window_size=v.window_size,
+        full_attention_layers=list(v.fullatt_block_indexes), rope_theta=float(vision_rope.get("rope_theta", 10000.0)),
+        norm_epsilon=1e-6, init_method_std=float(v.initializer_range),
+    )
+    projector = ProjectorConfig(kind="patch_merge_mlp", norm="rmsnorm", norm_epsilon=1e-6)
+    vision = VisionTokensConfig(rope="mrope", mrope_section=list(rope["mrope_section"]) if "mrope_section" in rope else None,
+                                tokens_per_second=float(v.tokens_per_second), image_token_id=hf.image_token_id,
+                                video_token_id=hf.video_token_id, vision_start_token_id=hf.vision_start_token_id,
+                                vision_end_token_id=hf.vision_end_token_id)
+    return VLMModelConfig(encoder=encoder, projector=projector, foundation=foundation, vision=vision)
+
+
+def config_to_hf(cfg) -> dict:
+    """``VLMModelConfig`` -> Qwen2.5-VL ``config.json``; a composition Qwen2.5-VL cannot express is an error."""
+    from transformers import Qwen2_5_VLConfig
+
+    e, p, vis = cfg.encoder, cfg.projector, cfg.vision
+    checks = {"encoder.kind": (e.kind, "qwen2_5_vit"), "projector.kind": (p.kind, "patch_merge_mlp"),
+              "projector.norm": (p.norm, "rmsnorm"), "vision.rope": (vis.rope, "mrope"),
+              "projector.ffn_hidden_size": (p.ffn_hidden_size or e.hidden_size * e.spatial_merge_size ** 2,
+                                            e.hidden_size * e.spatial_merge_size ** 2)}
+    for key, (value, needed) in checks.items():
+        if value != needed:
+            raise MappingError(f"{key}={value!r}: {ARCHITECTURE} needs {needed!r}")
+    text = _qwen2_adapter().config_to_hf(cfg.foundation)
+    for key in ("architectures", "model_type", "transformers_version", "tie_word_embeddings"):
+        text.pop(key, None)
+    text["rope_parameters"] = {"rope_type": "default", "rope_theta": cfg.foundation.rotary_base,
+                               "mrope_section": cfg.mrope_section}
+    vision = dict(depth=e.num_layers, hidden_size=e.hidden_size, num_heads=e.num_attention_heads,
+                  intermediate_size=e.ffn_hidden_size, in_channels=e.in_channels, patch_size=e.patch_size,
+                  temporal_patch_size=e.temporal_patch_size, spatial_merge_size=e.spatial_merge_size,
+                  window_size=e.window_size, fullatt_block_indexes=list(e.full_attention_layers),
+                  out_hidden_size=cfg.foundation.hidden_size, tokens_per_second=vis.tokens_per_second,
+                  hidden_act="silu", initializer_range=e.init_method_std,
+                  rope_parameters={"rope_type": "axial", "rope_theta": e.rope_theta})
+    ids = {k: getattr(vis, k) for k in ("image_token_id", "video_token_id", "vision_start_token_id", "vision_end_token_id")
+           if getattr(vis, k) is not None}
+    hf = Qwen2_5_VLConfig(text_config=text, vision_config=vision, tie_word_embeddings=cfg.foundation.tie_embeddings,
+                          architectures=[ARCHITECTURE], **ids)
+    return hf.to_dict()
+
+
+QWEN2_5_VL_ADAPTER = VLMHFAdapter(architectures=(ARCHITECTURE,), mapping=QWEN_VIT_MAPPING,
+                                  config_from_hf=config_from_hf, config_to_hf=config_to_hf)

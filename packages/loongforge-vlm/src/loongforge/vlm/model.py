@@ -1,0 +1,186 @@
+"""The VLM: a vision tower (encoder + projector) feeding a foundation LLM on megatron-core.
+
+The foundation is a megatron ``GPTModel`` built from a loongforge-llm family's layer spec and
+architecture config, with multimodal RoPE (``position_embedding_type="mrope"``) when the VLM
+asks for it. Vision features replace the embeddings of the image/video placeholder tokens, in
+order, before the foundation's first layer; the tower lives on the first pipeline stage.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from megatron.core.transformer.module import MegatronModule
+
+from loongforge.llm.model_config import GPTConfig
+from loongforge.vlm.encoders import build_encoder
+from loongforge.vlm.encoders.geometry import patch_counts
+from loongforge.vlm.encoders.layers import encoder_transformer_config
+from loongforge.vlm.model_config import EncoderConfig, ProjectorConfig, VisionTokensConfig
+from loongforge.vlm.parallel import VisionGroups, gather_rows, mark_replicated_parameters, split_items
+from loongforge.vlm.projectors import Projector
+
+
+@dataclass
+class VLMModelConfig:
+    """The model a VLM config composes: ``encoder``, ``projector`` and ``foundation`` come from
+    their config groups; ``vision`` says how vision tokens enter the foundation."""
+
+    encoder: EncoderConfig = field(default_factory=EncoderConfig)
+    projector: ProjectorConfig = field(default_factory=ProjectorConfig)
+    foundation: GPTConfig = field(default_factory=GPTConfig)
+    vision: VisionTokensConfig = field(default_factory=VisionTokensConfig)
+
+    def __post_init__(self):
+        parts = {"encoder": EncoderConfig, "projector": ProjectorConfig, "foundation": GPTConfig,
+                 "vision": VisionTokensConfig}
+        for name, cls in parts.items():  # built from a plain dict (a checkpoint manifest)
+            if isinstance(getattr(self, name), dict):
+                setattr(self, name, cls(**getattr(self, name)))
+        if self.vision.rope == "mrope":
+            self.vision.section_for(self.foundation.head_dim)  # raises on a section that does not fit
+
+    @property
+    def mrope_section(self) -> list[int] | None:
+        return self.vision.section_for(self.foundation.head_dim) if self.vision.rope == "mrope" else None
+
+    @property
+    def tokens_per_patch_group(self) -> int:
+        """Patches per LLM token."""
+        return self.encoder.spatial_merge_size ** 2
+
+
+def build_foundation(cfg: VLMModelConfig, transformer_config, pgs, pre_process: bool, post_process: bool):
+    """The foundation GPTModel from its family's layer spec."""
+    from megatron.core.models.gpt import GPTModel
+
+    from loongforge.core.models import get_model_spec
+
+    spec = get_model_spec(cfg.foundation.family)
+    if spec.layer_spec is None:
+        raise ValueError(f"foundation.family={cfg.foundation.family!r} has no megatron layer spec; a VLM foundation "
+                         f"must be a GPT-style family")
+    f = cfg.foundation
+    if f.vocab_size % pgs.tp.size():
+        raise ValueError(f"foundation.vocab_size={f.vocab_size} must be divisible by parallel.foundation.tp={pgs.tp.size()}")
+    return GPTModel(
+        config=transformer_config,
+        transformer_layer_spec=spec.layer_spec(f),
+        vocab_size=f.vocab_size,
+        max_sequence_length=f.max_position_embeddings,
+        pre_process=pre_process,
+        post_process=post_process,
+        share_embeddings_and_output_weights=f.tie_embeddings,
+        position_embedding_type="mrope" if cfg.vision.rope == "mrope" else "rope",
+        rotary_percent=f.rotary_percent,
+        rotary_base=int(f.rotary_base),
+        pg_collection=pgs,
+    )
+
+
+class VisionLanguageModel(MegatronModule):
+    """``forward(tokens, position_ids, attention_mask, labels, pixel_values, grid_thw)``.
+
+    ``tokens [b, s]``; ``position_ids [3, b, s]`` (mrope) or ``[b, s]``; ``pixel_values
+    [patches, patch_dim]`` and ``grid_thw [items, 3]``: the micro-batch's images and videos in
+    the order their placeholder tokens appear (row-major over ``[b, s]``). Returns the
+    per-token loss ``[b, s]`` with ``labels``, else the logits ``[b, s, vocab/tp]``.
+    """
+
+    def __init__(self, cfg: VLMModelConfig, transformer_config, pgs, groups: VisionGroups, *,
+                 encoder_recompute: str = "none", pre_process: bool = True, post_process: bool = True):
+        super().__init__(config=transformer_config)
+        if cfg.vision.image_token_id is None or cfg.vision.video_token_id is None:
+            raise ValueError("vision.image_token_id and vision.video_token_id must be set (the tokenizer's "
+                             "image/video placeholder ids)")
+        self.cfg = cfg
+        self.groups = groups
+        self.pre_process, self.post_process = pre_process, post_process
+        self.image_token_id, self.video_token_id = cfg.vision.image_token_id, cfg.vision.video_token_id
+        self.language_model = build_foundation(cfg, transformer_config, pgs, pre_process, post_process)
+        if pre_process:
+            enc_config = encoder_transformer_config(cfg.encoder, groups.tp_size, encoder_recompute, transformer_config)
+            self.encoder = build_encoder(cfg.encoder, enc_config, groups.pgs)
+            self.projector = Projector(cfg.projector, cfg.encoder, cfg.foundation.hidden_size, transformer_config,
+                                       groups.pgs)
+            mark_replicated_parameters(self.encoder, groups)
+            mark_replicated_parameters(self.projector, groups)
+
+    # -- pipeline plumbing ------------------------------------------------------------------
+    def set_input_tensor(self, input_tensor) -> None:
+        self.language_model.set_input_tensor(input_tensor)
+
+    # -- vision -----------------------------------------------------------------------------
+    def _tower(self, pixel_values: torch.Tensor, grid_thw: torch.Tensor) -> torch.Tensor:
+        train_encoder = any(p.requires_grad for p in self.encoder.parameters())
+        with torch.set_grad_enabled(torch.is_grad_enabled() and train_encoder):
+            features = self.encoder(pixel_values, grid_thw)
+        return self.projector(features)
+
+    def encode_vision(self, pixel_values: torch.Tensor, grid_thw: torch.Tensor) -> torch.Tensor:
+        """One foundation embedding per vision token of the items, in item order. With the tower
+        split across the foundation's TP group, each rank encodes its share and the shares are
+        all-gathered (see ``loongforge.vlm.parallel``)."""
+        groups = self.groups
+        if groups.split is None:
+            return self._tower(pixel_values, grid_thw)
+        sizes = patch_counts(grid_thw)
+        merge = self.cfg.tokens_per_patch_group
+        shares = split_items(sizes, groups.split_size)
+        starts = [0]
+        for n in sizes:
+            starts.append(starts[-1] + n)
+        mine = shares[groups.split_rank]
+        if mine:
+            pixels = torch.cat([pixel_values[starts[i]:starts[i + 1]] for i in mine])
+            local = self._tower(pixels, grid_thw[mine])
+        else:
+            local = torch.zeros((0, self.cfg.foundation.hidden_size), dtype=self.config.params_dtype,
+                                device=pixel_values.device)
+        counts = [sum(sizes[i] for i in share) // merge for share in shares]
+        gathered = gather_rows(local, counts, groups.split, grad_scale=float(groups.split_size))
+        # rows of item i in the gathered (share-ordered) tensor, items back in their own order
+        row_of, offset = {}, 0
+        for share in shares:
+            for i in share:
+                row_of[i] = offset
+                offset += sizes[i] // merge
+        index = torch.cat([torch.arange(row_of[i], row_of[i] + sizes[i] // merge) for i in range(len(sizes))])
+        return gathered[index.to(gathered.device)]
+
+    def embed(self, tokens: torch.Tensor, pixel_values: torch.Tensor | None, grid_thw: torch.Tensor | None):
+        """Token embeddings ``[s, b, h]`` with vision features at the placeholder tokens."""
+        embeddings = self.language_model.embedding(input_ids=tokens, position_ids=None)
+        placeholders = (tokens == self.image_token_id) | (tokens == self.video_token_id)
+        n = int(placeholders.sum())
+        if grid_thw is None or grid_thw.numel() == 0:
+            if n:
+                raise ValueError(f"the micro-batch has {n} image/video placeholder tokens but no images or videos")
+            return embeddings
+        vision = self.encode_vision(pixel_values, grid_thw)
+        if vision.shape[0] != n:
+            raise ValueError(f"the micro-batch has {n} image/video placeholder tokens for {vision.shape[0]} vision "
+                             f"tokens of its {grid_thw.shape[0]} images/videos")
+        batch_major = embeddings.transpose(0, 1).masked_scatter(placeholders[..., None], vision.to(embeddings.dtype))
+        return batch_major.transpose(0, 1).contiguous()
+
+    # -- forward ----------------------------------------------------------------------------
+    def forward(self, tokens, position_ids, attention_mask=None, labels=None, pixel_values=None, grid_thw=None):
+        decoder_input = self.embed(tokens, pixel_values, grid_thw) if self.pre_process else None
+        return self.language_model(tokens, position_ids, attention_mask, decoder_input=decoder_input, labels=labels)
+
+    # -- checkpoints ------------------------------------------------------------------------
+    def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (), metadata: dict | None = None):
+        """The foundation's shards as megatron lays them out; the tower's with the ranks that
+        hold the same tower shard as its replicas (it is replicated across the foundation's
+        TP group when its own TP is 1)."""
+        from megatron.core.transformer.utils import ensure_metadata_has_dp_cp_group
+
+        metadata = ensure_metadata_has_dp_cp_group(metadata)
+        out = self.language_model.sharded_state_dict(f"{prefix}language_model.", sharded_offsets, metadata)
+        if self.pre_process:
+            tower = {**metadata, "dp_cp_group": self.groups.replica}
+            out.update(self.encoder.sharded_state_dict(f"{prefix}encoder.", (), tower))
+            out.update(self.projector.sharded_state_dict(f"{prefix}projector.", (), tower))
+        return out

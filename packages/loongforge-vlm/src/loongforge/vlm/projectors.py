@@ -1,0 +1,51 @@
+"""Projectors: per-patch encoder features -> one foundation embedding per LLM token.
+
+Both kinds concatenate the ``merge²`` consecutive patches of a token (the encoder keeps them
+consecutive) and run megatron-core's ``MultimodalProjector`` (an MLP of a column- and a
+row-parallel linear, tensor-parallel in the vision tower's TP group).
+"""
+
+from __future__ import annotations
+
+import torch
+from megatron.core.transformer.module import MegatronModule
+
+from loongforge.vlm.encoders.layers import projector_transformer_config
+from loongforge.vlm.model_config import EncoderConfig, ProjectorConfig
+
+
+class Projector(MegatronModule):
+    """``patch_merge_mlp``: norm, merge, Linear, GELU, Linear. ``mlp``: merge, Linear, GELU, Linear."""
+
+    def __init__(self, cfg: ProjectorConfig, encoder: EncoderConfig, foundation_hidden: int, foundation_config,
+                 pg_collection):
+        from megatron.core.models.backends import LocalSpecProvider
+        from megatron.core.models.vision.multimodal_projector import MultimodalProjector
+        from megatron.core.transformer.mlp import MLPSubmodules
+
+        merged = encoder.hidden_size * encoder.spatial_merge_size ** 2
+        if cfg.ffn_hidden_size is not None:
+            ffn = cfg.ffn_hidden_size
+        else:
+            ffn = merged if cfg.kind == "patch_merge_mlp" else foundation_hidden
+        config = projector_transformer_config(merged, ffn, foundation_hidden, pg_collection.tp.size(),
+                                              encoder.init_method_std, foundation_config)
+        super().__init__(config=config)
+        self.cfg = cfg
+        self.merged = merged
+        self.tp_group = pg_collection.tp
+        self.norm = None
+        if cfg.kind == "patch_merge_mlp":
+            norm = torch.nn.RMSNorm if cfg.norm == "rmsnorm" else torch.nn.LayerNorm
+            self.norm = norm(encoder.hidden_size, eps=cfg.norm_epsilon, dtype=config.params_dtype)
+        backend = LocalSpecProvider()
+        self.mlp = MultimodalProjector(
+            config, MLPSubmodules(linear_fc1=backend.column_parallel_linear(), linear_fc2=backend.row_parallel_linear()),
+            projector_type="mlp", input_size=merged, pg_collection=pg_collection)
+
+    def forward(self, features: torch.Tensor) -> torch.Tensor:
+        """``[patches, encoder hidden] -> [tokens, foundation hidden]``."""
+        if self.norm is not None:
+            features = self.norm(features)
+        merged = features.reshape(-1, self.merged)
+        return self.mlp(merged[:, None, :])[:, 0]
