@@ -53,9 +53,46 @@ def linear_cross_entropy(
     return fused(hidden, weight, labels, ignore_index)
 
 
-_OPS = (rms_norm, add_rms_norm, rope, swiglu, linear_cross_entropy)
+def sparse_mla_attention(
+    q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor, softmax_scale: float, d_v: int
+) -> torch.Tensor:
+    from loongforge.kernels.sparse_mla import sparse_mla_attention as fused
+
+    return fused(q, kv, indices, softmax_scale, d_v)
+
+
+def dsa_indexer_topk(q_idx: torch.Tensor, k_idx: torch.Tensor, w_idx: torch.Tensor, topk: int) -> torch.Tensor:
+    from loongforge.kernels.dsa_indexer import dsa_indexer_topk as fused
+
+    return fused(q_idx, k_idx, w_idx, topk)
+
+
+def fp8_linear(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, adaptive: bool = False
+) -> torch.Tensor:
+    from loongforge.kernels.fp8_linear import fp8_linear as fused
+
+    return fused(x, weight, bias, adaptive)
+
+
+def supports_fp8(accelerator) -> bool:
+    """Where Triton runs, except CUDA GPUs older than compute capability 8.9 (no FP8 tensor cores)."""
+    if not supports(accelerator):
+        return False
+    if accelerator.device_type == "cuda":
+        return torch.cuda.is_available() and torch.cuda.get_device_capability() >= (8, 9)
+    return True
+
+
+_OPS = (rms_norm, add_rms_norm, rope, swiglu, linear_cross_entropy, sparse_mla_attention, dsa_indexer_topk)
+_FP8_OPS = (fp8_linear,)
 
 
 def fused_kernels() -> dict[str, KernelImpl]:
-    """``{op_name: KernelImpl}`` for every op of this wheel (the entry-point provider)."""
-    return {fn.__name__: KernelImpl(fn=fn, supports=supports) for fn in _OPS}
+    """``{op_name: KernelImpl}`` for every op of this wheel (the entry-point provider).
+
+    ``dsa_indexer_loss`` has none: its torch reference (chunked matmuls) is what runs everywhere.
+    """
+    ops = {fn.__name__: KernelImpl(fn=fn, supports=supports) for fn in _OPS}
+    ops.update({fn.__name__: KernelImpl(fn=fn, supports=supports_fp8) for fn in _FP8_OPS})
+    return ops

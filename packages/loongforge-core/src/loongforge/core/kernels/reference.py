@@ -1,6 +1,7 @@
 """Torch reference implementations of LoongForge's named fused ops.
 
-These define each op's contract (shapes, dtypes, numerics). Fused versions registered through
+These define each op's contract (shapes, dtypes, numerics); DeepSeek sparse attention's ops live
+in ``dsa.py`` and the FP8 linear in ``fp8.py``. Fused versions registered through
 the ``loongforge.kernels`` entry-point group must match them; they are what runs when no fused
 version applies (CPU, a device without Triton, or ``kernels.force_reference``).
 """
@@ -9,6 +10,9 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+
+from loongforge.core.kernels.dsa import dsa_indexer_loss, dsa_indexer_topk, sparse_mla_attention
+from loongforge.core.kernels.fp8 import fp8_linear
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
@@ -70,4 +74,8 @@ REFERENCE_OPS = {
     "rope": rope,
     "swiglu": swiglu,
     "linear_cross_entropy": linear_cross_entropy,
+    "dsa_indexer_topk": dsa_indexer_topk,
+    "dsa_indexer_loss": dsa_indexer_loss,
+    "sparse_mla_attention": sparse_mla_attention,
+    "fp8_linear": fp8_linear,
 }

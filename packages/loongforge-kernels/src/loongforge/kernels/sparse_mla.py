@@ -1,0 +1,222 @@
+"""Sparse MLA attention over per-query top-k keys (Triton), forward and backward.
+
+Contract: ``loongforge.core.kernels.dsa.sparse_mla_attention``. MLA in its absorbed form has one
+latent KV row per key shared by every head, ``kv = [c_kv (d_v), k_rope (d_rope)]``, whose first
+``d_v`` entries are also the value. So one program takes one query token and a block of its
+heads, and walks that token's ``topk`` indices in blocks: it gathers the selected latent rows
+once, uses them as keys (two dots: latent and rope parts) and as values, and keeps an online
+(running-max) softmax in fp32. The forward saves one log-sum-exp per (token, head).
+
+The backward recomputes the probabilities from the saved log-sum-exp and, per block of selected
+keys, adds the query grad in registers and scatters the key/value grad of the gathered rows into
+an fp32 ``dkv`` with atomic adds (a key row is selected by many queries). Heads beyond one block
+(``BLOCK_H``) repeat the gather and the atomics once per head block.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+from loongforge.core.kernels.dsa import _check_attention
+from loongforge.kernels.launch import check_tensors
+
+LOG2E = math.log2(math.e)
+
+
+def _block_sizes(n_heads: int, d_v: int, d_rope: int) -> tuple[int, int, int]:
+    block_h = 16 if n_heads <= 16 else 32  # tl.dot needs at least 16 rows
+    return block_h, triton.next_power_of_2(d_v), max(16, triton.next_power_of_2(max(d_rope, 1)))
+
+
+@triton.jit
+def _sparse_mla_fwd(
+    Q, KV, IDX, O, LSE,
+    n_heads, topk, scale_log2,
+    stride_qb, stride_qs, stride_qh,
+    stride_kvb, stride_kvs,
+    stride_ib, stride_is,
+    stride_ob, stride_os, stride_oh,
+    stride_lb, stride_ls,
+    D_V: tl.constexpr, D_ROPE: tl.constexpr,
+    BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_DR: tl.constexpr,
+):
+    t = tl.program_id(0).to(tl.int64)
+    b = tl.program_id(2).to(tl.int64)
+    heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    dv = tl.arange(0, BLOCK_DV)
+    dr = tl.arange(0, BLOCK_DR)
+    head_ok = heads < n_heads
+    q_row = Q + b * stride_qb + t * stride_qs + heads[:, None] * stride_qh
+    q_lat = tl.load(q_row + dv[None, :], mask=head_ok[:, None] & (dv[None, :] < D_V), other=0.0)
+    q_rope = tl.load(q_row + D_V + dr[None, :], mask=head_ok[:, None] & (dr[None, :] < D_ROPE), other=0.0)
+    kv_base = KV + b * stride_kvb
+    idx_base = IDX + b * stride_ib + t * stride_is
+
+    m_i = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_H, BLOCK_DV], dtype=tl.float32)
+    for start in range(0, topk, BLOCK_N):
+        n = start + tl.arange(0, BLOCK_N)
+        idx = tl.load(idx_base + n, mask=n < topk, other=-1)
+        valid = idx >= 0
+        rows = tl.where(valid, idx, 0).to(tl.int64)
+        k_lat = tl.load(kv_base + rows[:, None] * stride_kvs + dv[None, :], mask=valid[:, None] & (dv[None, :] < D_V), other=0.0)
+        k_rope = tl.load(
+            kv_base + rows[:, None] * stride_kvs + D_V + dr[None, :], mask=valid[:, None] & (dr[None, :] < D_ROPE), other=0.0
+        )
+        s = tl.dot(q_lat, tl.trans(k_lat)) + tl.dot(q_rope, tl.trans(k_rope))
+        s = tl.where(valid[None, :], s * scale_log2, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # no valid key yet: keep everything at 0
+        alpha = tl.exp2(m_i - m_safe)
+        p = tl.exp2(s - m_safe[:, None])
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(k_lat.dtype), k_lat)
+        m_i = m_new
+    has_key = l_i > 0
+    out = acc / tl.where(has_key, l_i, 1.0)[:, None]
+    o_row = O + b * stride_ob + t * stride_os + heads[:, None] * stride_oh
+    tl.store(o_row + dv[None, :], out.to(O.dtype.element_ty), mask=head_ok[:, None] & (dv[None, :] < D_V))
+    # log2-domain log-sum-exp of the scaled logits; +inf for a query with no key (its p is 0)
+    lse = tl.where(has_key, m_i + tl.log2(tl.where(has_key, l_i, 1.0)), float("inf"))
+    tl.store(LSE + b * stride_lb + t * stride_ls + heads, lse, mask=head_ok)
+
+
+@triton.jit
+def _sparse_mla_bwd(
+    Q, KV, IDX, DO, LSE, DELTA, DQ, DKV,
+    n_heads, topk, scale, scale_log2,
+    stride_qb, stride_qs, stride_qh,
+    stride_kvb, stride_kvs,
+    stride_ib, stride_is,
+    stride_dob, stride_dos, stride_doh,
+    stride_lb, stride_ls,
+    stride_dqb, stride_dqs, stride_dqh,
+    stride_dkvb, stride_dkvs,
+    D_V: tl.constexpr, D_ROPE: tl.constexpr,
+    BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_DR: tl.constexpr,
+):
+    t = tl.program_id(0).to(tl.int64)
+    b = tl.program_id(2).to(tl.int64)
+    heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    dv = tl.arange(0, BLOCK_DV)
+    dr = tl.arange(0, BLOCK_DR)
+    head_ok = heads < n_heads
+    lat_mask = head_ok[:, None] & (dv[None, :] < D_V)
+    rope_mask = head_ok[:, None] & (dr[None, :] < D_ROPE)
+    q_row = Q + b * stride_qb + t * stride_qs + heads[:, None] * stride_qh
+    q_lat = tl.load(q_row + dv[None, :], mask=lat_mask, other=0.0)
+    q_rope = tl.load(q_row + D_V + dr[None, :], mask=rope_mask, other=0.0)
+    do = tl.load(DO + b * stride_dob + t * stride_dos + heads[:, None] * stride_doh + dv[None, :], mask=lat_mask, other=0.0)
+    lse = tl.load(LSE + b * stride_lb + t * stride_ls + heads, mask=head_ok, other=float("inf"))
+    delta = tl.load(DELTA + b * stride_lb + t * stride_ls + heads, mask=head_ok, other=0.0)
+    kv_base = KV + b * stride_kvb
+    dkv_base = DKV + b * stride_dkvb
+    idx_base = IDX + b * stride_ib + t * stride_is
+
+    dq_lat = tl.zeros([BLOCK_H, BLOCK_DV], dtype=tl.float32)
+    dq_rope = tl.zeros([BLOCK_H, BLOCK_DR], dtype=tl.float32)
+    for start in range(0, topk, BLOCK_N):
+        n = start + tl.arange(0, BLOCK_N)
+        idx = tl.load(idx_base + n, mask=n < topk, other=-1)
+        valid = idx >= 0
+        rows = tl.where(valid, idx, 0).to(tl.int64)
+        kv_lat_mask = valid[:, None] & (dv[None, :] < D_V)
+        kv_rope_mask = valid[:, None] & (dr[None, :] < D_ROPE)
+        k_lat = tl.load(kv_base + rows[:, None] * stride_kvs + dv[None, :], mask=kv_lat_mask, other=0.0)
+        k_rope = tl.load(kv_base + rows[:, None] * stride_kvs + D_V + dr[None, :], mask=kv_rope_mask, other=0.0)
+        s = tl.dot(q_lat, tl.trans(k_lat)) + tl.dot(q_rope, tl.trans(k_rope))
+        p = tl.where(valid[None, :], tl.exp2(s * scale_log2 - lse[:, None]), 0.0)
+        dp = tl.dot(do, tl.trans(k_lat))  # the value is the latent part of the key row
+        ds = p * (dp - delta[:, None])  # grad of the (unscaled) logits, before the softmax scale
+        ds_lo = ds.to(k_lat.dtype)
+        dq_lat += tl.dot(ds_lo, k_lat)
+        dq_rope += tl.dot(ds_lo, k_rope)
+        ds_t = tl.trans(ds_lo)
+        dk_lat = tl.dot(ds_t, q_lat) * scale + tl.dot(tl.trans(p.to(do.dtype)), do)
+        dk_rope = tl.dot(ds_t, q_rope) * scale
+        tl.atomic_add(dkv_base + rows[:, None] * stride_dkvs + dv[None, :], dk_lat, mask=kv_lat_mask, sem="relaxed")
+        tl.atomic_add(dkv_base + rows[:, None] * stride_dkvs + D_V + dr[None, :], dk_rope, mask=kv_rope_mask, sem="relaxed")
+    dq_row = DQ + b * stride_dqb + t * stride_dqs + heads[:, None] * stride_dqh
+    tl.store(dq_row + dv[None, :], (dq_lat * scale).to(DQ.dtype.element_ty), mask=lat_mask)
+    tl.store(dq_row + D_V + dr[None, :], (dq_rope * scale).to(DQ.dtype.element_ty), mask=rope_mask)
+
+
+BLOCK_N_FWD = 32
+BLOCK_N_BWD = 16
+
+
+def _check(q, kv, indices, d_v):
+    _check_attention("sparse_mla_attention", q, kv, d_v)
+    b, s = q.shape[:2]
+    if indices.dim() != 3 or tuple(indices.shape[:2]) != (b, s):
+        raise ValueError(f"sparse_mla_attention: indices must be [B, S, topk] = [{b}, {s}, k], got {tuple(indices.shape)}")
+    if indices.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"sparse_mla_attention: indices must be int32 or int64, got {indices.dtype}")
+    if q.dtype != kv.dtype:
+        raise ValueError(f"sparse_mla_attention: q dtype {q.dtype} != kv dtype {kv.dtype}")
+    check_tensors("sparse_mla_attention", q, kv, indices)
+
+
+def _last_dim_contiguous(t: torch.Tensor) -> torch.Tensor:
+    return t if t.stride(-1) == 1 else t.contiguous()
+
+
+class _SparseMLA(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, kv, indices, softmax_scale, d_v):
+        _check(q, kv, indices, d_v)
+        q, kv, indices = _last_dim_contiguous(q), _last_dim_contiguous(kv), _last_dim_contiguous(indices)
+        b, s, h, d = q.shape
+        d_rope = d - d_v
+        block_h, block_dv, block_dr = _block_sizes(h, d_v, d_rope)
+        out = torch.empty((b, s, h, d_v), dtype=q.dtype, device=q.device)
+        lse = torch.empty((b, s, h), dtype=torch.float32, device=q.device)
+        if out.numel():
+            _sparse_mla_fwd[(s, triton.cdiv(h, block_h), b)](
+                q, kv, indices, out, lse,
+                h, indices.shape[-1], softmax_scale * LOG2E,
+                q.stride(0), q.stride(1), q.stride(2), kv.stride(0), kv.stride(1),
+                indices.stride(0), indices.stride(1), out.stride(0), out.stride(1), out.stride(2),
+                lse.stride(0), lse.stride(1),
+                D_V=d_v, D_ROPE=d_rope, BLOCK_H=block_h, BLOCK_N=BLOCK_N_FWD, BLOCK_DV=block_dv, BLOCK_DR=block_dr,
+                num_warps=4 if block_dv <= 128 else 8, num_stages=2,
+            )
+        ctx.save_for_backward(q, kv, indices, out, lse)
+        ctx.softmax_scale, ctx.d_v = softmax_scale, d_v
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        q, kv, indices, out, lse = ctx.saved_tensors
+        b, s, h, d = q.shape
+        d_v = ctx.d_v
+        dout = _last_dim_contiguous(dout)
+        delta = (out.float() * dout.float()).sum(-1)  # [B, S, H], rowwise sum(p * dp)
+        dq = torch.empty_like(q)
+        dkv = torch.zeros(kv.shape, dtype=torch.float32, device=kv.device)
+        block_h, block_dv, block_dr = _block_sizes(h, d_v, d - d_v)
+        if out.numel():
+            _sparse_mla_bwd[(s, triton.cdiv(h, block_h), b)](
+                q, kv, indices, dout, lse, delta, dq, dkv,
+                h, indices.shape[-1], ctx.softmax_scale, ctx.softmax_scale * LOG2E,
+                q.stride(0), q.stride(1), q.stride(2), kv.stride(0), kv.stride(1),
+                indices.stride(0), indices.stride(1), dout.stride(0), dout.stride(1), dout.stride(2),
+                lse.stride(0), lse.stride(1), dq.stride(0), dq.stride(1), dq.stride(2), dkv.stride(0), dkv.stride(1),
+                D_V=d_v, D_ROPE=d - d_v, BLOCK_H=block_h, BLOCK_N=BLOCK_N_BWD, BLOCK_DV=block_dv, BLOCK_DR=block_dr,
+                num_warps=4 if block_dv <= 128 else 8, num_stages=1,
+            )
+        else:
+            dq.zero_()
+        return dq, dkv.to(kv.dtype), None, None, None
+
+
+def sparse_mla_attention(
+    q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor, softmax_scale: float, d_v: int
+) -> torch.Tensor:
+    """Fused ``loongforge.core.kernels.dsa.sparse_mla_attention``."""
+    return _SparseMLA.apply(q, kv, indices, softmax_scale, d_v)

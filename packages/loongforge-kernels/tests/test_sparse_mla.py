@@ -1,0 +1,117 @@
+"""Fused sparse MLA attention and the lightning indexer vs the torch references (Triton interpreter).
+
+fp32 only: the interpreter's ``tl.dot`` gives wrong results for bf16 operands, so bf16 is checked
+on a GPU (test_dsa_gpu.py).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from loongforge.core.kernels import dsa
+from loongforge.kernels.dsa_indexer import dsa_indexer_topk, indexer_scores_chunk
+from loongforge.kernels.sparse_mla import sparse_mla_attention
+
+TIGHT = dict(rtol=1e-5, atol=1e-5)
+
+
+def _attention_inputs(b, s, h, d_v, d_rope, topk, extra_kv=0, dtype=torch.float32, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    n_kv = s + extra_kv
+    q = torch.randn(b, s, h, d_v + d_rope, generator=g).to(dtype)
+    kv = torch.randn(b, n_kv, d_v + d_rope, generator=g).to(dtype)
+    idx = torch.randint(0, n_kv, (b, s, topk), generator=g, dtype=torch.int32)
+    idx[torch.rand(b, s, topk, generator=g) < 0.2] = -1
+    return q, kv, idx
+
+
+def _run(fn, q, kv, idx, scale, d_v, dout):
+    q, kv = q.clone().requires_grad_(), kv.clone().requires_grad_()
+    out = fn(q, kv, idx, scale, d_v)
+    out.backward(dout)
+    return out, q.grad, kv.grad
+
+
+@pytest.mark.parametrize(
+    "b, s, h, d_v, d_rope, topk, extra_kv",
+    [
+        (2, 6, 3, 32, 16, 40, 5),  # masked heads, two key blocks fwd / three bwd, a longer key sequence
+        (1, 5, 18, 24, 8, 7, 0),  # two head blocks, d_v and d_rope not powers of two
+    ],
+)
+def test_sparse_mla_forward_backward_fp32(b, s, h, d_v, d_rope, topk, extra_kv):
+    q, kv, idx = _attention_inputs(b, s, h, d_v, d_rope, topk, extra_kv)
+    idx[0, 1, :3] = idx[0, 1, 3]  # repeated keys count once per entry
+    idx[0, 2] = -1  # a query with no key: output and grads 0
+    scale = (d_v + d_rope) ** -0.5
+    dout = torch.randn(b, s, h, d_v)
+    out, dq, dkv = _run(sparse_mla_attention, q, kv, idx, scale, d_v, dout)
+    ref, dq_ref, dkv_ref = _run(dsa.sparse_mla_attention, q, kv, idx, scale, d_v, dout)
+    assert out.shape == ref.shape and out.dtype == ref.dtype
+    torch.testing.assert_close(out, ref, **TIGHT)
+    torch.testing.assert_close(dq, dq_ref, **TIGHT)
+    torch.testing.assert_close(dkv, dkv_ref, **TIGHT)
+    assert out[0, 2].abs().max() == 0 and dq[0, 2].abs().max() == 0
+
+
+def _indexer_inputs(b, s, hi, di, extra_kv=0, dtype=torch.float32, seed=0):
+    """Indexer inputs without ties: head 0 scores every key above 0 (a ReLU of all heads at 0 ties)."""
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(b, s, hi, di, generator=g)
+    k = torch.randn(b, s + extra_kv, di, generator=g).abs()
+    q[:, :, 0] = q[:, :, 0].abs() + 0.1
+    w = torch.rand(b, s, hi, generator=g) + 0.1
+    return q.to(dtype), k.to(dtype), w
+
+
+def test_indexer_scores_match_the_reference():
+    q, k, w = _indexer_inputs(2, 70, 3, 20, extra_kv=9)  # two query blocks, two key blocks, 20-dim heads
+    buf = torch.empty(2, 70, 79)
+    for t0, t1 in ((0, 70), (30, 41)):
+        got = indexer_scores_chunk(q, k, w, t0, t1, buf)
+        width = t1 + 9
+        want = dsa.indexer_scores(q[:, t0:t1], k[:, :width], w[:, t0:t1])
+        want = want.masked_fill(~dsa._causal_mask(t0, t1, width, 9, "cpu"), float("-inf"))
+        assert got.shape == want.shape
+        torch.testing.assert_close(got, want, **TIGHT)
+
+
+@pytest.mark.parametrize("topk, extra_kv", [(5, 0), (12, 3), (40, 2)])
+def test_topk_selection_identical_to_the_reference(topk, extra_kv):
+    q, k, w = _indexer_inputs(2, 33, 4, 16, extra_kv=extra_kv, seed=topk)
+    got = dsa_indexer_topk(q, k, w, topk)
+    want = dsa.dsa_indexer_topk(q, k, w, topk)
+    assert got.dtype == torch.int32 and got.shape == want.shape == (2, 33, topk)
+    torch.testing.assert_close(got.sort(-1).values, want.sort(-1).values, rtol=0, atol=0)
+
+
+def test_fused_dsa_with_k_equal_to_s_is_dense_causal_attention():
+    """Fused top-k with k = S selects every causal key; fused sparse attention over it is dense attention."""
+    b, s, h, d_v, d_rope = 1, 9, 2, 16, 16
+    q_idx, k_idx, w_idx = _indexer_inputs(b, s, 2, 16, seed=4)
+    q, kv, _ = _attention_inputs(b, s, h, d_v, d_rope, 1, seed=4)
+    idx = dsa_indexer_topk(q_idx, k_idx, w_idx, s)
+    scale = 0.2
+    dout = torch.randn(b, s, h, d_v)
+    out, dq, dkv = _run(sparse_mla_attention, q, kv, idx, scale, d_v, dout)
+
+    qd, kvd = q.clone().requires_grad_(), kv.clone().requires_grad_()
+    logits = torch.einsum("bthd,bsd->bths", qd, kvd) * scale
+    causal = torch.ones(s, s, dtype=torch.bool).tril()[None, :, None, :]
+    dense = torch.einsum("bths,bsd->bthd", torch.softmax(logits.masked_fill(~causal, float("-inf")), -1), kvd[..., :d_v])
+    dense.backward(dout)
+    torch.testing.assert_close(out, dense, **TIGHT)
+    torch.testing.assert_close(dq, qd.grad, **TIGHT)
+    torch.testing.assert_close(dkv, kvd.grad, **TIGHT)
+
+
+def test_fused_ops_reject_mismatched_inputs():
+    q, kv, idx = _attention_inputs(1, 4, 2, 16, 16, 4)
+    with pytest.raises(ValueError, match="q dtype"):
+        sparse_mla_attention(q, kv.double(), idx, 1.0, 16)
+    with pytest.raises(ValueError, match="int32 or int64"):
+        sparse_mla_attention(q, kv, idx.float(), 1.0, 16)
+    q_idx, k_idx, w_idx = _indexer_inputs(1, 4, 2, 16)
+    with pytest.raises(ValueError, match="topk must be"):
+        dsa_indexer_topk(q_idx, k_idx, w_idx, 0)
