@@ -13,6 +13,7 @@ import json
 import sys
 
 from loongforge.core.cli import add_config_arguments, add_plot_command, normalise_overrides, run_main
+from loongforge.core.config import ConfigError
 from loongforge.llm import recipe
 from loongforge.llm.recipe import LLMConfig
 
@@ -53,10 +54,17 @@ def cmd_train(args) -> int:
 
 def cmd_info(args) -> int:
     cfg = load_llm_config(args)
-    m = cfg.model
-    counts = m.parameter_counts()
-    total = sum(counts.values())
-    print(json.dumps({"family": m.family, "parameters": counts, "total_parameters": total,
+    from loongforge.core.parallel import ParallelLayout
+    from loongforge.llm.sizing import size_report
+
+    m, p = cfg.model, cfg.parallel
+    layout = ParallelLayout(tp=p.tp, pp=p.pp, cp=p.cp, ep=p.ep)
+    precision = "fp32" if cfg.train.precision == "fp32" else "bf16"  # "auto" is bf16 on GPUs
+    try:
+        sizes = size_report(m, layout, args.dp, precision=precision, distributed_optimizer=cfg.train.use_distributed_optimizer)
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from exc
+    print(json.dumps({"family": m.family, "parameters": m.parameter_counts(), **sizes,
                       "flops_per_token": m.flops_per_token(cfg.train.seq_length)}, indent=1))
     return 0
 
@@ -74,8 +82,10 @@ def build_parser() -> argparse.ArgumentParser:
     train = sub.add_parser("train", help="train (no arguments: the debug model on the bundled corpus)")
     add_config_arguments(train, "train_debug")
     train.set_defaults(fn=cmd_train)
-    info = sub.add_parser("info", help="parameter counts and FLOPs of a config")
+    info = sub.add_parser("info", help="parameter counts (meta-device build), per-GPU memory of the layout, FLOPs")
     add_config_arguments(info, "train_debug")
+    info.add_argument("--dp", type=int, default=None,
+                      help="data-parallel size to size the layout for (default: the smallest parallel.ep allows)")
     info.set_defaults(fn=cmd_info)
     pre = sub.add_parser("preprocess", help="tokenize text/JSONL into a megatron indexed dataset (.bin/.idx)")
     from loongforge.llm.data.preprocess import add_preprocess_arguments
