@@ -1,5 +1,7 @@
-"""GPT models on LoongForge's layer spec vs megatron's local spec with the same weights, fp32 on
-CPU: logits, per-token loss and every gradient; THD-packed sequences vs each one unpacked."""
+"""The GPT model lf-llm builds (fast layer spec, fused-loss model) vs megatron's GPTModel on its
+local spec with the same weights, fp32 on CPU: logits, per-token loss and every gradient, with the
+torch reference ops and with the Triton kernels under the interpreter; THD-packed sequences vs
+each sequence unpacked; recomputing the elementwise activations gives the same gradients."""
 
 from __future__ import annotations
 
@@ -14,13 +16,15 @@ CFG = GPTConfig(num_layers=2, hidden_size=64, num_attention_heads=4, num_query_g
 TOL = dict(rtol=1e-4, atol=1e-5)
 
 
-def _gpt(spec, cfg=CFG, **config_overrides):
+def _gpt(spec, cfg=CFG, model_class=None, **config_overrides):
     from megatron.core.models.gpt import GPTModel
     from megatron.core.transformer import TransformerConfig
 
+    from loongforge.llm.layers.gpt_model import FusedLossGPTModel
+
     config = TransformerConfig(**{**transformer_config_kwargs(cfg), **config_overrides},
                                params_dtype=torch.float32, use_cpu_initialization=True)
-    return GPTModel(config=config, transformer_layer_spec=spec, vocab_size=cfg.vocab_size,
+    return (model_class or FusedLossGPTModel)(config=config, transformer_layer_spec=spec, vocab_size=cfg.vocab_size,
                     max_sequence_length=cfg.max_position_embeddings, position_embedding_type="rope",
                     share_embeddings_and_output_weights=cfg.tie_embeddings)
 
@@ -33,7 +37,9 @@ def _local_spec(cfg=CFG):
 
 def _pair(cfg=CFG, **config_overrides):
     torch.manual_seed(0)
-    ref = _gpt(_local_spec(cfg), cfg, **config_overrides)
+    from megatron.core.models.gpt import GPTModel
+
+    ref = _gpt(_local_spec(cfg), cfg, GPTModel, **config_overrides)
     ours = _gpt(layer_spec(cfg), cfg, **config_overrides)
     ours.load_state_dict(ref.state_dict(), strict=True)  # same parameter names, same weights
     return ours, ref
@@ -53,6 +59,50 @@ def _batch(b, s, seed=1):
 @pytest.mark.parametrize("cfg", [CFG, GPTConfig(**{**CFG.__dict__, "qk_layernorm": True, "add_qkv_bias": True})],
                          ids=["llama", "qkv-bias-qk-norm"])
 def test_layer_spec_matches_megatron_local_spec(megatron_world, cfg):
+    _check_against_local_spec(cfg)
+
+
+class _TritonCapableCpu:
+    """The cpu accelerator, claiming Triton: the registry then hands out the Triton kernels,
+    which run under the interpreter (the root conftest sets TRITON_INTERPRET=1)."""
+
+    def __init__(self, base):
+        self._base = base
+
+    def __getattr__(self, name):
+        return getattr(self._base, name)
+
+    def supports_triton(self) -> bool:
+        return True
+
+
+def test_triton_kernels_in_the_model_match_megatron_local_spec(megatron_world, monkeypatch):
+    pytest.importorskip("loongforge.kernels")
+    import loongforge.core.accelerators as accelerators
+
+    monkeypatch.delenv("LOONGFORGE_KERNELS", raising=False)
+    cpu = accelerators.get_accelerator()
+    monkeypatch.setattr(accelerators, "get_accelerator", lambda *a, **k: _TritonCapableCpu(cpu))
+    ours = _check_against_local_spec(CFG)
+    assert ours.decoder.layers[0].mlp._swiglu.__module__ == "loongforge.kernels.provider"  # not the reference
+
+
+def test_recompute_elementwise_changes_nothing(megatron_world):
+    from loongforge.llm.layers.spec import fast_layer_spec
+
+    torch.manual_seed(0)
+    keep = _gpt(fast_layer_spec(CFG, recompute_elementwise=False))
+    recompute = _gpt(fast_layer_spec(CFG, recompute_elementwise=True))
+    recompute.load_state_dict(keep.state_dict())
+    tokens, labels, pos = _batch(2, 9)
+    for model in (keep, recompute):
+        model(tokens, pos, None, labels=labels).sum().backward()
+    got, want = _grads(recompute), _grads(keep)
+    for name in want:
+        torch.testing.assert_close(got[name], want[name], **TOL)
+
+
+def _check_against_local_spec(cfg):
     ours, ref = _pair(cfg)
     tokens, labels, pos = _batch(3, 13)
     logits = ours(tokens, pos, None)
@@ -67,6 +117,7 @@ def test_layer_spec_matches_megatron_local_spec(megatron_world, cfg):
     assert got.keys() == want.keys()
     for name in want:
         torch.testing.assert_close(got[name], want[name], **TOL, msg=lambda m, n=name: f"{n}: {m}")
+    return ours
 
 
 def test_packed_thd_matches_unpacked_sequences(megatron_world):

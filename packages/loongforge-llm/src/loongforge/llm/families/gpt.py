@@ -47,25 +47,25 @@ def transformer_config_kwargs(cfg: GPTConfig) -> dict:
 
 def layer_spec(cfg: GPTConfig):
     """The megatron ModuleSpec of one decoder layer: Transformer Engine's when it is installed,
-    else megatron's local layer with LoongForge's SDPA core attention."""
+    else LoongForge's fast layer (SDPA attention and the fused ops of ``loongforge.core.kernels``)."""
     import importlib.util
 
     if importlib.util.find_spec("transformer_engine") is not None:
         from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_spec
 
         return get_gpt_layer_with_transformer_engine_spec(qk_layernorm=cfg.qk_layernorm)
-    from loongforge.llm.layers.spec import sdpa_local_layer_spec
+    from loongforge.llm.layers.spec import fast_layer_spec
 
-    return sdpa_local_layer_spec(cfg)
+    return fast_layer_spec(cfg)
 
 
 def build_gpt(cfg: GPTConfig, ctx, transformer_config, pre_process: bool, post_process: bool) -> torch.nn.Module:
-    from megatron.core.models.gpt import GPTModel
+    from loongforge.llm.layers.gpt_model import FusedLossGPTModel
 
     vocab = cfg.vocab_size
     if vocab % ctx.layout.tp:
         raise ValueError(f"model.vocab_size={vocab} must be divisible by parallel.tp={ctx.layout.tp}")
-    return GPTModel(
+    return FusedLossGPTModel(
         config=transformer_config,
         transformer_layer_spec=layer_spec(cfg),
         vocab_size=vocab,

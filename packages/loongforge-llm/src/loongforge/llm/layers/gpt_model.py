@@ -1,0 +1,42 @@
+"""megatron's ``GPTModel`` whose training loss never materialises the ``[tokens, vocab]`` logits.
+
+With ``labels``, ``GPTModel`` computes the full logits (plus an fp32 copy inside the
+cross-entropy) and then the per-token loss. ``FusedLossGPTModel`` hands megatron's
+``output_processor`` hook the registry's ``linear_cross_entropy``: the output projection and the
+loss in token chunks (Triton where supported; the torch reference elsewhere), returning the same
+``[b, s]`` fp32 per-token loss. Without labels, with a vocab split over tensor-parallel ranks,
+multi-token prediction or MuP logit scaling, megatron's own path runs.
+"""
+
+from __future__ import annotations
+
+from megatron.core.models.gpt import GPTModel
+
+from loongforge.core.kernels import get_kernel
+
+
+class FusedLossGPTModel(GPTModel):
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self._linear_cross_entropy = get_kernel("linear_cross_entropy")
+
+    def _fused_loss_applies(self) -> bool:
+        cfg = self.config
+        return (
+            self.post_process
+            and self.pg_collection.tp.size() == 1
+            and not cfg.mtp_num_layers
+            and not cfg.use_mup
+        )
+
+    def _loss(self, *, hidden_states, output_layer, output_weight, labels, **_):
+        weight = output_weight if output_weight is not None else output_layer.weight
+        s, b, h = hidden_states.shape
+        loss = self._linear_cross_entropy(hidden_states.reshape(s * b, h), weight,
+                                          labels.transpose(0, 1).reshape(s * b))
+        return loss.view(s, b).transpose(0, 1).contiguous()  # [b, s], as compute_language_model_loss
+
+    def forward(self, input_ids, position_ids, attention_mask, decoder_input=None, labels=None, *args, **kwargs):
+        if labels is not None and kwargs.get("output_processor") is None and self._fused_loss_applies():
+            kwargs["output_processor"] = self._loss
+        return super().forward(input_ids, position_ids, attention_mask, decoder_input, labels, *args, **kwargs)

@@ -1,0 +1,40 @@
+"""megatron's dense MLP with the registry's fused SwiGLU between ``linear_fc1`` and ``linear_fc2``."""
+
+from __future__ import annotations
+
+import torch.nn.functional as F
+from megatron.core import tensor_parallel
+from megatron.core.transformer.mlp import MLP
+
+from loongforge.core.kernels import get_kernel
+
+
+class FusedMLP(MLP):
+    """``linear_fc2(swiglu(linear_fc1(x)))`` with the fused ``swiglu`` op (megatron's fc1 layout
+    ``[gate, up]`` per tensor-parallel rank, so TP works unchanged).
+
+    With ``recompute_activation`` the SwiGLU output (``ffn`` wide) is not kept for the backward:
+    ``linear_fc2`` saves it, megatron's ``CheckpointWithoutOutput`` frees it after the forward and
+    recomputes it from ``linear_fc1``'s output (kept anyway) when the backward reaches fc2 -- one
+    elementwise pass for ``tokens x ffn`` activations. Other activations fall back to ``MLP``.
+    """
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self._swiglu = get_kernel("swiglu")
+        self._fused = self.config.gated_linear_unit and self.config.activation_func is F.silu
+        self.recompute_activation = False
+
+    def forward(self, hidden_states, per_token_scale=None, **kwargs):
+        if not self._fused or per_token_scale is not None:
+            return super().forward(hidden_states, per_token_scale, **kwargs)
+        gate_up, bias = self.linear_fc1(hidden_states)
+        if bias is not None:
+            gate_up = gate_up + bias
+        if self.recompute_activation and self.training and gate_up.requires_grad:
+            checkpoint = tensor_parallel.CheckpointWithoutOutput(fp8=None)
+            out, out_bias = self.linear_fc2(checkpoint.checkpoint(self._swiglu, gate_up))
+            checkpoint.discard_output_and_register_recompute(out)
+        else:
+            out, out_bias = self.linear_fc2(self._swiglu(gate_up))
+        return out, out_bias

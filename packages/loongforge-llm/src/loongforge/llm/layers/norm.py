@@ -1,0 +1,34 @@
+"""RMSNorm for megatron-core layer specs on the registry's fused ops (``rms_norm``, ``add_rms_norm``)."""
+
+from __future__ import annotations
+
+import torch
+
+from loongforge.core.kernels import get_kernel
+
+
+class FusedRMSNorm(torch.nn.Module):
+    """RMSNorm over the last dim, built like megatron's norms (``config, hidden_size, eps``).
+
+    ``norm(x)`` is ``rms_norm(x)``; ``norm(x, residual=r)`` returns ``(rms_norm(x + r), x + r)``
+    from one fused pass (the pre-MLP norm of a decoder layer, whose sum is the residual stream).
+    The ops come from ``loongforge.core.kernels``: Triton where the accelerator runs it, else the
+    torch references. Its one parameter is ``weight``, as in megatron's local spec.
+    """
+
+    def __init__(self, config, hidden_size: int, eps: float = 1e-5):
+        super().__init__()
+        if getattr(config, "normalization", "RMSNorm") != "RMSNorm":
+            raise ValueError(f"FusedRMSNorm: config.normalization={config.normalization!r}; expected 'RMSNorm'")
+        if getattr(config, "layernorm_zero_centered_gamma", False):
+            raise ValueError("FusedRMSNorm: layernorm_zero_centered_gamma is not supported")
+        self.eps = eps
+        self.weight = torch.nn.Parameter(torch.ones(hidden_size, dtype=config.params_dtype))
+        setattr(self.weight, "sequence_parallel", bool(getattr(config, "sequence_parallel", False)))
+        self._rms_norm = get_kernel("rms_norm")
+        self._add_rms_norm = get_kernel("add_rms_norm")
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+        if residual is None:
+            return self._rms_norm(x, self.weight, self.eps)
+        return self._add_rms_norm(x, residual, self.weight, self.eps)

@@ -1,0 +1,46 @@
+"""cos/sin tables for the registry's ``rope`` op, from megatron's rotary embedding angles.
+
+megatron's ``RotaryEmbedding`` hands every layer the same ``[s, 1, 1, rot_dim]`` fp32 angle tensor
+(``cat(freqs, freqs)``, rotate-half layout). The fused ``rope`` op wants one ``cos``/``sin`` row per
+token of ``x``'s leading dims; building those rows once per forward and sharing them across
+layers (and between queries and keys) keeps the expansion out of every layer. Packed (THD)
+batches gather each token's row at its position inside its own ``cu_seqlens`` segment, as
+megatron's THD rotary does.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def token_positions(cu_seqlens: torch.Tensor, total: int) -> torch.Tensor:
+    """Each packed token's position inside its segment: ``arange(total) - cu_seqlens[segment]``."""
+    tokens = torch.arange(total, device=cu_seqlens.device, dtype=cu_seqlens.dtype)
+    segment = torch.searchsorted(cu_seqlens[1:].contiguous(), tokens, right=True)
+    return (tokens - cu_seqlens[segment]).long()
+
+
+class RopeTables:
+    """One-entry cache of ``(cos, sin)`` of shape ``[*lead, rot_dim]`` (contiguous, fp32) for the
+    angle tensor of the current forward; a new angle tensor, lead shape or packing rebuilds it."""
+
+    def __init__(self):
+        self._key = None
+        self._tables = None
+
+    def get(self, angles: torch.Tensor, lead: tuple[int, ...], cu_seqlens: torch.Tensor | None = None,
+            mscale: float | None = None):
+        key = (angles, tuple(lead), cu_seqlens, mscale)
+        if self._key is not None and all(a is b if torch.is_tensor(a) else a == b for a, b in zip(self._key, key)):
+            return self._tables
+        table = angles.reshape(angles.shape[0], angles.shape[-1]).float()  # [s, rot_dim]
+        if cu_seqlens is None:
+            table = table[: lead[0]]
+        else:
+            table = table[token_positions(cu_seqlens, lead[0])]
+        shape = (lead[0],) + (1,) * (len(lead) - 1) + (table.shape[-1],)
+        cos, sin = (f(table).view(shape).expand(*lead, table.shape[-1]).contiguous() for f in (torch.cos, torch.sin))
+        if mscale is not None and mscale != 1.0:
+            cos, sin = cos * mscale, sin * mscale
+        self._key, self._tables = key, (cos, sin)
+        return cos, sin

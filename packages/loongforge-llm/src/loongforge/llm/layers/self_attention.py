@@ -1,0 +1,80 @@
+"""megatron's ``SelfAttention`` with the registry's fused RoPE and no extra copies of q/k/v.
+
+megatron splits the ``linear_qkv`` output (per query group ``[q heads, k, v]``) into views,
+copies the queries into ``[s, b, heads, d]``, then applies rotary in several elementwise passes.
+Here the fused ``rope`` op reads the queries and keys straight from the ``linear_qkv`` output
+(each (token, group) pair is one row of ``heads_per_group`` heads) and writes them contiguous,
+in the layout SDPA reads; the values get one contiguous copy, so nothing keeps the ``linear_qkv``
+output alive for the backward. Inference, cross attention, output gates, interleaved rotary and
+TP ranks holding partial query groups take megatron's own path.
+"""
+
+from __future__ import annotations
+
+from megatron.core.transformer.attention import SelfAttention
+
+from loongforge.core.kernels import get_kernel
+from loongforge.llm.layers.rope_tables import RopeTables
+
+_TABLES = RopeTables()  # shared by every layer: one angle tensor per forward
+
+
+class FusedSelfAttention(SelfAttention):
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self._rope = get_kernel("rope")
+
+    def _own_path(self, key_value_states, inference_context, kwargs) -> bool:
+        cfg = self.config
+        return (
+            key_value_states is None
+            and inference_context is None
+            and kwargs.get("inference_params") is None
+            and kwargs.get("rotary_pos_cos") is None
+            and not cfg.attention_output_gate
+            and not cfg.rotary_interleaved
+            and not cfg.flash_decode
+            and cfg.num_query_groups >= self.world_size
+        )
+
+    def forward(self, hidden_states, attention_mask, key_value_states=None, inference_context=None,
+                rotary_pos_emb=None, **kwargs):
+        if not self._own_path(key_value_states, inference_context, kwargs):
+            return super().forward(hidden_states, attention_mask, key_value_states, inference_context,
+                                   rotary_pos_emb, **kwargs)
+        packed = kwargs.get("packed_seq_params")
+        thd = packed is not None and packed.qkv_format == "thd"
+        qkv, _ = self.linear_qkv(hidden_states)  # [s, b, groups * (heads_per_group + 2) * d]
+        s, b = qkv.shape[:2]
+        groups = self.num_query_groups_per_partition
+        per_group = self.num_attention_heads_per_partition // groups
+        d = self.hidden_size_per_attention_head
+        qkv = qkv.view(s, b, groups, per_group + 2, d)
+        query, key, value = qkv[..., :per_group, :], qkv[..., per_group : per_group + 1, :], qkv[..., per_group + 1 :, :]
+        if self.q_layernorm is not None:
+            query = self.q_layernorm(query)
+        if self.k_layernorm is not None:
+            key = self.k_layernorm(key)
+        if rotary_pos_emb is not None:
+            q_emb, k_emb = rotary_pos_emb if isinstance(rotary_pos_emb, tuple) else (rotary_pos_emb, rotary_pos_emb)
+            cu = None
+            if thd:
+                cu = packed.cu_seqlens_q_padded if packed.cu_seqlens_q_padded is not None else packed.cu_seqlens_q
+            mscale = self._yarn_concentration_factor
+            query = self._rope(query, *_TABLES.get(q_emb, (s, b, groups), cu, mscale))
+            key = self._rope(key, *_TABLES.get(k_emb, (s, b, groups), cu, mscale))
+        query = query.reshape(s, b, groups * per_group, d)
+        key = key.reshape(s, b, groups, d)
+        value = value.reshape(s, b, groups, d).contiguous()  # a copy: frees the qkv output
+        if thd:
+            query, key, value = query.squeeze(1), key.squeeze(1), value.squeeze(1)
+
+        attn_args = dict(attn_mask_type=self.attn_mask_type, attention_bias=kwargs.get("attention_bias"),
+                         packed_seq_params=packed)
+        if self.checkpoint_core_attention and self.training:
+            context = self._checkpointed_attention_forward(query, key, value, attention_mask, **attn_args)
+        else:
+            context = self.core_attention(query, key, value, attention_mask, **attn_args)
+        if thd:
+            context = context.reshape(context.shape[0], 1, -1)
+        return self.linear_proj(context)
