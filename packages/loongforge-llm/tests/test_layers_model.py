@@ -141,3 +141,26 @@ def test_packed_thd_matches_unpacked_sequences(megatron_world):
     got, want = _grads(ours), _grads(ref)
     for name in want:
         torch.testing.assert_close(got[name], want[name], **TOL, msg=lambda m, n=name: f"{n}: {m}")
+
+
+def test_kernels_force_reference_config_key_builds_reference_ops(megatron_world, monkeypatch):
+    pytest.importorskip("loongforge.kernels")
+    import os
+
+    import loongforge.core.accelerators as accelerators
+    from megatron.core.transformer import TransformerConfig
+
+    from loongforge.core.kernels import REFERENCE_OPS
+    from loongforge.llm.recipe import LLMTask, load_llm_config
+
+    monkeypatch.setenv("LOONGFORGE_KERNELS", "auto")  # restored after the test
+    cpu = accelerators.get_accelerator()
+    monkeypatch.setattr(accelerators, "get_accelerator", lambda *a, **k: _TritonCapableCpu(cpu))
+    task = LLMTask(load_llm_config("train_debug", ["kernels.force_reference=true"]))
+    config = TransformerConfig(**task.transformer_config_kwargs(), params_dtype=torch.float32, use_cpu_initialization=True)
+    model = task.build_model(megatron_world, config, True, True)
+    assert os.environ["LOONGFORGE_KERNELS"] == "reference"
+    layer = model.decoder.layers[0]
+    assert layer.mlp._swiglu is REFERENCE_OPS["swiglu"]
+    assert layer.input_layernorm._rms_norm is REFERENCE_OPS["rms_norm"]
+    assert model._linear_cross_entropy is REFERENCE_OPS["linear_cross_entropy"]

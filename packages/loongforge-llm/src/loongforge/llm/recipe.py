@@ -38,6 +38,13 @@ class DataConfig:
 
 
 @dataclass
+class KernelsConfig:
+    # true: the torch reference of every fused op, even where the Triton kernels would run
+    # (the same switch as LOONGFORGE_KERNELS=reference)
+    force_reference: bool = False
+
+
+@dataclass
 class LLMConfig:
     model: GPTConfig = field(default_factory=GPTConfig)
     data: DataConfig = field(default_factory=DataConfig)
@@ -48,6 +55,7 @@ class LLMConfig:
     recipe: str = "pretrain"  # pretrain | sft
     sft: SFTDataConfig = field(default_factory=SFTDataConfig)
     balance: BalanceConfig = field(default_factory=BalanceConfig)  # used by recipe=sft
+    kernels: KernelsConfig = field(default_factory=KernelsConfig)
 
     def __post_init__(self):
         if self.recipe not in ("pretrain", "sft"):
@@ -117,6 +125,10 @@ class LLMTask:
         return self.cfg.model.transformer_config_kwargs()
 
     def build_model(self, ctx, transformer_config, pre_process, post_process):
+        if self.cfg.kernels.force_reference:
+            from loongforge.core.kernels import force_reference_kernels
+
+            force_reference_kernels()  # before the modules resolve their ops
         return self.spec.build(self.cfg.model, ctx, transformer_config, pre_process, post_process)
 
     def flops_per_token(self, seq_length: int) -> float:

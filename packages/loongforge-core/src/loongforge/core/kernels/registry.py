@@ -3,8 +3,9 @@
 A kernel wheel registers a provider under the ``loongforge.kernels`` entry-point group: a
 zero-argument callable returning ``{op_name: KernelImpl}``. ``get_kernel(name)`` returns the
 provider's implementation when one is installed and ``supports(accelerator)`` holds, else the
-reference. ``LOONGFORGE_KERNELS=reference`` (or ``force_reference=True``, from the
-``kernels.force_reference`` config key) always picks the reference.
+reference. ``LOONGFORGE_KERNELS=reference`` always picks the reference: it is the one switch, which the
+``kernels.force_reference`` config key sets through :func:`force_reference_kernels` (and
+``get_kernel(name, force_reference=True)`` applies to one lookup).
 """
 
 from __future__ import annotations
@@ -42,6 +43,13 @@ def installed_kernels() -> dict[str, KernelImpl]:
                 raise ValueError(f"op {op!r} is registered twice ({found[op].provider} and {ep.value})")
             found[op] = KernelImpl(fn=impl.fn, supports=impl.supports, provider=ep.value)
     return found
+
+
+def force_reference_kernels() -> None:
+    """From now on every ``get_kernel`` of this process (and of processes it starts) returns the
+    torch reference: sets ``LOONGFORGE_KERNELS=reference``. Modules resolve their ops when they
+    are built, so call it before building the model."""
+    os.environ[ENV_VAR] = "reference"
 
 
 def get_kernel(name: str, accelerator=None, force_reference: bool | None = None) -> Callable:
