@@ -18,18 +18,92 @@ import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
+from loongforge.kernels import dsa_indexer as dsi  # noqa: E402
+from loongforge.kernels import fp8_gemm as fg  # noqa: E402
 from loongforge.kernels import linear_cross_entropy as lce  # noqa: E402
 from loongforge.kernels import rms_norm as rn  # noqa: E402
 from loongforge.kernels import rope as rp  # noqa: E402
+from loongforge.kernels import sparse_mla as sm  # noqa: E402
 from loongforge.kernels import swiglu as sw  # noqa: E402
 
 TARGET = GPUTarget("cuda", 90, 32)
+MAX_SHARED = 232448  # bytes of shared memory one block may use on sm_90 (227 KiB)
 
 
-def build(fn, types: dict[str, str], constexprs: dict, num_warps: int = 4) -> None:
+def build(
+    fn, types: dict[str, str], constexprs: dict, num_warps: int = 4, num_stages: int = 3, aligned: tuple = ()
+) -> None:
+    """Compile ``fn`` as Triton's JIT would for 16-byte-aligned pointers and strides (and the ints in
+    ``aligned``) that are multiples of 16: the usual case, and the one whose loads are pipelined."""
     signature = {name: "constexpr" if name in constexprs else types[name] for name in fn.arg_names}
-    triton.compile(ASTSource(fn, signature, constexprs=constexprs), target=TARGET, options={"num_warps": num_warps})
-    print(f"compiled {fn.__name__} {types.get('X', types.get('GU', types.get('LOGITS', types.get('DY'))))} {constexprs}")
+    hinted = {
+        (i,): [["tt.divisibility", 16]]
+        for i, name in enumerate(fn.arg_names)
+        if name not in constexprs and (types[name].startswith("*") or name.startswith("stride") or name in aligned)
+    }
+    kernel = triton.compile(
+        ASTSource(fn, signature, constexprs=constexprs, attrs=hinted), target=TARGET,
+        options={"num_warps": num_warps, "num_stages": num_stages},
+    )
+    shared = kernel.metadata.shared
+    if shared > MAX_SHARED:
+        sys.exit(f"{fn.__name__} {constexprs}: needs {shared} bytes of shared memory, sm_90 has {MAX_SHARED}")
+    dtype = next((types[k] for k in ("X", "GU", "LOGITS", "DY", "Q", "A", "W") if k in types), "")
+    print(f"compiled {fn.__name__} {dtype} {constexprs} shared={shared}")
+
+
+def build_dsa(dtype: str) -> None:
+    """The sparse MLA and indexer kernels at DeepSeek-V3.2's sizes (latent 512, rope 64, indexer dim 128)."""
+    i32, p = "i32", f"*{dtype}"
+    for block_h in (16, 32) if dtype == "bf16" else (16,):
+        common = dict(D_V=512, D_ROPE=64, BLOCK_H=block_h, BLOCK_DV=512, BLOCK_DR=64)
+        build(
+            sm._sparse_mla_fwd,
+            dict(Q=p, KV=p, IDX="*i32", O=p, LSE="*fp32", n_heads=i32, topk=i32, scale_log2="fp32",
+                 stride_qb=i32, stride_qs=i32, stride_qh=i32, stride_kvb=i32, stride_kvs=i32, stride_ib=i32,
+                 stride_is=i32, stride_ob=i32, stride_os=i32, stride_oh=i32, stride_lb=i32, stride_ls=i32),
+            dict(common, BLOCK_N=sm.BLOCK_N_FWD), num_warps=8, num_stages=2, aligned=("topk",),
+        )
+        build(
+            sm._sparse_mla_bwd,
+            dict(Q=p, KV=p, IDX="*i32", DO=p, LSE="*fp32", DELTA="*fp32", DQ=p, DKV="*fp32", n_heads=i32, topk=i32,
+                 scale="fp32", scale_log2="fp32", stride_qb=i32, stride_qs=i32, stride_qh=i32, stride_kvb=i32,
+                 stride_kvs=i32, stride_ib=i32, stride_is=i32, stride_dob=i32, stride_dos=i32, stride_doh=i32,
+                 stride_lb=i32, stride_ls=i32, stride_dqb=i32, stride_dqs=i32, stride_dqh=i32, stride_dkvb=i32,
+                 stride_dkvs=i32),
+            dict(common, BLOCK_N=sm.BLOCK_N_BWD), num_warps=8, num_stages=1, aligned=("topk",),
+        )
+    build(
+        dsi._indexer_scores,
+        dict(Q=p, K=p, W="*fp32", OUT="*fp32", t0=i32, n_rows=i32, n_cols=i32, offset=i32, n_heads=i32,
+             stride_qb=i32, stride_qs=i32, stride_qh=i32, stride_kb=i32, stride_ks=i32, stride_wb=i32, stride_ws=i32,
+             stride_ob=i32, stride_os=i32),
+        dict(DIM=128, BLOCK_D=128, BLOCK_M=dsi.BLOCK_M, BLOCK_N=dsi.BLOCK_N), aligned=("n_rows", "n_cols"),
+    )
+
+
+def build_fp8() -> None:
+    """The FP8 quantisers (bf16 and fp32 inputs) and the blockwise-scaled GEMM (both B scalings)."""
+    i32, f8 = "i32", "*fp8e4nv"
+    limits = dict(AMAX_FLOOR=fg.AMAX_FLOOR, FP8_MAX=fg.FP8_MAX)
+    for dtype in ("bf16", "fp32"):
+        rows = dict(n_rows=i32, n_cols=i32)
+        build(fg._quant_rows, dict(X=f"*{dtype}", Q=f8, S="*fp32", stride_x=i32, stride_q=i32, stride_s=i32, **rows),
+              dict(limits, BLOCK_R=fg.QUANT_ROWS, BLOCK_C=fg.BLOCK))
+        build(fg._quant_cols_transposed,
+              dict(X=f"*{dtype}", QT=f8, ST="*fp32", stride_x=i32, stride_qt=i32, stride_st=i32, **rows),
+              dict(limits, BLOCK_R=fg.BLOCK, BLOCK_C=64))
+        build(fg._quant_blocks, dict(W=f"*{dtype}", Q=f8, S="*fp32", stride_w=i32, stride_q=i32, stride_s=i32, **rows),
+              dict(limits, BLOCK=fg.BLOCK), num_warps=8)
+    for b_blocked, out in ((True, "bf16"), (False, "fp32")):
+        build(
+            fg._fp8_gemm,
+            dict(A=f8, B=f8, SA="*fp32", SB="*fp32", C=f"*{out}", M=i32, N=i32, K=i32, stride_am=i32, stride_bn=i32,
+                 stride_cm=i32, stride_sa=i32, stride_sb=i32),
+            dict(B_BLOCKED=b_blocked, BLOCK_M=fg.GEMM_BLOCK_M, BLOCK_N=fg.GEMM_BLOCK_N, BLOCK_K=fg.BLOCK,
+                 GROUP_M=fg.GEMM_GROUP_M),
+            num_warps=8, num_stages=3, aligned=("M", "N", "K"),
+        )
 
 
 def main() -> None:
@@ -81,6 +155,8 @@ def main() -> None:
                  stride_dloss=i32, ignore_index=i32),
             dict(BLOCK=lce.BLOCK_VOCAB), num_warps=8,
         )
+        build_dsa(dtype)
+    build_fp8()
 
 
 if __name__ == "__main__":

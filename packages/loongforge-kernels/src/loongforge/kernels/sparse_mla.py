@@ -27,8 +27,9 @@ from loongforge.kernels.launch import check_tensors
 LOG2E = math.log2(math.e)
 
 
-def _block_sizes(n_heads: int, d_v: int, d_rope: int) -> tuple[int, int, int]:
-    block_h = 16 if n_heads <= 16 else 32  # tl.dot needs at least 16 rows
+def _block_sizes(n_heads: int, d_v: int, d_rope: int, elem_bytes: int) -> tuple[int, int, int]:
+    # tl.dot needs at least 16 rows; 32 heads of fp32 (tests only) would overflow shared memory
+    block_h = 16 if n_heads <= 16 or elem_bytes > 2 else 32
     return block_h, triton.next_power_of_2(d_v), max(16, triton.next_power_of_2(max(d_rope, 1)))
 
 
@@ -173,7 +174,7 @@ class _SparseMLA(torch.autograd.Function):
         q, kv, indices = _last_dim_contiguous(q), _last_dim_contiguous(kv), _last_dim_contiguous(indices)
         b, s, h, d = q.shape
         d_rope = d - d_v
-        block_h, block_dv, block_dr = _block_sizes(h, d_v, d_rope)
+        block_h, block_dv, block_dr = _block_sizes(h, d_v, d_rope, q.element_size())
         out = torch.empty((b, s, h, d_v), dtype=q.dtype, device=q.device)
         lse = torch.empty((b, s, h), dtype=torch.float32, device=q.device)
         if out.numel():
@@ -199,7 +200,7 @@ class _SparseMLA(torch.autograd.Function):
         delta = (out.float() * dout.float()).sum(-1)  # [B, S, H], rowwise sum(p * dp)
         dq = torch.empty_like(q)
         dkv = torch.zeros(kv.shape, dtype=torch.float32, device=kv.device)
-        block_h, block_dv, block_dr = _block_sizes(h, d_v, d - d_v)
+        block_h, block_dv, block_dr = _block_sizes(h, d_v, d - d_v, q.element_size())
         if out.numel():
             _sparse_mla_bwd[(s, triton.cdiv(h, block_h), b)](
                 q, kv, indices, dout, lse, delta, dq, dkv,

@@ -1,0 +1,185 @@
+"""Blockwise FP8: reference quantisation error bounds, the Triton GEMM and the FP8 linear's autograd.
+
+On CPU the Triton kernels run in the interpreter, whose fp32 -> e4m3 cast is wrong where rounding
+carries into the next binade (124.2 becomes 64, not 128); so here the fused quantisers are
+replaced by the reference ones, and the quantisers themselves are compared bitwise on a GPU
+(test_fp8_gpu.py). The GEMM kernel takes e4m3 inputs made by torch and is checked as it is.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from loongforge.core.kernels import fp8 as ref
+from loongforge.kernels import fp8_gemm, fp8_linear
+
+E4M3_EPS = 2.0**-3  # spacing of e4m3 significands: relative rounding error <= EPS / 2 for normal values
+E4M3_MIN_NORMAL = 2.0**-6
+E4M3_SUBNORMAL_STEP = 2.0**-9
+
+
+def _error_bound(x: torch.Tensor, scale_full: torch.Tensor) -> torch.Tensor:
+    """Largest round-to-nearest error of ``x`` on the e4m3 grid scaled by ``scale_full`` (elementwise)."""
+    v = x.abs() / scale_full
+    normal = v >= E4M3_MIN_NORMAL
+    return torch.where(normal, v * E4M3_EPS / 2, torch.full_like(v, E4M3_SUBNORMAL_STEP / 2)) * scale_full * (1 + 1e-6)
+
+
+def test_1x128_round_trip_error_bound_and_scales():
+    torch.manual_seed(0)
+    x = torch.randn(7, 300) * torch.logspace(-3, 3, 300)  # magnitudes over 6 decades, a partial last block
+    q, scale = ref.quantize_1x128(x)
+    assert q.dtype == torch.float8_e4m3fn and q.shape == x.shape and scale.shape == (7, 3)
+    blocks = torch.nn.functional.pad(x, (0, 84)).view(7, 3, 128)
+    torch.testing.assert_close(scale, blocks.abs().amax(-1) / 448.0, rtol=0, atol=0)
+    # each block's largest element lands exactly on e4m3's largest value
+    qb = torch.nn.functional.pad(q.float(), (0, 84)).view(7, 3, 128)
+    assert (qb.abs().amax(-1) == 448.0).all()
+    back = ref.dequantize_1x128(q, scale)
+    full = scale.repeat_interleave(128, 1)[:, :300]
+    assert ((back - x).abs() <= _error_bound(x, full)).all()
+
+
+def test_128x128_round_trip_error_bound_and_scales():
+    torch.manual_seed(1)
+    w = torch.randn(200, 260)
+    w[150:, 200:] *= 1e4  # an outlier block: its scale must not touch the others
+    q, scale = ref.quantize_128x128(w)
+    assert q.shape == w.shape and scale.shape == (2, 3)
+    assert scale[1, 2] > 1000 * scale[0, 0]
+    back = ref.dequantize_128x128(q, scale)
+    full = scale.repeat_interleave(128, 0).repeat_interleave(128, 1)[:200, :260]
+    assert ((back - w).abs() <= _error_bound(w, full)).all()
+    rel = ((back - w).norm() / w.norm()).item()
+    assert rel < E4M3_EPS / 2
+
+
+def test_zero_blocks_stay_zero():
+    x = torch.zeros(3, 256)
+    x[1, 130] = 5.0
+    q, scale = ref.quantize_1x128(x)
+    back = ref.dequantize_1x128(q, scale)
+    torch.testing.assert_close(back, x, rtol=0, atol=0)
+    assert torch.isfinite(scale).all() and (scale > 0).all()
+
+
+def test_block_scaling_beats_tensor_scaling_with_an_outlier():
+    """One outlier flushes a per-tensor-scaled tensor to (near) zero; 1x128 blocks keep e4m3's precision elsewhere."""
+    torch.manual_seed(2)
+    x = torch.randn(4, 512) * 1e-2
+    x[0, 0] = 1e4
+    rest = (slice(None), slice(128, None))  # every block without the outlier
+
+    def rel(approx):
+        return ((approx - x)[rest].norm() / x[rest].norm()).item()
+
+    tensor_scale = x.abs().max() / 448.0
+    assert rel(ref.round_1x128(x)) < E4M3_EPS / 2
+    assert rel((x / tensor_scale).to(torch.float8_e4m3fn).float() * tensor_scale) > 0.5
+
+
+def _linear_leaves(m=96, n=136, k=200, dtype=torch.float32, w_dtype=torch.float32, seed=3):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(2, m // 2, k, generator=g).to(dtype).requires_grad_()
+    w = (torch.randn(n, k, generator=g) * k**-0.5).to(w_dtype).requires_grad_()
+    b = torch.randn(n, generator=g).to(dtype).requires_grad_()
+    return x, w, b
+
+
+def test_reference_fp8_linear_is_close_to_the_exact_linear():
+    x, w, b = _linear_leaves()
+    xe, we, be = (t.detach().clone().requires_grad_() for t in (x, w, b))
+    y = ref.fp8_linear(x, w, b)
+    ye = torch.nn.functional.linear(xe, we, be)
+    assert y.shape == (2, 48, 136) and y.dtype == x.dtype
+    dy = torch.randn_like(y)
+    y.backward(dy)
+    ye.backward(dy)
+    for got, want in ((y, ye), (x.grad, xe.grad), (w.grad, we.grad), (b.grad, be.grad)):
+        rel = ((got - want).norm() / want.norm()).item()
+        assert rel < 0.05, rel  # e4m3 keeps ~2 significant digits per element; errors average out
+    assert w.grad.dtype == torch.float32
+
+
+def test_reference_fp8_linear_grads_are_the_rounded_gemms():
+    """The reference's backward is exactly dx = Q(dy) Q(w), dw = Q(dy^T) Q(x^T)^T (fp32)."""
+    x, w, _ = _linear_leaves(m=64, n=128, k=256)
+    y = ref.fp8_linear(x, w)
+    dy = torch.randn_like(y)
+    y.backward(dy)
+    x2, dy2 = x.detach().reshape(-1, 256), dy.reshape(-1, 128)
+    torch.testing.assert_close(x.grad.reshape(-1, 256), ref.round_1x128(dy2) @ ref.round_128x128(w.detach()))
+    torch.testing.assert_close(w.grad, ref.round_1x128(dy2.t()) @ ref.round_1x128(x2.t()).t())
+
+
+@pytest.mark.parametrize("b_blocked", [True, False])
+def test_triton_gemm_matches_the_dequantised_product(b_blocked):
+    torch.manual_seed(4)
+    m, n, k = 40, 136, 300  # nothing a multiple of the 128 tile
+    a_q, a_s = ref.quantize_1x128(torch.randn(m, k))
+    b = torch.randn(n, k)
+    b_q, b_s = ref.quantize_128x128(b) if b_blocked else ref.quantize_1x128(b)
+    b_deq = ref.dequantize_128x128(b_q, b_s) if b_blocked else ref.dequantize_1x128(b_q, b_s)
+    got = fp8_gemm.triton_fp8_gemm(a_q, a_s, b_q, b_s, b_blocked, torch.float32)
+    torch.testing.assert_close(got, ref.dequantize_1x128(a_q, a_s) @ b_deq.t(), rtol=1e-5, atol=1e-4)
+
+
+def test_gemm_rejects_mismatched_scales():
+    a_q, a_s = ref.quantize_1x128(torch.randn(8, 256))
+    b_q, b_s = ref.quantize_128x128(torch.randn(16, 256))
+    with pytest.raises(ValueError, match="b scale"):
+        fp8_gemm.triton_fp8_gemm(a_q, a_s, b_q, b_s, False, torch.float32)
+
+
+@pytest.fixture
+def reference_quantisers(monkeypatch):
+    """The fused linear with the reference quantisers in place of the Triton ones (see module docstring)."""
+    monkeypatch.setattr(fp8_gemm, "quantize_1x128", ref.quantize_1x128)
+    monkeypatch.setattr(fp8_gemm, "quantize_128x128", ref.quantize_128x128)
+    monkeypatch.setattr(fp8_gemm, "quantize_1x128_transposed", lambda x: ref.quantize_1x128(x.t().contiguous()))
+
+
+@pytest.mark.parametrize("plan", [fp8_linear.ALL_FP8, fp8_linear.Plan(fprop=False, dgrad=True, wgrad=False)])
+def test_fused_linear_autograd_matches_the_reference(reference_quantisers, plan):
+    x, w, b = _linear_leaves(m=64, n=128, k=256)
+    xr, wr, br = (t.detach().clone().requires_grad_() for t in (x, w, b))
+    x2 = x.reshape(-1, 256)
+    y = fp8_linear._Fp8Linear.apply(x2, w, b, plan)
+    y_ref = ref.fp8_linear(xr, wr, br).reshape(-1, 128)
+    exact = torch.nn.functional.linear(xr.detach().reshape(-1, 256), wr.detach(), br.detach())
+    dy = torch.randn_like(y)
+    y.backward(dy)
+    y_ref.backward(dy)
+    # GEMMs in FP8 give the reference's numbers; GEMMs kept in bf16 (here fp32) give the exact ones
+    torch.testing.assert_close(y, y_ref if plan.fprop else exact, rtol=1e-5, atol=1e-4)
+    dx_exact = dy @ wr.detach()
+    torch.testing.assert_close(x.grad.reshape(-1, 256), xr.grad.reshape(-1, 256) if plan.dgrad else dx_exact, rtol=1e-5, atol=1e-4)
+    dw_exact = dy.t() @ xr.detach().reshape(-1, 256)
+    torch.testing.assert_close(w.grad, wr.grad if plan.wgrad else dw_exact, rtol=1e-5, atol=1e-4)
+    torch.testing.assert_close(b.grad, br.grad)
+
+
+def test_adaptive_table_formats_measured_rows():
+    fp8_linear.clear_adaptive_table()
+    fp8_linear._TABLE[(256, 512, 1024, torch.bfloat16, "cuda:0")] = (
+        fp8_linear.GemmChoice("fprop", 256, 512, 1024, 0.02, 0.03),
+        fp8_linear.GemmChoice("dgrad", 256, 1024, 512, 0.02, 0.01),
+        fp8_linear.GemmChoice("wgrad", 512, 1024, 256, 0.02, 0.04),
+    )
+    try:
+        table = fp8_linear.adaptive_table().splitlines()
+    finally:
+        fp8_linear.clear_adaptive_table()
+    assert table[0].split()[:4] == ["gemm", "M", "N", "K"]
+    assert [line.split()[-1] for line in table[1:]] == ["bf16", "fp8", "bf16"]
+    assert table[2].split()[1:4] == ["256", "1024", "512"]
+
+
+def test_fp8_linear_rejects_bad_inputs():
+    with pytest.raises(ValueError, match="weight"):
+        ref.fp8_linear(torch.randn(4, 8), torch.randn(8, 6))
+    with pytest.raises(ValueError, match="bias must be"):
+        ref.fp8_linear(torch.randn(4, 8), torch.randn(6, 8), torch.randn(5))
+    with pytest.raises(ValueError, match="bf16/fp16/fp32"):
+        ref.fp8_linear(torch.randn(4, 8).to(torch.float8_e4m3fn), torch.randn(6, 8))
