@@ -8,7 +8,7 @@ import time
 
 import pytest
 import torch
-from cli_runner import Job, run_cli
+from cli_runner import REPO, Job, run_cli
 
 from loongforge.core.checkpoint import Checkpoint, latest_checkpoint
 
@@ -117,3 +117,27 @@ def test_model_config_mismatch_names_file_and_key(uninterrupted, tmp_path, llm_d
     assert proc.returncode != 0
     assert str(step_dir / "manifest.json") in proc.stderr
     assert "model.ffn_hidden_size: checkpoint 128 vs config 256" in proc.stderr
+
+
+def test_reshard_tp2_checkpoint_to_tp1_and_pp2(uninterrupted, tmp_path):
+    """The TP=2 run's checkpoint gives the same logits loaded at TP=1 and at PP=2; what PP=2
+    saves again is the TP=2 checkpoint's state bitwise and loads back at TP=2 exactly."""
+    step_dir = latest_checkpoint(uninterrupted("tp2")[0])
+    proc = run_cli([str(REPO / "tests" / "reshard_logits.py"), str(step_dir), str(tmp_path), *COMMON], nproc=2)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+    got = {name: torch.load(tmp_path / f"logits-{name}.pt") for name in ("tp2", "tp1", "pp2", "back", "tp1-init")}
+    assert got["tp2"].shape == (2, 64, 4096)
+    assert (got["tp1-init"] - got["tp1"]).abs().max() > 1e-2  # the comparisons below are of trained weights
+    torch.testing.assert_close(got["tp1"], got["tp2"], rtol=0, atol=2e-6)
+    torch.testing.assert_close(got["pp2"], got["tp2"], rtol=0, atol=2e-6)
+    assert torch.equal(got["back"], got["tp2"])
+    resaved, original = Checkpoint(tmp_path / "from-pp2"), Checkpoint(step_dir)
+    for rank in range(2):  # loading in the saved layout restores each rank's random streams
+        rng, saved = torch.load(tmp_path / f"rng-tp2-rank{rank}.pt"), original.objects(rank)["rng"]
+        assert torch.equal(rng["torch"], saved["torch"])
+        assert rng["tracker"].keys() == saved["tracker"].keys()
+        assert all(torch.equal(rng["tracker"][k], saved["tracker"][k]) for k in saved["tracker"])
+    assert resaved.manifest["layout"]["pp"] == 2 and original.manifest["layout"]["tp"] == 2
+    assert set(resaved.reader.keys()) == set(original.reader.keys())
+    for key in original.reader.keys():
+        assert torch.equal(resaved.tensor(key), original.tensor(key)), key
