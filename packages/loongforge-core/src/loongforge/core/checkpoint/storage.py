@@ -18,6 +18,7 @@ from pathlib import Path
 
 LATEST = "latest"
 STEP_DIR = re.compile(r"^step_(\d{8,})$")
+LEFTOVER = re.compile(r"^\.(tmp|old)-(step_\d{8,})$")  # what a save that died leaves behind
 
 
 def step_dir_name(step: int) -> str:
@@ -60,12 +61,13 @@ def recover(root: Path) -> None:
     ``<name>`` is missing (died between the two renames of a re-save) is moved back, one whose
     ``<name>`` exists (died before removing it) is removed. One writer per root at a time."""
     for path in sorted(root.iterdir()):
-        if not path.is_dir():
+        m = LEFTOVER.match(path.name)
+        if m is None or not path.is_dir():
             continue
-        if path.name.startswith(".tmp-"):
+        if m.group(1) == "tmp":
             shutil.rmtree(path)
-        elif path.name.startswith(".old-"):
-            final = root / path.name[len(".old-"):]
+        else:
+            final = root / m.group(2)
             if final.exists():
                 shutil.rmtree(path)
             else:
