@@ -124,5 +124,10 @@ class DiffusionRecipe:
                 f"parallel.cp={self.parallel.cp} must divide model.num_attention_heads={self.model.num_attention_heads} "
                 "(Ulysses splits heads)"
             )
+        if self.model.compile and self.parallel.cp > 1:
+            raise ValueError(
+                f"model.compile=true with parallel.cp={self.parallel.cp}: compiled blocks run without context "
+                "parallelism (Ulysses all-to-alls stay eager); set model.compile=null or false"
+            )
         if self.train.expert != "all" and self.model.boundary_ratio is None:
             raise ValueError(f"train.expert={self.train.expert!r} needs two experts (set model.boundary_ratio)")

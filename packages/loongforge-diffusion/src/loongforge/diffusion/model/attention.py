@@ -5,16 +5,23 @@ Queries ``[Tq, H, D]`` and keys/values ``[Tk, H, D]`` hold several segments back
 Self-attention over a pack of videos passes the same segments twice; cross-attention passes each
 video's tokens against its own prompt. Every backend computes the same function:
 
-- ``split``: one ``scaled_dot_product_attention`` call per segment (no mask, so SDPA may pick
-  flash/efficient kernels; the loop is over the few samples of a pack);
+- ``split``: one ``scaled_dot_product_attention`` call per segment (no mask, so SDPA picks its
+  fastest kernel: cuDNN attention on Hopper/Blackwell, flash elsewhere; the loop is over the few
+  samples of a pack);
 - ``masked``: one SDPA call with a block-diagonal boolean mask (``O(Tq*Tk)`` memory);
 - ``flex``: ``torch.nn.attention.flex_attention`` with a block mask built from segment ids
   (compiled on CUDA; eager, i.e. materialising the scores, elsewhere);
 - ``varlen``: ``torch.nn.attention.varlen.varlen_attn`` (flash varlen; CUDA, fp16/bf16 only);
-- ``auto``: ``varlen`` on CUDA half precision, else ``split``.
+- ``auto``: on CUDA half precision, one SDPA call when queries and keys are single segments (a
+  pack of one video: the same kernel a plain diffusers step gets), else ``varlen``; ``split``
+  elsewhere.
 
 A ``Segments`` object caches what a backend derives from the bounds (cumulative lengths on the
-device, masks), so the layers of one forward build them once.
+device, masks), so the layers of one forward build them once. ``Segments(bounds, exact=False)``
+hands ``varlen`` the packed lengths as maximum segment lengths (valid upper bounds: the kernel
+only launches some idle tiles more). A compiled caller uses it, builds the device caches before
+entering compiled code and skips the bounds check there, so compiled code reads no bound and does
+not specialise on each pack's layout.
 """
 
 from __future__ import annotations
@@ -35,7 +42,12 @@ class Segments:
     """Segment boundaries ``[0, b1, ..., T]`` plus per-device caches derived from them."""
 
     bounds: list[int]
+    exact: bool = True  # False: varlen takes the packed length as the maximum segment length
     cache: dict = field(default_factory=dict, repr=False)
+    single: bool = field(init=False)
+
+    def __post_init__(self):
+        self.single = len(self.bounds) == 2
 
     @property
     def max_len(self) -> int:
@@ -75,14 +87,20 @@ def _heads_first(x: torch.Tensor) -> torch.Tensor:
     return x.transpose(0, 1).unsqueeze(0)  # [T, H, D] -> [1, H, T, D]
 
 
+def _sdpa(q, k, v) -> torch.Tensor:
+    """One segment: ``[T, H, D]`` viewed as ``[1, H, T, D]`` (the layout diffusers hands SDPA)."""
+    return F.scaled_dot_product_attention(_heads_first(q), _heads_first(k), _heads_first(v)).squeeze(0).transpose(0, 1)
+
+
 def _split(q, k, v, qs: Segments, ks: Segments):
+    if qs.single and ks.single:
+        return _sdpa(q, k, v)
     outs = []
     for s in range(len(qs.bounds) - 1):
         qa, qb, ka, kb = qs.bounds[s], qs.bounds[s + 1], ks.bounds[s], ks.bounds[s + 1]
         if qb == qa:
             continue
-        o = F.scaled_dot_product_attention(_heads_first(q[qa:qb]), _heads_first(k[ka:kb]), _heads_first(v[ka:kb]))
-        outs.append(o.squeeze(0).transpose(0, 1))
+        outs.append(_sdpa(q[qa:qb], k[ka:kb], v[ka:kb]))
     return torch.cat(outs, dim=0) if outs else q.new_empty(q.shape[0], q.shape[1], v.shape[2])
 
 
@@ -125,16 +143,18 @@ def _flex(q, k, v, qs: Segments, ks: Segments):
 def _varlen(q, k, v, qs: Segments, ks: Segments):
     from torch.nn.attention.varlen import varlen_attn
 
-    return varlen_attn(q.contiguous(), k.contiguous(), v.contiguous(), qs.cu(q.device), ks.cu(q.device),
-                       qs.max_len, ks.max_len)
+    max_q = qs.max_len if qs.exact else q.shape[0]
+    max_k = ks.max_len if ks.exact else k.shape[0]
+    return varlen_attn(q.contiguous(), k.contiguous(), v.contiguous(), qs.cu(q.device), ks.cu(q.device), max_q, max_k)
 
 
-def resolve_backend(backend: str, q: torch.Tensor) -> str:
+def resolve_backend(backend: str, q: torch.Tensor, single: bool = False) -> str:
+    """The implementation ``backend`` runs; ``single``: queries and keys are one segment each."""
     if backend not in BACKENDS:
         raise ValueError(f"attention backend {backend!r}: one of {', '.join(BACKENDS)}")
     half_cuda = q.is_cuda and q.dtype in (torch.float16, torch.bfloat16)
     if backend == "auto":
-        return "varlen" if half_cuda else "split"
+        return "varlen" if half_cuda and not single else "split"
     if backend == "varlen" and not half_cuda:
         raise ValueError(f"attention backend 'varlen' needs CUDA fp16/bf16 tensors, got {q.device} {q.dtype}")
     return backend
@@ -153,5 +173,6 @@ def packed_attention(
 ) -> torch.Tensor:
     """Segment-wise softmax attention (scale ``1/sqrt(D)``); returns ``[Tq, H, D]``."""
     qs, ks = as_segments(q_segments), as_segments(k_segments)
-    _check(qs, ks, q.shape[0], k.shape[0])
-    return _IMPLS[resolve_backend(backend, q)](q, k, v, qs, ks)
+    if not torch.compiler.is_compiling():  # compiled callers built the segments from the pack
+        _check(qs, ks, q.shape[0], k.shape[0])
+    return _IMPLS[resolve_backend(backend, q, qs.single and ks.single)](q, k, v, qs, ks)

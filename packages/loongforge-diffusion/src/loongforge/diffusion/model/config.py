@@ -25,6 +25,8 @@ DIFFUSERS_FIELDS = (
 )
 # diffusers fields of image-conditioned variants (Wan 2.1 I2V); they must be unset
 UNSUPPORTED_FIELDS = ("image_dim", "added_kv_proj_dim", "pos_embed_seq_len")
+# per-block activation checkpointing: nothing, the whole block, or all but the attention outputs
+CHECKPOINTING = ("none", "full", "selective")
 
 
 @dataclass
@@ -49,7 +51,9 @@ class WanConfig:
     boundary_ratio: float | None = None
     # how it runs
     attention_backend: str = "auto"
-    activation_checkpointing: bool = False
+    activation_checkpointing: str = "none"  # none | full | selective (keeps the attention outputs)
+    # regional torch.compile of the transformer blocks; null: on CUDA without context parallelism
+    compile: bool | None = None
     # a local diffusers directory (WanTransformer3DModel, or a pipeline with transformer/ and
     # transformer_2/ for two experts) to start from; None: random init
     pretrained: str | None = None
@@ -69,6 +73,16 @@ class WanConfig:
             raise ValueError(f"model.boundary_ratio={self.boundary_ratio}: must be in (0, 1) or null")
         if self.attention_backend not in BACKENDS:
             raise ValueError(f"model.attention_backend={self.attention_backend!r}: one of {', '.join(BACKENDS)}")
+        if self.activation_checkpointing not in CHECKPOINTING:
+            raise ValueError(
+                f"model.activation_checkpointing={self.activation_checkpointing!r}: one of {', '.join(CHECKPOINTING)}"
+            )
+
+    def compile_on(self, device_type: str, cp_size: int = 1) -> bool:
+        """Whether the blocks are compiled: ``model.compile``, or when null, on CUDA without CP."""
+        if self.compile is None:
+            return device_type == "cuda" and cp_size == 1
+        return self.compile
 
     @property
     def hidden_size(self) -> int:

@@ -8,11 +8,16 @@ variants), so ``load_state_dict`` of a diffusers checkpoint is the identity mapp
   and cross-attention respect per-sample boundaries, each sample has its own timestep, prompt and
   3D RoPE grid;
 - patch embedding is one GEMM over the packed patches (the Conv3d's kernel equals its stride);
+- query/key/value projections of self-attention are one GEMM (key/value of cross-attention
+  another), on the concatenated diffusers weights;
 - query/key RMSNorm and RoPE go through the core kernel registry (``rms_norm``, ``rope``), so
-  fused kernels run where installed;
+  fused kernels run where installed; a compiled block (``compile_blocks``) uses the torch
+  references instead, which inductor fuses with the surrounding modulation and casts;
 - with a ``ContextParallel`` group each rank computes its slice of the tokens, exchanging heads for
   sequence around self-attention (Ulysses);
-- per-block activation checkpointing.
+- per-block activation checkpointing: ``full`` recomputes the whole block in the backward,
+  ``selective`` keeps the attention outputs (one ``[tokens, dim]`` tensor per attention) and
+  recomputes the rest, which skips the costliest recompute for little memory.
 
 The embedding modules that have nothing to do with packing (time/text embedder, LayerNorms,
 GELU feed-forward) are diffusers' own modules, so their numerics are diffusers'.
@@ -21,6 +26,7 @@ GELU feed-forward) are diffusers' own modules, so their numerics are diffusers'.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cache
 
 import torch
 import torch.nn as nn
@@ -28,12 +34,12 @@ import torch.nn.functional as F
 from diffusers.models.attention import FeedForward
 from diffusers.models.normalization import FP32LayerNorm
 from diffusers.models.transformers.transformer_wan import WanTimeTextImageEmbedding
-from torch.utils.checkpoint import checkpoint
+from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 from loongforge.core.kernels import get_kernel
 from loongforge.diffusion.context_parallel import ContextParallel, heads_to_seq, seq_to_heads
 from loongforge.diffusion.model.attention import Segments, packed_attention
-from loongforge.diffusion.model.config import WanConfig
+from loongforge.diffusion.model.config import CHECKPOINTING, WanConfig
 from loongforge.diffusion.model.rope import rope_tables, to_rotate_half
 from loongforge.diffusion.packing import PackedBatch, pack, unpack_outputs
 
@@ -59,6 +65,34 @@ class TokenContext:
         return per_sample[:1] if self.single_sample else per_sample[self.sample_index]
 
 
+@cache
+def attention_ops() -> frozenset:
+    """The fused attention ops (every SDPA kernel, flash varlen) whose outputs selective
+    checkpointing keeps."""
+    import torch.nn.attention.varlen  # noqa: F401  (registers torch_attn::_varlen_attn)
+
+    names = ("_scaled_dot_product_cudnn_attention", "_scaled_dot_product_flash_attention",
+             "_scaled_dot_product_efficient_attention", "_scaled_dot_product_flash_attention_for_cpu")
+    ops = {getattr(torch.ops.aten, n).default for n in names if hasattr(torch.ops.aten, n)}
+    ops.add(torch.ops.torch_attn._varlen_attn.default)
+    return frozenset(ops)
+
+
+def _keep_attention(ctx, op, *args, **kwargs):
+    return CheckpointPolicy.MUST_SAVE if op in attention_ops() else CheckpointPolicy.PREFER_RECOMPUTE
+
+
+def _keep_attention_contexts():
+    return create_selective_checkpoint_contexts(_keep_attention)
+
+
+def _fused_linear(x: torch.Tensor, linears: tuple[nn.Linear, ...]) -> tuple[torch.Tensor, ...]:
+    """``tuple(l(x) for l in linears)`` as one GEMM on the concatenated weights."""
+    weight = torch.cat([lin.weight for lin in linears])
+    bias = torch.cat([lin.bias for lin in linears])
+    return F.linear(x, weight, bias).split([lin.out_features for lin in linears], dim=-1)
+
+
 def _local_cross_bounds(bounds: list[int], lo: int, hi: int) -> tuple[list[int], int, int]:
     """Clip global per-sample bounds to the local token range [lo, hi)."""
     first = max(i for i in range(len(bounds) - 1) if bounds[i] <= lo)
@@ -80,21 +114,31 @@ class WanAttention(nn.Module):
         self.to_out = nn.ModuleList([nn.Linear(dim, dim), nn.Dropout(0.0)])
         self.norm_q = nn.RMSNorm(dim, eps=eps)
         self.norm_k = nn.RMSNorm(dim, eps=eps)
+        self.use_kernels(reference=False)
+
+    def use_kernels(self, reference: bool) -> None:
+        """Resolve ``rms_norm``/``rope`` once: the registry's fused ones, or the torch references."""
+        self.rms_norm = get_kernel("rms_norm", force_reference=reference or None)
+        self.rope = get_kernel("rope", force_reference=reference or None)
 
     def _heads(self, x: torch.Tensor) -> torch.Tensor:
         return x.unflatten(-1, (self.heads, self.head_dim))
 
     def forward(self, x: torch.Tensor, tc: TokenContext, text: torch.Tensor | None = None) -> torch.Tensor:
-        rms_norm = get_kernel("rms_norm")
-        # cross-attention reads the prompts of the samples present in this rank's tokens
-        source = x if text is None else text[tc.first_sample : tc.last_sample + 1].flatten(0, 1)
-        q = self._heads(rms_norm(self.to_q(x), self.norm_q.weight, self.eps))
-        k = self._heads(rms_norm(self.to_k(source), self.norm_k.weight, self.eps))
-        v = self._heads(self.to_v(source))
         if text is None:
-            rope = get_kernel("rope")
-            q = rope(to_rotate_half(q), tc.rope_cos, tc.rope_sin)
-            k = rope(to_rotate_half(k), tc.rope_cos, tc.rope_sin)
+            q, k, v = _fused_linear(x, (self.to_q, self.to_k, self.to_v))
+        else:
+            # cross-attention reads the prompts of the samples present in this rank's tokens
+            if tc.cp is not None:
+                text = text[tc.first_sample : tc.last_sample + 1]
+            q = self.to_q(x)
+            k, v = _fused_linear(text.flatten(0, 1), (self.to_k, self.to_v))
+        q = self._heads(self.rms_norm(q, self.norm_q.weight, self.eps))
+        k = self._heads(self.rms_norm(k, self.norm_k.weight, self.eps))
+        v = self._heads(v)
+        if text is None:
+            q = self.rope(to_rotate_half(q), tc.rope_cos, tc.rope_sin)
+            k = self.rope(to_rotate_half(k), tc.rope_cos, tc.rope_sin)
             if tc.cp is not None:
                 q, k, v = (seq_to_heads(t, tc.cp) for t in (q, k, v))
             out = packed_attention(q, k, v, tc.self_segments, tc.self_segments, tc.backend)
@@ -118,8 +162,15 @@ class WanBlock(nn.Module):
         self.ffn = FeedForward(dim, inner_dim=cfg.ffn_dim, activation_fn="gelu-approximate")
         self.norm3 = FP32LayerNorm(dim, cfg.eps, elementwise_affine=False)
         self.scale_shift_table = nn.Parameter(torch.randn(1, 6, dim) / dim**0.5)
+        self.checkpointing = cfg.activation_checkpointing
 
     def forward(self, x: torch.Tensor, text: torch.Tensor, temb: torch.Tensor, tc: TokenContext) -> torch.Tensor:
+        if self.checkpointing == "none" or not torch.is_grad_enabled():
+            return self._forward(x, text, temb, tc)
+        extra = {"context_fn": _keep_attention_contexts} if self.checkpointing == "selective" else {}
+        return checkpoint(self._forward, x, text, temb, tc, use_reentrant=False, **extra)
+
+    def _forward(self, x: torch.Tensor, text: torch.Tensor, temb: torch.Tensor, tc: TokenContext) -> torch.Tensor:
         # temb: [B, 6, dim] per sample; modulation per token via the sample index
         mod = tc.per_token(self.scale_shift_table + temb.float())
         shift_msa, scale_msa, gate_msa, c_shift, c_scale, c_gate = mod.unbind(1)
@@ -147,7 +198,26 @@ class WanDiT(nn.Module):
         self.norm_out = FP32LayerNorm(dim, cfg.eps, elementwise_affine=False)
         self.proj_out = nn.Linear(dim, cfg.out_channels * cfg.patch_volume)
         self.scale_shift_table = nn.Parameter(torch.randn(1, 2, dim) / dim**0.5)
-        self.activation_checkpointing = cfg.activation_checkpointing
+        self.compiled = False
+
+    def set_activation_checkpointing(self, policy: str) -> None:
+        if policy not in CHECKPOINTING:
+            raise ValueError(f"activation checkpointing {policy!r}: one of {', '.join(CHECKPOINTING)}")
+        for block in self.blocks:
+            block.checkpointing = policy
+
+    def compile_blocks(self, dynamic: bool | None = None) -> None:
+        """Regional compilation: every block is compiled (one graph serves all layers, since they
+        share code and shapes), the embedders and head stay eager. Norms and RoPE switch to the
+        torch references so inductor fuses them with the modulation, casts and residuals; segment
+        lengths are handed to attention as upper bounds (``Segments(exact=False)``). ``dynamic``
+        as in ``torch.compile``: False for one fixed pack shape, None to let packs of changing
+        length recompile once into a length-generic graph."""
+        for block in self.blocks:
+            block.attn1.use_kernels(reference=True)
+            block.attn2.use_kernels(reference=True)
+            block.compile(dynamic=dynamic)
+        self.compiled = True
 
     def token_context(self, batch: PackedBatch, cp: ContextParallel | None, device) -> tuple[TokenContext, int, int]:
         n = batch.num_tokens
@@ -156,13 +226,19 @@ class WanDiT(nn.Module):
         L = batch.text.shape[1]
         positions = batch.positions[lo:hi].to(device)
         cos, sin = rope_tables(positions, self.config.attention_head_dim)
+        exact = not self.compiled
+        segments = (Segments(batch.self_attention_bounds, exact), Segments(cross_q, exact),
+                    Segments([i * L for i in range(last - first + 2)], exact))
+        if torch.device(device).type == "cuda":  # the varlen backend's lengths, built outside compiled code
+            for seg in segments:
+                seg.cu(device)
         tc = TokenContext(
             sample_index=batch.sample_index[lo:hi].to(device),
             rope_cos=cos,
             rope_sin=sin,
-            self_segments=Segments(batch.self_attention_bounds),
-            cross_q_segments=Segments(cross_q),
-            cross_k_segments=Segments([i * L for i in range(last - first + 2)]),
+            self_segments=segments[0],
+            cross_q_segments=segments[1],
+            cross_k_segments=segments[2],
             first_sample=first,
             last_sample=last,
             single_sample=batch.num_samples == 1,
@@ -181,10 +257,7 @@ class WanDiT(nn.Module):
         timestep_proj = timestep_proj.unflatten(1, (6, -1))
 
         for block in self.blocks:
-            if self.activation_checkpointing and torch.is_grad_enabled():
-                x = checkpoint(block, x, text, timestep_proj, tc, use_reentrant=False)
-            else:
-                x = block(x, text, timestep_proj, tc)
+            x = block(x, text, timestep_proj, tc)
 
         shift, scale = tc.per_token(self.scale_shift_table + temb.unsqueeze(1)).unbind(1)
         x = (self.norm_out(x.float()) * (1 + scale) + shift).type_as(x)
