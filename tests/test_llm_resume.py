@@ -13,6 +13,8 @@ from cli_runner import REPO, Job, run_cli
 
 from loongforge.core.checkpoint import Checkpoint, latest_checkpoint
 
+pytestmark = pytest.mark.slow  # every test here runs lf-llm in fresh processes
+
 STEPS, INTERVAL = 8, 2
 COMMON = [
     f"train.steps={STEPS}", "train.global_batch_size=8", "train.micro_batch_size=2", "train.seq_length=64",

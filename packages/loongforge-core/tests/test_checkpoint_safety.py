@@ -27,6 +27,7 @@ def assert_holds(ckpt: Checkpoint, want: dict[str, torch.Tensor]) -> None:
         assert torch.equal(ckpt.tensor(key), value), key
 
 
+@pytest.mark.slow
 def test_kill_during_save_keeps_previous_checkpoint(tmp_path):
     root, marker = tmp_path / "ckpt", tmp_path / "stalled"
     proc = subprocess.Popen([sys.executable, str(HERE / "stalled_save.py"), str(root), str(marker)],
