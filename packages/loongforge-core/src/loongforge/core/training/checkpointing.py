@@ -150,7 +150,7 @@ def _load(trainer, path, with_optimizer: bool) -> Checkpoint:
     move_tensors(state, trainer.ctx.device)
     _module(trainer.model).load_state_dict(state["model"], strict=True)
     if with_optimizer:
-        _load_optimizer(trainer.optimizer, state["optimizer"])
+        _load_optimizer(trainer.optimizer, state["optimizer"], ckpt.directory)
     return ckpt
 
 
@@ -163,7 +163,7 @@ def _sub_optimizer_states(optimizer, state_dict) -> list[tuple[object, dict]]:
     return list(zip(optimizers, (state_dict[k] for k in sorted(state_dict))))
 
 
-def _load_optimizer(optimizer, state_dict: dict) -> None:
+def _load_optimizer(optimizer, state_dict: dict, source: Path) -> None:
     """Load megatron optimizer state, the distributed optimizer's parameter state included.
 
     megatron's distributed optimizer, running on torch's Adam (no TransformerEngine/Apex), loads
@@ -179,7 +179,7 @@ def _load_optimizer(optimizer, state_dict: dict) -> None:
         if "param_state" in sd:
             kind = sd.pop("param_state_sharding_type")
             if kind != OPTIM_METADATA["distrib_optim_sharding_type"]:
-                raise CheckpointReadError(f"distributed optimizer state of sharding type {kind!r}; expected "
+                raise CheckpointReadError(f"{source}: distributed optimizer state of sharding type {kind!r}; expected "
                                           f"{OPTIM_METADATA['distrib_optim_sharding_type']!r}")
             param_states.append((opt, sd.pop("param_state")))
     optimizer.load_state_dict(state_dict)
