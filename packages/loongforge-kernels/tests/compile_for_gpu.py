@@ -55,8 +55,9 @@ def build(
 def build_dsa(dtype: str) -> None:
     """The sparse MLA and indexer kernels at DeepSeek-V3.2's sizes (latent 512, rope 64, indexer dim 128)."""
     i32, p = "i32", f"*{dtype}"
+    precision = "ieee" if dtype == "fp32" else "tf32"
     for block_h in (16, 32) if dtype == "bf16" else (16,):
-        common = dict(D_V=512, D_ROPE=64, BLOCK_H=block_h, BLOCK_DV=512, BLOCK_DR=64)
+        common = dict(D_V=512, D_ROPE=64, BLOCK_H=block_h, BLOCK_DV=512, BLOCK_DR=64, PRECISION=precision)
         build(
             sm._sparse_mla_fwd,
             dict(Q=p, KV=p, IDX="*i32", O=p, LSE="*fp32", n_heads=i32, topk=i32, scale_log2="fp32",
@@ -73,12 +74,31 @@ def build_dsa(dtype: str) -> None:
                  stride_dkvs=i32),
             dict(common, BLOCK_N=sm.BLOCK_N_BWD), num_warps=8, num_stages=1, aligned=("topk",),
         )
+        build(
+            sm._sparse_mla_head_mean_probs,
+            dict(Q=p, KV=p, IDX="*i32", P="*fp32", n_heads=i32, topk=i32, scale_log2="fp32", inv_heads="fp32",
+                 stride_qb=i32, stride_qs=i32, stride_qh=i32, stride_kvb=i32, stride_kvs=i32, stride_ib=i32,
+                 stride_is=i32, stride_pb=i32, stride_ps=i32),
+            dict(common, BLOCK_N=sm.BLOCK_N_FWD), num_warps=8, num_stages=2, aligned=("topk",),
+        )
+    gather = dict(Q=p, K=p, W="*fp32", IDX="*i32", n_heads=i32, topk=i32, stride_qb=i32, stride_qs=i32, stride_qh=i32,
+                  stride_kb=i32, stride_ks=i32, stride_wb=i32, stride_ws=i32, stride_ib=i32, stride_is=i32)
+    gather_blocks = dict(DIM=128, BLOCK_HI=64, BLOCK_D=128, BLOCK_N=dsi.GATHER_BLOCK_N, PRECISION=precision)
+    build(dsi._indexer_gather_scores, dict(gather, OUT="*fp32", stride_ob=i32, stride_os=i32), gather_blocks,
+          num_warps=dsi.GATHER_WARPS, aligned=("topk",))
+    build(
+        dsi._indexer_gather_bwd,
+        dict(gather, DS="*fp32", DQ=p, DK="*fp32", DW="*fp32", stride_dsb=i32, stride_dss=i32, stride_dkb=i32,
+             stride_dks=i32),
+        gather_blocks, num_warps=dsi.GATHER_WARPS, aligned=("topk",),
+    )
     build(
         dsi._indexer_scores,
         dict(Q=p, K=p, W="*fp32", OUT="*fp32", t0=i32, n_rows=i32, n_cols=i32, offset=i32, n_heads=i32,
              stride_qb=i32, stride_qs=i32, stride_qh=i32, stride_kb=i32, stride_ks=i32, stride_wb=i32, stride_ws=i32,
              stride_ob=i32, stride_os=i32),
-        dict(DIM=128, BLOCK_D=128, BLOCK_M=dsi.BLOCK_M, BLOCK_N=dsi.BLOCK_N), aligned=("n_rows", "n_cols"),
+        dict(DIM=128, BLOCK_D=128, BLOCK_M=dsi.BLOCK_M, BLOCK_N=dsi.BLOCK_N, PRECISION=precision),
+        aligned=("n_rows", "n_cols"),
     )
 
 

@@ -14,7 +14,7 @@ TIGHT = dict(rtol=1e-5, atol=1e-5)
 
 
 def _inputs(b=2, s=12, h=3, d_v=16, d_rope=8, hi=2, di=8, extra_kv=0, seed=0):
-    g = torch.Generator().manual_seed(seed)
+    g = torch.Generator(torch.get_default_device()).manual_seed(seed)
     n_kv = s + extra_kv
     q = torch.randn(b, s, h, d_v + d_rope, generator=g)
     kv = torch.randn(b, n_kv, d_v + d_rope, generator=g)
@@ -101,7 +101,7 @@ def test_sparse_attention_over_a_subset_masks_the_rest():
     """Selecting keys == dense attention with every unselected key masked out; empty rows give 0."""
     q, kv, *_ = _inputs(b=1, s=8, seed=5)
     d_v, scale = 16, 0.3
-    g = torch.Generator().manual_seed(1)
+    g = torch.Generator(torch.get_default_device()).manual_seed(1)
     idx = torch.stack([torch.randperm(8, generator=g)[:3] for _ in range(8)])[None].to(torch.int32)
     idx[0, 2, 1] = -1
     idx[0, 5] = -1  # a query with no key at all
@@ -165,7 +165,7 @@ def test_sparse_indexer_loss_over_every_key_equals_the_dense_loss():
 def test_sparse_indexer_loss_is_zero_when_the_indexer_matches_the_target():
     """KL(p || p) = 0: with the indexer's distribution equal to the attention's, the loss vanishes."""
     b, s, di = 1, 6, 8
-    g = torch.Generator().manual_seed(2)
+    g = torch.Generator(torch.get_default_device()).manual_seed(2)
     k = torch.randn(b, s, di, generator=g)
     q = torch.randn(b, s, 1, di, generator=g)
     idx = _all_causal_indices(b, s, s)

@@ -80,7 +80,7 @@ def test_block_scaling_beats_tensor_scaling_with_an_outlier():
 
 
 def _linear_leaves(m=96, n=136, k=200, dtype=torch.float32, w_dtype=torch.float32, seed=3):
-    g = torch.Generator().manual_seed(seed)
+    g = torch.Generator(torch.get_default_device()).manual_seed(seed)
     x = torch.randn(2, m // 2, k, generator=g).to(dtype).requires_grad_()
     w = (torch.randn(n, k, generator=g) * k**-0.5).to(w_dtype).requires_grad_()
     b = torch.randn(n, generator=g).to(dtype).requires_grad_()

@@ -10,14 +10,14 @@ import pytest
 import torch
 
 from loongforge.core.kernels import dsa
-from loongforge.kernels.dsa_indexer import dsa_indexer_topk, indexer_scores_chunk
-from loongforge.kernels.sparse_mla import sparse_mla_attention
+from loongforge.kernels.dsa_indexer import dsa_indexer_loss, dsa_indexer_topk, indexer_scores_chunk
+from loongforge.kernels.sparse_mla import head_mean_probs, sparse_mla_attention
 
 TIGHT = dict(rtol=1e-5, atol=1e-5)
 
 
 def _attention_inputs(b, s, h, d_v, d_rope, topk, extra_kv=0, dtype=torch.float32, seed=0):
-    g = torch.Generator().manual_seed(seed)
+    g = torch.Generator(torch.get_default_device()).manual_seed(seed)
     n_kv = s + extra_kv
     q = torch.randn(b, s, h, d_v + d_rope, generator=g).to(dtype)
     kv = torch.randn(b, n_kv, d_v + d_rope, generator=g).to(dtype)
@@ -57,7 +57,7 @@ def test_sparse_mla_forward_backward_fp32(b, s, h, d_v, d_rope, topk, extra_kv):
 
 def _indexer_inputs(b, s, hi, di, extra_kv=0, dtype=torch.float32, seed=0):
     """Indexer inputs without ties: head 0 scores every key above 0 (a ReLU of all heads at 0 ties)."""
-    g = torch.Generator().manual_seed(seed)
+    g = torch.Generator(torch.get_default_device()).manual_seed(seed)
     q = torch.randn(b, s, hi, di, generator=g)
     k = torch.randn(b, s + extra_kv, di, generator=g).abs()
     q[:, :, 0] = q[:, :, 0].abs() + 0.1
@@ -72,7 +72,7 @@ def test_indexer_scores_match_the_reference():
         got = indexer_scores_chunk(q, k, w, t0, t1, buf)
         width = t1 + 9
         want = dsa.indexer_scores(q[:, t0:t1], k[:, :width], w[:, t0:t1])
-        want = want.masked_fill(~dsa._causal_mask(t0, t1, width, 9, "cpu"), float("-inf"))
+        want = want.masked_fill(~dsa._causal_mask(t0, t1, width, 9, q.device), float("-inf"))
         assert got.shape == want.shape
         torch.testing.assert_close(got, want, **TIGHT)
 
@@ -104,6 +104,36 @@ def test_fused_dsa_with_k_equal_to_s_is_dense_causal_attention():
     torch.testing.assert_close(out, dense, **TIGHT)
     torch.testing.assert_close(dq, qd.grad, **TIGHT)
     torch.testing.assert_close(dkv, kvd.grad, **TIGHT)
+
+
+def test_head_mean_probs_are_the_attention_distribution():
+    q, kv, idx = _attention_inputs(2, 5, 20, 32, 16, 37, 3, seed=6)  # two head blocks, two key blocks
+    idx[1, 3] = -1
+    got = head_mean_probs(q, kv, idx, 0.3)
+    sel = dsa._gather_rows(kv, idx)
+    logits = torch.einsum("bthd,btkd->bthk", q, sel) * 0.3
+    valid = (idx >= 0)[:, :, None, :]
+    want = torch.softmax(logits.masked_fill(~valid, float("-inf")), -1).nan_to_num(0.0).mean(2)
+    torch.testing.assert_close(got, want, **TIGHT)
+    assert got[1, 3].abs().max() == 0
+
+
+def test_sparse_indexer_loss_matches_the_reference():
+    b, s, h, hi, di = 2, 11, 3, 5, 24
+    q_idx, k_idx, w_idx = _indexer_inputs(b, s, hi, di, extra_kv=2, seed=8)
+    q, kv, _ = _attention_inputs(b, s, h, 32, 16, 1, extra_kv=2, seed=8)
+    idx = dsa_indexer_topk(q_idx, k_idx, w_idx, 70)  # > one key block, -1 padded
+    idx[0, 4, :2] = -1
+    leaves = [t.clone().requires_grad_() for t in (q_idx, k_idx, w_idx)]
+    refs = [t.clone().requires_grad_() for t in (q_idx, k_idx, w_idx)]
+    loss = dsa_indexer_loss(*leaves, q, kv, 0.25, idx)
+    want = dsa.dsa_indexer_loss(*refs, q, kv, 0.25, indices=idx)
+    torch.testing.assert_close(loss, want, **TIGHT)
+    dl = torch.rand(b, s)
+    loss.backward(dl)
+    want.backward(dl)
+    for got, ref in zip(leaves, refs):
+        torch.testing.assert_close(got.grad, ref.grad, **TIGHT)
 
 
 def test_fused_ops_reject_mismatched_inputs():

@@ -51,6 +51,12 @@ def check_tensors(op: str, *tensors: torch.Tensor) -> torch.device:
     return device
 
 
+def dot_precision(dtype: torch.dtype) -> str:
+    """``tl.dot``'s ``input_precision``: full fp32 for fp32 operands (Triton's default rounds them to
+    tf32 on the GPU), the tensor cores' native precision otherwise."""
+    return "ieee" if dtype == torch.float32 else "tf32"
+
+
 def row_block(op: str, n: int) -> int:
     """Power-of-two block that holds a row of ``n`` elements."""
     block = triton.next_power_of_2(max(n, 1))

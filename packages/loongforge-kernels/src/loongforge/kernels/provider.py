@@ -67,6 +67,20 @@ def dsa_indexer_topk(q_idx: torch.Tensor, k_idx: torch.Tensor, w_idx: torch.Tens
     return fused(q_idx, k_idx, w_idx, topk)
 
 
+def dsa_indexer_loss(
+    q_idx: torch.Tensor,
+    k_idx: torch.Tensor,
+    w_idx: torch.Tensor,
+    q: torch.Tensor,
+    kv: torch.Tensor,
+    softmax_scale: float,
+    indices: torch.Tensor | None = None,
+) -> torch.Tensor:
+    from loongforge.kernels.dsa_indexer import dsa_indexer_loss as fused
+
+    return fused(q_idx, k_idx, w_idx, q, kv, softmax_scale, indices)
+
+
 def fp8_linear(
     x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, adaptive: bool = False
 ) -> torch.Tensor:
@@ -84,15 +98,14 @@ def supports_fp8(accelerator) -> bool:
     return True
 
 
-_OPS = (rms_norm, add_rms_norm, rope, swiglu, linear_cross_entropy, sparse_mla_attention, dsa_indexer_topk)
+_OPS = (
+    rms_norm, add_rms_norm, rope, swiglu, linear_cross_entropy, sparse_mla_attention, dsa_indexer_topk, dsa_indexer_loss,
+)
 _FP8_OPS = (fp8_linear,)
 
 
 def fused_kernels() -> dict[str, KernelImpl]:
-    """``{op_name: KernelImpl}`` for every op of this wheel (the entry-point provider).
-
-    ``dsa_indexer_loss`` has none: its torch reference (chunked matmuls) is what runs everywhere.
-    """
+    """``{op_name: KernelImpl}`` for every op of this wheel (the entry-point provider)."""
     ops = {fn.__name__: KernelImpl(fn=fn, supports=supports) for fn in _OPS}
     ops.update({fn.__name__: KernelImpl(fn=fn, supports=supports_fp8) for fn in _FP8_OPS})
     return ops

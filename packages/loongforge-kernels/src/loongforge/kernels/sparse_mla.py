@@ -22,7 +22,7 @@ import triton
 import triton.language as tl
 
 from loongforge.core.kernels.dsa import _check_attention
-from loongforge.kernels.launch import check_tensors
+from loongforge.kernels.launch import check_tensors, dot_precision
 
 LOG2E = math.log2(math.e)
 
@@ -44,6 +44,7 @@ def _sparse_mla_fwd(
     stride_lb, stride_ls,
     D_V: tl.constexpr, D_ROPE: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_DR: tl.constexpr,
+    PRECISION: tl.constexpr,
 ):
     t = tl.program_id(0).to(tl.int64)
     b = tl.program_id(2).to(tl.int64)
@@ -69,14 +70,15 @@ def _sparse_mla_fwd(
         k_rope = tl.load(
             kv_base + rows[:, None] * stride_kvs + D_V + dr[None, :], mask=valid[:, None] & (dr[None, :] < D_ROPE), other=0.0
         )
-        s = tl.dot(q_lat, tl.trans(k_lat)) + tl.dot(q_rope, tl.trans(k_rope))
+        s = tl.dot(q_lat, tl.trans(k_lat), input_precision=PRECISION)
+        s += tl.dot(q_rope, tl.trans(k_rope), input_precision=PRECISION)
         s = tl.where(valid[None, :], s * scale_log2, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # no valid key yet: keep everything at 0
         alpha = tl.exp2(m_i - m_safe)
         p = tl.exp2(s - m_safe[:, None])
         l_i = l_i * alpha + tl.sum(p, axis=1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(k_lat.dtype), k_lat)
+        acc = acc * alpha[:, None] + tl.dot(p.to(k_lat.dtype), k_lat, input_precision=PRECISION)
         m_i = m_new
     has_key = l_i > 0
     out = acc / tl.where(has_key, l_i, 1.0)[:, None]
@@ -100,6 +102,7 @@ def _sparse_mla_bwd(
     stride_dkvb, stride_dkvs,
     D_V: tl.constexpr, D_ROPE: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_DR: tl.constexpr,
+    PRECISION: tl.constexpr,
 ):
     t = tl.program_id(0).to(tl.int64)
     b = tl.program_id(2).to(tl.int64)
@@ -130,21 +133,83 @@ def _sparse_mla_bwd(
         kv_rope_mask = valid[:, None] & (dr[None, :] < D_ROPE)
         k_lat = tl.load(kv_base + rows[:, None] * stride_kvs + dv[None, :], mask=kv_lat_mask, other=0.0)
         k_rope = tl.load(kv_base + rows[:, None] * stride_kvs + D_V + dr[None, :], mask=kv_rope_mask, other=0.0)
-        s = tl.dot(q_lat, tl.trans(k_lat)) + tl.dot(q_rope, tl.trans(k_rope))
+        s = tl.dot(q_lat, tl.trans(k_lat), input_precision=PRECISION)
+        s += tl.dot(q_rope, tl.trans(k_rope), input_precision=PRECISION)
         p = tl.where(valid[None, :], tl.exp2(s * scale_log2 - lse[:, None]), 0.0)
-        dp = tl.dot(do, tl.trans(k_lat))  # the value is the latent part of the key row
+        dp = tl.dot(do, tl.trans(k_lat), input_precision=PRECISION)  # the value is the latent part of the key row
         ds = p * (dp - delta[:, None])  # grad of the (unscaled) logits, before the softmax scale
         ds_lo = ds.to(k_lat.dtype)
-        dq_lat += tl.dot(ds_lo, k_lat)
-        dq_rope += tl.dot(ds_lo, k_rope)
+        dq_lat += tl.dot(ds_lo, k_lat, input_precision=PRECISION)
+        dq_rope += tl.dot(ds_lo, k_rope, input_precision=PRECISION)
         ds_t = tl.trans(ds_lo)
-        dk_lat = tl.dot(ds_t, q_lat) * scale + tl.dot(tl.trans(p.to(do.dtype)), do)
-        dk_rope = tl.dot(ds_t, q_rope) * scale
+        dk_lat = tl.dot(ds_t, q_lat, input_precision=PRECISION) * scale
+        dk_lat += tl.dot(tl.trans(p.to(do.dtype)), do, input_precision=PRECISION)
+        dk_rope = tl.dot(ds_t, q_rope, input_precision=PRECISION) * scale
         tl.atomic_add(dkv_base + rows[:, None] * stride_dkvs + dv[None, :], dk_lat, mask=kv_lat_mask, sem="relaxed")
         tl.atomic_add(dkv_base + rows[:, None] * stride_dkvs + D_V + dr[None, :], dk_rope, mask=kv_rope_mask, sem="relaxed")
     dq_row = DQ + b * stride_dqb + t * stride_dqs + heads[:, None] * stride_dqh
     tl.store(dq_row + dv[None, :], (dq_lat * scale).to(DQ.dtype.element_ty), mask=lat_mask)
     tl.store(dq_row + D_V + dr[None, :], (dq_rope * scale).to(DQ.dtype.element_ty), mask=rope_mask)
+
+
+@triton.jit
+def _sparse_mla_head_mean_probs(
+    Q, KV, IDX, P,
+    n_heads, topk, scale_log2, inv_heads,
+    stride_qb, stride_qs, stride_qh,
+    stride_kvb, stride_kvs,
+    stride_ib, stride_is,
+    stride_pb, stride_ps,
+    D_V: tl.constexpr, D_ROPE: tl.constexpr,
+    BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_DR: tl.constexpr,
+    PRECISION: tl.constexpr,
+):
+    t = tl.program_id(0).to(tl.int64)
+    b = tl.program_id(1).to(tl.int64)
+    dv = tl.arange(0, BLOCK_DV)
+    dr = tl.arange(0, BLOCK_DR)
+    kv_base = KV + b * stride_kvb
+    idx_base = IDX + b * stride_ib + t * stride_is
+    p_base = P + b * stride_pb + t * stride_ps
+    for h0 in range(0, n_heads, BLOCK_H):  # one program owns its token's row of P: no atomics
+        heads = h0 + tl.arange(0, BLOCK_H)
+        head_ok = heads < n_heads
+        q_row = Q + b * stride_qb + t * stride_qs + heads[:, None] * stride_qh
+        q_lat = tl.load(q_row + dv[None, :], mask=head_ok[:, None] & (dv[None, :] < D_V), other=0.0)
+        q_rope = tl.load(q_row + D_V + dr[None, :], mask=head_ok[:, None] & (dr[None, :] < D_ROPE), other=0.0)
+        m_i = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
+        l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
+        for start in range(0, topk, BLOCK_N):  # pass 1: each head's log-sum-exp
+            n = start + tl.arange(0, BLOCK_N)
+            idx = tl.load(idx_base + n, mask=n < topk, other=-1)
+            valid = idx >= 0
+            rows = tl.where(valid, idx, 0).to(tl.int64)
+            k_lat = tl.load(kv_base + rows[:, None] * stride_kvs + dv[None, :], mask=valid[:, None] & (dv[None, :] < D_V), other=0.0)
+            k_rope = tl.load(
+                kv_base + rows[:, None] * stride_kvs + D_V + dr[None, :], mask=valid[:, None] & (dr[None, :] < D_ROPE), other=0.0
+            )
+            s = tl.dot(q_lat, tl.trans(k_lat), input_precision=PRECISION)
+            s += tl.dot(q_rope, tl.trans(k_rope), input_precision=PRECISION)
+            s = tl.where(valid[None, :], s * scale_log2, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, axis=1))
+            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+            l_i = l_i * tl.exp2(m_i - m_safe) + tl.sum(tl.exp2(s - m_safe[:, None]), axis=1)
+            m_i = m_new
+        lse = tl.where(head_ok & (l_i > 0), m_i + tl.log2(tl.where(l_i > 0, l_i, 1.0)), float("inf"))
+        for start in range(0, topk, BLOCK_N):  # pass 2: probabilities, summed over this block's heads
+            n = start + tl.arange(0, BLOCK_N)
+            idx = tl.load(idx_base + n, mask=n < topk, other=-1)
+            valid = idx >= 0
+            rows = tl.where(valid, idx, 0).to(tl.int64)
+            k_lat = tl.load(kv_base + rows[:, None] * stride_kvs + dv[None, :], mask=valid[:, None] & (dv[None, :] < D_V), other=0.0)
+            k_rope = tl.load(
+                kv_base + rows[:, None] * stride_kvs + D_V + dr[None, :], mask=valid[:, None] & (dr[None, :] < D_ROPE), other=0.0
+            )
+            s = tl.dot(q_lat, tl.trans(k_lat), input_precision=PRECISION)
+            s += tl.dot(q_rope, tl.trans(k_rope), input_precision=PRECISION)
+            p = tl.where(valid[None, :], tl.exp2(s * scale_log2 - lse[:, None]), 0.0)
+            acc = tl.load(p_base + n, mask=n < topk, other=0.0)
+            tl.store(p_base + n, acc + tl.sum(p, axis=0) * inv_heads, mask=n < topk)
 
 
 BLOCK_N_FWD = 32
@@ -185,6 +250,7 @@ class _SparseMLA(torch.autograd.Function):
                 indices.stride(0), indices.stride(1), out.stride(0), out.stride(1), out.stride(2),
                 lse.stride(0), lse.stride(1),
                 D_V=d_v, D_ROPE=d_rope, BLOCK_H=block_h, BLOCK_N=BLOCK_N_FWD, BLOCK_DV=block_dv, BLOCK_DR=block_dr,
+                PRECISION=dot_precision(q.dtype),
                 num_warps=4 if block_dv <= 128 else 8, num_stages=2,
             )
         ctx.save_for_backward(q, kv, indices, out, lse)
@@ -209,11 +275,40 @@ class _SparseMLA(torch.autograd.Function):
                 indices.stride(0), indices.stride(1), dout.stride(0), dout.stride(1), dout.stride(2),
                 lse.stride(0), lse.stride(1), dq.stride(0), dq.stride(1), dq.stride(2), dkv.stride(0), dkv.stride(1),
                 D_V=d_v, D_ROPE=d - d_v, BLOCK_H=block_h, BLOCK_N=BLOCK_N_BWD, BLOCK_DV=block_dv, BLOCK_DR=block_dr,
+                PRECISION=dot_precision(q.dtype),
                 num_warps=4 if block_dv <= 128 else 8, num_stages=1,
             )
         else:
             dq.zero_()
         return dq, dkv.to(kv.dtype), None, None, None
+
+
+@torch.no_grad()
+def head_mean_probs(q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor, softmax_scale: float) -> torch.Tensor:
+    """The attention distribution over each query's selected keys, averaged over heads: fp32 ``[B, S, topk]``.
+
+    ``mean_h softmax_j(softmax_scale * q[b, t, h] . kv[b, idx_j])`` (0 at -1 entries): the target
+    of DSA's sparse-stage indexer loss. One program per token runs its head blocks one after the
+    other, two passes each (log-sum-exp, then probabilities).
+    """
+    _check(q, kv, indices, q.shape[-1])
+    q, kv, indices = _last_dim_contiguous(q), _last_dim_contiguous(kv), _last_dim_contiguous(indices)
+    b, s, h, d = q.shape
+    # no value here: split the key row at its largest power of two (MLA's 576 = 512 latent + 64 rope)
+    d_v = 1 << (d.bit_length() - 1)
+    block_h, block_dv, block_dr = _block_sizes(h, d_v, d - d_v, q.element_size())
+    probs = torch.zeros(indices.shape, dtype=torch.float32, device=q.device)
+    if probs.numel():
+        _sparse_mla_head_mean_probs[(s, b)](
+            q, kv, indices, probs,
+            h, indices.shape[-1], softmax_scale * LOG2E, 1.0 / h,
+            q.stride(0), q.stride(1), q.stride(2), kv.stride(0), kv.stride(1),
+            indices.stride(0), indices.stride(1), probs.stride(0), probs.stride(1),
+            D_V=d_v, D_ROPE=d - d_v, BLOCK_H=block_h, BLOCK_N=BLOCK_N_FWD, BLOCK_DV=block_dv, BLOCK_DR=block_dr,
+                PRECISION=dot_precision(q.dtype),
+            num_warps=4 if block_dv <= 128 else 8, num_stages=2,
+        )
+    return probs
 
 
 def sparse_mla_attention(

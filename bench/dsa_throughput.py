@@ -1,0 +1,180 @@
+"""DeepSeek-V3.2 sparse attention (DSA) vs dense MLA: training tokens/s and peak memory, 8K to 64K.
+
+Run on a CUDA machine:  uv run python bench/dsa_throughput.py [--seqs 8192,16384,32768,65536]
+
+A reduced DeepSeek-V3.2-shaped model: ``--layers`` pre-norm blocks of MLA attention with the
+V3.2 per-head sizes (latent 512, rope 64, nope 128, value 128, indexer 64 heads of 128,
+top-2048) and ``--heads`` query heads, bf16, one sequence per step. The MLP/MoE of a real
+layer is left out: it costs the same in every variant. Each step is a forward and backward of
+``mean(out^2)`` (plus the indexer loss for DSA). Variants, all in this process on the same
+weights:
+
+- ``dense``: causal MLA through ``torch.nn.functional.scaled_dot_product_attention`` (fused
+  flash/efficient/cuDNN kernels, memory linear in the sequence);
+- ``dense-unfused``: the same through SDPA's math backend, which materialises the
+  ``[heads, S, S]`` scores as unfused attention does (Megatron's local path);
+- ``dsa``: the sparse training stage: lightning-indexer top-k, sparse MLA attention over the
+  selected keys, and the indexer's KL loss over them (fused Triton kernels where installed).
+
+Out-of-memory is caught and reported per variant. Prints one markdown table and, for DSA,
+where its step time goes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import time
+
+import torch
+from torch import nn
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+from loongforge.core.kernels import get_kernel
+from loongforge.core.kernels.dsa_attention import DSAConfig, DSAttention
+
+VARIANTS = ("dense", "dense-unfused", "dsa")
+
+
+class Block(nn.Module):
+    def __init__(self, config: DSAConfig):
+        super().__init__()
+        self.norm = nn.Parameter(torch.ones(config.hidden_size))
+        self.attn = DSAttention(config)
+
+    def forward(self, x, mode):
+        out, loss = self.attn(get_kernel("rms_norm")(x, self.norm), mode=mode)
+        return x + out, loss
+
+
+class Model(nn.Module):
+    def __init__(self, config: DSAConfig, layers: int):
+        super().__init__()
+        self.blocks = nn.ModuleList(Block(config) for _ in range(layers))
+
+    def forward(self, x, mode):
+        aux = x.new_zeros((), dtype=torch.float32)
+        for block in self.blocks:
+            x, loss = block(x, mode)
+            if loss is not None:
+                aux = aux + loss
+        return x.float().square().mean() + aux
+
+
+# "dense" may use any fused SDPA kernel but never the math fallback (that is "dense-unfused")
+FUSED_SDPA = [SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION]
+
+
+def _step(model, x, mode):
+    model.zero_grad(set_to_none=True)
+    x.grad = None
+    if mode == "dsa":
+        loss = model(x, "sparse")
+    else:
+        with sdpa_kernel([SDPBackend.MATH] if mode == "dense-unfused" else FUSED_SDPA):
+            loss = model(x, "dense")
+    loss.backward()
+
+
+def _timed(fn, iters: int) -> float:
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(iters):
+        fn()
+    torch.cuda.synchronize()
+    return (time.perf_counter() - start) / iters
+
+
+def run_variant(model, config, seq, mode, iters, hidden) -> dict:
+    gc.collect()
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    try:
+        x = (torch.randn(1, seq, hidden, device="cuda") * 0.5).to(torch.bfloat16).requires_grad_()
+        _step(model, x, mode)  # warm-up (compiles the kernels on first use)
+        sec = _timed(lambda: _step(model, x, mode), iters)
+        peak = torch.cuda.max_memory_allocated() - base
+        return dict(sec=sec, tok_s=seq / sec, peak_gib=peak / 2**30)
+    except torch.OutOfMemoryError:
+        return dict(oom=True)
+    except RuntimeError as exc:  # e.g. no fused SDPA kernel for these head sizes
+        return dict(error=str(exc).splitlines()[0][:120])
+    finally:
+        x = None
+        model.zero_grad(set_to_none=True)
+
+
+def dsa_breakdown(config: DSAConfig, seq: int, iters: int) -> dict[str, float]:
+    """Milliseconds of DSA's three parts on one layer's inputs (forward + backward where trained)."""
+    c = config
+    dev, bf = "cuda", torch.bfloat16
+    q_idx = torch.randn(1, seq, c.index_n_heads, c.index_head_dim, device=dev, dtype=bf, requires_grad=True)
+    k_idx = torch.randn(1, seq, c.index_head_dim, device=dev, dtype=bf, requires_grad=True)
+    w_idx = torch.randn(1, seq, c.index_n_heads, device=dev, requires_grad=True)
+    d = c.kv_lora_rank + c.qk_rope_head_dim
+    q = torch.randn(1, seq, c.num_heads, d, device=dev, dtype=bf, requires_grad=True)
+    kv = torch.randn(1, seq, d, device=dev, dtype=bf, requires_grad=True)
+    topk, attn, loss_op = (get_kernel(n) for n in ("dsa_indexer_topk", "sparse_mla_attention", "dsa_indexer_loss"))
+    idx = topk(q_idx, k_idx, w_idx, c.index_topk)
+
+    def attention():
+        attn(q, kv, idx, c.softmax_scale, c.kv_lora_rank).sum().backward()
+
+    def indexer_loss():
+        loss_op(q_idx, k_idx, w_idx, q, kv, c.softmax_scale, idx).sum().backward()
+
+    parts = {}
+    for name, fn in (("indexer top-k", lambda: topk(q_idx, k_idx, w_idx, c.index_topk)),
+                     ("sparse attention fwd+bwd", attention), ("indexer loss fwd+bwd", indexer_loss)):
+        fn()
+        parts[name] = 1e3 * _timed(fn, iters)
+    return parts
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--seqs", default="8192,16384,32768,65536")
+    parser.add_argument("--layers", type=int, default=2)
+    parser.add_argument("--heads", type=int, default=16)
+    parser.add_argument("--hidden", type=int, default=2048)
+    parser.add_argument("--iters", type=int, default=2)
+    parser.add_argument("--variants", default=",".join(VARIANTS))
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        raise SystemExit("dsa_throughput: needs a CUDA device")
+    variants = args.variants.split(",")
+    for v in variants:
+        if v not in VARIANTS:
+            raise SystemExit(f"dsa_throughput: unknown variant {v!r}; known: {VARIANTS}")
+    config = DSAConfig(hidden_size=args.hidden, num_heads=args.heads, q_lora_rank=min(1536, args.hidden))
+    torch.manual_seed(0)
+    model = Model(config, args.layers).cuda().to(torch.bfloat16)
+    impls = {n: get_kernel(n).__module__ for n in ("sparse_mla_attention", "dsa_indexer_topk", "dsa_indexer_loss")}
+    print(f"# {torch.cuda.get_device_name()}, torch {torch.__version__}; {args.layers} layers, hidden {args.hidden}, "
+          f"{args.heads} heads, kv latent {config.kv_lora_rank}+{config.qk_rope_head_dim}, indexer "
+          f"{config.index_n_heads}x{config.index_head_dim}, top-{config.index_topk}; ops from {impls}", flush=True)
+    print("| seq | variant | step ms | tokens/s | peak GiB | tokens/s vs dense |")
+    print("|-----|---------|--------:|---------:|---------:|------------------:|", flush=True)
+    for seq in (int(s) for s in args.seqs.split(",")):
+        results = {}
+        for v in variants:
+            r = results[v] = run_variant(model, config, seq, v, args.iters, args.hidden)
+            if r.get("oom") or r.get("error"):
+                print(f"| {seq} | {v} | {'OOM' if r.get('oom') else 'error: ' + r['error']} | - | - | - |", flush=True)
+                continue
+            dense = results.get("dense", {})
+            ratio = f"{r['tok_s'] / dense['tok_s']:.2f}x" if "tok_s" in dense else "-"
+            print(f"| {seq} | {v} | {1e3 * r['sec']:.1f} | {r['tok_s']:,.0f} | {r['peak_gib']:.2f} | {ratio} |", flush=True)
+    if "dsa" in variants:  # where DSA's time goes, at the longest sequence
+        seq = max(int(s) for s in args.seqs.split(","))
+        try:
+            parts = dsa_breakdown(config, seq, args.iters)
+        except torch.OutOfMemoryError:
+            print(f"DSA parts at {seq}: OOM")
+        else:
+            print(f"DSA parts at {seq} (one layer, ms): " + ", ".join(f"{k} {v:.1f}" for k, v in parts.items()), flush=True)
+
+
+if __name__ == "__main__":
+    main()
