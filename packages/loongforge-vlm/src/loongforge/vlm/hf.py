@@ -152,6 +152,8 @@ def config_to_hf(cfg) -> dict:
     for key, (value, needed) in checks.items():
         if value != needed:
             raise MappingError(f"{key}={value!r}: {ARCHITECTURE} needs {needed!r}")
+    if not float(vis.tokens_per_second).is_integer():
+        raise MappingError(f"vision.tokens_per_second={vis.tokens_per_second}: {ARCHITECTURE} needs a whole number")
     text = _qwen2_adapter().config_to_hf(cfg.foundation)
     for key in ("architectures", "model_type", "transformers_version", "tie_word_embeddings"):
         text.pop(key, None)
@@ -161,7 +163,7 @@ def config_to_hf(cfg) -> dict:
                   intermediate_size=e.ffn_hidden_size, in_channels=e.in_channels, patch_size=e.patch_size,
                   temporal_patch_size=e.temporal_patch_size, spatial_merge_size=e.spatial_merge_size,
                   window_size=e.window_size, fullatt_block_indexes=list(e.full_attention_layers),
-                  out_hidden_size=cfg.foundation.hidden_size, tokens_per_second=vis.tokens_per_second,
+                  out_hidden_size=cfg.foundation.hidden_size, tokens_per_second=int(vis.tokens_per_second),
                   hidden_act="silu", initializer_range=e.init_method_std,
                   rope_parameters={"rope_type": "axial", "rope_theta": e.rope_theta})
     ids = {k: getattr(vis, k) for k in ("image_token_id", "video_token_id", "vision_start_token_id", "vision_end_token_id")

@@ -45,6 +45,15 @@ class VLMModelConfig:
     def mrope_section(self) -> list[int] | None:
         return self.vision.section_for(self.foundation.head_dim) if self.vision.rope == "mrope" else None
 
+    def parameter_counts(self) -> dict[str, int]:
+        """Parameters of the encoder, the projector and the foundation."""
+        e, f = self.encoder, self.foundation
+        merged = e.hidden_size * e.spatial_merge_size ** 2
+        ffn = self.projector.ffn_hidden_size or (merged if self.projector.kind == "patch_merge_mlp" else f.hidden_size)
+        norm = {"rmsnorm": 1, "layernorm": 2}[self.projector.norm] * e.hidden_size if self.projector.kind == "patch_merge_mlp" else 0
+        projector = norm + merged * ffn + ffn + ffn * f.hidden_size + f.hidden_size
+        return {"encoder": e.parameter_count(), "projector": projector, "foundation": sum(f.parameter_counts().values())}
+
     @property
     def tokens_per_patch_group(self) -> int:
         """Patches per LLM token."""
@@ -90,7 +99,10 @@ class VisionLanguageModel(MegatronModule):
 
     def __init__(self, cfg: VLMModelConfig, transformer_config, pgs, groups: VisionGroups, *,
                  encoder_recompute: str = "none", pre_process: bool = True, post_process: bool = True):
+        from megatron.core.enums import ModelType
+
         super().__init__(config=transformer_config)
+        self.model_type = ModelType.encoder_or_decoder  # read by megatron's schedules
         if cfg.vision.image_token_id is None or cfg.vision.video_token_id is None:
             raise ValueError("vision.image_token_id and vision.video_token_id must be set (the tokenizer's "
                              "image/video placeholder ids)")

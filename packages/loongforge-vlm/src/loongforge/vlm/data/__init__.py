@@ -1,0 +1,1 @@
+"""VLM data: conversation records with images/videos, media processing, the cached index, packing, the shipped demo set."""

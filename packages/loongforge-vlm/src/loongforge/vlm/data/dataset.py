@@ -1,0 +1,231 @@
+"""The VLM SFT dataset: a cached index of tokenized conversations, media read per sample.
+
+``build_index`` reads the JSONL records once, sizes every image/video from its header (the
+pixel budget fixes its grid, so its number of vision tokens), expands each ``<image>`` /
+``<video>`` tag into that many placeholder tokens, renders the conversation with the
+tokenizer's chat template and stores token ids, the assistant-token mask and the media plan in
+``CACHE_DIR/vlm-<hash>/``. The hash covers the data file, the tokenizer, the template, the media
+settings and the patch geometry, so a change of any rebuilds it.
+
+``VLMDataset[i]`` is one sample: next-token ``tokens``/``labels``, ``loss_mask`` (assistant
+tokens only), ``position_ids`` (``[3, L]`` multimodal RoPE, or ``[L]``), and its media as
+``pixel_values [patches, patch_dim]`` with ``grid_thw [items, 3]``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+import shutil
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import numpy as np
+
+from loongforge.llm.data.errors import DataError
+from loongforge.vlm.data import media as M
+from loongforge.vlm.data.records import IMAGE_TAG, VIDEO_TAG, Record, read_records
+from loongforge.vlm.data.tokenizer import VisionTokenIds, vision_text
+from loongforge.vlm.positions import VisionItem, mrope_positions
+
+INDEX_VERSION = 1
+_TAGS = re.compile(f"{re.escape(IMAGE_TAG)}|{re.escape(VIDEO_TAG)}")
+_CHUNK = 256
+
+
+@dataclass(frozen=True)
+class MediaPlan:
+    """How one image/video of a sample is read."""
+
+    kind: str  # image | video
+    path: str
+    grid: tuple[int, int, int]  # (t, h, w) in patches
+    frames: tuple[int, ...] = ()  # videos: the frame indices read
+    seconds_per_grid_t: float = 1.0
+
+    @property
+    def patches(self) -> int:
+        t, h, w = self.grid
+        return t * h * w
+
+
+def _plan(kind: str, path: Path, cfg: M.MediaConfig, geo: M.PatchGeometry, where: str) -> MediaPlan:
+    if kind == "image":
+        return MediaPlan("image", str(path), M.image_grid(path, cfg, geo))
+    sampling = M.video_sampling(M.probe_video(path), cfg, geo, f"{where}: {path}")
+    return MediaPlan("video", str(path), sampling.grid, sampling.indices, sampling.seconds_per_grid_t)
+
+
+def _expanded(record: Record, plans: list[MediaPlan], merge: int) -> list[dict]:
+    pending = iter(plans)
+
+    def expand(match):
+        plan = next(pending)
+        return vision_text(plan.kind, plan.patches // (merge * merge))
+
+    return [{**m, "content": _TAGS.sub(expand, m["content"])} for m in record.messages]
+
+
+def _builds_here() -> bool:
+    import torch.distributed as dist
+
+    return not dist.is_initialized() or int(os.environ.get("LOCAL_RANK", dist.get_rank())) == 0
+
+
+@dataclass(frozen=True)
+class VLMIndex:
+    directory: Path
+    tokens: np.ndarray
+    assistant: np.ndarray
+    offsets: np.ndarray
+    media: list[list[MediaPlan]]
+    where: list[str]
+
+    def __len__(self) -> int:
+        return len(self.offsets) - 1
+
+    @classmethod
+    def load(cls, directory: Path) -> VLMIndex:
+        plans = json.loads((directory / "media.json").read_text())
+        media = [[MediaPlan(p["kind"], p["path"], tuple(p["grid"]), tuple(p["frames"]), p["seconds_per_grid_t"])
+                  for p in sample] for sample in plans["media"]]
+        return cls(directory, np.load(directory / "tokens.npy", mmap_mode="r"),
+                   np.load(directory / "assistant.npy", mmap_mode="r"), np.load(directory / "offsets.npy"),
+                   media, plans["where"])
+
+
+def _index_key(path: Path, tokenizer_dir: Path, template: str | None, cfg: M.MediaConfig, geo: M.PatchGeometry,
+               media_root: Path | None) -> str:
+    digest = hashlib.sha256(f"vlm-index-v{INDEX_VERSION}".encode())
+    digest.update(hashlib.sha256(path.read_bytes()).digest())
+    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja"):
+        file = tokenizer_dir / name
+        digest.update(name.encode() + (hashlib.sha256(file.read_bytes()).digest() if file.is_file() else b"-"))
+    digest.update(json.dumps([template, asdict(cfg), asdict(geo), str(media_root)], sort_keys=True).encode())
+    return digest.hexdigest()[:16]
+
+
+def _write_index(directory: Path, path: Path, tokenizer, template: str | None, cfg: M.MediaConfig,
+                 geo: M.PatchGeometry, media_root: Path | None, name: str) -> None:
+    from loongforge.llm.data.chat import ChatRenderer
+
+    renderer = ChatRenderer(tokenizer, template, name=name)
+    ids_parts, mask_parts, media, wheres = [], [], [], []
+    pending, pending_where = [], []
+
+    def flush():
+        for ids, mask in renderer.render_many(pending, pending_where):
+            ids_parts.append(ids)
+            mask_parts.append(mask)
+        pending.clear()
+        pending_where.clear()
+
+    for record in read_records(path, media_root):
+        plans = [_plan(kind, p, cfg, geo, record.where) for kind, p in record.media]
+        pending.append(_expanded(record, plans, geo.merge))
+        pending_where.append(record.where)
+        media.append(plans)
+        wheres.append(record.where)
+        if len(pending) >= _CHUNK:
+            flush()
+    flush()
+    if not media:
+        raise DataError(f"{path}: no records")
+    tmp = directory.with_name(f"{directory.name}.tmp-{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    np.save(tmp / "tokens.npy", np.concatenate(ids_parts).astype(np.int32))
+    np.save(tmp / "assistant.npy", np.concatenate(mask_parts))
+    np.save(tmp / "offsets.npy", np.concatenate([[0], np.cumsum([len(x) for x in ids_parts])]).astype(np.int64))
+    (tmp / "media.json").write_text(json.dumps({"media": [[asdict(p) for p in s] for s in media], "where": wheres}))
+    (tmp / "meta.json").write_text(json.dumps({"version": INDEX_VERSION, "file": str(path), "samples": len(media)}) + "\n")
+    try:
+        tmp.rename(directory)
+    except OSError:  # another process got there first
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def build_index(path: str | Path, tokenizer, tokenizer_dir: Path, cache_dir: str | Path, cfg: M.MediaConfig,
+                geo: M.PatchGeometry, template: str | None = None, media_root: str | Path | None = None) -> VLMIndex:
+    """Index ``path`` into ``cache_dir`` unless an index of the same inputs is there. With
+    torch.distributed initialised every rank calls this; local rank 0 of each node builds."""
+    import torch.distributed as dist
+
+    path = Path(path).expanduser().resolve()
+    if not path.is_file():
+        raise DataError(f"data.path: file not found: {path}")
+    root = Path(media_root).expanduser().resolve() if media_root is not None else None
+    directory = Path(cache_dir) / f"vlm-{_index_key(path, Path(tokenizer_dir), template, cfg, geo, root)}"
+    error = None
+    if _builds_here() and not (directory / "meta.json").is_file():
+        try:
+            _write_index(directory, path, tokenizer, template, cfg, geo, root, str(tokenizer_dir))
+        except DataError as err:
+            error = err
+    if dist.is_initialized():  # also the barrier: nobody reads before the index is written
+        failed = [False] * dist.get_world_size()
+        dist.all_gather_object(failed, error is not None)
+        if any(failed) and error is None:
+            raise DataError(f"building the VLM index in {directory} failed on rank {failed.index(True)} (see its error)")
+    if error is not None:
+        raise error
+    return VLMIndex.load(directory)
+
+
+class VLMDataset:
+    """Samples of an index (``keep``: the positions used, default all)."""
+
+    def __init__(self, index: VLMIndex, ids: VisionTokenIds, cfg: M.MediaConfig, geo: M.PatchGeometry,
+                 rope: str = "mrope", tokens_per_second: float = 2.0, keep: np.ndarray | None = None):
+        self.index, self.ids, self.cfg, self.geo = index, ids, cfg, geo
+        self.rope, self.tokens_per_second = rope, tokens_per_second
+        self.keep = np.arange(len(index)) if keep is None else np.asarray(keep, dtype=np.int64)
+        all_lengths = np.diff(index.offsets) - 1
+        self.lengths = all_lengths[self.keep]  # input tokens (text + vision) of every sample
+        self.patches = np.asarray([sum(p.patches for p in index.media[i]) for i in self.keep], dtype=np.int64)
+
+    def __len__(self) -> int:
+        return len(self.keep)
+
+    def subset(self, keep: np.ndarray) -> VLMDataset:
+        return VLMDataset(self.index, self.ids, self.cfg, self.geo, self.rope, self.tokens_per_second, self.keep[keep])
+
+    def where(self, i: int) -> str:
+        return self.index.where[int(self.keep[i])]
+
+    def __getitem__(self, i: int) -> dict[str, np.ndarray]:
+        j = int(self.keep[i])
+        lo, hi = self.index.offsets[j], self.index.offsets[j + 1]
+        ids = np.asarray(self.index.tokens[lo:hi], dtype=np.int64)
+        assistant = np.asarray(self.index.assistant[lo:hi])
+        plans = self.index.media[j]
+        patches, grids = [], []
+        for plan in plans:
+            if plan.kind == "image":
+                x, grid = M.load_image(Path(plan.path), self.cfg, self.geo)
+            else:
+                sampling = M.VideoSampling(plan.frames, plan.grid, plan.seconds_per_grid_t)
+                x, grid = M.load_video(Path(plan.path), sampling, self.cfg, self.geo)
+            if grid != plan.grid:
+                raise DataError(f"{self.index.where[j]}: {plan.path} now has grid {grid}, the index says {plan.grid} "
+                                f"(the file changed; delete {self.index.directory})")
+            patches.append(x)
+            grids.append(grid)
+        tokens = ids[:-1]
+        if self.rope == "mrope":
+            items = [VisionItem(p.grid, p.kind == "video", p.seconds_per_grid_t) for p in plans]
+            positions = mrope_positions(tokens, items, (self.ids.image, self.ids.video), self.geo.merge,
+                                        self.tokens_per_second)
+        else:
+            positions = np.arange(len(tokens), dtype=np.int64)
+        patch_dim = 3 * self.geo.temporal_patch_size * self.geo.patch_size ** 2
+        return {
+            "tokens": tokens,
+            "labels": ids[1:],
+            "loss_mask": assistant[1:].astype(np.int64),
+            "position_ids": positions,
+            "pixel_values": np.concatenate(patches) if patches else np.zeros((0, patch_dim), dtype=np.float32),
+            "grid_thw": np.asarray(grids, dtype=np.int64).reshape(-1, 3),
+        }

@@ -1,0 +1,266 @@
+"""The VLM SFT recipe: config schema and the megatron task the shared trainer runs.
+
+A config composes ``encoder``, ``projector`` and ``foundation`` from their YAML groups; each
+part has its own parallel settings (``parallel.foundation``: tp/pp/recompute,
+``parallel.encoder``: tp/recompute for the vision tower). ``trainable`` names the parts that
+learn (pre-training the projector alone, projector + foundation, or everything).
+
+Each step takes ``train.global_batch_size`` conversations; the DP load balancer
+(``loongforge.core.training.balanced.BalancedSteps``) plans them across DP ranks and into
+packed micro-batches of at most ``balance.token_cap`` (default ``train.seq_length``). A
+sample's length for the balancer is vision-token aware: its tokens in the foundation (text and
+image/video tokens) plus the vision tower's work on its patches in foundation-token
+equivalents (``VLMTask.sample_costs``); micro-batches are capped in the same unit, so a
+micro-batch bounds the tower's work too, and ``tokens_per_s`` counts these units. The loss is
+summed over assistant tokens and normalised by their count over the whole global batch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from loongforge.core.config import to_dict
+from loongforge.core.training.schema import BalanceConfig, CheckpointConfig, LogConfig, TrainConfig
+from loongforge.llm.model_config import GPTConfig
+from loongforge.vlm.data.media import MediaConfig
+from loongforge.vlm.model import VLMModelConfig
+from loongforge.vlm.model_config import EncoderConfig, ProjectorConfig, VisionTokensConfig
+
+CONFIG_DIR = Path(__file__).resolve().parent / "configs"
+PARTS = ("encoder", "projector", "foundation")
+
+
+@dataclass
+class FoundationParallel:
+    tp: int = 1
+    pp: int = 1
+    recompute: str = "none"  # none | selective | full
+
+    def __post_init__(self):
+        for key in ("tp", "pp"):
+            if getattr(self, key) < 1:
+                raise ValueError(f"parallel.foundation.{key}={getattr(self, key)}: must be >= 1")
+        if self.pp != 1:
+            raise ValueError(f"parallel.foundation.pp={self.pp}: the VLM recipe runs the foundation without "
+                             f"pipeline parallelism (pp=1)")
+        if self.recompute not in ("none", "selective", "full"):
+            raise ValueError(f"parallel.foundation.recompute={self.recompute!r}: one of none, selective, full")
+
+
+@dataclass
+class EncoderParallel:
+    """The vision tower (encoder + projector). ``tp``: 1 or the foundation's tp. With tp=1 and
+    ``split_across_foundation_tp`` the ranks of one foundation TP group encode disjoint shares of
+    the micro-batch's images (data parallel across the foundation's TP group)."""
+
+    tp: int = 1
+    recompute: str = "none"
+    split_across_foundation_tp: bool = True
+
+    def __post_init__(self):
+        if self.tp < 1:
+            raise ValueError(f"parallel.encoder.tp={self.tp}: must be >= 1")
+        if self.recompute not in ("none", "selective", "full"):
+            raise ValueError(f"parallel.encoder.recompute={self.recompute!r}: one of none, selective, full")
+
+
+@dataclass
+class VLMParallelConfig:
+    foundation: FoundationParallel = field(default_factory=FoundationParallel)
+    encoder: EncoderParallel = field(default_factory=EncoderParallel)
+
+    def __post_init__(self):
+        if self.encoder.tp not in (1, self.foundation.tp):
+            raise ValueError(f"parallel.encoder.tp={self.encoder.tp}: must be 1 or parallel.foundation.tp="
+                             f"{self.foundation.tp}")
+
+
+@dataclass
+class VLMDataConfig:
+    path: str | None = None  # JSONL of conversations with images/videos; null: the shipped shapes set
+    media_root: str | None = None  # base of relative media paths (default: the JSONL's directory)
+    tokenizer: str | None = None  # local tokenizer dir; default: loongforge-llm's bundled one + vision tokens
+    chat_template: str | None = None  # a Jinja file to use instead of the tokenizer's template
+    cache_dir: str = "runs/cache/vlm-data"
+    too_long: str = "skip"  # a sample over balance.token_cap: skip | error
+    num_workers: int = 0
+    media: MediaConfig = field(default_factory=MediaConfig)
+
+    def __post_init__(self):
+        if self.too_long not in ("skip", "error"):
+            raise ValueError(f"data.too_long={self.too_long!r}: one of skip, error")
+        if self.num_workers < 0:
+            raise ValueError(f"data.num_workers={self.num_workers}: must be >= 0")
+
+
+@dataclass
+class VLMConfig:
+    encoder: EncoderConfig = field(default_factory=EncoderConfig)
+    projector: ProjectorConfig = field(default_factory=ProjectorConfig)
+    foundation: GPTConfig = field(default_factory=GPTConfig)
+    vision: VisionTokensConfig = field(default_factory=VisionTokensConfig)
+    parallel: VLMParallelConfig = field(default_factory=VLMParallelConfig)
+    trainable: list[str] = field(default_factory=lambda: list(PARTS))
+    data: VLMDataConfig = field(default_factory=VLMDataConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    balance: BalanceConfig = field(default_factory=BalanceConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    log: LogConfig = field(default_factory=LogConfig)
+
+    def __post_init__(self):
+        unknown = [p for p in self.trainable if p not in PARTS]
+        if unknown or not self.trainable or len(set(self.trainable)) != len(self.trainable):
+            raise ValueError(f"trainable={list(self.trainable)}: a non-empty list of distinct parts among {', '.join(PARTS)}")
+        if self.train.micro_batch_size != 1:
+            raise ValueError(f"train.micro_batch_size={self.train.micro_batch_size}: the VLM recipe packs micro-batches "
+                             f"by tokens (balance.token_cap); set train.micro_batch_size=1")
+        if self.train.recompute != "none":
+            raise ValueError(f"train.recompute={self.train.recompute!r}: set parallel.foundation.recompute and "
+                             f"parallel.encoder.recompute instead")
+        if self.encoder.in_channels != 3:
+            raise ValueError(f"encoder.in_channels={self.encoder.in_channels}: the data pipeline reads RGB (3)")
+        self.model()  # cross-part checks (mrope section vs the foundation's head dim)
+
+    def model(self) -> VLMModelConfig:
+        return VLMModelConfig(encoder=self.encoder, projector=self.projector, foundation=self.foundation,
+                              vision=self.vision)
+
+
+class VLMTask:
+    """SFT of a composed VLM on image/video conversations (assistant tokens only)."""
+
+    family = "vlm"
+    variable_micro_batches = True
+
+    def __init__(self, cfg: VLMConfig):
+        from loongforge.vlm.data.tokenizer import default_tokenizer_dir, load_vlm_tokenizer
+
+        self.cfg = cfg
+        self.tokenizer_dir = Path(cfg.data.tokenizer).expanduser() if cfg.data.tokenizer else default_tokenizer_dir()
+        self.tokenizer, self.vision_ids = load_vlm_tokenizer(self.tokenizer_dir)
+        if len(self.tokenizer) > cfg.foundation.vocab_size:
+            from loongforge.llm.data.errors import DataError
+
+            raise DataError(f"tokenizer {self.tokenizer_dir} has {len(self.tokenizer)} tokens (vision tokens "
+                            f"included), more than foundation.vocab_size={cfg.foundation.vocab_size}")
+        vision = cfg.vision
+        if vision.image_token_id is None:
+            vision.image_token_id = self.vision_ids.image
+        if vision.video_token_id is None:
+            vision.video_token_id = self.vision_ids.video
+        if vision.vision_start_token_id is None:
+            vision.vision_start_token_id = self.vision_ids.start
+        if vision.vision_end_token_id is None:
+            vision.vision_end_token_id = self.vision_ids.end
+        if (vision.image_token_id, vision.video_token_id) != (self.vision_ids.image, self.vision_ids.video):
+            raise ValueError(f"vision.image_token_id/video_token_id={vision.image_token_id}/{vision.video_token_id} "
+                             f"differ from the tokenizer's {self.vision_ids.image}/{self.vision_ids.video}")
+        self.model_cfg = cfg.model()
+        self._dataset = None
+
+    # -- model --------------------------------------------------------------------------------
+    def model_config_dict(self) -> dict:
+        return to_dict(self.model_cfg)
+
+    def transformer_config_kwargs(self) -> dict:
+        from loongforge.llm.families.gpt import transformer_config_kwargs
+        from loongforge.vlm.encoders.layers import recompute_kwargs
+
+        kwargs = transformer_config_kwargs(self.cfg.foundation)
+        if self.model_cfg.mrope_section is not None:
+            kwargs["mrope_section"] = self.model_cfg.mrope_section
+        kwargs.update(recompute_kwargs(self.cfg.parallel.foundation.recompute))
+        return kwargs
+
+    def build_model(self, ctx, transformer_config, pre_process, post_process):
+        from loongforge.vlm.family import build_vlm
+
+        enc = self.cfg.parallel.encoder
+        model = build_vlm(self.model_cfg, ctx, transformer_config, pre_process, post_process, encoder_tp=enc.tp,
+                          split_across_foundation_tp=enc.split_across_foundation_tp, encoder_recompute=enc.recompute)
+        parts = {"foundation": model.language_model}
+        if pre_process:
+            parts.update(encoder=model.encoder, projector=model.projector)
+        for name, part in parts.items():
+            part.requires_grad_(name in self.cfg.trainable)
+        return model
+
+    def flops_per_token(self, seq_length: int) -> float:
+        return self.cfg.foundation.flops_per_token(seq_length)
+
+    def tokenizer_ref(self) -> str:
+        return str(self.tokenizer_dir)
+
+    # -- data ---------------------------------------------------------------------------------
+    def geometry(self):
+        from loongforge.vlm.data.media import PatchGeometry
+
+        e = self.cfg.encoder
+        return PatchGeometry(e.patch_size, e.temporal_patch_size, e.spatial_merge_size)
+
+    def sample_costs(self, dataset) -> np.ndarray:
+        """Each sample's length in foundation-token equivalents: its tokens plus the vision
+        tower's FLOPs on its patches divided by the foundation's FLOPs per token."""
+        per_patch = self.cfg.encoder.flops_per_patch() / self.flops_per_token(self.cfg.train.seq_length)
+        return dataset.lengths + np.ceil(dataset.patches * per_patch).astype(np.int64)
+
+    def token_cap(self) -> int:
+        return self.cfg.balance.token_cap or self.cfg.train.seq_length
+
+    def dataset(self):
+        if self._dataset is None:
+            from loongforge.llm.data.errors import DataError
+            from loongforge.llm.data.sft import read_template
+            from loongforge.vlm.data.dataset import VLMDataset, build_index
+            from loongforge.vlm.data.shipped import shipped_dataset
+
+            data = self.cfg.data
+            path = data.path or shipped_dataset(data.cache_dir)
+            index = build_index(path, self.tokenizer, self.tokenizer_dir, data.cache_dir, data.media, self.geometry(),
+                                template=read_template(data.chat_template), media_root=data.media_root)
+            dataset = VLMDataset(index, self.vision_ids, data.media, self.geometry(), rope=self.cfg.vision.rope,
+                                 tokens_per_second=self.cfg.vision.tokens_per_second)
+            cost = self.sample_costs(dataset)
+            over = np.flatnonzero(cost > self.token_cap())
+            if over.size and data.too_long == "error":
+                i = int(over[0])
+                raise DataError(f"{dataset.where(i)}: {int(dataset.lengths[i])} tokens + vision work = {int(cost[i])} "
+                                f"exceeds balance.token_cap={self.token_cap()} ({over.size} sample(s) do; raise the cap "
+                                f"or set data.too_long=skip)")
+            if over.size:
+                dataset = dataset.subset(np.flatnonzero(cost <= self.token_cap()))
+                print(f"lf-vlm: skipped {over.size} sample(s) longer than balance.token_cap={self.token_cap()}", flush=True)
+            self._dataset = dataset
+        return self._dataset
+
+    def micro_batches(self, ctx, consumed_samples: int):
+        from loongforge.core.training.balanced import BalancedSteps
+        from loongforge.vlm.data.packing import pack
+
+        train = self.cfg.train
+        data = self.dataset()
+        return BalancedSteps(
+            data, self.sample_costs(data), pack, self.cfg.balance,
+            samples_per_step=train.global_batch_size, token_cap=self.token_cap(),
+            dp_rank=ctx.dp_rank, dp_size=ctx.dp_size, seed=train.seed,
+            flops_per_token=self.flops_per_token, consumed_samples=consumed_samples,
+            num_workers=self.cfg.data.num_workers, device=ctx.device,
+        )
+
+    # -- the step -----------------------------------------------------------------------------
+    def forward_step(self, data_iterator, model):
+        batch = next(data_iterator)
+        output = model(batch["tokens"], batch["position_ids"], batch["attention_mask"], labels=batch["labels"],
+                       pixel_values=batch["pixel_values"], grid_thw=batch["grid_thw"])
+        mask = batch["loss_mask"].float()
+
+        def loss_func(per_token_loss: torch.Tensor):
+            loss_sum = (per_token_loss.float() * mask).sum()
+            num_tokens = mask.sum().to(torch.int)
+            return loss_sum, num_tokens, {"lm loss": (loss_sum.detach(), num_tokens)}
+
+        return output, loss_func
