@@ -3,6 +3,7 @@
     lf-llm train [--config NAME_OR_PATH] [key=value ...]
     lf-llm preprocess --input F [F ...] --output-prefix P [--tokenizer DIR] [--json-key text]
     lf-llm info [--config NAME_OR_PATH] [key=value ...]
+    lf-llm convert hf-to-lf HF_DIR OUT [--dtype bf16|fp16|fp32] | lf-to-hf CHECKPOINT OUT
     lf-llm plot RUN_DIR
 """
 
@@ -92,6 +93,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_preprocess_arguments(pre)
     pre.set_defaults(fn=cmd_preprocess)
+    from loongforge.llm.convert import add_convert_command
+
+    add_convert_command(sub)
     add_plot_command(sub)
     return parser
 

@@ -40,6 +40,11 @@ def stored_key(key: str, reader: PieceReader) -> str:
     return key
 
 
+# Module "extra state" (megatron/TE linear layers: FP8 scaling metadata, None without FP8) is
+# optional: a checkpoint without it, such as one converted from Hugging Face, still loads.
+EXTRA_STATE = "._extra_state"
+
+
 def _region(sh) -> tuple[tuple[int, ...], tuple[int, ...]]:
     return tuple(sh.global_offset), (1,) * sh.prepend_axis_num + tuple(sh.local_shape)
 
@@ -92,6 +97,8 @@ def load_into(sharded_state_dict: dict, reader: PieceReader, objects: dict, comm
                 value = value.flatten()[sh.flattened_range]
             return value.to(dtype=sh.dtype) if sh.dtype is not None else value
         if isinstance(sh, ShardedObject):
+            if sh.unique_key not in objects and sh.key.endswith(EXTRA_STATE):
+                return None  # none recorded (e.g. converted from HF): the module starts without FP8 metadata
             if sh.unique_key not in objects:
                 raise CheckpointReadError(f"{reader.directory}: sharded object {sh.unique_key!r} is not in this checkpoint")
             return objects[sh.unique_key]

@@ -129,7 +129,7 @@ class Conversion:
         return self._checked(self.transform.to_hf(list(lf_tensors), self._ctx()), self.hf, "to HF")
 
 
-def _listing(names: Iterable[str], limit: int = 12) -> str:
+def summarize_names(names: Iterable[str], limit: int = 12) -> str:
     names = sorted(names)
     shown = ", ".join(names[:limit])
     return shown + (f" ... ({len(names) - limit} more)" if len(names) > limit else "")
@@ -228,7 +228,7 @@ class BoundMapping:
             for n in names:
                 (dup if n in seen else seen).add(n)
             if dup:
-                raise MappingError(f"the mapping names these {side} tensors more than once: {_listing(dup)}")
+                raise MappingError(f"the mapping names these {side} tensors more than once: {summarize_names(dup)}")
 
     def __len__(self) -> int:
         return len(self.conversions)
@@ -255,9 +255,9 @@ class BoundMapping:
         unexpected = [n for n in names if n not in expected_set and not ignore(n)]
         problems = []
         if missing:
-            problems.append(f"missing {len(missing)} tensor(s) the mapping needs: {_listing(missing)}")
+            problems.append(f"missing {len(missing)} tensor(s) the mapping needs: {summarize_names(missing)}")
         if unexpected:
-            problems.append(f"{len(unexpected)} tensor(s) the mapping does not know: {_listing(unexpected)}")
+            problems.append(f"{len(unexpected)} tensor(s) the mapping does not know: {summarize_names(unexpected)}")
         if problems:
             raise MappingError(f"{source}: {side} state dict does not match the mapping: " + "; ".join(problems))
 

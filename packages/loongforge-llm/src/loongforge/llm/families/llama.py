@@ -1,9 +1,10 @@
-"""The Llama family: RMSNorm, RoPE, SwiGLU, GQA on megatron-core."""
+"""The Llama family (Llama 2/3 without RoPE scaling): RMSNorm, RoPE, SwiGLU, GQA on megatron-core."""
 
 from __future__ import annotations
 
 from loongforge.core.models import ModelSpec
 from loongforge.llm.families.gpt import build_gpt, layer_spec, load_flavour
+from loongforge.llm.families.gpt_hf import gpt_hf_adapter
 from loongforge.llm.model_config import GPTConfig
 
 LLAMA_SPEC = ModelSpec(
@@ -13,6 +14,8 @@ LLAMA_SPEC = ModelSpec(
     flavours={"debug": "llama_debug", "0.5b": "llama_0_5b"},
     layer_spec=layer_spec,
     flops_per_token=GPTConfig.flops_per_token,
+    hf_adapter=gpt_hf_adapter("llama", "LlamaForCausalLM", "LlamaConfig",
+                              unsupported={"attention_bias": False, "mlp_bias": False}),
 )
 
 
