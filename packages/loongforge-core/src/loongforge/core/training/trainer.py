@@ -26,6 +26,20 @@ from loongforge.core.training.schema import CheckpointConfig, LogConfig, TrainCo
 from loongforge.core.training.task import MegatronTask, StepBatch
 
 
+def use_fused_adam(optimizer, device: torch.device) -> None:
+    """Without Transformer Engine or apex, megatron-core steps with ``torch.optim.AdamW`` in its
+    multi-tensor (``foreach``) form: about ten passes over the fp32 weights, grads and moments. On
+    CUDA, switch its param groups to torch's fused AdamW (the same update in one kernel) before
+    the first step creates any state."""
+    if device.type != "cuda":
+        return
+    for inner in getattr(optimizer, "chained_optimizers", [optimizer]):
+        adam = getattr(inner, "optimizer", None)
+        if isinstance(adam, torch.optim.Adam | torch.optim.AdamW) and not adam.state:
+            for group in adam.param_groups:
+                group["foreach"], group["fused"] = False, True
+
+
 def resolve_dtype(precision: str, ctx: ParallelContext) -> torch.dtype:
     if precision == "auto":
         return torch.bfloat16 if ctx.device.type != "cpu" else torch.float32
@@ -127,6 +141,7 @@ class MegatronTrainer:
             use_gloo_process_groups=False,
             pg_collection=ctx.pgs,
         )
+        use_fused_adam(self.optimizer, ctx.device)
         self.scheduler = OptimizerParamScheduler(
             self.optimizer,
             init_lr=0.0 if train.warmup_steps else train.lr,
