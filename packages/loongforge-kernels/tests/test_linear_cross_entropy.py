@@ -12,7 +12,7 @@ TIGHT = dict(rtol=1e-5, atol=1e-5)
 
 
 def _inputs(n, h, v, ignore_index, n_ignored, dtype=torch.float32, seed=0):
-    g = torch.Generator().manual_seed(seed)
+    g = torch.Generator(torch.get_default_device()).manual_seed(seed)
     hidden = torch.randn(n, h, generator=g).to(dtype)
     weight = (torch.randn(v, h, generator=g) / h**0.5).to(dtype)
     labels = torch.randint(0, v, (n,), generator=g)

@@ -11,6 +11,8 @@ sized so its logits take about as much memory as ``hidden``.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
@@ -94,6 +96,21 @@ def _check(hidden, weight, labels, ignore_index):
         )
 
 
+@functools.cache
+def _fp32_accumulating_mm(device_type: str) -> bool:
+    """Whether ``torch.addmm(..., out_dtype=float32)`` (half-precision inputs, fp32 result added in
+    place) runs here: CUDA builds of torch >= 2.8; elsewhere the product is added separately."""
+    if device_type != "cuda":
+        return False
+    try:
+        acc = torch.zeros(2, 2, device=device_type)
+        half = torch.ones(2, 2, device=device_type, dtype=torch.bfloat16)
+        torch.addmm(acc, half, half, out_dtype=torch.float32, out=acc)
+    except (RuntimeError, TypeError):
+        return False
+    return bool((acc == 2).all())
+
+
 def _chunks(n_tokens: int, chunk: int):
     for start in range(0, n_tokens, chunk):
         yield start, min(start + chunk, n_tokens)
@@ -143,6 +160,8 @@ class _LinearCrossEntropy(torch.autograd.Function):
             if need_weight:
                 if dweight.dtype == dlogits.dtype:
                     dweight.addmm_(dlogits.t(), hidden[start:end])
+                elif _fp32_accumulating_mm(dweight.device.type):  # the GEMM adds into the fp32 sum
+                    torch.addmm(dweight, dlogits.t(), hidden[start:end], out_dtype=torch.float32, out=dweight)
                 else:  # half-precision matmul per chunk, fp32 sum over chunks
                     dweight.add_(dlogits.t() @ hidden[start:end])
         return dhidden, dweight.to(weight.dtype) if need_weight else None, None, None
