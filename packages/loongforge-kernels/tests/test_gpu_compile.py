@@ -12,8 +12,9 @@ import pytest
 
 SCRIPT = Path(__file__).with_name("compile_for_gpu.py")
 # dtypes x (rms fwd, rms bwd, rope rotate, rope grad, swiglu, ce, indexer scores, indexer gather fwd/bwd) + sparse
-# MLA fwd/bwd/probs (bf16: two head blocks, fp32: one) + FP8 quantisers (x2 input dtypes) and GEMMs
-N_BUILDS = 2 * (2 + 3 + 4 + 1 + 2 + 2 + 3) + (6 + 3) + (2 * 3 + 2)
+# MLA fwd/probs (bf16: 16/32/64 heads a program, fp32: 16) and bwd (bf16: 16/32, fp32: 16) + FP8 quantisers (x2
+# input dtypes) and GEMMs
+N_BUILDS = 2 * (2 + 3 + 4 + 1 + 2 + 2 + 3) + (6 + 2) + (2 + 1) + (2 * 3 + 2)
 
 
 def _nvidia_backend_present() -> bool:

@@ -1,8 +1,8 @@
 """Blockwise FP8 building blocks for Hopper: quantisation kernels and the scaled GEMM (Triton).
 
 Numerics: ``loongforge.core.kernels.fp8`` (1x128 blocks for activations and grads, 128x128 for
-weights, fp32 ``amax / 448`` scales). The quantisers divide with IEEE rounding (``div_rn``), so
-on a GPU their e4m3 values and scales are bitwise those of the torch reference.
+weights, fp32 ``amax * (1/448)`` scales). The quantisers divide with IEEE rounding (``div_rn``),
+so on a GPU their e4m3 values and scales are bitwise those of the torch reference.
 
 Every GEMM here is ``C = A @ B.T`` with both operands K-major (the layout Hopper's FP8 tensor
 cores read), A scaled per 1x128 block and B either per 128x128 block (a weight) or per 1x128
@@ -29,7 +29,7 @@ import torch
 import triton
 import triton.language as tl
 
-from loongforge.core.kernels.fp8 import AMAX_FLOOR, BLOCK, FP8_DTYPE, FP8_MAX
+from loongforge.core.kernels.fp8 import AMAX_FLOOR, BLOCK, FP8_DTYPE, FP8_MAX, INV_FP8_MAX
 from loongforge.kernels.launch import check_tensors
 
 GEMM_ENV = "LOONGFORGE_FP8_GEMM"
@@ -40,7 +40,8 @@ QUANT_ROWS = 32  # rows per program of the 1x128 quantiser
 @triton.jit
 def _quant_rows(
     X, Q, S, n_rows, n_cols, stride_x, stride_q, stride_s,
-    AMAX_FLOOR: tl.constexpr, FP8_MAX: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
+    AMAX_FLOOR: tl.constexpr, FP8_MAX: tl.constexpr, INV_FP8_MAX: tl.constexpr,
+    BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
 ):
     rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     kb = tl.program_id(1)
@@ -48,7 +49,7 @@ def _quant_rows(
     mask = (rows[:, None] < n_rows) & (cols[None, :] < n_cols)
     rows64 = rows.to(tl.int64)
     x = tl.load(X + rows64[:, None] * stride_x + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-    scale = tl.math.div_rn(tl.maximum(tl.max(tl.abs(x), axis=1), AMAX_FLOOR), FP8_MAX)
+    scale = tl.maximum(tl.max(tl.abs(x), axis=1), AMAX_FLOOR) * INV_FP8_MAX
     q = tl.clamp(tl.math.div_rn(x, scale[:, None]), -FP8_MAX, FP8_MAX)
     tl.store(Q + rows64[:, None] * stride_q + cols[None, :], q.to(Q.dtype.element_ty), mask=mask)
     tl.store(S + rows64 * stride_s + kb, scale, mask=rows < n_rows)
@@ -57,7 +58,8 @@ def _quant_rows(
 @triton.jit
 def _quant_cols_transposed(
     X, QT, ST, n_rows, n_cols, stride_x, stride_qt, stride_st,
-    AMAX_FLOOR: tl.constexpr, FP8_MAX: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
+    AMAX_FLOOR: tl.constexpr, FP8_MAX: tl.constexpr, INV_FP8_MAX: tl.constexpr,
+    BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
 ):
     rb = tl.program_id(0)
     rows = rb * BLOCK_R + tl.arange(0, BLOCK_R)
@@ -65,7 +67,7 @@ def _quant_cols_transposed(
     mask = (rows[:, None] < n_rows) & (cols[None, :] < n_cols)
     cols64 = cols.to(tl.int64)
     x = tl.load(X + rows[:, None].to(tl.int64) * stride_x + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-    scale = tl.math.div_rn(tl.maximum(tl.max(tl.abs(x), axis=0), AMAX_FLOOR), FP8_MAX)
+    scale = tl.maximum(tl.max(tl.abs(x), axis=0), AMAX_FLOOR) * INV_FP8_MAX
     q = tl.clamp(tl.math.div_rn(x, scale[None, :]), -FP8_MAX, FP8_MAX)
     tl.store(QT + cols64[None, :] * stride_qt + rows[:, None], q.to(QT.dtype.element_ty), mask=mask)
     tl.store(ST + cols64 * stride_st + rb, scale, mask=cols < n_cols)
@@ -74,7 +76,7 @@ def _quant_cols_transposed(
 @triton.jit
 def _quant_blocks(
     W, Q, S, n_rows, n_cols, stride_w, stride_q, stride_s,
-    AMAX_FLOOR: tl.constexpr, FP8_MAX: tl.constexpr, BLOCK: tl.constexpr,
+    AMAX_FLOOR: tl.constexpr, FP8_MAX: tl.constexpr, INV_FP8_MAX: tl.constexpr, BLOCK: tl.constexpr,
 ):
     rb = tl.program_id(0)
     cb = tl.program_id(1)
@@ -83,7 +85,7 @@ def _quant_blocks(
     mask = (rows[:, None] < n_rows) & (cols[None, :] < n_cols)
     rows64 = rows.to(tl.int64)
     w = tl.load(W + rows64[:, None] * stride_w + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-    scale = tl.math.div_rn(tl.maximum(tl.max(tl.max(tl.abs(w), axis=1), axis=0), AMAX_FLOOR), FP8_MAX)
+    scale = tl.maximum(tl.max(tl.max(tl.abs(w), axis=1), axis=0), AMAX_FLOOR) * INV_FP8_MAX
     q = tl.clamp(tl.math.div_rn(w, scale), -FP8_MAX, FP8_MAX)
     tl.store(Q + rows64[:, None] * stride_q + cols[None, :], q.to(Q.dtype.element_ty), mask=mask)
     tl.store(S + rb * stride_s + cb, scale)
@@ -156,7 +158,8 @@ def quantize_1x128(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     if x.numel():
         _quant_rows[(triton.cdiv(rows, QUANT_ROWS), _blocks(cols))](
             x, q, scale, rows, cols, x.stride(0), q.stride(0), scale.stride(0),
-            AMAX_FLOOR=AMAX_FLOOR, FP8_MAX=FP8_MAX, BLOCK_R=QUANT_ROWS, BLOCK_C=BLOCK, num_warps=4,
+            AMAX_FLOOR=AMAX_FLOOR, FP8_MAX=FP8_MAX, INV_FP8_MAX=INV_FP8_MAX, BLOCK_R=QUANT_ROWS, BLOCK_C=BLOCK,
+            num_warps=4,
         )
     return q, scale
 
@@ -170,7 +173,8 @@ def quantize_1x128_transposed(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tens
     if x.numel():
         _quant_cols_transposed[(_blocks(rows), triton.cdiv(cols, 64))](
             x, q, scale, rows, cols, x.stride(0), q.stride(0), scale.stride(0),
-            AMAX_FLOOR=AMAX_FLOOR, FP8_MAX=FP8_MAX, BLOCK_R=BLOCK, BLOCK_C=64, num_warps=4,
+            AMAX_FLOOR=AMAX_FLOOR, FP8_MAX=FP8_MAX, INV_FP8_MAX=INV_FP8_MAX, BLOCK_R=BLOCK, BLOCK_C=64,
+            num_warps=4,
         )
     return q, scale
 
@@ -184,7 +188,7 @@ def quantize_128x128(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     if w.numel():
         _quant_blocks[(_blocks(rows), _blocks(cols))](
             w, q, scale, rows, cols, w.stride(0), q.stride(0), scale.stride(0),
-            AMAX_FLOOR=AMAX_FLOOR, FP8_MAX=FP8_MAX, BLOCK=BLOCK, num_warps=8,
+            AMAX_FLOOR=AMAX_FLOOR, FP8_MAX=FP8_MAX, INV_FP8_MAX=INV_FP8_MAX, BLOCK=BLOCK, num_warps=8,
         )
     return q, scale
 

@@ -27,9 +27,13 @@ from loongforge.kernels.launch import check_tensors, dot_precision
 LOG2E = math.log2(math.e)
 
 
-def _block_sizes(n_heads: int, d_v: int, d_rope: int, elem_bytes: int) -> tuple[int, int, int]:
-    # tl.dot needs at least 16 rows; 32 heads of fp32 (tests only) would overflow shared memory
-    block_h = 16 if n_heads <= 16 or elem_bytes > 2 else 32
+def _block_sizes(n_heads: int, d_v: int, d_rope: int, elem_bytes: int, backward: bool) -> tuple[int, int, int]:
+    """``(BLOCK_H, BLOCK_DV, BLOCK_DR)``. Heads per program: at least 16 (``tl.dot``'s smallest M), up
+    to 64 in the forward (a warpgroup MMA, no spills at latent 512) and 32 in the backward (whose
+    query-grad accumulator would spill beyond); 16 for fp32 (tests), whose tiles would not fit in
+    shared memory at DeepSeek's sizes."""
+    widest = 16 if elem_bytes > 2 else (32 if backward else 64)
+    block_h = min(widest, max(16, triton.next_power_of_2(n_heads)))
     return block_h, triton.next_power_of_2(d_v), max(16, triton.next_power_of_2(max(d_rope, 1)))
 
 
@@ -239,7 +243,7 @@ class _SparseMLA(torch.autograd.Function):
         q, kv, indices = _last_dim_contiguous(q), _last_dim_contiguous(kv), _last_dim_contiguous(indices)
         b, s, h, d = q.shape
         d_rope = d - d_v
-        block_h, block_dv, block_dr = _block_sizes(h, d_v, d_rope, q.element_size())
+        block_h, block_dv, block_dr = _block_sizes(h, d_v, d_rope, q.element_size(), backward=False)
         out = torch.empty((b, s, h, d_v), dtype=q.dtype, device=q.device)
         lse = torch.empty((b, s, h), dtype=torch.float32, device=q.device)
         if out.numel():
@@ -266,7 +270,7 @@ class _SparseMLA(torch.autograd.Function):
         delta = (out.float() * dout.float()).sum(-1)  # [B, S, H], rowwise sum(p * dp)
         dq = torch.empty_like(q)
         dkv = torch.zeros(kv.shape, dtype=torch.float32, device=kv.device)
-        block_h, block_dv, block_dr = _block_sizes(h, d_v, d - d_v, q.element_size())
+        block_h, block_dv, block_dr = _block_sizes(h, d_v, d - d_v, q.element_size(), backward=True)
         if out.numel():
             _sparse_mla_bwd[(s, triton.cdiv(h, block_h), b)](
                 q, kv, indices, dout, lse, delta, dq, dkv,
@@ -296,7 +300,7 @@ def head_mean_probs(q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor, so
     b, s, h, d = q.shape
     # no value here: split the key row at its largest power of two (MLA's 576 = 512 latent + 64 rope)
     d_v = 1 << (d.bit_length() - 1)
-    block_h, block_dv, block_dr = _block_sizes(h, d_v, d - d_v, q.element_size())
+    block_h, block_dv, block_dr = _block_sizes(h, d_v, d - d_v, q.element_size(), backward=False)
     probs = torch.zeros(indices.shape, dtype=torch.float32, device=q.device)
     if probs.numel():
         _sparse_mla_head_mean_probs[(s, b)](

@@ -3,7 +3,8 @@
 DeepSeek-V3's recipe: activations and gradients are scaled per ``1 x 128`` block along the GEMM's
 contraction dim, weights per ``128 x 128`` block, each block by ``amax / 448`` (448 is e4m3's
 largest finite value) with fp32 scales. Small blocks keep one outlier from flushing its whole
-row or tensor to zero, so no delayed-scaling history is needed. Master weights stay in bf16 or
+row or tensor to zero, so no delayed-scaling history is needed. (Scales are ``amax * (1/448)``
+in fp32; ``x / scale`` is an IEEE quotient.) Master weights stay in bf16 or
 fp32 and are quantised at every forward.
 
 The three GEMMs of ``y = x @ w.T + b`` run on quantised operands:
@@ -24,6 +25,9 @@ import torch.nn.functional as F
 
 FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = 448.0
+# scale = amax * (1 / 448): a product, which every device rounds alike (CUDA torch turns a division
+# by a Python scalar into this product anyway, so a quotient would differ between devices)
+INV_FP8_MAX = 1.0 / FP8_MAX
 BLOCK = 128
 # Blocks whose amax is below this get the scale this amax would give: all-zero blocks stay zero
 # and the scale never underflows.
@@ -45,7 +49,7 @@ def quantize_1x128(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     rows, cols = x.shape
     nb = _blocks(cols)
     xf = F.pad(x.float(), (0, nb * BLOCK - cols)).view(rows, nb, BLOCK)
-    scale = xf.abs().amax(-1).clamp_min(AMAX_FLOOR) / FP8_MAX
+    scale = xf.abs().amax(-1).clamp_min(AMAX_FLOOR) * INV_FP8_MAX
     q = (xf / scale[..., None]).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
     return q.view(rows, nb * BLOCK)[:, :cols].contiguous(), scale
 
@@ -56,7 +60,7 @@ def quantize_128x128(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     n, k = w.shape
     nbn, nbk = _blocks(n), _blocks(k)
     wf = F.pad(w.float(), (0, nbk * BLOCK - k, 0, nbn * BLOCK - n)).view(nbn, BLOCK, nbk, BLOCK)
-    scale = wf.abs().amax(dim=(1, 3)).clamp_min(AMAX_FLOOR) / FP8_MAX
+    scale = wf.abs().amax(dim=(1, 3)).clamp_min(AMAX_FLOOR) * INV_FP8_MAX
     q = (wf / scale[:, None, :, None]).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
     return q.view(nbn * BLOCK, nbk * BLOCK)[:n, :k].contiguous(), scale
 
