@@ -6,7 +6,8 @@ warmup + cosine LR (megatron's ``OptimizerParamScheduler``), grad clipping, per-
 normalisation (so any DP/micro-batch split of a global batch gives the same loss and gradients),
 a number of micro-batches that may vary per step and per DP rank (a task that plans its own, e.g.
 with the DP load balancer: megatron's ``forward_backward_func`` takes the count per call, and the
-per-token normalisation sums the token counts over DP, so the result stays exact), and logging of loss, grad norm, LR, tokens/s and MFU to the console (progress bar),
+per-token normalisation sums the token counts over DP, so the result stays exact), and logging
+of loss, grad norm, LR, tokens/s, MFU and the task's step metrics to the console (progress bar),
 ``RUN_DIR/metrics.jsonl`` and TensorBoard. Checkpoints use the core format (``checkpoint``).
 """
 
@@ -261,14 +262,14 @@ class MegatronTrainer:
         bar = progress(self.train.steps, "train", enabled=self.ctx.is_main and self.log_cfg.progress, initial=self.step)
         try:
             while self.step < self.train.steps:
-                step = next(self.data)
-                result = self.train_step(step)
+                batch = next(self.data)
+                result = self.train_step(batch)
                 results.append(result)
                 if hasattr(self.data, "record_compute_seconds"):
                     self.data.record_compute_seconds(result.compute_seconds)
-                if samples_log is not None and isinstance(step, StepBatch):
+                if samples_log is not None and isinstance(batch, StepBatch):
                     samples_log.write(json.dumps({"step": self.step, "dp_rank": self.ctx.dp_rank,
-                                                  "ids": [int(i) for i in step.sample_ids]}) + "\n")
+                                                  "ids": [int(i) for i in batch.sample_ids]}) + "\n")
                 metrics = self.metrics(result)
                 if self.step % self.log_cfg.interval == 0 or self.step == self.train.steps:
                     logger.log(self.step, metrics)
