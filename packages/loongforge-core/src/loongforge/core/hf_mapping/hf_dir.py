@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+from functools import cached_property
 from pathlib import Path
 
 import torch
@@ -55,9 +56,10 @@ class HFReader:
         except json.JSONDecodeError as exc:
             raise MappingError(f"{path}: not valid JSON ({exc})") from exc
         self._handles: dict[str, object] = {}
-        self.files = self._index()
 
-    def _index(self) -> dict[str, str]:
+    @cached_property
+    def files(self) -> dict[str, str]:
+        """Tensor name -> safetensors file (read on first use: a bad config fails first)."""
         index = self.directory / INDEX
         if index.is_file():
             try:
