@@ -255,3 +255,33 @@ def test_export_refuses_existing_output_and_foreign_tensors(tmp_path):
     with pytest.raises(MappingError, match=r"decoder\.layers\..*has leading shape \[2\], the model config implies \[3\]"):
         lf_to_hf(tmp_path / "lf", tmp_path / "out", progress=False)
     assert not (tmp_path / "out").exists()  # nothing published on failure
+
+
+def test_hf_dir_loads_straight_into_megatron(ctx, tmp_path):
+    """The online path: megatron's sharded state dict read from the HF directory itself."""
+    from loongforge.core.checkpoint import Checkpoint
+    from loongforge.core.checkpoint.sharded import load_into
+    from loongforge.core.hf_mapping.online import HFPieceReader
+    from loongforge.core.models import get_model_spec
+
+    hf = tiny_hf("qwen3", seed=3)
+    src = save_hf(hf, tmp_path / "hf")
+    adapter = get_model_spec("qwen3").hf_adapter
+    model_config = adapter.config_from_hf(json.loads((src / "config.json").read_text()))
+    reader = HFPieceReader(src, adapter.bind(model_config))
+    offline = Checkpoint(hf_to_lf(src, tmp_path / "lf", progress=False).path).reader
+    assert sorted(reader.keys()) == sorted(offline.keys())
+    for key, offset, shape in [("decoder.layers.self_attention.linear_qkv.weight", (1, 40, 3), (1, 50, 20)),
+                               ("decoder.layers.mlp.linear_fc1.weight", (0, 100, 0), (2, 60, 64)),
+                               ("embedding.word_embeddings.weight", (10, 0), (5, 64))]:
+        assert reader.global_shape(key) == offline.global_shape(key)
+        assert torch.equal(reader.read(key, offset, shape), offline.read(key, offset, shape)), key
+
+    trainer = our_trainer(ctx, model_config, tmp_path / "run")
+    module = trainer.model.module
+    module.load_state_dict(load_into(module.sharded_state_dict(), reader, {}, {}), strict=True)
+    tokens, pos = batch()
+    with torch.no_grad():
+        ours = trainer.model(tokens, pos, None)
+        ref = hf(input_ids=tokens, position_ids=pos).logits
+    torch.testing.assert_close(ours, ref, atol=1e-5, rtol=0)

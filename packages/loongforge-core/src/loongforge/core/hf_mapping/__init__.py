@@ -41,7 +41,9 @@ and converts tensor by tensor in either direction, bitwise round trip::
   (a VLM's vision tower and language model), each bound to its own config.
 - ``HFAdapter`` (``ModelSpec.hf_adapter``) adds the architectures a family reads and the
   ``config.json`` translation; ``convert`` streams whole checkpoints between an HF directory
-  and a LoongForge checkpoint.
+  and a LoongForge checkpoint; ``online.HFPieceReader`` serves an HF directory to
+  ``checkpoint.sharded.load_into`` as if it were a converted checkpoint (each rank reads its
+  TP/PP/EP shards of the HF weights directly).
 """
 
 from loongforge.core.hf_mapping.adapter import HFAdapter, family_for_architectures
