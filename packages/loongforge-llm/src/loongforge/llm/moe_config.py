@@ -165,7 +165,7 @@ class MLAMoEConfig(MoEConfig):
     family: str = "deepseek_v3"
     num_query_groups: int = 4  # == num_attention_heads: one key/value head per query head
     qk_layernorm: bool = True  # the RMSNorms on the compressed query and key/value latents
-    q_lora_rank: int | None = 32  # None: queries are projected without compression
+    q_lora_rank: int = 32  # rank of the compressed query (the local backend has no uncompressed MLA query)
     kv_lora_rank: int = 16
     qk_nope_head_dim: int = 16  # per-head query/key dims without rotary embedding
     qk_rope_head_dim: int = 8  # per-head query/key dims with rotary embedding
@@ -181,11 +181,9 @@ class MLAMoEConfig(MoEConfig):
     def __post_init__(self):
         super().__post_init__()
         self._check_choice("rope_type", ROPE_TYPES)
-        for key in ("kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim"):
+        for key in ("q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim"):
             if getattr(self, key) < 1:
                 raise ValueError(f"model.{key}={getattr(self, key)}: must be >= 1")
-        if self.q_lora_rank is not None and self.q_lora_rank < 1:
-            raise ValueError(f"model.q_lora_rank={self.q_lora_rank}: must be >= 1 (or null for no compression)")
         if self.num_query_groups != self.num_attention_heads:
             raise ValueError(f"model.num_query_groups={self.num_query_groups}: multi-latent attention has one key/value "
                              f"head per query head (set it to model.num_attention_heads={self.num_attention_heads})")
@@ -199,7 +197,10 @@ class MLAMoEConfig(MoEConfig):
         return self.qk_nope_head_dim + self.qk_rope_head_dim
 
     def mla_config_kwargs(self) -> dict:
-        """The fields megatron's ``MLATransformerConfig`` adds to ``TransformerConfig``."""
+        """The fields megatron's ``MLATransformerConfig`` adds to ``TransformerConfig``. megatron
+        scales MLA's softmax by YaRN's mscale whatever the RoPE type, so plain RoPE passes the
+        neutral YaRN values (scaling factor 1, no mscale)."""
+        yarn = self.rope_type == "yarn"
         return dict(
             multi_latent_attention=True,
             q_lora_rank=self.q_lora_rank,
@@ -210,20 +211,17 @@ class MLAMoEConfig(MoEConfig):
             rope_type=self.rope_type,
             rotary_base=self.rotary_base,
             rotary_percent=self.rotary_percent,
-            rotary_scaling_factor=self.rotary_scaling_factor,
+            rotary_scaling_factor=self.rotary_scaling_factor if yarn else 1.0,
             original_max_position_embeddings=self.original_max_position_embeddings,
             beta_fast=self.beta_fast,
             beta_slow=self.beta_slow,
             mscale=self.mscale,
-            mscale_all_dim=self.mscale_all_dim,
+            mscale_all_dim=self.mscale_all_dim if yarn else 0.0,
         )
 
     def _attention_parameters(self) -> int:
         h, n = self.hidden_size, self.num_attention_heads
-        if self.q_lora_rank is None:
-            q = h * n * self.q_head_dim
-        else:
-            q = h * self.q_lora_rank + self.q_lora_rank + self.q_lora_rank * n * self.q_head_dim
+        q = h * self.q_lora_rank + self.q_lora_rank + self.q_lora_rank * n * self.q_head_dim
         kv = h * (self.kv_lora_rank + self.qk_rope_head_dim) + self.kv_lora_rank
         kv += self.kv_lora_rank * n * (self.qk_nope_head_dim + self.v_head_dim)
         return q + kv + n * self.v_head_dim * h

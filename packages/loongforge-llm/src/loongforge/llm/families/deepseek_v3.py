@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from loongforge.core.models import ModelSpec
 from loongforge.llm.families.moe import build_moe_gpt, layer_spec, load_flavour
+from loongforge.llm.families.moe_hf import DEEPSEEK_V3_HF
 from loongforge.llm.moe_config import MLAMoEConfig
 
 DEEPSEEK_V3_SPEC = ModelSpec(
@@ -14,6 +15,7 @@ DEEPSEEK_V3_SPEC = ModelSpec(
     build=build_moe_gpt,
     flavours={"debug": "deepseek_v3_debug", "671b": "deepseek_v3_671b"},
     layer_spec=layer_spec,
+    hf_adapter=DEEPSEEK_V3_HF,
     flops_per_token=MLAMoEConfig.flops_per_token,
 )
 

@@ -5,6 +5,9 @@ Layers come from megatron's own decoder block spec, so the dense/MoE pattern
 experts, shared experts, alltoall token dispatch over the EP group) are megatron-core's
 modules; nothing here re-implements them. The experts use the local backend's
 ``SequentialMLP`` (no Transformer Engine grouped GEMM), which runs anywhere megatron-core does.
+Two local-backend gaps are filled in the specs: the norms (``norm.RMSNorm``, usable under
+sequence parallelism, which megatron's MoE layer needs with TP) and MLA's core attention
+(``core_attention.LatentDotProductAttention``, different query/key and value head dims).
 """
 
 from __future__ import annotations
@@ -16,34 +19,45 @@ import torch
 from loongforge.llm.moe_config import MLAMoEConfig, MoEConfig
 
 
-def _latent_core_attention(layer):
-    """``layer`` (a TransformerLayer spec) with MLA's core attention on the local backend."""
+def _local_layer(layer, cfg: MoEConfig):
+    """``layer`` (a local-backend TransformerLayer spec) with our RMSNorm in place of megatron's
+    torch norm wrapper (see ``norm``) and, for MLA, a core attention taking MLA's head dims."""
+    from megatron.core.transformer.torch_norm import WrappedTorchNorm
+
     from loongforge.llm.families.core_attention import LatentDotProductAttention
+    from loongforge.llm.families.norm import RMSNorm
+
+    def norms(submodules):
+        changes = {f.name: RMSNorm for f in dataclasses.fields(submodules) if getattr(submodules, f.name) is WrappedTorchNorm}
+        return dataclasses.replace(submodules, **changes)
 
     attention = layer.submodules.self_attention
-    attention = dataclasses.replace(
-        attention, submodules=dataclasses.replace(attention.submodules, core_attention=LatentDotProductAttention))
-    return dataclasses.replace(layer, submodules=dataclasses.replace(layer.submodules, self_attention=attention))
+    attention_sub = norms(attention.submodules)
+    if isinstance(cfg, MLAMoEConfig):
+        attention_sub = dataclasses.replace(attention_sub, core_attention=LatentDotProductAttention)
+    attention = dataclasses.replace(attention, submodules=attention_sub)
+    return dataclasses.replace(layer, submodules=dataclasses.replace(norms(layer.submodules), self_attention=attention))
 
 
 def layer_spec(cfg: MoEConfig):
     """The megatron ModuleSpec of one MoE decoder layer (local backend)."""
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
-    mla = isinstance(cfg, MLAMoEConfig)
     spec = get_gpt_layer_local_spec(num_experts=cfg.num_experts, moe_grouped_gemm=False, qk_layernorm=cfg.qk_layernorm,
-                                    multi_latent_attention=mla, normalization="RMSNorm")
-    return _latent_core_attention(spec) if mla else spec
+                                    multi_latent_attention=isinstance(cfg, MLAMoEConfig), normalization="RMSNorm")
+    return _local_layer(spec, cfg)
 
 
 def block_spec(cfg: MoEConfig, config):
     """This pipeline stage's layer specs: dense and MoE layers by ``config.moe_layer_freq``."""
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
+    from megatron.core.transformer.torch_norm import WrappedTorchNorm
+
+    from loongforge.llm.families.norm import RMSNorm
 
     block = get_gpt_decoder_block_spec(config, use_transformer_engine=False, normalization="RMSNorm")
-    if isinstance(cfg, MLAMoEConfig):
-        block = dataclasses.replace(block, layer_specs=[_latent_core_attention(s) for s in block.layer_specs])
-    return block
+    final_norm = RMSNorm if block.layer_norm is WrappedTorchNorm else block.layer_norm
+    return dataclasses.replace(block, layer_specs=[_local_layer(s, cfg) for s in block.layer_specs], layer_norm=final_norm)
 
 
 def model_transformer_config(cfg: MoEConfig, transformer_config):

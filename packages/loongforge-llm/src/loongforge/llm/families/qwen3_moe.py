@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from loongforge.core.models import ModelSpec
 from loongforge.llm.families.moe import build_moe_gpt, layer_spec, load_flavour
+from loongforge.llm.families.moe_hf import QWEN3_MOE_HF
 from loongforge.llm.moe_config import MoEConfig
 
 QWEN3_MOE_SPEC = ModelSpec(
@@ -13,6 +14,7 @@ QWEN3_MOE_SPEC = ModelSpec(
     build=build_moe_gpt,
     flavours={"debug": "qwen3_moe_debug", "30b-a3b": "qwen3_moe_30b_a3b"},
     layer_spec=layer_spec,
+    hf_adapter=QWEN3_MOE_HF,
     flops_per_token=MoEConfig.flops_per_token,
 )
 
