@@ -94,8 +94,15 @@ def test_one_expert_of_two_trains_and_the_other_stays(tmp_path, synthetic_overri
 
 
 def test_bench_and_info_run(capsys):
-    assert main(["bench", "--steps", "1", "--warmup", "1", "sample.num_frames=5", "sample.height=32", "sample.width=48"]) == 0
+    size = ["sample.num_frames=5", "sample.height=32", "sample.width=48"]
+    assert main(["bench", "--steps", "1", "--warmup", "1", "--variant", "activation_checkpointing=selective", *size]) == 0
     out = capsys.readouterr().out
     assert "speed-up" in out and "12 tokens/step" in out  # 2 latent frames x 2 x 3 patches
+    rows = [line for line in out.splitlines() if "ms/step" in line]
+    assert [r.split(":")[0].strip() for r in rows] == ["diffusers", "loongforge", "variant 1"]
+    assert all("forward" in r and "backward" in r and "optimizer" in r for r in rows)
+    assert "checkpointing=selective" in out and "MISMATCH" not in out
+    assert main(["bench", "--variant", "activation_checkpointing=sometimes", *size]) == 2
+    assert "activation_checkpointing='sometimes'" in capsys.readouterr().err
     assert main(["info", "model=wan2_1_t2v_1_3b"]) == 0
     assert "parameters per expert: 1419.00M" in capsys.readouterr().out  # Wan 2.1 T2V 1.3B

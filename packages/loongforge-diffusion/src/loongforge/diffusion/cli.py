@@ -121,13 +121,9 @@ def cmd_bench(args) -> int:
     from loongforge.diffusion.bench import run_bench
 
     recipe = _recipe(args.config, args.overrides)
-    r = run_bench(recipe, steps=args.steps, warmup=args.warmup, batch_size=args.batch_size)
-    print(f"latents {args.batch_size} x {recipe.sample.num_frames}x{recipe.sample.height}x{recipe.sample.width} frames, "
-          f"{int(r['tokens_per_step'])} tokens/step, {recipe.model.num_layers} layers")
-    for name in ("diffusers", "loongforge"):
-        print(f"{name:>10}: {r[f'{name}_step_s'] * 1e3:9.1f} ms/step  {r[f'{name}_tokens_per_s']:10.0f} tokens/s  "
-              f"peak {r[f'{name}_peak_bytes'] / 2**30:.2f} GiB  first loss {r[f'{name}_first_loss']:.5f}")
-    print(f"speed-up (diffusers step time / loongforge step time): {r['speedup']:.2f}x")
+    variants = [v.split() for v in args.variant]
+    run_bench(recipe, steps=args.steps, warmup=args.warmup, batch_size=args.batch_size, variants=variants,
+              profile=not args.no_profile, report=lambda line: print(line, flush=True))
     return 0
 
 
@@ -165,6 +161,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--batch-size", type=int, default=1)
+    p.add_argument("--variant", action="append", default=[], metavar="'KEY=VALUE ...'",
+                   help="also time ours with these model-config overrides (repeatable), e.g. "
+                        "'activation_checkpointing=none'")
+    p.add_argument("--no-profile", action="store_true", help="skip the CUDA profiler table and attention timings")
     p.set_defaults(fn=cmd_bench)
 
     add_plot_command(sub)

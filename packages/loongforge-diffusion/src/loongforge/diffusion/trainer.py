@@ -5,8 +5,9 @@ each rank packs its samples (mixed sizes in one sequence, split further into mic
 ``data.max_tokens_per_pack``), adds noise online (per sample, seeded by (seed, step, position),
 so the result does not depend on the layout), and regresses the flow-matching velocity. The loss
 is normalised over the whole global batch, so any DP/CP/micro-batch split gives the same loss and
-gradients. Wan 2.2 trains one expert per step. Then AdamW with warmup + cosine LR, gradient
-clipping, EMA, metrics, checkpoints.
+gradients. Wan 2.2 trains one expert per step. Then AdamW (fused on CUDA) with warmup + cosine
+LR, gradient clipping, EMA, metrics, checkpoints. On CUDA the transformer blocks are compiled
+(``model.compile``).
 """
 
 from __future__ import annotations
@@ -110,6 +111,9 @@ class DiffusionTrainer:
         if not sharded_init:
             self.model.to(self.device)
         self.experts_by_name = {n: self.model.expert(n) for n in self.model.names}
+        if m.compile_on(self.device.type, self.cp_size):
+            for expert in self.experts_by_name.values():
+                expert.compile_blocks(dynamic=None)  # packs change length: one recompile makes it generic
         self.wrapped = {}
         for name, expert in self.experts_by_name.items():
             if name not in self.trainable_names:
@@ -121,7 +125,7 @@ class DiffusionTrainer:
         self.named_trainable = {f"{n}.{k}": p for n in self.trainable_names for k, p in self.model.expert(n).named_parameters()}
         self.optimizer = torch.optim.AdamW(
             list(self.named_trainable.values()), lr=r.train.lr, betas=(r.train.adam_beta1, r.train.adam_beta2),
-            eps=r.train.adam_eps, weight_decay=r.train.weight_decay,
+            eps=r.train.adam_eps, weight_decay=r.train.weight_decay, fused=self.device.type == "cuda",
         )
         self.ema = EMA(self.named_trainable, r.ema.decay) if r.ema.decay > 0 else None
         self.sampler = TimestepSampler(r.objective)
