@@ -69,8 +69,8 @@ def fit_size(height: int, width: int, factor: int, min_pixels: int, max_pixels: 
         raise DataError(f"image of size {width}x{height} is empty")
     if max(height, width) / min(height, width) > 200:
         raise DataError(f"image of size {width}x{height}: aspect ratio above 200 is not supported")
-    h = max(factor, round(height / factor) * factor)
-    w = max(factor, round(width / factor) * factor)
+    h = round(height / factor) * factor
+    w = round(width / factor) * factor
     if h * w > max_pixels:
         scale = math.sqrt(height * width / max_pixels)
         h = max(factor, math.floor(height / scale / factor) * factor)
@@ -79,6 +79,9 @@ def fit_size(height: int, width: int, factor: int, min_pixels: int, max_pixels: 
         scale = math.sqrt(min_pixels / (height * width))
         h = math.ceil(height * scale / factor) * factor
         w = math.ceil(width * scale / factor) * factor
+    if h < factor or w < factor:
+        raise DataError(f"image of size {width}x{height} fits no {factor}-pixel patch grid within "
+                        f"[{min_pixels}, {max_pixels}] pixels (raise min_pixels)")
     return h, w
 
 

@@ -79,7 +79,7 @@ def projector_transformer_config(hidden_in: int, ffn_hidden_size: int, hidden_ou
     return TransformerConfig(
         num_layers=1,
         hidden_size=hidden_out,
-        num_attention_heads=1,
+        num_attention_heads=tp,  # unused by an MLP; megatron wants a multiple of the TP size
         ffn_hidden_size=ffn_hidden_size,
         gated_linear_unit=False,
         activation_func=F.gelu,

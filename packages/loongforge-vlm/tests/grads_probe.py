@@ -1,0 +1,67 @@
+"""Train a few steps of a VLM config and record the losses and the first step's full gradients.
+
+    python grads_probe.py OUT.pt [key=value ...]                      # one process
+    torchrun --nproc-per-node=2 grads_probe.py OUT.pt [key=value ...]  # any layout
+
+The gradients are read just before the first optimizer step (after megatron's reduction and
+per-token scaling), gathered across the foundation's TP group into full tensors in the
+one-process layout, and written by rank 0 with the per-step losses and grad norms.
+"""
+
+import sys
+
+import torch
+import torch.distributed as dist
+
+
+def full_gradients(model, ctx) -> dict[str, torch.Tensor]:
+    tp = ctx.pgs.tp
+    out = {}
+    for name, p in model.named_parameters():
+        g = getattr(p, "main_grad", None)
+        if g is None:
+            continue
+        g = g.detach().float().clone()
+        if getattr(p, "tensor_model_parallel", False) and tp.size() > 1:
+            shards = [torch.empty_like(g) for _ in range(tp.size())]
+            dist.all_gather(shards, g.contiguous(), group=tp)
+            dim = p.partition_dim
+            if name.endswith("mlp.linear_fc1.weight") and model.language_model.config.gated_linear_unit:
+                halves = [s.chunk(2, dim=dim) for s in shards]  # each shard is [gate part; up part]
+                g = torch.cat([h[0] for h in halves] + [h[1] for h in halves], dim=dim)
+            else:
+                g = torch.cat(shards, dim=dim)
+        out[name] = g
+    return out
+
+
+def main(out: str, overrides: list[str]) -> None:
+    from loongforge.core.config import to_dict
+    from loongforge.core.parallel import destroy_parallel, init_parallel
+    from loongforge.core.training.trainer import MegatronTrainer
+    from loongforge.vlm.cli import load_vlm_config
+    from loongforge.vlm.recipe import VLMTask
+
+    cfg = load_vlm_config("vlm_debug", overrides)
+    task = VLMTask(cfg)
+    ctx = init_parallel(tp=cfg.parallel.foundation.tp, seed=cfg.train.seed)
+    trainer = MegatronTrainer(task, ctx, cfg.train, cfg.log, cfg.checkpoint, config_record=to_dict(cfg))
+    module = trainer.model.module
+    captured = {}
+    step = trainer.optimizer.step
+
+    def capture_then_step():
+        if not captured:
+            captured.update(full_gradients(module, ctx))
+        return step()
+
+    trainer.optimizer.step = capture_then_step
+    results = trainer.fit()
+    if ctx.rank == 0:
+        torch.save({"losses": [r.loss for r in results], "grad_norms": [r.grad_norm for r in results],
+                    "grads": captured}, out)
+    destroy_parallel()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], sys.argv[2:])

@@ -1,0 +1,45 @@
+"""Heterogeneous parallelism: the foundation at TP=2 with the vision tower at TP=1 (its images
+shared out across the foundation's TP group) or at TP=2 gives the losses and the gradients of
+one process on the same weights and data (2 gloo processes)."""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+PROBE = Path(__file__).with_name("grads_probe.py")
+COMMON = ["train.steps=2", "train.warmup_steps=1", "train.global_batch_size=6", "train.seq_length=384",
+          "log.progress=false", "log.tensorboard=false", "checkpoint.save=false"]
+
+
+def probe(out: Path, overrides: list[str], cache: Path, nproc: int = 1) -> dict:
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    args = [str(out), *COMMON, f"data.cache_dir={cache}", f"log.run_dir={out.parent / 'run'}", *overrides]
+    if nproc > 1:
+        cmd = [str(Path(sys.executable).parent / "torchrun"), "--standalone", f"--nproc-per-node={nproc}", str(PROBE), *args]
+    else:
+        cmd = [sys.executable, str(PROBE), *args]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+    return torch.load(out)
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory, vlm_cache):
+    return probe(tmp_path_factory.mktemp("ref") / "grads.pt", [], vlm_cache)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("encoder_tp", [1, 2], ids=["encoder-tp1-split", "encoder-tp2"])
+def test_foundation_tp2_matches_one_process(encoder_tp, reference, tmp_path, vlm_cache):
+    got = probe(tmp_path / "grads.pt", ["parallel.foundation.tp=2", f"parallel.encoder.tp={encoder_tp}"], vlm_cache, nproc=2)
+    assert got["losses"] == pytest.approx(reference["losses"], rel=1e-5)
+    assert got["grad_norms"] == pytest.approx(reference["grad_norms"], rel=1e-4)
+    assert sorted(got["grads"]) == sorted(reference["grads"])
+    vision = [n for n in reference["grads"] if n.startswith(("encoder.", "projector."))]
+    assert vision and all(reference["grads"][n].abs().sum() > 0 for n in vision)  # the tower did learn
+    for name, ref in reference["grads"].items():
+        torch.testing.assert_close(got["grads"][name], ref, rtol=1e-4, atol=1e-7, msg=name)
