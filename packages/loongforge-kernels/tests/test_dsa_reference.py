@@ -58,7 +58,6 @@ def test_topk_matches_brute_force_ranking():
     k_idx, q_idx[:, :, 0] = k_idx.abs(), q_idx[:, :, 0].abs()  # head 0 scores > 0: no ties at 0
     topk = 4
     idx = dsa.dsa_indexer_topk(q_idx, k_idx, w_idx, topk)
-    n_kv = k_idx.shape[1]
     for t in range(10):
         visible = range(t + 2 + 1)  # offset = 2
         score = {
@@ -68,7 +67,6 @@ def test_topk_matches_brute_force_ranking():
         best = sorted(score, key=score.get, reverse=True)[:topk]
         best += [-1] * (topk - len(best))
         assert sorted(idx[0, t].tolist()) == sorted(best), t
-    assert n_kv == 12
 
 
 def test_topk_pads_short_rows_with_minus_one():

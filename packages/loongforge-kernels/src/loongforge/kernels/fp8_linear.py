@@ -70,7 +70,10 @@ def _time_ms(fn, reps: int = 5) -> float:
 
 
 def measure(m: int, n: int, k: int, dtype: torch.dtype, device: torch.device) -> tuple[GemmChoice, ...]:
-    """Time the three GEMMs of a ``[m, k] x [n, k]^T`` linear in bf16 and in FP8 (with quantisation)."""
+    """Time the three GEMMs of a ``[m, k] x [n, k]^T`` linear in bf16 and in FP8 (with quantisation).
+
+    Weights are timed in the activation dtype: the bf16 side leaves out casting an fp32 master.
+    """
     if torch.cuda.is_current_stream_capturing():
         raise RuntimeError(
             f"fp8_linear(adaptive=True): shape (M={m}, N={n}, K={k}) is new and cannot be timed during "

@@ -38,6 +38,25 @@ def _block_sizes(n_heads: int, d_v: int, d_rope: int, elem_bytes: int, backward:
 
 
 @triton.jit
+def _gather_keys(
+    kv_base, idx_base, start, topk, stride_kvs,
+    D_V: tl.constexpr, D_ROPE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_DR: tl.constexpr,
+):
+    """Block ``start`` of a query's selected keys: which are valid, their rows, and the gathered
+    latent ``[BLOCK_N, BLOCK_DV]`` and rope ``[BLOCK_N, BLOCK_DR]`` parts (0 where invalid)."""
+    n = start + tl.arange(0, BLOCK_N)
+    dv = tl.arange(0, BLOCK_DV)
+    dr = tl.arange(0, BLOCK_DR)
+    idx = tl.load(idx_base + n, mask=n < topk, other=-1)
+    valid = idx >= 0
+    rows = tl.where(valid, idx, 0).to(tl.int64)
+    row_ptr = kv_base + rows[:, None] * stride_kvs
+    k_lat = tl.load(row_ptr + dv[None, :], mask=valid[:, None] & (dv[None, :] < D_V), other=0.0)
+    k_rope = tl.load(row_ptr + D_V + dr[None, :], mask=valid[:, None] & (dr[None, :] < D_ROPE), other=0.0)
+    return valid, rows, k_lat, k_rope
+
+
+@triton.jit
 def _sparse_mla_fwd(
     Q, KV, IDX, O, LSE,
     n_heads, topk, scale_log2,
@@ -66,13 +85,8 @@ def _sparse_mla_fwd(
     l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
     acc = tl.zeros([BLOCK_H, BLOCK_DV], dtype=tl.float32)
     for start in range(0, topk, BLOCK_N):
-        n = start + tl.arange(0, BLOCK_N)
-        idx = tl.load(idx_base + n, mask=n < topk, other=-1)
-        valid = idx >= 0
-        rows = tl.where(valid, idx, 0).to(tl.int64)
-        k_lat = tl.load(kv_base + rows[:, None] * stride_kvs + dv[None, :], mask=valid[:, None] & (dv[None, :] < D_V), other=0.0)
-        k_rope = tl.load(
-            kv_base + rows[:, None] * stride_kvs + D_V + dr[None, :], mask=valid[:, None] & (dr[None, :] < D_ROPE), other=0.0
+        valid, rows, k_lat, k_rope = _gather_keys(
+            kv_base, idx_base, start, topk, stride_kvs, D_V, D_ROPE, BLOCK_N, BLOCK_DV, BLOCK_DR
         )
         s = tl.dot(q_lat, tl.trans(k_lat), input_precision=PRECISION)
         s += tl.dot(q_rope, tl.trans(k_rope), input_precision=PRECISION)
@@ -129,14 +143,11 @@ def _sparse_mla_bwd(
     dq_lat = tl.zeros([BLOCK_H, BLOCK_DV], dtype=tl.float32)
     dq_rope = tl.zeros([BLOCK_H, BLOCK_DR], dtype=tl.float32)
     for start in range(0, topk, BLOCK_N):
-        n = start + tl.arange(0, BLOCK_N)
-        idx = tl.load(idx_base + n, mask=n < topk, other=-1)
-        valid = idx >= 0
-        rows = tl.where(valid, idx, 0).to(tl.int64)
+        valid, rows, k_lat, k_rope = _gather_keys(
+            kv_base, idx_base, start, topk, stride_kvs, D_V, D_ROPE, BLOCK_N, BLOCK_DV, BLOCK_DR
+        )
         kv_lat_mask = valid[:, None] & (dv[None, :] < D_V)
         kv_rope_mask = valid[:, None] & (dr[None, :] < D_ROPE)
-        k_lat = tl.load(kv_base + rows[:, None] * stride_kvs + dv[None, :], mask=kv_lat_mask, other=0.0)
-        k_rope = tl.load(kv_base + rows[:, None] * stride_kvs + D_V + dr[None, :], mask=kv_rope_mask, other=0.0)
         s = tl.dot(q_lat, tl.trans(k_lat), input_precision=PRECISION)
         s += tl.dot(q_rope, tl.trans(k_rope), input_precision=PRECISION)
         p = tl.where(valid[None, :], tl.exp2(s * scale_log2 - lse[:, None]), 0.0)
@@ -184,13 +195,8 @@ def _sparse_mla_head_mean_probs(
         m_i = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
         l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
         for start in range(0, topk, BLOCK_N):  # pass 1: each head's log-sum-exp
-            n = start + tl.arange(0, BLOCK_N)
-            idx = tl.load(idx_base + n, mask=n < topk, other=-1)
-            valid = idx >= 0
-            rows = tl.where(valid, idx, 0).to(tl.int64)
-            k_lat = tl.load(kv_base + rows[:, None] * stride_kvs + dv[None, :], mask=valid[:, None] & (dv[None, :] < D_V), other=0.0)
-            k_rope = tl.load(
-                kv_base + rows[:, None] * stride_kvs + D_V + dr[None, :], mask=valid[:, None] & (dr[None, :] < D_ROPE), other=0.0
+            valid, rows, k_lat, k_rope = _gather_keys(
+                kv_base, idx_base, start, topk, stride_kvs, D_V, D_ROPE, BLOCK_N, BLOCK_DV, BLOCK_DR
             )
             s = tl.dot(q_lat, tl.trans(k_lat), input_precision=PRECISION)
             s += tl.dot(q_rope, tl.trans(k_rope), input_precision=PRECISION)
@@ -201,17 +207,13 @@ def _sparse_mla_head_mean_probs(
             m_i = m_new
         lse = tl.where(head_ok & (l_i > 0), m_i + tl.log2(tl.where(l_i > 0, l_i, 1.0)), float("inf"))
         for start in range(0, topk, BLOCK_N):  # pass 2: probabilities, summed over this block's heads
-            n = start + tl.arange(0, BLOCK_N)
-            idx = tl.load(idx_base + n, mask=n < topk, other=-1)
-            valid = idx >= 0
-            rows = tl.where(valid, idx, 0).to(tl.int64)
-            k_lat = tl.load(kv_base + rows[:, None] * stride_kvs + dv[None, :], mask=valid[:, None] & (dv[None, :] < D_V), other=0.0)
-            k_rope = tl.load(
-                kv_base + rows[:, None] * stride_kvs + D_V + dr[None, :], mask=valid[:, None] & (dr[None, :] < D_ROPE), other=0.0
+            valid, rows, k_lat, k_rope = _gather_keys(
+                kv_base, idx_base, start, topk, stride_kvs, D_V, D_ROPE, BLOCK_N, BLOCK_DV, BLOCK_DR
             )
             s = tl.dot(q_lat, tl.trans(k_lat), input_precision=PRECISION)
             s += tl.dot(q_rope, tl.trans(k_rope), input_precision=PRECISION)
             p = tl.where(valid[None, :], tl.exp2(s * scale_log2 - lse[:, None]), 0.0)
+            n = start + tl.arange(0, BLOCK_N)
             acc = tl.load(p_base + n, mask=n < topk, other=0.0)
             tl.store(p_base + n, acc + tl.sum(p, axis=0) * inv_heads, mask=n < topk)
 

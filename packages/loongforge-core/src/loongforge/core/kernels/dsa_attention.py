@@ -120,7 +120,7 @@ class DSAttention(nn.Module):
         k_rope = rope(kv_a[..., None, c.kv_lora_rank :], cos, sin)[:, :, 0]  # one rope key shared by all heads
         w_uk, w_uv = self._latent_weights()
 
-        if mode == "sparse" or mode == "warmup":
+        if mode in ("sparse", "warmup"):
             # absorbed form: q . k = (q_nope W_uk) . c_kv + q_rope . k_rope, one latent KV row per key
             q_abs = torch.cat([torch.einsum("bshd,hdc->bshc", q_nope, w_uk), q_rope], dim=-1)
             kv_abs = torch.cat([c_kv, k_rope], dim=-1)
