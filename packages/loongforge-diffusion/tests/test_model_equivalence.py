@@ -124,7 +124,8 @@ def test_compiled_blocks_equal_eager():
     compiled.load_state_dict(eager.state_dict())
     torch._dynamo.reset()
     counters.clear()
-    with torch._inductor.config.patch(compile_threads=1):  # no worker pool for one small graph
+    # no worker pool for one small graph; the second layer must reuse the first layer's graph
+    with torch._inductor.config.patch(compile_threads=1), torch._dynamo.config.patch(error_on_recompile=True):
         compiled.compile_blocks(dynamic=False)
         batch = pack([torch.randn(4, 3, 4, 6)], torch.tensor([100.0]), torch.randn(1, cfg.text_len, cfg.text_dim),
                      cfg.patch_size)
@@ -133,8 +134,7 @@ def test_compiled_blocks_equal_eager():
             out = model(batch)
             out.pow(2).mean().backward()
             results.append((out.detach(), {k: p.grad for k, p in model.named_parameters()}))
-    assert counters["stats"]["unique_graphs"] == 1 and counters["stats"]["calls_captured"] == cfg.num_layers
-    assert not counters["graph_break"]
+    assert counters["stats"]["unique_graphs"] == 1 and not counters["graph_break"]
     torch.testing.assert_close(results[1][0], results[0][0], atol=1e-5, rtol=1e-5)
     for k, g in results[0][1].items():
         torch.testing.assert_close(results[1][1][k], g, atol=1e-5, rtol=1e-4)
