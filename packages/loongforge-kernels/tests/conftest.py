@@ -19,7 +19,9 @@ def compiled_on_gpu() -> bool:
 
 # Test modules whose tensors are made on torch's default device, which is the GPU when the
 # kernels are compiled for it (the others place their tensors themselves).
-DEFAULT_DEVICE_MODULES = ("test_rms_norm", "test_rope", "test_swiglu", "test_linear_cross_entropy", "test_registry")
+DEFAULT_DEVICE_MODULES = (
+    "test_rms_norm", "test_rope", "test_swiglu", "test_linear_cross_entropy", "test_registry", "test_gpu_model_shapes",
+)
 
 
 @pytest.fixture(autouse=True)
