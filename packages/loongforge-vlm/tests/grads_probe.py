@@ -14,6 +14,12 @@ import torch
 import torch.distributed as dist
 
 
+def gated(model, name: str) -> bool:
+    """Whether ``name`` is the fused [gate; up] linear_fc1 of a SwiGLU MLP (sharded as [gate part; up part])."""
+    part = {"encoder": getattr(model, "encoder", None), "language_model": model.language_model}.get(name.split(".")[0])
+    return part is not None and part.config.gated_linear_unit and ".mlp.linear_fc1." in name
+
+
 def full_gradients(model, ctx) -> dict[str, torch.Tensor]:
     tp = ctx.pgs.tp
     out = {}
@@ -26,7 +32,7 @@ def full_gradients(model, ctx) -> dict[str, torch.Tensor]:
             shards = [torch.empty_like(g) for _ in range(tp.size())]
             dist.all_gather(shards, g.contiguous(), group=tp)
             dim = p.partition_dim
-            if name.endswith("mlp.linear_fc1.weight") and model.language_model.config.gated_linear_unit:
+            if gated(model, name):
                 halves = [s.chunk(2, dim=dim) for s in shards]  # each shard is [gate part; up part]
                 g = torch.cat([h[0] for h in halves] + [h[1] for h in halves], dim=dim)
             else:

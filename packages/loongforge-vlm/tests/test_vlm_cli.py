@@ -86,3 +86,36 @@ def test_bad_config_is_one_clear_error(capsys):
     assert "parallel.encoder.tp=4: must be 1 or parallel.foundation.tp=2" in capsys.readouterr().err
     assert main(["train", "trainable=[projector,decoder]"]) == 2
     assert "trainable=['projector', 'decoder']" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_convert_train_from_hf_and_export(tmp_path, vlm_cache):
+    """HF Qwen2.5-VL dir -> ``lf-vlm convert`` -> train from it with the written config ->
+    export the trained checkpoint -> transformers loads it."""
+    import torch
+    from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
+
+    from loongforge.vlm.cli import main
+    from loongforge.vlm.data.tokenizer import load_vlm_tokenizer
+
+    _, ids = load_vlm_tokenizer()  # the bundled tokenizer the converted config trains with
+    text = dict(vocab_size=1280, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                num_key_value_heads=2, rms_norm_eps=1e-6, max_position_embeddings=1024,
+                rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3]})
+    vision = dict(depth=2, hidden_size=32, intermediate_size=64, num_heads=2, patch_size=8, window_size=32,
+                  out_hidden_size=64, fullatt_block_indexes=[1], tokens_per_second=2)
+    hf = Qwen2_5_VLForConditionalGeneration(Qwen2_5_VLConfig(
+        text_config=text, vision_config=vision, image_token_id=ids.image, video_token_id=ids.video,
+        vision_start_token_id=ids.start, vision_end_token_id=ids.end))
+    hf.save_pretrained(tmp_path / "hf")
+    assert main(["convert", "hf-to-lf", str(tmp_path / "hf"), str(tmp_path / "lf"), "--no-progress"]) == 0
+    run = tmp_path / "run"
+    assert main(["train", "--config", str(tmp_path / "lf" / "train.yaml"), *FAST, "train.steps=2",
+                 "train.seq_length=512", f"data.cache_dir={vlm_cache}", f"log.run_dir={run}"]) == 0
+    losses = [m["loss"] for m in metrics(run)]
+    assert len(losses) == 2 and 5.0 < losses[0] < 9.0  # from the converted (random-init) weights: about ln(1280)
+    assert main(["convert", "lf-to-hf", str(run / "checkpoints"), str(tmp_path / "out"), "--no-progress"]) == 0
+    trained = Qwen2_5_VLForConditionalGeneration.from_pretrained(tmp_path / "out")
+    before, after = hf.state_dict(), trained.state_dict()
+    assert sorted(before) == sorted(after)
+    assert any(not torch.equal(before[k], after[k]) for k in before)  # the exported weights are the trained ones
