@@ -1,6 +1,7 @@
 """Heterogeneous parallelism: the foundation at TP=2 with the vision tower at TP=1 (its images
 shared out across the foundation's TP group) or at TP=2 gives the losses and the gradients of
-one process on the same weights and data (2 gloo processes)."""
+one process on the same weights and data (2 gloo processes), and a checkpoint it saves resumes
+in one process."""
 
 import os
 import subprocess
@@ -35,7 +36,9 @@ def reference(tmp_path_factory, vlm_cache):
 @pytest.mark.slow
 @pytest.mark.parametrize("encoder_tp", [1, 2], ids=["encoder-tp1-split", "encoder-tp2"])
 def test_foundation_tp2_matches_one_process(encoder_tp, reference, tmp_path, vlm_cache):
-    got = probe(tmp_path / "grads.pt", ["parallel.foundation.tp=2", f"parallel.encoder.tp={encoder_tp}"], vlm_cache, nproc=2)
+    layout = ["parallel.foundation.tp=2", f"parallel.encoder.tp={encoder_tp}"]
+    save = ["checkpoint.save=true", "checkpoint.interval=1", "checkpoint.keep_last=2"]
+    got = probe(tmp_path / "grads.pt", [*layout, *save], vlm_cache, nproc=2)
     assert got["losses"] == pytest.approx(reference["losses"], rel=1e-5)
     assert got["grad_norms"] == pytest.approx(reference["grad_norms"], rel=1e-4)
     assert sorted(got["grads"]) == sorted(reference["grads"])
@@ -43,3 +46,12 @@ def test_foundation_tp2_matches_one_process(encoder_tp, reference, tmp_path, vlm
     assert vision and all(reference["grads"][n].abs().sum() > 0 for n in vision)  # the tower did learn
     for name, ref in reference["grads"].items():
         torch.testing.assert_close(got["grads"][name], ref, rtol=1e-4, atol=1e-7, msg=name)
+
+    # the step-1 checkpoint of the TP=2 run resumes in one process: step 2 as in the reference
+    resumed = tmp_path / "resumed"
+    (resumed / "run" / "checkpoints").mkdir(parents=True)
+    (resumed / "run" / "checkpoints" / "step_00000001").symlink_to(tmp_path / "run" / "checkpoints" / "step_00000001")
+    (resumed / "run" / "checkpoints" / "latest").write_text("step_00000001\n")
+    again = probe(resumed / "grads.pt", [], vlm_cache)
+    assert again["losses"] == pytest.approx(reference["losses"][1:], rel=1e-5)
+    assert again["grad_norms"] == pytest.approx(reference["grad_norms"][1:], rel=1e-4)

@@ -85,7 +85,8 @@ def write_train_config(converted, root: Path) -> Path:
     from loongforge.core.config import to_dict
 
     model = to_dict(converted.model_config)
-    doc = {**model, "checkpoint": {"load": str(root.resolve())}, "log": {"run_dir": "runs/vlm-from-hf"}}
+    doc = {**model, "train": {"micro_batch_size": 1, "seq_length": 2048, "lr": 1.0e-5, "min_lr": 1.0e-6},
+           "checkpoint": {"load": str(root.resolve())}, "log": {"run_dir": "runs/vlm-from-hf"}}
     if converted.tokenizer is not None and (converted.tokenizer / "tokenizer.json").is_file():
         doc["data"] = {"tokenizer": str(converted.tokenizer)}
     path = root / TRAIN_CONFIG
