@@ -2,8 +2,9 @@
 
     lf-llm train [--config NAME_OR_PATH] [key=value ...]
     lf-llm preprocess --input F [F ...] --output-prefix P [--tokenizer DIR] [--json-key text]
-    lf-llm info [--config NAME_OR_PATH] [key=value ...]
+    lf-llm info [--config NAME_OR_PATH] [--dp N] [key=value ...]
     lf-llm convert hf-to-lf HF_DIR OUT [--dtype bf16|fp16|fp32] | lf-to-hf CHECKPOINT OUT
+    lf-llm lora merge|export-adapter CHECKPOINT OUT
     lf-llm plot RUN_DIR
 """
 
@@ -96,6 +97,9 @@ def build_parser() -> argparse.ArgumentParser:
     from loongforge.llm.convert import add_convert_command
 
     add_convert_command(sub)
+    from loongforge.llm.lora_command import add_lora_command
+
+    add_lora_command(sub)
     add_plot_command(sub)
     return parser
 

@@ -17,6 +17,7 @@ from loongforge.core.config import ConfigError, load_config, to_dict
 from loongforge.core.models import ModelRegistryError, get_model_spec
 from loongforge.core.training.schema import BalanceConfig, CheckpointConfig, LogConfig, ParallelConfig, TrainConfig
 from loongforge.llm.data.sft import SFTDataConfig
+from loongforge.llm.lora import LoRAConfig
 from loongforge.llm.model_config import GPTConfig
 
 CONFIG_DIR = Path(__file__).resolve().parent / "configs"
@@ -56,6 +57,7 @@ class LLMConfig:
     sft: SFTDataConfig = field(default_factory=SFTDataConfig)
     balance: BalanceConfig = field(default_factory=BalanceConfig)  # used by recipe=sft
     kernels: KernelsConfig = field(default_factory=KernelsConfig)
+    lora: LoRAConfig = field(default_factory=LoRAConfig)  # rank > 0: train low-rank adapters only
 
     def __post_init__(self):
         if self.recipe not in ("pretrain", "sft"):
@@ -129,7 +131,15 @@ class LLMTask:
             from loongforge.core.kernels import force_reference_kernels
 
             force_reference_kernels()  # before the modules resolve their ops
-        return self.spec.build(self.cfg.model, ctx, transformer_config, pre_process, post_process)
+        model = self.spec.build(self.cfg.model, ctx, transformer_config, pre_process, post_process)
+        lora = self.cfg.lora
+        if lora.enabled:
+            from loongforge.llm.lora import apply_lora, load_base_weights
+
+            if lora.base:
+                load_base_weights(model, lora.base, self.model_config_dict())
+            apply_lora(model, lora, seed=self.cfg.train.seed)
+        return model
 
     def flops_per_token(self, seq_length: int) -> float:
         return self.cfg.model.flops_per_token(seq_length)
