@@ -9,6 +9,8 @@ layout of its own registers a ``Transform`` under a new name with ``register_tra
 
 from __future__ import annotations
 
+import abc
+
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -45,17 +47,19 @@ def _independent(t: torch.Tensor) -> torch.Tensor:
     return t.clone(memory_format=torch.contiguous_format)
 
 
-class Transform:
+class Transform(abc.ABC):
     """Base class of transforms. ``n_hf``/``n_lf`` (None: any) are checked before each call."""
 
     n_hf: int | None = None
     n_lf: int | None = None
 
+    @abc.abstractmethod
     def to_lf(self, tensors: list[torch.Tensor], ctx: TransformContext) -> list[torch.Tensor]:
-        raise NotImplementedError
+        """HF tensors -> LoongForge tensors."""
 
+    @abc.abstractmethod
     def to_hf(self, tensors: list[torch.Tensor], ctx: TransformContext) -> list[torch.Tensor]:
-        raise NotImplementedError
+        """LoongForge tensors -> HF tensors."""
 
 
 class Identity(Transform):
