@@ -117,11 +117,11 @@ def init_parallel(
     accel.set_device(device)
 
     if not dist.is_initialized():
-        if world_size == 1 and "MASTER_ADDR" not in os.environ:
-            os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-            os.environ.setdefault("MASTER_PORT", str(_free_port()))
-            os.environ.setdefault("RANK", "0")
         kwargs = {"device_id": device} if device.type != "cpu" else {}
+        if world_size == 1 and "MASTER_ADDR" not in os.environ:
+            # a world of one started without a launcher: a private store, and os.environ left as it
+            # was, so a process this one starts later never inherits a port that is still in use
+            kwargs["init_method"] = f"tcp://127.0.0.1:{_free_port()}"
         dist.init_process_group(backend=accel.dist_backend, world_size=world_size,
                                 rank=int(os.environ.get("RANK", "0")), **kwargs)
 

@@ -1,0 +1,29 @@
+"""init_parallel for a world of one: a private rendezvous that leaves the rendezvous variables as it found them."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+
+SCRIPT = textwrap.dedent("""
+    import os
+    import torch.distributed as dist
+    from loongforge.core.parallel import destroy_parallel, init_parallel
+
+    before = dict(os.environ)
+    for _ in range(2):  # a second world in the same process needs no port the first one held
+        ctx = init_parallel(seed=7)
+        assert dist.is_initialized() and ctx.world_size == 1 and ctx.dp_size == 1, ctx
+        destroy_parallel()
+    rendezvous = ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK")
+    leaked = {k: os.environ[k] for k in rendezvous if before.get(k) != os.environ.get(k)}
+    assert not leaked, leaked
+    print("ok")
+""")
+
+
+def test_world_of_one_leaves_environment_unchanged():
+    env = {"PATH": "/usr/bin:/bin", "LOONGFORGE_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run([sys.executable, "-c", SCRIPT], env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0 and proc.stdout.strip().endswith("ok"), proc.stdout + proc.stderr[-4000:]
