@@ -41,3 +41,21 @@ def test_each_adaptation_is_needed(name):
 def test_unknown_skip_name_is_rejected():
     proc = run("no_such_adaptation")
     assert proc.returncode != 0 and "no_such_adaptation" in proc.stderr
+
+
+def test_device_context_still_places_factories():
+    """After the adaptations, ``with torch.device("meta")`` still creates every factory's tensor on
+    the meta device (transformers' from_pretrained builds models this way, then fills them)."""
+    script = (
+        "import torch\n"
+        "from loongforge.core.accelerators.cpu_megatron import install\n"
+        "install()\n"
+        "with torch.device('meta'):\n"
+        "    made = [torch.tensor([1.0]), torch.zeros(2), torch.arange(3), torch.empty(1), torch.ones(1),\n"
+        "            torch.as_tensor([1.0]), torch.full((1,), 2.0)]\n"
+        "print(sorted({t.device.type for t in made}))\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", script], env={**os.environ, "LOONGFORGE_ACCELERATOR": "cpu"},
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert proc.stdout.strip().splitlines()[-1] == "['meta']"

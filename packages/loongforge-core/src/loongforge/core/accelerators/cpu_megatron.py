@@ -49,6 +49,12 @@ def cuda_device_strings() -> None:
 
         return on_cpu
 
+    # torch's device context (``with torch.device("meta"):``, used by transformers' from_pretrained)
+    # recognises factories by identity, from a set it builds once on first use: build it now, from
+    # the original functions, or the context would stop placing them (and ignore the wrappers)
+    from torch.utils._device import _device_constructors
+
+    _device_constructors()
     for name in ("tensor", "zeros", "empty", "ones", "full", "arange", "randn", "rand", "randint",
                  "randperm", "empty_like", "zeros_like", "ones_like", "full_like", "as_tensor",
                  "eye", "linspace", "empty_strided"):
