@@ -1,9 +1,11 @@
-"""Architecture configs of the mixture-of-experts families (Qwen3-MoE, DeepSeek-V3).
+"""Architecture configs of the mixture-of-experts families (Qwen3-MoE, DeepSeek-V3/V3.2).
 
 ``MoEConfig`` is a ``GPTConfig`` whose MLP is megatron-core's ``MoELayer`` (a top-k router,
 routed experts, optional shared experts) in every layer but the first ``first_k_dense``.
-``MLAMoEConfig`` adds DeepSeek's multi-latent attention. Field names follow the papers and
-the Hugging Face configs; ``transformer_config_kwargs`` translates them to megatron's names.
+``MLAMoEConfig`` adds DeepSeek's multi-latent attention and, with ``attention_variant: dsa``,
+DeepSeek-V3.2's sparse attention (a lightning indexer picks the keys each query attends to).
+Field names follow the papers and the Hugging Face configs; ``transformer_config_kwargs``
+translates them to megatron's names.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ SCORE_FUNCTIONS = ("softmax", "sigmoid")
 LOAD_BALANCING = ("aux_loss", "seq_aux_loss", "global_aux_loss", "none")
 DISPATCHERS = ("alltoall", "allgather")
 ROPE_TYPES = ("rope", "yarn")
+ATTENTION_VARIANTS = ("mla", "dsa")
 
 
 @dataclass
@@ -143,7 +146,7 @@ class MoEConfig(GPTConfig):
         """Parameters one token passes through: all but the unselected routed experts."""
         counts = self.parameter_counts()
         active_experts = counts["experts"] * self.moe_router_topk // self.num_experts
-        return counts["embedding"] + counts["output"] + counts["layers"] + active_experts
+        return sum(counts.values()) - counts["experts"] + active_experts
 
     def _attention_score_flops(self, seq_length: int) -> float:
         return 6.0 * self.num_layers * seq_length * self.num_attention_heads * self.head_dim
@@ -153,14 +156,24 @@ class MoEConfig(GPTConfig):
         selected experts only; the output layer, or the tied embedding) plus causal attention."""
         counts = self.parameter_counts()
         active_experts = counts["experts"] * self.moe_router_topk / self.num_experts
-        matmul = counts["layers"] + active_experts + (counts["output"] or counts["embedding"])
+        layers = sum(counts.values()) - counts["experts"] - counts["embedding"] - counts["output"]
+        matmul = layers + active_experts + (counts["output"] or counts["embedding"])
         return 6.0 * matmul + self._attention_score_flops(seq_length)
 
 
 @dataclass
 class MLAMoEConfig(MoEConfig):
     """DeepSeek-V3: multi-latent attention (low-rank compressed queries and keys/values, a
-    shared rotary key) over a MoE with shared experts and sigmoid, group-limited routing."""
+    shared rotary key) over a MoE with shared experts and sigmoid, group-limited routing.
+
+    ``attention_variant: dsa`` is DeepSeek-V3.2's sparse attention (megatron's DSAttention):
+    per layer, a lightning indexer (``dsa_indexer_n_heads`` heads of ``dsa_indexer_head_dim``,
+    ReLU scores weighted per head) scores every earlier token for each query, and the query
+    attends to its ``dsa_indexer_topk`` best only (MLA in its absorbed, MQA form). The indexer
+    reads detached activations; it learns from its own KL loss towards the main attention's
+    distribution (``dsa_indexer_loss_coeff``; over all keys, or the selected ones with
+    ``dsa_indexer_use_sparse_loss``), which leaves the language-model gradients untouched.
+    """
 
     family: str = "deepseek_v3"
     num_query_groups: int = 4  # == num_attention_heads: one key/value head per query head
@@ -177,10 +190,20 @@ class MLAMoEConfig(MoEConfig):
     beta_slow: float = 1.0
     mscale: float = 1.0
     mscale_all_dim: float = 1.0
+    attention_variant: str = "mla"  # mla | dsa (DeepSeek-V3.2 sparse attention)
+    dsa_indexer_n_heads: int = 4  # dsa only: the indexer's heads (V3.2: 64)
+    dsa_indexer_head_dim: int = 32  # dsa only: per indexer head; the first qk_rope_head_dim get RoPE (V3.2: 128)
+    dsa_indexer_topk: int = 32  # dsa only: keys each query attends to (V3.2: 2048)
+    dsa_indexer_loss_coeff: float = 1e-2  # dsa only: the indexer's KL loss; 0 leaves the indexer untrained
+    dsa_indexer_use_sparse_loss: bool = False  # dsa only: KL over the selected keys (V3.2's sparse stage)
+    # dsa only: Hadamard-rotate the indexer's q/k (V3.2 does, for its FP8 indexer; the scores are
+    # rotation-invariant otherwise). Needs the fast_hadamard_transform package and bf16.
+    dsa_indexer_rotate_activation: bool = False
 
     def __post_init__(self):
         super().__post_init__()
         self._check_choice("rope_type", ROPE_TYPES)
+        self._check_choice("attention_variant", ATTENTION_VARIANTS)
         for key in ("q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim"):
             if getattr(self, key) < 1:
                 raise ValueError(f"model.{key}={getattr(self, key)}: must be >= 1")
@@ -191,6 +214,28 @@ class MLAMoEConfig(MoEConfig):
             raise ValueError("model.qk_layernorm=false: multi-latent attention normalises its compressed latents")
         if self.add_qkv_bias:
             raise ValueError("model.add_qkv_bias=true is not supported with multi-latent attention")
+        if self.attention_variant == "dsa":
+            self._check_indexer()
+
+    def _check_indexer(self) -> None:
+        for key in ("dsa_indexer_n_heads", "dsa_indexer_head_dim", "dsa_indexer_topk"):
+            if getattr(self, key) < 1:
+                raise ValueError(f"model.{key}={getattr(self, key)}: must be >= 1")
+        if self.dsa_indexer_head_dim <= self.qk_rope_head_dim:
+            raise ValueError(f"model.dsa_indexer_head_dim={self.dsa_indexer_head_dim} must exceed "
+                             f"model.qk_rope_head_dim={self.qk_rope_head_dim} (RoPE takes that many of its dims)")
+        if self.dsa_indexer_loss_coeff < 0:
+            raise ValueError(f"model.dsa_indexer_loss_coeff={self.dsa_indexer_loss_coeff}: must be >= 0")
+        if self.dsa_indexer_rotate_activation:
+            import importlib.util
+
+            if importlib.util.find_spec("fast_hadamard_transform") is None:
+                raise ValueError("model.dsa_indexer_rotate_activation=true needs the fast_hadamard_transform "
+                                 "package (CUDA), which is not installed")
+
+    @property
+    def dsa(self) -> bool:
+        return self.attention_variant == "dsa"
 
     @property
     def q_head_dim(self) -> int:
@@ -219,6 +264,24 @@ class MLAMoEConfig(MoEConfig):
             mscale_all_dim=self.mscale_all_dim if yarn else 0.0,
         )
 
+    def transformer_config_kwargs(self) -> dict:
+        """The DSA fields sit on megatron's base TransformerConfig, so the run's config carries
+        them too: megatron's schedules then hand the main loss scale to the indexer loss."""
+        kwargs = super().transformer_config_kwargs()
+        if self.dsa:
+            kwargs.update(
+                experimental_attention_variant="dsa",
+                dsa_indexer_n_heads=self.dsa_indexer_n_heads,
+                dsa_indexer_head_dim=self.dsa_indexer_head_dim,
+                dsa_indexer_topk=self.dsa_indexer_topk,
+                dsa_indexer_loss_coeff=self.dsa_indexer_loss_coeff,
+                dsa_indexer_use_sparse_loss=self.dsa_indexer_use_sparse_loss,
+                dsa_indexer_rotate_activation=self.dsa_indexer_rotate_activation,
+                dsa_indexer_scoring_relu=True,  # DeepSeek-V3.2's indexer: ReLU(q.k) weighted per head
+                dsa_kernel_backend="none",  # megatron's torch path; it runs anywhere
+            )
+        return kwargs
+
     def _attention_parameters(self) -> int:
         h, n = self.hidden_size, self.num_attention_heads
         q = h * self.q_lora_rank + self.q_lora_rank + self.q_lora_rank * n * self.q_head_dim
@@ -226,6 +289,27 @@ class MLAMoEConfig(MoEConfig):
         kv += self.kv_lora_rank * n * (self.qk_nope_head_dim + self.v_head_dim)
         return q + kv + n * self.v_head_dim * h
 
+    def _indexer_parameters(self) -> int:
+        """One layer's lightning indexer: query up-projection from the compressed query, a
+        single key head (projection + LayerNorm with bias) and the per-head score weights."""
+        h, heads, d = self.hidden_size, self.dsa_indexer_n_heads, self.dsa_indexer_head_dim
+        return self.q_lora_rank * heads * d + h * d + 2 * d + h * heads
+
+    def parameter_counts(self) -> dict[str, int]:
+        """As ``MoEConfig``'s, plus (dsa) the indexers of all layers under ``indexer``."""
+        counts = super().parameter_counts()
+        if self.dsa:
+            counts["indexer"] = self.num_layers * self._indexer_parameters()
+        return counts
+
     def _attention_score_flops(self, seq_length: int) -> float:
-        # causal QK^T over q_head_dim and AV over v_head_dim: 3 * layers * seq * heads * (dqk + dv)
-        return 3.0 * self.num_layers * seq_length * self.num_attention_heads * (self.q_head_dim + self.v_head_dim)
+        if not self.dsa:
+            # causal QK^T over q_head_dim and AV over v_head_dim: 3 * layers * seq * heads * (dqk + dv)
+            return 3.0 * self.num_layers * seq_length * self.num_attention_heads * (self.q_head_dim + self.v_head_dim)
+        # absorbed (MQA-form) attention over each query's selected keys: QK^T over kv_lora_rank +
+        # qk_rope_head_dim, AV over kv_lora_rank; plus the indexer's causal scores over all keys
+        k, s = self.dsa_indexer_topk, seq_length
+        selected = (s * (s + 1) / 2 if k >= s else k * (k + 1) / 2 + (s - k) * k) / s  # keys per query
+        attention = 6.0 * selected * self.num_attention_heads * (2 * self.kv_lora_rank + self.qk_rope_head_dim)
+        indexer = 3.0 * s * self.dsa_indexer_n_heads * self.dsa_indexer_head_dim
+        return self.num_layers * (attention + indexer)

@@ -1,6 +1,8 @@
 """The DeepSeek-V3 family: multi-latent attention, the first layers dense, then MoE layers with
 a shared expert and sigmoid, group-limited routing with an aux-loss-free balancing bias
-(megatron-core's MLA and MoE layers). Multi-token prediction is not built."""
+(megatron-core's MLA and MoE layers). DeepSeek-V3.2 is the same family with DeepSeek sparse
+attention (``attention_variant: dsa``; flavours ``v3.2-debug``, ``v3.2-671b``). Multi-token
+prediction is not built."""
 
 from __future__ import annotations
 
@@ -13,7 +15,8 @@ DEEPSEEK_V3_SPEC = ModelSpec(
     name="deepseek_v3",
     config_class=MLAMoEConfig,
     build=build_moe_gpt,
-    flavours={"debug": "deepseek_v3_debug", "671b": "deepseek_v3_671b"},
+    flavours={"debug": "deepseek_v3_debug", "671b": "deepseek_v3_671b",
+              "v3.2-debug": "deepseek_v3_2_debug", "v3.2-671b": "deepseek_v3_2_671b"},
     layer_spec=layer_spec,
     hf_adapter=DEEPSEEK_V3_HF,
     flops_per_token=MLAMoEConfig.flops_per_token,

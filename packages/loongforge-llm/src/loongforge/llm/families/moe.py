@@ -1,4 +1,4 @@
-"""Building megatron-core mixture-of-experts GPT models (Qwen3-MoE, DeepSeek-V3) from a MoEConfig.
+"""Building megatron-core mixture-of-experts GPT models (Qwen3-MoE, DeepSeek-V3/V3.2) from a MoEConfig.
 
 Layers come from megatron's own decoder block spec, so the dense/MoE pattern
 (``first_k_dense``), multi-latent attention and the MoE layer (router, ``SequentialMLP``
@@ -8,6 +8,8 @@ modules; nothing here re-implements them. The experts use the local backend's
 Two local-backend gaps are filled in the specs: the norms (``norm.RMSNorm``, usable under
 sequence parallelism, which megatron's MoE layer needs with TP) and MLA's core attention
 (``core_attention.LatentDotProductAttention``, different query/key and value head dims).
+DeepSeek-V3.2's sparse attention (``attention_variant: dsa``) takes its layers from megatron's
+DSA specs instead (``dsa``).
 """
 
 from __future__ import annotations
@@ -43,6 +45,13 @@ def layer_spec(cfg: MoEConfig):
     """The megatron ModuleSpec of one MoE decoder layer (local backend)."""
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
+    if isinstance(cfg, MLAMoEConfig) and cfg.dsa:
+        from megatron.core.transformer import TransformerConfig
+
+        from loongforge.llm.families import dsa
+
+        return dsa.layer_specs(model_transformer_config(cfg, TransformerConfig(**cfg.transformer_config_kwargs())))[-1]
+
     spec = get_gpt_layer_local_spec(num_experts=cfg.num_experts, moe_grouped_gemm=False, qk_layernorm=cfg.qk_layernorm,
                                     multi_latent_attention=isinstance(cfg, MLAMoEConfig), normalization="RMSNorm")
     return _local_layer(spec, cfg)
@@ -55,6 +64,10 @@ def block_spec(cfg: MoEConfig, config):
 
     from loongforge.llm.families.norm import RMSNorm
 
+    if isinstance(cfg, MLAMoEConfig) and cfg.dsa:
+        from loongforge.llm.families import dsa
+
+        return dsa.block_spec(config)
     block = get_gpt_decoder_block_spec(config, use_transformer_engine=False, normalization="RMSNorm")
     final_norm = RMSNorm if block.layer_norm is WrappedTorchNorm else block.layer_norm
     return dataclasses.replace(block, layer_specs=[_local_layer(s, cfg) for s in block.layer_specs], layer_norm=final_norm)

@@ -1,11 +1,13 @@
-"""RMSNorm for the MoE families' layer specs on megatron-core's local backend.
+"""RMSNorm and LayerNorm for the MoE families' layer specs on megatron-core's local backend.
 
 megatron's local norm (``WrappedTorchNorm``, used when Apex is absent) refuses sequence
 parallelism: under SP each TP rank normalises only its part of the sequence, so the weight's
 gradient must be summed over TP, and finalize_model_grads does that only for weights marked
 ``sequence_parallel``, which that wrapper does not mark. megatron's MoE layer in turn refuses
-to train under TP without SP. This norm is torch's RMSNorm built like megatron's norms
-(``config, hidden_size, eps``) with its weight marked, so MoE models train under TP anywhere.
+to train under TP without SP. These norms are torch's, built like megatron's norms
+(``config, hidden_size, eps``) with their parameters marked, so MoE models train under TP
+anywhere. The LayerNorm is DeepSeek-V3.2's indexer key norm (megatron builds it with a
+config whose ``normalization`` is LayerNorm).
 """
 
 from __future__ import annotations
@@ -13,9 +15,25 @@ from __future__ import annotations
 import torch
 
 
+def _check_normalization(norm: torch.nn.Module, config, expected: str) -> None:
+    if config.normalization != expected:
+        raise ValueError(f"{type(norm).__name__} is a {expected}; the config asks for {config.normalization}")
+
+
+def _mark_sequence_parallel(norm: torch.nn.Module, config) -> None:
+    for param in norm.parameters():
+        setattr(param, "sequence_parallel", config.sequence_parallel)
+
+
 class RMSNorm(torch.nn.RMSNorm):
     def __init__(self, config, hidden_size: int, eps: float = 1e-5, **_megatron_options):
-        if config.normalization != "RMSNorm":
-            raise ValueError(f"{type(self).__name__} is an RMSNorm; the config asks for {config.normalization}")
+        _check_normalization(self, config, "RMSNorm")
         super().__init__(hidden_size, eps=eps)
-        setattr(self.weight, "sequence_parallel", config.sequence_parallel)
+        _mark_sequence_parallel(self, config)
+
+
+class LayerNorm(torch.nn.LayerNorm):
+    def __init__(self, config, hidden_size: int, eps: float = 1e-5, **_megatron_options):
+        _check_normalization(self, config, "LayerNorm")
+        super().__init__(hidden_size, eps=eps)
+        _mark_sequence_parallel(self, config)
