@@ -1,0 +1,168 @@
+"""DeepSeek-V3.2 sparse attention (``model.attention_variant: dsa``) on megatron-core's DSA modules.
+
+References: the plain MLA model with the same weights (an indexer that keeps every key must give
+its logits: sparse attention then is MLA, in megatron's absorbed form), and, for the sparse
+model, the same model with the indexer loss off (its gradients must be the language-model
+gradients exactly: the indexer reads detached activations and learns from its own loss only).
+"""
+
+import dataclasses
+import json
+
+import pytest
+import torch
+from cli_runner import run_cli
+
+from loongforge.core.config import ConfigError
+from loongforge.llm.families import deepseek_v3
+from loongforge.llm.moe_config import MLAMoEConfig
+from loongforge.llm.recipe import load_llm_config
+
+SEQ = 24
+VOCAB = 4096
+
+
+@pytest.fixture(scope="module")
+def ctx():
+    from loongforge.core.parallel import destroy_parallel, init_parallel
+
+    ctx = init_parallel(seed=0)
+    yield ctx
+    destroy_parallel()
+
+
+def build(ctx, cfg: MLAMoEConfig, seed: int) -> torch.nn.Module:
+    from megatron.core.transformer import TransformerConfig
+
+    from loongforge.llm.families.moe import build_moe_gpt
+
+    torch.manual_seed(seed)
+    config = TransformerConfig(**cfg.transformer_config_kwargs(), use_cpu_initialization=True,
+                               params_dtype=torch.float32, calculate_per_token_loss=True)
+    return build_moe_gpt(cfg, ctx, config, True, True)
+
+
+def tokens(seed: int = 3):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, VOCAB, (2, SEQ), generator=g), torch.arange(SEQ).expand(2, SEQ)
+
+
+def v32(**changes) -> MLAMoEConfig:
+    return dataclasses.replace(deepseek_v3.flavour("v3.2-debug"), **changes)
+
+
+def is_indexer(name: str) -> bool:
+    return ".core_attention.indexer." in name
+
+
+def test_meta_build_and_info_count_the_indexer(capsys):
+    from loongforge.llm.cli import main
+    from loongforge.llm.sizing import meta_parameters
+
+    cfg = deepseek_v3.flavour("v3.2-debug")
+    params = meta_parameters(cfg)
+    counts = cfg.parameter_counts()
+    assert counts["indexer"] > 0
+    assert sum(p.numel for p in params) == sum(counts.values())
+    assert sum(p.numel for p in params if is_indexer(p.name)) == counts["indexer"]
+    assert not any(p.tensor_parallel for p in params if is_indexer(p.name))  # duplicated over TP
+
+    assert main(["info", "--config", "train_deepseek_v3_2_debug"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["parameters"] == counts
+    assert out["total_parameters"] == sum(counts.values())
+    mla = dataclasses.replace(cfg, attention_variant="mla")
+    assert cfg.activated_parameter_count() == mla.activated_parameter_count() + counts["indexer"]
+
+
+def test_real_size_flavour():
+    d = deepseek_v3.flavour("v3.2-671b")
+    v3 = deepseek_v3.flavour("671b")
+    assert (d.dsa_indexer_n_heads, d.dsa_indexer_head_dim, d.dsa_indexer_topk) == (64, 128, 2048)
+    assert dataclasses.replace(d, attention_variant="mla") == dataclasses.replace(
+        v3, dsa_indexer_n_heads=64, dsa_indexer_head_dim=128, dsa_indexer_topk=2048)  # DeepSeek-V3's architecture
+    # 61 indexers of 1536x(64x128) + 7168x128 + 7168x64 weights and a 128-wide LayerNorm: 0.85B
+    assert d.parameter_counts()["indexer"] / 1e9 == pytest.approx(0.852, abs=0.001)
+    # at 128K tokens, 2048 keys per query (plus the indexer's scores) cost less than all of them
+    assert d.flops_per_token(131072) < v3.flops_per_token(131072)
+
+
+@pytest.mark.parametrize("changes,match", [
+    (dict(attention_variant="nsa"), "model.attention_variant='nsa': one of mla, dsa"),
+    (dict(dsa_indexer_topk=0), "model.dsa_indexer_topk=0: must be >= 1"),
+    (dict(dsa_indexer_n_heads=0), "model.dsa_indexer_n_heads=0: must be >= 1"),
+    (dict(dsa_indexer_head_dim=8), "model.dsa_indexer_head_dim=8 must exceed model.qk_rope_head_dim=8"),
+    (dict(dsa_indexer_loss_coeff=-1.0), "model.dsa_indexer_loss_coeff=-1.0: must be >= 0"),
+])
+def test_bad_indexer_config_names_the_key(changes, match):
+    with pytest.raises(ValueError, match=match):
+        MLAMoEConfig(**{"attention_variant": "dsa", **changes})
+
+
+def test_dsa_is_refused_outside_multi_latent_attention():
+    with pytest.raises(ConfigError, match="model.attention_variant"):
+        load_llm_config("train_qwen3_moe_debug", ["model.attention_variant=dsa"])
+    with pytest.raises(ConfigError, match="model.dsa_indexer_topk=0"):
+        load_llm_config("train_deepseek_v3_2_debug", ["model.dsa_indexer_topk=0"])
+
+
+def test_indexer_keeping_every_key_gives_the_mla_logits(ctx):
+    mla = build(ctx, v32(attention_variant="mla"), seed=0)
+    dsa = build(ctx, v32(dsa_indexer_topk=SEQ), seed=1)
+    result = dsa.load_state_dict(mla.state_dict(), strict=False)
+    assert not result.unexpected_keys
+    assert result.missing_keys and all(is_indexer(k) for k in result.missing_keys)  # the indexer is extra
+    tok, pos = tokens()
+    for mode in ("eval", "train"):  # train: the indexer loss is attached, the forward unchanged
+        mla.train(mode == "train")
+        dsa.train(mode == "train")
+        with torch.no_grad():
+            want, got = mla(tok, pos, None), dsa(tok, pos, None)
+        assert want.shape == (2, SEQ, VOCAB)
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def grads(model, tok, pos) -> dict[str, torch.Tensor | None]:
+    model.train()
+    model.zero_grad()
+    model(tok, pos, None, labels=tok).float().sum().backward()
+    return {n: None if p.grad is None else p.grad.clone() for n, p in model.named_parameters()}
+
+
+def test_sparse_attention_changes_logits_and_the_indexer_learns(ctx):
+    topk = 6
+    dense = build(ctx, v32(dsa_indexer_topk=SEQ), seed=1)
+    sparse = build(ctx, v32(dsa_indexer_topk=topk), seed=2)
+    sparse.load_state_dict(dense.state_dict())
+    tok, pos = tokens()
+    dense.eval()
+    sparse.eval()
+    with torch.no_grad():
+        want, got = dense(tok, pos, None), sparse(tok, pos, None)
+    # the first topk queries have at most topk keys: nothing to drop; every later one drops some
+    torch.testing.assert_close(got[:, :topk], want[:, :topk], rtol=1e-5, atol=1e-5)
+    assert (got[:, topk:] - want[:, topk:]).abs().amax(dim=-1).min() > 1e-4
+
+    with_loss = grads(sparse, tok, pos)
+    indexer = {n: g for n, g in with_loss.items() if is_indexer(n)}
+    assert len(indexer) == 2 * 5  # per layer: wq_b, wk, k_norm weight and bias, weights_proj
+    assert all(g is not None and g.abs().sum() > 0 for g in indexer.values())
+
+    no_loss = build(ctx, v32(dsa_indexer_topk=topk, dsa_indexer_loss_coeff=0.0), seed=2)
+    no_loss.load_state_dict(sparse.state_dict())
+    without = grads(no_loss, tok, pos)
+    assert all(without[n] is None or not without[n].any() for n in indexer)
+    for name, g in with_loss.items():
+        if not is_indexer(name):
+            torch.testing.assert_close(g, without[name], rtol=0, atol=0, msg=name)
+
+
+def test_cli_trains_the_debug_model(tmp_path, llm_data_cache):
+    proc = run_cli(["lf-llm", "train", "--config", "train_deepseek_v3_2_debug", "train.steps=3", "train.warmup_steps=1",
+                    "train.global_batch_size=4", "train.micro_batch_size=2", "train.seq_length=64", "log.interval=1",
+                    "log.tensorboard=false", "log.progress=false", "checkpoint.save=false", f"log.run_dir={tmp_path}",
+                    f"data.cache_dir={llm_data_cache}"])
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+    records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == [1, 2, 3]
+    assert all(7.0 < r["loss"] < 9.0 and r["grad_norm"] > 0 for r in records)  # ln(4096) = 8.3 at the start
