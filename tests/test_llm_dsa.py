@@ -157,6 +157,63 @@ def test_sparse_attention_changes_logits_and_the_indexer_learns(ctx):
             torch.testing.assert_close(g, without[name], rtol=0, atol=0, msg=name)
 
 
+HF_V32 = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, moe_intermediate_size=32, num_hidden_layers=2,
+              num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=128, rms_norm_eps=1e-6,
+              n_routed_experts=4, n_shared_experts=1, num_experts_per_tok=2, n_group=2, topk_group=1,
+              routed_scaling_factor=2.5, first_k_dense_replace=1, q_lora_rank=32, kv_lora_rank=16, qk_nope_head_dim=16,
+              qk_rope_head_dim=8, v_head_dim=16, index_n_heads=8, index_head_dim=16, index_topk=6,
+              rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "beta_fast": 32.0,
+                               "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 1.0,
+                               "original_max_position_embeddings": 32},
+              attn_implementation="eager", num_nextn_predict_layers=0)
+
+
+def test_hf_deepseek_v32_converts_to_the_same_logits(ctx, tmp_path):
+    """transformers' DeepSeek-V3.2 (its own indexer and sparse mask) converted with ``hf_to_lf``
+    gives its logits, and its top-k selection matters (all keys give other logits)."""
+    from transformers import DeepseekV32Config, DeepseekV32ForCausalLM
+
+    from loongforge.core.hf_mapping.convert import hf_to_lf, lf_to_hf
+    from loongforge.core.training import checkpointing
+    from loongforge.core.training.schema import LogConfig, TrainConfig
+    from loongforge.core.training.trainer import MegatronTrainer
+    from loongforge.llm.recipe import LLMConfig, LLMTask
+
+    torch.manual_seed(5)
+    hf = DeepseekV32ForCausalLM(DeepseekV32Config(**HF_V32)).eval()
+    with torch.no_grad():
+        for name, p in hf.named_parameters():
+            p.copy_((1.0 if "norm.weight" in name or "layernorm" in name else 0.0) + 0.05 * torch.randn(p.shape))
+    hf.save_pretrained(tmp_path / "hf")
+    done = hf_to_lf(tmp_path / "hf", tmp_path / "lf", progress=False)
+    cfg = done.model_config
+    assert (done.family, cfg.attention_variant, cfg.dsa_indexer_topk, cfg.dsa_indexer_n_heads) == ("deepseek_v3", "dsa", 6, 8)
+    run = LLMConfig(model=cfg, train=TrainConfig(steps=1, warmup_steps=0, global_batch_size=1, micro_batch_size=1),
+                    log=LogConfig(run_dir=str(tmp_path / "run"), tensorboard=False, progress=False))
+    trainer = MegatronTrainer(LLMTask(run), ctx, run.train, run.log)
+    checkpointing.load_weights(trainer, tmp_path / "lf")
+    trainer.model.eval()
+    tok, pos = tokens(seed=7)
+    with torch.no_grad():
+        want, got = hf(input_ids=tok, position_ids=pos).logits, trainer.model(tok, pos, None)
+        hf.config.index_topk = SEQ
+        for layer in hf.model.layers:
+            layer.self_attn.indexer.index_topk = SEQ
+        dense = hf(input_ids=tok, position_ids=pos).logits
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=0)
+    assert (dense - want).abs().max() > 1e-3
+
+    lf_to_hf(tmp_path / "lf", tmp_path / "back", progress=False)
+    back = json.loads((tmp_path / "back" / "config.json").read_text())
+    assert back["architectures"] == ["DeepseekV32ForCausalLM"]
+    assert (back["index_n_heads"], back["index_head_dim"], back["index_topk"]) == (8, 16, 6)
+    from safetensors.torch import load_file
+
+    original, exported = load_file(tmp_path / "hf" / "model.safetensors"), load_file(tmp_path / "back" / "model.safetensors")
+    assert sorted(exported) == sorted(original) and any(".indexer." in n for n in original)
+    assert all(torch.equal(exported[n], t) for n, t in original.items())
+
+
 def test_cli_trains_the_debug_model(tmp_path, llm_data_cache):
     proc = run_cli(["lf-llm", "train", "--config", "train_deepseek_v3_2_debug", "train.steps=3", "train.warmup_steps=1",
                     "train.global_batch_size=4", "train.micro_batch_size=2", "train.seq_length=64", "log.interval=1",

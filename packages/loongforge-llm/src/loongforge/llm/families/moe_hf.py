@@ -1,5 +1,7 @@
 """The Hugging Face layouts of the MoE families: Qwen3-MoE (``Qwen3MoeForCausalLM``) and
-DeepSeek-V3 (``DeepseekV3ForCausalLM``), as the hub checkpoints store them (one tensor per
+DeepSeek-V3 (``DeepseekV3ForCausalLM``; with DeepSeek sparse attention, DeepSeek-V3.2's
+``DeepseekV32ForCausalLM``: the same tensors plus each layer's ``self_attn.indexer.*``), as the
+hub checkpoints store them (one tensor per
 expert projection, ``mlp.experts.{expert}.gate_proj.weight``; transformers fuses them into 3-D
 tensors when it loads and splits them again in ``save_pretrained``).
 
@@ -111,6 +113,9 @@ DEEPSEEK_V3_MAPPING = LayerKindMapping(
         Rule(ATTN + "kv_a_layernorm.weight", SELF_ATTN + "kv_layernorm.weight"),
         Rule(ATTN + "kv_b_proj.weight", SELF_ATTN + "linear_kv_up_proj.weight"),
         Rule(ATTN + "o_proj.weight", SELF_ATTN + "linear_proj.weight"),
+        *(Rule(ATTN + f"indexer.{hf}", SELF_ATTN + f"core_attention.indexer.{lf}", when="dsa") for hf, lf in (
+            ("wq_b.weight", "linear_wq_b.weight"), ("wk.weight", "linear_wk.weight"), ("k_norm.weight", "k_norm.weight"),
+            ("k_norm.bias", "k_norm.bias"), ("weights_proj.weight", "linear_weights_proj.weight"))),
         Rule(LAYER + "post_attention_layernorm.weight", OURS + "pre_mlp_layernorm.weight"),
         Rule("model.norm.weight", "decoder.final_layernorm.weight"),
         Rule("lm_head.weight", "output_layer.weight", when="not tie_embeddings"),
@@ -213,11 +218,20 @@ def _group_routing(hf, source: str) -> tuple[int, int]:
     return groups, group_topk
 
 
+DEEPSEEK_V32 = "DeepseekV32ForCausalLM"
+# transformers' DeepSeek-V3.2 indexer: key LayerNorm eps 1e-6, ReLU scores, non-interleaved RoPE
+V32_INDEXER_NORM_EPS = 1e-6
+
+
 def deepseek_v3_from_hf(raw: dict) -> MLAMoEConfig:
-    source = "config.json of DeepseekV3ForCausalLM"
-    hf = _hf_config("DeepseekV3Config", raw)
+    v32 = DEEPSEEK_V32 in (raw.get("architectures") or [])
+    source = f"config.json of {DEEPSEEK_V32 if v32 else 'DeepseekV3ForCausalLM'}"
+    hf = _hf_config("DeepseekV32Config" if v32 else "DeepseekV3Config", raw)
     _require(hf, source, "deepseek_v3", {"hidden_act": "silu", "attention_bias": False, "rope_interleave": True,
                                           "num_key_value_heads": hf.num_attention_heads})
+    if v32 and hf.rms_norm_eps != V32_INDEXER_NORM_EPS:
+        raise MappingError(f"{source}: rms_norm_eps={hf.rms_norm_eps}: LoongForge's indexer key norm takes the model's "
+                           f"epsilon, transformers' DeepSeek-V3.2 indexer always {V32_INDEXER_NORM_EPS}")
     if hf.q_lora_rank is None:
         raise MappingError(f"{source}: q_lora_rank=None: uncompressed MLA queries are not supported "
                            "(megatron-core's local backend builds MLA with a compressed query only)")
@@ -267,6 +281,8 @@ def deepseek_v3_from_hf(raw: dict) -> MLAMoEConfig:
         moe_router_enable_expert_bias=True,  # e_score_correction_bias
         moe_router_load_balancing_type="seq_aux_loss",
         moe_aux_loss_coeff=1e-4,
+        **(dict(attention_variant="dsa", dsa_indexer_n_heads=hf.index_n_heads, dsa_indexer_head_dim=hf.index_head_dim,
+                dsa_indexer_topk=hf.index_topk) if v32 else {}),
     )
 
 
@@ -278,14 +294,19 @@ def deepseek_v3_to_hf(cfg: MLAMoEConfig) -> dict:
     if cfg.moe_router_num_groups and cfg.moe_router_topk // cfg.moe_router_group_topk != 2:
         raise MappingError(f"model.moe_router_topk={cfg.moe_router_topk}, model.moe_router_group_topk="
                            f"{cfg.moe_router_group_topk}: DeepseekV3ForCausalLM ranks groups by their top-2 scores")
+    if cfg.dsa and cfg.norm_epsilon != V32_INDEXER_NORM_EPS:
+        raise MappingError(f"model.norm_epsilon={cfg.norm_epsilon}: the indexer key norm takes it, "
+                           f"{DEEPSEEK_V32}'s is always {V32_INDEXER_NORM_EPS}")
     rope = {"rope_type": "default", "rope_theta": cfg.rotary_base}
     if cfg.rope_type == "yarn":
         rope = {"rope_type": "yarn", "rope_theta": cfg.rotary_base, "factor": cfg.rotary_scaling_factor,
                 "original_max_position_embeddings": cfg.original_max_position_embeddings, "beta_fast": cfg.beta_fast,
                 "beta_slow": cfg.beta_slow, "mscale": cfg.mscale, "mscale_all_dim": cfg.mscale_all_dim}
-    hf = _hf_config("DeepseekV3Config", {})
+    indexer = dict(index_n_heads=cfg.dsa_indexer_n_heads, index_head_dim=cfg.dsa_indexer_head_dim,
+                   index_topk=cfg.dsa_indexer_topk) if cfg.dsa else dict(rope_interleave=True)
+    hf = _hf_config("DeepseekV32Config" if cfg.dsa else "DeepseekV3Config", {})
     hf = type(hf)(
-        architectures=["DeepseekV3ForCausalLM"], vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size,
+        architectures=[DEEPSEEK_V32 if cfg.dsa else "DeepseekV3ForCausalLM"], vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size,
         intermediate_size=cfg.ffn_hidden_size, moe_intermediate_size=expert, num_hidden_layers=cfg.num_layers,
         num_attention_heads=cfg.num_attention_heads, num_key_value_heads=cfg.num_attention_heads,
         n_shared_experts=shared // expert, n_routed_experts=cfg.num_experts,
@@ -295,13 +316,14 @@ def deepseek_v3_to_hf(cfg: MLAMoEConfig) -> dict:
         topk_group=cfg.moe_router_group_topk or 1, num_experts_per_tok=cfg.moe_router_topk,
         first_k_dense_replace=cfg.first_k_dense, norm_topk_prob=True, hidden_act="silu",
         max_position_embeddings=cfg.max_position_embeddings, rms_norm_eps=cfg.norm_epsilon, rope_parameters=rope,
-        rope_interleave=True, tie_word_embeddings=cfg.tie_embeddings, initializer_range=cfg.init_method_std,
+        tie_word_embeddings=cfg.tie_embeddings, initializer_range=cfg.init_method_std,
         num_nextn_predict_layers=0,  # LoongForge does not build the multi-token-prediction layer
+        **indexer,
     )
     return hf.to_dict()
 
 
 QWEN3_MOE_HF = HFAdapter(architectures=("Qwen3MoeForCausalLM",), mapping=QWEN3_MOE_MAPPING,
                          config_from_hf=qwen3_moe_from_hf, config_to_hf=qwen3_moe_to_hf)
-DEEPSEEK_V3_HF = HFAdapter(architectures=("DeepseekV3ForCausalLM",), mapping=DEEPSEEK_V3_MAPPING,
+DEEPSEEK_V3_HF = HFAdapter(architectures=("DeepseekV3ForCausalLM", DEEPSEEK_V32), mapping=DEEPSEEK_V3_MAPPING,
                            config_from_hf=deepseek_v3_from_hf, config_to_hf=deepseek_v3_to_hf)
