@@ -58,10 +58,17 @@ class LLMConfig:
     balance: BalanceConfig = field(default_factory=BalanceConfig)  # used by recipe=sft
     kernels: KernelsConfig = field(default_factory=KernelsConfig)
     lora: LoRAConfig = field(default_factory=LoRAConfig)  # rank > 0: train low-rank adapters only
+    # none | blockwise | adaptive: the dense layers' QKV, attention-output and MLP GEMMs in blockwise
+    # FP8 (e4m3; adaptive: bf16 where a GEMM's FP8 form measures slower); see layers.fp8_linear
+    fp8: str = "none"
 
     def __post_init__(self):
         if self.recipe not in ("pretrain", "sft"):
             raise ValueError(f"recipe={self.recipe!r}: one of pretrain, sft")
+        if self.fp8 != "none":
+            from loongforge.llm.layers.fp8_linear import check_fp8_mode
+
+            check_fp8_mode(self.fp8)
         if self.recipe == "sft":
             from loongforge.llm.sft_recipe import check_sft_config
 
@@ -131,7 +138,7 @@ class LLMTask:
             from loongforge.core.kernels import force_reference_kernels
 
             force_reference_kernels()  # before the modules resolve their ops
-        model = self.spec.build(self.cfg.model, ctx, transformer_config, pre_process, post_process)
+        model = self._build_with_fp8(ctx, transformer_config, pre_process, post_process)
         lora = self.cfg.lora
         if lora.enabled:
             from loongforge.llm.lora import apply_lora, load_base_weights
@@ -139,6 +146,20 @@ class LLMTask:
             if lora.base:
                 load_base_weights(model, lora.base, self.model_config_dict())
             apply_lora(model, lora, seed=self.cfg.train.seed)
+        return model
+
+    def _build_with_fp8(self, ctx, transformer_config, pre_process, post_process):
+        """The family's model, its layer specs made in the ``fp8`` mode; an FP8 mode that the
+        family's layers do not take is an error rather than a bf16 run."""
+        from loongforge.llm.layers.fp8_linear import count_fp8_linears, fp8_linears
+
+        with fp8_linears(self.cfg.fp8):
+            model = self.spec.build(self.cfg.model, ctx, transformer_config, pre_process, post_process)
+        if self.cfg.fp8 != "none" and not count_fp8_linears(model):
+            raise ValueError(
+                f"fp8={self.cfg.fp8!r}: model.family={self.family!r} builds no FP8 linear; FP8 runs in the "
+                "dense fast layer spec (the llama, qwen2 and qwen3 families without Transformer Engine installed)"
+            )
         return model
 
     def flops_per_token(self, seq_length: int) -> float:

@@ -2,7 +2,8 @@
 
 It keeps megatron's local spec's modules for the linears (tensor parallel as megatron does it),
 its parameter names and its sharded-state-dict key map, so checkpoints and the HF mapping are the
-same whichever spec trained them.
+same whichever spec trained them. Inside an ``fp8_linear.fp8_linears(mode)`` block the linears are
+their blockwise-FP8 subclasses (the same parameters and state dict).
 """
 
 from __future__ import annotations
@@ -25,13 +26,25 @@ def _with_attention(spec, module=None, **submodules):
     return dataclasses.replace(spec, submodules=dataclasses.replace(spec.submodules, self_attention=attention))
 
 
+def _fp8_linear_classes(mode: str) -> tuple:
+    """The column- and row-parallel linear classes of FP8 ``mode`` (blockwise | adaptive)."""
+    from loongforge.llm.layers.fp8_linear import Fp8ColumnParallelLinear, Fp8RowParallelLinear
+
+    if mode == "adaptive":
+        return (functools.partial(Fp8ColumnParallelLinear, adaptive=True),
+                functools.partial(Fp8RowParallelLinear, adaptive=True))
+    return Fp8ColumnParallelLinear, Fp8RowParallelLinear
+
+
 def fast_layer_spec(cfg, recompute_elementwise: bool = True):
     """The fast decoder layer: ``FusedTransformerLayer`` (fused residual add + RMSNorm, no no-op
     dropout, norm/SwiGLU outputs recomputed in the backward when ``recompute_elementwise``),
     ``FusedSelfAttention`` (fused RoPE read from the qkv projection) on ``SDPAttention``,
     ``FusedRMSNorm`` norms (also q/k norms) and ``FusedMLP`` (fused SwiGLU), each op from the
-    ``loongforge.core.kernels`` registry."""
+    ``loongforge.core.kernels`` registry. In an ``fp8_linears`` block of mode blockwise or
+    adaptive, QKV, the attention output and MLP fc1/fc2 are FP8 linears."""
     from loongforge.llm.layers.attention import SDPAttention
+    from loongforge.llm.layers.fp8_linear import active_fp8_mode
     from loongforge.llm.layers.mlp import FusedMLP
     from loongforge.llm.layers.norm import FusedRMSNorm
     from loongforge.llm.layers.self_attention import FusedSelfAttention
@@ -39,11 +52,18 @@ def fast_layer_spec(cfg, recompute_elementwise: bool = True):
 
     spec = _local_spec(cfg)
     qk_norm = {"q_layernorm": FusedRMSNorm, "k_layernorm": FusedRMSNorm} if cfg.qk_layernorm else {}
-    spec = _with_attention(spec, FusedSelfAttention, core_attention=SDPAttention, **qk_norm)
+    attention_linears, mlp_linears = {}, {}
+    fp8 = active_fp8_mode()
+    if fp8 != "none":
+        column, row = _fp8_linear_classes(fp8)
+        attention_linears = {"linear_qkv": column, "linear_proj": row}
+        mlp_linears = {"linear_fc1": column, "linear_fc2": row}
+    spec = _with_attention(spec, FusedSelfAttention, core_attention=SDPAttention, **qk_norm, **attention_linears)
     mlp = spec.submodules.mlp
     if not isinstance(mlp, functools.partial):
         raise TypeError(f"fast_layer_spec: megatron's local MLP spec is {mlp!r}; expected MLP.as_mlp_submodule")
-    mlp = functools.partial(FusedMLP.as_mlp_submodule, *mlp.args, **mlp.keywords)
+    mlp_submodules = dataclasses.replace(mlp.keywords["submodules"], **mlp_linears)
+    mlp = functools.partial(FusedMLP.as_mlp_submodule, *mlp.args, **{**mlp.keywords, "submodules": mlp_submodules})
     submodules = dataclasses.replace(spec.submodules, input_layernorm=FusedRMSNorm, pre_mlp_layernorm=FusedRMSNorm, mlp=mlp)
     return dataclasses.replace(spec, module=FusedTransformerLayer, submodules=submodules,
                                params={**spec.params, "recompute_elementwise": recompute_elementwise})

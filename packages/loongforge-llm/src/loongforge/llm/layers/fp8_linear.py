@@ -1,0 +1,106 @@
+"""megatron's tensor-parallel linears with their GEMMs in blockwise FP8 (the recipe's ``fp8`` key).
+
+``Fp8ColumnParallelLinear`` and ``Fp8RowParallelLinear`` are megatron's ``ColumnParallelLinear``
+and ``RowParallelLinear`` -- same parameters, initialisation, sharded state dict and
+tensor-parallel communication -- whose local GEMM (the ``_forward_impl`` both forwards call) is
+the registry's ``fp8_linear``: the input, the weight and the output gradient are quantised
+blockwise to e4m3 in the forward and in both backward GEMMs, and the master weight stays in the
+param dtype (see ``loongforge.core.kernels.fp8``). On CUDA GPUs of compute capability 8.9+ that
+op is the fused kernel of ``loongforge-kernels``; elsewhere the torch reference, which emulates
+the FP8 numerics in fp32. ``adaptive=True`` lets the fused kernel run a GEMM in bf16 where its
+measured FP8 form is slower.
+
+The modes are ``none`` (megatron's linears), ``blockwise`` (every GEMM in FP8) and ``adaptive``.
+A family's builder makes its layer spec itself, so the mode reaches ``fast_layer_spec`` through
+an ``fp8_linears(mode)`` block around the build (``LLMTask.build_model`` opens it).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from contextvars import ContextVar
+
+import torch
+from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
+from megatron.core.tensor_parallel.mappings import (
+    copy_to_tensor_model_parallel_region,
+    gather_from_sequence_parallel_region,
+)
+
+from loongforge.core.kernels import get_kernel
+
+FP8_MODES = ("none", "blockwise", "adaptive")
+
+_MODE: ContextVar[str] = ContextVar("loongforge_llm_fp8_mode", default="none")
+
+
+def check_fp8_mode(mode: str, key: str = "fp8") -> str:
+    """``mode`` if it is one of :data:`FP8_MODES`, else a ``ValueError`` naming ``key``."""
+    if mode not in FP8_MODES:
+        raise ValueError(f"{key}={mode!r}: one of {', '.join(FP8_MODES)}")
+    return mode
+
+
+@contextmanager
+def fp8_linears(mode: str) -> Iterator[None]:
+    """Layer specs made by ``fast_layer_spec`` inside this block use FP8 linears of ``mode``."""
+    token = _MODE.set(check_fp8_mode(mode))
+    try:
+        yield
+    finally:
+        _MODE.reset(token)
+
+
+def active_fp8_mode() -> str:
+    """The mode of the innermost ``fp8_linears`` block (``none`` outside any)."""
+    return _MODE.get()
+
+
+class _Fp8Gemm:
+    """The local GEMM of megatron's parallel linears on the registry's ``fp8_linear``.
+
+    megatron's ``forward`` prepares the input and reduces the output; its ``_forward_impl`` runs
+    the GEMM with the communication megatron fuses into it: with sequence parallelism the input
+    is all-gathered over the sequence (its gradient reduce-scattered), and a column-parallel
+    input's gradient is all-reduced over TP (``allreduce_dgrad``). Here the same communication
+    runs through megatron's autograd mappings around the FP8 GEMM. The weight gradient is
+    returned as ``.grad``, which megatron's DDP adds to ``main_grad`` (so no gradient
+    accumulation fusion).
+    """
+
+    def __init__(self, *args, adaptive: bool = False, **kwargs):
+        super().__init__(*args, **kwargs)
+        if self.gtp_remat_size > 1:
+            raise ValueError(f"{type(self).__name__}: GTP weight sharding (gtp_remat_size={self.gtp_remat_size}) "
+                             "is not supported with FP8 linears")
+        self.fp8_adaptive = adaptive
+        self._fp8_linear = get_kernel("fp8_linear")
+
+    def _forward_impl(self, input, weight, bias, gradient_accumulation_fusion, allreduce_dgrad, sequence_parallel,
+                      grad_output_buffer=None, wgrad_deferral_limit=None, tp_group=None, gtp_remat_size=1):
+        del gradient_accumulation_fusion, wgrad_deferral_limit, gtp_remat_size  # see the class doc and __init__
+        if grad_output_buffer is not None:
+            raise NotImplementedError(f"{type(self).__name__}: deferred weight-gradient GEMMs "
+                                      "(defer_embedding_wgrad_compute) are not supported with FP8 linears")
+        if sequence_parallel:
+            input = gather_from_sequence_parallel_region(input, tensor_parallel_output_grad=True, group=tp_group)
+        elif allreduce_dgrad:
+            input = copy_to_tensor_model_parallel_region(input, group=tp_group)
+        return self._fp8_linear(input, weight, bias, adaptive=self.fp8_adaptive)
+
+    def extra_repr(self) -> str:
+        return f"{super().extra_repr()}, fp8={'adaptive' if self.fp8_adaptive else 'blockwise'}"
+
+
+class Fp8ColumnParallelLinear(_Fp8Gemm, ColumnParallelLinear):
+    """megatron's ``ColumnParallelLinear`` (output dim split over TP) with a blockwise FP8 GEMM."""
+
+
+class Fp8RowParallelLinear(_Fp8Gemm, RowParallelLinear):
+    """megatron's ``RowParallelLinear`` (input dim split over TP) with a blockwise FP8 GEMM."""
+
+
+def count_fp8_linears(model: torch.nn.Module) -> int:
+    """How many of ``model``'s modules are FP8 linears."""
+    return sum(isinstance(m, _Fp8Gemm) for m in model.modules())
