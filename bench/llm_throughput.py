@@ -12,7 +12,10 @@ on one GPU. In one process, on the same GPU, one after the other:
 - ``ours``: ``lf-llm train --config train_0_5b``'s model and ``MegatronTrainer.train_step`` (megatron
   DDP, fp32 main weights and grads, AdamW, grad clipping, LR schedule) on random tokens;
   ``--variant`` adds more of ours with config overrides (``train.recompute=selective``) or the
-  bench's own knobs (``spec.recompute_elementwise=false``, ``attention_backend=flash|fused|unfused``).
+  bench's own knobs (``spec.recompute_elementwise=false``, ``attention_backend=flash|fused|unfused``);
+- ``ours_fp8_<mode>`` (``--fp8 blockwise|adaptive``, repeatable): ours with ``fp8=<mode>``, the dense
+  layers' GEMMs in blockwise FP8; its tokens/s and memory are compared with ours in bf16, and for
+  ``adaptive`` the per-GEMM table it measured (``loongforge.kernels.fp8_linear.adaptive_table``) is printed.
 
 Each run: warm-up steps, then ``--steps`` timed steps; tokens/s, model TFLOP/s (the anchor's FLOP
 formula, ``GPTConfig.flops_per_token``), MFU against the measured matmul peak, and peak allocated
@@ -112,6 +115,7 @@ def our_step(overrides: list[str], run_dir: str):
 
     from loongforge.core.parallel import init_parallel
     from loongforge.core.training.trainer import MegatronTrainer
+    from loongforge.llm.layers.fp8_linear import fp8_linears
     from loongforge.llm.layers.gpt_model import FusedLossGPTModel
     from loongforge.llm.layers.spec import fast_layer_spec
     from loongforge.llm.recipe import LLMTask, load_llm_config
@@ -140,8 +144,10 @@ def our_step(overrides: list[str], run_dir: str):
                 return super().build_model(ctx, transformer_config, pre_process, post_process)
             keep = knobs["spec.recompute_elementwise"].lower() in ("1", "true", "yes")
             m = self.cfg.model
+            with fp8_linears(self.cfg.fp8):
+                spec = fast_layer_spec(m, recompute_elementwise=keep)
             return FusedLossGPTModel(
-                config=transformer_config, transformer_layer_spec=fast_layer_spec(m, recompute_elementwise=keep),
+                config=transformer_config, transformer_layer_spec=spec,
                 vocab_size=m.vocab_size, max_sequence_length=m.max_position_embeddings, pre_process=pre_process,
                 post_process=post_process, share_embeddings_and_output_weights=m.tie_embeddings,
                 position_embedding_type="rope", rotary_percent=m.rotary_percent, rotary_base=int(m.rotary_base),
@@ -191,10 +197,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--variant", action="append", default=[], metavar="NAME=KEY=VALUE,...",
                         help="one more run of ours with these overrides (comma-separated)")
+    parser.add_argument("--fp8", action="append", default=[], choices=["blockwise", "adaptive"],
+                        help="one more run of ours with fp8=<mode>, compared with ours in bf16")
     parser.add_argument("--skip", action="append", default=[], help="a run to leave out (hf_sdpa, hf_sdpa_compile)")
     parser.add_argument("--profile-rows", type=int, default=25, help="0: no profiler tables")
     parser.add_argument("--trace", default=None, help="write a Chrome trace of the profiled steps of ours here")
     args = parser.parse_args(argv)
+    args.fp8 = list(dict.fromkeys(args.fp8))  # each mode once
     if not torch.cuda.is_available():
         raise SystemExit("bench/llm_throughput.py needs a CUDA GPU")
     warnings.filterwarnings("ignore")
@@ -210,15 +219,23 @@ def main(argv: list[str] | None = None) -> int:
     for spec in args.variant:
         name, _, overrides = spec.partition("=")
         runs.insert(1, (name, overrides.split(",") if overrides else []))
-    results, profile = {}, None
+    for mode in reversed(args.fp8):
+        runs.insert(1, (f"ours_fp8_{mode}", [f"fp8={mode}"]))
+    results, profile, measured_table = {}, None, None
     with tempfile.TemporaryDirectory() as run_dir:
         for name, overrides in runs:
             fresh_memory()
             if name.startswith("hf_"):
                 step, keep = hf_step(compile_=name.endswith("compile"))
             else:
+                if name == "ours_fp8_adaptive":
+                    from loongforge.kernels import fp8_linear as fused_fp8
+
+                    fused_fp8.clear_adaptive_table()  # this run's shapes only
                 step, keep = our_step(list(overrides), run_dir)
             seconds = timed(step, args.steps, args.warmup)
+            if name == "ours_fp8_adaptive":
+                measured_table = fused_fp8.adaptive_table()
             memory = torch.cuda.max_memory_allocated() / 2**30
             if name == "ours" and args.profile_rows:
                 profile = profile_tables(step, args.profile_rows, args.trace)
@@ -237,6 +254,11 @@ def main(argv: list[str] | None = None) -> int:
     for name, (tps, tflops, mfu, memory) in results.items():
         ratios = "".join(f"{tps / results[b][0]:>18.2f}" for b in results if b.startswith("hf_"))
         print(f"{name:<22}{tps:>12,.0f}{tflops:>10.0f}{mfu:>8.1%}{memory:>10.1f}{ratios}")
+    for mode in args.fp8:
+        (tps, *_, memory), (bf16_tps, *_, bf16_memory) = results[f"ours_fp8_{mode}"], results["ours"]
+        print(f"fp8={mode} / bf16 (ours): {tps / bf16_tps:.2f}x tokens/s, peak memory {memory:.1f} / {bf16_memory:.1f} GiB")
+    if measured_table:
+        print("\nfp8=adaptive, the GEMM choices it measured (one line per GEMM of each linear shape):\n" + measured_table)
     return 0
 
 
