@@ -16,7 +16,8 @@ on the text tokens. In one process, on the same device, one after the other:
 - ``ours``: ``VLMTask``'s model and ``MegatronTrainer.train_step`` (megatron DDP, fp32 main
   weights and grads, AdamW, grad clipping) on the same samples, one per micro-batch (``--pack K``:
   K per packed micro-batch); ``--variant NAME=KEY=VALUE,...`` adds more of ours with config
-  overrides (``parallel.encoder.recompute=full``, ``parallel.foundation.recompute=selective``).
+  overrides (``parallel.encoder.recompute=full``, ``parallel.foundation.recompute=selective``) or
+  the bench's own knob ``pack=K``.
 
 Both models hold the same weights: the transformers model's random initialisation is saved and
 read into ours through the ``vlm`` family's HF mapping, and the positions given to transformers
@@ -206,7 +207,19 @@ def innermost(module):
     return module
 
 
-def our_step(cfg, hf_dir: Path, batch: Batch, case: Case):
+def split_overrides(overrides: list[str], default_pack: int) -> tuple[list[str], int]:
+    """A variant's config overrides and its samples per micro-batch (the bench's ``pack=K``)."""
+    config, pack = [], default_pack
+    for item in overrides:
+        key, _, value = item.partition("=")
+        if key == "pack":
+            pack = int(value)
+        else:
+            config.append(item)
+    return config, pack
+
+
+def our_step(cfg, hf_dir: Path, batch: Batch, case: Case, pack_size: int):
     from loongforge.core.checkpoint.sharded import load_into
     from loongforge.core.hf_mapping.online import HFPieceReader
     from loongforge.core.parallel import init_parallel
@@ -222,7 +235,7 @@ def our_step(cfg, hf_dir: Path, batch: Batch, case: Case):
     reader = HFPieceReader(hf_dir, QWEN2_5_VL_ADAPTER.bind(task.model_cfg))
     model.load_state_dict(load_into(model.sharded_state_dict(), reader, {}, {}), strict=True)
     trainer.optimizer.reload_model_params()  # the fp32 main weights from the loaded ones
-    groups = [batch.samples[i:i + case.pack] for i in range(0, len(batch.samples), case.pack)]
+    groups = [batch.samples[i:i + pack_size] for i in range(0, len(batch.samples), pack_size)]
     micro_batches = [{k: v.to(case.device) if isinstance(v, torch.Tensor) else v for k, v in pack(g).items()}
                      for g in groups]
     losses = []
@@ -338,8 +351,12 @@ def main(argv: list[str] | None = None) -> int:
                 if overrides is None:
                     step, losses, keep = hf_step(hf_dir, batch, case, compile_=name.endswith("compile"))
                 else:
-                    run_cfg = load_config(case, overrides, str(Path(scratch) / name), seq_length=length * case.pack)
-                    step, losses, keep = our_step(run_cfg, hf_dir, batch, case)
+                    config_overrides, pack_size = split_overrides(overrides, case.pack)
+                    if pack_size < 1 or case.samples % pack_size:
+                        raise SystemExit(f"{name}: pack={pack_size} must divide the {case.samples} samples")
+                    run_cfg = load_config(case, config_overrides, str(Path(scratch) / name),
+                                          seq_length=length * pack_size)
+                    step, losses, keep = our_step(run_cfg, hf_dir, batch, case, pack_size)
                 seconds = timed(step, args.steps, args.warmup, device)
                 if name == "ours" and args.profile_rows:
                     profile = profile_table(step, args.profile_rows, device, args.trace)
