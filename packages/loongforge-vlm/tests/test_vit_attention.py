@@ -111,3 +111,32 @@ def test_varlen_path_equals_masked_path_on_cuda(megatron_world, row, batch, head
     torch.testing.assert_close(got.float(), expected, atol=2e-2, rtol=2e-2)
     for got_grad, ref in zip(got_grads, reference_inputs):
         torch.testing.assert_close(got_grad.float(), ref.grad, atol=3e-2, rtol=3e-2)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the variable-length flash path runs on CUDA")
+def test_encoder_on_cuda_matches_the_fp32_masked_encoder(megatron_world):
+    """The whole tiny Qwen2.5 ViT (megatron layers: strided q/k/v views, 2D RoPE, window and full
+    layers) in bf16 on CUDA (flash varlen) against the same weights in fp32 on CPU (masked SDPA)."""
+    from megatron.core.transformer import TransformerConfig
+
+    from loongforge.vlm.encoders import build_encoder
+    from loongforge.vlm.encoders.layers import encoder_transformer_config
+    from loongforge.vlm.model_config import EncoderConfig
+
+    cfg = EncoderConfig(num_layers=3, hidden_size=64, num_attention_heads=4, ffn_hidden_size=128,
+                        window_size=WINDOW_UNITS * MERGE * 8, full_attention_layers=[1])
+    foundation = TransformerConfig(num_layers=1, hidden_size=64, num_attention_heads=4, use_cpu_initialization=True)
+    reference, fast = (build_encoder(cfg, encoder_transformer_config(cfg, 1, "none", foundation), megatron_world.pgs)
+                       for _ in range(2))
+    fast.load_state_dict(reference.state_dict())
+    fast.cuda().bfloat16()
+    g = torch.Generator().manual_seed(0)
+    pixels = torch.randn(sum(geometry.patch_counts(GRIDS)), cfg.patch_dim, generator=g)
+    expected = reference(pixels, GRIDS)
+    got = fast(pixels.cuda(), GRIDS.cuda())
+    assert got.shape == expected.shape
+    torch.testing.assert_close(got.float().cpu(), expected.detach(), atol=3e-2, rtol=3e-2)
+    got.float().square().mean().backward()
+    expected.square().mean().backward()
+    torch.testing.assert_close(fast.patch_embed.weight.grad.float().cpu(), reference.patch_embed.weight.grad,
+                               atol=5e-4, rtol=5e-2)

@@ -107,8 +107,8 @@ class SegmentAttention(MegatronModule):
             shifts = torch.arange(b, device=cu_seqlens.device, dtype=torch.int32)[:, None] * s
             cu_seqlens = torch.cat([(cu_seqlens[:-1] + shifts).flatten(), cu_seqlens[-1:] + (b - 1) * s])
 
-        def packed(t):  # [s, b, h, d] -> [b * s, h, d]
-            return t.transpose(0, 1).reshape(b * s, *t.shape[2:])
+        def packed(t):  # [s, b, h, d] -> [b * s, h, d]; a copy only for a strided view (megatron's value)
+            return t.transpose(0, 1).reshape(b * s, *t.shape[2:]).contiguous()
 
         out = varlen(packed(query), packed(key), packed(value), cu_seqlens, cu_seqlens, longest, longest,
                      scale=self.softmax_scale)
