@@ -31,8 +31,8 @@ def reference_kernels(monkeypatch):
 def _transformer_config(**overrides):
     from megatron.core.transformer import TransformerConfig
 
-    return TransformerConfig(num_layers=1, hidden_size=64, num_attention_heads=4, params_dtype=torch.float32,
-                             use_cpu_initialization=True, **overrides)
+    return TransformerConfig(**{"num_layers": 1, "hidden_size": 64, "num_attention_heads": 4, **overrides},
+                             params_dtype=torch.float32, use_cpu_initialization=True)
 
 
 def _check_against_reference(layer, x, bias):
@@ -80,7 +80,7 @@ def _gpt(fp8: str):
     from loongforge.llm.layers.gpt_model import FusedLossGPTModel
     from loongforge.llm.model_config import GPTConfig
 
-    config = _transformer_config(num_query_groups=2, ffn_hidden_size=128, normalization="RMSNorm",
+    config = _transformer_config(num_layers=2, num_query_groups=2, ffn_hidden_size=128, normalization="RMSNorm",
                                  gated_linear_unit=True, activation_func=F.silu, add_bias_linear=False)
     with fp8_linears(fp8):
         spec = layer_spec(GPTConfig())
@@ -93,7 +93,7 @@ def test_fast_spec_puts_fp8_in_the_dense_gemms_only(mode, megatron_world, refere
     torch.manual_seed(0)
     ours, plain = _gpt(mode), _gpt("none")
     fp8 = {n: m for n, m in ours.named_modules() if isinstance(m, (Fp8ColumnParallelLinear, Fp8RowParallelLinear))}
-    expected = {f"decoder.layers.{i}.{name}" for i in range(1)
+    expected = {f"decoder.layers.{i}.{name}" for i in range(2)
                 for name in ("self_attention.linear_qkv", "self_attention.linear_proj", "mlp.linear_fc1", "mlp.linear_fc2")}
     assert set(fp8) == expected  # not the embedding, not the output layer
     assert all(m.fp8_adaptive is (mode == "adaptive") for m in fp8.values())
