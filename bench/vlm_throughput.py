@@ -1,7 +1,7 @@
 """VLM training-step throughput: lf-vlm's model and trainer step vs transformers' Qwen2.5-VL.
 
 Run on a CUDA machine:  uv run python bench/vlm_throughput.py [--samples N] [--image-size PX] [--text-tokens T]
-Smoke run on CPU (tiny parts, fp32, seconds):  uv run python bench/vlm_throughput.py --device cpu --tiny
+Smoke run on CPU (tiny parts, fp32, under a minute):  uv run python bench/vlm_throughput.py --device cpu --tiny
 
 The model is a Qwen2.5-VL composition of lf-vlm's config groups: by default the real Qwen2.5-VL
 vision transformer (``encoder=qwen2_5_vit``: 32 layers, width 1280, window attention), its patch
