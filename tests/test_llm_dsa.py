@@ -157,6 +157,46 @@ def test_sparse_attention_changes_logits_and_the_indexer_learns(ctx):
             torch.testing.assert_close(g, without[name], rtol=0, atol=0, msg=name)
 
 
+@pytest.mark.parametrize("kernel", ["registry", "triton"])
+def test_registry_sparse_attention_equals_megatrons(ctx, kernel, monkeypatch):
+    """RegistryDSAttention (the kernel registry's sparse MLA; ``triton``: loongforge-kernels'
+    Triton kernel, interpreted on CPU) against megatron's own DSAttention forward on the same
+    module and inputs: output, input grads and indexer grads (indexer loss on)."""
+    from megatron.core.transformer.experimental_attention_variant.dsa import DSAttention
+
+    from loongforge.llm.families import dsa
+
+    if kernel == "triton":
+        from loongforge.kernels.sparse_mla import sparse_mla_attention
+
+        monkeypatch.setattr(dsa, "get_kernel", lambda name: {"sparse_mla_attention": sparse_mla_attention}[name])
+    model = build(ctx, v32(dsa_indexer_topk=6), seed=2)
+    model.train()
+    core = model.decoder.layers[1].self_attention.core_attention
+    assert type(core) is dsa.RegistryDSAttention
+    seen = {}
+    hook = core.register_forward_pre_hook(lambda m, args, kwargs: seen.update(args=args, kwargs=kwargs), with_kwargs=True)
+    tok, pos = tokens()
+    model(tok, pos, None)
+    hook.remove()
+
+    def run(forward):
+        core.zero_grad()
+        query, key = (t.detach().requires_grad_() for t in seen["args"])
+        up_v = seen["kwargs"]["up_v_weight"].detach().requires_grad_()
+        out = forward(core, query, key, **{**seen["kwargs"], "up_v_weight": up_v})
+        (out * torch.linspace(-1, 1, out.numel()).view_as(out)).sum().backward()
+        indexer = {n: p.grad.clone() for n, p in core.indexer.named_parameters()}
+        return out, query.grad, key.grad, up_v.grad, indexer
+
+    want, got = run(DSAttention.forward), run(dsa.RegistryDSAttention.forward)
+    assert want[0].shape == (SEQ, 2, 4 * 16) and all(g.abs().sum() > 0 for g in want[4].values())
+    for w, g in zip(want[:4], got[:4]):
+        torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-6)
+    for name, w in want[4].items():
+        torch.testing.assert_close(got[4][name], w, rtol=1e-5, atol=1e-6, msg=name)
+
+
 HF_V32 = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, moe_intermediate_size=32, num_hidden_layers=2,
               num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=128, rms_norm_eps=1e-6,
               n_routed_experts=4, n_shared_experts=1, num_experts_per_tok=2, n_group=2, topk_group=1,
