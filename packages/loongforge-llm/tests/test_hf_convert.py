@@ -7,8 +7,6 @@ with the same logits, and HF -> LoongForge -> HF is bitwise for every tensor.
 """
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -74,41 +72,25 @@ def ctx():
     destroy_parallel()
 
 
-def our_trainer(ctx, model_config, run_dir: Path):
-    """The trainer's model (world of one, gloo) for ``model_config``."""
+def our_trainer(ctx, model_config, run_dir: Path, **train):
+    """The trainer's model (world of one, gloo) for ``model_config``; ``train``: TrainConfig overrides."""
     from loongforge.core.training.schema import LogConfig, TrainConfig
     from loongforge.core.training.trainer import MegatronTrainer
     from loongforge.llm.recipe import LLMConfig, LLMTask
 
-    cfg = LLMConfig(model=model_config, train=TrainConfig(steps=1, warmup_steps=0, global_batch_size=1, micro_batch_size=1),
-                    log=LogConfig(run_dir=str(run_dir), tensorboard=False, progress=False))
+    train = TrainConfig(**{"steps": 1, "warmup_steps": 0, "global_batch_size": 1, "micro_batch_size": 1, **train})
+    cfg = LLMConfig(model=model_config, train=train, log=LogConfig(run_dir=str(run_dir), tensorboard=False, progress=False))
     return MegatronTrainer(LLMTask(cfg), ctx, cfg.train, cfg.log)
 
 
-FROM_PRETRAINED = """
-import sys, torch
-from transformers import AutoModelForCausalLM
-tokens, pos = torch.load(sys.argv[1])
-for hf_dir, out in zip(sys.argv[2::2], sys.argv[3::2]):
+def from_pretrained_logits(hf_dir: Path, tokens, pos) -> tuple[str, torch.Tensor]:
+    """``(class name, logits)`` of ``AutoModelForCausalLM.from_pretrained(hf_dir)``, in this process
+    (where ``init_parallel`` has installed the cpu accelerator's megatron adaptations)."""
+    from transformers import AutoModelForCausalLM
+
     model = AutoModelForCausalLM.from_pretrained(hf_dir, attn_implementation="eager").eval()
     with torch.no_grad():
-        logits = model(input_ids=tokens, position_ids=pos).logits
-    torch.save((type(model).__name__, logits), out)
-"""
-
-
-def from_pretrained_logits(hf_dirs: list[Path], tokens, pos, work: Path) -> list[tuple[str, torch.Tensor]]:
-    """``(class name, logits)`` of ``from_pretrained(d)`` for each directory, computed in one fresh
-    interpreter: the cpu accelerator's megatron adaptations (installed in this process by
-    ``init_parallel``) route tensor factories in a way that leaves transformers' meta-initialised
-    RoPE buffers unset."""
-    torch.save((tokens, pos), work / "inputs.pt")
-    outs = [work / f"logits-{i}.pt" for i in range(len(hf_dirs))]
-    args = [str(a) for d, o in zip(hf_dirs, outs) for a in (d, o)]
-    proc = subprocess.run([sys.executable, "-c", FROM_PRETRAINED, str(work / "inputs.pt"), *args],
-                          capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return [torch.load(o) for o in outs]
+        return type(model).__name__, model(input_ids=tokens, position_ids=pos).logits
 
 
 def batch(seed: int = 1):
@@ -137,6 +119,26 @@ def test_hf_to_lf_logits_match_transformers(family, ctx, tmp_path):
     torch.testing.assert_close(ours, ref, atol=1e-5, rtol=0)
 
 
+def test_bf16_weights_load_reaches_the_optimizer_main_params(ctx, tmp_path):
+    """bf16 training keeps fp32 main params in the optimizer; ``checkpoint.load=`` must refresh them
+    from the loaded weights, or the first step writes the random initial weights back. With lr=0 a
+    step leaves the loaded weights as they are."""
+    from loongforge.core.training import checkpointing
+
+    hf_dir = save_hf(tiny_hf("llama"), tmp_path / "hf")
+    done = hf_to_lf(hf_dir, tmp_path / "lf", progress=False)
+    trainer = our_trainer(ctx, done.model_config, tmp_path / "run", precision="bf16", lr=0.0, min_lr=0.0)
+    checkpointing.load_weights(trainer, tmp_path / "lf")
+    loaded = {k: v.detach().clone() for k, v in trainer.model.state_dict().items() if torch.is_tensor(v)}
+    tokens, pos = batch()
+    trainer.train_step([{"tokens": tokens[:1], "labels": tokens[:1], "position_ids": pos[:1],
+                         "loss_mask": torch.ones_like(tokens[:1], dtype=torch.float32)}])
+    after = trainer.model.state_dict()
+    assert any(v.dtype == torch.bfloat16 for v in loaded.values())
+    changed = [k for k, v in loaded.items() if not torch.equal(v, after[k])]
+    assert not changed, changed
+
+
 @pytest.fixture(scope="module")
 def exported(ctx, tmp_path_factory):
     """Per family: a trainer's randomly initialised model saved as training saves it (model +
@@ -146,17 +148,17 @@ def exported(ctx, tmp_path_factory):
 
     work = tmp_path_factory.mktemp("export")
     tokens, pos = batch(seed=2)
-    ours, dirs = {}, []
+    out = {}
     for family in sorted(FAMILIES):
         model_config = get_model_spec(family).hf_adapter.config_from_hf(tiny_hf(family).config.to_dict())
         trainer = our_trainer(ctx, model_config, work / family / "run")
         randomize(trainer.model, seed=7)
         root = checkpointing.save(trainer, work / family / "ckpt").parent
-        dirs.append(lf_to_hf(root, work / family / "hf", progress=False).path)
+        hf_dir = lf_to_hf(root, work / family / "hf", progress=False).path
         with torch.no_grad():
-            ours[family] = trainer.model(tokens, pos, None)
-    hf = from_pretrained_logits(dirs, tokens, pos, work)
-    return {family: (ours[family], *hf[i], dirs[i]) for i, family in enumerate(sorted(FAMILIES))}
+            ours = trainer.model(tokens, pos, None)
+        out[family] = (ours, *from_pretrained_logits(hf_dir, tokens, pos), hf_dir)
+    return out
 
 
 @pytest.mark.parametrize("family", sorted(FAMILIES))

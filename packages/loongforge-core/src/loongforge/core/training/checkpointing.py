@@ -208,5 +208,8 @@ def load(trainer, root: str | Path) -> None:
 
 
 def load_weights(trainer, path: str | Path) -> None:
-    """Initial weights only (fine-tuning from a checkpoint): no optimizer, step 0."""
+    """Initial weights only (fine-tuning from a checkpoint): no optimizer, step 0. A mixed-precision
+    optimizer keeps fp32 main copies of the params, made when it was built; they are refreshed from
+    the loaded weights, or its first step would write the initial weights back."""
     _load(trainer, path, with_optimizer=False)
+    trainer.optimizer.reload_model_params()
