@@ -157,11 +157,12 @@ def test_sparse_attention_changes_logits_and_the_indexer_learns(ctx):
             torch.testing.assert_close(g, without[name], rtol=0, atol=0, msg=name)
 
 
-@pytest.mark.parametrize("kernel", ["registry", "triton"])
-def test_registry_sparse_attention_equals_megatrons(ctx, kernel, monkeypatch):
-    """RegistryDSAttention (the kernel registry's sparse MLA; ``triton``: loongforge-kernels'
-    Triton kernel, interpreted on CPU) against megatron's own DSAttention forward on the same
-    module and inputs: output, input grads and indexer grads (indexer loss on)."""
+@pytest.mark.parametrize("kernel,sparse_loss", [("registry", False), ("registry", True), ("triton", False)])
+def test_registry_sparse_attention_equals_megatrons(ctx, kernel, sparse_loss, monkeypatch):
+    """RegistryDSAttention (the kernel registry's indexer top-k, indexer loss and sparse MLA;
+    ``triton``: loongforge-kernels' Triton sparse MLA, interpreted on CPU) against megatron's own
+    DSAttention forward on the same module and inputs: output, input grads and indexer grads
+    (indexer loss on, dense and sparse KL)."""
     from megatron.core.transformer.experimental_attention_variant.dsa import DSAttention
 
     from loongforge.llm.families import dsa
@@ -169,8 +170,13 @@ def test_registry_sparse_attention_equals_megatrons(ctx, kernel, monkeypatch):
     if kernel == "triton":
         from loongforge.kernels.sparse_mla import sparse_mla_attention
 
-        monkeypatch.setattr(dsa, "get_kernel", lambda name: {"sparse_mla_attention": sparse_mla_attention}[name])
-    model = build(ctx, v32(dsa_indexer_topk=6), seed=2)
+        from loongforge.core.kernels.registry import get_kernel
+
+        monkeypatch.setattr(dsa, "get_kernel", lambda name: sparse_mla_attention if name == "sparse_mla_attention"
+                            else get_kernel(name))
+    # 16 indexer heads: a key scores exactly 0 (a tie the two top-k may break differently) only
+    # when all 16 ReLU(q.k) are 0
+    model = build(ctx, v32(dsa_indexer_topk=6, dsa_indexer_n_heads=16, dsa_indexer_use_sparse_loss=sparse_loss), seed=2)
     model.train()
     core = model.decoder.layers[1].self_attention.core_attention
     assert type(core) is dsa.RegistryDSAttention
@@ -195,6 +201,19 @@ def test_registry_sparse_attention_equals_megatrons(ctx, kernel, monkeypatch):
         torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-6)
     for name, w in want[4].items():
         torch.testing.assert_close(got[4][name], w, rtol=1e-5, atol=1e-6, msg=name)
+
+    # the tensor-parallel loss path (megatron's loss on the registry's top-k), here on one rank
+    from loongforge.core.kernels.registry import get_kernel
+
+    query, key = seen["args"]
+    kw = seen["kwargs"]
+    q, k, w = (t.transpose(0, 1) for t in core.indexer.forward_before_topk(kw["x"].detach(), kw["qr"].detach(), None))
+    topk = get_kernel("dsa_indexer_topk")(q.detach(), k.detach(), w.detach(), core.index_topk)
+    per_query = get_kernel("dsa_indexer_loss")(q, k, w, query.transpose(0, 1).detach(), key[:, :, 0].transpose(0, 1).detach(),
+                                              core.softmax_scale, topk if sparse_loss else None)
+    tp_loss = core._tensor_parallel_indexer_loss(q, k, w, topk, query, key, kw["attn_mask_type"], kw["position_ids"])
+    torch.testing.assert_close(tp_loss, core.config.dsa_indexer_loss_coeff * per_query.sum(), rtol=1e-5, atol=1e-7)
+    assert tp_loss > 0
 
 
 HF_V32 = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, moe_intermediate_size=32, num_hidden_layers=2,

@@ -16,12 +16,10 @@ Without Transformer Engine, ``AbsorbedMLASelfAttention`` accepts its down projec
 column-parallel linears (gathered over TP afterwards), as in megatron's local MLA spec, so the
 attention spec takes those in place of ``linear()``.
 
-The core attention is ``RegistryDSAttention``: megatron's ``DSAttention`` (its indexer, top-k,
-masks and indexer loss) whose sparse attention over the selected keys is the kernel registry's
-``sparse_mla_attention`` (loongforge-kernels' Triton kernel where it runs, the torch reference
-elsewhere), instead of megatron's torch path, which builds every head's full ``[sq, skv]``
-scores. Layouts that path does not cover (packed sequences, context parallel, top-k shared
-across layers) run megatron's own forward.
+The core attention is ``RegistryDSAttention``: megatron's ``DSAttention`` whose indexer top-k,
+indexer loss and sparse attention are the kernel registry's ops (loongforge-kernels' Triton
+kernels where they run, the torch references elsewhere), instead of megatron's torch path, which
+builds every head's full ``[sq, skv]`` scores for the attention and for the loss.
 """
 
 from __future__ import annotations
@@ -34,58 +32,81 @@ from megatron.core.transformer.experimental_attention_variant import dsa as mega
 from megatron.core.transformer.experimental_attention_variant.dsa_masking import build_dsattention_forward_mask
 from megatron.core.utils import get_pg_size
 
+from loongforge.core.kernels.dsa import indexer_scores
 from loongforge.core.kernels.registry import get_kernel
 from loongforge.llm.families.norm import LayerNorm, RMSNorm
 
 
 class RegistryDSAttention(megatron_dsa.DSAttention):
-    """megatron's DSAttention with the sparse MLA attention from the kernel registry.
+    """megatron's DSAttention with the indexer top-k, the indexer loss and the sparse MLA
+    attention from the kernel registry.
 
-    The indexer's q/k/weights, the causal bounds, the top-k (and, training, megatron's indexer
-    loss with its top-k, logged and attached by ``DSAIndexerLossAutoScaler``) are megatron's, as
-    in its reference path; only the attention over the selected latent rows changes. MLA's
-    absorbed form hands it one latent KV row per key (``[kv_lora_rank | rope]``, the first part
-    also the value), which is the kernel's contract; the value up-projection follows.
+    The indexer (its q/k/weights from detached inputs), the loss attachment
+    (``DSAIndexerLossAutoScaler``) and logging are megatron's. The registry's ops take the same
+    quantities: ``dsa_indexer_topk`` scores ``sum_h w_h relu(q_h . k)`` with megatron's
+    weights (which carry its scales) over the causal keys; ``dsa_indexer_loss`` is megatron's KL
+    from the head-summed, L1-normalised main attention to the indexer's softmax, per query
+    (summed under per-token loss, else averaged, times ``dsa_indexer_loss_coeff``); the
+    attention gets MLA's absorbed form, one latent row per key (``[kv_lora_rank | rope]``, the
+    first part also the value), and the value up-projection follows. Under TP the heads are
+    split and the loss's target needs megatron's all-reduce: there the loss is megatron's
+    ``compute_dsa_indexer_loss`` on the same top-k (so every layout selects the same keys).
+    Layouts the registry ops do not cover (an explicit mask, packed sequences, context
+    parallel, top-k shared across layers) run megatron's forward.
     """
 
-    def _registry_path(self, query, key, value, up_v_weight, packed_seq_params) -> bool:
-        return (value is None and up_v_weight is not None and key.size(2) == 1 and packed_seq_params is None
-                and not self.index_share and get_pg_size(self.pg_collection.cp) == 1
+    def _registry_path(self, query, key, value, attention_mask, up_v_weight, packed_seq_params) -> bool:
+        return (value is None and up_v_weight is not None and key.size(2) == 1 and attention_mask is None
+                and packed_seq_params is None and not self.index_share and get_pg_size(self.pg_collection.cp) == 1
+                and self.config.dsa_indexer_scoring_relu
                 and query.size(0) == key.size(0))  # full sequence (sequence parallel: gathered by the MLA)
 
     def forward(self, query, key, value, attention_mask, x, qr, position_ids=None, attn_mask_type=None,
                 attention_bias=None, packed_seq_params=None, up_v_weight=None):
-        if not self._registry_path(query, key, value, up_v_weight, packed_seq_params):
+        if not self._registry_path(query, key, value, attention_mask, up_v_weight, packed_seq_params):
             return super().forward(query, key, value, attention_mask, x, qr, position_ids=position_ids,
                                    attn_mask_type=attn_mask_type, attention_bias=attention_bias,
                                    packed_seq_params=packed_seq_params, up_v_weight=up_v_weight)
         sq, b, heads, _ = query.shape
         config = self.config
-        mask, bounds, _ = build_dsattention_forward_mask(
-            sq=sq, skv=key.size(0), b=b, device=query.device, cp_size=1, cp_rank=0, cp_comm_type=self.cp_comm_type,
-            cp_group=self.pg_collection.cp, attn_mask_type=attn_mask_type, attention_mask=attention_mask,
-            position_ids=position_ids, packed_seq_params=None)
-        starts, ends, positions = bounds if bounds is not None else (None, None, None)
         coeff = config.dsa_indexer_loss_coeff or 0.0
         with_loss = self.training and torch.is_grad_enabled() and coeff > 0
-        with torch.enable_grad() if with_loss else torch.no_grad():  # the indexer sees detached inputs
+        with torch.enable_grad() if with_loss else torch.no_grad():
             q, k, weights = self.indexer.forward_before_topk(x.detach(), qr.detach(), None)
-        if with_loss:
-            topk, loss = megatron_dsa.FusedDSAIndexerLoss.apply(
-                q, weights, k, query.detach(), key.detach().expand(-1, -1, heads, -1), self.softmax_scale,
-                self.index_topk, coeff, mask, config.dsa_indexer_use_sparse_loss, self.pg_collection, starts, ends,
-                positions, None, config.calculate_per_token_loss, config.dsa_indexer_scoring_relu)
-            megatron_dsa.DSAIndexerLossLoggingHelper.save_loss_to_tracker(loss, self.layer_number, config.num_layers)
-        else:
-            with torch.no_grad():
-                _, topk = megatron_dsa.fused_qk_topk_naive(q, k, weights, self.index_topk, mask=mask, varlen_starts=starts,
-                                                           varlen_ends=ends, key_positions=positions,
-                                                           use_relu=config.dsa_indexer_scoring_relu)
-        # [sq, b, heads, latent + rope] / [skv, b, 1, latent + rope] -> the kernel's batch-major layout
-        latent = get_kernel("sparse_mla_attention")(query.transpose(0, 1), key[:, :, 0].transpose(0, 1), topk,
-                                                    self.softmax_scale, config.kv_lora_rank)
+        # the registry ops' batch-major layouts: [b, s, heads, dim], one latent KV row per key
+        q_attn, kv_attn = query.transpose(0, 1), key[:, :, 0].transpose(0, 1)
+        q_idx, k_idx, w_idx = q.transpose(0, 1), k.transpose(0, 1), weights.transpose(0, 1)
+        topk = get_kernel("dsa_indexer_topk")(q_idx.detach(), k_idx.detach(), w_idx.detach(), self.index_topk)
+        loss = None
+        if with_loss and get_pg_size(self.pg_collection.tp) > 1:
+            loss = self._tensor_parallel_indexer_loss(q_idx, k_idx, w_idx, topk, query, key, attn_mask_type, position_ids)
+        elif with_loss:
+            sparse = topk if config.dsa_indexer_use_sparse_loss else None
+            per_query = get_kernel("dsa_indexer_loss")(q_idx, k_idx, w_idx, q_attn.detach(), kv_attn.detach(),
+                                                      self.softmax_scale, sparse)
+            loss = coeff * (per_query.sum() if config.calculate_per_token_loss else per_query.mean())
+        latent = get_kernel("sparse_mla_attention")(q_attn, kv_attn, topk, self.softmax_scale, config.kv_lora_rank)
         output = torch.einsum("bshc,hdc->sbhd", latent, up_v_weight.to(latent.dtype)).reshape(sq, b, -1)
-        return megatron_dsa.DSAIndexerLossAutoScaler.apply(output, loss) if with_loss else output
+        if loss is None:
+            return output
+        megatron_dsa.DSAIndexerLossLoggingHelper.save_loss_to_tracker(loss, self.layer_number, config.num_layers)
+        return megatron_dsa.DSAIndexerLossAutoScaler.apply(output, loss)
+
+    def _tensor_parallel_indexer_loss(self, q_idx, k_idx, w_idx, topk, query, key, attn_mask_type, position_ids):
+        """megatron's indexer loss (``compute_dsa_indexer_loss``) on the registry's top-k: each TP
+        rank holds some of the heads, and megatron all-reduces their attention target."""
+        config = self.config
+        sq, b, heads, _ = query.shape
+        mask, bounds, _ = build_dsattention_forward_mask(
+            sq=sq, skv=key.size(0), b=b, device=query.device, cp_size=1, cp_rank=0, cp_comm_type=self.cp_comm_type,
+            cp_group=self.pg_collection.cp, attn_mask_type=attn_mask_type, attention_mask=None,
+            position_ids=position_ids, packed_seq_params=None)
+        starts, ends, positions = bounds if bounds is not None else (None, None, None)
+        return megatron_dsa.compute_dsa_indexer_loss(
+            indexer_scores(q_idx, k_idx, w_idx), topk.long(), query.detach(), key.detach().expand(-1, -1, heads, -1),
+            self.softmax_scale, config.dsa_indexer_loss_coeff, config.dsa_indexer_use_sparse_loss, self.pg_collection,
+            mask=mask, varlen_starts=starts, varlen_ends=ends, key_positions=positions,
+            calculate_per_token_loss=config.calculate_per_token_loss)
 
 
 class LocalDSASpecProvider(LocalSpecProvider):
