@@ -157,10 +157,11 @@ def test_sparse_attention_changes_logits_and_the_indexer_learns(ctx):
             torch.testing.assert_close(g, without[name], rtol=0, atol=0, msg=name)
 
 
-@pytest.mark.parametrize("kernel,sparse_loss", [("registry", False), ("registry", True), ("triton", False)])
+@pytest.mark.parametrize("kernel,sparse_loss", [("registry", False), ("registry", True), ("triton", False),
+                                                 ("triton", True)])
 def test_registry_sparse_attention_equals_megatrons(ctx, kernel, sparse_loss, monkeypatch):
     """RegistryDSAttention (the kernel registry's indexer top-k, indexer loss and sparse MLA;
-    ``triton``: loongforge-kernels' Triton sparse MLA, interpreted on CPU) against megatron's own
+    ``triton``: loongforge-kernels' Triton kernels, interpreted on CPU) against megatron's own
     DSAttention forward on the same module and inputs: output, input grads and indexer grads
     (indexer loss on, dense and sparse KL)."""
     from megatron.core.transformer.experimental_attention_variant.dsa import DSAttention
@@ -168,12 +169,9 @@ def test_registry_sparse_attention_equals_megatrons(ctx, kernel, sparse_loss, mo
     from loongforge.llm.families import dsa
 
     if kernel == "triton":
-        from loongforge.kernels.sparse_mla import sparse_mla_attention
+        from loongforge.kernels import provider
 
-        from loongforge.core.kernels.registry import get_kernel
-
-        monkeypatch.setattr(dsa, "get_kernel", lambda name: sparse_mla_attention if name == "sparse_mla_attention"
-                            else get_kernel(name))
+        monkeypatch.setattr(dsa, "get_kernel", lambda name: getattr(provider, name))
     # 16 indexer heads: a key scores exactly 0 (a tie the two top-k may break differently) only
     # when all 16 ReLU(q.k) are 0
     model = build(ctx, v32(dsa_indexer_topk=6, dsa_indexer_n_heads=16, dsa_indexer_use_sparse_loss=sparse_loss), seed=2)
