@@ -271,6 +271,7 @@ def test_hf_deepseek_v32_converts_to_the_same_logits(ctx, tmp_path):
     assert all(torch.equal(exported[n], t) for n, t in original.items())
 
 
+@pytest.mark.slow
 def test_cli_trains_the_debug_model(tmp_path, llm_data_cache):
     proc = run_cli(["lf-llm", "train", "--config", "train_deepseek_v3_2_debug", "train.steps=3", "train.warmup_steps=1",
                     "train.global_batch_size=4", "train.micro_batch_size=2", "train.seq_length=64", "log.interval=1",
