@@ -1,4 +1,5 @@
-"""init_parallel for a world of one: a private rendezvous that leaves the rendezvous variables as it found them."""
+"""init_parallel for a world of one: a private rendezvous that leaves the rendezvous variables as it found them,
+and destroy_parallel leaves no megatron state behind that breaks the next world."""
 
 from __future__ import annotations
 
@@ -8,13 +9,20 @@ import textwrap
 
 SCRIPT = textwrap.dedent("""
     import os
+    import torch
     import torch.distributed as dist
+    from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
     from loongforge.core.parallel import destroy_parallel, init_parallel
 
     before = dict(os.environ)
-    for _ in range(2):  # a second world in the same process needs no port the first one held
+    for world in range(2):  # a second world in the same process needs no port the first one held
         ctx = init_parallel(seed=7)
         assert dist.is_initialized() and ctx.world_size == 1 and ctx.dp_size == 1, ctx
+        # the first world ends with the 0-d aux-loss scale a MoE backward outside megatron's
+        # schedules leaves; the schedules of the next world set a [1] scale, in place
+        MoEAuxLossAutoScaler.set_loss_scale(torch.ones(1))
+        if world == 0:
+            MoEAuxLossAutoScaler.main_loss_backward_scale = torch.tensor(1.0)
         destroy_parallel()
     rendezvous = ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK")
     leaked = {k: os.environ[k] for k in rendezvous if before.get(k) != os.environ.get(k)}

@@ -152,9 +152,16 @@ def init_parallel(
 
 
 def destroy_parallel() -> None:
+    """Tear down the world of :func:`init_parallel`, so that the process can build another."""
     from megatron.core import parallel_state
+    from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
 
     if parallel_state.model_parallel_is_initialized():
         parallel_state.destroy_model_parallel()
     if dist.is_initialized():
         dist.destroy_process_group()
+    # megatron keeps the MoE aux-loss gradient scale of the last backward in a class attribute and
+    # later copies new scales into it in place. A MoE backward outside megatron's schedules stores a
+    # 0-d tensor there, the schedules pass shape [1], and the copy fails: the next world starts
+    # without one, as a fresh process would.
+    MoEAuxLossAutoScaler.main_loss_backward_scale = None
