@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from loongforge.core.accelerators import get_accelerator
@@ -64,3 +65,16 @@ def test_the_selected_fused_op_runs_the_kernel_and_matches(monkeypatch):
     y = fused(x, w)
     assert type(y.grad_fn).__name__ == "_RMSNormBackward"  # the Triton autograd function, not torch ops
     torch.testing.assert_close(y, REFERENCE_OPS["rms_norm"](x, w), rtol=1e-5, atol=1e-5)
+
+
+def test_cpu_tensors_without_the_interpreter_run_the_reference(monkeypatch):
+    """A model kept on the host of a GPU machine: the fused op hands CPU tensors to the torch
+    reference instead of the Triton launcher, which refuses them when not interpreted."""
+    from loongforge.kernels import launch
+
+    x, w = torch.randn(6, 64, device="cpu"), torch.randn(64, device="cpu")
+    monkeypatch.setattr(launch, "INTERPRETED", False)
+    with pytest.raises(ValueError, match="runs on a GPU but got CPU tensors"):
+        launch.check_tensors("rms_norm", x, w)
+    out = provider.rms_norm(x, w)
+    torch.testing.assert_close(out, REFERENCE_OPS["rms_norm"](x, w), rtol=0, atol=0)

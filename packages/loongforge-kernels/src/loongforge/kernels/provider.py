@@ -3,15 +3,44 @@
 The registry in ``loongforge.core.kernels`` calls :func:`fused_kernels` when it first looks for
 fused ops. The op functions here import their Triton module on first call, so loading the
 provider on a machine that never runs them (CPU, a device without Triton) costs nothing.
+
+The registry chooses by accelerator, once, when a module is built; tensors can still live on the
+CPU on a GPU machine (a model built or evaluated on the host). Each op therefore dispatches on its
+first input's device: CPU tensors go to the torch reference unless Triton's interpreter is on, as
+a torch operator dispatches on its inputs' device.
 """
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 
 import torch
 
-from loongforge.core.kernels import KernelImpl
+from loongforge.core.kernels import REFERENCE_OPS, KernelImpl
+
+
+def _triton_runs_on(device: torch.device) -> bool:
+    """Whether the Triton kernels can take tensors on ``device``: any device but the CPU, and the
+    CPU only under Triton's interpreter (fixed when the kernels are imported)."""
+    if device.type != "cpu":
+        return True
+    from loongforge.kernels.launch import INTERPRETED
+
+    return INTERPRETED
+
+
+def _by_device(op):
+    """``op`` for tensors Triton runs on, the registry's torch reference of the same name otherwise."""
+    reference = REFERENCE_OPS[op.__name__]
+
+    @functools.wraps(op)
+    def dispatch(first: torch.Tensor, *args, **kwargs):
+        if _triton_runs_on(first.device):
+            return op(first, *args, **kwargs)
+        return reference(first, *args, **kwargs)
+
+    return dispatch
 
 
 def supports(accelerator) -> bool:
@@ -19,12 +48,14 @@ def supports(accelerator) -> bool:
     return bool(accelerator.supports_triton()) and importlib.util.find_spec("triton") is not None
 
 
+@_by_device
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
     from loongforge.kernels.rms_norm import rms_norm as fused
 
     return fused(x, weight, eps)
 
 
+@_by_device
 def add_rms_norm(
     x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -33,18 +64,21 @@ def add_rms_norm(
     return fused(x, residual, weight, eps)
 
 
+@_by_device
 def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     from loongforge.kernels.rope import rope as fused
 
     return fused(x, cos, sin)
 
 
+@_by_device
 def swiglu(gate_up: torch.Tensor) -> torch.Tensor:
     from loongforge.kernels.swiglu import swiglu as fused
 
     return fused(gate_up)
 
 
+@_by_device
 def linear_cross_entropy(
     hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, ignore_index: int = -100
 ) -> torch.Tensor:
@@ -53,6 +87,7 @@ def linear_cross_entropy(
     return fused(hidden, weight, labels, ignore_index)
 
 
+@_by_device
 def sparse_mla_attention(
     q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor, softmax_scale: float, d_v: int
 ) -> torch.Tensor:
@@ -61,12 +96,14 @@ def sparse_mla_attention(
     return fused(q, kv, indices, softmax_scale, d_v)
 
 
+@_by_device
 def dsa_indexer_topk(q_idx: torch.Tensor, k_idx: torch.Tensor, w_idx: torch.Tensor, topk: int) -> torch.Tensor:
     from loongforge.kernels.dsa_indexer import dsa_indexer_topk as fused
 
     return fused(q_idx, k_idx, w_idx, topk)
 
 
+@_by_device
 def dsa_indexer_loss(
     q_idx: torch.Tensor,
     k_idx: torch.Tensor,
@@ -81,6 +118,7 @@ def dsa_indexer_loss(
     return fused(q_idx, k_idx, w_idx, q, kv, softmax_scale, indices)
 
 
+@_by_device
 def fp8_linear(
     x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, adaptive: bool = False
 ) -> torch.Tensor:
