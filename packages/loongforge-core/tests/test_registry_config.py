@@ -1,9 +1,12 @@
+import subprocess
+import sys
 from dataclasses import dataclass, field
+from importlib.metadata import EntryPoint
 
 import pytest
 
 from loongforge.core.config import ConfigError, load_config
-from loongforge.core.models import ModelRegistryError, ModelSpec, collect, get_model_spec
+from loongforge.core.models import ENTRY_POINT_GROUP, ModelRegistryError, ModelSpec, load_specs, collect, get_model_spec
 
 
 def test_duplicate_family_name_raises():
@@ -15,8 +18,22 @@ def test_duplicate_family_name_raises():
 
 def test_installed_llama_and_missing_family():
     assert get_model_spec("llama").flavours["debug"] == "llama_debug"
-    with pytest.raises(ModelRegistryError, match="no model family 'nope'"):
+    with pytest.raises(ModelRegistryError, match="no model family 'nope' is installed; installed: .*llama.*wan"):
         get_model_spec("nope")
+
+
+def test_one_family_loads_only_its_own_package():
+    """Looking up llama imports neither the diffusion package nor diffusers (seconds per process)."""
+    script = ("import sys; from loongforge.core.models import get_model_spec; get_model_spec('llama'); "
+              "print(sorted(m for m in ('diffusers', 'loongforge.diffusion', 'loongforge.embodied') if m in sys.modules))")
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0 and proc.stdout.strip() == "[]", proc.stdout + proc.stderr[-2000:]
+
+
+def test_entry_point_must_be_named_after_its_family():
+    ep = EntryPoint(name="llama3", value="loongforge.llm.families.llama:LLAMA_SPEC", group=ENTRY_POINT_GROUP)
+    with pytest.raises(ModelRegistryError, match="entry point 'llama3' .* registers model family 'llama'"):
+        load_specs([ep])
 
 
 @dataclass

@@ -6,7 +6,10 @@ size it. Modality packages declare their families in their ``pyproject.toml``::
     [project.entry-points."loongforge.models"]
     llama = "loongforge.llm.families.llama:LLAMA_SPEC"
 
-Two families with one name raise; so does asking for one that is not installed.
+The entry point's name is the family's name. Asking for one family loads only the entry points
+of that name, so training an LLM does not import the diffusion package's dependencies. Two
+families with one name raise; so do an entry point whose spec has another name and asking for a
+family that is not installed.
 """
 
 from __future__ import annotations
@@ -64,13 +67,29 @@ def collect(specs: list[tuple[str, ModelSpec]]) -> dict[str, ModelSpec]:
     return {name: spec for name, (_, spec) in found.items()}
 
 
+def load_specs(entries) -> dict[str, ModelSpec]:
+    """Load the specs of these entry points, each checked to name its own family."""
+    specs = []
+    for ep in entries:
+        spec = ep.load()
+        if isinstance(spec, ModelSpec) and spec.name != ep.name:
+            raise ModelRegistryError(f"entry point {ep.name!r} ({ep.value}) registers model family {spec.name!r}; "
+                                     f"the entry point must be named after its family")
+        specs.append((ep.value, spec))
+    return collect(specs)
+
+
 @cache
 def installed_models() -> dict[str, ModelSpec]:
-    return collect([(ep.value, ep.load()) for ep in entry_points(group=ENTRY_POINT_GROUP)])
+    """Every installed family (imports every modality package that registers one)."""
+    return load_specs(entry_points(group=ENTRY_POINT_GROUP))
 
 
+@cache
 def get_model_spec(name: str) -> ModelSpec:
-    models = installed_models()
+    """The family ``name``, loading only the entry points of that name."""
+    models = load_specs(entry_points(group=ENTRY_POINT_GROUP, name=name))
     if name not in models:
-        raise ModelRegistryError(f"no model family {name!r} is installed; installed: {', '.join(sorted(models)) or 'none'}")
+        installed = sorted({ep.name for ep in entry_points(group=ENTRY_POINT_GROUP)})
+        raise ModelRegistryError(f"no model family {name!r} is installed; installed: {', '.join(installed) or 'none'}")
     return models[name]
