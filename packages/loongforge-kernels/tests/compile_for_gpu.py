@@ -4,6 +4,9 @@ The interpreter runs kernels as numpy code, so it misses what only the compiler 
 loop-carried values, constexpr branches, pointer arithmetic). This script takes each kernel
 through Triton's full pipeline down to a cubin (ptxas included) for sm_90, in bf16 and fp32,
 with every constexpr branch taken, and prints one line per kernel built.
+
+``python compile_for_gpu.py I N`` builds only every N-th kernel starting at the I-th, so N
+processes share the builds (the test runs two, one per core).
 """
 
 from __future__ import annotations
@@ -27,6 +30,8 @@ from loongforge.kernels import sparse_mla as sm  # noqa: E402
 from loongforge.kernels import swiglu as sw  # noqa: E402
 
 TARGET = GPUTarget("cuda", 90, 32)
+SHARD, N_SHARDS = (int(a) for a in sys.argv[1:3]) if len(sys.argv) >= 3 else (0, 1)
+_builds = 0  # build() calls so far, built or left to another shard
 MAX_SHARED = 232448  # bytes of shared memory one block may use on sm_90 (227 KiB)
 
 
@@ -35,6 +40,10 @@ def build(
 ) -> None:
     """Compile ``fn`` as Triton's JIT would for 16-byte-aligned pointers and strides (and the ints in
     ``aligned``) that are multiples of 16: the usual case, and the one whose loads are pipelined."""
+    global _builds
+    _builds += 1
+    if (_builds - 1) % N_SHARDS != SHARD:
+        return
     signature = {name: "constexpr" if name in constexprs else types[name] for name in fn.arg_names}
     hinted = {
         (i,): [["tt.divisibility", 16]]
