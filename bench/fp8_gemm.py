@@ -20,24 +20,12 @@ import torch
 import torch.nn.functional as F
 
 from loongforge.core.kernels import get_kernel
+from loongforge.kernels.fp8_linear import time_ms
 
 DEFAULT_SHAPES = (
     "4096x4096x4096,8192x8192x8192,16384x7168x2048,16384x2048x7168,"
     "4096x18432x7168,4096x7168x18432,2048x1536x7168,512x4096x4096"
 )
-
-
-def _ms(fn, reps: int = 10) -> float:
-    for _ in range(3):
-        fn()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    torch.cuda.synchronize()
-    start.record()
-    for _ in range(reps):
-        fn()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) / reps
 
 
 def _shapes(text: str) -> list[tuple[int, int, int]]:
@@ -62,17 +50,19 @@ def gemm_table(shapes) -> None:
         w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16)
         xq, xs = fg.quantize_1x128(x)
         wq, ws = fg.quantize_128x128(w)
-        bf16 = _ms(lambda: x @ w.t())
-        tri = _ms(lambda: fg.triton_fp8_gemm(xq, xs, wq, ws, True, torch.bfloat16))
+        bf16 = time_ms(lambda: x @ w.t(), reps=10, warmup=3)
+        tri = time_ms(lambda: fg.triton_fp8_gemm(xq, xs, wq, ws, True, torch.bfloat16), reps=10, warmup=3)
         try:
             fg.scaled_mm_fp8_gemm(xq, xs, wq, ws, True, torch.bfloat16)
-            smm = _ms(lambda: fg.scaled_mm_fp8_gemm(xq, xs, wq, ws, True, torch.bfloat16))
+            smm = time_ms(lambda: fg.scaled_mm_fp8_gemm(xq, xs, wq, ws, True, torch.bfloat16), reps=10, warmup=3)
         except (RuntimeError, NotImplementedError) as exc:
             smm = float("nan")
             print(f"(torch._scaled_mm blockwise unavailable: {str(exc).splitlines()[0]})")
         best = tri if smm != smm else min(tri, smm)  # nan-safe
         gemm = fg.scaled_mm_fp8_gemm if best == smm else fg.triton_fp8_gemm
-        full = _ms(lambda: gemm(*fg.quantize_1x128(x), *fg.quantize_128x128(w), True, torch.bfloat16))
+        full = time_ms(
+            lambda: gemm(*fg.quantize_1x128(x), *fg.quantize_128x128(w), True, torch.bfloat16), reps=10, warmup=3
+        )
         tflops = 2 * m * n * k / bf16 / 1e9
         print(f"| {m}x{n}x{k} | {bf16:.3f} | {tflops:.0f} | {tri:.3f} | {smm:.3f} | {full:.3f} | "
               f"{bf16 / tri:.2f}x | {bf16 / smm:.2f}x | {bf16 / full:.2f}x |", flush=True)
@@ -89,10 +79,10 @@ def linear_table(shapes) -> None:
         w = (torch.randn(n, k, device="cuda") * k**-0.5).requires_grad_()
         w16 = w.detach().to(torch.bfloat16).requires_grad_()
         dy = torch.randn(m, n, device="cuda", dtype=torch.bfloat16)
-        bf16 = _ms(lambda: F.linear(x, w16).backward(dy), reps=5)
-        fp8 = _ms(lambda: fl.fp8_linear(x, w).backward(dy), reps=5)
+        bf16 = time_ms(lambda: F.linear(x, w16).backward(dy), reps=5, warmup=3)
+        fp8 = time_ms(lambda: fl.fp8_linear(x, w).backward(dy), reps=5, warmup=3)
         fl.fp8_linear(x, w, adaptive=True)  # measure this shape's GEMMs once, outside the timing
-        adaptive = _ms(lambda: fl.fp8_linear(x, w, adaptive=True).backward(dy), reps=5)
+        adaptive = time_ms(lambda: fl.fp8_linear(x, w, adaptive=True).backward(dy), reps=5, warmup=3)
         print(f"| {m}x{n}x{k} | {bf16:.3f} | {fp8:.3f} | {adaptive:.3f} | {bf16 / fp8:.2f}x | {bf16 / adaptive:.2f}x |",
               flush=True)
     print("\nAdaptive table (per GEMM: bf16 vs FP8 incl. quantisation, measured on first use):")

@@ -56,8 +56,9 @@ ALL_FP8 = Plan()
 _TABLE: dict[tuple, tuple[GemmChoice, GemmChoice, GemmChoice]] = {}
 
 
-def _time_ms(fn, reps: int = 5) -> float:
-    for _ in range(2):
+def time_ms(fn, reps: int = 5, warmup: int = 2) -> float:
+    """Mean CUDA milliseconds of ``fn()`` over ``reps`` calls after ``warmup`` untimed ones."""
+    for _ in range(warmup):
         fn()
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     torch.cuda.synchronize()
@@ -97,9 +98,9 @@ def measure(m: int, n: int, k: int, dtype: torch.dtype, device: torch.device) ->
         return gemm.fp8_gemm(*gemm.quantize_1x128_transposed(dy), *gemm.quantize_1x128_transposed(x), False, dtype)
 
     return (
-        GemmChoice("fprop", m, n, k, _time_ms(lambda: x @ w.t()), _time_ms(fprop_fp8)),
-        GemmChoice("dgrad", m, k, n, _time_ms(lambda: dy @ w), _time_ms(dgrad_fp8)),
-        GemmChoice("wgrad", n, k, m, _time_ms(lambda: dy.t() @ x), _time_ms(wgrad_fp8)),
+        GemmChoice("fprop", m, n, k, time_ms(lambda: x @ w.t()), time_ms(fprop_fp8)),
+        GemmChoice("dgrad", m, k, n, time_ms(lambda: dy @ w), time_ms(dgrad_fp8)),
+        GemmChoice("wgrad", n, k, m, time_ms(lambda: dy.t() @ x), time_ms(wgrad_fp8)),
     )
 
 
