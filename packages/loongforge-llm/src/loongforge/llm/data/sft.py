@@ -27,13 +27,12 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
-import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
 
+from loongforge.llm.data.cache import build_once, save_token_arrays
 from loongforge.llm.data.chat import ChatRenderer, read_conversations
 from loongforge.llm.data.errors import DataError
 
@@ -123,14 +122,13 @@ def _index_key(files: list[Path], tokenizer_dir: Path, template: str | None) -> 
 
 def _write_index(directory: Path, files: list[Path], tokenizer, template: str | None, tokenizer_dir: Path) -> None:
     renderer = ChatRenderer(tokenizer, template, name=str(tokenizer_dir))
-    token_parts, mask_parts, lengths, source = [], [], [], []
+    token_parts, mask_parts, source = [], [], []
     pending, wheres = [], []
 
     def flush():
         for ids, mask in renderer.render_many(pending, wheres):
             token_parts.append(ids)
             mask_parts.append(mask)
-            lengths.append(len(ids))
         pending.clear()
         wheres.clear()
 
@@ -142,22 +140,13 @@ def _write_index(directory: Path, files: list[Path], tokenizer, template: str | 
             if len(pending) >= _RENDER_CHUNK:
                 flush()
     flush()
-    if not lengths:
+    if not token_parts:
         raise DataError(f"no conversations in {', '.join(map(str, files))}")
-    tmp = directory.with_name(f"{directory.name}.tmp-{os.getpid()}")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    np.save(tmp / "tokens.npy", np.concatenate(token_parts).astype(np.int32))
-    np.save(tmp / "assistant.npy", np.concatenate(mask_parts))
-    np.save(tmp / "offsets.npy", np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64))
-    np.save(tmp / "source.npy", np.asarray(source, dtype=np.int64).reshape(-1, 2))
+    save_token_arrays(directory, token_parts, mask_parts)
+    np.save(directory / "source.npy", np.asarray(source, dtype=np.int64).reshape(-1, 2))
     meta = {"version": INDEX_VERSION, "files": [str(f) for f in files], "tokenizer": str(tokenizer_dir),
-            "conversations": len(lengths), "tokens": int(sum(lengths))}
-    (tmp / "meta.json").write_text(json.dumps(meta, indent=1) + "\n")
-    try:
-        tmp.rename(directory)
-    except OSError:  # another process (on another node sharing the directory) got there first
-        shutil.rmtree(tmp, ignore_errors=True)
+            "conversations": len(token_parts), "tokens": sum(len(x) for x in token_parts)}
+    (directory / "meta.json").write_text(json.dumps(meta, indent=1) + "\n")
 
 
 def build_sft_index(files: list[str | Path], tokenizer_dir: str | Path, cache_dir: str | Path,
@@ -167,10 +156,6 @@ def build_sft_index(files: list[str | Path], tokenizer_dir: str | Path, cache_di
     ``chat_template``: Jinja source overriding the tokenizer's template. Every rank must call
     this when torch.distributed is initialised.
     """
-    import torch.distributed as dist
-
-    from loongforge.llm.data.shipped import _builds_here
-
     paths = [Path(f).expanduser().resolve() for f in files]
     for path in paths:
         if not path.is_file():
@@ -178,19 +163,7 @@ def build_sft_index(files: list[str | Path], tokenizer_dir: str | Path, cache_di
     tokenizer_dir = Path(tokenizer_dir).expanduser().resolve()
     tokenizer = load_chat_tokenizer(tokenizer_dir)
     directory = Path(cache_dir) / f"sft-{_index_key(paths, tokenizer_dir, chat_template)}"
-    error = None
-    if _builds_here() and not (directory / "meta.json").is_file():
-        try:
-            _write_index(directory, paths, tokenizer, chat_template, tokenizer_dir)
-        except DataError as err:
-            error = err
-    if dist.is_initialized():  # no rank waits for an index that failed to build elsewhere
-        failed = [False] * dist.get_world_size()
-        dist.all_gather_object(failed, error is not None)
-        if any(failed) and error is None:
-            raise DataError(f"building the SFT index in {directory} failed on rank {failed.index(True)} (see its error)")
-    if error is not None:
-        raise error
+    build_once(directory, lambda tmp: _write_index(tmp, paths, tokenizer, chat_template, tokenizer_dir), "SFT index")
     return SFTIndex.load(directory)
 
 

@@ -8,7 +8,6 @@ grammar, ~1.5 MB of JSONL, and a byte-level BPE tokenizer trained on it).
 from __future__ import annotations
 
 import hashlib
-import os
 from pathlib import Path
 
 _BUNDLED = Path(__file__).resolve().parent / "bundled"
@@ -31,17 +30,6 @@ def _content_key() -> str:
     return digest.hexdigest()[:16]
 
 
-def _builds_here() -> bool:
-    """Whether this process writes the preprocessed corpus: every process when torch.distributed is
-    not initialised, else local rank 0 of each node (so node-local cache directories work too;
-    the write is atomic, so nodes sharing one directory are safe)."""
-    import torch.distributed as dist
-
-    if not dist.is_initialized():
-        return True
-    return int(os.environ.get("LOCAL_RANK", dist.get_rank())) == 0
-
-
 def bundled_prefix(cache_dir: str | Path) -> Path:
     """Preprocess the shipped corpus into ``cache_dir`` unless already there; return its prefix.
 
@@ -51,11 +39,12 @@ def bundled_prefix(cache_dir: str | Path) -> Path:
     """
     import torch.distributed as dist
 
+    from loongforge.llm.data.cache import builds_here
     from loongforge.llm.data.preprocess import preprocess
     from megatron.core.datasets.indexed_dataset import IndexedDataset
 
     prefix = Path(cache_dir) / f"bundled-corpus-{_content_key()}"
-    if _builds_here() and not IndexedDataset.exists(str(prefix)):
+    if builds_here() and not IndexedDataset.exists(str(prefix)):
         preprocess([bundled_corpus_path()], bundled_tokenizer_path(), prefix)
     if dist.is_initialized():
         dist.barrier()

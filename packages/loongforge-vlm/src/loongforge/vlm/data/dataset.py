@@ -16,14 +16,13 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import re
-import shutil
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import numpy as np
 
+from loongforge.llm.data.cache import build_once, save_token_arrays
 from loongforge.llm.data.errors import DataError
 from loongforge.vlm.data import media as M
 from loongforge.vlm.data.records import IMAGE_TAG, VIDEO_TAG, Record, read_records
@@ -66,12 +65,6 @@ def _expanded(record: Record, plans: list[MediaPlan], merge: int) -> list[dict]:
         return vision_text(plan.kind, plan.patches // (merge * merge))
 
     return [{**m, "content": _TAGS.sub(expand, m["content"])} for m in record.messages]
-
-
-def _builds_here() -> bool:
-    import torch.distributed as dist
-
-    return not dist.is_initialized() or int(os.environ.get("LOCAL_RANK", dist.get_rank())) == 0
 
 
 @dataclass(frozen=True)
@@ -133,44 +126,23 @@ def _write_index(directory: Path, path: Path, tokenizer, template: str | None, c
     flush()
     if not media:
         raise DataError(f"{path}: no records")
-    tmp = directory.with_name(f"{directory.name}.tmp-{os.getpid()}")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    np.save(tmp / "tokens.npy", np.concatenate(ids_parts).astype(np.int32))
-    np.save(tmp / "assistant.npy", np.concatenate(mask_parts))
-    np.save(tmp / "offsets.npy", np.concatenate([[0], np.cumsum([len(x) for x in ids_parts])]).astype(np.int64))
-    (tmp / "media.json").write_text(json.dumps({"media": [[asdict(p) for p in s] for s in media], "where": wheres}))
-    (tmp / "meta.json").write_text(json.dumps({"version": INDEX_VERSION, "file": str(path), "samples": len(media)}) + "\n")
-    try:
-        tmp.rename(directory)
-    except OSError:  # another process got there first
-        shutil.rmtree(tmp, ignore_errors=True)
+    save_token_arrays(directory, ids_parts, mask_parts)
+    (directory / "media.json").write_text(json.dumps({"media": [[asdict(p) for p in s] for s in media], "where": wheres}))
+    (directory / "meta.json").write_text(json.dumps({"version": INDEX_VERSION, "file": str(path), "samples": len(media)}) + "\n")
 
 
 def build_index(path: str | Path, tokenizer, tokenizer_dir: Path, cache_dir: str | Path, cfg: M.MediaConfig,
                 geo: M.PatchGeometry, template: str | None = None, media_root: str | Path | None = None) -> VLMIndex:
     """Index ``path`` into ``cache_dir`` unless an index of the same inputs is there. With
     torch.distributed initialised every rank calls this; local rank 0 of each node builds."""
-    import torch.distributed as dist
 
     path = Path(path).expanduser().resolve()
     if not path.is_file():
         raise DataError(f"data.path: file not found: {path}")
     root = Path(media_root).expanduser().resolve() if media_root is not None else None
     directory = Path(cache_dir) / f"vlm-{_index_key(path, Path(tokenizer_dir), template, cfg, geo, root)}"
-    error = None
-    if _builds_here() and not (directory / "meta.json").is_file():
-        try:
-            _write_index(directory, path, tokenizer, template, cfg, geo, root, str(tokenizer_dir))
-        except DataError as err:
-            error = err
-    if dist.is_initialized():  # also the barrier: nobody reads before the index is written
-        failed = [False] * dist.get_world_size()
-        dist.all_gather_object(failed, error is not None)
-        if any(failed) and error is None:
-            raise DataError(f"building the VLM index in {directory} failed on rank {failed.index(True)} (see its error)")
-    if error is not None:
-        raise error
+    build_once(directory, lambda tmp: _write_index(tmp, path, tokenizer, template, cfg, geo, root, str(tokenizer_dir)),
+               "VLM index")
     return VLMIndex.load(directory)
 
 

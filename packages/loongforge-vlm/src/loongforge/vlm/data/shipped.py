@@ -10,12 +10,12 @@ at the pixels drives the loss well below what the text alone allows.
 from __future__ import annotations
 
 import json
-import os
 import random
-import shutil
 from pathlib import Path
 
 import numpy as np
+
+from loongforge.llm.data.cache import write_atomically
 
 VERSION = "shapes-v1"
 COLOURS = {"red": (220, 40, 40), "green": (40, 170, 60), "blue": (40, 80, 220), "yellow": (230, 200, 40),
@@ -126,11 +126,5 @@ def shipped_dataset(cache_dir: str | Path) -> Path:
     Concurrent callers are safe (written to a temporary directory, then renamed)."""
     directory = Path(cache_dir) / VERSION
     if not (directory / "train.jsonl").is_file():
-        tmp = directory.with_name(f"{VERSION}.tmp-{os.getpid()}")
-        shutil.rmtree(tmp, ignore_errors=True)
-        _generate(tmp)
-        try:
-            tmp.rename(directory)
-        except OSError:
-            shutil.rmtree(tmp, ignore_errors=True)
+        write_atomically(directory, _generate)
     return directory / "train.jsonl"
