@@ -6,38 +6,10 @@ import json
 import pytest
 import torch
 from cli_runner import run_cli
+from hf_models import first_batch_loss, tiny_qwen2
 from safetensors.torch import load_file
-from transformers import Qwen2Config, Qwen2ForCausalLM
 
 SEQ, BATCH, STEPS = 32, 4, 2
-
-
-def tiny_qwen2(tokenizer_dir, path):
-    torch.manual_seed(0)
-    model = Qwen2ForCausalLM(Qwen2Config(vocab_size=1280, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                                         num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True,
-                                         attn_implementation="eager"))
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            p.copy_((1.0 if "norm" in name else 0.0) + 0.05 * torch.randn_like(p))
-    model.save_pretrained(path)
-    for f in tokenizer_dir.iterdir():
-        (path / f.name).write_bytes(f.read_bytes())
-    return model.eval()
-
-
-def first_batch_loss(model, cache_dir) -> float:
-    """transformers' loss on step 1's global batch, reduced like the trainer (per token)."""
-    from loongforge.llm.data.shipped import bundled_dataset
-
-    data = bundled_dataset(cache_dir, seq_length=SEQ, num_samples=STEPS * BATCH, seed=1234)
-    samples = [data[i] for i in range(BATCH)]
-    tokens, labels, mask, pos = (torch.stack([torch.as_tensor(s[k]) for s in samples])
-                                 for k in ("tokens", "labels", "loss_mask", "position_ids"))
-    with torch.no_grad():
-        logits = model(input_ids=tokens, position_ids=pos).logits
-    per_token = torch.nn.functional.cross_entropy(logits.flatten(0, 1), labels.flatten(), reduction="none")
-    return float((per_token * mask.flatten().float()).sum() / mask.sum())
 
 
 def test_convert_train_from_it_and_export(tmp_path, llm_data_cache):
@@ -58,7 +30,7 @@ def test_convert_train_from_it_and_export(tmp_path, llm_data_cache):
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
     losses = [json.loads(line)["loss"] for line in (run / "metrics.jsonl").read_text().splitlines()]
     assert len(losses) == STEPS
-    assert losses[0] == pytest.approx(first_batch_loss(model, llm_data_cache), rel=1e-5)
+    assert losses[0] == pytest.approx(first_batch_loss(model, llm_data_cache, SEQ, BATCH, STEPS), rel=1e-5)
 
     out = tmp_path / "exported"
     proc = run_cli(["lf-llm", "convert", "lf-to-hf", str(run / "checkpoints"), str(out), "--no-progress"])

@@ -1,3 +1,4 @@
+import re
 import subprocess
 import sys
 from dataclasses import dataclass, field
@@ -58,6 +59,20 @@ def test_compose_group_and_overrides(tmp_path):
     (tmp_path / "main.yaml").write_text("defaults:\n  - part: big\n  - _self_\nsteps: 5\n")
     cfg = load_config(Top, "main", ["part.size=4"], [tmp_path])
     assert cfg == Top(part=Part(kind="big", size=4), steps=5)
+
+
+def test_fixed_section_keeps_the_given_value(tmp_path):
+    """A fixed section is the schema instance's: the YAML's group and keys for it are dropped (even
+    keys its class would not know), and overriding it is an error with the given reason."""
+    (tmp_path / "part").mkdir()
+    (tmp_path / "part" / "big.yaml").write_text("kind: big\nsize: 9\nunknown_here: 1\n")
+    (tmp_path / "main.yaml").write_text("defaults:\n  - part: big\n  - _self_\nsteps: 5\n")
+    given = Top(part=Part(kind="given", size=2))
+    cfg = load_config(given, "main", ["steps=6"], [tmp_path], fixed={"part": "the part comes from elsewhere"})
+    assert cfg == Top(part=Part(kind="given", size=2), steps=6)
+    for override in ("part.size=4", "part=big", "+part.kind=x"):
+        with pytest.raises(ConfigError, match=rf"override '{re.escape(override)}': the part comes from elsewhere"):
+            load_config(given, "main", [override], [tmp_path], fixed={"part": "the part comes from elsewhere"})
 
 
 def test_errors_name_key_and_file(tmp_path):

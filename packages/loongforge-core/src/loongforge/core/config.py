@@ -10,12 +10,17 @@
 3. Every other ``key=value`` override is applied on top (a key the schema does not know is an
    error naming the override), then the dataclass is built, which runs each ``__post_init__``.
 
+``fixed`` maps top-level sections whose value is the one ``schema`` (an instance) already holds to
+the reason why: what the YAML composes for them is dropped, and an override of one of their keys
+is an error giving that reason. A recipe uses it for a section it derives from elsewhere (an LLM's
+``model`` read from a Hugging Face ``config.json``).
+
 All of this happens before any process group is made, so a bad config costs no cluster time.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import fields, is_dataclass
 from pathlib import Path
 from typing import Any, TypeVar
@@ -80,6 +85,7 @@ def load_config(
     name_or_path: str | None,
     overrides: Sequence[str] = (),
     config_dirs: Sequence[Path] = (),
+    fixed: Mapping[str, str] | None = None,
 ) -> T:
     """Compose, merge into ``schema`` (a dataclass), apply overrides, validate. See module doc."""
     if not is_dataclass(schema):
@@ -87,6 +93,9 @@ def load_config(
     for item in overrides:
         if "=" not in item:
             raise ConfigError(f"override {item!r} is not of the form key=value")
+        section = item.split("=", 1)[0].lstrip("+~").split(".", 1)[0]
+        if fixed and section in fixed:
+            raise ConfigError(f"override {item!r}: {fixed[section]}")
     structured = OmegaConf.structured(schema)
     source = "defaults"
     value_overrides = list(overrides)
@@ -96,6 +105,8 @@ def load_config(
         groups = [o for o in overrides if _is_group(o.split("=", 1)[0], path, config_dirs)]
         value_overrides = [o for o in overrides if o not in groups]
         composed = _compose(path, groups, config_dirs)
+        for section in fixed or ():
+            composed.pop(section, None)
         try:
             structured = OmegaConf.merge(structured, composed)
         except OmegaConfBaseException as exc:

@@ -1,6 +1,6 @@
 """``lf-llm``: train, preprocess, info and plot for LLMs on megatron-core.
 
-    lf-llm train [--config NAME_OR_PATH] [key=value ...]
+    lf-llm train [--config NAME_OR_PATH] [--save-hf OUT] [key=value ...]   (model.init_from_hf=HF_DIR: start from HF)
     lf-llm preprocess --input F [F ...] --output-prefix P [--tokenizer DIR] [--json-key text]
     lf-llm info [--config NAME_OR_PATH] [--dp N] [key=value ...]
     lf-llm convert hf-to-lf HF_DIR OUT [--dtype bf16|fp16|fp32] | lf-to-hf CHECKPOINT OUT
@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from pathlib import Path
 
 from loongforge.core.cli import add_config_arguments, add_plot_command, normalise_overrides, run_main
 from loongforge.core.config import ConfigError
@@ -24,8 +25,25 @@ def load_llm_config(args) -> LLMConfig:
     return recipe.load_llm_config(args.config, normalise_overrides(args.overrides))
 
 
+def check_save_hf(cfg: LLMConfig, out: str | None) -> Path | None:
+    """``--save-hf OUT``: the final checkpoint is exported there, so it must be saved, be a plain
+    model (adapters are merged first: ``lf-llm lora merge``) and OUT must be new."""
+    if out is None:
+        return None
+    path = Path(out).expanduser().resolve()
+    if path.exists():
+        raise ConfigError(f"--save-hf {out}: {path} exists; the export writes a new directory")
+    if not cfg.checkpoint.save:
+        raise ConfigError(f"--save-hf {out} exports the final checkpoint; it needs checkpoint.save=true")
+    if cfg.lora.enabled:
+        raise ConfigError(f"--save-hf {out}: a LoRA run's checkpoint holds adapters; merge them with `lf-llm lora merge "
+                          f"CHECKPOINT MERGED` and export with `lf-llm convert lf-to-hf MERGED OUT`")
+    return path
+
+
 def cmd_train(args) -> int:
     cfg = load_llm_config(args)  # fails here, before any process group, on a bad config
+    save_hf = check_save_hf(cfg, args.save_hf)
     from loongforge.core.config import to_dict
     from loongforge.core.parallel import destroy_parallel, init_parallel
     from loongforge.core.training.trainer import MegatronTrainer
@@ -49,9 +67,26 @@ def cmd_train(args) -> int:
             tps = sorted(r.tokens / r.seconds for r in results[len(results) // 2 :])
             print(f"lf-llm: step {results[0].step} loss {results[0].loss:.4f} -> step {results[-1].step} loss "
                   f"{results[-1].loss:.4f}; median {tps[len(tps) // 2]:.0f} tokens/s", flush=True)
+        if save_hf is not None:
+            export_hf(ctx, trainer.ckpt_dir, save_hf, progress=cfg.log.progress)
     finally:
         destroy_parallel()
     return 0
+
+
+def export_hf(ctx, checkpoints: Path, out: Path, progress: bool) -> None:
+    """Rank 0 writes the latest checkpoint in ``checkpoints`` to the HF directory ``out``, after
+    every rank has finished saving."""
+    import torch.distributed as dist
+
+    from loongforge.core.hf_mapping.convert import lf_to_hf
+
+    if dist.is_initialized():
+        dist.barrier()
+    if ctx.is_main:
+        done = lf_to_hf(checkpoints, out, progress=progress)
+        print(f"lf-llm: {done.family} ({done.tensors} tensors) -> {done.path}"
+              + ("" if done.tokenizer else " (no tokenizer found to copy)"), flush=True)
 
 
 def cmd_info(args) -> int:
@@ -83,6 +118,8 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     train = sub.add_parser("train", help="train (no arguments: the debug model on the bundled corpus)")
     add_config_arguments(train, "train_debug")
+    train.add_argument("--save-hf", metavar="OUT", default=None,
+                       help="at the end, export the final checkpoint to OUT as a Hugging Face model directory")
     train.set_defaults(fn=cmd_train)
     info = sub.add_parser("info", help="parameter counts (meta-device build), per-GPU memory of the layout, FLOPs")
     add_config_arguments(info, "train_debug")

@@ -34,9 +34,7 @@ def write_train_config(converted, root: Path) -> Path:
     """``ROOT/train.yaml``: train from the converted weights with every other setting default."""
     from omegaconf import OmegaConf
 
-    from loongforge.core.config import to_dict
-
-    doc = {"model": to_dict(converted.model_config), "checkpoint": {"load": str(root.resolve())},
+    doc = {"model": converted.model_config.architecture(), "checkpoint": {"load": str(root.resolve())},
            "log": {"run_dir": f"runs/{converted.family}-from-hf"}}
     if converted.tokenizer is not None and (converted.tokenizer / "tokenizer.json").is_file():
         doc["data"] = {"tokenizer": str(converted.tokenizer)}

@@ -23,6 +23,10 @@ class GPTConfig:
     qk_layernorm: bool = False  # Qwen3
     add_qkv_bias: bool = False  # Qwen2.5
     init_method_std: float = 0.02
+    # An HF model directory to start from: the architecture comes from its config.json (the rest of
+    # the model section is ignored) and the weights from its safetensors, read per TP/PP/EP shard.
+    # Not part of the architecture record that checkpoints compare (see ``architecture``).
+    init_from_hf: str | None = None
 
     def __post_init__(self):
         for key in ("num_layers", "hidden_size", "num_attention_heads", "num_query_groups", "ffn_hidden_size", "vocab_size"):
@@ -38,6 +42,12 @@ class GPTConfig:
                 f"model.hidden_size={self.hidden_size} is not divisible by model.num_attention_heads="
                 f"{self.num_attention_heads}; set model.kv_channels"
             )
+
+    def architecture(self) -> dict:
+        """The fields that define the model: what a checkpoint records and a resume compares."""
+        from loongforge.core.config import to_dict
+
+        return {k: v for k, v in to_dict(self).items() if k != "init_from_hf"}
 
     @property
     def head_dim(self) -> int:

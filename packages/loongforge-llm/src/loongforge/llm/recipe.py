@@ -7,13 +7,13 @@ the load balancer (``balance``)."""
 from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass, field, fields, make_dataclass
+from dataclasses import dataclass, field, fields, make_dataclass, replace
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from loongforge.core.config import ConfigError, load_config, to_dict
+from loongforge.core.config import ConfigError, load_config
 from loongforge.core.models import ModelRegistryError, get_model_spec
 from loongforge.core.training.schema import BalanceConfig, CheckpointConfig, LogConfig, ParallelConfig, TrainConfig
 from loongforge.llm.data.sft import SFTDataConfig
@@ -65,6 +65,11 @@ class LLMConfig:
     def __post_init__(self):
         if self.recipe not in ("pretrain", "sft"):
             raise ValueError(f"recipe={self.recipe!r}: one of pretrain, sft")
+        if self.model.init_from_hf:
+            for key, value in (("checkpoint.load", self.checkpoint.load), ("lora.base", self.lora.base)):
+                if value:
+                    raise ValueError(f"model.init_from_hf={self.model.init_from_hf} and {key}={value} both give the "
+                                     f"initial weights; set one")
         if self.fp8 != "none":
             from loongforge.llm.layers.fp8_linear import check_fp8_mode
 
@@ -75,27 +80,56 @@ class LLMConfig:
             check_sft_config(self)
 
 
-def _family(name_or_path: str | None, overrides: Sequence[str]) -> str:
-    """``model.family`` of the composed config, read with every section untyped."""
+def _model_section(name_or_path: str | None, overrides: Sequence[str]) -> dict:
+    """The composed config's ``model`` section, read with every section untyped (empty if the
+    config does not compose: the typed load reports that error against the real schema)."""
     sections = make_dataclass("LLMConfigSections", [(f.name, Any, field(default_factory=dict)) for f in fields(LLMConfig)])
     try:
         model = load_config(sections, name_or_path, overrides, [CONFIG_DIR]).model
     except ConfigError:
-        return GPTConfig.family  # the full load below reports the error against the real schema
-    return model.get("family", GPTConfig.family) if isinstance(model, dict) else GPTConfig.family
+        return {}
+    return model if isinstance(model, dict) else {}
 
 
-def load_llm_config(name_or_path: str | None, overrides: Sequence[str] = ()) -> LLMConfig:
-    """Compose and validate an LLM config. The ``model`` group is validated as its family's
-    config class (``ModelSpec.config_class``: the MoE families extend GPTConfig), so each
-    family's own fields are known keys and unknown ones are errors."""
-    family = _family(name_or_path, overrides)
+def _config_class(family: str) -> type[GPTConfig]:
     try:
         config_class = get_model_spec(family).config_class
     except ModelRegistryError as exc:
         raise ConfigError(f"model.family={family!r}: {exc}") from exc
     if not (isinstance(config_class, type) and issubclass(config_class, GPTConfig)):
         raise ConfigError(f"model.family={family!r} is not an LLM family (its config is {config_class.__name__})")
+    return config_class
+
+
+def _model_from_hf(hf_dir: str) -> GPTConfig:
+    """``model.init_from_hf=DIR``: the model section of the HF model in DIR."""
+    from loongforge.core.hf_mapping import MappingError
+    from loongforge.core.hf_mapping.online import hf_model_config
+
+    path = Path(hf_dir).expanduser().resolve()
+    try:
+        family, model = hf_model_config(path)
+    except (MappingError, ValueError) as exc:
+        raise ConfigError(f"model.init_from_hf={hf_dir}: {exc}") from exc
+    if not isinstance(model, _config_class(family)):
+        raise ConfigError(f"model.init_from_hf={hf_dir}: family {family!r} read no LLM config from {path / 'config.json'}")
+    return replace(model, init_from_hf=str(path))
+
+
+def load_llm_config(name_or_path: str | None, overrides: Sequence[str] = ()) -> LLMConfig:
+    """Compose and validate an LLM config. The ``model`` group is validated as its family's
+    config class (``ModelSpec.config_class``: the MoE families extend GPTConfig), so each
+    family's own fields are known keys and unknown ones are errors. With ``model.init_from_hf``
+    the model section is the HF model's (family and architecture from its ``config.json``) and
+    takes no other ``model.*`` override."""
+    model = _model_section(name_or_path, overrides)
+    if model.get("init_from_hf"):
+        hf_model = _model_from_hf(str(model["init_from_hf"]))
+        rest = [o for o in overrides if o.split("=", 1)[0].strip().lstrip("+~") != "model.init_from_hf"]
+        reason = (f"model.init_from_hf={model['init_from_hf']} sets the whole model section from "
+                  f"{hf_model.init_from_hf}/config.json")
+        return load_config(LLMConfig(model=hf_model), name_or_path, rest, [CONFIG_DIR], fixed={"model": reason})
+    config_class = _config_class(model.get("family", GPTConfig.family))
     return load_config(LLMConfig(model=config_class()), name_or_path, overrides, [CONFIG_DIR])
 
 
@@ -128,7 +162,7 @@ class LLMTask:
         self._dataset = None
 
     def model_config_dict(self) -> dict:
-        return to_dict(self.cfg.model)
+        return self.cfg.model.architecture()
 
     def transformer_config_kwargs(self) -> dict:
         return self.cfg.model.transformer_config_kwargs()
@@ -139,6 +173,10 @@ class LLMTask:
 
             force_reference_kernels()  # before the modules resolve their ops
         model = self._build_with_fp8(ctx, transformer_config, pre_process, post_process)
+        if self.cfg.model.init_from_hf:  # before any adapter: the HF weights are the base
+            from loongforge.core.hf_mapping.online import load_hf_weights
+
+            load_hf_weights(model, self.cfg.model.init_from_hf, self.spec.hf_adapter, self.cfg.model)
         lora = self.cfg.lora
         if lora.enabled:
             from loongforge.llm.lora import apply_lora, load_base_weights

@@ -121,6 +121,9 @@ class VLMConfig:
         if self.train.recompute != "none":
             raise ValueError(f"train.recompute={self.train.recompute!r}: set parallel.foundation.recompute and "
                              f"parallel.encoder.recompute instead")
+        if self.foundation.init_from_hf:
+            raise ValueError(f"foundation.init_from_hf={self.foundation.init_from_hf}: the VLM recipe does not read HF "
+                             f"directories online; convert the model (lf-vlm convert) and set checkpoint.load")
         if self.encoder.in_channels != 3:
             raise ValueError(f"encoder.in_channels={self.encoder.in_channels}: the data pipeline reads RGB (3)")
         self.model()  # cross-part checks (mrope section vs the foundation's head dim)

@@ -11,6 +11,8 @@ rank reads exactly its shards::
 
 A region is cut from the LF tensors of the conversions it overlaps, computed on demand from the
 HF tensors (the last few are cached: megatron asks for a fused tensor's parts one by one).
+``load_hf_weights`` does the above for a model; ``hf_model_config`` reads the family and model
+config a directory holds (``lf-llm train model.init_from_hf=DIR``).
 """
 
 from __future__ import annotations
@@ -18,10 +20,12 @@ from __future__ import annotations
 import itertools
 from collections import OrderedDict
 from pathlib import Path
+from typing import Any
 
 import torch
 
 from loongforge.core.checkpoint import CheckpointReadError
+from loongforge.core.hf_mapping.adapter import HFAdapter, family_for_architectures
 from loongforge.core.hf_mapping.hf_dir import HFReader
 from loongforge.core.hf_mapping.table import BoundMapping, Conversion
 
@@ -87,3 +91,20 @@ class HFPieceReader:
         for index in itertools.product(*(range(o, o + s) for o, s in zip(offset[:k], shape[:k]))):
             out[tuple(i - o for i, o in zip(index, offset[:k]))] = self._tensor(key, index)[inner]
         return out
+
+
+def hf_model_config(hf_dir: str | Path) -> tuple[str, Any]:
+    """``(family, model config)`` of the HF model directory ``hf_dir``, from its ``config.json``
+    (the installed family that reads its ``architectures``). ``MappingError`` names the file."""
+    hf = HFReader(hf_dir)
+    family, adapter = family_for_architectures(hf.config.get("architectures"), source=str(hf.directory / "config.json"))
+    return family, adapter.config_from_hf(hf.config)
+
+
+def load_hf_weights(model: torch.nn.Module, hf_dir: str | Path, adapter: HFAdapter, model_config: Any) -> None:
+    """Fill the megatron ``model`` (one pipeline stage, any TP/EP shard) with its part of the
+    HF weights in ``hf_dir``; the directory must hold the model ``model_config`` describes."""
+    from loongforge.core.checkpoint.sharded import load_into
+
+    reader = HFPieceReader(hf_dir, adapter.bind(model_config))
+    model.load_state_dict(load_into(model.sharded_state_dict(), reader, {}, {}), strict=True)
