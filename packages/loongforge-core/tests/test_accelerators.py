@@ -1,5 +1,3 @@
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -45,13 +43,20 @@ def test_unknown_accelerator_lists_installed():
     assert "'tpu'" in msg and "cpu" in msg and "cuda" in msg
 
 
-def test_xpu_without_plugin_fails_clearly():
-    """LOONGFORGE_ACCELERATOR=xpu with no xpu plugin installed: a clear error, no fallback."""
-    if "xpu" in installed_accelerators():
-        pytest.skip("the xpu plugin is installed in this environment")
-    code = "from loongforge.core.accelerators import get_accelerator; get_accelerator()"
-    proc = subprocess.run([sys.executable, "-c", code], env={"LOONGFORGE_ACCELERATOR": "xpu", "PATH": ""},
-                          capture_output=True, text=True)
-    assert proc.returncode != 0
-    assert "LOONGFORGE_ACCELERATOR='xpu'" in proc.stderr
-    assert "installed: cpu, cuda" in proc.stderr
+def test_xpu_without_plugin_fails_clearly(monkeypatch):
+    """LOONGFORGE_ACCELERATOR=xpu with no xpu plugin installed: a clear error, no fallback. (The
+    workspace installs loongforge-xpu, so its entry point is hidden here.)"""
+    from loongforge.core.accelerators import registry
+
+    without_xpu = {name: ep for name, ep in registry.installed_accelerators().items() if name != "xpu"}
+    monkeypatch.setattr(registry, "installed_accelerators", lambda: without_xpu)
+    monkeypatch.setenv("LOONGFORGE_ACCELERATOR", "xpu")
+    registry._select.cache_clear()
+    try:
+        with pytest.raises(AcceleratorError) as err:
+            get_accelerator()
+    finally:
+        registry._select.cache_clear()
+    msg = str(err.value)
+    assert "LOONGFORGE_ACCELERATOR='xpu'" in msg and "installed: cpu, cuda)" in msg
+    assert "pip install loongforge-xpu" in msg
