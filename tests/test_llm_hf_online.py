@@ -48,12 +48,18 @@ def test_bad_uses_are_named(hf_dir, tmp_path):
         load_llm_config("train_debug", [f"model.init_from_hf={tmp_path}"])
 
 
-def test_bad_save_hf_fails_before_training(hf_dir, tmp_path):
+def test_bad_save_hf_fails_before_training(hf_dir, tmp_path, capsys):
+    from loongforge.llm.cli import main as lf_llm
+
     path, _ = hf_dir
-    proc = run_cli(["lf-llm", "train", f"model.init_from_hf={path}", "--save-hf", str(path)])
-    assert proc.returncode == 2 and f"--save-hf {path}" in proc.stderr and "exists" in proc.stderr
-    proc = run_cli(["lf-llm", "train", "--save-hf", str(tmp_path / "out"), "checkpoint.save=false"])
-    assert proc.returncode == 2 and "checkpoint.save=true" in proc.stderr
+    assert lf_llm(["train", f"model.init_from_hf={path}", "--save-hf", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert f"--save-hf {path}" in err and "exists" in err
+    assert lf_llm(["train", "--save-hf", str(tmp_path / "out"), "checkpoint.save=false"]) == 2
+    assert "checkpoint.save=true" in capsys.readouterr().err
+    assert lf_llm(["train", "--save-hf", str(tmp_path / "out"), "lora.rank=4"]) == 2
+    assert "lf-llm lora merge" in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()
 
 
 def test_train_from_hf_at_tp2_and_export(hf_dir, tmp_path, llm_data_cache):

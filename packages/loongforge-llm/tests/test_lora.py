@@ -7,7 +7,7 @@ import torch
 
 from loongforge.core.checkpoint import Checkpoint
 from loongforge.core.config import to_dict
-from loongforge.llm.lora import LoRALinear, adapter_checkpoint, apply_lora, is_adapter, merge_checkpoint
+from loongforge.llm.lora import LoRALinear, apply_lora, is_adapter, merge_checkpoint
 from loongforge.llm.recipe import LLMTask, load_llm_config
 
 RANK, ALPHA = 4, 8.0
@@ -67,7 +67,10 @@ def test_adapters_train_alone_and_export(config, megatron_world, tmp_path):
     checkpointing.load_weights(plain, plain.ckpt_cfg.load)
     torch.testing.assert_close(logits(plain), adapted_logits, atol=1e-5, rtol=0)
 
-    adapter = Checkpoint(adapter_checkpoint(tmp_path / "run" / "checkpoints", tmp_path / "adapter"))
+    from loongforge.llm.cli import main as lf_llm
+
+    assert lf_llm(["lora", "export-adapter", str(tmp_path / "run" / "checkpoints"), str(tmp_path / "adapter")]) == 0
+    adapter = Checkpoint(tmp_path / "adapter")
     source = Checkpoint(tmp_path / "run" / "checkpoints")
     expected_keys = {k for k in source.reader.keys() if is_adapter(k) and not k.startswith("optimizer.")}
     assert set(adapter.reader.keys()) == expected_keys
