@@ -207,6 +207,7 @@ class MegatronTrainer:
         )
         compute_seconds = (self._compute_end - t0) if self._compute_end is not None else float("nan")
         self._compute_end = None
+        lr = self.optimizer.param_groups[0]["lr"]  # the rate this step's update uses
         _, grad_norm, _ = self.optimizer.step()
         self.scheduler.step(increment=self.train.global_batch_size)
         totals = torch.zeros(3, dtype=torch.float64, device=self.ctx.device)  # loss sum, loss tokens, input tokens
@@ -229,7 +230,7 @@ class MegatronTrainer:
             step=self.step,
             loss=(totals[0] / totals[1].clamp(min=1)).item(),
             grad_norm=float(grad_norm) if grad_norm is not None else float("nan"),
-            lr=self.optimizer.param_groups[0]["lr"],
+            lr=lr,
             tokens=tokens,
             seconds=seconds,
             extra=dict(step.metrics),
