@@ -38,6 +38,19 @@ def test_quantisers_are_bitwise_the_reference(dtype):
         assert torch.equal(fused[1], want[1])
 
 
+def test_auto_backend_is_right_at_every_shape():
+    """``auto`` checks ``torch._scaled_mm`` per shape: after it checked out at a large shape, a small
+    one (the dgrad GEMM of a 256 -> 128 layer on 64 tokens) must still give the right numbers."""
+    from loongforge.kernels import fp8_gemm as fg
+
+    for m, n, k in ((512, 768, 1024), (64, 256, 128), (40, 136, 300)):
+        a_q, a_s = ref.quantize_1x128(torch.randn(m, k, device="cuda"))
+        b_q, b_s = ref.quantize_128x128(torch.randn(n, k, device="cuda"))
+        want = ref.dequantize_1x128(a_q, a_s) @ ref.dequantize_128x128(b_q, b_s).t()
+        got = fg.fp8_gemm(a_q, a_s, b_q, b_s, True, torch.float32, backend="auto")
+        assert _rel(got, want) < 1e-3, (m, n, k, _rel(got, want))
+
+
 @pytest.mark.parametrize("b_blocked", [True, False])
 def test_gemm_backends_match_the_dequantised_product(b_blocked):
     from loongforge.kernels import fp8_gemm as fg

@@ -12,9 +12,10 @@ block (an activation in the weight-grad GEMM). Two implementations:
   scale block and is rescaled in fp32 before it is added (DeepSeek-V3's promotion of the
   tensor-core partial sums);
 - ``scaled_mm``: ``torch._scaled_mm`` with blockwise scales (cuBLASLt, sm_90, CUDA >= 12.9).
-  Its scale layouts have changed between torch releases, so the first call of each kind is
-  checked against the Triton kernel on the same operands; a mismatch or an error turns it off
-  for that kind, with a warning.
+  Its scale layouts have changed between torch releases and it can return wrong numbers at
+  some shapes without an error, so the first call at each shape (and scale kind and output
+  dtype) is checked against the Triton kernel on the same operands; a mismatch or an error
+  turns it off for that shape, with a warning.
 
 ``LOONGFORGE_FP8_GEMM=auto|triton|scaled_mm`` picks one (auto: ``scaled_mm`` where it checks
 out, else ``triton``).
@@ -243,8 +244,10 @@ def scaled_mm_fp8_gemm(a_q, a_s, b_q, b_s, b_blocked: bool, out_dtype: torch.dty
     return torch._scaled_mm(a_q, b_q.t(), scale_a=scale_a, scale_b=scale_b, out_dtype=out_dtype)
 
 
-# (b_blocked, out_dtype) -> whether torch._scaled_mm gave the Triton kernel's numbers
-_SCALED_MM_OK: dict[tuple[bool, torch.dtype], bool] = {}
+# (b_blocked, out_dtype, M, N, K) -> whether torch._scaled_mm gave the Triton kernel's numbers at
+# that shape: checked per shape, since cuBLASLt's blockwise path can run without error and still
+# return wrong numbers at some shapes (seen on an H200 with a 64x256x128 GEMM)
+_SCALED_MM_OK: dict[tuple[bool, torch.dtype, int, int, int], bool] = {}
 
 
 def gemm_backend() -> str:
@@ -267,8 +270,8 @@ def _scaled_mm_checks_out(key, a_q, a_s, b_q, b_s, b_blocked, out_dtype) -> bool
             ok, reason = False, f"{type(exc).__name__}: {str(exc).splitlines()[0]}"
         if not ok:
             warnings.warn(
-                f"torch._scaled_mm blockwise FP8 ({'128x128' if b_blocked else '1x128'} B scales, {out_dtype}) "
-                f"is not usable here ({reason}); using the Triton FP8 GEMM for it",
+                f"torch._scaled_mm blockwise FP8 ({'128x128' if b_blocked else '1x128'} B scales, {out_dtype}, "
+                f"M x N x K = {key[2]}x{key[3]}x{key[4]}) is not usable here ({reason}); using the Triton FP8 GEMM for it",
                 stacklevel=3,
             )
         _SCALED_MM_OK[key] = ok
@@ -283,7 +286,7 @@ def fp8_gemm(a_q, a_s, b_q, b_s, b_blocked: bool, out_dtype: torch.dtype, backen
         return triton_fp8_gemm(a_q, a_s, b_q, b_s, b_blocked, out_dtype)
     if backend == "scaled_mm":
         return scaled_mm_fp8_gemm(a_q, a_s, b_q, b_s, b_blocked, out_dtype)
-    key = (b_blocked, out_dtype)
+    key = (b_blocked, out_dtype, a_q.shape[0], b_q.shape[0], a_q.shape[1])
     if _scaled_mm_checks_out(key, a_q, a_s, b_q, b_s, b_blocked, out_dtype):
         return scaled_mm_fp8_gemm(a_q, a_s, b_q, b_s, b_blocked, out_dtype)
     return triton_fp8_gemm(a_q, a_s, b_q, b_s, b_blocked, out_dtype)
