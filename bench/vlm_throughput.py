@@ -14,8 +14,9 @@ on the text tokens. In one process, on the same device, one after the other:
   ``loongforge.vlm.hf.config_to_hf``, ``attn_implementation="sdpa"``; and under ``torch.compile``)
   on the whole batch at once, weights in the step's dtype, fused ``torch.optim.AdamW``;
 - ``ours``: ``VLMTask``'s model and ``MegatronTrainer.train_step`` (megatron DDP, fp32 main
-  weights and grads, AdamW, grad clipping) on the same samples, one per micro-batch (``--pack K``:
-  K per packed micro-batch); ``--variant NAME=KEY=VALUE,...`` adds more of ours with config
+  weights and grads, AdamW, grad clipping) on the same samples, all of them packed into one
+  micro-batch with a document-causal mask, as transformers gets them in one forward (``--pack K``:
+  K per packed micro-batch, ``--pack 1`` one sample each); ``--variant NAME=KEY=VALUE,...`` adds more of ours with config
   overrides (``parallel.encoder.recompute=full``, ``parallel.foundation.recompute=selective``) or
   the bench's own knob ``pack=K``.
 
@@ -290,7 +291,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--samples", type=int, default=None, help="samples per step (default 8; --tiny: 2)")
     parser.add_argument("--image-size", type=int, default=None, help="image side in pixels (default 448; --tiny: 32)")
     parser.add_argument("--text-tokens", type=int, default=None, help="text tokens per sample (default 768; --tiny: 24)")
-    parser.add_argument("--pack", type=int, default=1, help="samples per micro-batch of ours (packed)")
+    parser.add_argument("--pack", type=int, default=None,
+                        help="samples per packed micro-batch of ours (default: all samples of a step in one)")
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--variant", action="append", default=[], metavar="NAME=KEY=VALUE,...",
@@ -312,7 +314,8 @@ def main(argv: list[str] | None = None) -> int:
         samples=args.samples or (2 if args.tiny else 8),
         image_size=args.image_size or (32 if args.tiny else 448),
         text_tokens=args.text_tokens if args.text_tokens is not None else (24 if args.tiny else 768),
-        pack=args.pack, device=device, dtype=torch.bfloat16 if device.type == "cuda" else torch.float32)
+        pack=0, device=device, dtype=torch.bfloat16 if device.type == "cuda" else torch.float32)
+    case.pack = args.pack if args.pack is not None else case.samples
     if case.samples < 1 or case.pack < 1 or case.samples % case.pack:
         raise SystemExit(f"--samples {case.samples} must be a positive multiple of --pack {case.pack}")
 
