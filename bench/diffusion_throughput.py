@@ -6,7 +6,7 @@ The default case is a Wan2.1-T2V-1.3B-shaped model cut to 4 layers on 480x832 vi
 (one latent of 16 x 9 x 60 x 104, 14040 tokens), bf16 autocast. Both steps run in this process on
 the same weights and latents (``lf-diffusion bench``): diffusers eager with its gradient
 checkpointing, ours with the preset's settings (compiled blocks, selective checkpointing that
-keeps attention outputs, fused AdamW). The printed ratio is the baseline's step time over ours;
+keeps attention and GEMM outputs, fused AdamW). The printed ratio is the baseline's step time over ours;
 each run also prints forward/backward/optimizer time and peak memory, and ours a profiler table
 of its top CUDA kernels and timings of the self-attention kernels at this shape. Then ours runs
 again with full checkpointing (diffusers' policy), with none, and uncompiled. Extra arguments

@@ -70,15 +70,17 @@ def test_varlen_backend_equals_split_on_gpu():
     torch.testing.assert_close(varlen.float(), split.float(), atol=3e-2, rtol=3e-2)
 
 
-class _CountAttention(TorchDispatchMode):
-    """Counts the fused attention forward kernels that run inside the context."""
+class _CountForwardOps(TorchDispatchMode):
+    """Counts the fused attention forward kernels and the biased GEMMs (``addmm``: every
+    ``nn.Linear`` forward; the backward's gradient GEMMs are plain ``mm``) run inside it."""
 
     def __init__(self):
         super().__init__()
-        self.calls = 0
+        self.attention = self.linear = 0
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.calls += func in attention_ops()
+        self.attention += func in attention_ops()
+        self.linear += func is torch.ops.aten.addmm.default
         return func(*args, **(kwargs or {}))
 
 
@@ -89,7 +91,8 @@ def _packed_pair_batch(cfg):
 
 def test_activation_checkpointing_policies_same_gradients():
     """full and selective checkpointing give the gradients of no checkpointing; full recomputes
-    every attention in the backward, selective none (it keeps their outputs)."""
+    every attention and linear layer of the blocks in the backward, selective none of them (it
+    keeps their outputs and recomputes only the elementwise work)."""
     cfg, _, ours = _pair()
     batch = _packed_pair_batch(cfg)
     grads, recomputed = {}, {}
@@ -97,12 +100,13 @@ def test_activation_checkpointing_policies_same_gradients():
         ours.zero_grad()
         ours.set_activation_checkpointing(policy)
         loss = ours(batch).pow(2).mean()
-        with _CountAttention() as count:
+        with _CountForwardOps() as count:
             loss.backward()
-        recomputed[policy] = count.calls
+        recomputed[policy] = (count.attention, count.linear)
         grads[policy] = {k: p.grad.clone() for k, p in ours.named_parameters()}
-    # 2 layers x (self + cross) x 2 samples (the CPU backend runs one SDPA call per sample)
-    assert recomputed == {"none": 0, "full": 8, "selective": 0}
+    # attention: 2 layers x (self + cross) x 2 samples (the CPU backend runs one SDPA call per
+    # sample); linear: 2 layers x (q/k/v fused, out, cross q, cross k/v fused, cross out, FFN up, down)
+    assert recomputed == {"none": (0, 0), "full": (8, 14), "selective": (0, 0)}
     for policy in ("full", "selective"):
         for k in grads["none"]:
             torch.testing.assert_close(grads[policy][k], grads["none"][k], atol=1e-6, rtol=1e-5)

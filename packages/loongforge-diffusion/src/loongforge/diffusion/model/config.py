@@ -25,7 +25,8 @@ DIFFUSERS_FIELDS = (
 )
 # diffusers fields of image-conditioned variants (Wan 2.1 I2V); they must be unset
 UNSUPPORTED_FIELDS = ("image_dim", "added_kv_proj_dim", "pos_embed_seq_len")
-# per-block activation checkpointing: nothing, the whole block, or all but the attention outputs
+# per-block activation checkpointing: nothing, the whole block, or the elementwise work between
+# the kept attention and GEMM outputs
 CHECKPOINTING = ("none", "full", "selective")
 
 
@@ -51,7 +52,7 @@ class WanConfig:
     boundary_ratio: float | None = None
     # how it runs
     attention_backend: str = "auto"
-    activation_checkpointing: str = "none"  # none | full | selective (keeps the attention outputs)
+    activation_checkpointing: str = "none"  # none | full | selective (keeps attention and GEMM outputs)
     # regional torch.compile of the transformer blocks; null: on CUDA without context parallelism
     compile: bool | None = None
     # a local diffusers directory (WanTransformer3DModel, or a pipeline with transformer/ and

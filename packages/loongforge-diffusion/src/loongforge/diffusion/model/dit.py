@@ -16,8 +16,11 @@ variants), so ``load_state_dict`` of a diffusers checkpoint is the identity mapp
 - with a ``ContextParallel`` group each rank computes its slice of the tokens, exchanging heads for
   sequence around self-attention (Ulysses);
 - per-block activation checkpointing: ``full`` recomputes the whole block in the backward,
-  ``selective`` keeps the attention outputs (one ``[tokens, dim]`` tensor per attention) and
-  recomputes the rest, which skips the costliest recompute for little memory.
+  ``selective`` keeps the outputs of the attention kernels and of the GEMMs and recomputes only
+  the elementwise work between them (norms, modulation, RoPE, GELU, gates): the backward then
+  repeats no FLOP-heavy op, for about half the activation memory of ``none`` (on an H200, 4
+  Wan-1.3B layers at 14040 tokens: 1.8x diffusers' checkpointed step against 1.6x keeping the
+  attention outputs alone).
 
 The embedding modules that have nothing to do with packing (time/text embedder, LayerNorms,
 GELU feed-forward) are diffusers' own modules, so their numerics are diffusers'.
@@ -67,8 +70,7 @@ class TokenContext:
 
 @cache
 def attention_ops() -> frozenset:
-    """The fused attention ops (every SDPA kernel, flash varlen) whose outputs selective
-    checkpointing keeps."""
+    """The fused attention ops (every SDPA kernel, flash varlen)."""
     import torch.nn.attention.varlen  # noqa: F401  (registers torch_attn::_varlen_attn)
 
     names = ("_scaled_dot_product_cudnn_attention", "_scaled_dot_product_flash_attention",
@@ -78,12 +80,19 @@ def attention_ops() -> frozenset:
     return frozenset(ops)
 
 
-def _keep_attention(ctx, op, *args, **kwargs):
-    return CheckpointPolicy.MUST_SAVE if op in attention_ops() else CheckpointPolicy.PREFER_RECOMPUTE
+@cache
+def kept_ops() -> frozenset:
+    """The ops whose outputs selective checkpointing keeps: attention kernels and GEMMs (every
+    ``nn.Linear`` of a block is ``addmm`` on its 2D packed tokens, ``mm`` without a bias)."""
+    return attention_ops() | {torch.ops.aten.addmm.default, torch.ops.aten.mm.default}
 
 
-def _keep_attention_contexts():
-    return create_selective_checkpoint_contexts(_keep_attention)
+def _keep_attention_and_gemms(ctx, op, *args, **kwargs):
+    return CheckpointPolicy.MUST_SAVE if op in kept_ops() else CheckpointPolicy.PREFER_RECOMPUTE
+
+
+def _selective_contexts():
+    return create_selective_checkpoint_contexts(_keep_attention_and_gemms)
 
 
 def _fused_linear(x: torch.Tensor, linears: tuple[nn.Linear, ...]) -> tuple[torch.Tensor, ...]:
@@ -167,7 +176,7 @@ class WanBlock(nn.Module):
     def forward(self, x: torch.Tensor, text: torch.Tensor, temb: torch.Tensor, tc: TokenContext) -> torch.Tensor:
         if self.checkpointing == "none" or not torch.is_grad_enabled():
             return self._forward(x, text, temb, tc)
-        extra = {"context_fn": _keep_attention_contexts} if self.checkpointing == "selective" else {}
+        extra = {"context_fn": _selective_contexts} if self.checkpointing == "selective" else {}
         return checkpoint(self._forward, x, text, temb, tc, use_reentrant=False, **extra)
 
     def _forward(self, x: torch.Tensor, text: torch.Tensor, temb: torch.Tensor, tc: TokenContext) -> torch.Tensor:
