@@ -308,14 +308,15 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit("bench/vlm_throughput.py needs a CUDA GPU (or --device cpu)")
     warnings.filterwarnings("ignore")
     os.environ.setdefault("LOONGFORGE_ACCELERATOR", args.device)
+    samples = args.samples or (2 if args.tiny else 8)
     case = Case(
         overrides=[f"encoder={args.encoder or ('qwen2_5_vit_debug' if args.tiny else 'qwen2_5_vit')}",
                    f"foundation={args.foundation or ('qwen2_debug' if args.tiny else 'qwen2_5_0_5b')}", *args.set],
-        samples=args.samples or (2 if args.tiny else 8),
+        samples=samples,
         image_size=args.image_size or (32 if args.tiny else 448),
         text_tokens=args.text_tokens if args.text_tokens is not None else (24 if args.tiny else 768),
-        pack=0, device=device, dtype=torch.bfloat16 if device.type == "cuda" else torch.float32)
-    case.pack = args.pack if args.pack is not None else case.samples
+        pack=args.pack if args.pack is not None else samples,
+        device=device, dtype=torch.bfloat16 if device.type == "cuda" else torch.float32)
     if case.samples < 1 or case.pack < 1 or case.samples % case.pack:
         raise SystemExit(f"--samples {case.samples} must be a positive multiple of --pack {case.pack}")
 

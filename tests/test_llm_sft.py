@@ -64,8 +64,9 @@ def test_dp2_epoch_trains_every_conversation_once(dp2):
         assert a and b and not set(a) & set(b)  # each rank its own share of the step
         seen += a + b
     assert sorted(seen) == list(range(CONVERSATIONS))  # the epoch: every conversation exactly once
-    for r in recs:
-        assert 1.0 <= r["balance/imbalance_after"] <= r["balance/imbalance_before"]
+    for r in recs:  # a step either keeps the plain split (same imbalance) or improves on it
+        before, after = r["balance/imbalance_before"], r["balance/imbalance_after"]
+        assert after <= before if r["balance/rebalanced"] else after == before
     assert any(r["balance/rebalanced"] and r["balance/imbalance_after"] < r["balance/imbalance_before"] for r in recs)
 
 

@@ -75,6 +75,15 @@ def test_fp8_linears_compute_the_reference(adaptive, megatron_world, reference_k
     _check_against_reference(row, torch.randn(12, 2, 200), bias=False)
 
 
+
+def test_fp8_linear_refuses_deferred_weight_gradients(megatron_world):
+    """megatron's deferred weight-gradient GEMMs have no FP8 path: building the layer says so."""
+    config = _transformer_config(add_bias_linear=False)
+    config.defer_embedding_wgrad_compute = True  # megatron validates it only together with PP > 1
+    with pytest.raises(ValueError, match=r"Fp8ColumnParallelLinear: deferred weight-gradient GEMMs"):
+        Fp8ColumnParallelLinear(160, 200, config=config, init_method=config.init_method, bias=False,
+                                gather_output=False)
+
 def _gpt(fp8: str):
     from loongforge.llm.families.gpt import layer_spec
     from loongforge.llm.layers.gpt_model import FusedLossGPTModel

@@ -74,15 +74,16 @@ class _Fp8Gemm:
         if self.gtp_remat_size > 1:
             raise ValueError(f"{type(self).__name__}: GTP weight sharding (gtp_remat_size={self.gtp_remat_size}) "
                              "is not supported with FP8 linears")
+        if self.config.defer_embedding_wgrad_compute:
+            raise ValueError(f"{type(self).__name__}: deferred weight-gradient GEMMs "
+                             "(defer_embedding_wgrad_compute) are not supported with FP8 linears")
         self.fp8_adaptive = adaptive
         self._fp8_linear = get_kernel("fp8_linear")
 
     def _forward_impl(self, input, weight, bias, gradient_accumulation_fusion, allreduce_dgrad, sequence_parallel,
                       grad_output_buffer=None, wgrad_deferral_limit=None, tp_group=None, gtp_remat_size=1):
-        del gradient_accumulation_fusion, wgrad_deferral_limit, gtp_remat_size  # see the class doc and __init__
-        if grad_output_buffer is not None:
-            raise NotImplementedError(f"{type(self).__name__}: deferred weight-gradient GEMMs "
-                                      "(defer_embedding_wgrad_compute) are not supported with FP8 linears")
+        # see the class doc and __init__ (which refuses GTP and deferred weight gradients)
+        del gradient_accumulation_fusion, grad_output_buffer, wgrad_deferral_limit, gtp_remat_size
         if sequence_parallel:
             input = gather_from_sequence_parallel_region(input, tensor_parallel_output_grad=True, group=tp_group)
         elif allreduce_dgrad:
