@@ -46,3 +46,13 @@ def test_default_train_loss_falls(tmp_path, llm_data_cache):
         return min_lr + (lr - min_lr) * 0.5 * (1 + math.cos(math.pi * (n - warmup) / (steps - warmup)))
 
     assert [r["lr"] for r in records] == pytest.approx([expected(k) for k in range(1, 31)], rel=1e-9, abs=1e-15)
+
+    # `lf-llm compare`: the run against a copy whose loss is 3% higher from step 21 on
+    other = tmp_path / "other"
+    other.mkdir()
+    (other / "metrics.jsonl").write_text("".join(
+        json.dumps({**r, "loss": r["loss"] * (1.03 if r["step"] > 20 else 1.0)}) + "\n" for r in records))
+    proc = run_cli(["lf-llm", "compare", str(tmp_path), str(other), "--tolerance", "0.01"])
+    assert proc.returncode == 1, proc.stderr[-3000:]
+    assert "+0.00%" in proc.stdout and "+3.00%" in proc.stdout
+    assert "3.00% (steps 21-30)" in proc.stdout

@@ -344,14 +344,21 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--seed", type=int, default=SEED)
     parser.add_argument("--target-bytes", type=int, default=TARGET_BYTES)
     parser.add_argument("--vocab-size", type=int, default=VOCAB_SIZE)
+    parser.add_argument("--corpus-only", type=Path, metavar="JSONL",
+                        help="write only the documents, to this file, and train no tokenizer: a larger corpus "
+                             "from another seed for runs longer than an epoch of the bundled one (tokenize it "
+                             "with `lf-llm preprocess`, whose default is the bundled tokenizer)")
     args = parser.parse_args(argv)
 
     docs = make_corpus(args.seed, args.target_bytes)
-    args.output.mkdir(parents=True, exist_ok=True)
-    corpus = args.output / "corpus.jsonl"
+    corpus = args.corpus_only or args.output / "corpus.jsonl"
+    corpus.parent.mkdir(parents=True, exist_ok=True)
     with open(corpus, "w", encoding="utf-8", newline="\n") as f:
         for doc in docs:
             f.write(json.dumps({"text": doc}, ensure_ascii=False) + "\n")
+    if args.corpus_only:
+        print(f"{corpus}: {len(docs)} documents, {corpus.stat().st_size} bytes")
+        return
     tokenizer = train_tokenizer(docs, args.vocab_size)
     write_tokenizer(tokenizer, args.output / "tokenizer")
     print(f"{corpus}: {len(docs)} documents, {corpus.stat().st_size} bytes; "

@@ -3,7 +3,7 @@ import json
 
 import pytest
 
-from loongforge.core.cli import add_plot_command, normalise_overrides, run_main
+from loongforge.core.cli import add_run_commands, normalise_overrides, run_main
 from loongforge.core.config import ConfigError
 
 
@@ -27,7 +27,7 @@ def test_plot_command_draws_a_run(tmp_path, capsys):
     (run / "metrics.jsonl").write_text("".join(
         json.dumps({"step": s, "loss": 5.0 / s, "tokens_per_s": 100.0 + s}) + "\n" for s in range(1, 6)))
     parser = argparse.ArgumentParser()
-    add_plot_command(parser.add_subparsers(dest="command", required=True))
+    add_run_commands(parser.add_subparsers(dest="command", required=True))
     args = parser.parse_args(["plot", str(run)])
     assert args.fn(args) == 0
     written = capsys.readouterr().out.split("wrote ", 1)[1].strip()

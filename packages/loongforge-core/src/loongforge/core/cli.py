@@ -1,5 +1,6 @@
 """Pieces every ``lf-*`` CLI shares: ``--config NAME_OR_PATH`` plus ``key=value`` overrides, the
-``plot`` subcommand, and one way to turn configuration errors into an exit code."""
+``plot`` and ``compare`` subcommands on run directories, and one way to turn configuration errors
+into an exit code."""
 
 from __future__ import annotations
 
@@ -33,17 +34,43 @@ def normalise_overrides(items: list[str]) -> list[str]:
     return out
 
 
-def add_plot_command(sub) -> None:
-    """``lf-* plot RUN_DIR``: the run's loss and throughput curves from ``metrics.jsonl`` to PNG."""
+def add_run_commands(sub) -> None:
+    """``lf-* plot RUN_DIR`` (the run's loss and throughput curves from ``metrics.jsonl`` to PNG) and
+    ``lf-* compare RUN_A RUN_B`` (run B's loss curve relative to run A's, window by window)."""
     plot = sub.add_parser("plot", help="draw the loss/throughput curves of RUN_DIR to PNG")
     plot.add_argument("run_dir")
     plot.set_defaults(fn=_cmd_plot)
+
+    compare = sub.add_parser("compare", help="RUN_B's loss curve relative to RUN_A's, in windows of steps")
+    compare.add_argument("run_a", help="the reference run directory")
+    compare.add_argument("run_b")
+    compare.add_argument("--key", default="loss", help="the metrics.jsonl key to compare (default: loss)")
+    compare.add_argument("--window", type=int, default=10, help="steps per window mean (default: 10)")
+    compare.add_argument("--from-step", type=int, default=1, help="judge windows starting at this step or later")
+    compare.add_argument("--tolerance", type=float, default=None,
+                         help="exit 1 when a judged window differs by more than this fraction (e.g. 0.01)")
+    compare.set_defaults(fn=_cmd_compare)
 
 
 def _cmd_plot(args) -> int:
     from loongforge.core.plot import plot_run
 
     print(f"wrote {plot_run(args.run_dir)}")
+    return 0
+
+
+def _cmd_compare(args) -> int:
+    from loongforge.core.compare import compare_runs, format_comparison
+
+    try:
+        result = compare_runs(args.run_a, args.run_b, key=args.key, window=args.window)
+        print(format_comparison(result, "A", "B", from_step=args.from_step))
+        worst = abs(result.worst(args.from_step).relative)
+    except (FileNotFoundError, ValueError) as exc:
+        raise ConfigError(str(exc)) from exc
+    if args.tolerance is not None and worst > args.tolerance:
+        print(f"B is more than {args.tolerance:.2%} from A", file=sys.stderr)
+        return 1
     return 0
 
 

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import torch.distributed as dist
 
-from loongforge.core.cli import add_config_arguments, add_plot_command, normalise_overrides, run_main
+from loongforge.core.cli import add_config_arguments, add_run_commands, normalise_overrides, run_main
 
 CONFIG_DIR = Path(__file__).parent / "configs"
 DEFAULT_TRAIN = "tiny"
@@ -167,7 +167,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-profile", action="store_true", help="skip the CUDA profiler table and attention timings")
     p.set_defaults(fn=cmd_bench)
 
-    add_plot_command(sub)
+    add_run_commands(sub)
     return parser
 
 

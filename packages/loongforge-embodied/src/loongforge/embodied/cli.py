@@ -20,7 +20,7 @@ import argparse
 import json
 import sys
 
-from loongforge.core.cli import add_plot_command, normalise_overrides, run_main
+from loongforge.core.cli import add_run_commands, normalise_overrides, run_main
 
 
 def _config(args, rest):
@@ -133,7 +133,7 @@ def main(argv: list[str] | None = None) -> int:
     p = sub.add_parser("convert")
     p.add_argument("--from-lerobot", required=True, help="a LeRobot pi05 model.safetensors")
     p.add_argument("--out", required=True)
-    add_plot_command(sub)
+    add_run_commands(sub)
     args, rest = parser.parse_known_args(argv)
     if args.command in ("export", "convert", "plot") and rest:
         parser.error(f"unexpected arguments: {rest}")

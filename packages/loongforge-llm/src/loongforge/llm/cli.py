@@ -15,7 +15,7 @@ import json
 import sys
 from pathlib import Path
 
-from loongforge.core.cli import add_config_arguments, add_plot_command, normalise_overrides, run_main
+from loongforge.core.cli import add_config_arguments, add_run_commands, normalise_overrides, run_main
 from loongforge.core.config import ConfigError
 from loongforge.llm import recipe
 from loongforge.llm.recipe import LLMConfig
@@ -137,7 +137,7 @@ def build_parser() -> argparse.ArgumentParser:
     from loongforge.llm.lora_command import add_lora_command
 
     add_lora_command(sub)
-    add_plot_command(sub)
+    add_run_commands(sub)
     return parser
 
 

@@ -16,7 +16,7 @@ import json
 import sys
 from pathlib import Path
 
-from loongforge.core.cli import add_config_arguments, add_plot_command, normalise_overrides, run_main
+from loongforge.core.cli import add_config_arguments, add_run_commands, normalise_overrides, run_main
 from loongforge.core.config import ConfigError
 
 DEFAULT_CONFIG = "vlm_debug"
@@ -137,7 +137,7 @@ def build_parser() -> argparse.ArgumentParser:
     conv.add_argument("--dtype", choices=["bf16", "fp16", "fp32"], help="cast floating-point weights (default: keep)")
     conv.add_argument("--no-progress", action="store_true", help="no progress bar")
     conv.set_defaults(fn=cmd_convert)
-    add_plot_command(sub)
+    add_run_commands(sub)
     return parser
 
 

@@ -1,0 +1,78 @@
+"""``lf-* compare RUN_A RUN_B``: how far one run's loss curve is from another's.
+
+The curves are compared window by window (the mean of ``window`` consecutive steps both runs
+logged), as the relative difference ``b / a - 1`` with run A the reference: per-step losses are too
+noisy to compare one by one, and a window mean is what a plotted curve shows. ``--tolerance``
+turns the comparison into a check (exit status 1 when a window from ``--from-step`` on differs by
+more), e.g. an FP8 run against its bf16 twin, or a new release against a recorded run.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from loongforge.core.metrics import read_metrics
+
+
+@dataclass(frozen=True)
+class Window:
+    first_step: int
+    last_step: int
+    mean_a: float
+    mean_b: float
+
+    @property
+    def relative(self) -> float:
+        return self.mean_b / self.mean_a - 1.0
+
+
+@dataclass(frozen=True)
+class CurveComparison:
+    key: str
+    windows: list[Window]
+
+    def worst(self, from_step: int = 1) -> Window:
+        """The window (of those starting at or after ``from_step``) with the largest |difference|."""
+        candidates = [w for w in self.windows if w.first_step >= from_step]
+        if not candidates:
+            raise ValueError(f"no comparison window starts at or after step {from_step} "
+                             f"(last window starts at step {self.windows[-1].first_step})")
+        return max(candidates, key=lambda w: abs(w.relative))
+
+
+def _curve(run_dir: Path, key: str) -> dict[int, float]:
+    path = run_dir / "metrics.jsonl"
+    if not path.is_file():
+        raise FileNotFoundError(f"{path}: no such file (is {run_dir} a run directory?)")
+    curve = {r["step"]: float(r[key]) for r in read_metrics(run_dir) if key in r}
+    if not curve:
+        raise ValueError(f"{path}: no record has the key {key!r}")
+    return curve
+
+
+def compare_runs(run_a: str | Path, run_b: str | Path, key: str = "loss", window: int = 10) -> CurveComparison:
+    """Window means of ``key`` over the steps both runs logged (in step order), A vs B."""
+    if window < 1:
+        raise ValueError(f"window={window}: must be >= 1")
+    a, b = _curve(Path(run_a), key), _curve(Path(run_b), key)
+    steps = sorted(a.keys() & b.keys())
+    if not steps:
+        raise ValueError(f"{run_a} and {run_b} logged {key!r} at no common step")
+    windows = []
+    for i in range(0, len(steps), window):
+        chunk = steps[i : i + window]
+        windows.append(Window(chunk[0], chunk[-1], sum(a[s] for s in chunk) / len(chunk),
+                              sum(b[s] for s in chunk) / len(chunk)))
+    return CurveComparison(key, windows)
+
+
+def format_comparison(result: CurveComparison, name_a: str, name_b: str, from_step: int = 1) -> str:
+    width = max(len(name_a), len(name_b), 8)
+    lines = [f"{'steps':>11}  {name_a:>{width}}  {name_b:>{width}}  {'b/a - 1':>8}"]
+    for w in result.windows:
+        lines.append(f"{w.first_step:>5}-{w.last_step:<5}  {w.mean_a:>{width}.4f}  {w.mean_b:>{width}.4f}  {w.relative:>+8.2%}")
+    worst = result.worst(from_step)
+    lines.append(f"largest |difference| of the {result.key} window means from step {from_step}: "
+                 f"{abs(worst.relative):.2%} (steps {worst.first_step}-{worst.last_step})")
+    return "\n".join(lines)

@@ -1,0 +1,70 @@
+import argparse
+import json
+
+import pytest
+
+from loongforge.core.cli import add_run_commands, run_main
+from loongforge.core.compare import compare_runs, format_comparison
+
+
+def _run(path, losses: dict[int, float], **extra):
+    path.mkdir()
+    (path / "metrics.jsonl").write_text("".join(
+        json.dumps({"step": s, "loss": v, **extra}) + "\n" for s, v in losses.items()))
+    return path
+
+
+def _cli(*argv):
+    parser = argparse.ArgumentParser()
+    add_run_commands(parser.add_subparsers(dest="command", required=True))
+    args = parser.parse_args(["compare", *map(str, argv)])
+    return run_main(lambda: args.fn(args))
+
+
+def test_window_means_over_common_steps(tmp_path):
+    a = _run(tmp_path / "a", {s: float(s) for s in range(1, 8)})
+    # B misses step 3 and logs an extra step 9; its losses are A's times 1.1, step 7 twice that
+    b = _run(tmp_path / "b", {**{s: 1.1 * s for s in (1, 2, 4, 5, 6)}, 7: 2.2 * 7, 9: 1.0})
+    result = compare_runs(a, b, window=2)
+    assert [(w.first_step, w.last_step) for w in result.windows] == [(1, 2), (4, 5), (6, 7)]
+    assert [w.mean_a for w in result.windows] == pytest.approx([1.5, 4.5, 6.5])
+    assert [w.mean_b for w in result.windows] == pytest.approx([1.65, 4.95, (6.6 + 15.4) / 2])
+    assert result.windows[0].relative == pytest.approx(0.1)
+    worst = result.worst()
+    assert (worst.first_step, worst.relative) == (6, pytest.approx(22.0 / 13.0 - 1))
+    text = format_comparison(result, "a", "b")
+    assert "+10.00%" in text and "69.23% (steps 6-7)" in text
+
+
+def test_tolerance_judges_windows_from_the_given_step(tmp_path, capsys):
+    a = _run(tmp_path / "a", {s: 2.0 for s in range(1, 21)})
+    b = _run(tmp_path / "b", {s: 2.0 * (1.05 if s <= 10 else 1.005) for s in range(1, 21)})
+    assert _cli(a, b, "--tolerance", "0.01") == 1  # steps 1-10 are 5% apart
+    assert "more than 1.00% from A" in capsys.readouterr().err
+    assert _cli(a, b, "--tolerance", "0.01", "--from-step", "11") == 0
+    assert "0.50% (steps 11-20)" in capsys.readouterr().out
+    assert _cli(a, b) == 0  # no tolerance: a report only
+
+
+@pytest.mark.parametrize(("case", "message"), [("missing", "metrics.jsonl: no such file"),
+                                               ("no_key", "no record has the key 'loss'"),
+                                               ("disjoint", "at no common step"),
+                                               ("late_start", "no comparison window starts at or after step 50")])
+def test_bad_runs_name_the_file_or_step(tmp_path, capsys, case, message):
+    a = _run(tmp_path / "a", {s: 1.0 for s in range(1, 11)})
+    if case == "missing":
+        b = tmp_path / "nothing"
+    elif case == "no_key":
+        b = tmp_path / "b"
+        b.mkdir()
+        (b / "metrics.jsonl").write_text(json.dumps({"step": 1, "tokens_per_s": 5.0}) + "\n")
+    elif case == "disjoint":
+        b = _run(tmp_path / "b", {s: 1.0 for s in range(11, 15)})
+    else:
+        b = _run(tmp_path / "b", {s: 1.0 for s in range(1, 11)})
+    extra = ["--from-step", "50"] if case == "late_start" else []
+    assert _cli(a, b, *extra) == 2
+    err = capsys.readouterr().err
+    assert message in err
+    if case == "missing":
+        assert str(b) in err
