@@ -1,11 +1,12 @@
-"""``lf-llm``: train, preprocess, info and plot for LLMs on megatron-core.
+"""``lf-llm``: train, preprocess, info, bench, convert, lora, plot and compare for LLMs on megatron-core.
 
     lf-llm train [--config NAME_OR_PATH] [--save-hf OUT] [key=value ...]   (model.init_from_hf=HF_DIR: start from HF)
     lf-llm preprocess --input F [F ...] --output-prefix P [--tokenizer DIR] [--json-key text]
     lf-llm info [--config NAME_OR_PATH] [--dp N] [key=value ...]
     lf-llm convert hf-to-lf HF_DIR OUT [--dtype bf16|fp16|fp32] | lf-to-hf CHECKPOINT OUT
     lf-llm lora merge|export-adapter CHECKPOINT OUT
-    lf-llm plot RUN_DIR
+    lf-llm bench [--config train_0_5b] [--steps N] [--fp8 MODE] [--variant NAME=K=V,...] [key=value ...]
+    lf-llm plot RUN_DIR | compare RUN_A RUN_B [--window N] [--tolerance F]
 """
 
 from __future__ import annotations
@@ -113,6 +114,14 @@ def cmd_preprocess(args) -> int:
     return 0
 
 
+def cmd_bench(args) -> int:
+    from loongforge.llm.bench import run_bench
+
+    run_bench(args.config, normalise_overrides(args.overrides), steps=args.steps, warmup=args.warmup,
+              variants=args.variant, fp8=args.fp8, skip=args.skip, profile_rows=args.profile_rows, trace=args.trace)
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="lf-llm", description="LoongForge LLM training on megatron-core")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -126,6 +135,19 @@ def build_parser() -> argparse.ArgumentParser:
     info.add_argument("--dp", type=int, default=None,
                       help="data-parallel size to size the layout for (default: the smallest parallel.ep allows)")
     info.set_defaults(fn=cmd_info)
+    bench = sub.add_parser("bench", help="time our training step against HF transformers' Llama (one process)")
+    add_config_arguments(bench, "train_0_5b")
+    bench.add_argument("--steps", type=int, default=10, help="timed steps per run (the median is reported)")
+    bench.add_argument("--warmup", type=int, default=3)
+    bench.add_argument("--variant", action="append", default=[], metavar="NAME=KEY=VALUE,...",
+                       help="one more run of ours with these overrides (comma-separated)")
+    bench.add_argument("--fp8", action="append", default=[], choices=["blockwise", "adaptive"],
+                       help="one more run of ours with fp8=<mode>, compared with ours in bf16")
+    bench.add_argument("--skip", action="append", default=[], choices=["hf_sdpa", "hf_sdpa_compile"],
+                       help="a baseline to leave out")
+    bench.add_argument("--profile-rows", type=int, default=25, help="rows of ours' profiler tables (CUDA); 0: none")
+    bench.add_argument("--trace", default=None, help="write a Chrome trace of the profiled steps of ours here")
+    bench.set_defaults(fn=cmd_bench)
     pre = sub.add_parser("preprocess", help="tokenize text/JSONL into a megatron indexed dataset (.bin/.idx)")
     from loongforge.llm.data.preprocess import add_preprocess_arguments
 

@@ -1,0 +1,296 @@
+"""``lf-llm bench``: lf-llm's training step against HF transformers' Llama, in one process.
+
+The case is a train config (default ``train_0_5b``: a ~0.5B Llama, 8 layers, hidden 2048, GQA
+16/4, FFN 5632, vocab 32000, batch 4 x 4096 tokens). On the accelerator present, one after the
+other:
+
+- ``matmul``: a square matrix product in the run's dtype, the measured peak that MFU is taken
+  against;
+- ``hf_sdpa`` / ``hf_sdpa_compile``: ``LlamaForCausalLM`` of the same architecture with SDPA
+  attention (and under ``torch.compile``; CUDA only), weights in the run's dtype, AdamW (fused on
+  CUDA), the same micro-batches per step;
+- ``ours``: the config's model and ``MegatronTrainer.train_step`` (megatron DDP, fp32 main
+  weights and grads, AdamW, grad clipping, LR schedule) on random tokens; ``--variant`` adds runs
+  with more config overrides (``train.recompute=selective``) or the bench's own knobs
+  (``spec.recompute_elementwise=false``, ``attention_backend=flash|fused|unfused``);
+- ``ours_fp8_<mode>`` (``--fp8 blockwise|adaptive``): ours with ``fp8=<mode>``, compared with ours
+  in bf16; for ``adaptive`` the per-GEMM table it measured is printed.
+
+Each run: warm-up steps, then ``--steps`` timed steps; tokens/s, model TFLOP/s
+(``GPTConfig.flops_per_token``), MFU against the measured matmul and peak memory (GPUs). The table
+of ratios of ours to each baseline comes last, after a torch.profiler table of ours' top GPU
+kernels (CUDA). On CPU (fp32) it is a smoke run of the same code, e.g. ``--config train_debug``.
+"""
+
+from __future__ import annotations
+
+import gc
+import tempfile
+import time
+import warnings
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from loongforge.core.accelerators import get_accelerator
+from loongforge.core.config import ConfigError
+from loongforge.llm.recipe import LLMConfig, load_llm_config
+
+BENCH_KNOBS = ("spec.recompute_elementwise", "attention_backend")
+
+
+@dataclass
+class RunResult:
+    tokens_per_s: float
+    tflops: float
+    mfu: float
+    peak_gib: float  # 0 where the accelerator keeps no memory statistics
+
+
+class _Device:
+    def __init__(self):
+        self.accel = get_accelerator()
+        self.device = self.accel.device()
+        self.cuda = self.device.type == "cuda"
+        self.dtype = torch.bfloat16 if self.device.type != "cpu" else torch.float32
+
+    def timed(self, step: Callable[[], None], steps: int, warmup: int) -> float:
+        """Median seconds of ``steps`` calls after ``warmup`` calls."""
+        for _ in range(warmup):
+            step()
+        self.accel.synchronize()
+        times = []
+        for _ in range(steps):
+            t0 = time.perf_counter()
+            step()
+            self.accel.synchronize()
+            times.append(time.perf_counter() - t0)
+        return sorted(times)[len(times) // 2]
+
+    def fresh_memory(self) -> None:
+        gc.collect()
+        if self.cuda:
+            torch.cuda.empty_cache()
+            torch.cuda.reset_peak_memory_stats()
+
+    def peak_gib(self) -> float:
+        return torch.cuda.max_memory_allocated() / 2**30 if self.cuda else 0.0
+
+    def matmul_peak(self) -> float:
+        n = 8192 if self.device.type != "cpu" else 1024
+        a = torch.randn(n, n, device=self.device, dtype=self.dtype)
+        b = torch.randn_like(a)
+        seconds = self.timed(lambda: a @ b, steps=10, warmup=2)
+        return 2 * n**3 / seconds
+
+
+def split_overrides(overrides: list[str]) -> tuple[list[str], dict]:
+    """A variant's ``key=value`` items: config overrides and the bench's own knobs."""
+    config, knobs = [], {}
+    for item in overrides:
+        key, sep, value = item.partition("=")
+        if not sep:
+            raise ConfigError(f"bench variant item {item!r} is not of the form key=value")
+        if key in BENCH_KNOBS:
+            knobs[key] = value
+        else:
+            config.append(item)
+    return config, knobs
+
+
+def micro_batches(cfg: LLMConfig, device, dp: int = 1) -> list[dict]:
+    """One step's micro-batches of random tokens (the same for every run of the bench)."""
+    t = cfg.train
+    count = t.global_batch_size // (t.micro_batch_size * dp)
+    g = torch.Generator().manual_seed(t.seed)
+    out = []
+    for _ in range(count):
+        tokens = torch.randint(0, cfg.model.vocab_size, (t.micro_batch_size, t.seq_length), generator=g).to(device)
+        out.append({"tokens": tokens, "labels": tokens, "loss_mask": torch.ones_like(tokens, dtype=torch.float32),
+                    "position_ids": torch.arange(t.seq_length, device=device).expand(t.micro_batch_size, -1).contiguous()})
+    return out
+
+
+def hf_llama_config(cfg: LLMConfig):
+    """transformers' ``LlamaConfig`` of the config's (llama-family) model."""
+    from transformers import LlamaConfig
+
+    m = cfg.model
+    if m.family != "llama":
+        raise ConfigError(f"lf-llm bench compares with HF's Llama: model.family={m.family!r} is not 'llama'")
+    hf = LlamaConfig(hidden_size=m.hidden_size, intermediate_size=m.ffn_hidden_size, num_hidden_layers=m.num_layers,
+                     num_attention_heads=m.num_attention_heads, num_key_value_heads=m.num_query_groups,
+                     head_dim=m.head_dim, vocab_size=m.vocab_size, max_position_embeddings=m.max_position_embeddings,
+                     rope_theta=m.rotary_base, rms_norm_eps=m.norm_epsilon, tie_word_embeddings=m.tie_embeddings)
+    hf._attn_implementation = "sdpa"
+    return hf
+
+
+def hf_step(cfg: LLMConfig, dev: _Device, compile_: bool):
+    from transformers import LlamaForCausalLM
+
+    model = LlamaForCausalLM(hf_llama_config(cfg)).to(dev.device, dev.dtype)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=dev.cuda)
+    batches = [b["tokens"] for b in micro_batches(cfg, dev.device)]
+    forward = torch.compile(model) if compile_ else model
+
+    def step():
+        for tokens in batches:
+            forward(input_ids=tokens, labels=tokens).loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    return step, (model, opt)
+
+
+def our_step(config: str, overrides: list[str], run_dir: str):
+    from megatron.core.transformer.enums import AttnBackend
+
+    from loongforge.core.parallel import init_parallel
+    from loongforge.core.training.trainer import MegatronTrainer
+    from loongforge.llm.layers.fp8_linear import fp8_linears
+    from loongforge.llm.layers.gpt_model import FusedLossGPTModel
+    from loongforge.llm.layers.spec import fast_layer_spec
+    from loongforge.llm.recipe import LLMTask
+
+    config_overrides, knobs = split_overrides(overrides)
+    cfg = load_llm_config(config, [f"log.run_dir={run_dir}", "log.tensorboard=false", "log.progress=false",
+                                   "checkpoint.save=false", *config_overrides])
+
+    class BenchTask(LLMTask):
+        """The lf-llm task with the bench's knobs applied to the layer spec and TransformerConfig."""
+
+        def transformer_config_kwargs(self):
+            kwargs = super().transformer_config_kwargs()
+            if "attention_backend" in knobs:
+                kwargs["attention_backend"] = AttnBackend[knobs["attention_backend"]]
+            return kwargs
+
+        def build_model(self, ctx, transformer_config, pre_process, post_process):
+            if "spec.recompute_elementwise" not in knobs:
+                return super().build_model(ctx, transformer_config, pre_process, post_process)
+            keep = knobs["spec.recompute_elementwise"].lower() in ("1", "true", "yes")
+            m = self.cfg.model
+            with fp8_linears(self.cfg.fp8):
+                spec = fast_layer_spec(m, recompute_elementwise=keep)
+            return FusedLossGPTModel(
+                config=transformer_config, transformer_layer_spec=spec,
+                vocab_size=m.vocab_size, max_sequence_length=m.max_position_embeddings, pre_process=pre_process,
+                post_process=post_process, share_embeddings_and_output_weights=m.tie_embeddings,
+                position_embedding_type="rope", rotary_percent=m.rotary_percent, rotary_base=int(m.rotary_base),
+                pg_collection=ctx.pgs,
+            )
+
+    ctx = init_parallel(seed=cfg.train.seed)
+    task = BenchTask(cfg)
+    trainer = MegatronTrainer(task, ctx, cfg.train, cfg.log, cfg.checkpoint)
+    batches = micro_batches(cfg, ctx.accelerator.device())
+
+    def step():
+        trainer.train_step(batches)
+
+    return step, (trainer, task, ctx)
+
+
+def profile_tables(step, dev: _Device, rows: int, trace: str | None) -> str:
+    """Two profiled steps of ``step``: the top GPU kernels, and the top torch ops by the GPU time
+    of the kernels they launched; ``trace``: also write a Chrome trace there."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(2):
+            step()
+        dev.accel.synchronize()
+    if trace:
+        prof.export_chrome_trace(trace)
+    events = prof.key_averages()
+    kernels = [e for e in events if e.device_type.name == "CUDA"]
+    total = sum(e.self_device_time_total for e in kernels) / 2 / 1e3
+    lines = [f"GPU kernel time per step: {total:.1f} ms (2 steps profiled); top kernels, ms per step:"]
+    for e in sorted(kernels, key=lambda e: -e.self_device_time_total)[:rows]:
+        lines.append(f"{e.self_device_time_total / 2e3:8.2f} {e.count // 2:5d}x  {e.key[:110]}")
+    ops = [e for e in events if e.device_type.name == "CPU" and e.key.startswith("aten::") and e.device_time_total]
+    lines.append("top torch ops by the GPU time of their kernels, ms per step:")
+    for e in sorted(ops, key=lambda e: -e.device_time_total)[:rows]:
+        lines.append(f"{e.device_time_total / 2e3:8.2f} {e.count // 2:5d}x  {e.key}")
+    return "\n".join(lines)
+
+
+def plan_runs(variants: list[str], fp8: list[str], skip: list[str], cuda: bool) -> list[tuple[str, list[str]]]:
+    """(name, overrides) of every run in order: ours, its FP8 and named variants, the baselines."""
+    baselines = [n for n in ("hf_sdpa", "hf_sdpa_compile") if n not in skip and (cuda or n == "hf_sdpa")]
+    runs = [("ours", [])]
+    runs += [(f"ours_fp8_{mode}", [f"fp8={mode}"]) for mode in dict.fromkeys(fp8)]
+    for spec in variants:
+        name, _, overrides = spec.partition("=")
+        if not name or name in ("ours", "hf_sdpa", "hf_sdpa_compile") or name.startswith("ours_fp8_"):
+            raise ConfigError(f"--variant {spec!r}: give it a name of its own (NAME=KEY=VALUE,...)")
+        split_overrides(overrides.split(",") if overrides else [])  # malformed items fail before any run
+        runs.append((name, overrides.split(",") if overrides else []))
+    return runs + [(n, []) for n in baselines]
+
+
+def run_bench(config: str = "train_0_5b", overrides: list[str] = (), steps: int = 10, warmup: int = 3,
+              variants: list[str] = (), fp8: list[str] = (), skip: list[str] = (), profile_rows: int = 25,
+              trace: str | None = None, report: Callable[[str], None] = print) -> dict[str, RunResult]:
+    """Every run's tokens/s, TFLOP/s, MFU and peak memory; ``report`` gets each line when known."""
+    cfg = load_llm_config(config, list(overrides))  # a bad config fails before anything runs
+    hf_llama_config(cfg)
+    dev = _Device()
+    runs = plan_runs(list(variants), list(fp8), list(skip), dev.cuda)
+    warnings.filterwarnings("ignore")
+    m, t = cfg.model, cfg.train
+    flops_per_token = m.flops_per_token(t.seq_length)
+    tokens_per_step = t.global_batch_size * t.seq_length
+    peak = dev.matmul_peak()
+    report(f"device: {dev.device.type} {torch.cuda.get_device_name() if dev.cuda else ''}; torch {torch.__version__}; "
+           f"measured {dev.dtype} matmul {peak / 1e12:.2f} TFLOP/s; {flops_per_token / 1e9:.3f} GFLOP/token; "
+           f"{tokens_per_step} tokens/step ({config})")
+    if not dev.cuda and "hf_sdpa_compile" not in skip:
+        report("hf_sdpa_compile: skipped (the compiled baseline runs on CUDA only)")
+
+    results: dict[str, RunResult] = {}
+    profile, measured_table = None, None
+    with tempfile.TemporaryDirectory() as run_dir:
+        for name, run_overrides in runs:
+            dev.fresh_memory()
+            if name.startswith("hf_"):
+                step, keep = hf_step(cfg, dev, compile_=name.endswith("compile"))
+            else:
+                if name == "ours_fp8_adaptive" and dev.cuda:
+                    from loongforge.kernels import fp8_linear as fused_fp8
+
+                    fused_fp8.clear_adaptive_table()  # this run's shapes only
+                step, keep = our_step(config, [*overrides, *run_overrides], run_dir)
+            try:
+                seconds = dev.timed(step, steps, warmup)
+                if name == "ours_fp8_adaptive" and dev.cuda:
+                    measured_table = fused_fp8.adaptive_table()
+                memory = dev.peak_gib()
+                if name == "ours" and profile_rows and dev.cuda:
+                    profile = profile_tables(step, dev, profile_rows, trace)
+            finally:
+                del step, keep
+                if not name.startswith("hf_"):
+                    from loongforge.core.parallel import destroy_parallel
+
+                    destroy_parallel()
+            tps = tokens_per_step / seconds
+            results[name] = RunResult(tps, tps * flops_per_token / 1e12, tps * flops_per_token / peak, memory)
+            report(f"{name}: {seconds * 1e3:.1f} ms/step, {tps:,.0f} tokens/s, {memory:.1f} GiB")
+    if profile:
+        report("\nours, torch.profiler:\n" + profile)
+    baselines = [b for b in results if b.startswith("hf_")]
+    report(f"\n{'run':<22}{'tokens/s':>12}{'TFLOP/s':>10}{'MFU':>8}{'peak GiB':>10}"
+           + "".join(f"{'x ' + b:>18}" for b in baselines))
+    for name, r in results.items():
+        ratios = "".join(f"{r.tokens_per_s / results[b].tokens_per_s:>18.2f}" for b in baselines)
+        report(f"{name:<22}{r.tokens_per_s:>12,.0f}{r.tflops:>10.2f}{r.mfu:>8.1%}{r.peak_gib:>10.1f}{ratios}")
+    for mode in dict.fromkeys(fp8):
+        a, b = results[f"ours_fp8_{mode}"], results["ours"]
+        report(f"fp8={mode} / bf16 (ours): {a.tokens_per_s / b.tokens_per_s:.2f}x tokens/s, "
+               f"peak memory {a.peak_gib:.1f} / {b.peak_gib:.1f} GiB")
+    if measured_table:
+        report("\nfp8=adaptive, the GEMM choices it measured (one line per GEMM of each linear shape):\n" + measured_table)
+    return results
