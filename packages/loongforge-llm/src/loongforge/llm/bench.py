@@ -24,16 +24,14 @@ kernels (CUDA). On CPU (fp32) it is a smoke run of the same code, e.g. ``--confi
 
 from __future__ import annotations
 
-import gc
 import tempfile
-import time
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
-from loongforge.core.accelerators import get_accelerator
+from loongforge.core.benchmarking import BenchDevice, profile_tables
 from loongforge.core.config import ConfigError
 from loongforge.llm.recipe import LLMConfig, load_llm_config
 
@@ -45,44 +43,7 @@ class RunResult:
     tokens_per_s: float
     tflops: float
     mfu: float
-    peak_gib: float  # 0 where the accelerator keeps no memory statistics
-
-
-class _Device:
-    def __init__(self):
-        self.accel = get_accelerator()
-        self.device = self.accel.device()
-        self.cuda = self.device.type == "cuda"
-        self.dtype = torch.bfloat16 if self.device.type != "cpu" else torch.float32
-
-    def timed(self, step: Callable[[], None], steps: int, warmup: int) -> float:
-        """Median seconds of ``steps`` calls after ``warmup`` calls."""
-        for _ in range(warmup):
-            step()
-        self.accel.synchronize()
-        times = []
-        for _ in range(steps):
-            t0 = time.perf_counter()
-            step()
-            self.accel.synchronize()
-            times.append(time.perf_counter() - t0)
-        return sorted(times)[len(times) // 2]
-
-    def fresh_memory(self) -> None:
-        gc.collect()
-        if self.cuda:
-            torch.cuda.empty_cache()
-            torch.cuda.reset_peak_memory_stats()
-
-    def peak_gib(self) -> float:
-        return torch.cuda.max_memory_allocated() / 2**30 if self.cuda else 0.0
-
-    def matmul_peak(self) -> float:
-        n = 8192 if self.device.type != "cpu" else 1024
-        a = torch.randn(n, n, device=self.device, dtype=self.dtype)
-        b = torch.randn_like(a)
-        seconds = self.timed(lambda: a @ b, steps=10, warmup=2)
-        return 2 * n**3 / seconds
+    peak_gib: float  # NaN where the accelerator keeps no memory statistics
 
 
 def split_overrides(overrides: list[str]) -> tuple[list[str], dict]:
@@ -127,7 +88,7 @@ def hf_llama_config(cfg: LLMConfig):
     return hf
 
 
-def hf_step(cfg: LLMConfig, dev: _Device, compile_: bool):
+def hf_step(cfg: LLMConfig, dev: BenchDevice, compile_: bool):
     from transformers import LlamaForCausalLM
 
     model = LlamaForCausalLM(hf_llama_config(cfg)).to(dev.device, dev.dtype)
@@ -193,30 +154,6 @@ def our_step(config: str, overrides: list[str], run_dir: str):
     return step, (trainer, task, ctx)
 
 
-def profile_tables(step, dev: _Device, rows: int, trace: str | None) -> str:
-    """Two profiled steps of ``step``: the top GPU kernels, and the top torch ops by the GPU time
-    of the kernels they launched; ``trace``: also write a Chrome trace there."""
-    from torch.profiler import ProfilerActivity, profile
-
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-        for _ in range(2):
-            step()
-        dev.accel.synchronize()
-    if trace:
-        prof.export_chrome_trace(trace)
-    events = prof.key_averages()
-    kernels = [e for e in events if e.device_type.name == "CUDA"]
-    total = sum(e.self_device_time_total for e in kernels) / 2 / 1e3
-    lines = [f"GPU kernel time per step: {total:.1f} ms (2 steps profiled); top kernels, ms per step:"]
-    for e in sorted(kernels, key=lambda e: -e.self_device_time_total)[:rows]:
-        lines.append(f"{e.self_device_time_total / 2e3:8.2f} {e.count // 2:5d}x  {e.key[:110]}")
-    ops = [e for e in events if e.device_type.name == "CPU" and e.key.startswith("aten::") and e.device_time_total]
-    lines.append("top torch ops by the GPU time of their kernels, ms per step:")
-    for e in sorted(ops, key=lambda e: -e.device_time_total)[:rows]:
-        lines.append(f"{e.device_time_total / 2e3:8.2f} {e.count // 2:5d}x  {e.key}")
-    return "\n".join(lines)
-
-
 def plan_runs(variants: list[str], fp8: list[str], skip: list[str], cuda: bool) -> list[tuple[str, list[str]]]:
     """(name, overrides) of every run in order: ours, its FP8 and named variants, the baselines."""
     baselines = [n for n in ("hf_sdpa", "hf_sdpa_compile") if n not in skip and (cuda or n == "hf_sdpa")]
@@ -237,16 +174,15 @@ def run_bench(config: str = "train_0_5b", overrides: list[str] = (), steps: int 
     """Every run's tokens/s, TFLOP/s, MFU and peak memory; ``report`` gets each line when known."""
     cfg = load_llm_config(config, list(overrides))  # a bad config fails before anything runs
     hf_llama_config(cfg)
-    dev = _Device()
+    dev = BenchDevice()
     runs = plan_runs(list(variants), list(fp8), list(skip), dev.cuda)
     warnings.filterwarnings("ignore")
     m, t = cfg.model, cfg.train
     flops_per_token = m.flops_per_token(t.seq_length)
     tokens_per_step = t.global_batch_size * t.seq_length
     peak = dev.matmul_peak()
-    report(f"device: {dev.device.type} {torch.cuda.get_device_name() if dev.cuda else ''}; torch {torch.__version__}; "
-           f"measured {dev.dtype} matmul {peak / 1e12:.2f} TFLOP/s; {flops_per_token / 1e9:.3f} GFLOP/token; "
-           f"{tokens_per_step} tokens/step ({config})")
+    report(f"device: {dev.describe()}; measured matmul {peak / 1e12:.2f} TFLOP/s; "
+           f"{flops_per_token / 1e9:.3f} GFLOP/token; {tokens_per_step} tokens/step ({config})")
     if not dev.cuda and "hf_sdpa_compile" not in skip:
         report("hf_sdpa_compile: skipped (the compiled baseline runs on CUDA only)")
 

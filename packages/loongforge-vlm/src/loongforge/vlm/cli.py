@@ -3,7 +3,8 @@
     lf-vlm train [--config NAME_OR_PATH] [key=value ...]
     lf-vlm info [--config NAME_OR_PATH] [key=value ...]
     lf-vlm convert hf-to-lf HF_DIR OUT [--dtype bf16|fp16|fp32] | lf-to-hf CHECKPOINT OUT
-    lf-vlm plot RUN_DIR
+    lf-vlm bench [--tiny] [--samples N] [--image-size PX] [--variant NAME=K=V,...]  (vs transformers' Qwen2.5-VL)
+    lf-vlm plot RUN_DIR | compare RUN_A RUN_B
 
 Group overrides swap a part: ``lf-vlm train foundation=llama_debug``, ``encoder=siglip_vit_debug
 projector=mlp_2x``.
@@ -121,6 +122,13 @@ def cmd_convert(args) -> int:
     return 0
 
 
+def cmd_bench(args) -> int:
+    from loongforge.vlm.bench import run_bench
+
+    run_bench(args)
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="lf-vlm", description="LoongForge vision-language models on megatron-core")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -137,6 +145,11 @@ def build_parser() -> argparse.ArgumentParser:
     conv.add_argument("--dtype", choices=["bf16", "fp16", "fp32"], help="cast floating-point weights (default: keep)")
     conv.add_argument("--no-progress", action="store_true", help="no progress bar")
     conv.set_defaults(fn=cmd_convert)
+    bench = sub.add_parser("bench", help="time our training step against transformers' Qwen2.5-VL (one process)")
+    from loongforge.vlm.bench import add_bench_arguments
+
+    add_bench_arguments(bench)
+    bench.set_defaults(fn=cmd_bench)
     add_run_commands(sub)
     return parser
 

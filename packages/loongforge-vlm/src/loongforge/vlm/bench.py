@@ -1,0 +1,336 @@
+"""``lf-vlm bench``: lf-vlm's model and trainer step vs transformers' Qwen2.5-VL, in one process.
+
+On a CUDA machine:  lf-vlm bench [--samples N] [--image-size PX] [--text-tokens T]
+Smoke run on CPU (tiny parts, fp32, under a minute):  LOONGFORGE_ACCELERATOR=cpu lf-vlm bench --tiny
+
+The model is a Qwen2.5-VL composition of lf-vlm's config groups: by default the real Qwen2.5-VL
+vision transformer (``encoder=qwen2_5_vit``: 32 layers, width 1280, window attention), its patch
+merger and the ``qwen2_5_0_5b`` foundation (``--tiny``: the ``*_debug`` parts; ``--encoder`` /
+``--foundation`` pick others). A step trains on a fixed batch of ``--samples`` samples, each one
+image of ``--image-size`` pixels square between ``--text-tokens`` random text tokens; the loss is
+on the text tokens. In one process, on the same device, one after the other:
+
+- ``hf_sdpa`` / ``hf_sdpa_compile``: ``Qwen2_5_VLForConditionalGeneration`` (config from
+  ``loongforge.vlm.hf.config_to_hf``, ``attn_implementation="sdpa"``; and under ``torch.compile``)
+  on the whole batch at once, weights in the step's dtype, fused ``torch.optim.AdamW``;
+- ``ours``: ``VLMTask``'s model and ``MegatronTrainer.train_step`` (megatron DDP, fp32 main
+  weights and grads, AdamW, grad clipping) on the same samples, all of them packed into one
+  micro-batch with a document-causal mask, as transformers gets them in one forward (``--pack K``:
+  K per packed micro-batch, ``--pack 1`` one sample each); ``--variant NAME=KEY=VALUE,...`` adds more of ours with config
+  overrides (``parallel.encoder.recompute=full``, ``parallel.foundation.recompute=selective``) or
+  the bench's own knob ``pack=K``.
+
+Both models hold the same weights: the transformers model's random initialisation is saved and
+read into ours through the ``vlm`` family's HF mapping, and the positions given to transformers
+are the multimodal RoPE positions ours computes, so the first step's losses agree (printed).
+
+Each run: warm-up steps, then ``--steps`` timed steps; tokens/s (the foundation's tokens: text and
+image tokens), model TFLOP/s (the foundation's FLOPs per token plus the encoder's per patch), MFU
+against a measured bf16 matmul peak, and peak allocated memory since the run started. A
+torch.profiler table of ours' top kernels comes before the table with the ratios of ours to each
+baseline.
+"""
+
+
+from __future__ import annotations
+
+import argparse
+import tempfile
+import warnings
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from loongforge.core.benchmarking import BenchDevice, profile_tables
+from loongforge.core.config import ConfigError
+
+BASELINES = ("hf_sdpa", "hf_sdpa_compile")
+
+
+# -- the case ----------------------------------------------------------------------------------
+@dataclass
+class Case:
+    """The composition, the batch and the device of every run."""
+
+    overrides: list[str]  # config overrides selecting the parts
+    samples: int
+    image_size: int
+    text_tokens: int
+    pack: int
+    device: torch.device
+    dtype: torch.dtype
+
+
+def load_config(case: Case, extra: list[str], run_dir: str, seq_length: int):
+    from loongforge.vlm.cli import load_vlm_config
+
+    return load_vlm_config("vlm_debug", [
+        *case.overrides, f"train.global_batch_size={case.samples}", f"train.seq_length={seq_length}",
+        f"train.precision={'bf16' if case.dtype == torch.bfloat16 else 'fp32'}", "train.warmup_steps=0",
+        "train.lr=1.0e-5", "train.min_lr=1.0e-5", f"log.run_dir={run_dir}", "log.tensorboard=false",
+        "log.progress=false", "checkpoint.save=false", "checkpoint.resume=false", *extra])
+
+
+@dataclass
+class Batch:
+    """The step's samples for both models: per-sample arrays (ours) and batched tensors (transformers)."""
+
+    samples: list[dict]  # items of the shape ``VLMDataset`` yields, for ``loongforge.vlm.data.packing.pack``
+    hf_inputs: dict  # keyword arguments of ``Qwen2_5_VLForConditionalGeneration.forward``
+    tokens: int  # foundation tokens per step
+    patches: int  # vision patches per step
+
+
+def make_batch(cfg, vision_ids, case: Case) -> Batch:
+    """``case.samples`` samples: text, ``<vision_start>`` image tokens ``<vision_end>``, text; labels on text."""
+    from loongforge.vlm.positions import VisionItem, mrope_positions
+
+    e = cfg.encoder
+    unit = e.patch_size * e.spatial_merge_size
+    if case.image_size % unit:
+        raise ConfigError(f"--image-size {case.image_size} must be a multiple of patch_size x spatial_merge_size = {unit}")
+    grid = (1, case.image_size // e.patch_size, case.image_size // e.patch_size)
+    patches = grid[1] * grid[2]
+    merge = e.spatial_merge_size
+    rng = np.random.default_rng(0)
+    special = {vision_ids.image, vision_ids.video, vision_ids.start, vision_ids.end}
+    low = min(special)  # text ids below the tokenizer's vision tokens
+    samples = []
+    for _ in range(case.samples):
+        before = case.text_tokens // 2
+        text = rng.integers(0, low, case.text_tokens)
+        tokens = np.concatenate([text[:before], [vision_ids.start], np.full(patches // merge**2, vision_ids.image),
+                                 [vision_ids.end], text[before:]]).astype(np.int64)
+        is_text = ~np.isin(tokens, list(special))
+        positions = mrope_positions(tokens, [VisionItem(grid)], (vision_ids.image, vision_ids.video), merge,
+                                    cfg.vision.tokens_per_second)
+        pixels = rng.standard_normal((patches, e.patch_dim), dtype=np.float32)
+        samples.append(dict(tokens=tokens, labels=np.append(tokens[1:], 0), loss_mask=np.append(is_text[1:], False),
+                            position_ids=positions, pixel_values=pixels, grid_thw=np.asarray([grid], dtype=np.int64)))
+    device = case.device
+    tokens = torch.from_numpy(np.stack([s["tokens"] for s in samples])).to(device)
+    text = torch.from_numpy(np.stack([~np.isin(s["tokens"], list(special)) for s in samples])).to(device)
+    hf_inputs = dict(
+        input_ids=tokens,
+        labels=torch.where(text, tokens, -100),  # transformers shifts them: the same targets as ours
+        position_ids=torch.from_numpy(np.stack([s["position_ids"] for s in samples], axis=1)).to(device),
+        pixel_values=torch.from_numpy(np.concatenate([s["pixel_values"] for s in samples])).to(device, case.dtype),
+        image_grid_thw=torch.tensor([grid] * case.samples, device=device),
+        use_cache=False,
+    )
+    return Batch(samples, hf_inputs, tokens=tokens.numel(), patches=patches * case.samples)
+
+
+# -- transformers ------------------------------------------------------------------------------
+def save_hf_model(cfg, case: Case, directory: Path) -> None:
+    """A randomly initialised ``Qwen2_5_VLForConditionalGeneration`` of the composition, saved
+    in the step's dtype: the weights every run starts from."""
+    from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
+
+    from loongforge.vlm.hf import config_to_hf
+
+    torch.manual_seed(0)
+    with torch.device(case.device):
+        model = Qwen2_5_VLForConditionalGeneration(Qwen2_5_VLConfig.from_dict(config_to_hf(cfg.model())))
+    model.to(case.dtype).save_pretrained(directory)
+    del model
+
+
+def hf_step(hf_dir: Path, batch: Batch, case: Case, compile_: bool):
+    from transformers import Qwen2_5_VLForConditionalGeneration
+
+    model = Qwen2_5_VLForConditionalGeneration.from_pretrained(hf_dir, attn_implementation="sdpa", dtype=case.dtype)
+    model.to(case.device).train()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=case.device.type == "cuda")
+    forward = torch.compile(model) if compile_ else model
+    losses = []
+
+    def step():
+        loss = forward(**batch.hf_inputs).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        if not losses:
+            losses.append(loss.item())
+
+    return step, losses, (model, opt)
+
+
+# -- ours --------------------------------------------------------------------------------------
+def innermost(module):
+    while hasattr(module, "module"):
+        module = module.module
+    return module
+
+
+def split_overrides(overrides: list[str], default_pack: int) -> tuple[list[str], int]:
+    """A variant's config overrides and its samples per micro-batch (the bench's ``pack=K``)."""
+    config, pack = [], default_pack
+    for item in overrides:
+        key, _, value = item.partition("=")
+        if key == "pack":
+            try:
+                pack = int(value)
+            except ValueError:
+                raise ConfigError(f"bench variant item {item!r}: pack takes a whole number of samples") from None
+        else:
+            config.append(item)
+    return config, pack
+
+
+def our_step(cfg, hf_dir: Path, batch: Batch, case: Case, pack_size: int):
+    from loongforge.core.checkpoint.sharded import load_into
+    from loongforge.core.hf_mapping.online import HFPieceReader
+    from loongforge.core.parallel import init_parallel
+    from loongforge.core.training.trainer import MegatronTrainer
+    from loongforge.vlm.data.packing import pack
+    from loongforge.vlm.hf import QWEN2_5_VL_ADAPTER
+    from loongforge.vlm.recipe import VLMTask
+
+    task = VLMTask(cfg)
+    ctx = init_parallel(seed=cfg.train.seed)
+    trainer = MegatronTrainer(task, ctx, cfg.train, cfg.log, cfg.checkpoint)
+    model = innermost(trainer.model)
+    reader = HFPieceReader(hf_dir, QWEN2_5_VL_ADAPTER.bind(task.model_cfg))
+    model.load_state_dict(load_into(model.sharded_state_dict(), reader, {}, {}), strict=True)
+    trainer.optimizer.reload_model_params()  # the fp32 main weights from the loaded ones
+    groups = [batch.samples[i:i + pack_size] for i in range(0, len(batch.samples), pack_size)]
+    micro_batches = [{k: v.to(case.device) if isinstance(v, torch.Tensor) else v for k, v in pack(g).items()}
+                     for g in groups]
+    losses = []
+
+    def step():
+        result = trainer.train_step(micro_batches)
+        if not losses:
+            losses.append(result.loss)
+
+    return step, losses, (trainer, task, ctx)
+
+
+# -- the command ---------------------------------------------------------------------------------
+def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--tiny", action="store_true", help="the debug parts (qwen2_5_vit_debug + qwen2_debug)")
+    parser.add_argument("--encoder", default=None, help="encoder config group (default qwen2_5_vit)")
+    parser.add_argument("--foundation", default=None, help="foundation config group (default qwen2_5_0_5b)")
+    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                        help="a config override of the composition, for both models (encoder.num_layers=8)")
+    parser.add_argument("--samples", type=int, default=None, help="samples per step (default 8; --tiny: 2)")
+    parser.add_argument("--image-size", type=int, default=None, help="image side in pixels (default 448; --tiny: 32)")
+    parser.add_argument("--text-tokens", type=int, default=None, help="text tokens per sample (default 768; --tiny: 24)")
+    parser.add_argument("--pack", type=int, default=None,
+                        help="samples per packed micro-batch of ours (default: all samples of a step in one)")
+    parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--variant", action="append", default=[], metavar="NAME=KEY=VALUE,...",
+                        help="one more run of ours with these config overrides (comma-separated)")
+    parser.add_argument("--skip", action="append", default=[], choices=BASELINES,
+                        help="a baseline to leave out (on CPU hf_sdpa_compile is left out unless --compile-on-cpu)")
+    parser.add_argument("--compile-on-cpu", action="store_true")
+    parser.add_argument("--profile-rows", type=int, default=25, help="0: no profiler table")
+    parser.add_argument("--trace", default=None, help="write a Chrome trace of the profiled steps of ours here")
+
+
+def make_case(args, dev: BenchDevice) -> Case:
+    samples = args.samples or (2 if args.tiny else 8)
+    case = Case(
+        overrides=[f"encoder={args.encoder or ('qwen2_5_vit_debug' if args.tiny else 'qwen2_5_vit')}",
+                   f"foundation={args.foundation or ('qwen2_debug' if args.tiny else 'qwen2_5_0_5b')}", *args.set],
+        samples=samples,
+        image_size=args.image_size or (32 if args.tiny else 448),
+        text_tokens=args.text_tokens if args.text_tokens is not None else (24 if args.tiny else 768),
+        pack=args.pack if args.pack is not None else samples,
+        device=dev.device, dtype=dev.dtype)
+    if case.samples < 1 or case.pack < 1 or case.samples % case.pack:
+        raise ConfigError(f"--samples {case.samples} must be a positive multiple of --pack {case.pack}")
+    return case
+
+
+def plan_runs(args, case: Case) -> list[tuple[str, list[str] | None]]:
+    """(name, overrides) of every run: the baselines (overrides None), ours, the variants; a
+    malformed variant fails here, before any run."""
+    skip = set(args.skip) | ({"hf_sdpa_compile"} if case.device.type == "cpu" and not args.compile_on_cpu else set())
+    runs = [(name, None) for name in BASELINES if name not in skip] + [("ours", [])]
+    for spec in args.variant:
+        name, _, overrides = spec.partition("=")
+        if not name or any(name == r[0] for r in runs):
+            raise ConfigError(f"--variant {spec!r}: give it a name of its own (NAME=KEY=VALUE,...)")
+        items = overrides.split(",") if overrides else []
+        if any("=" not in item for item in items):
+            raise ConfigError(f"--variant {spec!r}: items are key=value")
+        pack_size = split_overrides(items, case.pack)[1]
+        if pack_size < 1 or case.samples % pack_size:
+            raise ConfigError(f"--variant {spec!r}: pack={pack_size} must divide the {case.samples} samples")
+        runs.append((name, items))
+    return runs
+
+
+def run_bench(args, report: Callable[[str], None] = print) -> dict[str, tuple[float, float, float, float]]:
+    """Every run's (tokens/s, FLOP/s, peak GiB, first-step loss); ``report`` gets each line when known."""
+    from loongforge.vlm.recipe import VLMTask
+
+    dev = BenchDevice()
+    case = make_case(args, dev)
+    runs = plan_runs(args, case)
+    warnings.filterwarnings("ignore")
+    with tempfile.TemporaryDirectory() as scratch:
+        parts = " ".join(case.overrides)
+        cfg = load_config(case, [], scratch, seq_length=1)  # a bad composition fails here
+        ids = VLMTask(cfg).vision_ids  # the tokenizer's; every config of the runs names them
+        case.overrides += [f"vision.image_token_id={ids.image}", f"vision.video_token_id={ids.video}",
+                           f"vision.vision_start_token_id={ids.start}", f"vision.vision_end_token_id={ids.end}"]
+        batch = make_batch(cfg, ids, case)
+        length = batch.tokens // case.samples
+        cfg = load_config(case, [], scratch, seq_length=length * case.pack)
+        f, e = cfg.foundation, cfg.encoder
+        flops_per_step = batch.tokens * f.flops_per_token(length) + batch.patches * e.flops_per_patch()
+        counts = cfg.model().parameter_counts()
+        peak = dev.matmul_peak()
+        report(f"device: {dev.describe()}; {parts} ({', '.join(f'{k} {v / 1e6:.1f}M' for k, v in counts.items())} "
+               f"parameters); {case.samples} samples x {length} tokens ({batch.patches // case.samples} patches of a "
+               f"{case.image_size}px image each); {flops_per_step / 1e12:.2f} TFLOP/step; measured matmul "
+               f"{peak / 1e12:.2f} TFLOP/s")
+        hf_dir = Path(scratch) / "hf"
+        save_hf_model(cfg, case, hf_dir)
+
+        results, profile = {}, None
+        for name, overrides in runs:
+            dev.fresh_memory()
+            try:
+                if overrides is None:
+                    step, losses, keep = hf_step(hf_dir, batch, case, compile_=name.endswith("compile"))
+                else:
+                    config_overrides, pack_size = split_overrides(overrides, case.pack)
+                    run_cfg = load_config(case, config_overrides, str(Path(scratch) / name),
+                                          seq_length=length * pack_size)
+                    step, losses, keep = our_step(run_cfg, hf_dir, batch, case, pack_size)
+                seconds = dev.timed(step, args.steps, args.warmup)
+                if name == "ours" and args.profile_rows:
+                    profile = profile_tables(step, dev, args.profile_rows, args.trace)
+            except Exception as error:  # a failing baseline is reported, the others still run
+                if overrides is not None:
+                    raise
+                report(f"{name}: failed: {type(error).__name__}: {error}")
+                continue
+            finally:
+                if overrides is not None:
+                    from loongforge.core.parallel import destroy_parallel
+
+                    destroy_parallel()
+            memory = dev.peak_gib()
+            tps = batch.tokens / seconds
+            results[name] = (tps, flops_per_step / seconds, memory, losses[0])
+            report(f"{name}: {seconds * 1e3:.1f} ms/step, {tps:,.0f} tokens/s, peak memory {memory:.1f} GiB, "
+                   f"first-step loss {losses[0]:.4f}")
+            del step, keep
+    if profile:
+        report("\nours, torch.profiler:\n" + profile)
+    baselines = [b for b in results if b in BASELINES]
+    report(f"\n{'run':<22}{'tokens/s':>12}{'TFLOP/s':>10}{'MFU':>8}{'peak GiB':>10}{'loss@1':>9}"
+           + "".join(f"{'x ' + b:>18}" for b in baselines))
+    for name, (tps, flops, memory, loss) in results.items():
+        ratios = "".join(f"{tps / results[b][0]:>18.2f}" for b in baselines)
+        report(f"{name:<22}{tps:>12,.1f}{flops / 1e12:>10.2f}{flops / peak:>8.1%}{memory:>10.1f}{loss:>9.4f}{ratios}")
+    return results

@@ -1,0 +1,39 @@
+"""``lf-vlm bench`` on CPU: the smoke run of the GPU benchmark (the debug parts, fp32). Both models
+start from the same weights, so their first-step losses must agree."""
+
+import re
+
+import pytest
+
+from loongforge.vlm.cli import main
+
+
+def test_bench_runs_baseline_ours_and_a_variant_on_the_same_weights():
+    from cli_runner import run_cli
+
+    proc = run_cli(["lf-vlm", "bench", "--tiny", "--steps", "1", "--warmup", "1", "--profile-rows", "0",
+                    "--variant", "unpacked=pack=1"], env={"LOONGFORGE_ACCELERATOR": "cpu"})
+    assert proc.returncode == 0, proc.stderr[-5000:]
+    runs = {name: (float(tps.replace(",", "")), float(loss)) for name, tps, loss in re.findall(
+        r"^(\w+): [\d.]+ ms/step, ([\d,]+) tokens/s, peak memory \S+ GiB, first-step loss ([\d.]+)$",
+        proc.stdout, flags=re.M)}
+    assert set(runs) == {"hf_sdpa", "ours", "unpacked"}, proc.stdout
+    assert all(tps > 0 for tps, _ in runs.values())
+    reference = runs["hf_sdpa"][1]
+    assert [loss for _, loss in runs.values()] == pytest.approx([reference] * 3, rel=1e-4)
+    assert "2 samples x" in proc.stdout and "32px image" in proc.stdout
+    rows = proc.stdout[proc.stdout.index("\nrun ") + 1 :].strip().splitlines()
+    assert rows[0].split()[-1] == "hf_sdpa" and rows[1].split()[-1] == "1.00"
+
+
+@pytest.mark.parametrize(("argv", "message"), [
+    (["--samples", "3", "--pack", "2"], "--samples 3 must be a positive multiple of --pack 2"),
+    (["--variant", "ours=pack=1"], "give it a name of its own"),
+    (["--variant", "v=pack=3"], "pack=3 must divide the 2 samples"),
+    (["--variant", "v=pack=two"], "pack takes a whole number"),
+    (["--variant", "v=train.lr"], "items are key=value"),
+])
+def test_bench_bad_arguments_fail_before_any_run(argv, message, capsys, monkeypatch):
+    monkeypatch.setenv("LOONGFORGE_ACCELERATOR", "cpu")
+    assert main(["bench", "--tiny", *argv]) == 2
+    assert message in capsys.readouterr().err
