@@ -46,6 +46,22 @@ def test_tolerance_judges_windows_from_the_given_step(tmp_path, capsys):
     assert _cli(a, b) == 0  # no tolerance: a report only
 
 
+def test_a_diverged_run_is_the_worst_window_and_fails_any_tolerance(tmp_path, capsys):
+    a = _run(tmp_path / "a", {s: 2.0 for s in range(1, 21)})
+    b = _run(tmp_path / "b", {**{s: 2.0 * 1.2 for s in range(1, 11)}, **{s: 2.0 for s in range(11, 20)}, 20: float("nan")})
+    worst = compare_runs(a, b).worst()
+    assert worst.first_step == 11 and worst.distance == float("inf")  # NaN beats the 20% window
+    assert _cli(a, b, "--tolerance", "10") == 1
+    assert "nan" in capsys.readouterr().out
+
+
+def test_zero_means_compare_without_dividing_by_zero(tmp_path):
+    a = _run(tmp_path / "a", {1: 0.0, 2: 0.0})
+    b = _run(tmp_path / "b", {1: 0.0, 2: 1.0})
+    assert [w.relative for w in compare_runs(a, a, window=1).windows] == [0.0, 0.0]
+    assert [w.relative for w in compare_runs(a, b, window=1).windows] == [0.0, float("inf")]
+
+
 @pytest.mark.parametrize(("case", "message"), [("missing", "metrics.jsonl: no such file"),
                                                ("no_key", "no record has the key 'loss'"),
                                                ("disjoint", "at no common step"),

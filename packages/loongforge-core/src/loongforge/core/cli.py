@@ -65,7 +65,7 @@ def _cmd_compare(args) -> int:
     try:
         result = compare_runs(args.run_a, args.run_b, key=args.key, window=args.window)
         print(format_comparison(result, "A", "B", from_step=args.from_step))
-        worst = abs(result.worst(args.from_step).relative)
+        worst = result.worst(args.from_step).distance
     except (FileNotFoundError, ValueError) as exc:
         raise ConfigError(str(exc)) from exc
     if args.tolerance is not None and worst > args.tolerance:

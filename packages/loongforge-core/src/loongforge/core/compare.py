@@ -9,6 +9,7 @@ more), e.g. an FP8 run against its bf16 twin, or a new release against a recorde
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -24,7 +25,15 @@ class Window:
 
     @property
     def relative(self) -> float:
+        """``b / a - 1``; NaN when either mean is (a run that diverged), inf when only A's is 0."""
+        if self.mean_a == 0:
+            return 0.0 if self.mean_b == 0 else math.inf
         return self.mean_b / self.mean_a - 1.0
+
+    @property
+    def distance(self) -> float:
+        """|relative|, with a NaN window (a NaN or inf loss in a run) as far as it gets."""
+        return abs(self.relative) if not math.isnan(self.relative) else math.inf
 
 
 @dataclass(frozen=True)
@@ -33,12 +42,13 @@ class CurveComparison:
     windows: list[Window]
 
     def worst(self, from_step: int = 1) -> Window:
-        """The window (of those starting at or after ``from_step``) with the largest |difference|."""
+        """The window (of those starting at or after ``from_step``) with the largest |difference|;
+        a window where either run's loss is NaN counts as the largest."""
         candidates = [w for w in self.windows if w.first_step >= from_step]
         if not candidates:
             raise ValueError(f"no comparison window starts at or after step {from_step} "
                              f"(last window starts at step {self.windows[-1].first_step})")
-        return max(candidates, key=lambda w: abs(w.relative))
+        return max(candidates, key=lambda w: w.distance)
 
 
 def _curve(run_dir: Path, key: str) -> dict[int, float]:
@@ -74,5 +84,5 @@ def format_comparison(result: CurveComparison, name_a: str, name_b: str, from_st
         lines.append(f"{w.first_step:>5}-{w.last_step:<5}  {w.mean_a:>{width}.4f}  {w.mean_b:>{width}.4f}  {w.relative:>+8.2%}")
     worst = result.worst(from_step)
     lines.append(f"largest |difference| of the {result.key} window means from step {from_step}: "
-                 f"{abs(worst.relative):.2%} (steps {worst.first_step}-{worst.last_step})")
+                 f"{worst.distance:.2%} (steps {worst.first_step}-{worst.last_step})")
     return "\n".join(lines)
