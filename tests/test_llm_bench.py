@@ -10,26 +10,37 @@ from loongforge.llm.cli import main
 
 def test_bench_runs_ours_variant_and_hf_baseline():
     proc = run_cli(["lf-llm", "bench", "--config", "train_debug", "--steps", "2", "--warmup", "1",
-                    "--variant", "selective=train.recompute=selective", "train.global_batch_size=4",
-                    "train.micro_batch_size=2"])
+                    "--variant", "selective=train.recompute=selective", "--variant", "big=train.global_batch_size=8",
+                    "train.global_batch_size=4", "train.micro_batch_size=2"])
     assert proc.returncode == 0, proc.stderr[-5000:]
     out = proc.stdout
     assert "512 tokens/step (train_debug)" in out  # global batch 4 x 128 tokens
-    per_run = dict(re.findall(r"^(\w+): [\d.]+ ms/step, ([\d,]+) tokens/s", out, flags=re.M))
-    assert set(per_run) == {"ours", "selective", "hf_sdpa"}
-    assert all(int(v.replace(",", "")) > 0 for v in per_run.values())
+    per_run = {name: (int(tps.replace(",", "")), int(tokens)) for name, tps, tokens in re.findall(
+        r"^(\w+): [\d.]+ ms/step, ([\d,]+) tokens/s \((\d+) a step\)", out, flags=re.M)}
+    assert list(per_run) == ["ours", "selective", "big", "hf_sdpa"]
+    assert all(tps > 0 for tps, _ in per_run.values())
+    # each run counts its own tokens: the variant with twice the global batch trains 2 x 4 x 128
+    assert {name: tokens for name, (_, tokens) in per_run.items()} == {"ours": 512, "selective": 512, "big": 1024,
+                                                                       "hf_sdpa": 512}
     assert "hf_sdpa_compile: skipped" in out
     header, *rows = out[out.index("\nrun ") + 1 :].strip().splitlines()
-    assert header.split()[-1] == "hf_sdpa" and [r.split()[0] for r in rows] == ["ours", "selective", "hf_sdpa"]
+    assert header.split()[-1] == "hf_sdpa" and [r.split()[0] for r in rows] == ["ours", "selective", "big", "hf_sdpa"]
     assert rows[-1].split()[-1] == "1.00"  # the baseline against itself
 
 
 @pytest.mark.parametrize(("argv", "message"), [
     (["--variant", "ours=train.lr=1"], "give it a name of its own"),
+    (["--variant", "hf_x=train.lr=1"], "not starting with hf_"),
+    (["--variant", "a=train.lr=1", "--variant", "a=train.lr=2"], "give it a name of its own"),
+    (["--variant", "x=attention_backend=flsh"], "attention_backend='flsh': one of"),
+    (["--variant", "x=spec.recompute_elementwise=maybe"], "true or false"),
+    (["--variant", "x=train.lrr=1"], "lrr"),
+    (["--steps", "0"], "at least one timed step"),
     (["--variant", "x=train.lr"], "'train.lr' is not of the form key=value"),
     (["--config", "train_qwen3_moe_debug"], "model.family='qwen3_moe' is not 'llama'"),
     (["train.stepz=3"], "stepz"),
 ])
 def test_bench_bad_arguments_fail_before_any_run(argv, message, capsys):
     assert main(["bench", *argv]) == 2
-    assert message in capsys.readouterr().err
+    captured = capsys.readouterr()
+    assert message in captured.err and "ms/step" not in captured.out  # no run started

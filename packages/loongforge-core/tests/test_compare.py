@@ -36,6 +36,14 @@ def test_window_means_over_common_steps(tmp_path):
     assert "+10.00%" in text and "69.23% (steps 6-7)" in text
 
 
+def test_a_short_tail_joins_the_last_window(tmp_path):
+    a = _run(tmp_path / "a", {s: 1.0 for s in range(1, 22)})
+    b = _run(tmp_path / "b", {**{s: 1.0 for s in range(1, 21)}, 21: 1.25})  # one noisy step at the end
+    result = compare_runs(a, b, window=10)
+    assert [(w.first_step, w.last_step) for w in result.windows] == [(1, 10), (11, 21)]
+    assert result.worst().relative == pytest.approx(0.25 / 11)
+
+
 def test_tolerance_judges_windows_from_the_given_step(tmp_path, capsys):
     a = _run(tmp_path / "a", {s: 2.0 for s in range(1, 21)})
     b = _run(tmp_path / "b", {s: 2.0 * (1.05 if s <= 10 else 1.005) for s in range(1, 21)})
@@ -65,7 +73,10 @@ def test_zero_means_compare_without_dividing_by_zero(tmp_path):
 @pytest.mark.parametrize(("case", "message"), [("missing", "metrics.jsonl: no such file"),
                                                ("no_key", "no record has the key 'loss'"),
                                                ("disjoint", "at no common step"),
-                                               ("late_start", "no comparison window starts at or after step 50")])
+                                               ("late_start", "no comparison window starts at or after step 50"),
+                                               ("no_step", "metrics.jsonl:2: not a metrics record"),
+                                               ("null_loss", "metrics.jsonl:2: not a metrics record"),
+                                               ("bad_json", "metrics.jsonl:2: not a metrics record")])
 def test_bad_runs_name_the_file_or_step(tmp_path, capsys, case, message):
     a = _run(tmp_path / "a", {s: 1.0 for s in range(1, 11)})
     if case == "missing":
@@ -74,6 +85,11 @@ def test_bad_runs_name_the_file_or_step(tmp_path, capsys, case, message):
         b = tmp_path / "b"
         b.mkdir()
         (b / "metrics.jsonl").write_text(json.dumps({"step": 1, "tokens_per_s": 5.0}) + "\n")
+    elif case in ("no_step", "null_loss", "bad_json"):
+        b = tmp_path / "b"
+        b.mkdir()
+        bad = {"no_step": '{"loss": 1.0}', "null_loss": '{"step": 2, "loss": null}', "bad_json": '{"step": 2, "lo'}[case]
+        (b / "metrics.jsonl").write_text(json.dumps({"step": 1, "loss": 1.0}) + "\n" + bad + "\n")
     elif case == "disjoint":
         b = _run(tmp_path / "b", {s: 1.0 for s in range(11, 15)})
     else:
@@ -82,5 +98,5 @@ def test_bad_runs_name_the_file_or_step(tmp_path, capsys, case, message):
     assert _cli(a, b, *extra) == 2
     err = capsys.readouterr().err
     assert message in err
-    if case == "missing":
+    if case != "late_start":
         assert str(b) in err

@@ -32,8 +32,12 @@ def test_bench_runs_baseline_ours_and_a_variant_on_the_same_weights():
     (["--variant", "v=pack=3"], "pack=3 must divide the 2 samples"),
     (["--variant", "v=pack=two"], "pack takes a whole number"),
     (["--variant", "v=train.lr"], "items are key=value"),
+    (["--variant", "hf_sdpa_compile=pack=1"], "not starting with hf_"),
+    (["--variant", "v=parallel.encoder.recompte=full"], "recompte"),
+    (["--steps", "0"], "at least one timed step"),
 ])
 def test_bench_bad_arguments_fail_before_any_run(argv, message, capsys, monkeypatch):
     monkeypatch.setenv("LOONGFORGE_ACCELERATOR", "cpu")
     assert main(["bench", "--tiny", *argv]) == 2
-    assert message in capsys.readouterr().err
+    captured = capsys.readouterr()
+    assert message in captured.err and "ms/step" not in captured.out  # no run started

@@ -53,7 +53,7 @@ class BenchDevice:
         n = 8192 if self.cuda else 1024
         a = torch.randn(n, n, device=self.device, dtype=self.dtype)
         b = torch.randn_like(a)
-        seconds = self.timed(lambda: a @ b, steps=10, warmup=2)
+        seconds = self.timed(lambda: a @ b, steps=20, warmup=3)
         return 2 * n**3 / seconds
 
 

@@ -45,7 +45,7 @@ def add_run_commands(sub) -> None:
     compare.add_argument("run_a", help="the reference run directory")
     compare.add_argument("run_b")
     compare.add_argument("--key", default="loss", help="the metrics.jsonl key to compare (default: loss)")
-    compare.add_argument("--window", type=int, default=10, help="steps per window mean (default: 10)")
+    compare.add_argument("--window", type=int, default=10, help="logged steps (common to both runs) per window mean (default: 10)")
     compare.add_argument("--from-step", type=int, default=1, help="judge windows starting at this step or later")
     compare.add_argument("--tolerance", type=float, default=None,
                          help="exit 1 when a judged window differs by more than this fraction (e.g. 0.01)")

@@ -1,7 +1,7 @@
 """``lf-* compare RUN_A RUN_B``: how far one run's loss curve is from another's.
 
-The curves are compared window by window (the mean of ``window`` consecutive steps both runs
-logged), as the relative difference ``b / a - 1`` with run A the reference: per-step losses are too
+The curves are compared window by window (the mean over ``window`` consecutive logged steps that
+both runs have; a shorter tail joins the last window), as the relative difference ``b / a - 1`` with run A the reference: per-step losses are too
 noisy to compare one by one, and a window mean is what a plotted curve shows. ``--tolerance``
 turns the comparison into a check (exit status 1 when a window from ``--from-step`` on differs by
 more), e.g. an FP8 run against its bf16 twin, or a new release against a recorded run.
@@ -9,11 +9,10 @@ more), e.g. an FP8 run against its bf16 twin, or a new release against a recorde
 
 from __future__ import annotations
 
+import json
 import math
 from dataclasses import dataclass
 from pathlib import Path
-
-from loongforge.core.metrics import read_metrics
 
 
 @dataclass(frozen=True)
@@ -52,28 +51,40 @@ class CurveComparison:
 
 
 def _curve(run_dir: Path, key: str) -> dict[int, float]:
+    """``{step: value}`` of ``key`` in ``run_dir/metrics.jsonl``; a malformed line is a ValueError
+    naming the file and line."""
     path = run_dir / "metrics.jsonl"
     if not path.is_file():
         raise FileNotFoundError(f"{path}: no such file (is {run_dir} a run directory?)")
-    curve = {r["step"]: float(r[key]) for r in read_metrics(run_dir) if key in r}
+    curve = {}
+    for number, line in enumerate(path.read_text().splitlines(), start=1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+            if key in record:
+                curve[int(record["step"])] = float(record[key])
+        except (json.JSONDecodeError, KeyError, TypeError, ValueError) as exc:
+            raise ValueError(f"{path}:{number}: not a metrics record with a step and a numeric {key!r} "
+                             f"({type(exc).__name__}: {exc})") from None
     if not curve:
         raise ValueError(f"{path}: no record has the key {key!r}")
     return curve
 
 
 def compare_runs(run_a: str | Path, run_b: str | Path, key: str = "loss", window: int = 10) -> CurveComparison:
-    """Window means of ``key`` over the steps both runs logged (in step order), A vs B."""
+    """Window means of ``key`` over the steps both runs logged (in step order), A vs B; windows
+    count logged records, so with ``log.interval=5`` a window of 10 spans 50 steps."""
     if window < 1:
         raise ValueError(f"window={window}: must be >= 1")
     a, b = _curve(Path(run_a), key), _curve(Path(run_b), key)
     steps = sorted(a.keys() & b.keys())
     if not steps:
         raise ValueError(f"{run_a} and {run_b} logged {key!r} at no common step")
-    windows = []
-    for i in range(0, len(steps), window):
-        chunk = steps[i : i + window]
-        windows.append(Window(chunk[0], chunk[-1], sum(a[s] for s in chunk) / len(chunk),
-                              sum(b[s] for s in chunk) / len(chunk)))
+    chunks = [steps[i : i + window] for i in range(0, len(steps), window)]
+    if len(chunks) > 1 and len(chunks[-1]) < window:  # a short tail joins the window before it
+        chunks[-2:] = [chunks[-2] + chunks[-1]]
+    windows = [Window(c[0], c[-1], sum(a[s] for s in c) / len(c), sum(b[s] for s in c) / len(c)) for c in chunks]
     return CurveComparison(key, windows)
 
 

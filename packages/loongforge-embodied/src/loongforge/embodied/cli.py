@@ -135,10 +135,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", required=True)
     add_run_commands(sub)
     args, rest = parser.parse_known_args(argv)
-    if args.command in ("export", "convert", "plot") and rest:
+    if args.command in ("export", "convert", "plot", "compare") and rest:
         parser.error(f"unexpected arguments: {rest}")
-    if args.command == "plot":
-        return args.fn(args)
+    if args.command in ("plot", "compare"):  # the run-directory commands every lf-* CLI shares
+        return run_main(lambda: args.fn(args))
     commands = {"train": cmd_train, "eval": cmd_eval, "export": cmd_export, "convert": cmd_convert, "info": cmd_info,
                 "bench": cmd_bench}
     return run_main(lambda: commands[args.command](args, rest))

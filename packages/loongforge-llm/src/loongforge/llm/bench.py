@@ -36,6 +36,18 @@ from loongforge.core.config import ConfigError
 from loongforge.llm.recipe import LLMConfig, load_llm_config
 
 BENCH_KNOBS = ("spec.recompute_elementwise", "attention_backend")
+TRUTH = {"true": True, "1": True, "yes": True, "false": False, "0": False, "no": False}
+
+
+@dataclass
+class Run:
+    name: str
+    cfg: LLMConfig  # the config this run trains with (the base config for the HF baselines)
+    knobs: dict  # the bench's own knobs (ours only)
+
+    @property
+    def baseline(self) -> bool:
+        return self.name.startswith("hf_")
 
 
 @dataclass
@@ -47,12 +59,20 @@ class RunResult:
 
 
 def split_overrides(overrides: list[str]) -> tuple[list[str], dict]:
-    """A variant's ``key=value`` items: config overrides and the bench's own knobs."""
+    """A run's ``key=value`` items: config overrides and the bench's own knobs (checked here)."""
+    from megatron.core.transformer.enums import AttnBackend
+
     config, knobs = [], {}
     for item in overrides:
         key, sep, value = item.partition("=")
         if not sep:
             raise ConfigError(f"bench variant item {item!r} is not of the form key=value")
+        if key == "attention_backend" and value not in AttnBackend.__members__:
+            raise ConfigError(f"attention_backend={value!r}: one of {', '.join(AttnBackend.__members__)}")
+        if key == "spec.recompute_elementwise":
+            if value.lower() not in TRUTH:
+                raise ConfigError(f"spec.recompute_elementwise={value!r}: true or false")
+            value = TRUTH[value.lower()]
         if key in BENCH_KNOBS:
             knobs[key] = value
         else:
@@ -105,7 +125,7 @@ def hf_step(cfg: LLMConfig, dev: BenchDevice, compile_: bool):
     return step, (model, opt)
 
 
-def our_step(config: str, overrides: list[str], run_dir: str):
+def our_step(run: Run):
     from megatron.core.transformer.enums import AttnBackend
 
     from loongforge.core.parallel import init_parallel
@@ -115,9 +135,7 @@ def our_step(config: str, overrides: list[str], run_dir: str):
     from loongforge.llm.layers.spec import fast_layer_spec
     from loongforge.llm.recipe import LLMTask
 
-    config_overrides, knobs = split_overrides(overrides)
-    cfg = load_llm_config(config, [f"log.run_dir={run_dir}", "log.tensorboard=false", "log.progress=false",
-                                   "checkpoint.save=false", *config_overrides])
+    cfg, knobs = run.cfg, run.knobs
 
     class BenchTask(LLMTask):
         """The lf-llm task with the bench's knobs applied to the layer spec and TransformerConfig."""
@@ -131,7 +149,7 @@ def our_step(config: str, overrides: list[str], run_dir: str):
         def build_model(self, ctx, transformer_config, pre_process, post_process):
             if "spec.recompute_elementwise" not in knobs:
                 return super().build_model(ctx, transformer_config, pre_process, post_process)
-            keep = knobs["spec.recompute_elementwise"].lower() in ("1", "true", "yes")
+            keep = knobs["spec.recompute_elementwise"]
             m = self.cfg.model
             with fp8_linears(self.cfg.fp8):
                 spec = fast_layer_spec(m, recompute_elementwise=keep)
@@ -154,67 +172,78 @@ def our_step(config: str, overrides: list[str], run_dir: str):
     return step, (trainer, task, ctx)
 
 
-def plan_runs(variants: list[str], fp8: list[str], skip: list[str], cuda: bool) -> list[tuple[str, list[str]]]:
-    """(name, overrides) of every run in order: ours, its FP8 and named variants, the baselines."""
-    baselines = [n for n in ("hf_sdpa", "hf_sdpa_compile") if n not in skip and (cuda or n == "hf_sdpa")]
-    runs = [("ours", [])]
-    runs += [(f"ours_fp8_{mode}", [f"fp8={mode}"]) for mode in dict.fromkeys(fp8)]
+def plan_runs(config: str, overrides: list[str], variants: list[str], fp8: list[str], skip: list[str], cuda: bool,
+              run_dir: str) -> list[Run]:
+    """Every run in order (ours, its FP8 and named variants, the baselines), each config loaded
+    and each knob checked here, so that a bad one fails before any run."""
+    def ours(name: str, items: list[str]) -> Run:
+        config_overrides, knobs = split_overrides([*overrides, *items])
+        cfg = load_llm_config(config, [*config_overrides, f"log.run_dir={run_dir}/{name}", "log.tensorboard=false",
+                                       "log.progress=false", "checkpoint.save=false"])
+        return Run(name, cfg, knobs)
+
+    runs = [ours("ours", [])]
+    runs += [ours(f"ours_fp8_{mode}", [f"fp8={mode}"]) for mode in dict.fromkeys(fp8)]
     for spec in variants:
-        name, _, overrides = spec.partition("=")
-        if not name or name in ("ours", "hf_sdpa", "hf_sdpa_compile") or name.startswith("ours_fp8_"):
-            raise ConfigError(f"--variant {spec!r}: give it a name of its own (NAME=KEY=VALUE,...)")
-        split_overrides(overrides.split(",") if overrides else [])  # malformed items fail before any run
-        runs.append((name, overrides.split(",") if overrides else []))
-    return runs + [(n, []) for n in baselines]
+        name, _, items = spec.partition("=")
+        if not name or name.startswith("hf_") or any(r.name == name for r in runs):
+            raise ConfigError(f"--variant {spec!r}: give it a name of its own, not starting with hf_ (NAME=KEY=VALUE,...)")
+        runs.append(ours(name, items.split(",") if items else []))
+    base = runs[0].cfg
+    return runs + [Run(n, base, {}) for n in ("hf_sdpa", "hf_sdpa_compile") if n not in skip and (cuda or n == "hf_sdpa")]
 
 
 def run_bench(config: str = "train_0_5b", overrides: list[str] = (), steps: int = 10, warmup: int = 3,
               variants: list[str] = (), fp8: list[str] = (), skip: list[str] = (), profile_rows: int = 25,
               trace: str | None = None, report: Callable[[str], None] = print) -> dict[str, RunResult]:
-    """Every run's tokens/s, TFLOP/s, MFU and peak memory; ``report`` gets each line when known."""
-    cfg = load_llm_config(config, list(overrides))  # a bad config fails before anything runs
-    hf_llama_config(cfg)
+    """Every run's tokens/s, TFLOP/s, MFU and peak memory; ``report`` gets each line when known.
+    Tokens and FLOPs per step are each run's own (a variant may change the batch or the model)."""
+    from loongforge.core.parallel import destroy_parallel
+
+    if steps < 1 or warmup < 0:
+        raise ConfigError(f"--steps {steps} --warmup {warmup}: at least one timed step, no negative warm-up")
     dev = BenchDevice()
-    runs = plan_runs(list(variants), list(fp8), list(skip), dev.cuda)
-    warnings.filterwarnings("ignore")
-    m, t = cfg.model, cfg.train
-    flops_per_token = m.flops_per_token(t.seq_length)
-    tokens_per_step = t.global_batch_size * t.seq_length
-    peak = dev.matmul_peak()
-    report(f"device: {dev.describe()}; measured matmul {peak / 1e12:.2f} TFLOP/s; "
-           f"{flops_per_token / 1e9:.3f} GFLOP/token; {tokens_per_step} tokens/step ({config})")
-    if not dev.cuda and "hf_sdpa_compile" not in skip:
-        report("hf_sdpa_compile: skipped (the compiled baseline runs on CUDA only)")
-
-    results: dict[str, RunResult] = {}
-    profile, measured_table = None, None
     with tempfile.TemporaryDirectory() as run_dir:
-        for name, run_overrides in runs:
-            dev.fresh_memory()
-            if name.startswith("hf_"):
-                step, keep = hf_step(cfg, dev, compile_=name.endswith("compile"))
-            else:
-                if name == "ours_fp8_adaptive" and dev.cuda:
-                    from loongforge.kernels import fp8_linear as fused_fp8
+        runs = plan_runs(config, list(overrides), list(variants), list(fp8), list(skip), dev.cuda, run_dir)
+        hf_llama_config(runs[0].cfg)  # a family the baseline cannot build fails here
+        warnings.filterwarnings("ignore")
+        peak = dev.matmul_peak()
+        t = runs[0].cfg.train
+        report(f"device: {dev.describe()}; measured matmul {peak / 1e12:.2f} TFLOP/s; "
+               f"{runs[0].cfg.model.flops_per_token(t.seq_length) / 1e9:.3f} GFLOP/token; "
+               f"{t.global_batch_size * t.seq_length} tokens/step ({config})")
+        if not dev.cuda and "hf_sdpa_compile" not in skip:
+            report("hf_sdpa_compile: skipped (the compiled baseline runs on CUDA only)")
 
-                    fused_fp8.clear_adaptive_table()  # this run's shapes only
-                step, keep = our_step(config, [*overrides, *run_overrides], run_dir)
+        results: dict[str, RunResult] = {}
+        profile, measured_table = None, None
+        for run in runs:
+            dev.fresh_memory()
+            adaptive = run.name == "ours_fp8_adaptive" and dev.cuda
             try:
+                if run.baseline:
+                    step, keep = hf_step(run.cfg, dev, compile_=run.name.endswith("compile"))
+                else:
+                    if adaptive:
+                        from loongforge.kernels import fp8_linear as fused_fp8
+
+                        fused_fp8.clear_adaptive_table()  # this run's shapes only
+                    step, keep = our_step(run)
                 seconds = dev.timed(step, steps, warmup)
-                if name == "ours_fp8_adaptive" and dev.cuda:
+                if adaptive:
                     measured_table = fused_fp8.adaptive_table()
                 memory = dev.peak_gib()
-                if name == "ours" and profile_rows and dev.cuda:
+                if run.name == "ours" and profile_rows and dev.cuda:
                     profile = profile_tables(step, dev, profile_rows, trace)
-            finally:
                 del step, keep
-                if not name.startswith("hf_"):
-                    from loongforge.core.parallel import destroy_parallel
-
+            finally:
+                if not run.baseline:
                     destroy_parallel()
-            tps = tokens_per_step / seconds
-            results[name] = RunResult(tps, tps * flops_per_token / 1e12, tps * flops_per_token / peak, memory)
-            report(f"{name}: {seconds * 1e3:.1f} ms/step, {tps:,.0f} tokens/s, {memory:.1f} GiB")
+            t = run.cfg.train
+            tokens = t.global_batch_size * t.seq_length
+            tps, flops = tokens / seconds, tokens * run.cfg.model.flops_per_token(t.seq_length) / seconds
+            results[run.name] = RunResult(tps, flops / 1e12, flops / peak, memory)
+            report(f"{run.name}: {seconds * 1e3:.1f} ms/step, {tps:,.0f} tokens/s ({tokens} a step), {memory:.1f} GiB")
     if profile:
         report("\nours, torch.profiler:\n" + profile)
     baselines = [b for b in results if b.startswith("hf_")]

@@ -255,8 +255,8 @@ def plan_runs(args, case: Case) -> list[tuple[str, list[str] | None]]:
     runs = [(name, None) for name in BASELINES if name not in skip] + [("ours", [])]
     for spec in args.variant:
         name, _, overrides = spec.partition("=")
-        if not name or any(name == r[0] for r in runs):
-            raise ConfigError(f"--variant {spec!r}: give it a name of its own (NAME=KEY=VALUE,...)")
+        if not name or name.startswith("hf_") or any(name == r[0] for r in runs):
+            raise ConfigError(f"--variant {spec!r}: give it a name of its own, not starting with hf_ (NAME=KEY=VALUE,...)")
         items = overrides.split(",") if overrides else []
         if any("=" not in item for item in items):
             raise ConfigError(f"--variant {spec!r}: items are key=value")
@@ -271,6 +271,8 @@ def run_bench(args, report: Callable[[str], None] = print) -> dict[str, tuple[fl
     """Every run's (tokens/s, FLOP/s, peak GiB, first-step loss); ``report`` gets each line when known."""
     from loongforge.vlm.recipe import VLMTask
 
+    if args.steps < 1 or args.warmup < 0:
+        raise ConfigError(f"--steps {args.steps} --warmup {args.warmup}: at least one timed step, no negative warm-up")
     dev = BenchDevice()
     case = make_case(args, dev)
     runs = plan_runs(args, case)
@@ -284,6 +286,12 @@ def run_bench(args, report: Callable[[str], None] = print) -> dict[str, tuple[fl
         batch = make_batch(cfg, ids, case)
         length = batch.tokens // case.samples
         cfg = load_config(case, [], scratch, seq_length=length * case.pack)
+        ours_configs = {}  # every run of ours, loaded (and so checked) before any run
+        for name, overrides in runs:
+            if overrides is not None:
+                config_overrides, pack_size = split_overrides(overrides, case.pack)
+                ours_configs[name] = (load_config(case, config_overrides, str(Path(scratch) / name),
+                                                  seq_length=length * pack_size), pack_size)
         f, e = cfg.foundation, cfg.encoder
         flops_per_step = batch.tokens * f.flops_per_token(length) + batch.patches * e.flops_per_patch()
         counts = cfg.model().parameter_counts()
@@ -302,9 +310,7 @@ def run_bench(args, report: Callable[[str], None] = print) -> dict[str, tuple[fl
                 if overrides is None:
                     step, losses, keep = hf_step(hf_dir, batch, case, compile_=name.endswith("compile"))
                 else:
-                    config_overrides, pack_size = split_overrides(overrides, case.pack)
-                    run_cfg = load_config(case, config_overrides, str(Path(scratch) / name),
-                                          seq_length=length * pack_size)
+                    run_cfg, pack_size = ours_configs[name]
                     step, losses, keep = our_step(run_cfg, hf_dir, batch, case, pack_size)
                 seconds = dev.timed(step, args.steps, args.warmup)
                 if name == "ours" and args.profile_rows:
