@@ -83,3 +83,28 @@ def test_train_from_hf_at_tp2_and_export(hf_dir, tmp_path, llm_data_cache):
     manifest = json.loads(next((run / "checkpoints").glob("step_*/manifest.json")).read_text())
     assert "init_from_hf" not in manifest["model_config"]
     assert manifest["config"]["model"]["init_from_hf"] == str(path.resolve())
+
+
+def test_resume_reads_the_checkpoint_not_the_hf_weights(hf_dir, tmp_path, llm_data_cache):
+    """A resumed run takes every weight from its checkpoint: it must not need (nor read) the HF
+    safetensors again, only config.json for the architecture."""
+    import shutil
+
+    source, _ = hf_dir
+    path = tmp_path / "hf"
+    shutil.copytree(source, path)
+    run = tmp_path / "run"
+    common = [f"model.init_from_hf={path}", f"train.global_batch_size={BATCH}", "train.micro_batch_size=2",
+              f"train.seq_length={SEQ}", "train.warmup_steps=0", f"log.run_dir={run}", f"data.cache_dir={llm_data_cache}",
+              "log.interval=1", "log.progress=false", "log.tensorboard=false", "checkpoint.interval=2"]
+    first = run_cli(["lf-llm", "train", *common, "train.steps=2"])
+    assert first.returncode == 0, first.stderr[-5000:]
+    (path / "model.safetensors").rename(tmp_path / "moved.safetensors")
+    resumed = run_cli(["lf-llm", "train", *common, "train.steps=4"])
+    assert resumed.returncode == 0, resumed.stderr[-5000:]
+    steps = [json.loads(line)["step"] for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert steps == [1, 2, 3, 4]
+    # a fresh run (nothing to resume) still needs the weights, and says which file is missing
+    fresh = run_cli(["lf-llm", "train", *common, "train.steps=2", f"log.run_dir={tmp_path / 'fresh'}"])
+    assert fresh.returncode == 2
+    assert f"error: model.init_from_hf={path}: {path}: no *.safetensors weights" in fresh.stderr

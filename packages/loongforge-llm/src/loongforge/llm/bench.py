@@ -146,9 +146,9 @@ def our_step(run: Run):
                 kwargs["attention_backend"] = AttnBackend[knobs["attention_backend"]]
             return kwargs
 
-        def build_model(self, ctx, transformer_config, pre_process, post_process):
+        def build_model(self, ctx, transformer_config, pre_process, post_process, load_initial_weights=True):
             if "spec.recompute_elementwise" not in knobs:
-                return super().build_model(ctx, transformer_config, pre_process, post_process)
+                return super().build_model(ctx, transformer_config, pre_process, post_process, load_initial_weights)
             keep = knobs["spec.recompute_elementwise"]
             m = self.cfg.model
             with fp8_linears(self.cfg.fp8):

@@ -167,13 +167,13 @@ class LLMTask:
     def transformer_config_kwargs(self) -> dict:
         return self.cfg.model.transformer_config_kwargs()
 
-    def build_model(self, ctx, transformer_config, pre_process, post_process):
+    def build_model(self, ctx, transformer_config, pre_process, post_process, load_initial_weights=True):
         if self.cfg.kernels.force_reference:
             from loongforge.core.kernels import force_reference_kernels
 
             force_reference_kernels()  # before the modules resolve their ops
         model = self._build_with_fp8(ctx, transformer_config, pre_process, post_process)
-        if self.cfg.model.init_from_hf:  # before any adapter: the HF weights are the base
+        if self.cfg.model.init_from_hf and load_initial_weights:  # before any adapter: the HF weights are the base
             from loongforge.core.hf_mapping.online import load_hf_weights
 
             load_hf_weights(model, self.cfg.model.init_from_hf, self.spec.hf_adapter, self.cfg.model)
@@ -181,7 +181,7 @@ class LLMTask:
         if lora.enabled:
             from loongforge.llm.lora import apply_lora, load_base_weights
 
-            if lora.base:
+            if lora.base and load_initial_weights:
                 load_base_weights(model, lora.base, self.model_config_dict())
             apply_lora(model, lora, seed=self.cfg.train.seed)
         return model

@@ -179,7 +179,8 @@ class VLMTask:
         kwargs.update(recompute_kwargs(self.cfg.parallel.foundation.recompute))
         return kwargs
 
-    def build_model(self, ctx, transformer_config, pre_process, post_process):
+    def build_model(self, ctx, transformer_config, pre_process, post_process, load_initial_weights=True):
+        # builds from the config alone: HF weights come in through `lf-vlm convert`, not here
         from loongforge.vlm.family import build_vlm
 
         enc = self.cfg.parallel.encoder

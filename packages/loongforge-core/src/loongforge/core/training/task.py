@@ -38,8 +38,11 @@ class MegatronTask(Protocol):
     def model_config_dict(self) -> dict:
         """The full model config, recorded in checkpoint manifests and checked on load."""
 
-    def build_model(self, ctx, transformer_config, pre_process: bool, post_process: bool) -> torch.nn.Module:
-        """This rank's model chunk."""
+    def build_model(self, ctx, transformer_config, pre_process: bool, post_process: bool,
+                    load_initial_weights: bool = True) -> torch.nn.Module:
+        """This rank's model chunk. ``load_initial_weights`` is False when the trainer resumes from
+        a checkpoint of the run, which holds every weight: pretrained weights the task would read
+        (a Hugging Face model, a LoRA base) are not read again."""
 
     def transformer_config_kwargs(self) -> dict:
         """Architecture fields of megatron's TransformerConfig."""

@@ -114,7 +114,13 @@ class MegatronTrainer:
             calculate_per_token_loss=True,
             **recompute,
         )
-        module = task.build_model(ctx, self.transformer_config, ctx.is_first_stage, ctx.is_last_stage)
+        from loongforge.core.training import checkpointing
+
+        self.run_dir = Path(self.log_cfg.run_dir)
+        self.ckpt_dir = Path(self.ckpt_cfg.dir) if self.ckpt_cfg.dir else self.run_dir / "checkpoints"
+        self.resuming = bool(self.ckpt_cfg.resume) and checkpointing.has_checkpoint(self.ckpt_dir)
+        module = task.build_model(ctx, self.transformer_config, ctx.is_first_stage, ctx.is_last_stage,
+                                  load_initial_weights=not self.resuming)
         module.to(ctx.device)
         if bf16:
             module = Float16Module(self.transformer_config, module)
@@ -167,8 +173,6 @@ class MegatronTrainer:
         self.consumed_samples = 0
         self.data = None  # the task's step iterator (made in fit)
         self.resumed_data_state = None  # its state from the checkpoint resumed from, if any
-        self.run_dir = Path(self.log_cfg.run_dir)
-        self.ckpt_dir = Path(self.ckpt_cfg.dir) if self.ckpt_cfg.dir else self.run_dir / "checkpoints"
         self._flops_per_token = task.flops_per_token(train.seq_length)
         peak = ctx.accelerator.peak_flops(self.dtype)
         self._peak_total = peak * ctx.world_size if peak else None
@@ -250,7 +254,7 @@ class MegatronTrainer:
     def fit(self) -> list[StepResult]:
         from loongforge.core.training import checkpointing
 
-        if self.ckpt_cfg.resume and checkpointing.has_checkpoint(self.ckpt_dir):
+        if self.resuming:
             checkpointing.load(self, self.ckpt_dir)
         elif self.ckpt_cfg.load:
             checkpointing.load_weights(self, self.ckpt_cfg.load)
