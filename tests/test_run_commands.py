@@ -24,5 +24,7 @@ def test_compare_and_plot_from_each_cli(module, tmp_path, capsys):
     assert main(["compare", str(a), str(b), "--tolerance", "0.01"]) == 1
     assert main(["compare", str(a), str(tmp_path / "missing")]) == 2
     assert "missing/metrics.jsonl: no such file" in capsys.readouterr().err
+    assert main(["plot", str(tmp_path / "missing")]) == 2
+    assert "missing/metrics.jsonl: no such file" in capsys.readouterr().err
     assert main(["plot", str(a)]) == 0
     assert (a / "curves.png").stat().st_size > 1000

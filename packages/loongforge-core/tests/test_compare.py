@@ -75,7 +75,7 @@ def test_zero_means_compare_without_dividing_by_zero(tmp_path):
                                                ("disjoint", "at no common step"),
                                                ("late_start", "no comparison window starts at or after step 50"),
                                                ("no_step", "metrics.jsonl:2: not a metrics record"),
-                                               ("null_loss", "metrics.jsonl:2: not a metrics record"),
+                                               ("null_loss", "metrics.jsonl: step 2: loss=None is not a number"),
                                                ("bad_json", "metrics.jsonl:2: not a metrics record")])
 def test_bad_runs_name_the_file_or_step(tmp_path, capsys, case, message):
     a = _run(tmp_path / "a", {s: 1.0 for s in range(1, 11)})

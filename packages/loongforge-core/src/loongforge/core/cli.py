@@ -55,7 +55,10 @@ def add_run_commands(sub) -> None:
 def _cmd_plot(args) -> int:
     from loongforge.core.plot import plot_run
 
-    print(f"wrote {plot_run(args.run_dir)}")
+    try:
+        print(f"wrote {plot_run(args.run_dir)}")
+    except (FileNotFoundError, ValueError) as exc:  # no run there, or a malformed metrics line
+        raise ConfigError(str(exc)) from exc
     return 0
 
 

@@ -9,10 +9,11 @@ more), e.g. an FP8 run against its bf16 twin, or a new release against a recorde
 
 from __future__ import annotations
 
-import json
 import math
 from dataclasses import dataclass
 from pathlib import Path
+
+from loongforge.core.metrics import read_metrics
 
 
 @dataclass(frozen=True)
@@ -51,24 +52,17 @@ class CurveComparison:
 
 
 def _curve(run_dir: Path, key: str) -> dict[int, float]:
-    """``{step: value}`` of ``key`` in ``run_dir/metrics.jsonl``; a malformed line is a ValueError
-    naming the file and line."""
-    path = run_dir / "metrics.jsonl"
-    if not path.is_file():
-        raise FileNotFoundError(f"{path}: no such file (is {run_dir} a run directory?)")
+    """``{step: value}`` of ``key`` in the run's metrics; a value that is not a number is a
+    ValueError naming the file and step."""
     curve = {}
-    for number, line in enumerate(path.read_text().splitlines(), start=1):
-        if not line.strip():
-            continue
-        try:
-            record = json.loads(line)
-            if key in record:
-                curve[int(record["step"])] = float(record[key])
-        except (json.JSONDecodeError, KeyError, TypeError, ValueError) as exc:
-            raise ValueError(f"{path}:{number}: not a metrics record with a step and a numeric {key!r} "
-                             f"({type(exc).__name__}: {exc})") from None
+    for record in read_metrics(run_dir):
+        if key in record:
+            value = record[key]
+            if isinstance(value, bool) or not isinstance(value, (int, float)):
+                raise ValueError(f"{run_dir / 'metrics.jsonl'}: step {record['step']}: {key}={value!r} is not a number")
+            curve[record["step"]] = float(value)
     if not curve:
-        raise ValueError(f"{path}: no record has the key {key!r}")
+        raise ValueError(f"{run_dir / 'metrics.jsonl'}: no record has the key {key!r}")
     return curve
 
 

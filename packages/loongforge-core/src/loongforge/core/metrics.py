@@ -58,9 +58,24 @@ class MetricsLogger:
 
 
 def read_metrics(run_dir: str | Path) -> list[dict]:
-    """The records of ``RUN_DIR/metrics.jsonl``, in order."""
+    """The records of ``RUN_DIR/metrics.jsonl``, in order. A missing file is a FileNotFoundError,
+    a line that is not a JSON object with an integer ``step`` a ValueError, each naming the file
+    (and line)."""
     path = Path(run_dir) / "metrics.jsonl"
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    if not path.is_file():
+        raise FileNotFoundError(f"{path}: no such file (is {run_dir} a run directory?)")
+    records = []
+    for number, line in enumerate(path.read_text().splitlines(), start=1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+            if not isinstance(record, dict) or not isinstance(record.get("step"), int):
+                raise ValueError("no integer 'step'")
+        except ValueError as exc:  # json.JSONDecodeError is a ValueError
+            raise ValueError(f"{path}:{number}: not a metrics record ({exc})") from None
+        records.append(record)
+    return records
 
 
 def progress(total: int, desc: str, enabled: bool = True, initial: int = 0) -> tqdm:

@@ -80,10 +80,10 @@ def split_overrides(overrides: list[str]) -> tuple[list[str], dict]:
     return config, knobs
 
 
-def micro_batches(cfg: LLMConfig, device, dp: int = 1) -> list[dict]:
-    """One step's micro-batches of random tokens (the same for every run of the bench)."""
+def micro_batches(cfg: LLMConfig, device) -> list[dict]:
+    """One step's micro-batches of random tokens (one process; the same for every run of the bench)."""
     t = cfg.train
-    count = t.global_batch_size // (t.micro_batch_size * dp)
+    count = t.global_batch_size // t.micro_batch_size
     g = torch.Generator().manual_seed(t.seed)
     out = []
     for _ in range(count):

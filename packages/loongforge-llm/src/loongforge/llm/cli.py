@@ -46,7 +46,6 @@ def cmd_train(args) -> int:
     cfg = load_llm_config(args)  # fails here, before any process group, on a bad config
     save_hf = check_save_hf(cfg, args.save_hf)
     from loongforge.core.config import to_dict
-    from loongforge.core.hf_mapping import MappingError
     from loongforge.core.parallel import destroy_parallel, init_parallel
     from loongforge.core.training.trainer import MegatronTrainer
     from loongforge.llm.recipe import LLMTask
@@ -60,10 +59,7 @@ def cmd_train(args) -> int:
             report = task.dataset().report  # every rank: the index is built collectively
             if ctx.is_main:
                 print(f"lf-llm: SFT data: {report}", flush=True)
-        try:
-            trainer = MegatronTrainer(task, ctx, cfg.train, cfg.log, cfg.checkpoint, config_record=to_dict(cfg))
-        except MappingError as exc:  # the HF weights of model.init_from_hf cannot be read
-            raise ConfigError(f"model.init_from_hf={cfg.model.init_from_hf}: {exc}") from exc
+        trainer = MegatronTrainer(task, ctx, cfg.train, cfg.log, cfg.checkpoint, config_record=to_dict(cfg))
         if ctx.is_main:
             print(f"lf-llm: {cfg.model.family} on {ctx.accelerator.name} x{ctx.world_size} "
                   f"(tp={p.tp} pp={p.pp} dp={ctx.dp_size}), {trainer.dtype}, run dir {cfg.log.run_dir}", flush=True)

@@ -174,9 +174,13 @@ class LLMTask:
             force_reference_kernels()  # before the modules resolve their ops
         model = self._build_with_fp8(ctx, transformer_config, pre_process, post_process)
         if self.cfg.model.init_from_hf and load_initial_weights:  # before any adapter: the HF weights are the base
+            from loongforge.core.hf_mapping import MappingError
             from loongforge.core.hf_mapping.online import load_hf_weights
 
-            load_hf_weights(model, self.cfg.model.init_from_hf, self.spec.hf_adapter, self.cfg.model)
+            try:
+                load_hf_weights(model, self.cfg.model.init_from_hf, self.spec.hf_adapter, self.cfg.model)
+            except MappingError as exc:  # missing or mismatched safetensors: one clear line, exit 2
+                raise ConfigError(f"model.init_from_hf={self.cfg.model.init_from_hf}: {exc}") from exc
         lora = self.cfg.lora
         if lora.enabled:
             from loongforge.llm.lora import apply_lora, load_base_weights

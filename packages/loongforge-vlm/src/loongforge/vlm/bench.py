@@ -160,12 +160,6 @@ def hf_step(hf_dir: Path, batch: Batch, case: Case, compile_: bool):
 
 
 # -- ours --------------------------------------------------------------------------------------
-def innermost(module):
-    while hasattr(module, "module"):
-        module = module.module
-    return module
-
-
 def split_overrides(overrides: list[str], default_pack: int) -> tuple[list[str], int]:
     """A variant's config overrides and its samples per micro-batch (the bench's ``pack=K``)."""
     config, pack = [], default_pack
@@ -182,8 +176,7 @@ def split_overrides(overrides: list[str], default_pack: int) -> tuple[list[str],
 
 
 def our_step(cfg, hf_dir: Path, batch: Batch, case: Case, pack_size: int):
-    from loongforge.core.checkpoint.sharded import load_into
-    from loongforge.core.hf_mapping.online import HFPieceReader
+    from loongforge.core.hf_mapping.online import load_hf_weights
     from loongforge.core.parallel import init_parallel
     from loongforge.core.training.trainer import MegatronTrainer
     from loongforge.vlm.data.packing import pack
@@ -193,9 +186,7 @@ def our_step(cfg, hf_dir: Path, batch: Batch, case: Case, pack_size: int):
     task = VLMTask(cfg)
     ctx = init_parallel(seed=cfg.train.seed)
     trainer = MegatronTrainer(task, ctx, cfg.train, cfg.log, cfg.checkpoint)
-    model = innermost(trainer.model)
-    reader = HFPieceReader(hf_dir, QWEN2_5_VL_ADAPTER.bind(task.model_cfg))
-    model.load_state_dict(load_into(model.sharded_state_dict(), reader, {}, {}), strict=True)
+    load_hf_weights(trainer.inner_model, hf_dir, QWEN2_5_VL_ADAPTER, task.model_cfg)
     trainer.optimizer.reload_model_params()  # the fp32 main weights from the loaded ones
     groups = [batch.samples[i:i + pack_size] for i in range(0, len(batch.samples), pack_size)]
     micro_batches = [{k: v.to(case.device) if isinstance(v, torch.Tensor) else v for k, v in pack(g).items()}

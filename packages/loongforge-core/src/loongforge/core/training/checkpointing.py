@@ -20,12 +20,6 @@ from loongforge.core.checkpoint.sharded import flatten_for_save, load_into, move
 OPTIM_METADATA = {"distrib_optim_sharding_type": "fully_reshardable"}
 
 
-def _module(model):
-    while hasattr(model, "module"):
-        model = model.module
-    return model
-
-
 def _prime_adam_state(optimizer) -> None:
     """A fresh optimizer has no state; megatron's distributed optimizer (without TE/Apex) reads
     each param's Adam ``step`` when it builds a loading state dict. Give every param zero state
@@ -46,7 +40,7 @@ def _prime_adam_state(optimizer) -> None:
 def _sharded_state_dict(trainer, is_loading: bool, with_optimizer: bool = True) -> dict:
     if is_loading and with_optimizer:
         _prime_adam_state(trainer.optimizer)
-    model_sd = _module(trainer.model).sharded_state_dict()
+    model_sd = trainer.inner_model.sharded_state_dict()
     out = {"model": model_sd}
     if with_optimizer:
         out["optimizer"] = trainer.optimizer.sharded_state_dict(model_sd, is_loading=is_loading, metadata=OPTIM_METADATA)
@@ -148,7 +142,7 @@ def _load(trainer, path, with_optimizer: bool) -> Checkpoint:
         common = {k: v for k, v in common.items() if k == "model"}
     state = load_into(_sharded_state_dict(trainer, is_loading=True, with_optimizer=with_optimizer), ckpt.reader, objects, common)
     move_tensors(state, trainer.ctx.device)
-    _module(trainer.model).load_state_dict(state["model"], strict=True)
+    trainer.inner_model.load_state_dict(state["model"], strict=True)
     if with_optimizer:
         _load_optimizer(trainer.optimizer, state["optimizer"], ckpt.directory)
     return ckpt

@@ -186,6 +186,14 @@ class MegatronTrainer:
         self._compute_end = time.perf_counter()
         return self._finalize_model_grads(*args, **kwargs)
 
+    @property
+    def inner_model(self) -> torch.nn.Module:
+        """The task's model inside megatron's DDP (and Float16Module) wrappers."""
+        model = self.model
+        while hasattr(model, "module"):
+            model = model.module
+        return model
+
     def train_step(self, step: StepBatch | list[dict[str, torch.Tensor]]) -> StepResult:
         from megatron.core.pipeline_parallel import get_forward_backward_func
 
