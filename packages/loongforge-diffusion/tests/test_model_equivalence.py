@@ -71,16 +71,19 @@ def test_varlen_backend_equals_split_on_gpu():
 
 
 class _CountForwardOps(TorchDispatchMode):
-    """Counts the fused attention forward kernels and the biased GEMMs (``addmm``: every
-    ``nn.Linear`` forward; the backward's gradient GEMMs are plain ``mm``) run inside it."""
+    """Counts the fused attention forward kernels and the forward GEMMs of linear layers run
+    inside it: ``addmm`` (every biased ``nn.Linear`` forward; the backward's gradient GEMMs are
+    plain ``mm``) and FP8 ``_scaled_mm`` on an e4m3 activation (the backward's have e5m2 grads)."""
 
     def __init__(self):
         super().__init__()
-        self.attention = self.linear = 0
+        self.attention = self.linear = self.fp8 = 0
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         self.attention += func in attention_ops()
-        self.linear += func is torch.ops.aten.addmm.default
+        fp8 = func is torch.ops.aten._scaled_mm.default and args[0].dtype == torch.float8_e4m3fn
+        self.linear += func is torch.ops.aten.addmm.default or fp8
+        self.fp8 += fp8
         return func(*args, **(kwargs or {}))
 
 
@@ -89,11 +92,12 @@ def _packed_pair_batch(cfg):
                 torch.randn(2, cfg.text_len, cfg.text_dim), cfg.patch_size)
 
 
-def test_activation_checkpointing_policies_same_gradients():
+@pytest.mark.parametrize("fp8", ["none", "tensorwise"])
+def test_activation_checkpointing_policies_same_gradients(fp8):
     """full and selective checkpointing give the gradients of no checkpointing; full recomputes
     every attention and linear layer of the blocks in the backward, selective none of them (it
-    keeps their outputs and recomputes only the elementwise work)."""
-    cfg, _, ours = _pair()
+    keeps their outputs, FP8 GEMMs' too, and recomputes only the elementwise work)."""
+    cfg, _, ours = _pair(fp8=fp8)
     batch = _packed_pair_batch(cfg)
     grads, recomputed = {}, {}
     for policy in ("none", "full", "selective"):
@@ -114,16 +118,43 @@ def test_activation_checkpointing_policies_same_gradients():
         ours.set_activation_checkpointing("yes")
 
 
+def test_fp8_tensorwise_blocks_stay_near_the_exact_model():
+    """``model.fp8=tensorwise``: the blocks' token linears run FP8 GEMMs (e4m3 rounding, so the
+    output moves by a few percent, not more) and the prompt's key/value projection does not."""
+    cfg, _, exact = _pair()
+    fp8 = WanDiT(WanConfig(fp8="tensorwise"))
+    fp8.load_state_dict(exact.state_dict())
+    batch = _packed_pair_batch(cfg)
+    with torch.no_grad(), _CountForwardOps() as count:
+        got = fp8(batch)
+    want = exact(batch).detach()
+    # 2 blocks x (self q/k/v, self out, cross q, cross out, FFN up, down) in FP8; the cross k/v
+    # GEMMs, 5 embedder linears, the patch embedding and the head are not
+    assert (count.fp8, count.linear) == (2 * 6, 2 * 7 + 7)
+    rel = ((got - want).norm() / want.norm()).item()
+    assert 0 < rel < 0.1
+
+
+@pytest.mark.parametrize("overrides, match", [
+    ({"fp8": "e4m3"}, "model.fp8='e4m3': one of none, tensorwise"),
+    ({"fp8": "tensorwise", "ffn_dim": 100}, r"model.ffn_dim \(100\) to be multiples of 16"),
+])
+def test_fp8_config_errors(overrides, match):
+    with pytest.raises(ValueError, match=match):
+        WanConfig(**overrides)
+
+
 @pytest.mark.slow
-def test_compiled_blocks_equal_eager():
+@pytest.mark.parametrize("fp8", ["none", "tensorwise"])
+def test_compiled_blocks_equal_eager(fp8):
     """Regional compilation (inductor, fp32 on CPU) with selective checkpointing inside the
-    compiled blocks: output and gradients equal the eager model's, both layers run one graph and
-    nothing breaks it."""
+    compiled blocks, with plain and FP8 linears: output and gradients equal the eager model's,
+    both layers run one graph and nothing breaks it."""
     import torch._dynamo
     import torch._inductor.config
     from torch._dynamo.utils import counters
 
-    cfg, _, eager = _pair(activation_checkpointing="selective")
+    cfg, _, eager = _pair(activation_checkpointing="selective", fp8=fp8)
     compiled = WanDiT(cfg)
     compiled.load_state_dict(eager.state_dict())
     torch._dynamo.reset()

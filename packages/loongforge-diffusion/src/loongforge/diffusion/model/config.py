@@ -28,6 +28,8 @@ UNSUPPORTED_FIELDS = ("image_dim", "added_kv_proj_dim", "pos_embed_seq_len")
 # per-block activation checkpointing: nothing, the whole block, or the elementwise work between
 # the kept attention and GEMM outputs
 CHECKPOINTING = ("none", "full", "selective")
+# FP8 GEMMs of the blocks' token linears (loongforge.core.kernels.fp8_tensorwise)
+FP8_MODES = ("none", "tensorwise")
 
 
 @dataclass
@@ -53,6 +55,10 @@ class WanConfig:
     # how it runs
     attention_backend: str = "auto"
     activation_checkpointing: str = "none"  # none | full | selective (keeps attention and GEMM outputs)
+    # none | tensorwise: the blocks' linears over video tokens (attention projections, feed-forward)
+    # run their three GEMMs in FP8 with one scale per tensor (CUDA sm_89+); prompt projections,
+    # embedders and the output head stay in the autocast dtype
+    fp8: str = "none"
     # regional torch.compile of the transformer blocks; null: on CUDA without context parallelism
     compile: bool | None = None
     # a local diffusers directory (WanTransformer3DModel, or a pipeline with transformer/ and
@@ -77,6 +83,13 @@ class WanConfig:
         if self.activation_checkpointing not in CHECKPOINTING:
             raise ValueError(
                 f"model.activation_checkpointing={self.activation_checkpointing!r}: one of {', '.join(CHECKPOINTING)}"
+            )
+        if self.fp8 not in FP8_MODES:
+            raise ValueError(f"model.fp8={self.fp8!r}: one of {', '.join(FP8_MODES)}")
+        if self.fp8 != "none" and (self.hidden_size % 16 or self.ffn_dim % 16):
+            raise ValueError(
+                f"model.fp8={self.fp8!r} needs the hidden size ({self.hidden_size}) and model.ffn_dim "
+                f"({self.ffn_dim}) to be multiples of 16 (FP8 GEMM shapes)"
             )
 
     def compile_on(self, device_type: str, cp_size: int = 1) -> bool:

@@ -10,6 +10,9 @@ variants), so ``load_state_dict`` of a diffusers checkpoint is the identity mapp
 - patch embedding is one GEMM over the packed patches (the Conv3d's kernel equals its stride);
 - query/key/value projections of self-attention are one GEMM (key/value of cross-attention
   another), on the concatenated diffusers weights;
+- with ``model.fp8=tensorwise`` the linears over video tokens (self-attention's projections,
+  cross-attention's query and output, the feed-forward) run their GEMMs in FP8
+  (``loongforge.core.kernels.fp8_tensorwise``); prompt projections stay in the autocast dtype;
 - query/key RMSNorm and RoPE go through the core kernel registry (``rms_norm``, ``rope``), so
   fused kernels run where installed; a compiled block (``compile_blocks``) uses the torch
   references instead, which inductor fuses with the surrounding modulation and casts;
@@ -23,7 +26,8 @@ variants), so ``load_state_dict`` of a diffusers checkpoint is the identity mapp
   attention outputs alone).
 
 The embedding modules that have nothing to do with packing (time/text embedder, LayerNorms,
-GELU feed-forward) are diffusers' own modules, so their numerics are diffusers'.
+GELU feed-forward) are diffusers' own modules, so their numerics are diffusers'; the
+feed-forward's forward is written out here (same ops) so its linears can run in FP8.
 """
 
 from __future__ import annotations
@@ -40,6 +44,7 @@ from diffusers.models.transformers.transformer_wan import WanTimeTextImageEmbedd
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 from loongforge.core.kernels import get_kernel
+from loongforge.core.kernels.fp8_tensorwise import fp8_linear_tensorwise
 from loongforge.diffusion.context_parallel import ContextParallel, heads_to_seq, seq_to_heads
 from loongforge.diffusion.model.attention import Segments, packed_attention
 from loongforge.diffusion.model.config import CHECKPOINTING, WanConfig
@@ -83,8 +88,9 @@ def attention_ops() -> frozenset:
 @cache
 def kept_ops() -> frozenset:
     """The ops whose outputs selective checkpointing keeps: attention kernels and GEMMs (every
-    ``nn.Linear`` of a block is ``addmm`` on its 2D packed tokens, ``mm`` without a bias)."""
-    return attention_ops() | {torch.ops.aten.addmm.default, torch.ops.aten.mm.default}
+    ``nn.Linear`` of a block is ``addmm`` on its 2D packed tokens, ``mm`` without a bias,
+    ``_scaled_mm`` in FP8)."""
+    return attention_ops() | {torch.ops.aten.addmm.default, torch.ops.aten.mm.default, torch.ops.aten._scaled_mm.default}
 
 
 def _keep_attention_and_gemms(ctx, op, *args, **kwargs):
@@ -95,11 +101,15 @@ def _selective_contexts():
     return create_selective_checkpoint_contexts(_keep_attention_and_gemms)
 
 
-def _fused_linear(x: torch.Tensor, linears: tuple[nn.Linear, ...]) -> tuple[torch.Tensor, ...]:
+def _linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, fp8: bool) -> torch.Tensor:
+    return fp8_linear_tensorwise(x, weight, bias) if fp8 else F.linear(x, weight, bias)
+
+
+def _fused_linear(x: torch.Tensor, linears: tuple[nn.Linear, ...], fp8: bool = False) -> tuple[torch.Tensor, ...]:
     """``tuple(l(x) for l in linears)`` as one GEMM on the concatenated weights."""
     weight = torch.cat([lin.weight for lin in linears])
     bias = torch.cat([lin.bias for lin in linears])
-    return F.linear(x, weight, bias).split([lin.out_features for lin in linears], dim=-1)
+    return _linear(x, weight, bias, fp8).split([lin.out_features for lin in linears], dim=-1)
 
 
 def _local_cross_bounds(bounds: list[int], lo: int, hi: int) -> tuple[list[int], int, int]:
@@ -112,11 +122,11 @@ def _local_cross_bounds(bounds: list[int], lo: int, hi: int) -> tuple[list[int],
 
 class WanAttention(nn.Module):
     """Self- or cross-attention with diffusers' ``WanAttention`` parameters (to_q/k/v, to_out.0,
-    norm_q/norm_k RMSNorm across heads)."""
+    norm_q/norm_k RMSNorm across heads). ``fp8``: the projections of video tokens run in FP8."""
 
-    def __init__(self, dim: int, heads: int, eps: float):
+    def __init__(self, dim: int, heads: int, eps: float, fp8: bool = False):
         super().__init__()
-        self.heads, self.head_dim, self.eps = heads, dim // heads, eps
+        self.heads, self.head_dim, self.eps, self.fp8 = heads, dim // heads, eps, fp8
         self.to_q = nn.Linear(dim, dim)
         self.to_k = nn.Linear(dim, dim)
         self.to_v = nn.Linear(dim, dim)
@@ -135,12 +145,12 @@ class WanAttention(nn.Module):
 
     def forward(self, x: torch.Tensor, tc: TokenContext, text: torch.Tensor | None = None) -> torch.Tensor:
         if text is None:
-            q, k, v = _fused_linear(x, (self.to_q, self.to_k, self.to_v))
+            q, k, v = _fused_linear(x, (self.to_q, self.to_k, self.to_v), self.fp8)
         else:
             # cross-attention reads the prompts of the samples present in this rank's tokens
             if tc.cp is not None:
                 text = text[tc.first_sample : tc.last_sample + 1]
-            q = self.to_q(x)
+            q = _linear(x, self.to_q.weight, self.to_q.bias, self.fp8)
             k, v = _fused_linear(text.flatten(0, 1), (self.to_k, self.to_v))
         q = self._heads(self.rms_norm(q, self.norm_q.weight, self.eps))
         k = self._heads(self.rms_norm(k, self.norm_k.weight, self.eps))
@@ -155,7 +165,8 @@ class WanAttention(nn.Module):
                 out = heads_to_seq(out, tc.cp)
         else:
             out = packed_attention(q, k, v, tc.cross_q_segments, tc.cross_k_segments, tc.backend)
-        return self.to_out[0](out.flatten(1).type_as(x))
+        proj = self.to_out[0]
+        return _linear(out.flatten(1).type_as(x), proj.weight, proj.bias, self.fp8)
 
 
 class WanBlock(nn.Module):
@@ -165,13 +176,14 @@ class WanBlock(nn.Module):
         super().__init__()
         dim = cfg.hidden_size
         self.norm1 = FP32LayerNorm(dim, cfg.eps, elementwise_affine=False)
-        self.attn1 = WanAttention(dim, cfg.num_attention_heads, cfg.eps)
-        self.attn2 = WanAttention(dim, cfg.num_attention_heads, cfg.eps)
+        fp8 = cfg.fp8 != "none"
+        self.attn1 = WanAttention(dim, cfg.num_attention_heads, cfg.eps, fp8)
+        self.attn2 = WanAttention(dim, cfg.num_attention_heads, cfg.eps, fp8)
         self.norm2 = FP32LayerNorm(dim, cfg.eps, elementwise_affine=True) if cfg.cross_attn_norm else nn.Identity()
         self.ffn = FeedForward(dim, inner_dim=cfg.ffn_dim, activation_fn="gelu-approximate")
         self.norm3 = FP32LayerNorm(dim, cfg.eps, elementwise_affine=False)
         self.scale_shift_table = nn.Parameter(torch.randn(1, 6, dim) / dim**0.5)
-        self.checkpointing = cfg.activation_checkpointing
+        self.checkpointing, self.fp8 = cfg.activation_checkpointing, fp8
 
     def forward(self, x: torch.Tensor, text: torch.Tensor, temb: torch.Tensor, tc: TokenContext) -> torch.Tensor:
         if self.checkpointing == "none" or not torch.is_grad_enabled():
@@ -191,7 +203,13 @@ class WanBlock(nn.Module):
         x = x + self.attn2(h, tc, text)
 
         h = (self.norm3(x.float()) * (1 + c_scale) + c_shift).type_as(x)
-        return (x.float() + self.ffn(h).float() * c_gate).type_as(x)
+        return (x.float() + self._feed_forward(h).float() * c_gate).type_as(x)
+
+    def _feed_forward(self, h: torch.Tensor) -> torch.Tensor:
+        """diffusers' ``FeedForward`` (tanh-GELU, dropouts of 0) over our linears."""
+        up, down = self.ffn.net[0].proj, self.ffn.net[2]
+        h = F.gelu(_linear(h, up.weight, up.bias, self.fp8), approximate="tanh")
+        return _linear(h, down.weight, down.bias, self.fp8)
 
 
 class WanDiT(nn.Module):
