@@ -202,3 +202,33 @@ def test_fp8_linear_rejects_bad_inputs():
         ref.fp8_linear(torch.randn(4, 8), torch.randn(6, 8), torch.randn(5))
     with pytest.raises(ValueError, match="bf16/fp16/fp32"):
         ref.fp8_linear(torch.randn(4, 8).to(torch.float8_e4m3fn), torch.randn(6, 8))
+
+
+@pytest.mark.parametrize("e5m2", [False, True])
+@pytest.mark.parametrize("rows", [37, 64])
+def test_cast_transpose_layouts_and_values(e5m2, rows):
+    """Tensor-wise cast-transpose: both copies are the reference's, the transposed one padded
+    with zeros to a multiple of 16 rows. The values are chosen on the FP8 grid times a power of
+    two (so no rounding happens: the interpreter's fp8 cast mis-rounds across binades); the GPU
+    test compares random values bitwise."""
+    from loongforge.core.kernels.fp8_tensorwise import E4M3, E5M2, cast_transpose, tensor_scale
+    from loongforge.kernels.fp8_cast import fp8_cast_transpose
+
+    dtype = E5M2 if e5m2 else E4M3
+    torch.manual_seed(0)
+    grid = (torch.randn(rows, 160) * 50).clamp(-400, 400).to(dtype).float()
+    grid[3, 7] = torch.finfo(dtype).max  # the amax: the scale is exactly 2^-4
+    x = (grid * 2.0**-4).to(torch.bfloat16)
+    scale = tensor_scale(x, dtype)
+    assert scale.item() == 2.0**-4
+    q, q_t = fp8_cast_transpose(x, scale, e5m2)
+    want, want_t = cast_transpose(x, scale, e5m2)
+    assert q.dtype == q_t.dtype == dtype and q_t.shape == (160, rows + (-rows % 16))
+    assert torch.equal(q.float(), want.float()) and torch.equal(q_t.float(), want_t.float())
+
+
+def test_cast_transpose_rejects_bad_inputs():
+    from loongforge.kernels.fp8_cast import fp8_cast_transpose
+
+    with pytest.raises(ValueError, match=r"expected a matrix and a scalar scale, got \(4, 4, 4\)"):
+        fp8_cast_transpose(torch.zeros(4, 4, 4), torch.ones(()), False)

@@ -106,3 +106,16 @@ def test_adaptive_mode_measures_each_shape_once():
     print(table)
     assert len(table.splitlines()) == 4  # header + fprop, dgrad, wgrad of the one shape
     assert torch.isfinite(x.grad).all() and torch.isfinite(w.grad).all()
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("e5m2", [False, True])
+def test_cast_transpose_is_bitwise_the_reference(dtype, e5m2):
+    from loongforge.core.kernels.fp8_tensorwise import E4M3, E5M2, cast_transpose, tensor_scale
+    from loongforge.kernels.fp8_cast import fp8_cast_transpose
+
+    x = (torch.randn(1003, 520, device="cuda") * torch.logspace(-3, 3, 520, device="cuda")).to(dtype)
+    scale = tensor_scale(x, E5M2 if e5m2 else E4M3)
+    got, want = fp8_cast_transpose(x, scale, e5m2), cast_transpose(x, scale, e5m2)
+    for g, w in zip(got, want):
+        assert g.shape == w.shape and torch.equal(g.view(torch.uint8), w.view(torch.uint8))

@@ -127,6 +127,13 @@ def fp8_linear(
     return fused(x, weight, bias, adaptive)
 
 
+@_by_device
+def fp8_cast_transpose(x: torch.Tensor, scale: torch.Tensor, e5m2: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    from loongforge.kernels.fp8_cast import fp8_cast_transpose as fused
+
+    return fused(x, scale, e5m2)
+
+
 def supports_fp8(accelerator) -> bool:
     """Where Triton runs, except CUDA GPUs older than compute capability 8.9 (no FP8 tensor cores)."""
     if not supports(accelerator):
@@ -139,7 +146,7 @@ def supports_fp8(accelerator) -> bool:
 _OPS = (
     rms_norm, add_rms_norm, rope, swiglu, linear_cross_entropy, sparse_mla_attention, dsa_indexer_topk, dsa_indexer_loss,
 )
-_FP8_OPS = (fp8_linear,)
+_FP8_OPS = (fp8_linear, fp8_cast_transpose)
 
 
 def fused_kernels() -> dict[str, KernelImpl]:

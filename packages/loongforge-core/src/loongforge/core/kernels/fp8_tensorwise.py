@@ -14,16 +14,20 @@ at a Wan-1.3B block's shapes (14k tokens) tensor-wise ``_scaled_mm`` runs the th
 linear 1.6-1.7x faster than bf16, where the blockwise recipe of ``fp8.py`` (DeepSeek-V3's, robust
 to outlier rows, used for LLMs) is slower than bf16 there once its quantisation passes are counted.
 
-It is plain torch code: under ``torch.compile`` inductor fuses the amax reductions, the casts and
-the transposed copies the GEMM layouts need into the neighbouring elementwise kernels. Only e4m3
-copies are saved for the backward (``x`` transposed for the weight grad, the weight K-major for
-the input grad): one byte per element instead of two. ``_scaled_mm`` wants the contraction and
-output dims to be multiples of 16; the token dim, which is the weight grad's contraction dim, is
-zero-padded in the transposed copies, so any number of tokens works. CPU torch has per-tensor
-``_scaled_mm`` as well, so the same code runs (slowly) in CPU tests.
+Every operand is cast once into both layouts Hopper's FP8 GEMMs read (the registry op
+``fp8_cast_transpose``: :func:`cast_transpose` here, one Triton pass in ``loongforge-kernels``,
+which measured faster than letting inductor fuse the casts and transposes into neighbouring
+kernels); the amax reductions are plain torch, which inductor fuses with the producers. Only
+FP8 copies are saved for the backward (``x`` transposed for the weight grad, the weight
+K-major for the input grad): one byte per element instead of two. ``_scaled_mm`` wants the
+contraction and output dims to be multiples of 16; the token dim, which is the weight grad's
+contraction dim, is zero-padded in the transposed copies, so any number of tokens works. CPU
+torch has per-tensor ``_scaled_mm`` as well, so the same code runs (slowly) in CPU tests.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -53,6 +57,13 @@ def quantize_transposed(t: torch.Tensor, dtype: torch.dtype, scale: torch.Tensor
     return quantize(F.pad(tt, (0, pad)) if pad else tt, dtype, scale)
 
 
+def cast_transpose(t: torch.Tensor, scale: torch.Tensor, e5m2: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """Reference of the registry op ``fp8_cast_transpose``: ``t [M, C]`` quantised to e5m2
+    (``e5m2``) or e4m3 in both layouts, ``[M, C]`` and ``[C, M']`` (:func:`quantize_transposed`)."""
+    dtype = E5M2 if e5m2 else E4M3
+    return quantize(t, dtype, scale), quantize_transposed(t, dtype, scale)
+
+
 def _gemm(a, b_t, scale_a, scale_b, out_dtype, bias=None):
     """``(a * scale_a) @ (b_t * scale_b).T`` with ``a`` row-major and ``b_t`` row-major ``[N, K]``."""
     return torch._scaled_mm(a, b_t.t(), scale_a=scale_a, scale_b=scale_b, bias=bias, out_dtype=out_dtype)
@@ -60,19 +71,18 @@ def _gemm(a, b_t, scale_a, scale_b, out_dtype, bias=None):
 
 class _TensorwiseFp8Linear(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x2, weight, bias):
+    def forward(ctx, x2, weight, bias, cast):
         out_dtype = x2.dtype
         x_scale, w_scale = tensor_scale(x2, E4M3), tensor_scale(weight, E4M3)
-        w_q = quantize(weight, E4M3, w_scale)
+        x_q, x_t = cast(x2, x_scale, False)
+        w_q, w_t = cast(weight, w_scale, False)  # w_t [K, N]: N is a multiple of 16, so unpadded
         # cuBLASLt adds a bias in the epilogue for half-precision outputs only
         fused_bias = bias is not None and out_dtype in (torch.bfloat16, torch.float16)
-        y = _gemm(quantize(x2, E4M3, x_scale), w_q, x_scale, w_scale, out_dtype,
-                  bias.to(out_dtype) if fused_bias else None)
+        y = _gemm(x_q, w_q, x_scale, w_scale, out_dtype, bias.to(out_dtype) if fused_bias else None)
         if bias is not None and not fused_bias:
             y = y + bias.to(out_dtype)
-        ctx.save_for_backward(quantize_transposed(x2, E4M3, x_scale), x_scale,
-                              quantize(weight.t(), E4M3, w_scale), w_scale)
-        ctx.x_dtype, ctx.has_bias = x2.dtype, bias is not None
+        ctx.save_for_backward(x_t, x_scale, w_t, w_scale)
+        ctx.x_dtype, ctx.has_bias, ctx.cast = x2.dtype, bias is not None, cast
         return y
 
     @staticmethod
@@ -80,13 +90,14 @@ class _TensorwiseFp8Linear(torch.autograd.Function):
         x_t, x_scale, w_t, w_scale = ctx.saved_tensors
         dx = dw = db = None
         dy_scale = tensor_scale(dy, E5M2)
+        dy_q, dy_t = ctx.cast(dy, dy_scale, True)
         if ctx.needs_input_grad[0]:
-            dx = _gemm(quantize(dy, E5M2, dy_scale), w_t, dy_scale, w_scale, ctx.x_dtype)
+            dx = _gemm(dy_q, w_t, dy_scale, w_scale, ctx.x_dtype)
         if ctx.needs_input_grad[1]:
-            dw = _gemm(quantize_transposed(dy, E5M2, dy_scale), x_t, dy_scale, x_scale, torch.float32)
+            dw = _gemm(dy_t, x_t, dy_scale, x_scale, torch.float32)
         if ctx.has_bias and ctx.needs_input_grad[2]:
             db = dy.float().sum(0)
-        return dx, dw, db
+        return dx, dw, db, None
 
 
 def check_tensorwise_linear(op: str, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
@@ -97,13 +108,17 @@ def check_tensorwise_linear(op: str, x: torch.Tensor, weight: torch.Tensor, bias
         raise ValueError(f"{op}: weight [{n}, {k}]: FP8 GEMMs need both dims to be multiples of {ALIGN}")
 
 
-def fp8_linear_tensorwise(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+def fp8_linear_tensorwise(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, cast: Callable = cast_transpose
+) -> torch.Tensor:
     """``x @ weight.T + bias`` with tensor-wise FP8 GEMMs forward and backward.
 
     ``x``: ``[..., K]`` (its dtype is the output's; under autocast pass the autocast dtype);
-    ``weight``: ``[N, K]`` master weight, which gets its gradient in its own dtype.
+    ``weight``: ``[N, K]`` master weight, which gets its gradient in its own dtype; ``cast``: the
+    ``fp8_cast_transpose`` implementation (``get_kernel("fp8_cast_transpose")``, resolved once
+    by the caller), :func:`cast_transpose` by default.
     """
     check_tensorwise_linear("fp8_linear_tensorwise", x, weight, bias)
     x2 = x.reshape(-1, x.shape[-1])
-    y = _TensorwiseFp8Linear.apply(x2, weight, bias)
+    y = _TensorwiseFp8Linear.apply(x2, weight, bias, cast)
     return y.view(*x.shape[:-1], weight.shape[0])

@@ -13,6 +13,7 @@ import torch.nn.functional as F
 
 from loongforge.core.kernels.dsa import dsa_indexer_loss, dsa_indexer_topk, sparse_mla_attention
 from loongforge.core.kernels.fp8 import fp8_linear
+from loongforge.core.kernels.fp8_tensorwise import cast_transpose as fp8_cast_transpose
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
@@ -78,4 +79,5 @@ REFERENCE_OPS = {
     "dsa_indexer_loss": dsa_indexer_loss,
     "sparse_mla_attention": sparse_mla_attention,
     "fp8_linear": fp8_linear,
+    "fp8_cast_transpose": fp8_cast_transpose,
 }

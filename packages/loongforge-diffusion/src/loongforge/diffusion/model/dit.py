@@ -93,23 +93,35 @@ def kept_ops() -> frozenset:
     return attention_ops() | {torch.ops.aten.addmm.default, torch.ops.aten.mm.default, torch.ops.aten._scaled_mm.default}
 
 
+# FP8 casts are kept too: their outputs are half the size of their inputs, and recomputing them
+# would mean recomputing their inputs first
+KEPT_CUSTOM_OPS = ("loongforge::fp8_cast_transpose",)
+
+
 def _keep_attention_and_gemms(ctx, op, *args, **kwargs):
-    return CheckpointPolicy.MUST_SAVE if op in kept_ops() else CheckpointPolicy.PREFER_RECOMPUTE
+    keep = op in kept_ops() or op.name() in KEPT_CUSTOM_OPS
+    return CheckpointPolicy.MUST_SAVE if keep else CheckpointPolicy.PREFER_RECOMPUTE
 
 
 def _selective_contexts():
     return create_selective_checkpoint_contexts(_keep_attention_and_gemms)
 
 
-def _linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, fp8: bool) -> torch.Tensor:
-    return fp8_linear_tensorwise(x, weight, bias) if fp8 else F.linear(x, weight, bias)
+def _fp8_cast(fp8: bool):
+    """The registry's ``fp8_cast_transpose`` for FP8 linears (fused even in compiled blocks), or None."""
+    return get_kernel("fp8_cast_transpose") if fp8 else None
 
 
-def _fused_linear(x: torch.Tensor, linears: tuple[nn.Linear, ...], fp8: bool = False) -> tuple[torch.Tensor, ...]:
+def _linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, fp8_cast) -> torch.Tensor:
+    """``F.linear``, or its tensor-wise FP8 form when ``fp8_cast`` is an FP8 cast op."""
+    return F.linear(x, weight, bias) if fp8_cast is None else fp8_linear_tensorwise(x, weight, bias, fp8_cast)
+
+
+def _fused_linear(x: torch.Tensor, linears: tuple[nn.Linear, ...], fp8_cast=None) -> tuple[torch.Tensor, ...]:
     """``tuple(l(x) for l in linears)`` as one GEMM on the concatenated weights."""
     weight = torch.cat([lin.weight for lin in linears])
     bias = torch.cat([lin.bias for lin in linears])
-    return _linear(x, weight, bias, fp8).split([lin.out_features for lin in linears], dim=-1)
+    return _linear(x, weight, bias, fp8_cast).split([lin.out_features for lin in linears], dim=-1)
 
 
 def _local_cross_bounds(bounds: list[int], lo: int, hi: int) -> tuple[list[int], int, int]:
@@ -126,7 +138,7 @@ class WanAttention(nn.Module):
 
     def __init__(self, dim: int, heads: int, eps: float, fp8: bool = False):
         super().__init__()
-        self.heads, self.head_dim, self.eps, self.fp8 = heads, dim // heads, eps, fp8
+        self.heads, self.head_dim, self.eps, self.fp8_cast = heads, dim // heads, eps, _fp8_cast(fp8)
         self.to_q = nn.Linear(dim, dim)
         self.to_k = nn.Linear(dim, dim)
         self.to_v = nn.Linear(dim, dim)
@@ -145,12 +157,12 @@ class WanAttention(nn.Module):
 
     def forward(self, x: torch.Tensor, tc: TokenContext, text: torch.Tensor | None = None) -> torch.Tensor:
         if text is None:
-            q, k, v = _fused_linear(x, (self.to_q, self.to_k, self.to_v), self.fp8)
+            q, k, v = _fused_linear(x, (self.to_q, self.to_k, self.to_v), self.fp8_cast)
         else:
             # cross-attention reads the prompts of the samples present in this rank's tokens
             if tc.cp is not None:
                 text = text[tc.first_sample : tc.last_sample + 1]
-            q = _linear(x, self.to_q.weight, self.to_q.bias, self.fp8)
+            q = _linear(x, self.to_q.weight, self.to_q.bias, self.fp8_cast)
             k, v = _fused_linear(text.flatten(0, 1), (self.to_k, self.to_v))
         q = self._heads(self.rms_norm(q, self.norm_q.weight, self.eps))
         k = self._heads(self.rms_norm(k, self.norm_k.weight, self.eps))
@@ -166,7 +178,7 @@ class WanAttention(nn.Module):
         else:
             out = packed_attention(q, k, v, tc.cross_q_segments, tc.cross_k_segments, tc.backend)
         proj = self.to_out[0]
-        return _linear(out.flatten(1).type_as(x), proj.weight, proj.bias, self.fp8)
+        return _linear(out.flatten(1).type_as(x), proj.weight, proj.bias, self.fp8_cast)
 
 
 class WanBlock(nn.Module):
@@ -183,7 +195,7 @@ class WanBlock(nn.Module):
         self.ffn = FeedForward(dim, inner_dim=cfg.ffn_dim, activation_fn="gelu-approximate")
         self.norm3 = FP32LayerNorm(dim, cfg.eps, elementwise_affine=False)
         self.scale_shift_table = nn.Parameter(torch.randn(1, 6, dim) / dim**0.5)
-        self.checkpointing, self.fp8 = cfg.activation_checkpointing, fp8
+        self.checkpointing, self.fp8_cast = cfg.activation_checkpointing, _fp8_cast(fp8)
 
     def forward(self, x: torch.Tensor, text: torch.Tensor, temb: torch.Tensor, tc: TokenContext) -> torch.Tensor:
         if self.checkpointing == "none" or not torch.is_grad_enabled():
@@ -208,8 +220,8 @@ class WanBlock(nn.Module):
     def _feed_forward(self, h: torch.Tensor) -> torch.Tensor:
         """diffusers' ``FeedForward`` (tanh-GELU, dropouts of 0) over our linears."""
         up, down = self.ffn.net[0].proj, self.ffn.net[2]
-        h = F.gelu(_linear(h, up.weight, up.bias, self.fp8), approximate="tanh")
-        return _linear(h, down.weight, down.bias, self.fp8)
+        h = F.gelu(_linear(h, up.weight, up.bias, self.fp8_cast), approximate="tanh")
+        return _linear(h, down.weight, down.bias, self.fp8_cast)
 
 
 class WanDiT(nn.Module):

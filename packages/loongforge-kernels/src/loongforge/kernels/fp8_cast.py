@@ -1,0 +1,71 @@
+"""FP8 cast-transpose: one pass over a matrix writes its tensor-scaled e4m3/e5m2 copy and the
+transposed copy that Hopper's FP8 GEMMs need for the weight gradient.
+
+Contract: ``loongforge.core.kernels.fp8_tensorwise.cast_transpose`` (bitwise on a GPU: the
+quotient is IEEE-rounded and the fp8 conversion rounds to nearest even, as torch's).
+
+It is a ``torch.library`` custom op (``loongforge::fp8_cast_transpose``), so ``torch.compile``
+calls the kernel as it is instead of tracing into it; inductor still fuses the amax reduction
+that makes the scale with the producer of the input. A tile is read once and stored twice, the
+second time through ``tl.trans``, so both copies are written row by row.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from loongforge.core.kernels.fp8_tensorwise import ALIGN, E4M3, E5M2
+from loongforge.kernels.launch import check_tensors
+
+BLOCK_ROWS = 64
+BLOCK_COLS = 128
+
+
+@triton.jit
+def _cast_transpose(
+    X, Q, QT, S, n_rows, n_cols, padded_rows, stride_x,
+    FMAX: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
+):
+    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    cols = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
+    rows64, cols64 = rows.to(tl.int64), cols.to(tl.int64)
+    inside = (rows[:, None] < n_rows) & (cols[None, :] < n_cols)
+    x = tl.load(X + rows64[:, None] * stride_x + cols[None, :], mask=inside, other=0.0).to(tl.float32)
+    q = tl.clamp(tl.math.div_rn(x, tl.load(S)), -FMAX, FMAX).to(Q.dtype.element_ty)
+    tl.store(Q + rows64[:, None] * n_cols + cols[None, :], q, mask=inside)
+    # rows n_rows..padded_rows of the transposed copy get the zeros loaded for them
+    tl.store(QT + cols64[:, None] * padded_rows + rows[None, :], tl.trans(q),
+             mask=(cols[:, None] < n_cols) & (rows[None, :] < padded_rows))
+
+
+def _out_shapes(x: torch.Tensor) -> tuple[tuple[int, int], tuple[int, int]]:
+    rows, cols = x.shape
+    return (rows, cols), (cols, rows + (-rows % ALIGN))
+
+
+@torch.library.custom_op("loongforge::fp8_cast_transpose", mutates_args=())
+def fp8_cast_transpose(x: torch.Tensor, scale: torch.Tensor, e5m2: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """``x [M, C]`` -> (``q [M, C]``, ``q_t [C, M']``): ``x / scale`` saturated and rounded to
+    e5m2 (``e5m2``) or e4m3, and its transpose with ``M`` zero-padded to a multiple of 16."""
+    if x.dim() != 2 or scale.numel() != 1:
+        raise ValueError(f"fp8_cast_transpose: expected a matrix and a scalar scale, got {tuple(x.shape)} and {tuple(scale.shape)}")
+    check_tensors("fp8_cast_transpose", x, scale)
+    dtype = E5M2 if e5m2 else E4M3
+    if x.stride(1) != 1:
+        x = x.contiguous()
+    shape, shape_t = _out_shapes(x)
+    q = torch.empty(shape, device=x.device, dtype=dtype)
+    q_t = torch.empty(shape_t, device=x.device, dtype=dtype)
+    grid = (triton.cdiv(shape_t[1], BLOCK_ROWS), triton.cdiv(shape[1], BLOCK_COLS))
+    _cast_transpose[grid](x, q, q_t, scale.float(), shape[0], shape[1], shape_t[1], x.stride(0),
+                          FMAX=torch.finfo(dtype).max, BLOCK_R=BLOCK_ROWS, BLOCK_C=BLOCK_COLS)
+    return q, q_t
+
+
+@fp8_cast_transpose.register_fake
+def _(x: torch.Tensor, scale: torch.Tensor, e5m2: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    dtype = E5M2 if e5m2 else E4M3
+    shape, shape_t = _out_shapes(x)
+    return x.new_empty(shape, dtype=dtype), x.new_empty(shape_t, dtype=dtype)
