@@ -23,7 +23,8 @@ from loongforge.diffusion.cli import main
 OPTIONS = ["--config", "wan2_1_t2v_1_3b", "--steps", "10",
            "--variant", "activation_checkpointing=full",
            "--variant", "activation_checkpointing=none",
-           "--variant", "compile=false"]
+           "--variant", "compile=false",
+           "--variant", "fp8=tensorwise"]
 OVERRIDES = ["model.num_layers=4", "sample.num_frames=33", "sample.height=480", "sample.width=832"]
 FLAGS = ("--no-profile",)  # options without a value
 

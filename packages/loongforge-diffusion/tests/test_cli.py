@@ -95,11 +95,12 @@ def test_one_expert_of_two_trains_and_the_other_stays(tmp_path, synthetic_overri
 
 def test_bench_and_info_run(capsys):
     size = ["sample.num_frames=5", "sample.height=32", "sample.width=48"]
-    assert main(["bench", "--steps", "1", "--warmup", "1", "--variant", "activation_checkpointing=selective", *size]) == 0
+    assert main(["bench", "--steps", "1", "--warmup", "1", "--variant", "activation_checkpointing=selective",
+                 "--variant", "fp8=tensorwise", *size]) == 0
     out = capsys.readouterr().out
     assert "speed-up" in out and "12 tokens/step" in out  # 2 latent frames x 2 x 3 patches
     rows = [line for line in out.splitlines() if "ms/step" in line]
-    assert [r.split(":")[0].strip() for r in rows] == ["diffusers", "loongforge", "variant 1"]
+    assert [r.split(":")[0].strip() for r in rows] == ["diffusers", "loongforge", "variant 1", "variant 2"]
     assert all("forward" in r and "backward" in r and "optimizer" in r for r in rows)
     assert "checkpointing=selective" in out and "MISMATCH" not in out
     assert main(["bench", "--variant", "activation_checkpointing=sometimes", *size]) == 2

@@ -20,6 +20,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from loongforge.core.accelerators import get_accelerator
 from loongforge.core.config import to_dict
 from loongforge.core.metrics import MetricsLogger, progress
 from loongforge.core.parallel import init_parallel
@@ -73,6 +74,7 @@ class DiffusionTrainer:
     def __init__(self, recipe: DiffusionRecipe):
         self.recipe = recipe
         r, m = recipe, recipe.model
+        m.check_device(get_accelerator().device_type)
         self.ctx = ctx = init_parallel(cp=r.parallel.cp, seed=r.train.seed)
         self.device = ctx.device
         self.cp = ContextParallel.from_group(ctx.pgs.cp)

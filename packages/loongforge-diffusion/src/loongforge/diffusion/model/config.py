@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import torch
+
 from loongforge.diffusion.model.attention import BACKENDS
 
 # diffusers WanTransformer3DModel config fields this implementation reproduces exactly
@@ -97,6 +99,12 @@ class WanConfig:
         if self.compile is None:
             return device_type == "cuda" and cp_size == 1
         return self.compile
+
+    def check_device(self, device_type: str) -> None:
+        """Settings the device cannot run, as a config error (call before any process group)."""
+        if self.fp8 != "none" and device_type == "cuda" and torch.cuda.get_device_capability() < (8, 9):
+            name = torch.cuda.get_device_name()
+            raise ValueError(f"model.fp8={self.fp8!r} needs FP8 tensor cores (CUDA compute capability 8.9+); {name} has none")
 
     @property
     def hidden_size(self) -> int:
