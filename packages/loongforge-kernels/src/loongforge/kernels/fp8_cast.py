@@ -19,8 +19,10 @@ import triton.language as tl
 from loongforge.core.kernels.fp8_tensorwise import ALIGN, E4M3, E5M2
 from loongforge.kernels.launch import check_tensors
 
+# 64x64 tiles, 4 warps: the fastest of ten tilings at a Wan-1.3B block's shapes on an H200
+# (14040 x 1536 and 14040 x 8960 bf16, 8960 x 1536 fp32)
 BLOCK_ROWS = 64
-BLOCK_COLS = 128
+BLOCK_COLS = 64
 
 
 @triton.jit
@@ -60,7 +62,7 @@ def fp8_cast_transpose(x: torch.Tensor, scale: torch.Tensor, e5m2: bool) -> tupl
     q_t = torch.empty(shape_t, device=x.device, dtype=dtype)
     grid = (triton.cdiv(shape_t[1], BLOCK_ROWS), triton.cdiv(shape[1], BLOCK_COLS))
     _cast_transpose[grid](x, q, q_t, scale.float(), shape[0], shape[1], shape_t[1], x.stride(0),
-                          FMAX=torch.finfo(dtype).max, BLOCK_R=BLOCK_ROWS, BLOCK_C=BLOCK_COLS)
+                          FMAX=torch.finfo(dtype).max, BLOCK_R=BLOCK_ROWS, BLOCK_C=BLOCK_COLS, num_warps=4)
     return q, q_t
 
 
