@@ -9,9 +9,9 @@ checkpointing, ours with the preset's settings (compiled blocks, selective check
 keeps attention and GEMM outputs, fused AdamW). The printed ratio is the baseline's step time over ours;
 each run also prints forward/backward/optimizer time and peak memory, and ours a profiler table
 of its top CUDA kernels and timings of the self-attention kernels at this shape. Then ours runs
-again with full checkpointing (diffusers' policy), with none, and uncompiled. Extra arguments
-override the defaults (later wins; ``--variant '...'`` adds a variant, ``--no-profile`` skips
-the diagnostics).
+again with full checkpointing (diffusers' policy), with none, uncompiled, and with FP8 linears
+(``fp8=tensorwise``). Extra arguments override the defaults (later wins; ``--variant '...'``
+adds a variant, ``--no-profile`` skips the diagnostics).
 """
 
 from __future__ import annotations
