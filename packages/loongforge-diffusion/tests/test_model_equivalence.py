@@ -178,14 +178,18 @@ def test_compiled_blocks_equal_eager(fp8):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="compiled bf16 blocks with cuDNN/varlen attention need CUDA")
-def test_compiled_blocks_equal_eager_on_gpu():
+@pytest.mark.parametrize("fp8", ["none", "tensorwise"])
+def test_compiled_blocks_equal_eager_on_gpu(fp8):
     """The trainer's compiled path on CUDA (bf16 autocast, selective checkpointing, automatic
     dynamic shapes) over packs of changing layout (one video: SDPA; several: varlen) equals eager
-    within bf16 tolerance, without recompiling for every layout."""
+    within bf16 tolerance, without recompiling for every layout; with FP8 linears too (the Triton
+    cast-transpose op inside compiled, checkpointed blocks)."""
     import torch._dynamo
     from torch._dynamo.utils import counters
 
-    cfg = WanConfig(activation_checkpointing="selective")
+    if fp8 != "none" and torch.cuda.get_device_capability() < (8, 9):
+        pytest.skip("FP8 linears need an sm_89+ GPU")
+    cfg = WanConfig(activation_checkpointing="selective", fp8=fp8)
     eager = WanDiT(cfg).cuda()
     compiled = WanDiT(cfg).cuda()
     compiled.load_state_dict(eager.state_dict())

@@ -107,7 +107,7 @@ def _sdpa(q, k, v) -> torch.Tensor:
     chunks = query_chunks(q.shape[0], k.shape[0])
     if chunks == 1:
         return F.scaled_dot_product_attention(_heads_first(q), _heads_first(k), _heads_first(v)).squeeze(0).transpose(0, 1)
-    tq, h = q.shape[0], q.shape[1]
+    tq = q.shape[0]
     pad = -tq % chunks
     qc = (F.pad(q, (0, 0, 0, 0, 0, pad)) if pad else q).unflatten(0, (chunks, -1)).transpose(1, 2)
     kc, vc = (_heads_first(t).expand(chunks, -1, -1, -1) for t in (k, v))

@@ -93,8 +93,8 @@ def kept_ops() -> frozenset:
     return attention_ops() | {torch.ops.aten.addmm.default, torch.ops.aten.mm.default, torch.ops.aten._scaled_mm.default}
 
 
-# FP8 casts are kept too: their outputs are half the size of their inputs, and recomputing them
-# would mean recomputing their inputs first
+# FP8 casts are kept too: their two FP8 copies together are the size of a bf16 input, and
+# recomputing them means recomputing that input first (on the H200 bench: 2.5 ms a step slower)
 KEPT_CUSTOM_OPS = ("loongforge::fp8_cast_transpose",)
 
 
