@@ -67,19 +67,32 @@ def test_gemms_equal_their_dequantised_numbers():
     assert ((y.reshape(40, 48) - exact).norm() / exact.norm()) < 0.06
 
 
-def test_autocast_dtypes_and_no_bias():
-    """Under bf16 autocast the output and input grad are bf16 and the fp32 master weight gets an
-    fp32 grad; without a bias nothing is added."""
+@pytest.mark.parametrize("x_dtype", [torch.bfloat16, torch.float32])
+def test_autocast_dtypes_and_no_bias(x_dtype):
+    """Under bf16 autocast the output is bf16 whatever x's dtype (as F.linear's), x's grad has x's
+    dtype and the fp32 master weight gets an fp32 grad; without a bias nothing is added."""
     torch.manual_seed(2)
-    x = torch.randn(24, 32, dtype=torch.bfloat16, requires_grad=True)
+    x = torch.randn(24, 32, dtype=x_dtype, requires_grad=True)
     w = torch.randn(16, 32, requires_grad=True)
     with torch.autocast("cpu", dtype=torch.bfloat16):
         y = fp8_linear_tensorwise(x, w)
     assert y.dtype == torch.bfloat16
     y.float().sum().backward()
-    assert x.grad.dtype == torch.bfloat16 and w.grad.dtype == torch.float32
-    want = _dequantized(x.detach().float(), E4M3) @ _dequantized(w.detach(), E4M3).t()
+    assert x.grad.dtype == x_dtype and w.grad.dtype == torch.float32
+    want = _dequantized(x.detach().bfloat16().float(), E4M3) @ _dequantized(w.detach(), E4M3).t()
     torch.testing.assert_close(y.float(), want, atol=0.05, rtol=1e-2)  # bf16 output rounding
+
+
+def test_without_autograd_the_same_output():
+    """Under no_grad (sampling) the forward skips the transposed copies and gives the same numbers."""
+    torch.manual_seed(3)
+    x, w, b = torch.randn(40, 64), torch.randn(48, 64, requires_grad=True), torch.randn(48)
+    with_grad = fp8_linear_tensorwise(x, w, b)
+    assert with_grad.requires_grad
+    with torch.no_grad():
+        without = fp8_linear_tensorwise(x, w, b)
+    assert not without.requires_grad
+    torch.testing.assert_close(without, with_grad.detach(), atol=0, rtol=0)
 
 
 @pytest.mark.parametrize(

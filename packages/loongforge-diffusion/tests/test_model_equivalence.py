@@ -119,6 +119,45 @@ def test_activation_checkpointing_policies_same_gradients(fp8):
         ours.set_activation_checkpointing("yes")
 
 
+class _CountFp8Casts(TorchDispatchMode):
+    """Counts the fused cast-transpose op's forward casts (e4m3; the backward casts e5m2 grads)."""
+
+    def __init__(self):
+        super().__init__()
+        self.forward_casts = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.forward_casts += func.name() == "loongforge::fp8_cast_transpose" and not args[2]
+        return func(*args, **(kwargs or {}))
+
+
+def test_selective_checkpointing_keeps_fused_fp8_casts():
+    """With the fused cast op (Triton interpreter here) ``selective`` recomputes no FP8 cast in
+    the backward (it keeps their outputs), ``full`` recomputes every one, and both give the
+    gradients of no checkpointing."""
+    from loongforge.kernels.fp8_cast import fp8_cast_transpose
+
+    cfg, _, ours = _pair(fp8="tensorwise")
+    for module in ours.modules():
+        if getattr(module, "fp8_cast", None) is not None:
+            module.fp8_cast = fp8_cast_transpose
+    batch = _packed_pair_batch(cfg)
+    grads, recomputed = {}, {}
+    for policy in ("none", "full", "selective"):
+        ours.zero_grad()
+        ours.set_activation_checkpointing(policy)
+        loss = ours(batch).pow(2).mean()
+        with _CountFp8Casts() as count:
+            loss.backward()
+        recomputed[policy] = count.forward_casts
+        grads[policy] = {k: p.grad.clone() for k, p in ours.named_parameters()}
+    # 2 layers x 6 FP8 linears x (input, weight)
+    assert recomputed == {"none": 0, "full": 24, "selective": 0}
+    for policy in ("full", "selective"):
+        for k in grads["none"]:
+            torch.testing.assert_close(grads[policy][k], grads["none"][k], atol=1e-6, rtol=1e-5)
+
+
 def test_fp8_tensorwise_blocks_stay_near_the_exact_model():
     """``model.fp8=tensorwise``: the blocks' token linears run FP8 GEMMs (e4m3 rounding, so the
     output moves by a few percent, not more) and the prompt's key/value projection does not."""
@@ -139,6 +178,8 @@ def test_fp8_tensorwise_blocks_stay_near_the_exact_model():
 @pytest.mark.parametrize("overrides, match", [
     ({"fp8": "e4m3"}, "model.fp8='e4m3': one of none, tensorwise"),
     ({"fp8": "tensorwise", "ffn_dim": 100}, r"model.ffn_dim \(100\) to be multiples of 16"),
+    ({"fp8": "tensorwise", "attention_head_dim": 12, "num_attention_heads": 2},
+     r"model.num_attention_heads x model.attention_head_dim \(24\)"),
 ])
 def test_fp8_config_errors(overrides, match):
     with pytest.raises(ValueError, match=match):

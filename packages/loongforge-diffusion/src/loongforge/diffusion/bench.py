@@ -84,7 +84,7 @@ def variant_config(base: WanConfig, overrides: list[str]) -> WanConfig:
 
 def describe(cfg: WanConfig, device_type: str) -> str:
     compiled = "compiled" if cfg.compile_on(device_type) else "eager"
-    return f"{compiled}, checkpointing={cfg.activation_checkpointing}, attention={cfg.attention_backend}"
+    return f"{compiled}, checkpointing={cfg.activation_checkpointing}, attention={cfg.attention_backend}, fp8={cfg.fp8}"
 
 
 class Bench:

@@ -16,7 +16,7 @@ import torch
 import triton
 import triton.language as tl
 
-from loongforge.core.kernels.fp8_tensorwise import ALIGN, E4M3, E5M2
+from loongforge.core.kernels.fp8_tensorwise import fp8_dtype, padded_rows
 from loongforge.kernels.launch import check_tensors
 
 # 64x64 tiles, 4 warps: the fastest of ten tilings at a Wan-1.3B block's shapes on an H200
@@ -27,7 +27,7 @@ BLOCK_COLS = 64
 
 @triton.jit
 def _cast_transpose(
-    X, Q, QT, S, n_rows, n_cols, padded_rows, stride_x,
+    X, Q, QT, S, n_rows, n_cols, n_rows_t, stride_x,
     FMAX: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
 ):
     rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
@@ -37,14 +37,14 @@ def _cast_transpose(
     x = tl.load(X + rows64[:, None] * stride_x + cols[None, :], mask=inside, other=0.0).to(tl.float32)
     q = tl.clamp(tl.math.div_rn(x, tl.load(S)), -FMAX, FMAX).to(Q.dtype.element_ty)
     tl.store(Q + rows64[:, None] * n_cols + cols[None, :], q, mask=inside)
-    # rows n_rows..padded_rows of the transposed copy get the zeros loaded for them
-    tl.store(QT + cols64[:, None] * padded_rows + rows[None, :], tl.trans(q),
-             mask=(cols[:, None] < n_cols) & (rows[None, :] < padded_rows))
+    # rows n_rows..n_rows_t of the transposed copy (its padding) get the zeros loaded for them
+    tl.store(QT + cols64[:, None] * n_rows_t + rows[None, :], tl.trans(q),
+             mask=(cols[:, None] < n_cols) & (rows[None, :] < n_rows_t))
 
 
 def _out_shapes(x: torch.Tensor) -> tuple[tuple[int, int], tuple[int, int]]:
     rows, cols = x.shape
-    return (rows, cols), (cols, rows + (-rows % ALIGN))
+    return (rows, cols), (cols, padded_rows(rows))
 
 
 @torch.library.custom_op("loongforge::fp8_cast_transpose", mutates_args=())
@@ -54,7 +54,7 @@ def fp8_cast_transpose(x: torch.Tensor, scale: torch.Tensor, e5m2: bool) -> tupl
     if x.dim() != 2 or scale.numel() != 1:
         raise ValueError(f"fp8_cast_transpose: expected a matrix and a scalar scale, got {tuple(x.shape)} and {tuple(scale.shape)}")
     check_tensors("fp8_cast_transpose", x, scale)
-    dtype = E5M2 if e5m2 else E4M3
+    dtype = fp8_dtype(e5m2)
     if x.stride(1) != 1:
         x = x.contiguous()
     shape, shape_t = _out_shapes(x)
@@ -68,6 +68,6 @@ def fp8_cast_transpose(x: torch.Tensor, scale: torch.Tensor, e5m2: bool) -> tupl
 
 @fp8_cast_transpose.register_fake
 def _(x: torch.Tensor, scale: torch.Tensor, e5m2: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    dtype = E5M2 if e5m2 else E4M3
+    dtype = fp8_dtype(e5m2)
     shape, shape_t = _out_shapes(x)
     return x.new_empty(shape, dtype=dtype), x.new_empty(shape_t, dtype=dtype)

@@ -17,9 +17,10 @@ to outlier rows, used for LLMs) is slower than bf16 there once its quantisation 
 Every operand is cast once into both layouts Hopper's FP8 GEMMs read (the registry op
 ``fp8_cast_transpose``: :func:`cast_transpose` here, one Triton pass in ``loongforge-kernels``,
 which measured faster than letting inductor fuse the casts and transposes into neighbouring
-kernels); the amax reductions are plain torch, which inductor fuses with the producers. Only
-FP8 copies are saved for the backward (``x`` transposed for the weight grad, the weight
-K-major for the input grad): one byte per element instead of two. ``_scaled_mm`` wants the
+kernels); the amax reductions are plain torch, which inductor fuses with the producers. The
+linear saves FP8 copies of its inputs for the backward (``x`` transposed for the weight grad,
+the weight K-major for the input grad): one byte per element instead of two. Without autograd
+(sampling, evaluation) only the row-major casts are made. ``_scaled_mm`` wants the
 contraction and output dims to be multiples of 16; the token dim, which is the weight grad's
 contraction dim, is zero-padded in the transposed copies, so any number of tokens works. CPU
 torch has per-tensor ``_scaled_mm`` as well, so the same code runs (slowly) in CPU tests.
@@ -39,6 +40,15 @@ E5M2 = torch.float8_e5m2
 ALIGN = 16  # _scaled_mm: K and N multiples of 16
 
 
+def fp8_dtype(e5m2: bool) -> torch.dtype:
+    return E5M2 if e5m2 else E4M3
+
+
+def padded_rows(rows: int) -> int:
+    """``rows`` rounded up to a multiple of 16: the row count of a transposed copy's rows dim."""
+    return rows + (-rows % ALIGN)
+
+
 def tensor_scale(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """fp32 scalar ``amax(|t|) / fmax(dtype)``: ``t / scale`` spans the format's range."""
     return t.detach().abs().amax().float().clamp_min(AMAX_FLOOR) / torch.finfo(dtype).max
@@ -52,7 +62,7 @@ def quantize(t: torch.Tensor, dtype: torch.dtype, scale: torch.Tensor) -> torch.
 
 def quantize_transposed(t: torch.Tensor, dtype: torch.dtype, scale: torch.Tensor) -> torch.Tensor:
     """``t [M, C]`` -> ``[C, M']``: the quantised transpose, ``M`` zero-padded to a multiple of 16."""
-    pad = -t.shape[0] % ALIGN
+    pad = padded_rows(t.shape[0]) - t.shape[0]
     tt = t.t()
     return quantize(F.pad(tt, (0, pad)) if pad else tt, dtype, scale)
 
@@ -60,7 +70,7 @@ def quantize_transposed(t: torch.Tensor, dtype: torch.dtype, scale: torch.Tensor
 def cast_transpose(t: torch.Tensor, scale: torch.Tensor, e5m2: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """Reference of the registry op ``fp8_cast_transpose``: ``t [M, C]`` quantised to e5m2
     (``e5m2``) or e4m3 in both layouts, ``[M, C]`` and ``[C, M']`` (:func:`quantize_transposed`)."""
-    dtype = E5M2 if e5m2 else E4M3
+    dtype = fp8_dtype(e5m2)
     return quantize(t, dtype, scale), quantize_transposed(t, dtype, scale)
 
 
@@ -69,21 +79,23 @@ def _gemm(a, b_t, scale_a, scale_b, out_dtype, bias=None):
     return torch._scaled_mm(a, b_t.t(), scale_a=scale_a, scale_b=scale_b, bias=bias, out_dtype=out_dtype)
 
 
+def _forward_gemm(x_q, w_q, x_scale, w_scale, bias, out_dtype):
+    """``y = x w^T + b`` from the e4m3 operands; cuBLASLt adds a bias in the epilogue for
+    half-precision outputs only."""
+    fused_bias = bias is not None and out_dtype in (torch.bfloat16, torch.float16)
+    y = _gemm(x_q, w_q, x_scale, w_scale, out_dtype, bias.to(out_dtype) if fused_bias else None)
+    return y + bias.to(out_dtype) if bias is not None and not fused_bias else y
+
+
 class _TensorwiseFp8Linear(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x2, weight, bias, cast):
-        out_dtype = x2.dtype
         x_scale, w_scale = tensor_scale(x2, E4M3), tensor_scale(weight, E4M3)
         x_q, x_t = cast(x2, x_scale, False)
         w_q, w_t = cast(weight, w_scale, False)  # w_t [K, N]: N is a multiple of 16, so unpadded
-        # cuBLASLt adds a bias in the epilogue for half-precision outputs only
-        fused_bias = bias is not None and out_dtype in (torch.bfloat16, torch.float16)
-        y = _gemm(x_q, w_q, x_scale, w_scale, out_dtype, bias.to(out_dtype) if fused_bias else None)
-        if bias is not None and not fused_bias:
-            y = y + bias.to(out_dtype)
         ctx.save_for_backward(x_t, x_scale, w_t, w_scale)
-        ctx.x_dtype, ctx.has_bias, ctx.cast = x2.dtype, bias is not None, cast
-        return y
+        ctx.x_dtype, ctx.cast = x2.dtype, cast
+        return _forward_gemm(x_q, w_q, x_scale, w_scale, bias, x2.dtype)
 
     @staticmethod
     def backward(ctx, dy):
@@ -95,7 +107,7 @@ class _TensorwiseFp8Linear(torch.autograd.Function):
             dx = _gemm(dy_q, w_t, dy_scale, w_scale, ctx.x_dtype)
         if ctx.needs_input_grad[1]:
             dw = _gemm(dy_t, x_t, dy_scale, x_scale, torch.float32)
-        if ctx.has_bias and ctx.needs_input_grad[2]:
+        if ctx.needs_input_grad[2]:  # False without a bias
             db = dy.float().sum(0)
         return dx, dw, db, None
 
@@ -113,12 +125,18 @@ def fp8_linear_tensorwise(
 ) -> torch.Tensor:
     """``x @ weight.T + bias`` with tensor-wise FP8 GEMMs forward and backward.
 
-    ``x``: ``[..., K]`` (its dtype is the output's; under autocast pass the autocast dtype);
-    ``weight``: ``[N, K]`` master weight, which gets its gradient in its own dtype; ``cast``: the
-    ``fp8_cast_transpose`` implementation (``get_kernel("fp8_cast_transpose")``, resolved once
-    by the caller), :func:`cast_transpose` by default.
+    ``x``: ``[..., K]``; the output has its dtype, or the autocast dtype where autocast is on (as
+    ``F.linear``'s); ``weight``: ``[N, K]`` master weight, which gets its gradient in its own
+    dtype; ``cast``: the ``fp8_cast_transpose`` implementation (``get_kernel("fp8_cast_transpose")``,
+    resolved once by the caller), :func:`cast_transpose` by default.
     """
     check_tensorwise_linear("fp8_linear_tensorwise", x, weight, bias)
+    if torch.is_autocast_enabled(x.device.type):
+        x = x.to(torch.get_autocast_dtype(x.device.type))
     x2 = x.reshape(-1, x.shape[-1])
-    y = _TensorwiseFp8Linear.apply(x2, weight, bias, cast)
+    if torch.is_grad_enabled() and (x2.requires_grad or weight.requires_grad or (bias is not None and bias.requires_grad)):
+        y = _TensorwiseFp8Linear.apply(x2, weight, bias, cast)
+    else:  # no backward: no transposed copies
+        x_scale, w_scale = tensor_scale(x2, E4M3), tensor_scale(weight, E4M3)
+        y = _forward_gemm(quantize(x2, E4M3, x_scale), quantize(weight, E4M3, w_scale), x_scale, w_scale, bias, x2.dtype)
     return y.view(*x.shape[:-1], weight.shape[0])

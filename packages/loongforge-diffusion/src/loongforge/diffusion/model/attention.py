@@ -93,14 +93,14 @@ MAX_QUERY_CHUNKS = 8
 def query_chunks(tq: int, tk: int) -> int:
     """How many chunks ``_sdpa`` splits ``tq`` queries into against ``tk`` keys: 1 unless there
     are at least 4x more queries than keys (cross-attention of video tokens to a prompt)."""
-    return min(MAX_QUERY_CHUNKS, tq // (2 * tk)) if tq >= 4 * tk else 1
+    return min(MAX_QUERY_CHUNKS, tq // (2 * tk)) if 0 < 4 * tk <= tq else 1
 
 
 def _sdpa(q, k, v) -> torch.Tensor:
     """One segment: ``[T, H, D]`` viewed as ``[1, H, T, D]`` (the layout diffusers hands SDPA).
 
-    With many more queries than keys the queries become a batch of chunks against the same
-    (broadcast) keys: a flash backward parallelises over key blocks, so a 512-token prompt gives
+    With many more queries than keys the queries become a batch of chunks against copies of the
+    keys (a few MB; broadcast stride-0 keys measured no faster): a flash backward parallelises over key blocks, so a 512-token prompt gives
     it only 8 blocks per head for 14k queries; as a batch of 8 it runs 8x the programs (on an
     H200, cross-attention forward + backward 0.77 -> 0.55 ms at Wan-1.3B's shape). The outputs
     are the same; the key/value grads are summed over the chunks."""
@@ -110,7 +110,7 @@ def _sdpa(q, k, v) -> torch.Tensor:
     tq = q.shape[0]
     pad = -tq % chunks
     qc = (F.pad(q, (0, 0, 0, 0, 0, pad)) if pad else q).unflatten(0, (chunks, -1)).transpose(1, 2)
-    kc, vc = (_heads_first(t).expand(chunks, -1, -1, -1) for t in (k, v))
+    kc, vc = (_heads_first(t).expand(chunks, -1, -1, -1).contiguous() for t in (k, v))
     out = F.scaled_dot_product_attention(qc, kc, vc).transpose(1, 2).flatten(0, 1)
     return out[:tq] if pad else out
 

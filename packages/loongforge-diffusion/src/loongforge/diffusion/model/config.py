@@ -90,8 +90,8 @@ class WanConfig:
             raise ValueError(f"model.fp8={self.fp8!r}: one of {', '.join(FP8_MODES)}")
         if self.fp8 != "none" and (self.hidden_size % 16 or self.ffn_dim % 16):
             raise ValueError(
-                f"model.fp8={self.fp8!r} needs the hidden size ({self.hidden_size}) and model.ffn_dim "
-                f"({self.ffn_dim}) to be multiples of 16 (FP8 GEMM shapes)"
+                f"model.fp8={self.fp8!r} needs model.num_attention_heads x model.attention_head_dim "
+                f"({self.hidden_size}) and model.ffn_dim ({self.ffn_dim}) to be multiples of 16 (FP8 GEMM shapes)"
             )
 
     def compile_on(self, device_type: str, cp_size: int = 1) -> bool:
@@ -102,8 +102,12 @@ class WanConfig:
 
     def check_device(self, device_type: str) -> None:
         """Settings the device cannot run, as a config error (call before any process group)."""
-        if self.fp8 != "none" and device_type == "cuda" and torch.cuda.get_device_capability() < (8, 9):
-            name = torch.cuda.get_device_name()
+        if self.fp8 == "none" or device_type != "cuda":
+            return
+        name = torch.cuda.get_device_name()
+        if torch.version.hip is not None:
+            raise ValueError(f"model.fp8={self.fp8!r} runs on NVIDIA GPUs (e4m3fn/e5m2 _scaled_mm); {name} is a ROCm device")
+        if torch.cuda.get_device_capability() < (8, 9):
             raise ValueError(f"model.fp8={self.fp8!r} needs FP8 tensor cores (CUDA compute capability 8.9+); {name} has none")
 
     @property

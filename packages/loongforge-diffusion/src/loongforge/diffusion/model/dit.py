@@ -94,12 +94,14 @@ def kept_ops() -> frozenset:
 
 
 # FP8 casts are kept too: their two FP8 copies together are the size of a bf16 input, and
-# recomputing them means recomputing that input first (on the H200 bench: 2.5 ms a step slower)
+# recomputing them means recomputing that input first (on the H200 bench: 2.5 ms a step slower);
+# so are the amax reductions that make their scales (a scalar each; in a block only FP8 scales
+# take an amax), which would otherwise pull the same recompute back in
 KEPT_CUSTOM_OPS = ("loongforge::fp8_cast_transpose",)
 
 
 def _keep_attention_and_gemms(ctx, op, *args, **kwargs):
-    keep = op in kept_ops() or op.name() in KEPT_CUSTOM_OPS
+    keep = op in kept_ops() or op is torch.ops.aten.amax.default or op.name() in KEPT_CUSTOM_OPS
     return CheckpointPolicy.MUST_SAVE if keep else CheckpointPolicy.PREFER_RECOMPUTE
 
 
