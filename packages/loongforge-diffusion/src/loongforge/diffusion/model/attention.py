@@ -102,7 +102,7 @@ def _sdpa(q, k, v) -> torch.Tensor:
     With many more queries than keys the queries become a batch of chunks against copies of the
     keys (a few MB; broadcast stride-0 keys measured no faster): a flash backward parallelises over key blocks, so a 512-token prompt gives
     it only 8 blocks per head for 14k queries; as a batch of 8 it runs 8x the programs (on an
-    H200, cross-attention forward + backward 0.77 -> 0.55 ms at Wan-1.3B's shape). The outputs
+    H200, cross-attention forward + backward 0.77 -> 0.59 ms at Wan-1.3B's shape). The outputs
     are the same; the key/value grads are summed over the chunks."""
     chunks = query_chunks(q.shape[0], k.shape[0])
     if chunks == 1:
