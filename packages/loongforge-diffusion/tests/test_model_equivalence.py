@@ -72,19 +72,21 @@ def test_varlen_backend_equals_split_on_gpu():
 
 
 class _CountForwardOps(TorchDispatchMode):
-    """Counts the fused attention forward kernels and the forward GEMMs of linear layers run
-    inside it: ``addmm`` (every biased ``nn.Linear`` forward; the backward's gradient GEMMs are
-    plain ``mm``) and FP8 ``_scaled_mm`` on an e4m3 activation (the backward's have e5m2 grads)."""
+    """Counts the forward ops run inside it: fused attention kernels, GEMMs of linear layers
+    (``addmm``: every biased ``nn.Linear`` forward, the backward's gradient GEMMs being plain
+    ``mm``; FP8 ``_scaled_mm`` on an e4m3 activation, the backward's having e5m2 grads) and the
+    fused FP8 cast op's e4m3 casts (the backward casts e5m2 grads)."""
 
     def __init__(self):
         super().__init__()
-        self.attention = self.linear = self.fp8 = 0
+        self.attention = self.linear = self.fp8 = self.fp8_casts = 0
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         self.attention += func in attention_ops()
         fp8 = func is torch.ops.aten._scaled_mm.default and args[0].dtype == torch.float8_e4m3fn
         self.linear += func is torch.ops.aten.addmm.default or fp8
         self.fp8 += fp8
+        self.fp8_casts += func.name() == "loongforge::fp8_cast_transpose" and not args[2]
         return func(*args, **(kwargs or {}))
 
 
@@ -93,13 +95,9 @@ def _packed_pair_batch(cfg):
                 torch.randn(2, cfg.text_len, cfg.text_dim), cfg.patch_size)
 
 
-@pytest.mark.parametrize("fp8", ["none", "tensorwise"])
-def test_activation_checkpointing_policies_same_gradients(fp8):
-    """full and selective checkpointing give the gradients of no checkpointing; full recomputes
-    every attention and linear layer of the blocks in the backward, selective none of them (it
-    keeps their outputs, FP8 GEMMs' too, and recomputes only the elementwise work)."""
-    cfg, _, ours = _pair(fp8=fp8)
-    batch = _packed_pair_batch(cfg)
+def _recomputed_under_each_policy(ours: WanDiT, batch) -> dict[str, _CountForwardOps]:
+    """The forward ops each checkpointing policy reruns in the backward; asserts that every
+    policy gives the gradients of no checkpointing."""
     grads, recomputed = {}, {}
     for policy in ("none", "full", "selective"):
         ours.zero_grad()
@@ -107,28 +105,27 @@ def test_activation_checkpointing_policies_same_gradients(fp8):
         loss = ours(batch).pow(2).mean()
         with _CountForwardOps() as count:
             loss.backward()
-        recomputed[policy] = (count.attention, count.linear)
+        recomputed[policy] = count
         grads[policy] = {k: p.grad.clone() for k, p in ours.named_parameters()}
-    # attention: 2 layers x (self + cross) x 2 samples (the CPU backend runs one SDPA call per
-    # sample); linear: 2 layers x (q/k/v fused, out, cross q, cross k/v fused, cross out, FFN up, down)
-    assert recomputed == {"none": (0, 0), "full": (8, 14), "selective": (0, 0)}
     for policy in ("full", "selective"):
         for k in grads["none"]:
             torch.testing.assert_close(grads[policy][k], grads["none"][k], atol=1e-6, rtol=1e-5)
+    return recomputed
+
+
+@pytest.mark.parametrize("fp8", ["none", "tensorwise"])
+def test_activation_checkpointing_policies_same_gradients(fp8):
+    """full and selective checkpointing give the gradients of no checkpointing; full recomputes
+    every attention and linear layer of the blocks in the backward, selective none of them (it
+    keeps their outputs, FP8 GEMMs' too, and recomputes only the elementwise work)."""
+    cfg, _, ours = _pair(fp8=fp8)
+    recomputed = _recomputed_under_each_policy(ours, _packed_pair_batch(cfg))
+    # attention: 2 layers x (self + cross) x 2 samples (the CPU backend runs one SDPA call per
+    # sample); linear: 2 layers x (q/k/v fused, out, cross q, cross k/v fused, cross out, FFN up, down)
+    assert {p: (c.attention, c.linear) for p, c in recomputed.items()} == {
+        "none": (0, 0), "full": (8, 14), "selective": (0, 0)}
     with pytest.raises(ValueError, match="activation checkpointing 'yes'"):
         ours.set_activation_checkpointing("yes")
-
-
-class _CountFp8Casts(TorchDispatchMode):
-    """Counts the fused cast-transpose op's forward casts (e4m3; the backward casts e5m2 grads)."""
-
-    def __init__(self):
-        super().__init__()
-        self.forward_casts = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.forward_casts += func.name() == "loongforge::fp8_cast_transpose" and not args[2]
-        return func(*args, **(kwargs or {}))
 
 
 def test_selective_checkpointing_keeps_fused_fp8_casts():
@@ -141,21 +138,9 @@ def test_selective_checkpointing_keeps_fused_fp8_casts():
     for module in ours.modules():
         if getattr(module, "fp8_cast", None) is not None:
             module.fp8_cast = fp8_cast_transpose
-    batch = _packed_pair_batch(cfg)
-    grads, recomputed = {}, {}
-    for policy in ("none", "full", "selective"):
-        ours.zero_grad()
-        ours.set_activation_checkpointing(policy)
-        loss = ours(batch).pow(2).mean()
-        with _CountFp8Casts() as count:
-            loss.backward()
-        recomputed[policy] = count.forward_casts
-        grads[policy] = {k: p.grad.clone() for k, p in ours.named_parameters()}
+    recomputed = _recomputed_under_each_policy(ours, _packed_pair_batch(cfg))
     # 2 layers x 6 FP8 linears x (input, weight)
-    assert recomputed == {"none": 0, "full": 24, "selective": 0}
-    for policy in ("full", "selective"):
-        for k in grads["none"]:
-            torch.testing.assert_close(grads[policy][k], grads["none"][k], atol=1e-6, rtol=1e-5)
+    assert {p: c.fp8_casts for p, c in recomputed.items()} == {"none": 0, "full": 24, "selective": 0}
 
 
 def test_fp8_tensorwise_blocks_stay_near_the_exact_model():

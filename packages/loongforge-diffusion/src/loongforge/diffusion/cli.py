@@ -1,4 +1,4 @@
-"""``lf-diffusion``: preprocess, train, sample, convert, bench, info, plot."""
+"""``lf-diffusion``: preprocess, train, sample, convert, bench, info, plot, compare."""
 
 from __future__ import annotations
 

@@ -107,6 +107,7 @@ def sample_run(recipe, checkpoint: str | Path, out_dir: str | Path) -> list[Path
     from loongforge.diffusion.packing import pad_text
 
     s, m = recipe.sample, recipe.model
+    m.check_device(get_accelerator().device_type)  # e.g. a run trained in FP8, sampled on an older GPU
     ckpt = Checkpoint(checkpoint)
     device = get_accelerator().device()
     experts = WanExperts(m)

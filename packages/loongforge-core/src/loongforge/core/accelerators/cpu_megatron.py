@@ -69,7 +69,9 @@ def cuda_device_strings() -> None:
             kwargs["device"] = "cpu"
         return to(self, *args, **kwargs)
 
-    torch.Tensor.to = to_cpu
+    # an opaque call to torch.compile: traced into, the wrapper's call of the original method
+    # descriptor is a graph break, so `.to` in compiled code (e.g. FP8 casts) would split graphs
+    torch.Tensor.to = torch.compiler.allow_in_graph(to_cpu)
     torch.Tensor.cuda = lambda self, *args, **kwargs: self
 
 

@@ -87,21 +87,23 @@ def attention_ops() -> frozenset:
 
 @cache
 def kept_ops() -> frozenset:
-    """The ops whose outputs selective checkpointing keeps: attention kernels and GEMMs (every
+    """The ops whose outputs selective checkpointing keeps: attention kernels, GEMMs (every
     ``nn.Linear`` of a block is ``addmm`` on its 2D packed tokens, ``mm`` without a bias,
-    ``_scaled_mm`` in FP8)."""
-    return attention_ops() | {torch.ops.aten.addmm.default, torch.ops.aten.mm.default, torch.ops.aten._scaled_mm.default}
+    ``_scaled_mm`` in FP8) and the amax reductions that make FP8 scales (a scalar each; in a
+    block only FP8 scales take an amax), which would otherwise make the backward recompute each
+    FP8 linear's input to take it again."""
+    return attention_ops() | {torch.ops.aten.addmm.default, torch.ops.aten.mm.default,
+                              torch.ops.aten._scaled_mm.default, torch.ops.aten.amax.default}
 
 
 # FP8 casts are kept too: their two FP8 copies together are the size of a bf16 input, and
-# recomputing them means recomputing that input first (on the H200 bench: 2.5 ms a step slower);
-# so are the amax reductions that make their scales (a scalar each; in a block only FP8 scales
-# take an amax), which would otherwise pull the same recompute back in
+# recomputing them means recomputing that input first (on the H200 bench: 2.5 ms a step slower).
+# By name: the op exists only once loongforge-kernels has registered it.
 KEPT_CUSTOM_OPS = ("loongforge::fp8_cast_transpose",)
 
 
 def _keep_attention_and_gemms(ctx, op, *args, **kwargs):
-    keep = op in kept_ops() or op is torch.ops.aten.amax.default or op.name() in KEPT_CUSTOM_OPS
+    keep = op in kept_ops() or op.name() in KEPT_CUSTOM_OPS
     return CheckpointPolicy.MUST_SAVE if keep else CheckpointPolicy.PREFER_RECOMPUTE
 
 
