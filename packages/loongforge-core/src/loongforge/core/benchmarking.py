@@ -42,11 +42,13 @@ class BenchDevice:
         gc.collect()
         if self.cuda:
             torch.cuda.empty_cache()
-            torch.cuda.reset_peak_memory_stats()
+        if self.device.type != "cpu":
+            self.accel.reset_peak_memory_stats()
 
     def peak_gib(self) -> float:
-        """Peak allocated memory since ``fresh_memory`` (NaN where it is not tracked)."""
-        return torch.cuda.max_memory_allocated() / 2**30 if self.cuda else float("nan")
+        """Peak allocated memory since ``fresh_memory``, from the accelerator (NaN on the CPU,
+        where it is not tracked)."""
+        return self.accel.memory_stats().peak_allocated / 2**30 if self.device.type != "cpu" else float("nan")
 
     def matmul_peak(self) -> float:
         """Measured FLOP/s of a square matrix product in the bench dtype: what MFU is taken against."""

@@ -7,6 +7,7 @@
     lf-embodied info [--config NAME|PATH] [key=value ...]
     lf-embodied bench [--against-lerobot] [--batch-size B] [--steps N] [key=value ...]
     lf-embodied plot RUN_DIR
+    lf-embodied compare RUN_A RUN_B [--key loss] [--window N] [--from-step S] [--tolerance F]
 
 ``train`` with no arguments trains the tiny Pi0.5-style policy on a synthetic LeRobot dataset
 (written to the cache directory on first use) on the current accelerator, resuming from

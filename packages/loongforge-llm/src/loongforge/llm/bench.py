@@ -179,7 +179,8 @@ def plan_runs(config: str, overrides: list[str], variants: list[str], fp8: list[
     def ours(name: str, items: list[str]) -> Run:
         config_overrides, knobs = split_overrides([*overrides, *items])
         cfg = load_llm_config(config, [*config_overrides, f"log.run_dir={run_dir}/{name}", "log.tensorboard=false",
-                                       "log.progress=false", "checkpoint.save=false"])
+                                       "log.progress=false", "checkpoint.save=false",
+                                       "checkpoint.resume=false"])
         return Run(name, cfg, knobs)
 
     runs = [ours("ours", [])]
