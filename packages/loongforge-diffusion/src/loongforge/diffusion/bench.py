@@ -144,7 +144,7 @@ class Bench:
             import torch._dynamo as dynamo
 
             dynamo.reset()  # each variant compiles afresh (and stays under the recompile limit)
-            model.compile_blocks(dynamic=False)  # one pack shape
+            model.compile_regions(dynamic=False)  # one pack shape
 
         def forward_loss():
             with self._autocast():

@@ -115,7 +115,7 @@ class DiffusionTrainer:
         self.experts_by_name = {n: self.model.expert(n) for n in self.model.names}
         if m.compile_on(self.device.type, self.cp_size):
             for expert in self.experts_by_name.values():
-                expert.compile_blocks(dynamic=None)  # packs change length: one recompile makes it generic
+                expert.compile_regions(dynamic=None)  # packs change length: one recompile makes it generic
         self.wrapped = {}
         for name, expert in self.experts_by_name.items():
             if name not in self.trainable_names:
