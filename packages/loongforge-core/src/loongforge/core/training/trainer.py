@@ -189,10 +189,9 @@ class MegatronTrainer:
     @property
     def inner_model(self) -> torch.nn.Module:
         """The task's model inside megatron's DDP (and Float16Module) wrappers."""
-        model = self.model
-        while hasattr(model, "module"):
-            model = model.module
-        return model
+        from megatron.core.utils import unwrap_model
+
+        return unwrap_model(self.model)
 
     def train_step(self, step: StepBatch | list[dict[str, torch.Tensor]]) -> StepResult:
         from megatron.core.pipeline_parallel import get_forward_backward_func
