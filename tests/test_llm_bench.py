@@ -37,6 +37,8 @@ def test_bench_runs_ours_variant_and_hf_baseline():
     (["--variant", "x=train.lrr=1"], "lrr"),
     (["--steps", "0"], "at least one timed step"),
     (["--variant", "x=train.lr"], "'train.lr' is not of the form key=value"),
+    # a list value keeps its commas: the config gets data.weights=[1,2] (no prefixes for the two weights)
+    (["--variant", "x=data.weights=[1,2],train.lr=1"], "data.weights has 2 entries for 0 data.prefixes"),
     (["--config", "train_qwen3_moe_debug"], "model.family='qwen3_moe' is not 'llama'"),
     (["train.stepz=3"], "stepz"),
 ])

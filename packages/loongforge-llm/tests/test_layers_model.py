@@ -164,3 +164,29 @@ def test_kernels_force_reference_config_key_builds_reference_ops(megatron_world,
     assert layer.mlp._swiglu is REFERENCE_OPS["swiglu"]
     assert layer.input_layernorm._rms_norm is REFERENCE_OPS["rms_norm"]
     assert model._linear_cross_entropy is REFERENCE_OPS["linear_cross_entropy"]
+
+
+def test_build_kwargs_reach_the_family_build(megatron_world):
+    """``LLMTask.build_kwargs`` goes to the family's build: ``lf-llm bench``'s
+    ``spec.recompute_elementwise=false`` builds fast layers that keep their elementwise outputs
+    (even where Transformer Engine is installed; without it the default layers recompute them)."""
+    import importlib.util
+
+    from megatron.core.transformer import TransformerConfig
+
+    from loongforge.llm.recipe import LLMTask, load_llm_config
+
+    class KeepElementwise(LLMTask):
+        def build_kwargs(self):
+            return {"recompute_elementwise": False}
+
+    def recomputes(task):
+        config = TransformerConfig(**task.transformer_config_kwargs(), params_dtype=torch.float32,
+                                   use_cpu_initialization=True)
+        model = task.build_model(megatron_world, config, True, True)
+        return [layer.recompute_elementwise for layer in model.decoder.layers]
+
+    cfg = load_llm_config("train_debug")
+    assert recomputes(KeepElementwise(cfg)) == [False] * cfg.model.num_layers
+    if importlib.util.find_spec("transformer_engine") is None:
+        assert recomputes(LLMTask(cfg)) == [True] * cfg.model.num_layers

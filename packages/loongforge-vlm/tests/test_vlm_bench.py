@@ -31,7 +31,9 @@ def test_bench_runs_baseline_ours_and_a_variant_on_the_same_weights():
     (["--variant", "ours=pack=1"], "give it a name of its own"),
     (["--variant", "v=pack=3"], "pack=3 must divide the 2 samples"),
     (["--variant", "v=pack=two"], "pack takes a whole number"),
-    (["--variant", "v=train.lr"], "items are key=value"),
+    (["--variant", "v=train.lr"], "'train.lr' is not of the form key=value"),
+    # a list value keeps its commas: the encoder gets full_attention_layers=[0,9] (the debug one has 2 layers)
+    (["--variant", "v=encoder.full_attention_layers=[0,9],pack=1"], "[9] outside 0..1"),
     (["--variant", "hf_sdpa_compile=pack=1"], "not starting with hf_"),
     (["--variant", "v=parallel.encoder.recompte=full"], "recompte"),
     (["--steps", "0"], "at least one timed step"),

@@ -11,8 +11,9 @@ other:
   CUDA), the same micro-batches per step;
 - ``ours``: the config's model and ``MegatronTrainer.train_step`` (megatron DDP, fp32 main
   weights and grads, AdamW, grad clipping, LR schedule) on random tokens; ``--variant`` adds runs
-  with more config overrides (``train.recompute=selective``) or the bench's own knobs
-  (``spec.recompute_elementwise=false``, ``attention_backend=flash|fused|unfused``);
+  with more config overrides (``train.recompute=selective``; commas inside brackets or quotes stay
+  in the value) or the bench's own knobs (``spec.recompute_elementwise=false``: the fast layer spec
+  with that setting; ``attention_backend=flash|fused|unfused``);
 - ``ours_fp8_<mode>`` (``--fp8 blockwise|adaptive``): ours with ``fp8=<mode>``, compared with ours
   in bf16; for ``adaptive`` the per-GEMM table it measured is printed.
 
@@ -31,7 +32,8 @@ from dataclasses import dataclass
 
 import torch
 
-from loongforge.core.benchmarking import BenchDevice, profile_tables
+from loongforge.core.benchmarking import (BenchDevice, RunResult, check_timing, parse_variant, profile_tables,
+                                          results_table)
 from loongforge.core.config import ConfigError
 from loongforge.llm.recipe import LLMConfig, load_llm_config
 
@@ -50,23 +52,13 @@ class Run:
         return self.name.startswith("hf_")
 
 
-@dataclass
-class RunResult:
-    tokens_per_s: float
-    tflops: float
-    mfu: float
-    peak_gib: float  # NaN where the accelerator keeps no memory statistics
-
-
 def split_overrides(overrides: list[str]) -> tuple[list[str], dict]:
     """A run's ``key=value`` items: config overrides and the bench's own knobs (checked here)."""
     from megatron.core.transformer.enums import AttnBackend
 
     config, knobs = [], {}
     for item in overrides:
-        key, sep, value = item.partition("=")
-        if not sep:
-            raise ConfigError(f"bench variant item {item!r} is not of the form key=value")
+        key, _, value = item.partition("=")
         if key == "attention_backend" and value not in AttnBackend.__members__:
             raise ConfigError(f"attention_backend={value!r}: one of {', '.join(AttnBackend.__members__)}")
         if key == "spec.recompute_elementwise":
@@ -94,16 +86,20 @@ def micro_batches(cfg: LLMConfig, device) -> list[dict]:
 
 
 def hf_llama_config(cfg: LLMConfig):
-    """transformers' ``LlamaConfig`` of the config's (llama-family) model."""
+    """transformers' ``LlamaConfig`` of the config's (llama-family) model, from the llama family's
+    HF adapter (the one ``lf-llm convert lf-to-hf`` writes), with SDPA attention."""
     from transformers import LlamaConfig
+
+    from loongforge.core.hf_mapping import MappingError
+    from loongforge.core.models import get_model_spec
 
     m = cfg.model
     if m.family != "llama":
         raise ConfigError(f"lf-llm bench compares with HF's Llama: model.family={m.family!r} is not 'llama'")
-    hf = LlamaConfig(hidden_size=m.hidden_size, intermediate_size=m.ffn_hidden_size, num_hidden_layers=m.num_layers,
-                     num_attention_heads=m.num_attention_heads, num_key_value_heads=m.num_query_groups,
-                     head_dim=m.head_dim, vocab_size=m.vocab_size, max_position_embeddings=m.max_position_embeddings,
-                     rope_theta=m.rotary_base, rms_norm_eps=m.norm_epsilon, tie_word_embeddings=m.tie_embeddings)
+    try:
+        hf = LlamaConfig.from_dict(get_model_spec(m.family).hf_adapter.config_to_hf(m))
+    except MappingError as exc:
+        raise ConfigError(f"lf-llm bench compares with HF's Llama: {exc}") from exc
     hf._attn_implementation = "sdpa"
     return hf
 
@@ -130,15 +126,12 @@ def our_step(run: Run):
 
     from loongforge.core.parallel import init_parallel
     from loongforge.core.training.trainer import MegatronTrainer
-    from loongforge.llm.layers.fp8_linear import fp8_linears
-    from loongforge.llm.layers.gpt_model import FusedLossGPTModel
-    from loongforge.llm.layers.spec import fast_layer_spec
     from loongforge.llm.recipe import LLMTask
 
     cfg, knobs = run.cfg, run.knobs
 
     class BenchTask(LLMTask):
-        """The lf-llm task with the bench's knobs applied to the layer spec and TransformerConfig."""
+        """The lf-llm task with the bench's knobs applied to the TransformerConfig and the family's build."""
 
         def transformer_config_kwargs(self):
             kwargs = super().transformer_config_kwargs()
@@ -146,20 +139,11 @@ def our_step(run: Run):
                 kwargs["attention_backend"] = AttnBackend[knobs["attention_backend"]]
             return kwargs
 
-        def build_model(self, ctx, transformer_config, pre_process, post_process, load_initial_weights=True):
-            if "spec.recompute_elementwise" not in knobs:
-                return super().build_model(ctx, transformer_config, pre_process, post_process, load_initial_weights)
-            keep = knobs["spec.recompute_elementwise"]
-            m = self.cfg.model
-            with fp8_linears(self.cfg.fp8):
-                spec = fast_layer_spec(m, recompute_elementwise=keep)
-            return FusedLossGPTModel(
-                config=transformer_config, transformer_layer_spec=spec,
-                vocab_size=m.vocab_size, max_sequence_length=m.max_position_embeddings, pre_process=pre_process,
-                post_process=post_process, share_embeddings_and_output_weights=m.tie_embeddings,
-                position_embedding_type="rope", rotary_percent=m.rotary_percent, rotary_base=int(m.rotary_base),
-                pg_collection=ctx.pgs,
-            )
+        def build_kwargs(self):
+            kwargs = super().build_kwargs()
+            if "spec.recompute_elementwise" in knobs:
+                kwargs["recompute_elementwise"] = knobs["spec.recompute_elementwise"]
+            return kwargs
 
     ctx = init_parallel(seed=cfg.train.seed)
     task = BenchTask(cfg)
@@ -186,10 +170,7 @@ def plan_runs(config: str, overrides: list[str], variants: list[str], fp8: list[
     runs = [ours("ours", [])]
     runs += [ours(f"ours_fp8_{mode}", [f"fp8={mode}"]) for mode in dict.fromkeys(fp8)]
     for spec in variants:
-        name, _, items = spec.partition("=")
-        if not name or name.startswith("hf_") or any(r.name == name for r in runs):
-            raise ConfigError(f"--variant {spec!r}: give it a name of its own, not starting with hf_ (NAME=KEY=VALUE,...)")
-        runs.append(ours(name, items.split(",") if items else []))
+        runs.append(ours(*parse_variant(spec, [r.name for r in runs])))
     base = runs[0].cfg
     return runs + [Run(n, base, {}) for n in ("hf_sdpa", "hf_sdpa_compile") if n not in skip and (cuda or n == "hf_sdpa")]
 
@@ -201,8 +182,7 @@ def run_bench(config: str = "train_0_5b", overrides: list[str] = (), steps: int 
     Tokens and FLOPs per step are each run's own (a variant may change the batch or the model)."""
     from loongforge.core.parallel import destroy_parallel
 
-    if steps < 1 or warmup < 0:
-        raise ConfigError(f"--steps {steps} --warmup {warmup}: at least one timed step, no negative warm-up")
+    check_timing(steps, warmup)
     dev = BenchDevice()
     with tempfile.TemporaryDirectory() as run_dir:
         runs = plan_runs(config, list(overrides), list(variants), list(fp8), list(skip), dev.cuda, run_dir)
@@ -247,12 +227,7 @@ def run_bench(config: str = "train_0_5b", overrides: list[str] = (), steps: int 
             report(f"{run.name}: {seconds * 1e3:.1f} ms/step, {tps:,.0f} tokens/s ({tokens} a step), {memory:.1f} GiB")
     if profile:
         report("\nours, torch.profiler:\n" + profile)
-    baselines = [b for b in results if b.startswith("hf_")]
-    report(f"\n{'run':<22}{'tokens/s':>12}{'TFLOP/s':>10}{'MFU':>8}{'peak GiB':>10}"
-           + "".join(f"{'x ' + b:>18}" for b in baselines))
-    for name, r in results.items():
-        ratios = "".join(f"{r.tokens_per_s / results[b].tokens_per_s:>18.2f}" for b in baselines)
-        report(f"{name:<22}{r.tokens_per_s:>12,.0f}{r.tflops:>10.2f}{r.mfu:>8.1%}{r.peak_gib:>10.1f}{ratios}")
+    report("\n" + "\n".join(results_table(results)))
     for mode in dict.fromkeys(fp8):
         a, b = results[f"ours_fp8_{mode}"], results["ours"]
         report(f"fp8={mode} / bf16 (ours): {a.tokens_per_s / b.tokens_per_s:.2f}x tokens/s, "

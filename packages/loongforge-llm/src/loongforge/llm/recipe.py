@@ -167,6 +167,11 @@ class LLMTask:
     def transformer_config_kwargs(self) -> dict:
         return self.cfg.model.transformer_config_kwargs()
 
+    def build_kwargs(self) -> dict:
+        """Keyword arguments of the family's ``build`` beyond the model config (none here; e.g.
+        ``recompute_elementwise`` of the GPT families, which ``lf-llm bench`` sets)."""
+        return {}
+
     def build_model(self, ctx, transformer_config, pre_process, post_process, load_initial_weights=True):
         if self.cfg.kernels.force_reference:
             from loongforge.core.kernels import force_reference_kernels
@@ -196,7 +201,8 @@ class LLMTask:
         from loongforge.llm.layers.fp8_linear import count_fp8_linears, fp8_linears
 
         with fp8_linears(self.cfg.fp8):
-            model = self.spec.build(self.cfg.model, ctx, transformer_config, pre_process, post_process)
+            model = self.spec.build(self.cfg.model, ctx, transformer_config, pre_process, post_process,
+                                    **self.build_kwargs())
         if self.cfg.fp8 != "none" and not count_fp8_linears(model):
             raise ValueError(
                 f"fp8={self.cfg.fp8!r}: model.family={self.family!r} builds no FP8 linear; FP8 runs in the "

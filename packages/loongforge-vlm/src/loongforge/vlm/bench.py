@@ -17,8 +17,8 @@ on the text tokens. In one process, on the same device, one after the other:
   weights and grads, AdamW, grad clipping) on the same samples, all of them packed into one
   micro-batch with a document-causal mask, as transformers gets them in one forward (``--pack K``:
   K per packed micro-batch, ``--pack 1`` one sample each); ``--variant NAME=KEY=VALUE,...`` adds more of ours with config
-  overrides (``parallel.encoder.recompute=full``, ``parallel.foundation.recompute=selective``) or
-  the bench's own knob ``pack=K``.
+  overrides (``parallel.encoder.recompute=full``, ``parallel.foundation.recompute=selective``;
+  commas inside brackets or quotes stay in the value) or the bench's own knob ``pack=K``.
 
 Both models hold the same weights: the transformers model's random initialisation is saved and
 read into ours through the ``vlm`` family's HF mapping, and the positions given to transformers
@@ -44,7 +44,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from loongforge.core.benchmarking import BenchDevice, profile_tables
+from loongforge.core.benchmarking import (BenchDevice, ExtraColumn, RunResult, check_timing, parse_variant,
+                                          profile_tables, results_table)
 from loongforge.core.config import ConfigError
 
 BASELINES = ("hf_sdpa", "hf_sdpa_compile")
@@ -245,12 +246,7 @@ def plan_runs(args, case: Case) -> list[tuple[str, list[str] | None]]:
     skip = set(args.skip) | ({"hf_sdpa_compile"} if case.device.type == "cpu" and not args.compile_on_cpu else set())
     runs = [(name, None) for name in BASELINES if name not in skip] + [("ours", [])]
     for spec in args.variant:
-        name, _, overrides = spec.partition("=")
-        if not name or name.startswith("hf_") or any(name == r[0] for r in runs):
-            raise ConfigError(f"--variant {spec!r}: give it a name of its own, not starting with hf_ (NAME=KEY=VALUE,...)")
-        items = overrides.split(",") if overrides else []
-        if any("=" not in item for item in items):
-            raise ConfigError(f"--variant {spec!r}: items are key=value")
+        name, items = parse_variant(spec, [r[0] for r in runs])
         pack_size = split_overrides(items, case.pack)[1]
         if pack_size < 1 or case.samples % pack_size:
             raise ConfigError(f"--variant {spec!r}: pack={pack_size} must divide the {case.samples} samples")
@@ -258,12 +254,18 @@ def plan_runs(args, case: Case) -> list[tuple[str, list[str] | None]]:
     return runs
 
 
-def run_bench(args, report: Callable[[str], None] = print) -> dict[str, tuple[float, float, float, float]]:
-    """Every run's (tokens/s, FLOP/s, peak GiB, first-step loss); ``report`` gets each line when known."""
+@dataclass
+class VLMRunResult(RunResult):
+    """One run's measurements and its first step's loss (the same weights: the runs' should agree)."""
+
+    first_loss: float
+
+
+def run_bench(args, report: Callable[[str], None] = print) -> dict[str, VLMRunResult]:
+    """Every run's tokens/s, TFLOP/s, MFU, peak GiB and first-step loss; ``report`` gets each line when known."""
     from loongforge.vlm.recipe import VLMTask
 
-    if args.steps < 1 or args.warmup < 0:
-        raise ConfigError(f"--steps {args.steps} --warmup {args.warmup}: at least one timed step, no negative warm-up")
+    check_timing(args.steps, args.warmup)
     dev = BenchDevice()
     case = make_case(args, dev)
     runs = plan_runs(args, case)
@@ -318,16 +320,13 @@ def run_bench(args, report: Callable[[str], None] = print) -> dict[str, tuple[fl
                     destroy_parallel()
             memory = dev.peak_gib()
             tps = batch.tokens / seconds
-            results[name] = (tps, flops_per_step / seconds, memory, losses[0])
+            flops = flops_per_step / seconds
+            results[name] = VLMRunResult(tps, flops / 1e12, flops / peak, memory, losses[0])
             report(f"{name}: {seconds * 1e3:.1f} ms/step, {tps:,.0f} tokens/s, peak memory {memory:.1f} GiB, "
                    f"first-step loss {losses[0]:.4f}")
             del step, keep
     if profile:
         report("\nours, torch.profiler:\n" + profile)
-    baselines = [b for b in results if b in BASELINES]
-    report(f"\n{'run':<22}{'tokens/s':>12}{'TFLOP/s':>10}{'MFU':>8}{'peak GiB':>10}{'loss@1':>9}"
-           + "".join(f"{'x ' + b:>18}" for b in baselines))
-    for name, (tps, flops, memory, loss) in results.items():
-        ratios = "".join(f"{tps / results[b][0]:>18.2f}" for b in baselines)
-        report(f"{name:<22}{tps:>12,.1f}{flops / 1e12:>10.2f}{flops / peak:>8.1%}{memory:>10.1f}{loss:>9.4f}{ratios}")
+    first_losses = ExtraColumn("loss@1", {name: r.first_loss for name, r in results.items()})
+    report("\n" + "\n".join(results_table(results, tokens_decimals=1, extra=[first_losses])))
     return results
