@@ -11,20 +11,22 @@ from loongforge.llm.cli import main
 def test_bench_runs_ours_variant_and_hf_baseline():
     proc = run_cli(["lf-llm", "bench", "--config", "train_debug", "--steps", "2", "--warmup", "1",
                     "--variant", "selective=train.recompute=selective", "--variant", "big=train.global_batch_size=8",
+                    # megatron pins a process to one attention backend; the bench lets each run choose
+                    "--variant", "unfused=attention_backend=unfused",
                     "train.global_batch_size=4", "train.micro_batch_size=2"])
     assert proc.returncode == 0, proc.stderr[-5000:]
     out = proc.stdout
     assert "512 tokens/step (train_debug)" in out  # global batch 4 x 128 tokens
     per_run = {name: (int(tps.replace(",", "")), int(tokens)) for name, tps, tokens in re.findall(
         r"^(\w+): [\d.]+ ms/step, ([\d,]+) tokens/s \((\d+) a step\)", out, flags=re.M)}
-    assert list(per_run) == ["ours", "selective", "big", "hf_sdpa"]
+    assert list(per_run) == ["ours", "selective", "big", "unfused", "hf_sdpa"]
     assert all(tps > 0 for tps, _ in per_run.values())
     # each run counts its own tokens: the variant with twice the global batch trains 2 x 4 x 128
     assert {name: tokens for name, (_, tokens) in per_run.items()} == {"ours": 512, "selective": 512, "big": 1024,
-                                                                       "hf_sdpa": 512}
+                                                                       "unfused": 512, "hf_sdpa": 512}
     assert "hf_sdpa_compile: skipped" in out
     header, *rows = out[out.index("\nrun ") + 1 :].strip().splitlines()
-    assert header.split()[-1] == "hf_sdpa" and [r.split()[0] for r in rows] == ["ours", "selective", "big", "hf_sdpa"]
+    assert header.split()[-1] == "hf_sdpa" and [r.split()[0] for r in rows] == ["ours", "selective", "big", "unfused", "hf_sdpa"]
     assert rows[-1].split()[-1] == "1.00"  # the baseline against itself
 
 

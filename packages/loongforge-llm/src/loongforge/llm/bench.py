@@ -25,6 +25,7 @@ kernels (CUDA). On CPU (fp32) it is a smoke run of the same code, e.g. ``--confi
 
 from __future__ import annotations
 
+import os
 import tempfile
 import warnings
 from collections.abc import Callable
@@ -38,6 +39,10 @@ from loongforge.core.config import ConfigError
 from loongforge.llm.recipe import LLMConfig, load_llm_config
 
 BENCH_KNOBS = ("spec.recompute_elementwise", "attention_backend")
+# megatron records a model's attention backend in Transformer Engine's flags (process environment)
+# and refuses a later model that asks for another one; each of ours' runs starts from the flags
+# the bench started with, so runs with different ``attention_backend`` knobs can follow each other
+TE_ATTENTION_FLAGS = ("NVTE_FLASH_ATTN", "NVTE_FUSED_ATTN", "NVTE_UNFUSED_ATTN")
 TRUTH = {"true": True, "1": True, "yes": True, "false": False, "0": False, "no": False}
 
 
@@ -175,6 +180,14 @@ def plan_runs(config: str, overrides: list[str], variants: list[str], fp8: list[
     return runs + [Run(n, base, {}) for n in ("hf_sdpa", "hf_sdpa_compile") if n not in skip and (cuda or n == "hf_sdpa")]
 
 
+def _restore_environment(values: dict[str, str | None]) -> None:
+    for key, value in values.items():
+        if value is None:
+            os.environ.pop(key, None)
+        else:
+            os.environ[key] = value
+
+
 def run_bench(config: str = "train_0_5b", overrides: list[str] = (), steps: int = 10, warmup: int = 3,
               variants: list[str] = (), fp8: list[str] = (), skip: list[str] = (), profile_rows: int = 25,
               trace: str | None = None, report: Callable[[str], None] = print) -> dict[str, RunResult]:
@@ -198,8 +211,10 @@ def run_bench(config: str = "train_0_5b", overrides: list[str] = (), steps: int 
 
         results: dict[str, RunResult] = {}
         profile, measured_table = None, None
+        initial_flags = {k: os.environ.get(k) for k in TE_ATTENTION_FLAGS}
         for run in runs:
             dev.fresh_memory()
+            _restore_environment(initial_flags)
             adaptive = run.name == "ours_fp8_adaptive" and dev.cuda
             try:
                 if run.baseline:
