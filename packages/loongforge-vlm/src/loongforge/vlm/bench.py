@@ -99,13 +99,14 @@ def make_batch(cfg, vision_ids, case: Case) -> Batch:
     rng = np.random.default_rng(0)
     special = {vision_ids.image, vision_ids.video, vision_ids.start, vision_ids.end}
     low = min(special)  # text ids below the tokenizer's vision tokens
-    samples = []
+    samples, text_masks = [], []
     for _ in range(case.samples):
         before = case.text_tokens // 2
         text = rng.integers(0, low, case.text_tokens)
         tokens = np.concatenate([text[:before], [vision_ids.start], np.full(patches // merge**2, vision_ids.image),
                                  [vision_ids.end], text[before:]]).astype(np.int64)
         is_text = ~np.isin(tokens, list(special))
+        text_masks.append(is_text)
         positions = mrope_positions(tokens, [VisionItem(grid)], (vision_ids.image, vision_ids.video), merge,
                                     cfg.vision.tokens_per_second)
         pixels = rng.standard_normal((patches, e.patch_dim), dtype=np.float32)
@@ -113,7 +114,7 @@ def make_batch(cfg, vision_ids, case: Case) -> Batch:
                             position_ids=positions, pixel_values=pixels, grid_thw=np.asarray([grid], dtype=np.int64)))
     device = case.device
     tokens = torch.from_numpy(np.stack([s["tokens"] for s in samples])).to(device)
-    text = torch.from_numpy(np.stack([~np.isin(s["tokens"], list(special)) for s in samples])).to(device)
+    text = torch.from_numpy(np.stack(text_masks)).to(device)
     hf_inputs = dict(
         input_ids=tokens,
         labels=torch.where(text, tokens, -100),  # transformers shifts them: the same targets as ours
