@@ -13,7 +13,9 @@ def test_bench_runs_ours_variant_and_hf_baseline():
                     "--variant", "selective=train.recompute=selective", "--variant", "big=train.global_batch_size=8",
                     # megatron pins a process to one attention backend; the bench lets each run choose
                     "--variant", "unfused=attention_backend=unfused",
-                    "train.global_batch_size=4", "train.micro_batch_size=2"])
+                    "train.global_batch_size=4", "train.micro_batch_size=2"],
+                   # the flags an earlier megatron model in the process leaves behind
+                   env={"NVTE_FLASH_ATTN": "1", "NVTE_FUSED_ATTN": "1", "NVTE_UNFUSED_ATTN": "1"})
     assert proc.returncode == 0, proc.stderr[-5000:]
     out = proc.stdout
     assert "512 tokens/step (train_debug)" in out  # global batch 4 x 128 tokens
