@@ -19,6 +19,8 @@ import torch.distributed as dist
 
 from loongforge.core.accelerators import Accelerator, get_accelerator
 
+TE_ATTENTION_FLAGS = ("NVTE_FLASH_ATTN", "NVTE_FUSED_ATTN", "NVTE_UNFUSED_ATTN")
+
 
 @dataclass(frozen=True)
 class ParallelLayout:
@@ -165,3 +167,8 @@ def destroy_parallel() -> None:
     # 0-d tensor there, the schedules pass shape [1], and the copy fails: the next world starts
     # without one, as a fresh process would.
     MoEAuxLossAutoScaler.main_loss_backward_scale = None
+    # megatron writes a model's attention backend into Transformer Engine's flags (the process
+    # environment) and refuses a later model whose backend differs from them: the next world's
+    # models choose their own, as in a fresh process
+    for flag in TE_ATTENTION_FLAGS:
+        os.environ.pop(flag, None)

@@ -25,7 +25,6 @@ kernels (CUDA). On CPU (fp32) it is a smoke run of the same code, e.g. ``--confi
 
 from __future__ import annotations
 
-import os
 import tempfile
 import warnings
 from collections.abc import Callable
@@ -39,11 +38,6 @@ from loongforge.core.config import ConfigError
 from loongforge.llm.recipe import LLMConfig, load_llm_config
 
 BENCH_KNOBS = ("spec.recompute_elementwise", "attention_backend")
-# megatron records a model's attention backend in Transformer Engine's flags (process environment)
-# and refuses a later model that asks for another one (or flags set by anything before); each of
-# ours' runs starts with the flags unset, so it sets those of its own ``attention_backend``, and
-# the bench leaves them as it found them
-TE_ATTENTION_FLAGS = ("NVTE_FLASH_ATTN", "NVTE_FUSED_ATTN", "NVTE_UNFUSED_ATTN")
 TRUTH = {"true": True, "1": True, "yes": True, "false": False, "0": False, "no": False}
 
 
@@ -181,14 +175,6 @@ def plan_runs(config: str, overrides: list[str], variants: list[str], fp8: list[
     return runs + [Run(n, base, {}) for n in ("hf_sdpa", "hf_sdpa_compile") if n not in skip and (cuda or n == "hf_sdpa")]
 
 
-def _restore_environment(values: dict[str, str | None]) -> None:
-    for key, value in values.items():
-        if value is None:
-            os.environ.pop(key, None)
-        else:
-            os.environ[key] = value
-
-
 def run_bench(config: str = "train_0_5b", overrides: list[str] = (), steps: int = 10, warmup: int = 3,
               variants: list[str] = (), fp8: list[str] = (), skip: list[str] = (), profile_rows: int = 25,
               trace: str | None = None, report: Callable[[str], None] = print) -> dict[str, RunResult]:
@@ -212,39 +198,34 @@ def run_bench(config: str = "train_0_5b", overrides: list[str] = (), steps: int 
 
         results: dict[str, RunResult] = {}
         profile, measured_table = None, None
-        initial_flags = {k: os.environ.get(k) for k in TE_ATTENTION_FLAGS}
-        try:
-            for run in runs:
-                dev.fresh_memory()
-                _restore_environment(dict.fromkeys(TE_ATTENTION_FLAGS))
-                adaptive = run.name == "ours_fp8_adaptive" and dev.cuda
-                try:
-                    if run.baseline:
-                        step, keep = hf_step(run.cfg, dev, compile_=run.name.endswith("compile"))
-                    else:
-                        if adaptive:
-                            from loongforge.kernels import fp8_linear as fused_fp8
-
-                            fused_fp8.clear_adaptive_table()  # this run's shapes only
-                        step, keep = our_step(run)
-                    seconds = dev.timed(step, steps, warmup)
+        for run in runs:
+            dev.fresh_memory()
+            adaptive = run.name == "ours_fp8_adaptive" and dev.cuda
+            try:
+                if run.baseline:
+                    step, keep = hf_step(run.cfg, dev, compile_=run.name.endswith("compile"))
+                else:
                     if adaptive:
-                        measured_table = fused_fp8.adaptive_table()
-                    memory = dev.peak_gib()
-                    if run.name == "ours" and profile_rows and dev.cuda:
-                        profile = profile_tables(step, dev, profile_rows, trace)
-                    del step, keep
-                finally:
-                    if not run.baseline:
-                        destroy_parallel()
-                t = run.cfg.train
-                tokens = t.global_batch_size * t.seq_length
-                tps, flops = tokens / seconds, tokens * run.cfg.model.flops_per_token(t.seq_length) / seconds
-                results[run.name] = RunResult(tps, flops / 1e12, flops / peak, memory)
-                report(f"{run.name}: {seconds * 1e3:.1f} ms/step, {tps:,.0f} tokens/s ({tokens} a step), "
-                       f"{memory:.1f} GiB")
-        finally:
-            _restore_environment(initial_flags)
+                        from loongforge.kernels import fp8_linear as fused_fp8
+
+                        fused_fp8.clear_adaptive_table()  # this run's shapes only
+                    step, keep = our_step(run)
+                seconds = dev.timed(step, steps, warmup)
+                if adaptive:
+                    measured_table = fused_fp8.adaptive_table()
+                memory = dev.peak_gib()
+                if run.name == "ours" and profile_rows and dev.cuda:
+                    profile = profile_tables(step, dev, profile_rows, trace)
+                del step, keep
+            finally:
+                if not run.baseline:
+                    destroy_parallel()
+            t = run.cfg.train
+            tokens = t.global_batch_size * t.seq_length
+            tps, flops = tokens / seconds, tokens * run.cfg.model.flops_per_token(t.seq_length) / seconds
+            results[run.name] = RunResult(tps, flops / 1e12, flops / peak, memory)
+            report(f"{run.name}: {seconds * 1e3:.1f} ms/step, {tps:,.0f} tokens/s ({tokens} a step), "
+                   f"{memory:.1f} GiB")
     if profile:
         report("\nours, torch.profiler:\n" + profile)
     report("\n" + "\n".join(results_table(results)))
