@@ -249,8 +249,7 @@ class WanDiT(nn.Module):
         self.norm_out = FP32LayerNorm(dim, cfg.eps, elementwise_affine=False)
         self.proj_out = nn.Linear(dim, cfg.out_channels * cfg.patch_volume)
         self.scale_shift_table = nn.Parameter(torch.randn(1, 2, dim) / dim**0.5)
-        self.compiled = False
-        self._compiled_head = None
+        self._compiled_head = None  # set by compile_regions
 
     def set_activation_checkpointing(self, policy: str) -> None:
         if policy not in CHECKPOINTING:
@@ -272,7 +271,11 @@ class WanDiT(nn.Module):
             block.attn2.use_kernels(reference=True)
             block.compile(dynamic=dynamic, options=INDUCTOR_OPTIONS)
         self._compiled_head = torch.compile(self._output_head, dynamic=dynamic, options=INDUCTOR_OPTIONS)
-        self.compiled = True
+
+    @property
+    def compiled(self) -> bool:
+        """Whether ``compile_regions`` ran."""
+        return self._compiled_head is not None
 
     def token_context(self, batch: PackedBatch, cp: ContextParallel | None, device) -> tuple[TokenContext, int, int]:
         n = batch.num_tokens
