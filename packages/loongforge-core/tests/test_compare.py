@@ -32,7 +32,7 @@ def test_window_means_over_common_steps(tmp_path):
     assert result.windows[0].relative == pytest.approx(0.1)
     worst = result.worst()
     assert (worst.first_step, worst.relative) == (6, pytest.approx(22.0 / 13.0 - 1))
-    text = format_comparison(result, "a", "b")
+    text = format_comparison(result, "a", "b", worst)
     assert "+10.00%" in text and "69.23% (steps 6-7)" in text
 
 
@@ -60,7 +60,21 @@ def test_a_diverged_run_is_the_worst_window_and_fails_any_tolerance(tmp_path, ca
     worst = compare_runs(a, b).worst()
     assert worst.first_step == 11 and worst.distance == float("inf")  # NaN beats the 20% window
     assert _cli(a, b, "--tolerance", "10") == 1
-    assert "nan" in capsys.readouterr().out
+    captured = capsys.readouterr()
+    assert "   11-20       2.0000       nan  diverged (B: nan)\n" in captured.out
+    assert "from step 1: diverged (B: nan) (steps 11-20)" in captured.out
+    assert "+nan%" not in captured.out
+    assert captured.err == "diverged (B: nan) in steps 11-20\n"
+    assert _cli(a, b) == 0  # no tolerance: a report only
+    assert "from step 1: diverged (B: nan) (steps 11-20)" in capsys.readouterr().out
+
+
+def test_a_diverged_reference_run_is_named(tmp_path):
+    a = _run(tmp_path / "a", {1: 2.0, 2: float("inf"), 3: float("nan")})
+    b = _run(tmp_path / "b", {1: 8.0, 2: 2.0, 3: float("nan")})
+    result = compare_runs(a, b, window=1)
+    assert [w.difference("a", "b") for w in result.windows] == ["+300.00%", "diverged (a: inf)", "diverged (a: nan, b: nan)"]
+    assert result.worst().first_step == 2  # inf beats the 300% window
 
 
 def test_zero_means_compare_without_dividing_by_zero(tmp_path):

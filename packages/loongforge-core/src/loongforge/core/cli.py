@@ -67,12 +67,15 @@ def _cmd_compare(args) -> int:
 
     try:
         result = compare_runs(args.run_a, args.run_b, key=args.key, window=args.window)
-        print(format_comparison(result, "A", "B", from_step=args.from_step))
-        worst = result.worst(args.from_step).distance
+        worst = result.worst(args.from_step)
     except (FileNotFoundError, ValueError) as exc:
         raise ConfigError(str(exc)) from exc
-    if args.tolerance is not None and worst > args.tolerance:
-        print(f"B is more than {args.tolerance:.2%} from A", file=sys.stderr)
+    print(format_comparison(result, "A", "B", worst, from_step=args.from_step))
+    if args.tolerance is not None and worst.distance > args.tolerance:
+        if worst.diverged:
+            print(f"{worst.difference('A', 'B')} in steps {worst.first_step}-{worst.last_step}", file=sys.stderr)
+        else:
+            print(f"B is more than {args.tolerance:.2%} from A", file=sys.stderr)
         return 1
     return 0
 

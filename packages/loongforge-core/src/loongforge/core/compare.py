@@ -31,9 +31,21 @@ class Window:
         return self.mean_b / self.mean_a - 1.0
 
     @property
+    def diverged(self) -> bool:
+        """Either run's mean is NaN or inf: its loss in this window is not a finite number."""
+        return not (math.isfinite(self.mean_a) and math.isfinite(self.mean_b))
+
+    @property
     def distance(self) -> float:
-        """|relative|, with a NaN window (a NaN or inf loss in a run) as far as it gets."""
-        return abs(self.relative) if not math.isnan(self.relative) else math.inf
+        """|relative|, with a diverged window as far as it gets."""
+        return math.inf if self.diverged else abs(self.relative)
+
+    def difference(self, name_a: str, name_b: str) -> str:
+        """``relative`` as a signed percentage, or which run diverged, e.g. ``diverged (B: nan)``."""
+        if not self.diverged:
+            return f"{self.relative:+.2%}"
+        runs = [f"{name}: {mean}" for name, mean in ((name_a, self.mean_a), (name_b, self.mean_b)) if not math.isfinite(mean)]
+        return f"diverged ({', '.join(runs)})"
 
 
 @dataclass(frozen=True)
@@ -43,7 +55,7 @@ class CurveComparison:
 
     def worst(self, from_step: int = 1) -> Window:
         """The window (of those starting at or after ``from_step``) with the largest |difference|;
-        a window where either run's loss is NaN counts as the largest."""
+        a diverged window counts as the largest."""
         candidates = [w for w in self.windows if w.first_step >= from_step]
         if not candidates:
             raise ValueError(f"no comparison window starts at or after step {from_step} "
@@ -82,12 +94,13 @@ def compare_runs(run_a: str | Path, run_b: str | Path, key: str = "loss", window
     return CurveComparison(key, windows)
 
 
-def format_comparison(result: CurveComparison, name_a: str, name_b: str, from_step: int = 1) -> str:
+def format_comparison(result: CurveComparison, name_a: str, name_b: str, worst: Window, from_step: int = 1) -> str:
+    """The window table and a last line on ``worst`` (``result.worst(from_step)``)."""
     width = max(len(name_a), len(name_b), 8)
     lines = [f"{'steps':>11}  {name_a:>{width}}  {name_b:>{width}}  {'b/a - 1':>8}"]
     for w in result.windows:
-        lines.append(f"{w.first_step:>5}-{w.last_step:<5}  {w.mean_a:>{width}.4f}  {w.mean_b:>{width}.4f}  {w.relative:>+8.2%}")
-    worst = result.worst(from_step)
+        lines.append(f"{w.first_step:>5}-{w.last_step:<5}  {w.mean_a:>{width}.4f}  {w.mean_b:>{width}.4f}  {w.difference(name_a, name_b):>8}")
+    largest = worst.difference(name_a, name_b) if worst.diverged else f"{worst.distance:.2%}"
     lines.append(f"largest |difference| of the {result.key} window means from step {from_step}: "
-                 f"{worst.distance:.2%} (steps {worst.first_step}-{worst.last_step})")
+                 f"{largest} (steps {worst.first_step}-{worst.last_step})")
     return "\n".join(lines)
