@@ -1,6 +1,7 @@
-"""init_parallel for a world of one: a private rendezvous that leaves the rendezvous variables as it found them,
-and destroy_parallel leaves no megatron state behind that breaks the next world (the MoE aux-loss scale, the
-attention backend a model wrote into Transformer Engine's flags)."""
+"""init_parallel: a bad layout fails before any process group; a world of one gets a private
+rendezvous that leaves the rendezvous variables as it found them, and destroy_parallel leaves no
+megatron state behind that breaks the next world (the MoE aux-loss scale, the attention backend a
+model wrote into Transformer Engine's flags)."""
 
 from __future__ import annotations
 
@@ -35,7 +36,29 @@ SCRIPT = textwrap.dedent("""
 """)
 
 
-def test_world_of_one_leaves_environment_unchanged():
+def run_in_fresh_cpu_process(script: str) -> str:
     env = {"PATH": "/usr/bin:/bin", "LOONGFORGE_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run([sys.executable, "-c", SCRIPT], env=env, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0 and proc.stdout.strip().endswith("ok"), proc.stdout + proc.stderr[-4000:]
+    proc = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr[-4000:]
+    return proc.stdout
+
+
+def test_world_of_one_leaves_environment_unchanged():
+    assert run_in_fresh_cpu_process(SCRIPT).strip().endswith("ok")
+
+
+BAD_LAYOUT = textwrap.dedent("""
+    import torch.distributed as dist
+    from loongforge.core.parallel import init_parallel
+
+    try:
+        init_parallel(tp=2)
+    except ValueError as exc:
+        print("rejected:", exc)
+    print("process group:", dist.is_initialized())
+""")
+
+
+def test_bad_layout_fails_before_any_process_group():
+    out = run_in_fresh_cpu_process(BAD_LAYOUT)
+    assert "rejected: world size 1 is not divisible by tp*pp*cp" in out and "process group: False" in out, out

@@ -14,8 +14,9 @@ import torch
 torch.set_num_threads(1)
 os.environ.setdefault("LOONGFORGE_ACCELERATOR", "cpu")
 
+from loongforge.core.distributed import init_distributed  # noqa: E402
 from loongforge.embodied.config import ParallelConfig, PolicyConfig, load_train_config  # noqa: E402
-from loongforge.embodied.parallel import init_distributed, parallelize, unwrap  # noqa: E402
+from loongforge.embodied.parallel import parallelize, unwrap  # noqa: E402
 from loongforge.embodied.policies.registry import build_policy  # noqa: E402
 from loongforge.embodied.trainer import distributed_loss, loss_mask, train  # noqa: E402
 
@@ -66,13 +67,13 @@ def equivalence(env, name):
     ref_loss = (per * mask).sum() / mask.sum()
     ref_loss.backward()
     ref_grads = full_grads(ref)
-    rows = slice(env.rank * B // env.world, (env.rank + 1) * B // env.world)
+    rows = slice(env.rank * B // env.world_size, (env.rank + 1) * B // env.world_size)
     local = {k: v[rows] for k, v in batch.items()}
     result = {}
     for mode, pcfg in MODES.items():
         torch.manual_seed(0)
         model = parallelize(build_policy(cfg), pcfg, env)
-        loss, mean = distributed_loss(model, local, noise[rows], t[rows], env.world)
+        loss, mean = distributed_loss(model, local, noise[rows], t[rows], env.world_size)
         loss.backward()
         grads = full_grads(model)
         assert set(grads) == set(ref_grads), (mode, set(grads) ^ set(ref_grads))
@@ -97,7 +98,7 @@ def resume_across_layouts(dataset_root, run_dir):
 
 def main():
     out = Path(sys.argv[1])
-    env = init_distributed()
+    env = init_distributed(group_for_world_of_one=False)
     results = {name: equivalence(env, name) for name in ("pi05", "groot")}
     results["resume"] = resume_across_layouts(sys.argv[2], out / "run")
     if env.is_main:

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from lerobot_reference import build_lerobot_pi05
+from loongforge.core.distributed import init_distributed
 from loongforge.embodied.bench import (
     build_lerobot_pi05_released,
     lerobot_step,
@@ -16,13 +17,12 @@ from loongforge.embodied.bench import (
     synthetic_batch,
 )
 from loongforge.embodied.config import ParallelConfig, PolicyConfig
-from loongforge.embodied.parallel import init_distributed
 from loongforge.embodied.policies.registry import build_policy
 
 
 def test_both_training_steps_run_and_update_weights():
     cfg = PolicyConfig(image_size=16, chunk_size=4, max_token_len=12)
-    env = init_distributed()
+    env = init_distributed(group_for_world_of_one=False)
     batch = synthetic_batch(cfg, 2, env.device)
     torch.manual_seed(0)
     ours, ref = build_policy(cfg), build_lerobot_pi05(cfg)

@@ -8,8 +8,9 @@ from __future__ import annotations
 import pytest
 import torch
 
+from loongforge.core.distributed import init_distributed
 from loongforge.embodied.config import ParallelConfig, PolicyConfig
-from loongforge.embodied.parallel import init_distributed, parallelize
+from loongforge.embodied.parallel import parallelize
 from loongforge.embodied.policies.registry import build_policy
 
 
@@ -21,7 +22,7 @@ def test_compiled_checkpointed_blocks_match_eager(name):
     eager = build_policy(cfg)
     torch.manual_seed(0)
     pcfg = ParallelConfig(compile=True, compile_backend="aot_eager", activation_checkpointing=True)
-    compiled = parallelize(build_policy(cfg), pcfg, init_distributed())
+    compiled = parallelize(build_policy(cfg), pcfg, init_distributed(group_for_world_of_one=False))
     g = torch.Generator().manual_seed(3)
     b = 2
     batch = {

@@ -1,8 +1,10 @@
 """Process groups for one training job, built once on top of ``megatron.core.parallel_state``.
 
 ``init_parallel`` validates the layout against the world size *before* any process group is
-made, initialises torch.distributed with the accelerator's backend (gloo on CPU, nccl on CUDA),
-builds megatron's TP/PP/CP/EP/DP groups, seeds the TP-aware RNG tracker, and returns an explicit
+made, installs the accelerator's megatron-core adaptations, joins the job through
+``loongforge.core.distributed.init_distributed`` (torch.distributed on the accelerator's backend:
+gloo on CPU, nccl on CUDA; a world of one gets a group too, as megatron needs one), builds
+megatron's TP/PP/CP/EP/DP groups, seeds the TP-aware RNG tracker, and returns an explicit
 ``ParallelContext`` whose ``pgs`` (megatron-core's ``ProcessGroupCollection``) is what models and
 optimizers receive. Launch with ``torchrun`` for one or many nodes; a plain ``python`` process is
 a world of one.
@@ -11,13 +13,13 @@ a world of one.
 from __future__ import annotations
 
 import os
-import socket
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
 from loongforge.core.accelerators import Accelerator, get_accelerator
+from loongforge.core.distributed import init_distributed, world_size_from_env
 
 TE_ATTENTION_FLAGS = ("NVTE_FLASH_ATTN", "NVTE_FUSED_ATTN", "NVTE_UNFUSED_ATTN")
 
@@ -89,16 +91,6 @@ class ParallelContext:
         return self.rank == 0
 
 
-def world_size_from_env() -> int:
-    return int(os.environ.get("WORLD_SIZE", "1"))
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def init_parallel(
     tp: int = 1,
     pp: int = 1,
@@ -114,18 +106,7 @@ def init_parallel(
 
     accel = accelerator or get_accelerator()
     accel.install_megatron_adaptations()
-    local_rank = accel.local_rank()
-    device = accel.device(local_rank)
-    accel.set_device(device)
-
-    if not dist.is_initialized():
-        kwargs = {"device_id": device} if device.type != "cpu" else {}
-        if world_size == 1 and "MASTER_ADDR" not in os.environ:
-            # a world of one started without a launcher: a private store, and os.environ left as it
-            # was, so a process this one starts later never inherits a port that is still in use
-            kwargs["init_method"] = f"tcp://127.0.0.1:{_free_port()}"
-        dist.init_process_group(backend=accel.dist_backend, world_size=world_size,
-                                rank=int(os.environ.get("RANK", "0")), **kwargs)
+    process = init_distributed(group_for_world_of_one=True, accelerator=accel)
 
     from megatron.core import parallel_state
     from megatron.core.process_groups_config import ProcessGroupCollection
@@ -144,11 +125,11 @@ def init_parallel(
     return ParallelContext(
         layout=layout,
         accelerator=accel,
-        device=device,
-        rank=dist.get_rank(),
-        world_size=world_size,
-        local_rank=local_rank,
-        dp_size=layout.data_parallel_size(world_size),
+        device=process.device,
+        rank=process.rank,
+        world_size=process.world_size,
+        local_rank=process.local_rank,
+        dp_size=layout.data_parallel_size(process.world_size),
         pgs=ProcessGroupCollection.use_mpu_process_groups(),
     )
 

@@ -15,8 +15,9 @@ from collections.abc import Callable
 import torch
 import torch.nn as nn
 
+from loongforge.core.distributed import DistributedProcess
 from loongforge.embodied.config import ParallelConfig, PolicyConfig
-from loongforge.embodied.parallel import DistEnv, compute_precision, parallelize
+from loongforge.embodied.parallel import compute_precision, parallelize
 
 
 def synthetic_batch(cfg: PolicyConfig, batch_size: int, device: torch.device, seed: int = 0) -> dict[str, torch.Tensor]:
@@ -46,13 +47,13 @@ def samples_per_second(step: Callable[[], None], batch_size: int, steps: int, wa
     return batch_size * steps / (time.perf_counter() - start)
 
 
-def loongforge_step(policy: nn.Module, parallel: ParallelConfig, env: DistEnv, batch: dict, lr: float = 1e-5) -> Callable[[], None]:
+def loongforge_step(policy: nn.Module, parallel: ParallelConfig, env: DistributedProcess, batch: dict, lr: float = 1e-5) -> Callable[[], None]:
     model = parallelize(policy, parallel, env)
     model.train()
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=lr, fused=env.device.type == "cuda")
 
     def step():
-        with compute_precision(parallel, env.world, env.device):
+        with compute_precision(parallel, env.world_size, env.device):
             loss = model(batch, batch["noise"], batch["time"]).mean()
         loss.backward()
         opt.step()

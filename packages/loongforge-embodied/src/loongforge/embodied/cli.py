@@ -84,6 +84,7 @@ def cmd_info(args, rest) -> int:
 def cmd_bench(args, rest) -> int:
     import torch
 
+    from loongforge.core.distributed import init_distributed
     from loongforge.embodied.bench import (
         build_lerobot_pi05_released,
         lerobot_step,
@@ -91,11 +92,10 @@ def cmd_bench(args, rest) -> int:
         samples_per_second,
         synthetic_batch,
     )
-    from loongforge.embodied.parallel import init_distributed
     from loongforge.embodied.policies.registry import build_policy
 
     cfg = _config(args, rest)
-    env = init_distributed()
+    env = init_distributed(group_for_world_of_one=False)
     batch = synthetic_batch(cfg.policy, args.batch_size, env.device)
     sync = env.accelerator.synchronize
     report = {"policy": cfg.policy.name, "batch_size": args.batch_size, "image_size": cfg.policy.image_size,

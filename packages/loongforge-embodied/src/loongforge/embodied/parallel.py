@@ -6,13 +6,14 @@ Order (as in torchtitan): activation checkpointing, then ``torch.compile`` of ea
 (vision encoder layers, joint backbone/expert layers, DiT blocks). FSDP2 uses a 1-D mesh
 (``dp_shard``); HSDP a 2-D mesh (``dp_replicate`` x ``dp_shard``) that shards inside a replica
 group and all-reduces across groups. Every data-parallel rank reads its own slice of the batch.
+
+Processes join the job through ``loongforge.core.distributed.init_distributed`` with
+``group_for_world_of_one=False``: a single process trains without a process group (mode ``none``).
 """
 
 from __future__ import annotations
 
 import contextlib
-import os
-from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -21,37 +22,10 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard, register_fsdp_forward_method
 from torch.nn.parallel import DistributedDataParallel
 
-from loongforge.core.accelerators import Accelerator, get_accelerator
+from loongforge.core.distributed import DistributedProcess
 from loongforge.embodied.config import ParallelConfig
 
 DTYPE = {"fp32": torch.float32, "bf16": torch.bfloat16}
-
-
-@dataclass
-class DistEnv:
-    rank: int
-    world: int
-    local_rank: int
-    device: torch.device
-    accelerator: Accelerator
-
-    @property
-    def is_main(self) -> bool:
-        return self.rank == 0
-
-
-def init_distributed() -> DistEnv:
-    """Join the ``torchrun`` job (if any) on the accelerator's backend and pick this rank's device."""
-    acc = get_accelerator()
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    rank = int(os.environ.get("RANK", "0"))
-    device = acc.device()
-    acc.set_device(device)
-    if world > 1 and not dist.is_initialized():
-        dist.init_process_group(backend=acc.dist_backend)
-    if dist.is_initialized():
-        rank, world = dist.get_rank(), dist.get_world_size()
-    return DistEnv(rank, world, acc.local_rank(), device, acc)
 
 
 def resolve_mode(cfg: ParallelConfig, world: int) -> str:
@@ -63,21 +37,21 @@ def resolve_mode(cfg: ParallelConfig, world: int) -> str:
     return mode
 
 
-def build_mesh(mode: str, cfg: ParallelConfig, env: DistEnv) -> DeviceMesh | None:
+def build_mesh(mode: str, cfg: ParallelConfig, env: DistributedProcess) -> DeviceMesh | None:
     if mode == "fsdp":
-        return init_device_mesh(env.device.type, (env.world,), mesh_dim_names=("dp_shard",))
+        return init_device_mesh(env.device.type, (env.world_size,), mesh_dim_names=("dp_shard",))
     if mode == "hsdp":
-        if env.world % cfg.dp_replicate:
-            raise ValueError(f"parallel.dp_replicate={cfg.dp_replicate} does not divide the {env.world} ranks")
+        if env.world_size % cfg.dp_replicate:
+            raise ValueError(f"parallel.dp_replicate={cfg.dp_replicate} does not divide the {env.world_size} ranks")
         return init_device_mesh(
-            env.device.type, (cfg.dp_replicate, env.world // cfg.dp_replicate), mesh_dim_names=("dp_replicate", "dp_shard")
+            env.device.type, (cfg.dp_replicate, env.world_size // cfg.dp_replicate), mesh_dim_names=("dp_replicate", "dp_shard")
         )
     return None
 
 
-def parallelize(policy: nn.Module, cfg: ParallelConfig, env: DistEnv) -> nn.Module:
+def parallelize(policy: nn.Module, cfg: ParallelConfig, env: DistributedProcess) -> nn.Module:
     """Wrap ``policy`` (already on ``env.device``) for training; returns the module to call."""
-    mode = resolve_mode(cfg, env.world)
+    mode = resolve_mode(cfg, env.world_size)
     policy.activation_checkpointing = cfg.activation_checkpointing
     if cfg.compile:
         for block in policy.blocks():

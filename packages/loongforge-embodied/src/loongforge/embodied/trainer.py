@@ -21,6 +21,7 @@ from torch.utils.data import DataLoader
 
 from loongforge.core.checkpoint import Checkpoint
 from loongforge.core.config import to_dict
+from loongforge.core.distributed import DistributedProcess, init_distributed
 from loongforge.core.metrics import MetricsLogger, progress
 from loongforge.embodied.checkpointing import find_resume_checkpoint, load_training_state, save_training_state
 from loongforge.embodied.config import DatasetConfig, PolicyConfig, TrainConfig
@@ -29,11 +30,9 @@ from loongforge.embodied.data.dataset import EmbodiedDataset
 from loongforge.embodied.data.sampler import StepBatchSampler
 from loongforge.embodied.data.synthetic import ensure_synthetic_dataset
 from loongforge.embodied.parallel import (
-    DistEnv,
     all_reduce_sum,
     barrier,
     compute_precision,
-    init_distributed,
     parallelize,
     resolve_mode,
     unwrap,
@@ -50,7 +49,7 @@ class TrainResult:
     losses: list[float]  # global mean loss of each step run here
 
 
-def resolve_dataset_root(cfg: DatasetConfig, env: DistEnv) -> str:
+def resolve_dataset_root(cfg: DatasetConfig, env: DistributedProcess) -> str:
     """``dataset.root``, or the synthetic demo dataset (written by rank 0 on first use)."""
     if cfg.root is not None:
         return cfg.root
@@ -140,8 +139,8 @@ def check_resume_config(saved: dict, cfg: TrainConfig, where: Path) -> None:
 
 
 def train(cfg: TrainConfig) -> TrainResult:
-    env = init_distributed()
-    mode = resolve_mode(cfg.parallel, env.world)
+    env = init_distributed(group_for_world_of_one=False)
+    mode = resolve_mode(cfg.parallel, env.world_size)
     root = resolve_dataset_root(cfg.dataset, env)
     dataset = EmbodiedDataset(cfg.dataset, cfg.policy, root, "train")
     env.accelerator.manual_seed(cfg.seed)
@@ -161,7 +160,7 @@ def train(cfg: TrainConfig) -> TrainResult:
         check_resume_config(ckpt.manifest["config"], cfg, resume_from)
         load_training_state(ckpt, model, optimizer)
         start = ckpt.step
-    sampler = StepBatchSampler(len(dataset), cfg.batch_size, env.rank, env.world, cfg.seed, start_step=start)
+    sampler = StepBatchSampler(len(dataset), cfg.batch_size, env.rank, env.world_size, cfg.seed, start_step=start)
     loader = DataLoader(dataset, batch_sampler=sampler, num_workers=cfg.dataset.num_workers,
                         pin_memory=env.device.type != "cpu")
     logger = MetricsLogger(run_dir, enabled=env.is_main, tensorboard=cfg.tensorboard)
@@ -173,12 +172,12 @@ def train(cfg: TrainConfig) -> TrainResult:
     try:
         while step < cfg.steps:
             batch = to_device(next(it), env.device)
-            noise, t = step_noise(cfg, step, env.rank, env.world, env.device)
+            noise, t = step_noise(cfg, step, env.rank, env.world_size, env.device)
             lr = lr_at(step, cfg.steps, o)
             for group in optimizer.param_groups:
                 group["lr"] = lr
-            with compute_precision(cfg.parallel, env.world, env.device):
-                loss, mean_loss = distributed_loss(model, batch, noise, t, env.world)
+            with compute_precision(cfg.parallel, env.world_size, env.device):
+                loss, mean_loss = distributed_loss(model, batch, noise, t, env.world_size)
             loss.backward()
             grad_norm = torch.nn.utils.clip_grad_norm_(params, o.grad_clip)
             grad_norm = grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm
@@ -198,7 +197,7 @@ def train(cfg: TrainConfig) -> TrainResult:
                 tick, window, window_loss = time.perf_counter(), 0, 0.0
             if (cfg.save_every and step % cfg.save_every == 0) or step == cfg.steps:
                 save_training_state(run_dir, step, model, optimizer,
-                                    checkpoint_manifest(cfg, unwrap(model), dataset, step, mode, env.world),
+                                    checkpoint_manifest(cfg, unwrap(model), dataset, step, mode, env.world_size),
                                     is_main=env.is_main, keep_last=cfg.keep_last)
     finally:
         bar.close()
