@@ -22,8 +22,8 @@ video's tokens against its own prompt. Every backend computes the same function:
   ``varlen``; ``split`` elsewhere.
 
 A ``Segments`` object caches what a backend derives from the bounds (cumulative lengths on the
-device, the bounds as a host tensor, masks), so the layers of one forward build them once. ``Segments(bounds, exact=False)``
-hands ``varlen`` the packed lengths as maximum segment lengths (valid upper bounds: the kernel
+device, the bounds as a host tensor, masks), so the layers of one forward build them once.
+``Segments(bounds, exact=False)`` hands ``varlen`` the packed lengths as maximum segment lengths (valid upper bounds: the kernel
 only launches some idle tiles more). A compiled caller uses it, builds the device caches before
 entering compiled code and skips the bounds check there, so compiled code reads no bound and does
 not specialise on each pack's layout.
@@ -124,23 +124,38 @@ def query_chunks(tq: int, tk: int) -> int:
     return min(MAX_QUERY_CHUNKS, tq // (2 * tk)) if 0 < 4 * tk <= tq else 1
 
 
+def as_query_chunks(q: torch.Tensor, chunks: int) -> torch.Tensor:
+    """``[L, H, D]`` -> ``[chunks, H, L', D]``, rows zero-padded to a multiple of ``chunks`` (a view
+    of the packed layout when none are needed; ``chunks=1`` is diffusers' ``[1, H, L, D]``)."""
+    pad = -q.shape[0] % chunks
+    if pad:
+        q = torch.cat([q, q.new_zeros(pad, *q.shape[1:])])
+    return q.unflatten(0, (chunks, -1)).transpose(1, 2)
+
+
+def from_query_chunks(t: torch.Tensor, rows: int) -> torch.Tensor:
+    """Inverse of :func:`as_query_chunks`: ``[chunks, H, L', ...]`` -> ``[rows, H, ...]``."""
+    return t.transpose(1, 2).flatten(0, 1)[:rows]
+
+
+def key_copies(k: torch.Tensor, chunks: int) -> torch.Tensor:
+    """``[Lk, H, D]`` -> ``[chunks, H, Lk, D]``: the keys once per query chunk (copies: a few MB;
+    broadcast stride-0 keys measured no faster)."""
+    k = _heads_first(k)
+    return k.expand(chunks, -1, -1, -1).contiguous() if chunks > 1 else k
+
+
 def _sdpa(q, k, v) -> torch.Tensor:
     """One segment: ``[T, H, D]`` viewed as ``[1, H, T, D]`` (the layout diffusers hands SDPA).
 
     With many more queries than keys the queries become a batch of chunks against copies of the
-    keys (a few MB; broadcast stride-0 keys measured no faster): a flash backward parallelises over key blocks, so a 512-token prompt gives
-    it only 8 blocks per head for 14k queries; as a batch of 8 it runs 8x the programs (on an
-    H200, cross-attention forward + backward 0.77 -> 0.59 ms at Wan-1.3B's shape). The outputs
-    are the same; the key/value grads are summed over the chunks."""
+    keys: a flash backward parallelises over key blocks, so a 512-token prompt gives it only 8
+    blocks per head for 14k queries; as a batch of 8 it runs 8x the programs (on an H200,
+    cross-attention forward + backward 0.77 -> 0.59 ms at Wan-1.3B's shape). The outputs are the
+    same; the key/value grads are summed over the chunks."""
     chunks = query_chunks(q.shape[0], k.shape[0])
-    if chunks == 1:
-        return F.scaled_dot_product_attention(_heads_first(q), _heads_first(k), _heads_first(v)).squeeze(0).transpose(0, 1)
-    tq = q.shape[0]
-    pad = -tq % chunks
-    qc = (F.pad(q, (0, 0, 0, 0, 0, pad)) if pad else q).unflatten(0, (chunks, -1)).transpose(1, 2)
-    kc, vc = (_heads_first(t).expand(chunks, -1, -1, -1).contiguous() for t in (k, v))
-    out = F.scaled_dot_product_attention(qc, kc, vc).transpose(1, 2).flatten(0, 1)
-    return out[:tq] if pad else out
+    out = F.scaled_dot_product_attention(as_query_chunks(q, chunks), key_copies(k, chunks), key_copies(v, chunks))
+    return from_query_chunks(out, q.shape[0])
 
 
 def _split(q, k, v, qs: Segments, ks: Segments):

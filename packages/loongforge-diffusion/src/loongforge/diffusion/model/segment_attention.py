@@ -22,33 +22,17 @@ from __future__ import annotations
 
 import torch
 
-from loongforge.diffusion.model.attention import query_chunks
+from loongforge.diffusion.model.attention import as_query_chunks, from_query_chunks, key_copies, query_chunks
 
 
-def _as_batch(t: torch.Tensor, chunks: int) -> torch.Tensor:
-    """``[L, H, D]`` -> ``[chunks, H, L', D]`` (rows zero-padded to a multiple of ``chunks``), a view
-    of the packed layout when no padding is needed."""
-    pad = -t.shape[0] % chunks
-    if pad:
-        t = torch.cat([t, t.new_zeros(pad, *t.shape[1:])])
-    return t.unflatten(0, (chunks, -1)).transpose(1, 2)
-
-
-def _from_batch(t: torch.Tensor, rows: int) -> torch.Tensor:
-    """Inverse of :func:`_as_batch`: ``[chunks, H, L', ...]`` -> ``[rows, H, ...]``."""
-    return t.transpose(1, 2).flatten(0, 1)[:rows]
-
-
-def _keys(t: torch.Tensor, chunks: int) -> torch.Tensor:
-    """``[Lk, H, D]`` -> ``[chunks, H, Lk, D]``: one copy of the keys per query chunk."""
-    t = t.transpose(0, 1).unsqueeze(0)
-    return t.expand(chunks, -1, -1, -1).contiguous() if chunks > 1 else t
-
-
-def _segments(q_bounds: torch.Tensor, k_bounds: torch.Tensor):
+def _segments(q_bounds: torch.Tensor, k_bounds: torch.Tensor, tq: int, tk: int):
+    """(query start, end, key start, end) of every segment with queries; the bounds must span all
+    ``tq`` query rows and ``tk`` key rows, so every output row is written."""
     qb, kb = q_bounds.tolist(), k_bounds.tolist()
     if len(qb) != len(kb) or len(qb) < 2:
         raise ValueError(f"segment_attention: query bounds {qb} and key bounds {kb} must have the same count >= 2")
+    if (qb[0], qb[-1], kb[0], kb[-1]) != (0, tq, 0, tk):
+        raise ValueError(f"segment_attention: bounds {qb} and {kb} must span [0, {tq}] and [0, {tk}]")
     for s in range(len(qb) - 1):
         if qb[s + 1] > qb[s]:
             if kb[s + 1] == kb[s]:
@@ -72,14 +56,14 @@ def segment_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_bound
     ``[Tq, H, D]`` and the log-sum-exp of every query row and head ``[Tq, H]`` (fp32)."""
     _check(q, k, v)
     q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
-    out = q.new_zeros(q.shape)
-    lse = q.new_zeros(q.shape[:2], dtype=torch.float32)
-    for qa, qb, ka, kb in _segments(q_bounds, k_bounds):
+    out = torch.empty_like(q)
+    lse = q.new_empty(q.shape[:2], dtype=torch.float32)
+    for qa, qb, ka, kb in _segments(q_bounds, k_bounds, q.shape[0], k.shape[0]):
         chunks = query_chunks(qb - qa, kb - ka)
         o, stats = torch.ops.aten._scaled_dot_product_cudnn_attention(
-            _as_batch(q[qa:qb], chunks), _keys(k[ka:kb], chunks), _keys(v[ka:kb], chunks), None, True)[:2]
-        out[qa:qb] = _from_batch(o, qb - qa)
-        lse[qa:qb] = _from_batch(stats.reshape(o.shape[:3]), qb - qa)
+            as_query_chunks(q[qa:qb], chunks), key_copies(k[ka:kb], chunks), key_copies(v[ka:kb], chunks), None, True)[:2]
+        out[qa:qb] = from_query_chunks(o, qb - qa)
+        lse[qa:qb] = from_query_chunks(stats.reshape(o.shape[:3]), qb - qa)
     return out, lse
 
 
@@ -94,17 +78,18 @@ def segment_attention_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Ten
                                k_bounds: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Gradients of :func:`segment_attention` w.r.t. ``q``, ``k``, ``v`` from its saved output and log-sum-exp."""
     dout, q, k, v, out = (t.contiguous() for t in (dout, q, k, v, out))
-    dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
+    # keys of a segment without queries get zero gradients; every query row is written
+    dq, dk, dv = torch.empty_like(q), torch.zeros_like(k), torch.zeros_like(v)
     seed = torch.zeros((), dtype=torch.int64, device=q.device)  # no dropout: the RNG state is unused
-    for qa, qb, ka, kb in _segments(q_bounds, k_bounds):
+    for qa, qb, ka, kb in _segments(q_bounds, k_bounds, q.shape[0], k.shape[0]):
         chunks = query_chunks(qb - qa, kb - ka)
-        qc, oc, doc = (_as_batch(t[qa:qb], chunks) for t in (q, out, dout))
-        stats = _as_batch(lse[qa:qb, :, None], chunks).contiguous()  # [chunks, H, L', 1]
+        qc, oc, doc = (as_query_chunks(t[qa:qb], chunks) for t in (q, out, dout))
+        stats = as_query_chunks(lse[qa:qb, :, None], chunks).contiguous()  # [chunks, H, L', 1]
         lk = kb - ka
         g = torch.ops.aten._scaled_dot_product_cudnn_attention_backward(
-            doc, qc, _keys(k[ka:kb], chunks), _keys(v[ka:kb], chunks), oc, stats, seed, seed, None, None, None,
+            doc, qc, key_copies(k[ka:kb], chunks), key_copies(v[ka:kb], chunks), oc, stats, seed, seed, None, None, None,
             qc.shape[2], lk, 0.0, False)
-        dq[qa:qb] = _from_batch(g[0], qb - qa)
+        dq[qa:qb] = from_query_chunks(g[0], qb - qa)
         dk[ka:kb] = g[1].sum(0).transpose(0, 1)
         dv[ka:kb] = g[2].sum(0).transpose(0, 1)
     return dq, dk, dv
