@@ -76,7 +76,8 @@ class _CountForwardOps(TorchDispatchMode):
     """Counts the forward ops run inside it: fused attention kernels, GEMMs of linear layers
     (``addmm``: every biased ``nn.Linear`` forward, the backward's gradient GEMMs being plain
     ``mm``; FP8 ``_scaled_mm`` on an e4m3 activation, the backward's having e5m2 grads) and the
-    fused FP8 cast op's e4m3 casts (the backward casts e5m2 grads)."""
+    fused FP8 cast ops' e4m3 casts (the backward casts e5m2 grads; the feed-forward's GELU output
+    is cast by its own op)."""
 
     def __init__(self):
         super().__init__()
@@ -87,7 +88,8 @@ class _CountForwardOps(TorchDispatchMode):
         fp8 = func is torch.ops.aten._scaled_mm.default and args[0].dtype == torch.float8_e4m3fn
         self.linear += func is torch.ops.aten.addmm.default or fp8
         self.fp8 += fp8
-        self.fp8_casts += func.name() == "loongforge::fp8_cast_transpose" and not args[2]
+        name = func.name()
+        self.fp8_casts += (name == "loongforge::fp8_cast_transpose" and not args[2]) or name == "loongforge::gelu_fp8_cast_transpose"
         return func(*args, **(kwargs or {}))
 
 
@@ -133,14 +135,18 @@ def test_selective_checkpointing_keeps_fused_fp8_casts():
     """With the fused cast op (Triton interpreter here) ``selective`` recomputes no FP8 cast in
     the backward (it keeps their outputs), ``full`` recomputes every one, and both give the
     gradients of no checkpointing."""
+    from loongforge.core.kernels.feed_forward import FeedForwardKernels
     from loongforge.kernels.fp8_cast import fp8_cast_transpose
+    from loongforge.kernels.gelu import gelu_fp8_cast_transpose, gelu_tanh_backward
 
     cfg, _, ours = _pair(fp8="tensorwise")
     for module in ours.modules():
         if getattr(module, "fp8_cast", None) is not None:
             module.fp8_cast = fp8_cast_transpose
+        if hasattr(module, "ffn_kernels"):
+            module.ffn_kernels = FeedForwardKernels(gelu_tanh_backward, fp8_cast_transpose, gelu_fp8_cast_transpose)
     recomputed = _recomputed_under_each_policy(ours, _packed_pair_batch(cfg))
-    # 2 layers x 6 FP8 linears x (input, weight)
+    # 2 layers x 6 FP8 linears x (input, weight); the down-projection's input is the GELU cast
     assert {p: c.fp8_casts for p, c in recomputed.items()} == {"none": 0, "full": 24, "selective": 0}
 
 

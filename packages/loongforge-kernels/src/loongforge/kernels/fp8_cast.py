@@ -2,7 +2,8 @@
 transposed copy that Hopper's FP8 GEMMs need for the weight gradient.
 
 Contract: ``loongforge.core.kernels.fp8_tensorwise.cast_transpose`` (bitwise on a GPU: the
-quotient is IEEE-rounded and the fp8 conversion rounds to nearest even, as torch's).
+input times the IEEE-rounded reciprocal of the scale, rounded to the nearest fp8 value, ties to
+even, as torch's).
 
 It is a ``torch.library`` custom op (``loongforge::fp8_cast_transpose``), so ``torch.compile``
 calls the kernel as it is instead of tracing into it; inductor still fuses the amax reduction
@@ -18,6 +19,7 @@ import triton.language as tl
 
 from loongforge.core.kernels.fp8_tensorwise import fp8_dtype, padded_rows
 from loongforge.kernels.launch import check_tensors
+from loongforge.kernels.tanh_gelu import gelu_tanh
 
 # 64x64 tiles, 4 warps: the fastest of ten tilings at a Wan-1.3B block's shapes on an H200
 # (14040 x 1536 and 14040 x 8960 bf16, 8960 x 1536 fp32)
@@ -26,23 +28,27 @@ BLOCK_COLS = 64
 
 
 @triton.jit
-def _cast_transpose(
+def cast_transpose_kernel(
     X, Q, QT, S, n_rows, n_cols, n_rows_t, stride_x,
-    FMAX: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
+    FMAX: tl.constexpr, GELU: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
 ):
+    """Casts ``X`` (or ``gelu(X)``, with ``GELU``) times the IEEE reciprocal of the scale at ``S``
+    into ``Q`` and ``QT``."""
     rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     cols = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
     rows64, cols64 = rows.to(tl.int64), cols.to(tl.int64)
     inside = (rows[:, None] < n_rows) & (cols[None, :] < n_cols)
     x = tl.load(X + rows64[:, None] * stride_x + cols[None, :], mask=inside, other=0.0).to(tl.float32)
-    q = tl.clamp(tl.math.div_rn(x, tl.load(S)), -FMAX, FMAX).to(Q.dtype.element_ty)
+    if GELU:
+        x = gelu_tanh(x)  # gelu(0) = 0: the padding stays zero
+    q = tl.clamp(x * tl.math.div_rn(1.0, tl.load(S)), -FMAX, FMAX).to(Q.dtype.element_ty)
     tl.store(Q + rows64[:, None] * n_cols + cols[None, :], q, mask=inside)
     # rows n_rows..n_rows_t of the transposed copy (its padding) get the zeros loaded for them
     tl.store(QT + cols64[:, None] * n_rows_t + rows[None, :], tl.trans(q),
              mask=(cols[:, None] < n_cols) & (rows[None, :] < n_rows_t))
 
 
-def _out_shapes(x: torch.Tensor) -> tuple[tuple[int, int], tuple[int, int]]:
+def out_shapes(x: torch.Tensor) -> tuple[tuple[int, int], tuple[int, int]]:
     rows, cols = x.shape
     return (rows, cols), (cols, padded_rows(rows))
 
@@ -57,17 +63,17 @@ def fp8_cast_transpose(x: torch.Tensor, scale: torch.Tensor, e5m2: bool) -> tupl
     dtype = fp8_dtype(e5m2)
     if x.stride(1) != 1:
         x = x.contiguous()
-    shape, shape_t = _out_shapes(x)
+    shape, shape_t = out_shapes(x)
     q = torch.empty(shape, device=x.device, dtype=dtype)
     q_t = torch.empty(shape_t, device=x.device, dtype=dtype)
     grid = (triton.cdiv(shape_t[1], BLOCK_ROWS), triton.cdiv(shape[1], BLOCK_COLS))
-    _cast_transpose[grid](x, q, q_t, scale.float(), shape[0], shape[1], shape_t[1], x.stride(0),
-                          FMAX=torch.finfo(dtype).max, BLOCK_R=BLOCK_ROWS, BLOCK_C=BLOCK_COLS, num_warps=4)
+    cast_transpose_kernel[grid](x, q, q_t, scale.float(), shape[0], shape[1], shape_t[1], x.stride(0),
+                                FMAX=torch.finfo(dtype).max, GELU=False, BLOCK_R=BLOCK_ROWS, BLOCK_C=BLOCK_COLS, num_warps=4)
     return q, q_t
 
 
 @fp8_cast_transpose.register_fake
 def _(x: torch.Tensor, scale: torch.Tensor, e5m2: bool) -> tuple[torch.Tensor, torch.Tensor]:
     dtype = fp8_dtype(e5m2)
-    shape, shape_t = _out_shapes(x)
+    shape, shape_t = out_shapes(x)
     return x.new_empty(shape, dtype=dtype), x.new_empty(shape_t, dtype=dtype)

@@ -134,6 +134,22 @@ def fp8_cast_transpose(x: torch.Tensor, scale: torch.Tensor, e5m2: bool) -> tupl
     return fused(x, scale, e5m2)
 
 
+@_by_device
+def gelu_tanh_backward(
+    dg: torch.Tensor, h: torch.Tensor, with_output: bool
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    from loongforge.kernels.gelu import gelu_tanh_backward as fused
+
+    return fused(dg, h, with_output)
+
+
+@_by_device
+def gelu_fp8_cast_transpose(h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    from loongforge.kernels.gelu import gelu_fp8_cast_transpose as fused
+
+    return fused(h)
+
+
 def supports_fp8(accelerator) -> bool:
     """Where Triton runs, except CUDA GPUs older than compute capability 8.9 (no FP8 tensor cores)."""
     if not supports(accelerator):
@@ -145,8 +161,9 @@ def supports_fp8(accelerator) -> bool:
 
 _OPS = (
     rms_norm, add_rms_norm, rope, swiglu, linear_cross_entropy, sparse_mla_attention, dsa_indexer_topk, dsa_indexer_loss,
+    gelu_tanh_backward,
 )
-_FP8_OPS = (fp8_linear, fp8_cast_transpose)
+_FP8_OPS = (fp8_linear, fp8_cast_transpose, gelu_fp8_cast_transpose)
 
 
 def fused_kernels() -> dict[str, KernelImpl]:

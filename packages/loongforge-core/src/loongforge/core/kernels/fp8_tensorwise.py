@@ -55,9 +55,12 @@ def tensor_scale(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 
 def quantize(t: torch.Tensor, dtype: torch.dtype, scale: torch.Tensor) -> torch.Tensor:
-    """``t / scale`` saturated to ``dtype``'s range and rounded to it (row-major, contiguous)."""
+    """``t * (1 / scale)`` saturated to ``dtype``'s range and rounded to it (row-major,
+    contiguous). A product with the rounded reciprocal, not a quotient: within an fp32 ulp of
+    ``t / scale`` (so it moves an FP8 value only at a rounding tie), and a fused kernel computes
+    it at memory speed where an IEEE division per element measured 1.45x slower on an H200."""
     fmax = torch.finfo(dtype).max
-    return (t.float() / scale).clamp(-fmax, fmax).to(dtype).contiguous()
+    return (t.float() * scale.float().reciprocal()).clamp(-fmax, fmax).to(dtype).contiguous()
 
 
 def quantize_transposed(t: torch.Tensor, dtype: torch.dtype, scale: torch.Tensor) -> torch.Tensor:
@@ -74,42 +77,56 @@ def cast_transpose(t: torch.Tensor, scale: torch.Tensor, e5m2: bool) -> tuple[to
     return quantize(t, dtype, scale), quantize_transposed(t, dtype, scale)
 
 
-def _gemm(a, b_t, scale_a, scale_b, out_dtype, bias=None):
+def gemm(a, b_t, scale_a, scale_b, out_dtype, bias=None):
     """``(a * scale_a) @ (b_t * scale_b).T`` with ``a`` row-major and ``b_t`` row-major ``[N, K]``."""
     return torch._scaled_mm(a, b_t.t(), scale_a=scale_a, scale_b=scale_b, bias=bias, out_dtype=out_dtype)
 
 
-def _forward_gemm(x_q, w_q, x_scale, w_scale, bias, out_dtype):
+def forward_gemm(x_q, w_q, x_scale, w_scale, bias, out_dtype):
     """``y = x w^T + b`` from the e4m3 operands; cuBLASLt adds a bias in the epilogue for
     half-precision outputs only."""
     fused_bias = bias is not None and out_dtype in (torch.bfloat16, torch.float16)
-    y = _gemm(x_q, w_q, x_scale, w_scale, out_dtype, bias.to(out_dtype) if fused_bias else None)
+    y = gemm(x_q, w_q, x_scale, w_scale, out_dtype, bias.to(out_dtype) if fused_bias else None)
     return y + bias.to(out_dtype) if bias is not None and not fused_bias else y
+
+
+def cast_operand(t: torch.Tensor, cast: Callable, e5m2: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(q, q_t, scale)``: ``t`` cast by ``cast`` (an ``fp8_cast_transpose``) with its current scale."""
+    scale = tensor_scale(t, fp8_dtype(e5m2))
+    return *cast(t, scale, e5m2), scale
+
+
+def linear_grads(dy_q, dy_t, dy_scale, w_t, w_scale, x_t, x_scale, x_dtype, need_dx: bool, need_dw: bool):
+    """``(dx, dw)`` of ``y = x w^T`` from the e5m2 output gradient in both layouts and the saved
+    transposed e4m3 operands (None where not needed); ``dw`` is fp32."""
+    dx = gemm(dy_q, w_t, dy_scale, w_scale, x_dtype) if need_dx else None
+    dw = gemm(dy_t, x_t, dy_scale, x_scale, torch.float32) if need_dw else None
+    return dx, dw
 
 
 class _TensorwiseFp8Linear(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x2, weight, bias, cast):
-        x_scale, w_scale = tensor_scale(x2, E4M3), tensor_scale(weight, E4M3)
-        x_q, x_t = cast(x2, x_scale, False)
-        w_q, w_t = cast(weight, w_scale, False)  # w_t [K, N]: N is a multiple of 16, so unpadded
+        x_q, x_t, x_scale = cast_operand(x2, cast, False)
+        w_q, w_t, w_scale = cast_operand(weight, cast, False)  # w_t [K, N]: N is a multiple of 16, so unpadded
         ctx.save_for_backward(x_t, x_scale, w_t, w_scale)
         ctx.x_dtype, ctx.cast = x2.dtype, cast
-        return _forward_gemm(x_q, w_q, x_scale, w_scale, bias, x2.dtype)
+        return forward_gemm(x_q, w_q, x_scale, w_scale, bias, x2.dtype)
 
     @staticmethod
     def backward(ctx, dy):
         x_t, x_scale, w_t, w_scale = ctx.saved_tensors
-        dx = dw = db = None
-        dy_scale = tensor_scale(dy, E5M2)
-        dy_q, dy_t = ctx.cast(dy, dy_scale, True)
-        if ctx.needs_input_grad[0]:
-            dx = _gemm(dy_q, w_t, dy_scale, w_scale, ctx.x_dtype)
-        if ctx.needs_input_grad[1]:
-            dw = _gemm(dy_t, x_t, dy_scale, x_scale, torch.float32)
-        if ctx.needs_input_grad[2]:  # False without a bias
-            db = dy.float().sum(0)
+        dy_q, dy_t, dy_scale = cast_operand(dy, ctx.cast, True)
+        needs = ctx.needs_input_grad
+        dx, dw = linear_grads(dy_q, dy_t, dy_scale, w_t, w_scale, x_t, x_scale, ctx.x_dtype, needs[0], needs[1])
+        db = dy.float().sum(0) if needs[2] else None  # False without a bias
         return dx, dw, db, None
+
+
+def forward_gemm_no_grad(x2: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """The forward GEMM alone (no autograd): row-major casts only, no transposed copies."""
+    x_scale, w_scale = tensor_scale(x2, E4M3), tensor_scale(weight, E4M3)
+    return forward_gemm(quantize(x2, E4M3, x_scale), quantize(weight, E4M3, w_scale), x_scale, w_scale, bias, x2.dtype)
 
 
 def check_tensorwise_linear(op: str, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
@@ -137,6 +154,5 @@ def fp8_linear_tensorwise(
     if torch.is_grad_enabled() and (x2.requires_grad or weight.requires_grad or (bias is not None and bias.requires_grad)):
         y = _TensorwiseFp8Linear.apply(x2, weight, bias, cast)
     else:  # no backward: no transposed copies
-        x_scale, w_scale = tensor_scale(x2, E4M3), tensor_scale(weight, E4M3)
-        y = _forward_gemm(quantize(x2, E4M3, x_scale), quantize(weight, E4M3, w_scale), x_scale, w_scale, bias, x2.dtype)
+        y = forward_gemm_no_grad(x2, weight, bias)
     return y.view(*x.shape[:-1], weight.shape[0])

@@ -1,9 +1,9 @@
 """Torch reference implementations of LoongForge's named fused ops.
 
 These define each op's contract (shapes, dtypes, numerics); DeepSeek sparse attention's ops live
-in ``dsa.py`` and the FP8 linear in ``fp8.py``. Fused versions registered through
-the ``loongforge.kernels`` entry-point group must match them; they are what runs when no fused
-version applies (CPU, a device without Triton, or ``kernels.force_reference``).
+in ``dsa.py``, the FP8 linear in ``fp8.py``, the feed-forward's GELU ops in ``gelu.py``. Fused
+versions registered through the ``loongforge.kernels`` entry-point group must match them; they
+are what runs when no fused version applies (CPU, a device without Triton, or ``kernels.force_reference``).
 """
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from loongforge.core.kernels.dsa import dsa_indexer_loss, dsa_indexer_topk, sparse_mla_attention
 from loongforge.core.kernels.fp8 import fp8_linear
 from loongforge.core.kernels.fp8_tensorwise import cast_transpose as fp8_cast_transpose
+from loongforge.core.kernels.gelu import gelu_fp8_cast_transpose, gelu_tanh_backward
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
@@ -80,4 +81,6 @@ REFERENCE_OPS = {
     "sparse_mla_attention": sparse_mla_attention,
     "fp8_linear": fp8_linear,
     "fp8_cast_transpose": fp8_cast_transpose,
+    "gelu_tanh_backward": gelu_tanh_backward,
+    "gelu_fp8_cast_transpose": gelu_fp8_cast_transpose,
 }

@@ -27,7 +27,8 @@ variants), so ``load_state_dict`` of a diffusers checkpoint is the identity mapp
 
 The embedding modules that have nothing to do with packing (time/text embedder, LayerNorms,
 GELU feed-forward) are diffusers' own modules, so their numerics are diffusers'; the
-feed-forward's forward is written out here (same ops) so its linears can run in FP8.
+feed-forward runs as ``loongforge.core.kernels.feed_forward.gelu_feed_forward`` (the same ops
+forward, a backward that reads the hidden activation once, FP8 GEMMs with ``model.fp8``).
 """
 
 from __future__ import annotations
@@ -44,6 +45,7 @@ from diffusers.models.transformers.transformer_wan import WanTimeTextImageEmbedd
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 from loongforge.core.kernels import get_kernel
+from loongforge.core.kernels.feed_forward import feed_forward_kernels, gelu_feed_forward
 from loongforge.core.kernels.fp8_tensorwise import fp8_linear_tensorwise
 from loongforge.diffusion.context_parallel import ContextParallel, heads_to_seq, seq_to_heads
 from loongforge.diffusion.model.attention import Segments, packed_attention
@@ -109,7 +111,8 @@ def kept_ops() -> frozenset:
 # recomputing them means recomputing that input first (on the H200 bench: 2.5 ms a step slower).
 # By name: the op exists only once loongforge-kernels has registered it. The ``cudnn`` attention
 # backend's op is kept like every attention kernel.
-KEPT_CUSTOM_OPS = ("loongforge::fp8_cast_transpose", "loongforge_diffusion::segment_attention")
+KEPT_CUSTOM_OPS = ("loongforge::fp8_cast_transpose", "loongforge::gelu_fp8_cast_transpose",
+                   "loongforge_diffusion::segment_attention")
 
 
 def _keep_attention_and_gemms(ctx, op, *args, **kwargs):
@@ -209,7 +212,7 @@ class WanBlock(nn.Module):
         self.ffn = FeedForward(dim, inner_dim=cfg.ffn_dim, activation_fn="gelu-approximate")
         self.norm3 = FP32LayerNorm(dim, cfg.eps, elementwise_affine=False)
         self.scale_shift_table = nn.Parameter(torch.randn(1, 6, dim) / dim**0.5)
-        self.checkpointing, self.fp8_cast = cfg.activation_checkpointing, _fp8_cast(fp8)
+        self.checkpointing, self.ffn_kernels = cfg.activation_checkpointing, feed_forward_kernels(fp8)
 
     def forward(self, x: torch.Tensor, text: torch.Tensor, temb: torch.Tensor, tc: TokenContext) -> torch.Tensor:
         if self.checkpointing == "none" or not torch.is_grad_enabled():
@@ -232,10 +235,9 @@ class WanBlock(nn.Module):
         return (x.float() + self._feed_forward(h).float() * c_gate).type_as(x)
 
     def _feed_forward(self, h: torch.Tensor) -> torch.Tensor:
-        """diffusers' ``FeedForward`` (tanh-GELU, dropouts of 0) over our linears."""
+        """diffusers' ``FeedForward`` (tanh-GELU, dropouts of 0) with a fused backward (and FP8 GEMMs)."""
         up, down = self.ffn.net[0].proj, self.ffn.net[2]
-        h = F.gelu(_linear(h, up.weight, up.bias, self.fp8_cast), approximate="tanh")
-        return _linear(h, down.weight, down.bias, self.fp8_cast)
+        return gelu_feed_forward(h, up.weight, up.bias, down.weight, down.bias, self.ffn_kernels)
 
 
 # Inductor's mix-order reductions (a norm's per-token reduction fused with a weight or bias

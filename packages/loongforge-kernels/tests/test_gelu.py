@@ -1,0 +1,96 @@
+"""The feed-forward's fused GELU ops against their references (``core.kernels.gelu``).
+
+On CPU they run in Triton's interpreter, whose fp32 -> e4m3 cast mis-rounds across binades (see
+test_fp8.py), so there the GELU cast is compared with the plain cast kernel applied to the
+reference GELU; on a GPU it is compared with the reference itself."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from loongforge.core.kernels import gelu as ref
+from loongforge.core.kernels.feed_forward import FeedForwardKernels, gelu_feed_forward
+from loongforge.kernels.fp8_cast import fp8_cast_transpose
+from loongforge.kernels.gelu import BLOCK_M, BLOCK_N, gelu_fp8_cast_transpose, gelu_tanh_backward
+
+from .conftest import compiled_on_gpu
+
+
+def _hidden(rows, cols, dtype, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    h = torch.randn(rows, cols, generator=g) * 3  # well into both tails of the GELU
+    dg = torch.randn(rows, cols, generator=g)
+    return h.to(dtype).to(torch.get_default_device()), dg.to(dtype).to(torch.get_default_device())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows, cols", [(2 * BLOCK_M + 5, BLOCK_N + 44), (3, 40)])
+def test_gelu_tanh_backward_equals_reference(dtype, rows, cols):
+    h, dg = _hidden(rows, cols, dtype)
+    dh, db, amax, g = gelu_tanh_backward(dg, h, True)
+    want_dh, want_db, want_amax, want_g = ref.gelu_tanh_backward(dg, h, True)
+    assert dh.dtype == g.dtype == dtype and db.dtype == amax.dtype == torch.float32
+    # fp32: a few ulps (tanh through exp2); bf16: one rounding step of the output
+    tol = {"atol": 2e-5, "rtol": 1e-5} if dtype == torch.float32 else {"atol": 2e-2, "rtol": 1e-2}
+    torch.testing.assert_close(dh, want_dh, **tol)
+    torch.testing.assert_close(g, want_g, **tol)
+    torch.testing.assert_close(db, want_db, atol=1e-4, rtol=1e-5)
+    torch.testing.assert_close(amax, want_amax, atol=0, rtol=1e-5)
+    assert gelu_tanh_backward(dg, h, False)[3].numel() == 0
+
+
+@pytest.mark.parametrize("rows", [37, 64])
+def test_gelu_fp8_cast_transpose_is_the_cast_of_gelu(rows):
+    h, _ = _hidden(rows, 96, torch.bfloat16, seed=2)
+    q, q_t, scale = gelu_fp8_cast_transpose(h)
+    want_q, want_t, want_scale = ref.gelu_fp8_cast_transpose(h)
+    torch.testing.assert_close(scale, want_scale, atol=0, rtol=1e-6)
+    assert q.shape == want_q.shape and q_t.shape == want_t.shape == (96, rows + (-rows % 16))
+    if compiled_on_gpu():  # the reference's own rounding (torch's tanh vs exp2: ties may differ)
+        same = (q.float() == want_q.float()).float().mean().item()
+        assert same > 0.999
+        torch.testing.assert_close(q.float(), want_q.float(), atol=0, rtol=0.0625)
+    else:  # the interpreter's cast of the reference GELU, scaled the same
+        plain_q, plain_t = fp8_cast_transpose(F.gelu(h.float(), approximate="tanh"), scale, False)
+        assert torch.equal(q.float(), plain_q.float()) and torch.equal(q_t.float(), plain_t.float())
+    assert torch.equal(q_t[:, :rows].float(), q.t().float()) and not q_t[:, rows:].float().any()
+
+
+def test_fused_feed_forward_equals_the_reference_ops():
+    """gelu_feed_forward with the Triton ops (FP8 and not) equals it with the references. In the
+    interpreter the FP8 casts stay the references' (its e4m3 rounding is not the GPU's), so the
+    fused GELU backward is checked inside the FP8 feed-forward as well."""
+    from loongforge.core.kernels import REFERENCE_OPS
+
+    torch.manual_seed(0)
+    device = torch.get_default_device()
+    x = torch.randn(50, 32, device=device)
+    params = [torch.randn(s, device=device) / s[-1] ** 0.5 for s in ((64, 32), (64,), (48, 64), (48,))]
+    casts = ((fp8_cast_transpose, gelu_fp8_cast_transpose) if compiled_on_gpu()
+             else (REFERENCE_OPS["fp8_cast_transpose"], REFERENCE_OPS["gelu_fp8_cast_transpose"]))
+    reference_casts = (REFERENCE_OPS["fp8_cast_transpose"], REFERENCE_OPS["gelu_fp8_cast_transpose"])
+    cases = {False: (FeedForwardKernels(gelu_tanh_backward), FeedForwardKernels(REFERENCE_OPS["gelu_tanh_backward"])),
+             True: (FeedForwardKernels(gelu_tanh_backward, *casts),
+                    FeedForwardKernels(REFERENCE_OPS["gelu_tanh_backward"], *reference_casts))}
+    for fp8, kernel_sets in cases.items():
+        results = []
+        for kernels in kernel_sets:
+            xs = x.clone().requires_grad_()
+            ps = [p.clone().requires_grad_() for p in params]
+            y = gelu_feed_forward(xs, *ps, kernels)
+            y.backward(torch.linspace(-1, 1, y.numel(), device=device).view_as(y))
+            results.append([y.detach(), xs.grad, *(p.grad for p in ps)])
+        for got, want in zip(*results):
+            if fp8 and compiled_on_gpu():  # an element may round to the next e4m3 value
+                assert ((got - want).norm() / want.norm()).item() < 0.02
+            else:
+                torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+
+
+def test_rejects_bad_inputs():
+    with pytest.raises(ValueError, match=r"gelu_tanh_backward: expected matrices of one shape"):
+        gelu_tanh_backward(torch.zeros(4, 4), torch.zeros(4, 5), False)
+    with pytest.raises(ValueError, match=r"gelu_fp8_cast_transpose: expected matrices of one shape, got \[\(2, 3, 4\)\]"):
+        gelu_fp8_cast_transpose(torch.zeros(2, 3, 4))
