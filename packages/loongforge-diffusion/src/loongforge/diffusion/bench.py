@@ -10,7 +10,7 @@ fused AdamW on CUDA. Both use bf16 autocast on GPUs (fp32 on CPU).
 
 Every run reports its step time split into forward (with the loss), backward and optimizer, from
 CUDA events on a GPU (no host sync inside the step) or the wall clock elsewhere. Each run's
-first-step loss must agree with the baseline's. Extra variants of ours (model-config overrides,
+first-step loss must agree with the baseline's, and its last timed step's must be finite. Extra variants of ours (model-config overrides,
 e.g. ``activation_checkpointing=none``) run after the headline one. Results are reported as soon
 as each run ends; the profiler table and the attention-kernel timings come after the headline
 result, and a failure in them is reported without hiding it.
@@ -18,6 +18,7 @@ result, and a failure in them is reported without hiding it.
 
 from __future__ import annotations
 
+import math
 import time
 import traceback
 from collections.abc import Callable
@@ -41,6 +42,7 @@ class RunResult:
     optimizer_s: float
     peak_bytes: float
     first_loss: float
+    last_loss: float  # of the last timed step: training stayed finite
 
 
 class _Clock:
@@ -178,11 +180,12 @@ class Bench:
         marks = []
         t0 = time.perf_counter()
         for _ in range(self.steps):
-            marks.append(self._step(forward_loss, opt, clock)[1])
+            loss, step_marks = self._step(forward_loss, opt, clock)
+            marks.append(step_marks)
         self.accel.synchronize()
         step_s = (time.perf_counter() - t0) / self.steps
         phases = [sum(clock.seconds(m[i], m[i + 1]) for m in marks) / self.steps for i in range(3)]
-        return RunResult(name, step_s, *phases, float(self.accel.memory_stats().peak_allocated), first)
+        return RunResult(name, step_s, *phases, float(self.accel.memory_stats().peak_allocated), first, float(loss))
 
     def release(self, model, opt) -> None:
         model.to("cpu")
@@ -267,14 +270,17 @@ def run_bench(recipe, steps: int = 10, warmup: int = 3, batch_size: int = 1, var
     fp8_runs.update({f"variant {i}": cfg.fp8 != "none" for i, (_, cfg) in enumerate(configs, start=1)})
 
     def agrees(r: RunResult) -> bool:
-        return _loss_agrees(base.first_loss, r.first_loss, bench.dtype, fp8_runs.get(r.name, False))
+        """First-step loss as the baseline's, and still finite after the timed steps."""
+        finite = math.isfinite(r.last_loss)
+        return finite and _loss_agrees(base.first_loss, r.first_loss, bench.dtype, fp8_runs.get(r.name, False))
 
     def line(r: RunResult, base: RunResult | None) -> str:
         text = (f"{r.name:>10}: {r.step_s * 1e3:8.1f} ms/step {bench.tokens / r.step_s:10.0f} tokens/s  "
                 f"peak {r.peak_bytes / 2**30:6.2f} GiB  forward {r.forward_s * 1e3:7.1f}  backward "
-                f"{r.backward_s * 1e3:7.1f}  optimizer {r.optimizer_s * 1e3:6.1f} ms  first loss {r.first_loss:.5f}")
+                f"{r.backward_s * 1e3:7.1f}  optimizer {r.optimizer_s * 1e3:6.1f} ms  first loss {r.first_loss:.5f}  "
+                f"last {r.last_loss:.5f}")
         if base is not None:
-            agree = "" if agrees(r) else "  LOSS MISMATCH"
+            agree = "" if agrees(r) else "  LOSS MISMATCH OR NOT FINITE"
             text += f"  speed-up {base.step_s / r.step_s:.2f}x{agree}"
         return text
 
@@ -318,6 +324,6 @@ def run_bench(recipe, steps: int = 10, warmup: int = 3, batch_size: int = 1, var
 
     bad = [r.name for r in results.values() if not agrees(r)]
     if bad:
-        raise AssertionError(f"first-step losses disagree with diffusers ({base.first_loss:.6f}): "
-                             + ", ".join(f"{n} {results[n].first_loss:.6f}" for n in bad))
+        raise AssertionError(f"first-step losses disagree with diffusers ({base.first_loss:.6f}) or the last is not finite: "
+                             + ", ".join(f"{n} {results[n].first_loss:.6f} (last {results[n].last_loss:.6f})" for n in bad))
     return results

@@ -30,7 +30,8 @@ BLOCK_COLS = 64
 @triton.jit
 def cast_transpose_kernel(
     X, Q, QT, S, n_rows, n_cols, n_rows_t, stride_x,
-    FMAX: tl.constexpr, GELU: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
+    FMAX: tl.constexpr, GELU: tl.constexpr, TRANSPOSE_BY_LOAD: tl.constexpr,
+    BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
 ):
     """Casts ``X`` (or ``gelu(X)``, with ``GELU``) times the IEEE reciprocal of the scale at ``S``
     into ``Q`` and ``QT``."""
@@ -41,11 +42,22 @@ def cast_transpose_kernel(
     x = tl.load(X + rows64[:, None] * stride_x + cols[None, :], mask=inside, other=0.0).to(tl.float32)
     if GELU:
         x = gelu_tanh(x)  # gelu(0) = 0: the padding stays zero
-    q = tl.clamp(x * tl.math.div_rn(1.0, tl.load(S)), -FMAX, FMAX).to(Q.dtype.element_ty)
+    inverse = tl.math.div_rn(1.0, tl.load(S))
+    q = tl.clamp(x * inverse, -FMAX, FMAX).to(Q.dtype.element_ty)
     tl.store(Q + rows64[:, None] * n_cols + cols[None, :], q, mask=inside)
     # rows n_rows..n_rows_t of the transposed copy (its padding) get the zeros loaded for them
-    tl.store(QT + cols64[:, None] * n_rows_t + rows[None, :], tl.trans(q),
-             mask=(cols[:, None] < n_cols) & (rows[None, :] < n_rows_t))
+    inside_t = (cols[:, None] < n_cols) & (rows[None, :] < n_rows_t)
+    if TRANSPOSE_BY_LOAD:
+        # fp32 inputs (master weights): tl.trans of their tile wrote wrong bytes into some
+        # transposed copies on an H200 (Triton 3.6), so the tile is read again in column order
+        xt = tl.load(X + rows64[None, :] * stride_x + cols[:, None],
+                     mask=(cols[:, None] < n_cols) & (rows[None, :] < n_rows), other=0.0).to(tl.float32)
+        if GELU:
+            xt = gelu_tanh(xt)
+        q_t = tl.clamp(xt * inverse, -FMAX, FMAX).to(QT.dtype.element_ty)
+    else:
+        q_t = tl.trans(q)
+    tl.store(QT + cols64[:, None] * n_rows_t + rows[None, :], q_t, mask=inside_t)
 
 
 def out_shapes(x: torch.Tensor) -> tuple[tuple[int, int], tuple[int, int]]:
@@ -68,7 +80,8 @@ def fp8_cast_transpose(x: torch.Tensor, scale: torch.Tensor, e5m2: bool) -> tupl
     q_t = torch.empty(shape_t, device=x.device, dtype=dtype)
     grid = (triton.cdiv(shape_t[1], BLOCK_ROWS), triton.cdiv(shape[1], BLOCK_COLS))
     cast_transpose_kernel[grid](x, q, q_t, scale.float(), shape[0], shape[1], shape_t[1], x.stride(0),
-                                FMAX=torch.finfo(dtype).max, GELU=False, BLOCK_R=BLOCK_ROWS, BLOCK_C=BLOCK_COLS, num_warps=4)
+                                FMAX=torch.finfo(dtype).max, GELU=False,
+                                TRANSPOSE_BY_LOAD=x.dtype == torch.float32, BLOCK_R=BLOCK_ROWS, BLOCK_C=BLOCK_COLS, num_warps=4)
     return q, q_t
 
 

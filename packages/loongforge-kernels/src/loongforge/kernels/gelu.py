@@ -132,7 +132,8 @@ def gelu_fp8_cast_transpose(h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor
     q_t = torch.empty(shape_t, device=h.device, dtype=E4M3)
     grid = (triton.cdiv(shape_t[1], BLOCK_ROWS), triton.cdiv(shape[1], BLOCK_COLS))
     cast_transpose_kernel[grid](h, q, q_t, scale, shape[0], shape[1], shape_t[1], h.stride(0),
-                                FMAX=torch.finfo(E4M3).max, GELU=True, BLOCK_R=BLOCK_ROWS, BLOCK_C=BLOCK_COLS, num_warps=4)
+                                FMAX=torch.finfo(E4M3).max, GELU=True,
+                                TRANSPOSE_BY_LOAD=h.dtype == torch.float32, BLOCK_R=BLOCK_ROWS, BLOCK_C=BLOCK_COLS, num_warps=4)
     return q, q_t, scale
 
 
