@@ -22,7 +22,9 @@ from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
 from loongforge.kernels import dsa_indexer as dsi  # noqa: E402
+from loongforge.kernels import fp8_cast as fc  # noqa: E402
 from loongforge.kernels import fp8_gemm as fg  # noqa: E402
+from loongforge.kernels import gelu as ge  # noqa: E402
 from loongforge.kernels import linear_cross_entropy as lce  # noqa: E402
 from loongforge.kernels import rms_norm as rn  # noqa: E402
 from loongforge.kernels import rope as rp  # noqa: E402
@@ -57,7 +59,7 @@ def build(
     shared = kernel.metadata.shared
     if shared > MAX_SHARED:
         sys.exit(f"{fn.__name__} {constexprs}: needs {shared} bytes of shared memory, sm_90 has {MAX_SHARED}")
-    dtype = next((types[k] for k in ("X", "GU", "LOGITS", "DY", "Q", "A", "W") if k in types), "")
+    dtype = next((types[k] for k in ("X", "GU", "LOGITS", "DY", "DG", "H", "Q", "A", "W") if k in types), "")
     print(f"compiled {fn.__name__} {dtype} {constexprs} shared={shared}")
 
 
@@ -114,7 +116,8 @@ def build_dsa(dtype: str) -> None:
 
 
 def build_fp8() -> None:
-    """The FP8 quantisers (bf16 and fp32 inputs) and the blockwise-scaled GEMM (both B scalings)."""
+    """The FP8 quantisers (bf16 and fp32 inputs), the tensor-wise cast-transpose (e4m3/e5m2, with
+    and without the GELU prologue) and the blockwise-scaled GEMM (both B scalings)."""
     i32, f8 = "i32", "*fp8e4nv"
     limits = dict(AMAX_FLOOR=fg.AMAX_FLOOR, FP8_MAX=fg.FP8_MAX, INV_FP8_MAX=fg.INV_FP8_MAX)
     for dtype in ("bf16", "fp32"):
@@ -126,6 +129,14 @@ def build_fp8() -> None:
               dict(limits, BLOCK_R=fg.BLOCK, BLOCK_C=64))
         build(fg._quant_blocks, dict(W=f"*{dtype}", Q=f8, S="*fp32", stride_w=i32, stride_q=i32, stride_s=i32, **rows),
               dict(limits, BLOCK=fg.BLOCK), num_warps=8)
+    for dtype in ("bf16", "fp32"):  # tensor-wise cast-transpose (plain and with the GELU prologue)
+        for q_type, fmax in ((f8, 448.0), ("*fp8e5", 57344.0)):
+            for gelu in (False, True):
+                build(fc.cast_transpose_kernel,
+                      dict(X=f"*{dtype}", Q=q_type, QT=q_type, S="*fp32", n_rows=i32, n_cols=i32, n_rows_t=i32,
+                           stride_x=i32),
+                      dict(FMAX=fmax, GELU=gelu, TRANSPOSE_BY_LOAD=dtype == "fp32", BLOCK_R=fc.BLOCK_ROWS,
+                           BLOCK_C=fc.BLOCK_COLS))
     for b_blocked, out in ((True, "bf16"), (False, "fp32")):
         build(
             fg._fp8_gemm,
@@ -186,6 +197,12 @@ def main() -> None:
                  stride_dloss=i32, ignore_index=i32),
             dict(BLOCK=lce.BLOCK_VOCAB), num_warps=8,
         )
+        for with_output in (True, False):
+            build(ge._gelu_tanh_backward,
+                  dict(DG=p, H=p, DH=p, G=p, PARTIAL="*fp32", AMAX="*fp32", n_rows=i32, n_cols=i32,
+                       rows_per_program=i32),
+                  dict(WITH_OUTPUT=with_output, BLOCK_M=ge.BLOCK_M, BLOCK_N=ge.BLOCK_N), num_warps=ge.NUM_WARPS)
+        build(ge._gelu_amax, dict(H=p, AMAX="*fp32", numel=i32), dict(BLOCK=ge.AMAX_BLOCK), num_warps=8)
         build_dsa(dtype)
     build_fp8()
 

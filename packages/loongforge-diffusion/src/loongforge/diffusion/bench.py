@@ -10,8 +10,9 @@ fused AdamW on CUDA. Both use bf16 autocast on GPUs (fp32 on CPU).
 
 Every run reports its step time split into forward (with the loss), backward and optimizer, from
 CUDA events on a GPU (no host sync inside the step) or the wall clock elsewhere. Each run's
-first-step loss must agree with the baseline's, and its last timed step's must be finite. Extra variants of ours (model-config overrides,
-e.g. ``activation_checkpointing=none``) run after the headline one. Results are reported as soon
+first-step loss must agree with the baseline's, and its last timed step's must be finite. Extra
+variants of ours (model-config overrides, e.g. ``activation_checkpointing=none``) run after the
+headline one. Results are reported as soon
 as each run ends; the profiler table and the attention-kernel timings come after the headline
 result, and a failure in them is reported without hiding it.
 """

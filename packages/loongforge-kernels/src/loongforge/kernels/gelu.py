@@ -20,6 +20,7 @@ import triton.language as tl
 
 from loongforge.core.kernels.fp8 import AMAX_FLOOR
 from loongforge.core.kernels.fp8_tensorwise import E4M3
+from loongforge.core.kernels.gelu import check_matrices
 from loongforge.kernels.fp8_cast import BLOCK_COLS, BLOCK_ROWS, cast_transpose_kernel, out_shapes
 from loongforge.kernels.launch import check_tensors, persistent_programs
 from loongforge.kernels.tanh_gelu import gelu_tanh, gelu_tanh_and_slope
@@ -74,10 +75,7 @@ def _gelu_amax(H, AMAX, numel, BLOCK: tl.constexpr):
 
 
 def _check_matrices(op: str, *tensors: torch.Tensor) -> None:
-    shape = tensors[0].shape
-    for t in tensors:
-        if t.dim() != 2 or t.shape != shape:
-            raise ValueError(f"{op}: expected matrices of one shape, got {[tuple(x.shape) for x in tensors]}")
+    check_matrices(op, *tensors)
     check_tensors(op, *tensors)
 
 

@@ -25,7 +25,8 @@ import torch.nn.functional as F
 from loongforge.core.kernels.fp8_tensorwise import E4M3, cast_transpose, tensor_scale
 
 
-def _check_hidden(op: str, *tensors: torch.Tensor) -> None:
+def check_matrices(op: str, *tensors: torch.Tensor) -> None:
+    """Clear error unless ``tensors`` are matrices of one shape."""
     shape = tensors[0].shape
     for t in tensors:
         if t.dim() != 2 or t.shape != shape:
@@ -41,7 +42,7 @@ def gelu_tanh_backward(
     and the amax are fp32, summed and taken over the fp32 ``dh`` before it is rounded; ``g`` is
     ``gelu(h)`` in ``h``'s dtype when ``with_output``, else an empty tensor.
     """
-    _check_hidden("gelu_tanh_backward", dg, h)
+    check_matrices("gelu_tanh_backward", dg, h)
     dh32 = torch.ops.aten.gelu_backward(dg.float(), h.float(), approximate="tanh")
     g = F.gelu(h.float(), approximate="tanh").to(h.dtype) if with_output else h.new_empty(0)
     return dh32.to(dg.dtype), dh32.sum(0), dh32.abs().amax(), g
@@ -50,7 +51,7 @@ def gelu_tanh_backward(
 def gelu_fp8_cast_transpose(h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(q [M, N], q_t [N, M'], scale)``: ``gelu(h)`` (fp32, not rounded to ``h``'s dtype) cast to
     e4m3 with the tensor-wise scale ``amax(|gelu(h)|) / 448`` in both layouts (``cast_transpose``)."""
-    _check_hidden("gelu_fp8_cast_transpose", h)
+    check_matrices("gelu_fp8_cast_transpose", h)
     g = F.gelu(h.float(), approximate="tanh")
     scale = tensor_scale(g, E4M3)
     return *cast_transpose(g, scale, False), scale
