@@ -204,9 +204,10 @@ def test_fp8_linear_rejects_bad_inputs():
         ref.fp8_linear(torch.randn(4, 8).to(torch.float8_e4m3fn), torch.randn(6, 8))
 
 
+@pytest.mark.parametrize("dtype_in", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("e5m2", [False, True])
 @pytest.mark.parametrize("rows", [37, 64])
-def test_cast_transpose_layouts_and_values(e5m2, rows):
+def test_cast_transpose_layouts_and_values(e5m2, rows, dtype_in):
     """Tensor-wise cast-transpose: both copies are the reference's, the transposed one padded
     with zeros to a multiple of 16 rows. The values are chosen on the FP8 grid times a power of
     two (so no rounding happens: the interpreter's fp8 cast mis-rounds across binades); the GPU
@@ -218,7 +219,7 @@ def test_cast_transpose_layouts_and_values(e5m2, rows):
     torch.manual_seed(0)
     grid = (torch.randn(rows, 160) * 50).clamp(-400, 400).to(dtype).float()
     grid[3, 7] = torch.finfo(dtype).max  # the amax: the scale is exactly 2^-4
-    x = (grid * 2.0**-4).to(torch.bfloat16)
+    x = (grid * 2.0**-4).to(dtype_in)  # bf16 takes tl.trans, fp32 the second, column-order read
     scale = tensor_scale(x, dtype)
     assert scale.item() == 2.0**-4
     q, q_t = fp8_cast_transpose(x, scale, e5m2)

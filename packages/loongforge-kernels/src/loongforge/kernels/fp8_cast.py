@@ -7,8 +7,9 @@ even, as torch's).
 
 It is a ``torch.library`` custom op (``loongforge::fp8_cast_transpose``), so ``torch.compile``
 calls the kernel as it is instead of tracing into it; inductor still fuses the amax reduction
-that makes the scale with the producer of the input. A tile is read once and stored twice, the
-second time through ``tl.trans``, so both copies are written row by row.
+that makes the scale with the producer of the input. A bf16/fp16 tile is read once and stored
+twice, the second time through ``tl.trans``, so both copies are written row by row; an fp32 tile
+(master weights) is read a second time in column order for the transposed copy (below).
 """
 
 from __future__ import annotations
@@ -67,7 +68,7 @@ def out_shapes(x: torch.Tensor) -> tuple[tuple[int, int], tuple[int, int]]:
 
 @torch.library.custom_op("loongforge::fp8_cast_transpose", mutates_args=())
 def fp8_cast_transpose(x: torch.Tensor, scale: torch.Tensor, e5m2: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """``x [M, C]`` -> (``q [M, C]``, ``q_t [C, M']``): ``x / scale`` saturated and rounded to
+    """``x [M, C]`` -> (``q [M, C]``, ``q_t [C, M']``): ``x * (1 / scale)`` saturated and rounded to
     e5m2 (``e5m2``) or e4m3, and its transpose with ``M`` zero-padded to a multiple of 16."""
     if x.dim() != 2 or scale.numel() != 1:
         raise ValueError(f"fp8_cast_transpose: expected a matrix and a scalar scale, got {tuple(x.shape)} and {tuple(scale.shape)}")

@@ -18,8 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
-from loongforge.core.kernels.fp8 import AMAX_FLOOR
-from loongforge.core.kernels.fp8_tensorwise import E4M3
+from loongforge.core.kernels.fp8_tensorwise import E4M3, scale_from_amax
 from loongforge.core.kernels.gelu import check_matrices
 from loongforge.kernels.fp8_cast import BLOCK_COLS, BLOCK_ROWS, cast_transpose_kernel, out_shapes
 from loongforge.kernels.launch import check_tensors, persistent_programs
@@ -60,17 +59,20 @@ def _gelu_tanh_backward(
         col_sum += dh
         col_max = tl.maximum(col_max, tl.abs(dh))
     tl.store(PARTIAL + tl.program_id(1) * n_cols + cols, tl.sum(col_sum, axis=0), mask=col_ok)
+    # a NaN in dh is skipped here (the reference's amax would be NaN), but dh itself carries it on
     tl.atomic_max(AMAX, tl.max(tl.max(col_max, axis=1), axis=0))
 
 
 @triton.jit
 def _gelu_amax(H, AMAX, numel, BLOCK: tl.constexpr):
-    step = tl.num_programs(0) * BLOCK
     acc = tl.zeros([BLOCK], dtype=tl.float32)
-    for start in range(tl.program_id(0) * BLOCK, numel, step):
-        offsets = start + tl.arange(0, BLOCK).to(tl.int64)
+    # the loop counts blocks; the element offsets advance in int64 (an int32 one would wrap near 2^31)
+    offsets = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    step = tl.num_programs(0).to(tl.int64) * BLOCK
+    for _ in range(tl.program_id(0), tl.cdiv(numel, BLOCK), tl.num_programs(0)):
         y = tl.load(H + offsets, mask=offsets < numel, other=0.0).to(tl.float32)
         acc = tl.maximum(acc, tl.abs(gelu_tanh(y)))
+        offsets += step
     tl.atomic_max(AMAX, tl.max(acc, axis=0))
 
 
@@ -86,6 +88,12 @@ def _row_groups(device: torch.device, n_rows: int, n_col_blocks: int) -> int:
     return triton.cdiv(triton.cdiv(n_rows, groups), BLOCK_M) * BLOCK_M
 
 
+def _backward_outputs(dg: torch.Tensor, h: torch.Tensor, with_output: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """``dh`` and ``gelu(h)`` (empty unless ``with_output``), row-major whatever the inputs' strides."""
+    dh = dg.new_empty(dg.shape)
+    return dh, h.new_empty(h.shape) if with_output else h.new_empty(0)
+
+
 @torch.library.custom_op("loongforge::gelu_tanh_backward", mutates_args=())
 def gelu_tanh_backward(
     dg: torch.Tensor, h: torch.Tensor, with_output: bool
@@ -94,8 +102,7 @@ def gelu_tanh_backward(
     _check_matrices("gelu_tanh_backward", dg, h)
     dg, h = dg.contiguous(), h.contiguous()
     n_rows, n_cols = h.shape
-    dh = torch.empty_like(dg)
-    g = torch.empty_like(h) if with_output else h.new_empty(0)
+    dh, g = _backward_outputs(dg, h, with_output)
     n_col_blocks = triton.cdiv(n_cols, BLOCK_N)
     rows_per_program = _row_groups(h.device, n_rows, n_col_blocks)
     groups = max(1, triton.cdiv(n_rows, rows_per_program))
@@ -110,9 +117,8 @@ def gelu_tanh_backward(
 
 @gelu_tanh_backward.register_fake
 def _(dg: torch.Tensor, h: torch.Tensor, with_output: bool):
-    g = torch.empty_like(h) if with_output else h.new_empty(0)
-    n_cols = h.shape[1]
-    return torch.empty_like(dg), h.new_empty(n_cols, dtype=torch.float32), h.new_empty((), dtype=torch.float32), g
+    dh, g = _backward_outputs(dg, h, with_output)
+    return dh, h.new_empty(h.shape[1], dtype=torch.float32), h.new_empty((), dtype=torch.float32), g
 
 
 @torch.library.custom_op("loongforge::gelu_fp8_cast_transpose", mutates_args=())
@@ -124,7 +130,7 @@ def gelu_fp8_cast_transpose(h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor
     numel = h.numel()
     programs = max(1, min(triton.cdiv(numel, AMAX_BLOCK), 4 * persistent_programs(h.device, numel)))
     _gelu_amax[(programs,)](h, amax, numel, BLOCK=AMAX_BLOCK, num_warps=8)
-    scale = amax.clamp_min(AMAX_FLOOR) / torch.finfo(E4M3).max
+    scale = scale_from_amax(amax, E4M3)
     shape, shape_t = out_shapes(h)
     q = torch.empty(shape, device=h.device, dtype=E4M3)
     q_t = torch.empty(shape_t, device=h.device, dtype=E4M3)

@@ -8,8 +8,10 @@ cast. Here one registry op (``gelu_tanh_backward``) does all of it in one pass, 
 forward casts ``gelu(h)`` straight from ``h`` (``gelu_fp8_cast_transpose``) without writing it.
 
 ``kernels``: the registry ops to use (:func:`feed_forward_kernels`), resolved once by the caller.
-Numerics are those of the same ops composed: ``gelu`` in fp32 from the autocast-dtype ``h``, the
-weight gradients of the GEMMs cast to the weights' dtype, bias gradients summed in fp32.
+Numerics: in the autocast dtype, those of the same ops composed (the output and the input and
+weight gradients bitwise), with the bias gradients summed in fp32. With FP8 GEMMs, ``gelu(h)`` is
+quantised from fp32 (not from ``h``'s dtype, as ``fp8_linear_tensorwise(F.gelu(h))`` would), so
+in bf16 the outputs differ from that composition by the rounding of ``gelu(h)`` to bf16.
 """
 
 from __future__ import annotations
@@ -20,18 +22,24 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from loongforge.core.kernels.fp8 import AMAX_FLOOR
 from loongforge.core.kernels.fp8_tensorwise import (
-    E5M2, cast_operand, check_tensorwise_linear, forward_gemm, forward_gemm_no_grad, linear_grads,
+    ALIGN, E4M3, E5M2, cast_operand, check_tensorwise_linear, forward_gemm, forward_gemm_no_grad, linear_grads, quantize,
+    scale_from_amax, tensor_scale,
 )
 from loongforge.core.kernels.registry import get_kernel
 
 
 @dataclass(frozen=True)
 class FeedForwardKernels:
-    gelu_backward: Callable  # the registry's gelu_tanh_backward
-    fp8_cast: Callable | None = None  # fp8_cast_transpose and gelu_fp8_cast_transpose: FP8 GEMMs
-    gelu_fp8_cast: Callable | None = None
+    """The registry ops a feed-forward calls (FP8 casts only with FP8 GEMMs)."""
+
+    gelu_tanh_backward: Callable
+    fp8_cast_transpose: Callable | None = None
+    gelu_fp8_cast_transpose: Callable | None = None
+
+    @property
+    def fp8(self) -> bool:
+        return self.fp8_cast_transpose is not None
 
 
 def feed_forward_kernels(fp8: bool) -> FeedForwardKernels:
@@ -42,29 +50,38 @@ def feed_forward_kernels(fp8: bool) -> FeedForwardKernels:
                               get_kernel("gelu_fp8_cast_transpose"))
 
 
+def _forward_in_dtype(x2, w1, b1, w2, b2):
+    """``(w1, h, w2, y)`` with the weights cast to ``x2``'s dtype and ``h = up(x2)``."""
+    dt = x2.dtype
+    w1c, w2c = w1.to(dt), w2.to(dt)
+    h = F.linear(x2, w1c, None if b1 is None else b1.to(dt))
+    return w1c, h, w2c, F.linear(F.gelu(h, approximate="tanh"), w2c, None if b2 is None else b2.to(dt))
+
+
 class _GeluFeedForward(torch.autograd.Function):
     """The GEMMs in ``x``'s dtype; saves ``x`` and ``h`` (``gelu(h)`` is recomputed by the
-    backward's one pass over ``h``)."""
+    backward's one pass over ``h``). Gradients come back in the GEMMs' dtype; autograd casts
+    them to each parameter's."""
 
     @staticmethod
-    def forward(ctx, x2, w1, b1, w2, b2, gelu_backward):
-        dt = x2.dtype
-        w1c, w2c = w1.to(dt), w2.to(dt)
-        h = F.linear(x2, w1c, None if b1 is None else b1.to(dt))
-        y = F.linear(F.gelu(h, approximate="tanh"), w2c, None if b2 is None else b2.to(dt))
+    def forward(ctx, x2, w1, b1, w2, b2, kernels: FeedForwardKernels):
+        w1c, h, w2c, y = _forward_in_dtype(x2, w1, b1, w2, b2)
         ctx.save_for_backward(x2, w1c, h, w2c)
-        ctx.gelu_backward, ctx.w_dtypes = gelu_backward, (w1.dtype, w2.dtype)
+        ctx.kernels = kernels
         return y
 
     @staticmethod
     def backward(ctx, dy):
         x2, w1c, h, w2c = ctx.saved_tensors
         need_x, need_w1, need_b1, need_w2, need_b2, _ = ctx.needs_input_grad
-        dg = dy @ w2c
-        dh, db1, _, g = ctx.gelu_backward(dg, h, need_w2)
-        dx = dh @ w1c if need_x else None
-        dw1 = (dh.t() @ x2).to(ctx.w_dtypes[0]) if need_w1 else None
-        dw2 = (dy.t() @ g).to(ctx.w_dtypes[1]) if need_w2 else None
+        dx = dw1 = db1 = None
+        if need_x or need_w1 or need_b1:
+            dh, db1, _, g = ctx.kernels.gelu_tanh_backward(dy @ w2c, h, need_w2)
+            dx = dh @ w1c if need_x else None
+            dw1 = dh.t() @ x2 if need_w1 else None
+        elif need_w2:
+            g = F.gelu(h, approximate="tanh")
+        dw2 = dy.t() @ g if need_w2 else None
         db2 = dy.float().sum(0) if need_b2 else None
         return dx, dw1, db1 if need_b1 else None, dw2, db2, None
 
@@ -75,28 +92,44 @@ class _Fp8GeluFeedForward(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x2, w1, b1, w2, b2, kernels: FeedForwardKernels):
-        cast = kernels.fp8_cast
+        cast = kernels.fp8_cast_transpose
         x_q, x_t, x_scale = cast_operand(x2, cast, False)
         w1_q, w1_t, w1_scale = cast_operand(w1, cast, False)
         h = forward_gemm(x_q, w1_q, x_scale, w1_scale, b1, x2.dtype)
-        g_q, g_t, g_scale = kernels.gelu_fp8_cast(h)
+        g_q, g_t, g_scale = kernels.gelu_fp8_cast_transpose(h)
         w2_q, w2_t, w2_scale = cast_operand(w2, cast, False)
         ctx.save_for_backward(x_t, x_scale, w1_t, w1_scale, h, g_t, g_scale, w2_t, w2_scale)
-        ctx.kernels, ctx.x_dtype = kernels, x2.dtype
+        ctx.kernels = kernels
         return forward_gemm(g_q, w2_q, g_scale, w2_scale, b2, x2.dtype)
 
     @staticmethod
     def backward(ctx, dy):
         x_t, x_scale, w1_t, w1_scale, h, g_t, g_scale, w2_t, w2_scale = ctx.saved_tensors
-        k, needs = ctx.kernels, ctx.needs_input_grad
-        dy_q, dy_t, dy_scale = cast_operand(dy, k.fp8_cast, True)
-        dg, dw2 = linear_grads(dy_q, dy_t, dy_scale, w2_t, w2_scale, g_t, g_scale, h.dtype, True, needs[3])
-        db2 = dy.float().sum(0) if needs[4] else None
-        dh, db1, dh_amax, _ = k.gelu_backward(dg, h, False)
-        dh_scale = dh_amax.clamp_min(AMAX_FLOOR) / torch.finfo(E5M2).max
-        dh_q, dh_t = k.fp8_cast(dh, dh_scale, True)
-        dx, dw1 = linear_grads(dh_q, dh_t, dh_scale, w1_t, w1_scale, x_t, x_scale, ctx.x_dtype, needs[0], needs[1])
-        return dx, dw1, db1 if needs[2] else None, dw2, db2, None
+        k = ctx.kernels
+        need_x, need_w1, need_b1, need_w2, need_b2, _ = ctx.needs_input_grad
+        need_dh = need_x or need_w1 or need_b1
+        dy_q, dy_t, dy_scale = cast_operand(dy, k.fp8_cast_transpose, True)
+        dg, dw2 = linear_grads(dy_q, dy_t, dy_scale, w2_t, w2_scale, g_t, g_scale, h.dtype, need_dh, need_w2)
+        db2 = dy.float().sum(0) if need_b2 else None
+        dx = dw1 = db1 = None
+        if need_dh:
+            dh, db1, dh_amax, _ = k.gelu_tanh_backward(dg, h, False)
+            dh_scale = scale_from_amax(dh_amax, E5M2)
+            dh_q, dh_t = k.fp8_cast_transpose(dh, dh_scale, True)
+            dx, dw1 = linear_grads(dh_q, dh_t, dh_scale, w1_t, w1_scale, x_t, x_scale, h.dtype, need_x, need_w1)
+        return dx, dw1, db1 if need_b1 else None, dw2, db2, None
+
+
+def _check_shapes(x, w1, b1, w2, b2, fp8: bool) -> None:
+    """Clear errors naming the operands a feed-forward cannot take."""
+    if w2.dim() != 2 or w1.dim() != 2 or w2.shape[1] != w1.shape[0]:
+        raise ValueError(f"gelu_feed_forward: expected w1 [F, K] and w2 [N, F]; got {tuple(w1.shape)} and {tuple(w2.shape)}")
+    if b2 is not None and tuple(b2.shape) != (w2.shape[0],):
+        raise ValueError(f"gelu_feed_forward: b2 must be [{w2.shape[0]}], got {tuple(b2.shape)}")
+    if fp8:
+        check_tensorwise_linear("gelu_feed_forward", x, w1, b1)
+        if w2.shape[0] % ALIGN:
+            raise ValueError(f"gelu_feed_forward: w2 {tuple(w2.shape)}: FP8 GEMMs need both dims to be multiples of {ALIGN}")
 
 
 def gelu_feed_forward(
@@ -105,25 +138,21 @@ def gelu_feed_forward(
 ) -> torch.Tensor:
     """``F.linear(F.gelu(F.linear(x, w1, b1), approximate="tanh"), w2, b2)`` over ``x [..., K]``
     (``w1 [F, K]``, ``w2 [N, F]``), in the autocast dtype where autocast is on, with FP8 GEMMs
-    when ``kernels`` has FP8 casts. Parameters get gradients in their own dtype."""
-    fp8 = kernels.fp8_cast is not None
-    if fp8:
-        check_tensorwise_linear("gelu_feed_forward (up)", x, w1, b1)
-        check_tensorwise_linear("gelu_feed_forward (down)", x.new_empty(0, w1.shape[0]), w2, b2)
+    when ``kernels`` has FP8 casts. Parameters get gradients in their own dtype. With and without
+    autograd the forward computes the same numbers (without, no transposed FP8 copies are kept)."""
+    _check_shapes(x, w1, b1, w2, b2, kernels.fp8)
     if torch.is_autocast_enabled(x.device.type):
         x = x.to(torch.get_autocast_dtype(x.device.type))
     x2 = x.reshape(-1, x.shape[-1])
     params = (w1, b1, w2, b2)
-    if not (torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (x2, *params))):
-        if fp8:  # no backward: no transposed copies
-            h = forward_gemm_no_grad(x2, w1, b1)
-            y = forward_gemm_no_grad(F.gelu(h, approximate="tanh"), w2, b2)
-        else:
-            dt = x2.dtype
-            h = F.gelu(F.linear(x2, w1.to(dt), None if b1 is None else b1.to(dt)), approximate="tanh")
-            y = F.linear(h, w2.to(dt), None if b2 is None else b2.to(dt))
-    elif fp8:
-        y = _Fp8GeluFeedForward.apply(x2, *params, kernels)
+    if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (x2, *params)):
+        function = _Fp8GeluFeedForward if kernels.fp8 else _GeluFeedForward
+        y = function.apply(x2, *params, kernels)
+    elif kernels.fp8:
+        h = forward_gemm_no_grad(x2, w1, b1)
+        g_q, _, g_scale = kernels.gelu_fp8_cast_transpose(h)
+        w2_scale = tensor_scale(w2, E4M3)
+        y = forward_gemm(g_q, quantize(w2, E4M3, w2_scale), g_scale, w2_scale, b2, x2.dtype)
     else:
-        y = _GeluFeedForward.apply(x2, *params, kernels.gelu_backward)
+        y = _forward_in_dtype(x2, *params)[3]
     return y.view(*x.shape[:-1], w2.shape[0])

@@ -49,16 +49,22 @@ def padded_rows(rows: int) -> int:
     return rows + (-rows % ALIGN)
 
 
+def scale_from_amax(amax: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """fp32 scalar ``amax / fmax(dtype)`` (``amax`` floored away from zero)."""
+    return amax.float().clamp_min(AMAX_FLOOR) / torch.finfo(dtype).max
+
+
 def tensor_scale(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """fp32 scalar ``amax(|t|) / fmax(dtype)``: ``t / scale`` spans the format's range."""
-    return t.detach().abs().amax().float().clamp_min(AMAX_FLOOR) / torch.finfo(dtype).max
+    return scale_from_amax(t.detach().abs().amax(), dtype)
 
 
 def quantize(t: torch.Tensor, dtype: torch.dtype, scale: torch.Tensor) -> torch.Tensor:
     """``t * (1 / scale)`` saturated to ``dtype``'s range and rounded to it (row-major,
     contiguous). A product with the rounded reciprocal, not a quotient: within an fp32 ulp of
-    ``t / scale`` (so it moves an FP8 value only at a rounding tie), and a fused kernel computes
-    it at memory speed where an IEEE division per element measured 1.45x slower on an H200."""
+    ``t / scale`` (so it moves an FP8 value only where the quotient lies next to a rounding
+    midpoint), and a fused kernel computes it at memory speed where an IEEE division per element
+    measured 1.45x slower on an H200."""
     fmax = torch.finfo(dtype).max
     return (t.float() * scale.float().reciprocal()).clamp(-fmax, fmax).to(dtype).contiguous()
 
@@ -77,7 +83,7 @@ def cast_transpose(t: torch.Tensor, scale: torch.Tensor, e5m2: bool) -> tuple[to
     return quantize(t, dtype, scale), quantize_transposed(t, dtype, scale)
 
 
-def gemm(a, b_t, scale_a, scale_b, out_dtype, bias=None):
+def _gemm(a, b_t, scale_a, scale_b, out_dtype, bias=None):
     """``(a * scale_a) @ (b_t * scale_b).T`` with ``a`` row-major and ``b_t`` row-major ``[N, K]``."""
     return torch._scaled_mm(a, b_t.t(), scale_a=scale_a, scale_b=scale_b, bias=bias, out_dtype=out_dtype)
 
@@ -86,7 +92,7 @@ def forward_gemm(x_q, w_q, x_scale, w_scale, bias, out_dtype):
     """``y = x w^T + b`` from the e4m3 operands; cuBLASLt adds a bias in the epilogue for
     half-precision outputs only."""
     fused_bias = bias is not None and out_dtype in (torch.bfloat16, torch.float16)
-    y = gemm(x_q, w_q, x_scale, w_scale, out_dtype, bias.to(out_dtype) if fused_bias else None)
+    y = _gemm(x_q, w_q, x_scale, w_scale, out_dtype, bias.to(out_dtype) if fused_bias else None)
     return y + bias.to(out_dtype) if bias is not None and not fused_bias else y
 
 
@@ -99,8 +105,8 @@ def cast_operand(t: torch.Tensor, cast: Callable, e5m2: bool) -> tuple[torch.Ten
 def linear_grads(dy_q, dy_t, dy_scale, w_t, w_scale, x_t, x_scale, x_dtype, need_dx: bool, need_dw: bool):
     """``(dx, dw)`` of ``y = x w^T`` from the e5m2 output gradient in both layouts and the saved
     transposed e4m3 operands (None where not needed); ``dw`` is fp32."""
-    dx = gemm(dy_q, w_t, dy_scale, w_scale, x_dtype) if need_dx else None
-    dw = gemm(dy_t, x_t, dy_scale, x_scale, torch.float32) if need_dw else None
+    dx = _gemm(dy_q, w_t, dy_scale, w_scale, x_dtype) if need_dx else None
+    dw = _gemm(dy_t, x_t, dy_scale, x_scale, torch.float32) if need_dw else None
     return dx, dw
 
 

@@ -31,6 +31,8 @@ def check_matrices(op: str, *tensors: torch.Tensor) -> None:
     for t in tensors:
         if t.dim() != 2 or t.shape != shape:
             raise ValueError(f"{op}: expected matrices of one shape, got {[tuple(x.shape) for x in tensors]}")
+    if not tensors[0].numel():
+        raise ValueError(f"{op}: expected non-empty matrices, got {tuple(shape)}")
 
 
 def gelu_tanh_backward(

@@ -28,7 +28,8 @@ variants), so ``load_state_dict`` of a diffusers checkpoint is the identity mapp
 The embedding modules that have nothing to do with packing (time/text embedder, LayerNorms,
 GELU feed-forward) are diffusers' own modules, so their numerics are diffusers'; the
 feed-forward runs as ``loongforge.core.kernels.feed_forward.gelu_feed_forward`` (the same ops
-forward, a backward that reads the hidden activation once, FP8 GEMMs with ``model.fp8``).
+forward, a backward that reads the hidden activation once, FP8 GEMMs with ``model.fp8``, where
+the GELU output is quantised from fp32).
 """
 
 from __future__ import annotations
