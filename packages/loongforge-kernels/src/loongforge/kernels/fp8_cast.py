@@ -66,6 +66,19 @@ def out_shapes(x: torch.Tensor) -> tuple[tuple[int, int], tuple[int, int]]:
     return (rows, cols), (cols, padded_rows(rows))
 
 
+def launch_cast_transpose(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype, gelu: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """Launch :func:`cast_transpose_kernel` on a matrix whose rows are contiguous: ``(q, q_t)``
+    of ``x`` (or ``gelu(x)``) scaled by the fp32 scalar ``scale``, cast to ``dtype``."""
+    shape, shape_t = out_shapes(x)
+    q = torch.empty(shape, device=x.device, dtype=dtype)
+    q_t = torch.empty(shape_t, device=x.device, dtype=dtype)
+    grid = (triton.cdiv(shape_t[1], BLOCK_ROWS), triton.cdiv(shape[1], BLOCK_COLS))
+    cast_transpose_kernel[grid](x, q, q_t, scale, shape[0], shape[1], shape_t[1], x.stride(0),
+                                FMAX=torch.finfo(dtype).max, GELU=gelu, TRANSPOSE_BY_LOAD=x.dtype == torch.float32,
+                                BLOCK_R=BLOCK_ROWS, BLOCK_C=BLOCK_COLS, num_warps=4)
+    return q, q_t
+
+
 @torch.library.custom_op("loongforge::fp8_cast_transpose", mutates_args=())
 def fp8_cast_transpose(x: torch.Tensor, scale: torch.Tensor, e5m2: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """``x [M, C]`` -> (``q [M, C]``, ``q_t [C, M']``): ``x * (1 / scale)`` saturated and rounded to
@@ -73,17 +86,7 @@ def fp8_cast_transpose(x: torch.Tensor, scale: torch.Tensor, e5m2: bool) -> tupl
     if x.dim() != 2 or scale.numel() != 1:
         raise ValueError(f"fp8_cast_transpose: expected a matrix and a scalar scale, got {tuple(x.shape)} and {tuple(scale.shape)}")
     check_tensors("fp8_cast_transpose", x, scale)
-    dtype = fp8_dtype(e5m2)
-    if x.stride(1) != 1:
-        x = x.contiguous()
-    shape, shape_t = out_shapes(x)
-    q = torch.empty(shape, device=x.device, dtype=dtype)
-    q_t = torch.empty(shape_t, device=x.device, dtype=dtype)
-    grid = (triton.cdiv(shape_t[1], BLOCK_ROWS), triton.cdiv(shape[1], BLOCK_COLS))
-    cast_transpose_kernel[grid](x, q, q_t, scale.float(), shape[0], shape[1], shape_t[1], x.stride(0),
-                                FMAX=torch.finfo(dtype).max, GELU=False,
-                                TRANSPOSE_BY_LOAD=x.dtype == torch.float32, BLOCK_R=BLOCK_ROWS, BLOCK_C=BLOCK_COLS, num_warps=4)
-    return q, q_t
+    return launch_cast_transpose(x if x.stride(1) == 1 else x.contiguous(), scale.float(), fp8_dtype(e5m2), gelu=False)
 
 
 @fp8_cast_transpose.register_fake

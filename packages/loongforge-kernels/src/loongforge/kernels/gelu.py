@@ -20,7 +20,7 @@ import triton.language as tl
 
 from loongforge.core.kernels.fp8_tensorwise import E4M3, scale_from_amax
 from loongforge.core.kernels.gelu import check_matrices
-from loongforge.kernels.fp8_cast import BLOCK_COLS, BLOCK_ROWS, cast_transpose_kernel, out_shapes
+from loongforge.kernels.fp8_cast import launch_cast_transpose, out_shapes
 from loongforge.kernels.launch import check_tensors, persistent_programs
 from loongforge.kernels.tanh_gelu import gelu_tanh, gelu_tanh_and_slope
 
@@ -131,14 +131,7 @@ def gelu_fp8_cast_transpose(h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor
     programs = max(1, min(triton.cdiv(numel, AMAX_BLOCK), 4 * persistent_programs(h.device, numel)))
     _gelu_amax[(programs,)](h, amax, numel, BLOCK=AMAX_BLOCK, num_warps=8)
     scale = scale_from_amax(amax, E4M3)
-    shape, shape_t = out_shapes(h)
-    q = torch.empty(shape, device=h.device, dtype=E4M3)
-    q_t = torch.empty(shape_t, device=h.device, dtype=E4M3)
-    grid = (triton.cdiv(shape_t[1], BLOCK_ROWS), triton.cdiv(shape[1], BLOCK_COLS))
-    cast_transpose_kernel[grid](h, q, q_t, scale, shape[0], shape[1], shape_t[1], h.stride(0),
-                                FMAX=torch.finfo(E4M3).max, GELU=True,
-                                TRANSPOSE_BY_LOAD=h.dtype == torch.float32, BLOCK_R=BLOCK_ROWS, BLOCK_C=BLOCK_COLS, num_warps=4)
-    return q, q_t, scale
+    return *launch_cast_transpose(h, scale, E4M3, gelu=True), scale
 
 
 @gelu_fp8_cast_transpose.register_fake

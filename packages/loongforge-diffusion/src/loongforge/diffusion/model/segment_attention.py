@@ -56,7 +56,7 @@ def segment_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_bound
     ``[Tq, H, D]`` and the log-sum-exp of every query row and head ``[Tq, H]`` (fp32)."""
     _check(q, k, v)
     q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
-    out = torch.empty_like(q)
+    out = q.new_empty(q.shape)
     lse = q.new_empty(q.shape[:2], dtype=torch.float32)
     for qa, qb, ka, kb in _segments(q_bounds, k_bounds, q.shape[0], k.shape[0]):
         chunks = query_chunks(qb - qa, kb - ka)
@@ -79,7 +79,7 @@ def segment_attention_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Ten
     """Gradients of :func:`segment_attention` w.r.t. ``q``, ``k``, ``v`` from its saved output and log-sum-exp."""
     dout, q, k, v, out = (t.contiguous() for t in (dout, q, k, v, out))
     # keys of a segment without queries get zero gradients; every query row is written
-    dq, dk, dv = torch.empty_like(q), torch.zeros_like(k), torch.zeros_like(v)
+    dq, dk, dv = q.new_empty(q.shape), k.new_zeros(k.shape), v.new_zeros(v.shape)
     seed = torch.zeros((), dtype=torch.int64, device=q.device)  # no dropout: the RNG state is unused
     for qa, qb, ka, kb in _segments(q_bounds, k_bounds, q.shape[0], k.shape[0]):
         chunks = query_chunks(qb - qa, kb - ka)
@@ -96,8 +96,8 @@ def segment_attention_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Ten
 
 
 @segment_attention_backward.register_fake
-def _(dout, q, k, v, out, lse, q_bounds, k_bounds):
-    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+def _(dout, q, k, v, out, lse, q_bounds, k_bounds):  # row-major whatever the inputs' strides, as the op's
+    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
 
 
 def _setup_context(ctx, inputs, output):
