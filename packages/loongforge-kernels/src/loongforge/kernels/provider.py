@@ -150,6 +150,25 @@ def gelu_fp8_cast_transpose(h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor
     return fused(h)
 
 
+@_by_device
+def qk_norm_rope(
+    qkv: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    from loongforge.kernels.qk_norm_rope import qk_norm_rope as fused
+
+    return fused(qkv, q_weight, k_weight, cos, sin, eps)
+
+
+@_by_device
+def qk_norm_rope_backward(
+    dq: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor, qkv: torch.Tensor, q_weight: torch.Tensor,
+    k_weight: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, eps: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    from loongforge.kernels.qk_norm_rope import qk_norm_rope_backward as fused
+
+    return fused(dq, dk, dv, qkv, q_weight, k_weight, cos, sin, eps)
+
+
 def supports_fp8(accelerator) -> bool:
     """Where Triton runs, except CUDA GPUs older than compute capability 8.9 (no FP8 tensor cores)."""
     if not supports(accelerator):
@@ -161,7 +180,7 @@ def supports_fp8(accelerator) -> bool:
 
 _OPS = (
     rms_norm, add_rms_norm, rope, swiglu, linear_cross_entropy, sparse_mla_attention, dsa_indexer_topk, dsa_indexer_loss,
-    gelu_tanh_backward,
+    gelu_tanh_backward, qk_norm_rope, qk_norm_rope_backward,
 )
 _FP8_OPS = (fp8_linear, fp8_cast_transpose, gelu_fp8_cast_transpose)
 

@@ -13,9 +13,11 @@ variants), so ``load_state_dict`` of a diffusers checkpoint is the identity mapp
 - with ``model.fp8=tensorwise`` the linears over video tokens (self-attention's projections,
   cross-attention's query and output, the feed-forward) run their GEMMs in FP8
   (``loongforge.core.kernels.fp8_tensorwise``); prompt projections stay in the autocast dtype;
-- query/key RMSNorm and RoPE go through the core kernel registry (``rms_norm``, ``rope``), so
-  fused kernels run where installed; a compiled block (``compile_regions``) uses the torch
-  references instead, which inductor fuses with the surrounding modulation and casts;
+- self-attention's query/key RMSNorm and RoPE are one registry op on the fused QKV projection's
+  output (``loongforge.core.kernels.attention_inputs.normed_rotated_qkv``: one pass forward, one
+  backward that writes the projection's whole gradient), also inside compiled blocks;
+  cross-attention's query RMSNorm goes through the registry's ``rms_norm``, whose torch
+  reference a compiled block (``compile_regions``) uses instead, for inductor to fuse;
 - with a ``ContextParallel`` group each rank computes its slice of the tokens, exchanging heads for
   sequence around self-attention (Ulysses);
 - per-block activation checkpointing: ``full`` recomputes the whole block in the backward,
@@ -46,12 +48,13 @@ from diffusers.models.transformers.transformer_wan import WanTimeTextImageEmbedd
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 from loongforge.core.kernels import get_kernel
+from loongforge.core.kernels.attention_inputs import normed_rotated_qkv, qk_norm_rope_kernels
 from loongforge.core.kernels.feed_forward import feed_forward_kernels, gelu_feed_forward
 from loongforge.core.kernels.fp8_tensorwise import fp8_linear_tensorwise
 from loongforge.diffusion.context_parallel import ContextParallel, heads_to_seq, seq_to_heads
 from loongforge.diffusion.model.attention import Segments, packed_attention
 from loongforge.diffusion.model.config import CHECKPOINTING, WanConfig
-from loongforge.diffusion.model.rope import rope_tables, to_rotate_half
+from loongforge.diffusion.model.rope import rope_tables
 from loongforge.diffusion.packing import PackedBatch, pack, unpack_outputs
 
 
@@ -60,7 +63,7 @@ class TokenContext:
     """What every block needs about this rank's tokens (built once per forward)."""
 
     sample_index: torch.Tensor  # [n] sample of each local token
-    rope_cos: torch.Tensor  # [n, head_dim]
+    rope_cos: torch.Tensor  # [n, head_dim / 2]: angle of each channel pair of a head
     rope_sin: torch.Tensor
     self_segments: Segments  # samples (and padding) of the full sequence (after the Ulysses all-to-all)
     cross_q_segments: Segments  # local token segments, one per locally present sample
@@ -135,11 +138,11 @@ def _linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, fp
     return F.linear(x, weight, bias) if fp8_cast is None else fp8_linear_tensorwise(x, weight, bias, fp8_cast)
 
 
-def _fused_linear(x: torch.Tensor, linears: tuple[nn.Linear, ...], fp8_cast=None) -> tuple[torch.Tensor, ...]:
-    """``tuple(l(x) for l in linears)`` as one GEMM on the concatenated weights."""
+def _concat_linear(x: torch.Tensor, linears: tuple[nn.Linear, ...], fp8_cast=None) -> torch.Tensor:
+    """``torch.cat([l(x) for l in linears], -1)`` as one GEMM on the concatenated weights."""
     weight = torch.cat([lin.weight for lin in linears])
     bias = torch.cat([lin.bias for lin in linears])
-    return _linear(x, weight, bias, fp8_cast).split([lin.out_features for lin in linears], dim=-1)
+    return _linear(x, weight, bias, fp8_cast)
 
 
 def _local_cross_bounds(bounds: list[int], lo: int, hi: int) -> tuple[list[int], int, int]:
@@ -163,38 +166,35 @@ class WanAttention(nn.Module):
         self.to_out = nn.ModuleList([nn.Linear(dim, dim), nn.Dropout(0.0)])
         self.norm_q = nn.RMSNorm(dim, eps=eps)
         self.norm_k = nn.RMSNorm(dim, eps=eps)
+        self.qk_kernels = qk_norm_rope_kernels()
         self.use_kernels(reference=False)
 
     def use_kernels(self, reference: bool) -> None:
-        """Resolve ``rms_norm``/``rope`` once: the registry's fused ones, or the torch references."""
+        """Resolve cross-attention's ``rms_norm`` once: the registry's fused one, or the torch reference."""
         self.rms_norm = get_kernel("rms_norm", force_reference=reference or None)
-        self.rope = get_kernel("rope", force_reference=reference or None)
 
     def _heads(self, x: torch.Tensor) -> torch.Tensor:
         return x.unflatten(-1, (self.heads, self.head_dim))
 
     def forward(self, x: torch.Tensor, tc: TokenContext, text: torch.Tensor | None = None) -> torch.Tensor:
         if text is None:
-            q, k, v = _fused_linear(x, (self.to_q, self.to_k, self.to_v), self.fp8_cast)
-        else:
-            # cross-attention reads the prompts of the samples present in this rank's tokens
-            if tc.cp is not None:
-                text = text[tc.first_sample : tc.last_sample + 1]
-            q = _linear(x, self.to_q.weight, self.to_q.bias, self.fp8_cast)
-            k, v = _fused_linear(text.flatten(0, 1), (self.to_k, self.to_v))
-        q = self._heads(self.rms_norm(q, self.norm_q.weight, self.eps))
-        k = self._heads(self.rms_norm(k, self.norm_k.weight, self.eps))
-        v = self._heads(v)
-        if text is None:
-            q = self.rope(to_rotate_half(q), tc.rope_cos, tc.rope_sin)
-            k = self.rope(to_rotate_half(k), tc.rope_cos, tc.rope_sin)
+            qkv = _concat_linear(x, (self.to_q, self.to_k, self.to_v), self.fp8_cast)
+            q, k, v = (self._heads(t) for t in normed_rotated_qkv(
+                qkv, self.norm_q.weight, self.norm_k.weight, tc.rope_cos, tc.rope_sin, self.eps, self.qk_kernels))
             if tc.cp is not None:
                 q, k, v = (seq_to_heads(t, tc.cp) for t in (q, k, v))
             out = packed_attention(q, k, v, tc.self_segments, tc.self_segments, tc.backend)
             if tc.cp is not None:
                 out = heads_to_seq(out, tc.cp)
         else:
-            out = packed_attention(q, k, v, tc.cross_q_segments, tc.cross_k_segments, tc.backend)
+            # cross-attention reads the prompts of the samples present in this rank's tokens
+            if tc.cp is not None:
+                text = text[tc.first_sample : tc.last_sample + 1]
+            q = _linear(x, self.to_q.weight, self.to_q.bias, self.fp8_cast)
+            k, v = _concat_linear(text.flatten(0, 1), (self.to_k, self.to_v)).chunk(2, dim=-1)
+            q = self._heads(self.rms_norm(q, self.norm_q.weight, self.eps))
+            k = self._heads(self.rms_norm(k, self.norm_k.weight, self.eps))
+            out = packed_attention(q, k, self._heads(v), tc.cross_q_segments, tc.cross_k_segments, tc.backend)
         proj = self.to_out[0]
         return _linear(out.flatten(1).type_as(x), proj.weight, proj.bias, self.fp8_cast)
 

@@ -2,12 +2,8 @@
 
 Wan splits each head's channels into (frame, height, width) bands of sizes
 ``(hd - 2*(2*(hd//6)), 2*(hd//6), 2*(hd//6))`` and rotates channel pairs ``(2i, 2i+1)`` of each band
-by ``pos * theta**(-2i/band)`` (diffusers' ``WanRotaryPosEmbed``, interleaved pairs). The core
-``rope`` kernel rotates in the rotate-half convention, i.e. pairs ``(i, i + hd/2)``. Permuting a
-head's channels from ``[c0, c1, c2, c3, ...]`` to ``[c0, c2, ..., c1, c3, ...]`` turns one convention
-into the other; applying the same permutation to queries and keys leaves every dot product, hence
-attention, unchanged. So queries and keys are permuted once (``to_rotate_half``) and rotated by the
-kernel with the half-width tables returned here.
+by ``pos * theta**(-2i/band)`` (diffusers' ``WanRotaryPosEmbed``, interleaved pairs). The tables
+here hold one angle per pair and token; the core ``qk_norm_rope`` op rotates with them.
 """
 
 from __future__ import annotations
@@ -27,17 +23,12 @@ def _angles(positions: torch.Tensor, dim: int, theta: float) -> torch.Tensor:
 
 
 def rope_tables(positions: torch.Tensor, head_dim: int, theta: float = 10000.0) -> tuple[torch.Tensor, torch.Tensor]:
-    """``cos``/``sin`` of shape ``[tokens, head_dim]`` (rotate-half layout, fp32) for token grid
-    positions ``[tokens, 3]`` (frame, row, column index inside each sample)."""
+    """``cos``/``sin`` of shape ``[tokens, head_dim / 2]`` (fp32; column ``i`` rotates channels
+    ``(2i, 2i+1)`` of every head) for token grid positions ``[tokens, 3]`` (frame, row, column
+    index inside each sample)."""
     if positions.dim() != 2 or positions.shape[1] != 3:
         raise ValueError(f"positions must be [tokens, 3], got {list(positions.shape)}")
     angles = torch.cat(
         [_angles(positions[:, axis], dim, theta) for axis, dim in enumerate(band_sizes(head_dim))], dim=1
-    )  # [tokens, head_dim/2], channel-pair order of the interleaved layout
-    cos, sin = angles.cos().float(), angles.sin().float()
-    return torch.cat([cos, cos], dim=1), torch.cat([sin, sin], dim=1)
-
-
-def to_rotate_half(x: torch.Tensor) -> torch.Tensor:
-    """Permute the last dim from interleaved pairs to rotate-half halves: evens first, then odds."""
-    return x.unflatten(-1, (-1, 2)).transpose(-1, -2).flatten(-2)
+    )
+    return angles.cos().float(), angles.sin().float()
