@@ -29,6 +29,9 @@ class Case:
     shape: str
     inputs: list[torch.Tensor]
     out_grads: list[torch.Tensor]
+    # for ops whose backward is a registry op of its own: the differentiable function built from
+    # an op lookup (name -> implementation), instead of the op itself
+    build: Callable[[Callable[[str], Callable]], Callable] | None = None
 
 
 def _cases(args, device) -> list[Case]:
@@ -46,6 +49,14 @@ def _cases(args, device) -> list[Case]:
     emb = torch.cat([positions[:, None] * inv_freq[None, :]] * 2, dim=-1)
     labels = torch.randint(0, v, (n,), device=device)
     labels[torch.rand(n, device=device) < 0.1] = -100  # some ignored (padding/prompt) tokens
+    pair_angles = positions[:, None] * inv_freq[None, :]
+
+    def normed_rotated(impl: Callable[[str], Callable]) -> Callable:
+        from loongforge.core.kernels.attention_inputs import QKNormRopeKernels, normed_rotated_qkv
+
+        kernels = QKNormRopeKernels(impl("qk_norm_rope"), impl("qk_norm_rope_backward"))
+        cos, sin = pair_angles.cos(), pair_angles.sin()
+        return lambda qkv, wq, wk: normed_rotated_qkv(qkv, wq, wk, cos, sin, 1e-6, kernels)
 
     return [
         Case("rms_norm", f"x [{n}, {h}]", [leaf(n, h), leaf(h)], [grad_like(n, h)]),
@@ -55,6 +66,13 @@ def _cases(args, device) -> list[Case]:
             f"x [{n}, {heads}, {hd}], cos/sin [{n}, {hd}] fp32",
             [leaf(n, heads, hd), emb.cos(), emb.sin()],
             [grad_like(n, heads, hd)],
+        ),
+        Case(
+            "qk_norm_rope",
+            f"qkv [{n}, 3x{heads * hd}], q/k RMSNorm + interleaved RoPE (forward and backward ops)",
+            [leaf(n, 3 * heads * hd), leaf(heads * hd, dtype=torch.float32), leaf(heads * hd, dtype=torch.float32)],
+            [grad_like(n, heads * hd) for _ in range(3)],
+            build=normed_rotated,
         ),
         Case("swiglu", f"gate_up [{n}, 2x{ffn}]", [leaf(n, 2 * ffn)], [grad_like(n, ffn)]),
         Case(
@@ -148,8 +166,10 @@ def main(argv: list[str] | None = None) -> int:
         if case.op not in fused_ops:
             rows.append((case.op, case.shape, None))
             continue
-        ref = REFERENCE_OPS[case.op]
-        fused = fused_ops[case.op].fn
+        if case.build is None:
+            ref, fused = REFERENCE_OPS[case.op], fused_ops[case.op].fn
+        else:
+            ref, fused = case.build(REFERENCE_OPS.__getitem__), case.build(lambda name: fused_ops[name].fn)
         impls = {"fused": fused, "reference": ref}
         if not args.no_compile:
             torch._dynamo.reset()
