@@ -4,9 +4,11 @@ Run on a CUDA machine:  uv run python bench/kernels_bench.py [--iters 20] [--ops
 
 For each op of ``loongforge.core.kernels`` it times one forward + backward of the fused version
 (from the installed ``loongforge-kernels`` wheel, found through its entry point), of the torch
-reference, and of ``torch.compile`` of the reference, all in this process on the same inputs,
-and prints the time ratios (reference / fused), the peak memory each one adds on top of its
-inputs, and the largest difference of the fused outputs and gradients from the reference.
+reference, and of ``torch.compile`` of the reference (for ``qk_norm_rope``, whose backward is an
+op of its own, the reference is the RMSNorm and RoPE it replaces, composed under autograd), all
+in this process on the same inputs, and prints the time ratios (reference / fused), the peak
+memory each one adds on top of its inputs, and the largest difference of the fused outputs and
+gradients from the reference.
 Default shapes are LLM-sized: 16384 tokens, hidden 2048, vocab 32000, 16 heads of 128, bf16.
 """
 
@@ -30,8 +32,9 @@ class Case:
     inputs: list[torch.Tensor]
     out_grads: list[torch.Tensor]
     # for ops whose backward is a registry op of its own: the differentiable function built from
-    # an op lookup (name -> implementation), instead of the op itself
+    # an op lookup (name -> fused implementation), and the autograd composition it replaces
     build: Callable[[Callable[[str], Callable]], Callable] | None = None
+    composed: Callable | None = None
 
 
 def _cases(args, device) -> list[Case]:
@@ -51,12 +54,27 @@ def _cases(args, device) -> list[Case]:
     labels[torch.rand(n, device=device) < 0.1] = -100  # some ignored (padding/prompt) tokens
     pair_angles = positions[:, None] * inv_freq[None, :]
 
+    cos, sin = pair_angles.cos(), pair_angles.sin()
+
     def normed_rotated(impl: Callable[[str], Callable]) -> Callable:
         from loongforge.core.kernels.attention_inputs import QKNormRopeKernels, normed_rotated_qkv
 
         kernels = QKNormRopeKernels(impl("qk_norm_rope"), impl("qk_norm_rope_backward"))
-        cos, sin = pair_angles.cos(), pair_angles.sin()
         return lambda qkv, wq, wk: normed_rotated_qkv(qkv, wq, wk, cos, sin, 1e-6, kernels)
+
+    def rms_norm_then_rope(qkv, wq, wk):
+        """The ops the fused function replaces, under autograd: the registry's reference RMSNorm,
+        then the interleaved rotation of channel pairs."""
+        from loongforge.core.kernels.reference import rms_norm
+
+        width = wq.shape[0]
+        out = []
+        for i, w in enumerate((wq, wk)):
+            y = rms_norm(qkv[:, i * width : (i + 1) * width], w, 1e-6).float()
+            a, b = y.unflatten(1, (-1, hd // 2, 2)).unbind(-1)
+            c, s = cos[:, None], sin[:, None]
+            out.append(torch.stack((a * c - b * s, a * s + b * c), -1).flatten(1).to(qkv.dtype))
+        return out[0], out[1], qkv[:, 2 * width :]
 
     return [
         Case("rms_norm", f"x [{n}, {h}]", [leaf(n, h), leaf(h)], [grad_like(n, h)]),
@@ -73,6 +91,7 @@ def _cases(args, device) -> list[Case]:
             [leaf(n, 3 * heads * hd), leaf(heads * hd, dtype=torch.float32), leaf(heads * hd, dtype=torch.float32)],
             [grad_like(n, heads * hd) for _ in range(3)],
             build=normed_rotated,
+            composed=rms_norm_then_rope,
         ),
         Case("swiglu", f"gate_up [{n}, 2x{ffn}]", [leaf(n, 2 * ffn)], [grad_like(n, ffn)]),
         Case(
@@ -169,7 +188,7 @@ def main(argv: list[str] | None = None) -> int:
         if case.build is None:
             ref, fused = REFERENCE_OPS[case.op], fused_ops[case.op].fn
         else:
-            ref, fused = case.build(REFERENCE_OPS.__getitem__), case.build(lambda name: fused_ops[name].fn)
+            ref, fused = case.composed, case.build(lambda name: fused_ops[name].fn)
         impls = {"fused": fused, "reference": ref}
         if not args.no_compile:
             torch._dynamo.reset()

@@ -16,7 +16,7 @@ variants), so ``load_state_dict`` of a diffusers checkpoint is the identity mapp
 - self-attention's query/key RMSNorm and RoPE are one registry op on the fused QKV projection's
   output (``loongforge.core.kernels.attention_inputs.normed_rotated_qkv``: one pass forward, one
   backward that writes the projection's whole gradient), also inside compiled blocks;
-  cross-attention's query RMSNorm goes through the registry's ``rms_norm``, whose torch
+  cross-attention's query and key RMSNorms go through the registry's ``rms_norm``, whose torch
   reference a compiled block (``compile_regions``) uses instead, for inductor to fuse;
 - with a ``ContextParallel`` group each rank computes its slice of the tokens, exchanging heads for
   sequence around self-attention (Ulysses);
@@ -170,7 +170,9 @@ class WanAttention(nn.Module):
         self.use_kernels(reference=False)
 
     def use_kernels(self, reference: bool) -> None:
-        """Resolve cross-attention's ``rms_norm`` once: the registry's fused one, or the torch reference."""
+        """Resolve cross-attention's ``rms_norm`` once: the registry's fused one, or the torch
+        reference. Self-attention's ``qk_norm_rope`` ops are resolved when the module is built and
+        stay fused in compiled blocks too (inductor calls them as they are)."""
         self.rms_norm = get_kernel("rms_norm", force_reference=reference or None)
 
     def _heads(self, x: torch.Tensor) -> torch.Tensor:
