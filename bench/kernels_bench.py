@@ -4,8 +4,9 @@ Run on a CUDA machine:  uv run python bench/kernels_bench.py [--iters 20] [--ops
 
 For each op of ``loongforge.core.kernels`` it times one forward + backward of the fused version
 (from the installed ``loongforge-kernels`` wheel, found through its entry point), of the torch
-reference, and of ``torch.compile`` of the reference (for ``qk_norm_rope``, whose backward is an
-op of its own, the reference is the RMSNorm and RoPE it replaces, composed under autograd), all
+reference, and of ``torch.compile`` of the reference (for ``qk_norm_rope`` and
+``modulated_layer_norm``, whose backwards are ops of their own, the reference is what they
+replace composed under autograd: RMSNorm then RoPE, LayerNorm then the transform), all
 in this process on the same inputs, and prints the time ratios (reference / fused), the peak
 memory each one adds on top of its inputs, and the largest difference of the fused outputs and
 gradients from the reference.
@@ -21,6 +22,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 
 
 @dataclass
@@ -62,6 +64,12 @@ def _cases(args, device) -> list[Case]:
         kernels = QKNormRopeKernels(impl("qk_norm_rope"), impl("qk_norm_rope_backward"))
         return lambda qkv, wq, wk: normed_rotated_qkv(qkv, wq, wk, cos, sin, 1e-6, kernels)
 
+    def layer_norm_then_transform(impl: Callable[[str], Callable]) -> Callable:
+        from loongforge.core.kernels.modulated_norm import LayerNormKernels, normalize_and_modulate
+
+        kernels = LayerNormKernels(impl("modulated_layer_norm"), impl("modulated_layer_norm_backward"))
+        return lambda x, weight, bias: normalize_and_modulate(x, weight, bias, 1e-6, kernels)
+
     def rms_norm_then_rope(qkv, wq, wk):
         """The ops the fused function replaces, under autograd: the registry's reference RMSNorm,
         then the interleaved rotation of channel pairs."""
@@ -92,6 +100,15 @@ def _cases(args, device) -> list[Case]:
             [grad_like(n, heads * hd) for _ in range(3)],
             build=normed_rotated,
             composed=rms_norm_then_rope,
+        ),
+        Case(
+            "modulated_layer_norm",
+            f"x [{n}, {h}], adaLN 1 + scale / shift [1, {h}] fp32 (forward and backward ops)",
+            [leaf(n, h), (1 + leaf(1, h, dtype=torch.float32, grad=False) * 0.1).requires_grad_(),
+             leaf(1, h, dtype=torch.float32)],
+            [grad_like(n, h)],
+            build=layer_norm_then_transform,
+            composed=lambda x, weight, bias: (F.layer_norm(x.float(), (x.shape[1],), eps=1e-6) * weight + bias).to(x.dtype),
         ),
         Case("swiglu", f"gate_up [{n}, 2x{ffn}]", [leaf(n, 2 * ffn)], [grad_like(n, ffn)]),
         Case(

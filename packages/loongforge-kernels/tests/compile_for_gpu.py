@@ -25,6 +25,7 @@ from loongforge.kernels import dsa_indexer as dsi  # noqa: E402
 from loongforge.kernels import fp8_cast as fc  # noqa: E402
 from loongforge.kernels import fp8_gemm as fg  # noqa: E402
 from loongforge.kernels import gelu as ge  # noqa: E402
+from loongforge.kernels import layer_norm as ln  # noqa: E402
 from loongforge.kernels import linear_cross_entropy as lce  # noqa: E402
 from loongforge.kernels import qk_norm_rope as qk  # noqa: E402
 from loongforge.kernels import rms_norm as rn  # noqa: E402
@@ -220,6 +221,17 @@ def main() -> None:
                        eps="fp32"),
                   dict(BLOCK_M=qk.BACKWARD_ROWS, BLOCK_P=block_p), num_warps=warps_for(2 * qk.BACKWARD_ROWS * block_p),
                   aligned=("width",))
+        for per_token in (False, True):  # adaLN's LayerNorm at Wan-1.3B's width (1536)
+            build(ln._modulated_ln_fwd,
+                  dict(X=p, W="*fp32", B="*fp32", Y=p, n_rows=i32, width=i32, stride_x=i32, stride_w=i32, stride_b=i32,
+                       stride_y=i32, eps="fp32"),
+                  dict(PER_TOKEN=per_token, BLOCK_M=ln.FORWARD_ROWS, BLOCK_N=2048),
+                  num_warps=warps_for(ln.FORWARD_ROWS * 2048), aligned=("width",))
+            build(ln._modulated_ln_bwd,
+                  dict(DY=p, X=p, W="*fp32", DX=p, DW="*fp32", DB="*fp32", n_rows=i32, width=i32, rows_per_program=i32,
+                       stride_dy=i32, stride_x=i32, stride_w=i32, stride_dx=i32, eps="fp32"),
+                  dict(PER_TOKEN=per_token, BLOCK_M=ln.BACKWARD_ROWS, BLOCK_N=2048),
+                  num_warps=warps_for(ln.BACKWARD_ROWS * 2048), aligned=("width",))
         build_dsa(dtype)
     build_fp8()
 

@@ -169,6 +169,22 @@ def qk_norm_rope_backward(
     return fused(dq, dk, dv, qkv, q_weight, k_weight, cos, sin, eps)
 
 
+@_by_device
+def modulated_layer_norm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, eps: float) -> torch.Tensor:
+    from loongforge.kernels.layer_norm import modulated_layer_norm as fused
+
+    return fused(x, weight, bias, eps)
+
+
+@_by_device
+def modulated_layer_norm_backward(
+    dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    from loongforge.kernels.layer_norm import modulated_layer_norm_backward as fused
+
+    return fused(dy, x, weight, bias, eps)
+
+
 def supports_fp8(accelerator) -> bool:
     """Where Triton runs, except CUDA GPUs older than compute capability 8.9 (no FP8 tensor cores)."""
     if not supports(accelerator):
@@ -180,7 +196,7 @@ def supports_fp8(accelerator) -> bool:
 
 _OPS = (
     rms_norm, add_rms_norm, rope, swiglu, linear_cross_entropy, sparse_mla_attention, dsa_indexer_topk, dsa_indexer_loss,
-    gelu_tanh_backward, qk_norm_rope, qk_norm_rope_backward,
+    gelu_tanh_backward, qk_norm_rope, qk_norm_rope_backward, modulated_layer_norm, modulated_layer_norm_backward,
 )
 _FP8_OPS = (fp8_linear, fp8_cast_transpose, gelu_fp8_cast_transpose)
 

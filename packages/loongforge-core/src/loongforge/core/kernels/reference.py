@@ -2,7 +2,8 @@
 
 These define each op's contract (shapes, dtypes, numerics); DeepSeek sparse attention's ops live
 in ``dsa.py``, the FP8 linear in ``fp8.py``, the feed-forward's GELU ops in ``gelu.py``, the
-query/key norm and rotation of Wan-style attention in ``qk_norm_rope.py``. Fused
+query/key norm and rotation of Wan-style attention in ``qk_norm_rope.py``, adaLN's LayerNorm in
+``layer_norm.py``. Fused
 versions registered through the ``loongforge.kernels`` entry-point group must match them; they
 are what runs when no fused version applies (CPU, a device without Triton, or ``kernels.force_reference``).
 """
@@ -16,6 +17,7 @@ from loongforge.core.kernels.dsa import dsa_indexer_loss, dsa_indexer_topk, spar
 from loongforge.core.kernels.fp8 import fp8_linear
 from loongforge.core.kernels.fp8_tensorwise import cast_transpose as fp8_cast_transpose
 from loongforge.core.kernels.gelu import gelu_fp8_cast_transpose, gelu_tanh_backward
+from loongforge.core.kernels.layer_norm import modulated_layer_norm, modulated_layer_norm_backward
 from loongforge.core.kernels.qk_norm_rope import qk_norm_rope, qk_norm_rope_backward
 
 
@@ -87,4 +89,6 @@ REFERENCE_OPS = {
     "gelu_fp8_cast_transpose": gelu_fp8_cast_transpose,
     "qk_norm_rope": qk_norm_rope,
     "qk_norm_rope_backward": qk_norm_rope_backward,
+    "modulated_layer_norm": modulated_layer_norm,
+    "modulated_layer_norm_backward": modulated_layer_norm_backward,
 }

@@ -27,11 +27,14 @@ variants), so ``load_state_dict`` of a diffusers checkpoint is the identity mapp
   Wan-1.3B layers at 14040 tokens: 1.8x diffusers' checkpointed step against 1.6x keeping the
   attention outputs alone).
 
-The embedding modules that have nothing to do with packing (time/text embedder, LayerNorms,
-GELU feed-forward) are diffusers' own modules, so their numerics are diffusers'; the
-feed-forward runs as ``loongforge.core.kernels.feed_forward.gelu_feed_forward`` (the same ops
-forward, a backward that reads the hidden activation once, FP8 GEMMs with ``model.fp8``, where
-the GELU output is quantised from fp32).
+The modules that have nothing to do with packing (time/text embedder, LayerNorms, GELU
+feed-forward) are diffusers' own, so parameters and settings are diffusers'. Inside the blocks
+the LayerNorms with their adaLN modulation (or affine parameters) run as
+``loongforge.core.kernels.modulated_norm.normalize_and_modulate`` (fp32 statistics and
+transform, as diffusers' ``FP32LayerNorm`` then the modulation), and the feed-forward as
+``loongforge.core.kernels.feed_forward.gelu_feed_forward`` (the same ops forward, a backward
+that reads the hidden activation once, FP8 GEMMs with ``model.fp8``, where the GELU output is
+quantised from fp32).
 """
 
 from __future__ import annotations
@@ -50,6 +53,7 @@ from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selectiv
 from loongforge.core.kernels import get_kernel
 from loongforge.core.kernels.attention_inputs import normed_rotated_qkv, qk_norm_rope_kernels
 from loongforge.core.kernels.feed_forward import feed_forward_kernels, gelu_feed_forward
+from loongforge.core.kernels.modulated_norm import layer_norm_kernels, normalize_and_modulate
 from loongforge.core.kernels.fp8_tensorwise import fp8_linear_tensorwise
 from loongforge.diffusion.context_parallel import ContextParallel, heads_to_seq, seq_to_heads
 from loongforge.diffusion.model.attention import Segments, packed_attention
@@ -216,6 +220,7 @@ class WanBlock(nn.Module):
         self.norm3 = FP32LayerNorm(dim, cfg.eps, elementwise_affine=False)
         self.scale_shift_table = nn.Parameter(torch.randn(1, 6, dim) / dim**0.5)
         self.checkpointing, self.ffn_kernels = cfg.activation_checkpointing, feed_forward_kernels(fp8)
+        self.norm_kernels = layer_norm_kernels()
 
     def forward(self, x: torch.Tensor, text: torch.Tensor, temb: torch.Tensor, tc: TokenContext) -> torch.Tensor:
         if self.checkpointing == "none" or not torch.is_grad_enabled():
@@ -228,14 +233,20 @@ class WanBlock(nn.Module):
         mod = tc.per_token(self.scale_shift_table + temb.float())
         shift_msa, scale_msa, gate_msa, c_shift, c_scale, c_gate = mod.unbind(1)
 
-        h = (self.norm1(x.float()) * (1 + scale_msa) + shift_msa).type_as(x)
+        h = self._layer_norm(self.norm1, x, 1 + scale_msa, shift_msa)
         x = (x.float() + self.attn1(h, tc) * gate_msa).type_as(x)
 
-        h = self.norm2(x.float()).type_as(x)
+        h = x if isinstance(self.norm2, nn.Identity) else self._layer_norm(self.norm2, x, self.norm2.weight[None], self.norm2.bias[None])
         x = x + self.attn2(h, tc, text)
 
-        h = (self.norm3(x.float()) * (1 + c_scale) + c_shift).type_as(x)
+        h = self._layer_norm(self.norm3, x, 1 + c_scale, c_shift)
         return (x.float() + self._feed_forward(h).float() * c_gate).type_as(x)
+
+    def _layer_norm(self, norm: nn.LayerNorm, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
+        """diffusers' ``(FP32LayerNorm(x.float()) * weight + bias).type_as(x)`` (``weight``/``bias``:
+        the adaLN modulation ``1 + scale``/``shift``, or the norm's own affine parameters) as one
+        registry op, one pass forward and one backward."""
+        return normalize_and_modulate(x, weight, bias, norm.eps, self.norm_kernels)
 
     def _feed_forward(self, h: torch.Tensor) -> torch.Tensor:
         """diffusers' ``FeedForward`` (tanh-GELU, dropouts of 0) with a fused backward (and FP8 GEMMs)."""

@@ -1,0 +1,54 @@
+"""adaLN's LayerNorm as one autograd function, ``normalize_and_modulate``, over the registry's
+``modulated_layer_norm`` ops (``layer_norm.py`` holds their contracts): ``layer_norm(x) * weight
++ bias`` with a per-token or shared ``weight``/``bias``, one pass forward and one backward."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from loongforge.core.kernels.layer_norm import check_layer_norm
+from loongforge.core.kernels.registry import get_kernel
+
+
+@dataclass(frozen=True)
+class LayerNormKernels:
+    """The registry ops of :func:`normalize_and_modulate`, resolved once by the caller."""
+
+    forward: Callable
+    backward: Callable
+
+
+def layer_norm_kernels(force_reference: bool | None = None) -> LayerNormKernels:
+    """The registry's ``modulated_layer_norm`` and its backward (``force_reference`` as in ``get_kernel``)."""
+    return LayerNormKernels(get_kernel("modulated_layer_norm", force_reference=force_reference),
+                            get_kernel("modulated_layer_norm_backward", force_reference=force_reference))
+
+
+class _ModulatedLayerNorm(torch.autograd.Function):
+    """Saves ``x`` and the transform; the backward recomputes each row's statistics in its one pass."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, eps: float, kernels: LayerNormKernels):
+        ctx.save_for_backward(x, weight, bias)
+        ctx.eps, ctx.kernels = eps, kernels
+        return kernels.forward(x, weight, bias, eps)
+
+    @staticmethod
+    def backward(ctx, dy):
+        x, weight, bias = ctx.saved_tensors
+        dx, dweight, dbias = ctx.kernels.backward(dy, x, weight, bias, ctx.eps)
+        need_x, need_w, need_b = ctx.needs_input_grad[:3]
+        return (dx if need_x else None, dweight.to(weight.dtype) if need_w else None,
+                dbias.to(bias.dtype) if need_b else None, None, None)
+
+
+def normalize_and_modulate(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, eps: float, kernels: LayerNormKernels
+) -> torch.Tensor:
+    """``layer_norm(x) * weight + bias`` over the last dim of ``x`` ``[tokens, width]``, in fp32,
+    rounded to ``x``'s dtype; ``weight``/``bias`` ``[1, width]`` (shared) or ``[tokens, width]``."""
+    check_layer_norm("normalize_and_modulate", x, weight, bias)
+    return _ModulatedLayerNorm.apply(x, weight, bias, eps, kernels)
