@@ -221,17 +221,19 @@ def main() -> None:
                        eps="fp32"),
                   dict(BLOCK_M=qk.BACKWARD_ROWS, BLOCK_P=block_p), num_warps=warps_for(2 * qk.BACKWARD_ROWS * block_p),
                   aligned=("width",))
-        for per_token in (False, True):  # adaLN's LayerNorm at Wan-1.3B's width (1536)
+        for has_index in (False, True):  # adaLN's LayerNorm at Wan-1.3B's width (1536), one sample or a pack
             build(ln._modulated_ln_fwd,
-                  dict(X=p, W="*fp32", B="*fp32", Y=p, n_rows=i32, width=i32, stride_x=i32, stride_w=i32, stride_b=i32,
-                       stride_y=i32, eps="fp32"),
-                  dict(PER_TOKEN=per_token, BLOCK_M=ln.FORWARD_ROWS, BLOCK_N=2048),
+                  dict(X=p, W="*fp32", B="*fp32", INDEX="*i64", Y=p, n_rows=i32, width=i32, stride_x=i32, stride_w=i32,
+                       stride_b=i32, stride_y=i32, eps="fp32"),
+                  dict(HAS_INDEX=has_index, BLOCK_M=ln.FORWARD_ROWS, BLOCK_N=2048),
                   num_warps=warps_for(ln.FORWARD_ROWS * 2048), aligned=("width",))
+            block_m = 1 if has_index else ln.BACKWARD_ROWS
             build(ln._modulated_ln_bwd,
-                  dict(DY=p, X=p, W="*fp32", DX=p, DW="*fp32", DB="*fp32", n_rows=i32, width=i32, rows_per_program=i32,
-                       stride_dy=i32, stride_x=i32, stride_w=i32, stride_dx=i32, eps="fp32"),
-                  dict(PER_TOKEN=per_token, BLOCK_M=ln.BACKWARD_ROWS, BLOCK_N=2048),
-                  num_warps=warps_for(ln.BACKWARD_ROWS * 2048), aligned=("width",))
+                  dict(DY=p, X=p, W="*fp32", INDEX="*i64", DX=p, PARTIAL_W="*fp32", PARTIAL_B="*fp32", n_rows=i32,
+                       width=i32, n_samples=i32, rows_per_program=i32, stride_dy=i32, stride_x=i32, stride_w=i32,
+                       stride_dx=i32, eps="fp32"),
+                  dict(HAS_INDEX=has_index, BLOCK_M=block_m, BLOCK_N=2048),
+                  num_warps=warps_for(block_m * 2048), aligned=("width",))
         build_dsa(dtype)
     build_fp8()
 

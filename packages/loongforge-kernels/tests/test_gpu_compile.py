@@ -13,7 +13,7 @@ import pytest
 SCRIPT = Path(__file__).with_name("compile_for_gpu.py")
 # dtypes x (rms fwd, rms bwd, rope rotate, rope grad, swiglu, ce, indexer scores, indexer gather fwd/bwd, GELU
 # backward with and without its output, GELU amax, query/key norm + RoPE fwd and bwd at two widths, adaLN
-# LayerNorm fwd and bwd shared or per token) + sparse MLA fwd/probs (bf16: 16/32/64 heads a program, fp32:
+# LayerNorm fwd and bwd for one sample or a pack) + sparse MLA fwd/probs (bf16: 16/32/64 heads a program, fp32:
 # 16) and bwd (bf16: 16/32, fp32: 16) + FP8 quantisers (x2 input dtypes), tensor-wise cast-transposes (x2 input
 # dtypes x e4m3/e5m2 x GELU prologue or not) and GEMMs
 N_BUILDS = 2 * (2 + 3 + 4 + 1 + 2 + 2 + 3 + 3 + 4 + 4) + (6 + 2) + (2 + 1) + (2 * 3 + 2 * 2 * 2 + 2)

@@ -170,19 +170,22 @@ def qk_norm_rope_backward(
 
 
 @_by_device
-def modulated_layer_norm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, eps: float) -> torch.Tensor:
+def modulated_layer_norm(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, eps: float, index: torch.Tensor | None = None
+) -> torch.Tensor:
     from loongforge.kernels.layer_norm import modulated_layer_norm as fused
 
-    return fused(x, weight, bias, eps)
+    return fused(x, weight, bias, eps, index)
 
 
 @_by_device
 def modulated_layer_norm_backward(
-    dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, eps: float
+    dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, eps: float,
+    index: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     from loongforge.kernels.layer_norm import modulated_layer_norm_backward as fused
 
-    return fused(dy, x, weight, bias, eps)
+    return fused(dy, x, weight, bias, eps, index)
 
 
 def supports_fp8(accelerator) -> bool:

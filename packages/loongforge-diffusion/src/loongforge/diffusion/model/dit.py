@@ -229,24 +229,30 @@ class WanBlock(nn.Module):
         return checkpoint(self._forward, x, text, temb, tc, use_reentrant=False, **extra)
 
     def _forward(self, x: torch.Tensor, text: torch.Tensor, temb: torch.Tensor, tc: TokenContext) -> torch.Tensor:
-        # temb: [B, 6, dim] per sample; modulation per token via the sample index
-        mod = tc.per_token(self.scale_shift_table + temb.float())
+        # temb: [B, 6, dim] per sample; the norms look each token's sample up (no per-token copy
+        # of the modulation), the gates are gathered per token where inductor fuses the gather
+        mod = self.scale_shift_table + temb.float()
         shift_msa, scale_msa, gate_msa, c_shift, c_scale, c_gate = mod.unbind(1)
 
-        h = self._layer_norm(self.norm1, x, 1 + scale_msa, shift_msa)
-        x = (x.float() + self.attn1(h, tc) * gate_msa).type_as(x)
+        h = self._layer_norm(self.norm1, x, 1 + scale_msa, shift_msa, tc.pack_index)
+        x = (x.float() + self.attn1(h, tc) * tc.per_token(gate_msa)).type_as(x)
 
-        h = x if isinstance(self.norm2, nn.Identity) else self._layer_norm(self.norm2, x, self.norm2.weight[None], self.norm2.bias[None])
+        if not isinstance(self.norm2, nn.Identity):
+            h = self._layer_norm(self.norm2, x, self.norm2.weight[None], self.norm2.bias[None], None)
+        else:
+            h = x
         x = x + self.attn2(h, tc, text)
 
-        h = self._layer_norm(self.norm3, x, 1 + c_scale, c_shift)
-        return (x.float() + self._feed_forward(h).float() * c_gate).type_as(x)
+        h = self._layer_norm(self.norm3, x, 1 + c_scale, c_shift, tc.pack_index)
+        return (x.float() + self._feed_forward(h).float() * tc.per_token(c_gate)).type_as(x)
 
-    def _layer_norm(self, norm: nn.LayerNorm, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
-        """diffusers' ``(FP32LayerNorm(x.float()) * weight + bias).type_as(x)`` (``weight``/``bias``:
-        the adaLN modulation ``1 + scale``/``shift``, or the norm's own affine parameters) as one
-        registry op, one pass forward and one backward."""
-        return normalize_and_modulate(x, weight, bias, norm.eps, self.norm_kernels)
+    def _layer_norm(self, norm: nn.LayerNorm, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor,
+                    index: torch.Tensor | None) -> torch.Tensor:
+        """diffusers' ``(FP32LayerNorm(x.float()) * weight + bias).type_as(x)`` as one registry op,
+        one pass forward and one backward; ``weight``/``bias``: the adaLN modulation ``1 + scale``/
+        ``shift`` per sample (``index``: the sample of each token, None for one sample), or the
+        norm's own affine parameters."""
+        return normalize_and_modulate(x, weight, bias, norm.eps, self.norm_kernels, index)
 
     def _feed_forward(self, h: torch.Tensor) -> torch.Tensor:
         """diffusers' ``FeedForward`` (tanh-GELU, dropouts of 0) with a fused backward (and FP8 GEMMs)."""
