@@ -65,9 +65,9 @@ def _cases(args, device) -> list[Case]:
         return lambda qkv, wq, wk: normed_rotated_qkv(qkv, wq, wk, cos, sin, 1e-6, kernels)
 
     def layer_norm_then_transform(impl: Callable[[str], Callable]) -> Callable:
-        from loongforge.core.kernels.modulated_norm import LayerNormKernels, normalize_and_modulate
+        from loongforge.core.kernels.modulated_norm import ModulatedLayerNormKernels, normalize_and_modulate
 
-        kernels = LayerNormKernels(impl("modulated_layer_norm"), impl("modulated_layer_norm_backward"))
+        kernels = ModulatedLayerNormKernels(impl("modulated_layer_norm"), impl("modulated_layer_norm_backward"))
         return lambda x, weight, bias: normalize_and_modulate(x, weight, bias, 1e-6, kernels)
 
     def rms_norm_then_rope(qkv, wq, wk):

@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 
 from loongforge.core.kernels import layer_norm as ref
-from loongforge.core.kernels.modulated_norm import layer_norm_kernels, normalize_and_modulate
+from loongforge.core.kernels.modulated_norm import modulated_layer_norm_kernels, normalize_and_modulate
 
 EPS = 1e-6
 TOKENS, WIDTH = 19, 24
@@ -54,7 +54,7 @@ def test_function_gradients_equal_autograd_compiled_or_not(backend, samples):
     x, _, _, index = _inputs(samples)
     table = torch.randn(samples, 2, WIDTH, generator=torch.Generator().manual_seed(2))
     norm_w, norm_b = _inputs(1, seed=3)[1:3]
-    kernels = layer_norm_kernels(force_reference=True)
+    kernels = modulated_layer_norm_kernels(force_reference=True)
 
     def composed(x, weight, bias, index):
         if index is not None:

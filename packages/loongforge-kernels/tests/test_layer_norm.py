@@ -96,3 +96,28 @@ def test_wan_shape_on_gpu(samples):
     torch.testing.assert_close(got[0], want[0], **TOLERANCE[torch.bfloat16])
     for g, w in zip(got[1:], want[1:]):
         torch.testing.assert_close(g, w, atol=1e-2, rtol=1e-4)
+
+
+def test_compiled_with_an_index_equals_eager():
+    """The fused ops (custom ops with an optional index) inside a compiled graph, dynamic token
+    counts: the value and every gradient equal the eager function's."""
+    from loongforge.core.kernels.modulated_norm import ModulatedLayerNormKernels, normalize_and_modulate
+
+    kernels = ModulatedLayerNormKernels(modulated_layer_norm, modulated_layer_norm_backward)
+
+    def loss(x, table, index):
+        shift, scale = table.unbind(1)
+        return (normalize_and_modulate(x, 1 + scale, shift, EPS, kernels, index) * x).sum()
+
+    compiled = torch.compile(loss, backend="aot_eager", dynamic=True, fullgraph=True)
+    for tokens in (20, 31):
+        x, weight, _, index, _ = _inputs(tokens, 32, 3, torch.float32, seed=tokens)
+        table = torch.stack((weight - 1, weight), dim=1)
+        results = []
+        for fn in (loss, compiled):
+            leaves = [t.clone().requires_grad_() for t in (x, table)]
+            value = fn(*leaves, index)
+            value.backward()
+            results.append((value.detach(), *(t.grad for t in leaves)))
+        for got, want in zip(results[1], results[0]):
+            torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-5)

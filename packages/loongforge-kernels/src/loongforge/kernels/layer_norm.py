@@ -8,7 +8,11 @@ backward reads a row and its output gradient once, recomputes the row's statisti
 order, keeps the running sums of the current sample in registers and adds them to its own
 partial row of that sample whenever the sample changes (tokens of a sample are contiguous in a
 pack, so that is at most once per sample it touches); torch sums the partials afterwards, so
-the result does not depend on scheduling.
+the result does not depend on scheduling. The partial rows are ``[programs, samples, width]``
+fp32, zeroed and summed on every call: negligible for a video or a pack of a few, but for packs
+of tens of samples (many small images) they cost as much traffic as the kernel itself; a
+layout indexed by ``program + sample`` (unique when a pack's samples are contiguous and in
+order) would bring it back to ``programs + samples`` rows.
 
 Both are ``torch.library`` custom ops, so compiled graphs call them as they are.
 """
@@ -72,7 +76,7 @@ def _modulated_ln_bwd(
     stride_dy, stride_x, stride_w, stride_dx, eps,
     HAS_INDEX: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
-    # with an index, BLOCK_M is 1: the sample can change from one row to the next
+    tl.static_assert(not HAS_INDEX or BLOCK_M == 1, "with an index the sample can change at every row: BLOCK_M must be 1")
     pid = tl.program_id(0)
     first = pid * rows_per_program
     last = tl.minimum(first + rows_per_program, n_rows)
@@ -81,7 +85,7 @@ def _modulated_ln_bwd(
     if HAS_INDEX:
         current = tl.load(INDEX + first).to(tl.int64)
     else:
-        current = first.to(tl.int64) * 0
+        current = tl.full([], 0, tl.int64)
     w = tl.load(W + current * stride_w + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
     sum_w = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     sum_b = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)

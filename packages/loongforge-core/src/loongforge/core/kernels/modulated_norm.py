@@ -15,16 +15,16 @@ from loongforge.core.kernels.registry import get_kernel
 
 
 @dataclass(frozen=True)
-class LayerNormKernels:
+class ModulatedLayerNormKernels:
     """The registry ops of :func:`normalize_and_modulate`, resolved once by the caller."""
 
     forward: Callable
     backward: Callable
 
 
-def layer_norm_kernels(force_reference: bool | None = None) -> LayerNormKernels:
+def modulated_layer_norm_kernels(force_reference: bool | None = None) -> ModulatedLayerNormKernels:
     """The registry's ``modulated_layer_norm`` and its backward (``force_reference`` as in ``get_kernel``)."""
-    return LayerNormKernels(get_kernel("modulated_layer_norm", force_reference=force_reference),
+    return ModulatedLayerNormKernels(get_kernel("modulated_layer_norm", force_reference=force_reference),
                             get_kernel("modulated_layer_norm_backward", force_reference=force_reference))
 
 
@@ -33,7 +33,7 @@ class _ModulatedLayerNorm(torch.autograd.Function):
     in its one pass."""
 
     @staticmethod
-    def forward(ctx, x, weight, bias, eps: float, index, kernels: LayerNormKernels):
+    def forward(ctx, x, weight, bias, eps: float, index, kernels: ModulatedLayerNormKernels):
         ctx.save_for_backward(x, weight, bias, index)
         ctx.eps, ctx.kernels = eps, kernels
         return kernels.forward(x, weight, bias, eps, index)
@@ -48,7 +48,7 @@ class _ModulatedLayerNorm(torch.autograd.Function):
 
 
 def normalize_and_modulate(
-    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, eps: float, kernels: LayerNormKernels,
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, eps: float, kernels: ModulatedLayerNormKernels,
     index: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """``layer_norm(x) * weight[index] + bias[index]`` over the last dim of ``x`` ``[tokens, width]``,

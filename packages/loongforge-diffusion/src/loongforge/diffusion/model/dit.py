@@ -53,8 +53,8 @@ from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selectiv
 from loongforge.core.kernels import get_kernel
 from loongforge.core.kernels.attention_inputs import normed_rotated_qkv, qk_norm_rope_kernels
 from loongforge.core.kernels.feed_forward import feed_forward_kernels, gelu_feed_forward
-from loongforge.core.kernels.modulated_norm import layer_norm_kernels, normalize_and_modulate
 from loongforge.core.kernels.fp8_tensorwise import fp8_linear_tensorwise
+from loongforge.core.kernels.modulated_norm import modulated_layer_norm_kernels, normalize_and_modulate
 from loongforge.diffusion.context_parallel import ContextParallel, heads_to_seq, seq_to_heads
 from loongforge.diffusion.model.attention import Segments, packed_attention
 from loongforge.diffusion.model.config import CHECKPOINTING, WanConfig
@@ -220,7 +220,7 @@ class WanBlock(nn.Module):
         self.norm3 = FP32LayerNorm(dim, cfg.eps, elementwise_affine=False)
         self.scale_shift_table = nn.Parameter(torch.randn(1, 6, dim) / dim**0.5)
         self.checkpointing, self.ffn_kernels = cfg.activation_checkpointing, feed_forward_kernels(fp8)
-        self.norm_kernels = layer_norm_kernels()
+        self.norm_kernels = modulated_layer_norm_kernels()
 
     def forward(self, x: torch.Tensor, text: torch.Tensor, temb: torch.Tensor, tc: TokenContext) -> torch.Tensor:
         if self.checkpointing == "none" or not torch.is_grad_enabled():
@@ -293,11 +293,12 @@ class WanDiT(nn.Module):
         """Regional compilation: every block is compiled (one graph serves all layers, since they
         share code and shapes), and so is the output head (norm, modulation, projection: a
         second small graph that fuses what eager would run as a handful of full-size passes);
-        the embedders stay eager. Norms and RoPE switch to the torch references so inductor fuses
-        them with the modulation, casts and residuals; segment lengths are handed to attention as
-        upper bounds (``Segments(exact=False)``). ``dynamic`` as in ``torch.compile``: False for one
-        fixed pack shape, None to let packs of changing length recompile once into a
-        length-generic graph."""
+        the embedders stay eager. Cross-attention's RMSNorms switch to the torch reference so
+        inductor fuses them with the casts around them (the adaLN LayerNorms and self-attention's
+        ``qk_norm_rope`` stay registry ops, which compiled graphs call as they are); segment
+        lengths are handed to attention as upper bounds (``Segments(exact=False)``). ``dynamic``
+        as in ``torch.compile``: False for one fixed pack shape, None to let packs of changing
+        length recompile once into a length-generic graph."""
         for block in self.blocks:
             block.attn1.use_kernels(reference=True)
             block.attn2.use_kernels(reference=True)
