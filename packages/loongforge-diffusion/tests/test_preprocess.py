@@ -87,3 +87,39 @@ def test_cli_preprocess_with_shipped_defaults(setup, capsys):
     assert json.loads((Path(cfg.output) / "preprocess.json").read_text())["storage_dtype"] == "bf16"
     with pytest.raises(ValueError, match="preprocess.json: this directory was preprocessed with max_area=2304"):
         main(["preprocess", *args[:-2]])  # other settings into the same directory: refused
+
+
+def test_cli_preprocess_under_torchrun_equals_one_process(setup, tmp_path):
+    """Two ranks (gloo) split the shards, the manifest waits for both, and the result equals one
+    process's."""
+    import os
+    import subprocess
+    import sys
+
+    from loongforge.diffusion.cli import main
+
+    _, clips, encoders = setup
+    args = [f"input={clips}", f"vae={encoders}", f"text_encoder={encoders}", "max_sequence_length=16", "max_frames=9",
+            "max_area=2304", "shard_size=2", "progress=false"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "LOONGFORGE_ACCELERATOR": "cpu"}
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+         "-m", "loongforge.diffusion.cli", "preprocess", f"output={tmp_path / 'two'}", *args],
+        env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    )
+    assert main(["preprocess", f"output={tmp_path / 'one'}", *args]) == 0  # meanwhile, one process
+    output, _ = proc.communicate(timeout=300)
+    assert proc.returncode == 0, output[-4000:]
+    assert output.count("manifest.json") == 1  # written once, by rank 0
+    one, two = LatentShards(tmp_path / "one"), LatentShards(tmp_path / "two")
+    assert len(two) == len(one) == 5 and len(two.manifest["shards"]) == 3
+    for i in range(5):
+        for a, b in zip(two.load(i), one.load(i)):
+            torch.testing.assert_close(a, b)
+
+
+def test_a_rank_without_a_process_group_is_refused(setup, monkeypatch):
+    cfg, _, _ = setup
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    with pytest.raises(RuntimeError, match="WORLD_SIZE=2 but this process has joined no process group"):
+        preprocess(cfg)

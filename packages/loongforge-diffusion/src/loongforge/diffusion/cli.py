@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 from pathlib import Path
 
@@ -44,17 +43,18 @@ def cmd_train(args) -> int:
 
 def cmd_preprocess(args) -> int:
     from loongforge.core.config import load_config
+    from loongforge.core.distributed import init_distributed
     from loongforge.diffusion.preprocess import PreprocessConfig, preprocess
 
     cfg = load_config(PreprocessConfig, args.config, normalise_overrides(args.overrides), config_dirs=[CONFIG_DIR])
-    # under torchrun: a CPU (gloo) group orders the manifest after every rank's shards
-    group = int(os.environ.get("WORLD_SIZE", "1")) > 1 and not dist.is_initialized()
-    if group:
-        dist.init_process_group(backend="gloo")
+    # under torchrun each rank encodes its shards on its own device; the job's group orders the
+    # manifest after all of them (a bad config has failed above, before any group exists)
+    owned = not dist.is_initialized()
+    init_distributed(group_for_world_of_one=False)
     try:
         manifest = preprocess(cfg)
     finally:
-        if group:
+        if owned and dist.is_initialized():
             dist.destroy_process_group()
     if manifest is not None:
         print(f"wrote {manifest}")

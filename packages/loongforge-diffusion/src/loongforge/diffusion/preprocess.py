@@ -14,7 +14,6 @@ Shards are planned from the sorted metadata, so a rerun resumes by skipping fini
 from __future__ import annotations
 
 import json
-import os
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -22,6 +21,7 @@ import torch
 import torch.distributed as dist
 
 from loongforge.core.accelerators import get_accelerator
+from loongforge.core.distributed import world_size_from_env
 from loongforge.core.metrics import progress
 from loongforge.diffusion.data import shards
 from loongforge.diffusion.data.encoders import (
@@ -102,14 +102,20 @@ def preprocess(cfg: PreprocessConfig, rank: int | None = None, world: int | None
     """Encode this rank's unfinished shards; returns the manifest path once all shards exist.
 
     ``rank``/``world`` default to the torch.distributed job (every rank must call, and barriers
-    order the manifest after all shards) or ``RANK``/``WORLD_SIZE``; passed explicitly, this
-    process works alone on that rank's shards.
+    order the manifest after all shards; ``loongforge.core.distributed.init_distributed`` joins
+    it, as ``lf-diffusion preprocess`` does) or to one process; passed explicitly, this process
+    works alone on that rank's shards.
     """
     distributed = rank is None and dist.is_available() and dist.is_initialized()
     if distributed:
         rank, world = dist.get_rank(), dist.get_world_size()
     elif rank is None:
-        rank, world = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
+        if world_size_from_env() > 1:
+            raise RuntimeError(
+                f"preprocess: WORLD_SIZE={world_size_from_env()} but this process has joined no process group; "
+                "call loongforge.core.distributed.init_distributed first, or pass rank and world"
+            )
+        rank, world = 0, 1
     elif world is None:
         raise ValueError("pass world together with rank")
     input_dir, out_dir = Path(cfg.input).expanduser(), Path(cfg.output).expanduser()
