@@ -33,9 +33,9 @@ class Case:
     shape: str
     inputs: list[torch.Tensor]
     out_grads: list[torch.Tensor]
-    # for ops whose backward is a registry op of its own: the differentiable function built from
-    # an op lookup (name -> fused implementation), and the autograd composition it replaces
-    build: Callable[[Callable[[str], Callable]], Callable] | None = None
+    # for ops whose backward is a registry op of its own: the differentiable function over the
+    # fused pair, and the autograd composition it replaces
+    build: Callable | None = None
     composed: Callable | None = None
 
 
@@ -58,16 +58,14 @@ def _cases(args, device) -> list[Case]:
 
     cos, sin = pair_angles.cos(), pair_angles.sin()
 
-    def normed_rotated(impl: Callable[[str], Callable]) -> Callable:
-        from loongforge.core.kernels.attention_inputs import QKNormRopeKernels, normed_rotated_qkv
+    def normed_rotated(kernels) -> Callable:
+        from loongforge.core.kernels.attention_inputs import normed_rotated_qkv
 
-        kernels = QKNormRopeKernels(impl("qk_norm_rope"), impl("qk_norm_rope_backward"))
         return lambda qkv, wq, wk: normed_rotated_qkv(qkv, wq, wk, cos, sin, 1e-6, kernels)
 
-    def layer_norm_then_transform(impl: Callable[[str], Callable]) -> Callable:
-        from loongforge.core.kernels.modulated_norm import ModulatedLayerNormKernels, normalize_and_modulate
+    def layer_norm_then_transform(kernels) -> Callable:
+        from loongforge.core.kernels.modulated_norm import normalize_and_modulate
 
-        kernels = ModulatedLayerNormKernels(impl("modulated_layer_norm"), impl("modulated_layer_norm_backward"))
         return lambda x, weight, bias: normalize_and_modulate(x, weight, bias, 1e-6, kernels)
 
     def rms_norm_then_rope(qkv, wq, wk):
@@ -182,7 +180,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from tqdm import tqdm
 
-    from loongforge.core.kernels import REFERENCE_OPS, installed_kernels
+    from loongforge.core.kernels import REFERENCE_OPS, OpWithBackward, installed_kernels
 
     fused_ops = installed_kernels()
     if not fused_ops:
@@ -205,7 +203,7 @@ def main(argv: list[str] | None = None) -> int:
         if case.build is None:
             ref, fused = REFERENCE_OPS[case.op], fused_ops[case.op].fn
         else:
-            ref, fused = case.composed, case.build(lambda name: fused_ops[name].fn)
+            ref, fused = case.composed, case.build(OpWithBackward(fused_ops[case.op].fn, fused_ops[f"{case.op}_backward"].fn))
         impls = {"fused": fused, "reference": ref}
         if not args.no_compile:
             torch._dynamo.reset()

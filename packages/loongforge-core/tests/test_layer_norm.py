@@ -7,7 +7,8 @@ import torch
 import torch.nn.functional as F
 
 from loongforge.core.kernels import layer_norm as ref
-from loongforge.core.kernels.modulated_norm import modulated_layer_norm_kernels, normalize_and_modulate
+from loongforge.core.kernels import get_kernel_with_backward
+from loongforge.core.kernels.modulated_norm import normalize_and_modulate
 
 EPS = 1e-6
 TOKENS, WIDTH = 19, 24
@@ -46,7 +47,7 @@ def test_reference_equals_autograd_of_layer_norm_then_transform(dtype, samples):
 
 @pytest.mark.parametrize("samples", [1, 2])
 @pytest.mark.parametrize("backend", ["eager", "aot_eager", "inductor"])
-def test_function_gradients_equal_autograd_compiled_or_not(backend, samples):
+def test_function_gradients_equal_autograd_compiled_or_not(backend, samples, assert_compiled_like_composed):
     """``normalize_and_modulate`` (reference ops) as a block uses it: modulation ``1 + scale`` and
     ``shift`` from one table per sample, then a second norm with its own parameters; the same
     value and gradients as autograd of the composed ops, compiled or not. A reference whose
@@ -54,7 +55,7 @@ def test_function_gradients_equal_autograd_compiled_or_not(backend, samples):
     x, _, _, index = _inputs(samples)
     table = torch.randn(samples, 2, WIDTH, generator=torch.Generator().manual_seed(2))
     norm_w, norm_b = _inputs(1, seed=3)[1:3]
-    kernels = modulated_layer_norm_kernels(force_reference=True)
+    kernels = get_kernel_with_backward("modulated_layer_norm", force_reference=True)
 
     def composed(x, weight, bias, index):
         if index is not None:
@@ -69,17 +70,7 @@ def test_function_gradients_equal_autograd_compiled_or_not(backend, samples):
         h = norm(x, 1 + scale, shift, index)
         return (norm(h.sin(), norm_w[0][None], norm_b[0][None], None) * h).sum()
 
-    results = []
-    for norm, compile_with in ((composed, None), (fused, backend)):
-        leaves = [t.clone().requires_grad_() for t in (x, table, norm_w, norm_b)]
-        fn = loss if compile_with in (None, "eager") else torch.compile(loss, backend=compile_with, fullgraph=True)
-        torch._dynamo.reset()
-        value = fn(norm, *leaves)
-        value.backward()
-        results.append((value.detach(), [t.grad for t in leaves]))
-    torch.testing.assert_close(results[1][0], results[0][0], atol=1e-4, rtol=1e-5)
-    for got, want in zip(results[1][1], results[0][1]):
-        torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-5)
+    assert_compiled_like_composed(loss, composed, fused, [x, table, norm_w, norm_b], backend)
 
 
 @pytest.mark.parametrize("change, match", [

@@ -7,7 +7,8 @@ import torch
 import torch.nn.functional as F
 
 from loongforge.core.kernels import qk_norm_rope as ref
-from loongforge.core.kernels.attention_inputs import normed_rotated_qkv, qk_norm_rope_kernels
+from loongforge.core.kernels import get_kernel_with_backward
+from loongforge.core.kernels.attention_inputs import normed_rotated_qkv
 
 EPS = 1e-6
 TOKENS, HEADS, HEAD_DIM = 23, 3, 8
@@ -56,14 +57,14 @@ def test_reference_forward_and_backward_equal_autograd_of_the_ops(dtype):
 
 
 @pytest.mark.parametrize("backend", ["eager", "aot_eager", "inductor"])
-def test_function_gradients_equal_autograd_compiled_or_not(backend):
+def test_function_gradients_equal_autograd_compiled_or_not(backend, assert_compiled_like_composed):
     """``normed_rotated_qkv`` (reference ops) inside a graph that also uses the values: the same
     outputs and gradients as autograd of the composed ops, compiled or not. A reference that
     returned views of its intermediates lost the query/key gradients in compiled graphs."""
     x = torch.randn(TOKENS, 16, generator=torch.Generator().manual_seed(2))
     proj = torch.randn(16, 3 * WIDTH, generator=torch.Generator().manual_seed(3)) / 4
     _, wq, wk, cos, sin = _inputs()
-    kernels = qk_norm_rope_kernels(force_reference=True)
+    kernels = get_kernel_with_backward("qk_norm_rope", force_reference=True)
 
     def loss(attention_inputs, x, proj, wq, wk):
         q, k, v = attention_inputs(x @ proj, wq, wk)
@@ -75,17 +76,7 @@ def test_function_gradients_equal_autograd_compiled_or_not(backend):
     def composed(qkv, wq, wk):
         return _composed(qkv, wq, wk, cos, sin)
 
-    results = []
-    for attention_inputs, compile_with in ((composed, None), (fused, backend)):
-        leaves = [t.clone().requires_grad_() for t in (x, proj, wq, wk)]
-        fn = loss if compile_with in (None, "eager") else torch.compile(loss, backend=compile_with, fullgraph=True)
-        torch._dynamo.reset()
-        value = fn(attention_inputs, *leaves)
-        value.backward()
-        results.append((value.detach(), [t.grad for t in leaves]))
-    torch.testing.assert_close(results[1][0], results[0][0], atol=1e-4, rtol=1e-5)
-    for got, want in zip(results[1][1], results[0][1]):
-        torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-5)
+    assert_compiled_like_composed(loss, composed, fused, [x, proj, wq, wk], backend)
 
 
 @pytest.mark.parametrize("change, match", [

@@ -101,9 +101,10 @@ def test_wan_shape_on_gpu(samples):
 def test_compiled_with_an_index_equals_eager():
     """The fused ops (custom ops with an optional index) inside a compiled graph, dynamic token
     counts: the value and every gradient equal the eager function's."""
-    from loongforge.core.kernels.modulated_norm import ModulatedLayerNormKernels, normalize_and_modulate
+    from loongforge.core.kernels import OpWithBackward
+    from loongforge.core.kernels.modulated_norm import normalize_and_modulate
 
-    kernels = ModulatedLayerNormKernels(modulated_layer_norm, modulated_layer_norm_backward)
+    kernels = OpWithBackward(modulated_layer_norm, modulated_layer_norm_backward)
 
     def loss(x, table, index):
         shift, scale = table.unbind(1)

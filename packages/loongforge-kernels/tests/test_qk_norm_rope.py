@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from loongforge.core.kernels import qk_norm_rope as ref
-from loongforge.core.kernels.attention_inputs import QKNormRopeKernels, normed_rotated_qkv
+from loongforge.core.kernels import OpWithBackward
+from loongforge.core.kernels.attention_inputs import normed_rotated_qkv
 from loongforge.kernels.qk_norm_rope import BACKWARD_ROWS, qk_norm_rope, qk_norm_rope_backward
 
 from .conftest import compiled_on_gpu
@@ -77,7 +78,7 @@ def test_the_function_equals_autograd_of_the_ops():
     qkv, wq, wk, cos, sin = _inputs(tokens, heads, head_dim, torch.float32)
     dq, dk, dv = _grads(tokens, heads, head_dim, torch.float32)
     leaves = [t.detach().clone().requires_grad_() for t in (qkv, wq, wk)]
-    fused = normed_rotated_qkv(*leaves, cos, sin, EPS, QKNormRopeKernels(qk_norm_rope, qk_norm_rope_backward))
+    fused = normed_rotated_qkv(*leaves, cos, sin, EPS, OpWithBackward(qk_norm_rope, qk_norm_rope_backward))
     torch.autograd.backward(fused, [t.reshape(tokens, -1) for t in (dq, dk, dv)])
     fused_grads = [t.grad for t in leaves]
 

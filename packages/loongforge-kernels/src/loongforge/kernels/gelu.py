@@ -21,7 +21,7 @@ import triton.language as tl
 from loongforge.core.kernels.fp8_tensorwise import E4M3, scale_from_amax
 from loongforge.core.kernels.gelu import check_matrices
 from loongforge.kernels.fp8_cast import launch_cast_transpose, out_shapes
-from loongforge.kernels.launch import check_tensors, persistent_programs
+from loongforge.kernels.launch import check_tensors, persistent_programs, split_rows
 from loongforge.kernels.tanh_gelu import gelu_tanh, gelu_tanh_and_slope
 
 # the backward's tile: 4 rows x 1024 columns, 4 warps, four programs per SM slot: the fastest of
@@ -81,13 +81,6 @@ def _check_matrices(op: str, *tensors: torch.Tensor) -> None:
     check_tensors(op, *tensors)
 
 
-def _row_groups(device: torch.device, n_rows: int, n_col_blocks: int) -> int:
-    """Rows per program for the backward: ``PROGRAMS_PER_SLOT`` programs per SM slot in all."""
-    programs = PROGRAMS_PER_SLOT * persistent_programs(device, n_rows)
-    groups = max(1, min(triton.cdiv(n_rows, BLOCK_M), triton.cdiv(programs, n_col_blocks)))
-    return triton.cdiv(triton.cdiv(n_rows, groups), BLOCK_M) * BLOCK_M
-
-
 def _backward_outputs(dg: torch.Tensor, h: torch.Tensor, with_output: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """``dh`` and ``gelu(h)`` (empty unless ``with_output``), row-major whatever the inputs' strides."""
     dh = dg.new_empty(dg.shape)
@@ -104,8 +97,7 @@ def gelu_tanh_backward(
     n_rows, n_cols = h.shape
     dh, g = _backward_outputs(dg, h, with_output)
     n_col_blocks = triton.cdiv(n_cols, BLOCK_N)
-    rows_per_program = _row_groups(h.device, n_rows, n_col_blocks)
-    groups = max(1, triton.cdiv(n_rows, rows_per_program))
+    groups, rows_per_program = split_rows(h.device, n_rows, BLOCK_M, PROGRAMS_PER_SLOT, n_col_blocks)
     partial = torch.empty(groups, n_cols, device=h.device, dtype=torch.float32)
     amax = torch.zeros((), device=h.device, dtype=torch.float32)
     _gelu_tanh_backward[(n_col_blocks, groups)](

@@ -79,3 +79,14 @@ def persistent_programs(device: torch.device, n_rows: int) -> int:
     else:
         slots = 128
     return max(1, min(n_rows, slots))
+
+
+def split_rows(device: torch.device, n_rows: int, block_rows: int, programs_per_slot: int = 1,
+               column_blocks: int = 1) -> tuple[int, int]:
+    """``(programs, rows per program)`` for a kernel whose programs each walk a range of rows,
+    keeping per-column sums in registers: ``programs_per_slot`` programs per SM slot in all (shared
+    among ``column_blocks`` blocks of columns), each range a multiple of ``block_rows``, none empty."""
+    programs = programs_per_slot * persistent_programs(device, n_rows)
+    groups = max(1, min(triton.cdiv(n_rows, block_rows), triton.cdiv(programs, column_blocks)))
+    rows_per_program = triton.cdiv(triton.cdiv(n_rows, groups), block_rows) * block_rows
+    return max(1, triton.cdiv(n_rows, rows_per_program)), rows_per_program

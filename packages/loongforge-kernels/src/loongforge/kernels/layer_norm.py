@@ -24,7 +24,7 @@ import triton
 import triton.language as tl
 
 from loongforge.core.kernels.layer_norm import check_layer_norm
-from loongforge.kernels.launch import check_tensors, persistent_programs, row_block, warps_for
+from loongforge.kernels.launch import check_tensors, row_block, split_rows, warps_for
 
 # rows per program (forward, backward) and backward programs per SM slot; warps follow the tile
 FORWARD_ROWS = 2
@@ -161,9 +161,7 @@ def modulated_layer_norm_backward(
     dy = dy if dy.stride(1) == 1 else dy.contiguous()
     dx = x.new_empty(tokens, width)
     block_m = 1 if index is not None else BACKWARD_ROWS
-    groups = max(1, min(triton.cdiv(tokens, block_m), PROGRAMS_PER_SLOT * persistent_programs(x.device, tokens)))
-    rows_per_program = triton.cdiv(triton.cdiv(tokens, groups), block_m) * block_m
-    groups = max(1, triton.cdiv(tokens, rows_per_program))
+    groups, rows_per_program = split_rows(x.device, tokens, block_m, PROGRAMS_PER_SLOT)
     samples = weight.shape[0]
     partial_w, partial_b = (torch.zeros(groups, samples, width, device=x.device, dtype=torch.float32) for _ in range(2))
     if tokens:

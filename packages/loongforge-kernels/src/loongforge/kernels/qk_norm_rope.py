@@ -20,7 +20,7 @@ import triton
 import triton.language as tl
 
 from loongforge.core.kernels.qk_norm_rope import check_qkv
-from loongforge.kernels.launch import check_tensors, persistent_programs, row_block, warps_for
+from loongforge.kernels.launch import check_tensors, row_block, split_rows, warps_for
 
 # rows per program (forward, backward) and backward programs per SM slot; warps follow the tile
 FORWARD_ROWS = 2
@@ -201,9 +201,7 @@ def qk_norm_rope_backward(
     check_tensors(op, dq, dk, dv, qkv)
     dq2, dk2, dv2 = (_rows(op, name, t, tokens, width) for name, t in (("dq", dq), ("dk", dk), ("dv", dv)))
     dqkv = dq.new_empty(tokens, 3 * width)
-    groups = max(1, min(triton.cdiv(tokens, BACKWARD_ROWS), PROGRAMS_PER_SLOT * persistent_programs(qkv.device, tokens)))
-    rows_per_program = triton.cdiv(triton.cdiv(tokens, groups), BACKWARD_ROWS) * BACKWARD_ROWS
-    groups = max(1, triton.cdiv(tokens, rows_per_program))
+    groups, rows_per_program = split_rows(qkv.device, tokens, BACKWARD_ROWS, PROGRAMS_PER_SLOT)
     partial = torch.zeros(groups, 2, width, device=qkv.device, dtype=torch.float32)
     if tokens:
         _qk_norm_rope_bwd[(groups, 3)](

@@ -5,34 +5,16 @@ the projection's whole gradient."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from dataclasses import dataclass
-
 import torch
 
-from loongforge.core.kernels.qk_norm_rope import check_qkv
-from loongforge.core.kernels.registry import get_kernel
-
-
-@dataclass(frozen=True)
-class QKNormRopeKernels:
-    """The registry ops of :func:`normed_rotated_qkv`, resolved once by the caller."""
-
-    forward: Callable
-    backward: Callable
-
-
-def qk_norm_rope_kernels(force_reference: bool | None = None) -> QKNormRopeKernels:
-    """The registry's ``qk_norm_rope`` and its backward (``force_reference`` as in ``get_kernel``)."""
-    return QKNormRopeKernels(get_kernel("qk_norm_rope", force_reference=force_reference),
-                             get_kernel("qk_norm_rope_backward", force_reference=force_reference))
+from loongforge.core.kernels.registry import OpWithBackward
 
 
 class _QKNormRope(torch.autograd.Function):
     """Saves ``qkv`` only; the backward recomputes each row's norm statistic in its one pass."""
 
     @staticmethod
-    def forward(ctx, qkv, q_weight, k_weight, cos, sin, eps: float, kernels: QKNormRopeKernels):
+    def forward(ctx, qkv, q_weight, k_weight, cos, sin, eps: float, kernels: OpWithBackward):
         q, k = kernels.forward(qkv, q_weight, k_weight, cos, sin, eps)
         ctx.save_for_backward(qkv, q_weight, k_weight, cos, sin)
         ctx.eps, ctx.kernels = eps, kernels
@@ -49,9 +31,9 @@ class _QKNormRope(torch.autograd.Function):
 
 def normed_rotated_qkv(
     qkv: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-    eps: float, kernels: QKNormRopeKernels,
+    eps: float, kernels: OpWithBackward,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(q, k, v)`` ``[tokens, width]`` each for attention from a fused QKV projection's output:
-    queries and keys RMS-normalised (``q_weight``/``k_weight``) and rotated, values a view of ``qkv``."""
-    check_qkv("normed_rotated_qkv", qkv, q_weight, k_weight, cos, sin)
+    queries and keys RMS-normalised (``q_weight``/``k_weight``) and rotated, values a view of
+    ``qkv``. ``kernels``: ``get_kernel_with_backward("qk_norm_rope")``, resolved once by the caller."""
     return _QKNormRope.apply(qkv, q_weight, k_weight, cos, sin, eps, kernels)

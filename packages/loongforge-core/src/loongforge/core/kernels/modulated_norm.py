@@ -5,27 +5,9 @@ and one backward."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from dataclasses import dataclass
-
 import torch
 
-from loongforge.core.kernels.layer_norm import check_layer_norm
-from loongforge.core.kernels.registry import get_kernel
-
-
-@dataclass(frozen=True)
-class ModulatedLayerNormKernels:
-    """The registry ops of :func:`normalize_and_modulate`, resolved once by the caller."""
-
-    forward: Callable
-    backward: Callable
-
-
-def modulated_layer_norm_kernels(force_reference: bool | None = None) -> ModulatedLayerNormKernels:
-    """The registry's ``modulated_layer_norm`` and its backward (``force_reference`` as in ``get_kernel``)."""
-    return ModulatedLayerNormKernels(get_kernel("modulated_layer_norm", force_reference=force_reference),
-                            get_kernel("modulated_layer_norm_backward", force_reference=force_reference))
+from loongforge.core.kernels.registry import OpWithBackward
 
 
 class _ModulatedLayerNorm(torch.autograd.Function):
@@ -33,7 +15,7 @@ class _ModulatedLayerNorm(torch.autograd.Function):
     in its one pass."""
 
     @staticmethod
-    def forward(ctx, x, weight, bias, eps: float, index, kernels: ModulatedLayerNormKernels):
+    def forward(ctx, x, weight, bias, eps: float, index, kernels: OpWithBackward):
         ctx.save_for_backward(x, weight, bias, index)
         ctx.eps, ctx.kernels = eps, kernels
         return kernels.forward(x, weight, bias, eps, index)
@@ -48,11 +30,11 @@ class _ModulatedLayerNorm(torch.autograd.Function):
 
 
 def normalize_and_modulate(
-    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, eps: float, kernels: ModulatedLayerNormKernels,
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, eps: float, kernels: OpWithBackward,
     index: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """``layer_norm(x) * weight[index] + bias[index]`` over the last dim of ``x`` ``[tokens, width]``,
     in fp32, rounded to ``x``'s dtype; ``weight``/``bias`` ``[1, width]`` shared by every token
-    (``index`` None) or ``[samples, width]`` with ``index`` the sample of each token."""
-    check_layer_norm("normalize_and_modulate", x, weight, bias, index)
+    (``index`` None) or ``[samples, width]`` with ``index`` the sample of each token.
+    ``kernels``: ``get_kernel_with_backward("modulated_layer_norm")``, resolved once by the caller."""
     return _ModulatedLayerNorm.apply(x, weight, bias, eps, index, kernels)

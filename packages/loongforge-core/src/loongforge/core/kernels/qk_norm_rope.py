@@ -46,18 +46,16 @@ def check_qkv(op: str, qkv: torch.Tensor, q_weight: torch.Tensor, k_weight: torc
 
 def _rotate(y: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, transpose: bool, dtype: torch.dtype) -> torch.Tensor:
     """fp32 rows ``y`` with their channel pairs rotated by their angle (``transpose``: by minus
-    the angle), rounded to ``dtype``. The result is a tensor of its own, never a view: an
-    autograd function's output that is a view of an intermediate loses its gradient in compiled
-    graphs (torch 2.11)."""
+    the angle), rounded to ``dtype``. Always a new tensor (``copy=True``: an autograd function's
+    output that aliases a tensor made in its forward, here a view of the stacked halves, loses
+    its gradient in compiled graphs, torch 2.11)."""
     a, b = y.unflatten(1, (-1, cos.shape[1], 2)).unbind(-1)  # [tokens, heads, pairs]
     c, s = cos[:, None, :].float(), sin[:, None, :].float()
     if transpose:
         c_a, c_b = a * c + b * s, b * c - a * s
     else:
         c_a, c_b = a * c - b * s, a * s + b * c
-    out = y.new_empty(y.shape, dtype=dtype)
-    out.view(*a.shape, 2).copy_(torch.stack((c_a, c_b), dim=-1))
-    return out
+    return torch.stack((c_a, c_b), dim=-1).flatten(1).to(dtype, copy=True)
 
 
 def _rstd(x: torch.Tensor, eps: float) -> torch.Tensor:

@@ -3,9 +3,10 @@
 These define each op's contract (shapes, dtypes, numerics); DeepSeek sparse attention's ops live
 in ``dsa.py``, the FP8 linear in ``fp8.py``, the feed-forward's GELU ops in ``gelu.py``, the
 query/key norm and rotation of Wan-style attention in ``qk_norm_rope.py``, adaLN's LayerNorm in
-``layer_norm.py``. Fused
-versions registered through the ``loongforge.kernels`` entry-point group must match them; they
-are what runs when no fused version applies (CPU, a device without Triton, or ``kernels.force_reference``).
+``layer_norm.py``. Fused versions registered through the ``loongforge.kernels`` entry-point
+group must match them; they are what runs when no fused version applies (CPU, a device without
+Triton, or ``kernels.force_reference``). An op ``<name>_backward`` is the backward of ``<name>``
+(``get_kernel_with_backward`` resolves both).
 """
 
 from __future__ import annotations

@@ -68,3 +68,19 @@ def get_kernel(name: str, accelerator=None, force_reference: bool | None = None)
 
         accelerator = get_accelerator()
     return impl.fn if impl.supports(accelerator) else REFERENCE_OPS[name]
+
+
+@dataclass(frozen=True)
+class OpWithBackward:
+    """A registry op and its backward, an op of its own named ``<name>_backward`` (one fused pass
+    where autograd of the forward would make several), resolved together for the autograd
+    function that calls both."""
+
+    forward: Callable
+    backward: Callable
+
+
+def get_kernel_with_backward(name: str, accelerator=None, force_reference: bool | None = None) -> OpWithBackward:
+    """``get_kernel`` of op ``name`` and of ``<name>_backward``."""
+    return OpWithBackward(get_kernel(name, accelerator, force_reference),
+                          get_kernel(f"{name}_backward", accelerator, force_reference))

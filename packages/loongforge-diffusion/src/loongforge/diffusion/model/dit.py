@@ -50,11 +50,11 @@ from diffusers.models.normalization import FP32LayerNorm
 from diffusers.models.transformers.transformer_wan import WanTimeTextImageEmbedding
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
-from loongforge.core.kernels import get_kernel
-from loongforge.core.kernels.attention_inputs import normed_rotated_qkv, qk_norm_rope_kernels
+from loongforge.core.kernels import get_kernel, get_kernel_with_backward
+from loongforge.core.kernels.attention_inputs import normed_rotated_qkv
 from loongforge.core.kernels.feed_forward import feed_forward_kernels, gelu_feed_forward
 from loongforge.core.kernels.fp8_tensorwise import fp8_linear_tensorwise
-from loongforge.core.kernels.modulated_norm import modulated_layer_norm_kernels, normalize_and_modulate
+from loongforge.core.kernels.modulated_norm import normalize_and_modulate
 from loongforge.diffusion.context_parallel import ContextParallel, heads_to_seq, seq_to_heads
 from loongforge.diffusion.model.attention import Segments, packed_attention
 from loongforge.diffusion.model.config import CHECKPOINTING, WanConfig
@@ -170,7 +170,7 @@ class WanAttention(nn.Module):
         self.to_out = nn.ModuleList([nn.Linear(dim, dim), nn.Dropout(0.0)])
         self.norm_q = nn.RMSNorm(dim, eps=eps)
         self.norm_k = nn.RMSNorm(dim, eps=eps)
-        self.qk_kernels = qk_norm_rope_kernels()
+        self.qk_kernels = get_kernel_with_backward("qk_norm_rope")
         self.use_kernels(reference=False)
 
     def use_kernels(self, reference: bool) -> None:
@@ -211,16 +211,15 @@ class WanBlock(nn.Module):
     def __init__(self, cfg: WanConfig):
         super().__init__()
         dim = cfg.hidden_size
-        self.norm1 = FP32LayerNorm(dim, cfg.eps, elementwise_affine=False)
         fp8 = cfg.fp8 != "none"
         self.attn1 = WanAttention(dim, cfg.num_attention_heads, cfg.eps, fp8)
         self.attn2 = WanAttention(dim, cfg.num_attention_heads, cfg.eps, fp8)
         self.norm2 = FP32LayerNorm(dim, cfg.eps, elementwise_affine=True) if cfg.cross_attn_norm else nn.Identity()
         self.ffn = FeedForward(dim, inner_dim=cfg.ffn_dim, activation_fn="gelu-approximate")
-        self.norm3 = FP32LayerNorm(dim, cfg.eps, elementwise_affine=False)
         self.scale_shift_table = nn.Parameter(torch.randn(1, 6, dim) / dim**0.5)
         self.checkpointing, self.ffn_kernels = cfg.activation_checkpointing, feed_forward_kernels(fp8)
-        self.norm_kernels = modulated_layer_norm_kernels()
+        # norm1/norm3 of diffusers' block have no parameters: their LayerNorm is ``_layer_norm``
+        self.eps, self.norm_kernels = cfg.eps, get_kernel_with_backward("modulated_layer_norm")
 
     def forward(self, x: torch.Tensor, text: torch.Tensor, temb: torch.Tensor, tc: TokenContext) -> torch.Tensor:
         if self.checkpointing == "none" or not torch.is_grad_enabled():
@@ -234,25 +233,23 @@ class WanBlock(nn.Module):
         mod = self.scale_shift_table + temb.float()
         shift_msa, scale_msa, gate_msa, c_shift, c_scale, c_gate = mod.unbind(1)
 
-        h = self._layer_norm(self.norm1, x, 1 + scale_msa, shift_msa, tc.pack_index)
+        h = self._layer_norm(x, 1 + scale_msa, shift_msa, tc.pack_index)
         x = (x.float() + self.attn1(h, tc) * tc.per_token(gate_msa)).type_as(x)
 
-        if not isinstance(self.norm2, nn.Identity):
-            h = self._layer_norm(self.norm2, x, self.norm2.weight[None], self.norm2.bias[None], None)
-        else:
-            h = x
+        affine = not isinstance(self.norm2, nn.Identity)
+        h = self._layer_norm(x, self.norm2.weight[None], self.norm2.bias[None], None) if affine else x
         x = x + self.attn2(h, tc, text)
 
-        h = self._layer_norm(self.norm3, x, 1 + c_scale, c_shift, tc.pack_index)
+        h = self._layer_norm(x, 1 + c_scale, c_shift, tc.pack_index)
         return (x.float() + self._feed_forward(h).float() * tc.per_token(c_gate)).type_as(x)
 
-    def _layer_norm(self, norm: nn.LayerNorm, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor,
+    def _layer_norm(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor,
                     index: torch.Tensor | None) -> torch.Tensor:
         """diffusers' ``(FP32LayerNorm(x.float()) * weight + bias).type_as(x)`` as one registry op,
         one pass forward and one backward; ``weight``/``bias``: the adaLN modulation ``1 + scale``/
         ``shift`` per sample (``index``: the sample of each token, None for one sample), or the
         norm's own affine parameters."""
-        return normalize_and_modulate(x, weight, bias, norm.eps, self.norm_kernels, index)
+        return normalize_and_modulate(x, weight, bias, self.eps, self.norm_kernels, index)
 
     def _feed_forward(self, h: torch.Tensor) -> torch.Tensor:
         """diffusers' ``FeedForward`` (tanh-GELU, dropouts of 0) with a fused backward (and FP8 GEMMs)."""
