@@ -17,7 +17,7 @@ import torch
 from loongforge.core.config import load_config, to_dict
 from loongforge.core.parallel import destroy_parallel, init_parallel
 from loongforge.core.training import checkpointing
-from loongforge.core.training.trainer import MegatronTrainer
+from loongforge.core.training.loop import Trainer
 from loongforge.llm.recipe import CONFIG_DIR, LLMConfig, LLMTask
 
 
@@ -28,7 +28,7 @@ def fixed_batch(cfg: LLMConfig, device) -> dict[str, torch.Tensor]:
     return {"tokens": tokens.to(device), "position_ids": torch.arange(shape[1]).expand(shape).to(device)}
 
 
-def logits(trainer: MegatronTrainer, batch) -> torch.Tensor | None:
+def logits(trainer: Trainer, batch) -> torch.Tensor | None:
     """The full logits on the last pipeline stage (gathered over TP), None elsewhere."""
     from megatron.core.pipeline_parallel import get_forward_backward_func
     from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
@@ -54,7 +54,7 @@ def main(ckpt: Path, out: Path, overrides: list[str]) -> None:
     for name, layout, source in [("tp2", dict(tp=2), ckpt), ("tp1", {}, ckpt), ("pp2", dict(pp=2), ckpt),
                                  ("back", dict(tp=2), out / "from-pp2")]:
         ctx = init_parallel(**layout, seed=cfg.train.seed)
-        trainer = MegatronTrainer(LLMTask(cfg), ctx, cfg.train, cfg.log, cfg.checkpoint, config_record=to_dict(cfg))
+        trainer = Trainer(LLMTask(cfg), ctx, cfg, config_record=to_dict(cfg))
         writes = ctx.is_last_stage and ctx.tp_rank == 0 and ctx.dp_rank == 0
         if name == "tp1":  # the freshly initialised model's logits, to show the load changes them
             result = logits(trainer, fixed_batch(cfg, ctx.device))
@@ -64,7 +64,7 @@ def main(ckpt: Path, out: Path, overrides: list[str]) -> None:
             torch.rand(1)
             with get_cuda_rng_tracker().fork():
                 torch.rand(1)
-        checkpointing.load(trainer, source)
+        checkpointing.resume(trainer, source)
         if name == "tp2":
             rng = {"torch": torch.get_rng_state(), "tracker": get_cuda_rng_tracker().get_states()}
             torch.save(rng, out / f"rng-tp2-rank{ctx.rank}.pt")

@@ -35,14 +35,14 @@ def test_default_train_loss_falls(tmp_path, llm_data_cache):
     assert records[-1]["loss"] < records[0]["loss"] - 1.5
     assert all(r["tokens_per_s"] > 0 and r["grad_norm"] > 0 for r in records)
     assert (tmp_path / "checkpoints" / "latest").read_text().strip() == "step_00000030"
-    # train_debug: lr 3e-3, min_lr 3e-4, 5 warm-up steps from 0, cosine to step 30 (megatron's
-    # schedule: step k updates with the rate after k - 1 scheduler steps)
+    # train_debug: lr 3e-3, min_lr 3e-4, 5 warm-up steps (the first at lr/5), cosine to step 30: the
+    # loop's one schedule, the same in every lf-* CLI
     lr, min_lr, warmup, steps = 3e-3, 3e-4, 5, 30
 
     def expected(k: int) -> float:
-        n = k - 1
-        if n <= warmup:
-            return lr * n / warmup
+        n = k - 1  # the 0-based step
+        if n < warmup:
+            return lr * (n + 1) / warmup
         return min_lr + (lr - min_lr) * 0.5 * (1 + math.cos(math.pi * (n - warmup) / (steps - warmup)))
 
     assert [r["lr"] for r in records] == pytest.approx([expected(k) for k in range(1, 31)], rel=1e-9, abs=1e-15)

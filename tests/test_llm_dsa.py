@@ -232,8 +232,8 @@ def test_hf_deepseek_v32_converts_to_the_same_logits(ctx, tmp_path):
 
     from loongforge.core.hf_mapping.convert import hf_to_lf, lf_to_hf
     from loongforge.core.training import checkpointing
-    from loongforge.core.training.schema import LogConfig, TrainConfig
-    from loongforge.core.training.trainer import MegatronTrainer
+    from loongforge.core.training.schema import LogConfig, SequenceTrainConfig
+    from loongforge.core.training.loop import Trainer
     from loongforge.llm.recipe import LLMConfig, LLMTask
 
     torch.manual_seed(5)
@@ -245,9 +245,9 @@ def test_hf_deepseek_v32_converts_to_the_same_logits(ctx, tmp_path):
     done = hf_to_lf(tmp_path / "hf", tmp_path / "lf", progress=False)
     cfg = done.model_config
     assert (done.family, cfg.attention_variant, cfg.dsa_indexer_topk, cfg.dsa_indexer_n_heads) == ("deepseek_v3", "dsa", 6, 8)
-    run = LLMConfig(model=cfg, train=TrainConfig(steps=1, warmup_steps=0, global_batch_size=1, micro_batch_size=1),
+    run = LLMConfig(model=cfg, train=SequenceTrainConfig(steps=1, warmup_steps=0, global_batch_size=1, micro_batch_size=1),
                     log=LogConfig(run_dir=str(tmp_path / "run"), tensorboard=False, progress=False))
-    trainer = MegatronTrainer(LLMTask(run), ctx, run.train, run.log)
+    trainer = Trainer(LLMTask(run), ctx, run)
     checkpointing.load_weights(trainer, tmp_path / "lf")
     trainer.model.eval()
     tok, pos = tokens(seed=7)

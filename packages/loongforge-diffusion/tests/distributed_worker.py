@@ -10,19 +10,22 @@ Usage: distributed_worker.py OUT_DIR OVERRIDE...
 import sys
 
 from loongforge.core.config import load_config
+from loongforge.core.distributed import init_distributed
+from loongforge.core.training.run import run_training
 from loongforge.diffusion.cli import CONFIG_DIR, DEFAULT_TRAIN
 from loongforge.diffusion.schema import DiffusionRecipe
-from loongforge.diffusion.trainer import DiffusionTrainer
+from loongforge.diffusion.task import WanTask
 
 out, common = sys.argv[1], sys.argv[2:]
 
 
 def run(name: str, *extra: str) -> None:
     recipe = load_config(DiffusionRecipe, DEFAULT_TRAIN, [f"log.run_dir={out}/{name}", *extra, *common], [CONFIG_DIR])
-    DiffusionTrainer(recipe).fit()
+    run_training(recipe, WanTask(recipe), "worker")
 
 
+init_distributed(group_for_world_of_one=True)  # one group for the three runs (run_training keeps it)
 run("cp2", "parallel.cp=2")
-fsdp = ("train.data_parallel=fsdp2", "data.max_tokens_per_pack=20")
+fsdp = ("parallel.data_parallel=fsdp", "balance.token_cap=20")
 run("dp2_fsdp2", *fsdp, "train.exit_interval=2")
 run("dp2_fsdp2", *fsdp)

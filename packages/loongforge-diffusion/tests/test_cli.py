@@ -76,11 +76,11 @@ def test_resume_continues_exactly(tmp_path, synthetic_overrides, fp8):
 
 
 def test_one_expert_of_two_trains_and_the_other_stays(tmp_path, synthetic_overrides):
-    """Wan 2.2 layout: train.expert=transformer_2 updates only the low-noise expert (EMA too)."""
+    """Wan 2.2 layout: model.train_expert=transformer_2 updates only the low-noise expert (EMA too)."""
     from loongforge.diffusion.model import WanConfig, WanExperts
 
     run = tmp_path / "run"
-    assert main(["train", f"log.run_dir={run}", "model.boundary_ratio=0.875", "train.expert=transformer_2",
+    assert main(["train", f"log.run_dir={run}", "model.boundary_ratio=0.875", "model.train_expert=transformer_2",
                  "train.steps=2", "train.global_batch_size=4", *synthetic_overrides]) == 0
     assert {r["expert"] for r in read_metrics(run)} == {1.0}
     tensors, manifest, _ = load_checkpoint(run / "checkpoints")
@@ -97,15 +97,15 @@ def test_one_expert_of_two_trains_and_the_other_stays(tmp_path, synthetic_overri
 
 def test_bench_and_info_run(capsys):
     size = ["sample.num_frames=5", "sample.height=32", "sample.width=48"]
-    assert main(["bench", "--steps", "1", "--warmup", "1", "--variant", "activation_checkpointing=selective",
-                 "--variant", "fp8=tensorwise", *size]) == 0
+    assert main(["bench", "--steps", "1", "--warmup", "1", "--variant", "train.recompute=selective",
+                 "--variant", "model.fp8=tensorwise", *size]) == 0
     out = capsys.readouterr().out
     assert "speed-up" in out and "12 tokens/step" in out  # 2 latent frames x 2 x 3 patches
     rows = [line for line in out.splitlines() if "ms/step" in line]
     assert [r.split(":")[0].strip() for r in rows] == ["diffusers", "loongforge", "variant 1", "variant 2"]
     assert all("forward" in r and "backward" in r and "optimizer" in r for r in rows)
-    assert "checkpointing=selective" in out and "MISMATCH" not in out
-    assert main(["bench", "--variant", "activation_checkpointing=sometimes", *size]) == 2
-    assert "activation_checkpointing='sometimes'" in capsys.readouterr().err
+    assert "recompute=selective" in out and "MISMATCH" not in out
+    assert main(["bench", "--variant", "train.recompute=sometimes", *size]) == 2
+    assert "train.recompute='sometimes'" in capsys.readouterr().err
     assert main(["info", "model=wan2_1_t2v_1_3b"]) == 0
     assert "parameters per expert: 1419.00M" in capsys.readouterr().out  # Wan 2.1 T2V 1.3B

@@ -59,7 +59,7 @@ def test_cp2_and_fsdp2_dp2_equal_one_process(tmp_path, synthetic_overrides, cach
     assert proc.returncode == 0, output[-4000:]
 
     manifest = _compare(tmp_path / "cp2", ref)
-    assert manifest["layout"] == {"dp": 1, "cp": 2, "data_parallel": "ddp"}
+    assert manifest["layout"] == {"dp": 1, "cp": 2, "data_parallel": "ddp", "dp_replicate": 1, "world_size": 2}
     manifest = _compare(tmp_path / "dp2_fsdp2", ref)
-    assert manifest["layout"] == {"dp": 2, "cp": 1, "data_parallel": "fsdp2"}
+    assert manifest["layout"] == {"dp": 2, "cp": 1, "data_parallel": "fsdp", "dp_replicate": 1, "world_size": 2}
     assert max(r["micro_batches"] for r in read_metrics(tmp_path / "dp2_fsdp2")) > 1

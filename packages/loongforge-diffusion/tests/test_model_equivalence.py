@@ -119,7 +119,7 @@ def _recomputed_under_each_policy(ours: WanDiT, batch) -> dict[str, _CountForwar
     grads, recomputed = {}, {}
     for policy in ("none", "full", "selective"):
         ours.zero_grad()
-        ours.set_activation_checkpointing(policy)
+        ours.set_recompute(policy)
         loss = ours(batch).pow(2).mean()
         with _CountForwardOps() as count:
             loss.backward()
@@ -142,8 +142,8 @@ def test_activation_checkpointing_policies_same_gradients(fp8):
     # sample); linear: 2 layers x (q/k/v fused, out, cross q, cross k/v fused, cross out, FFN up, down)
     assert {p: (c.attention, c.linear) for p, c in recomputed.items()} == {
         "none": (0, 0), "full": (8, 14), "selective": (0, 0)}
-    with pytest.raises(ValueError, match="activation checkpointing 'yes'"):
-        ours.set_activation_checkpointing("yes")
+    with pytest.raises(ValueError, match="activation recomputation .yes."):
+        ours.set_recompute("yes")
 
 
 def test_selective_checkpointing_keeps_fused_fp8_casts():
@@ -203,9 +203,11 @@ def test_compiled_blocks_equal_eager(fp8):
     import torch._inductor.config
     from torch._dynamo.utils import counters
 
-    cfg, _, eager = _pair(activation_checkpointing="selective", fp8=fp8)
+    cfg, _, eager = _pair(fp8=fp8)
+    eager.set_recompute("selective")
     compiled = WanDiT(cfg)
     compiled.load_state_dict(eager.state_dict())
+    compiled.set_recompute("selective")
     torch._dynamo.reset()
     counters.clear()
     # no worker pool for small graphs; the second layer must reuse the first layer's graph
@@ -238,10 +240,12 @@ def test_compiled_blocks_equal_eager_on_gpu(fp8, backend):
 
     if fp8 != "none" and torch.cuda.get_device_capability() < (8, 9):
         pytest.skip("FP8 linears need an sm_89+ GPU")
-    cfg = WanConfig(activation_checkpointing="selective", fp8=fp8, attention_backend=backend)
+    cfg = WanConfig(fp8=fp8, attention_backend=backend)
     eager = WanDiT(cfg).cuda()
     compiled = WanDiT(cfg).cuda()
     compiled.load_state_dict(eager.state_dict())
+    for model in (eager, compiled):
+        model.set_recompute("selective")
     torch._dynamo.reset()
     counters.clear()
     compiled.compile_regions(dynamic=None)

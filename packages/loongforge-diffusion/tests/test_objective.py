@@ -97,8 +97,8 @@ def test_packed_loss_and_gradients_equal_unpacked(reduction):
 
     batch = pack([p[0] for p in pairs], timesteps, text, cfg.patch_size, pad_to_multiple=8)
     target = pack_targets([p[1] for p in pairs], cfg.patch_size, batch.num_pad)
-    weights = token_weights(tokens, batch.num_pad, reduction, float(sum(tokens) * features), float(len(shapes)), features)
-    packed = weighted_squared_error(ours(batch), target, weights)
+    weights = token_weights(tokens, batch.num_pad, reduction, features)
+    packed = weighted_squared_error(ours(batch), target, weights) / (weights.sum() * features)  # loss sum / count
     packed.backward()
 
     per_sample = []

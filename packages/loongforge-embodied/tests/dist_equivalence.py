@@ -1,6 +1,7 @@
-"""Run under ``torchrun --nproc-per-node 2``: DDP, FSDP2, HSDP (and FSDP2 with activation
-checkpointing) against one process on the whole batch, then a run checkpointed under FSDP2 and
-resumed under DDP. Rank 0 writes ``results.json`` into the directory given as argv[1]."""
+"""Run under ``torchrun --nproc-per-node 2``: the PyTorch-native engine's forward/backward under
+DDP, FSDP2, HSDP (and FSDP2 with activation recomputation, and in bf16) against one process on
+the whole batch, then a run checkpointed under FSDP2 and resumed under DDP. Rank 0 writes
+``results.json`` into the directory given as argv[1]."""
 
 from __future__ import annotations
 
@@ -14,19 +15,22 @@ import torch
 torch.set_num_threads(1)
 os.environ.setdefault("LOONGFORGE_ACCELERATOR", "cpu")
 
-from loongforge.core.distributed import init_distributed  # noqa: E402
-from loongforge.embodied.config import ParallelConfig, PolicyConfig, load_train_config  # noqa: E402
-from loongforge.embodied.parallel import parallelize, unwrap  # noqa: E402
-from loongforge.embodied.policies.registry import build_policy  # noqa: E402
-from loongforge.embodied.trainer import distributed_loss, loss_mask, train  # noqa: E402
+from loongforge.core.parallel import init_parallel  # noqa: E402
+from loongforge.core.training.run import run_training  # noqa: E402
+from loongforge.core.training.schema import ParallelConfig, TrainConfig  # noqa: E402
+from loongforge.core.training.task import StepBatch  # noqa: E402
+from loongforge.core.training.torch_engine import TorchEngine  # noqa: E402
+from loongforge.embodied.config import EmbodiedConfig, load_train_config  # noqa: E402
+from loongforge.embodied.policies import build_policy, policy_config  # noqa: E402
+from loongforge.embodied.task import PolicyTask, loss_mask  # noqa: E402
 
 B, CHUNK, ADIM, SIZE = 4, 4, 3, 16
-MODES = {
-    "ddp": ParallelConfig(mode="ddp"),
-    "fsdp": ParallelConfig(mode="fsdp"),
-    "hsdp": ParallelConfig(mode="hsdp", dp_replicate=2),
-    "fsdp_ac": ParallelConfig(mode="fsdp", activation_checkpointing=True),
-    "fsdp_bf16": ParallelConfig(mode="fsdp", param_dtype="bf16", reduce_dtype="fp32"),
+MODES = {  # (parallel, train) of the engine; seed 0 builds the reference's initial weights
+    "ddp": (ParallelConfig(data_parallel="ddp"), TrainConfig(seed=0)),
+    "fsdp": (ParallelConfig(data_parallel="fsdp"), TrainConfig(seed=0)),
+    "hsdp": (ParallelConfig(data_parallel="hsdp", dp_replicate=2), TrainConfig(seed=0)),
+    "fsdp_ac": (ParallelConfig(data_parallel="fsdp"), TrainConfig(seed=0, recompute="full")),
+    "fsdp_bf16": (ParallelConfig(data_parallel="fsdp"), TrainConfig(seed=0, precision="bf16")),
 }
 
 
@@ -50,15 +54,17 @@ def global_batch():
 
 def full_grads(model):
     out = {}
-    for name, p in unwrap(model).named_parameters():
+    for name, p in model.named_parameters():
         if p.grad is not None:
             g = p.grad
             out[name] = (g.full_tensor() if hasattr(g, "full_tensor") else g).detach().clone()
     return out
 
 
-def equivalence(env, name):
-    cfg = PolicyConfig(name=name, chunk_size=CHUNK, max_action_dim=ADIM, max_state_dim=ADIM, num_cameras=2, image_size=SIZE)
+def equivalence(ctx, name):
+    """One forward/backward of the engine in each mode (this rank's rows of the global batch)
+    against one process on the whole batch."""
+    cfg = policy_config(name, chunk_size=CHUNK, max_action_dim=ADIM, max_state_dim=ADIM, num_cameras=2, image_size=SIZE)
     batch, noise, t = global_batch()
     torch.manual_seed(0)
     ref = build_policy(cfg)
@@ -67,41 +73,47 @@ def equivalence(env, name):
     ref_loss = (per * mask).sum() / mask.sum()
     ref_loss.backward()
     ref_grads = full_grads(ref)
-    rows = slice(env.rank * B // env.world_size, (env.rank + 1) * B // env.world_size)
+    rows = slice(ctx.rank * B // ctx.world_size, (ctx.rank + 1) * B // ctx.world_size)
     local = {k: v[rows] for k, v in batch.items()}
+    local.update(noise=noise[rows], time=t[rows])
     result = {}
-    for mode, pcfg in MODES.items():
-        torch.manual_seed(0)
-        model = parallelize(build_policy(cfg), pcfg, env)
-        loss, mean = distributed_loss(model, local, noise[rows], t[rows], env.world_size)
-        loss.backward()
-        grads = full_grads(model)
+    for mode, (parallel, train) in MODES.items():
+        run = EmbodiedConfig(policy=cfg, parallel=parallel, train=train)
+        engine = TorchEngine(PolicyTask(run), ctx, train, parallel)  # builds after torch.manual_seed(train.seed=0), as ref
+        out = engine.forward_backward(StepBatch(micro_batches=[local]))
+        grads = full_grads(engine.model)
         assert set(grads) == set(ref_grads), (mode, set(grads) ^ set(ref_grads))
         # |g - g_ref| <= atol + rtol * |g_ref| elementwise, i.e. torch.testing.assert_close(rtol=1e-4, atol=1e-7);
         # the atol covers gradients that are exactly zero in exact arithmetic (attention key biases)
         flat = torch.cat([grads[k].flatten() - ref_grads[k].flatten() for k in grads])
         rel_l2 = float(flat.norm() / torch.cat([ref_grads[k].flatten() for k in grads]).norm())
         worst = max(float(((grads[k] - ref_grads[k]).abs() / (1e-7 + 1e-4 * ref_grads[k].abs())).max()) for k in grads)
-        result[mode] = {"loss": float(mean), "ref_loss": float(ref_loss.detach()), "grad_violation": worst,
+        result[mode] = {"loss": out.loss, "ref_loss": float(ref_loss.detach()), "grad_violation": worst,
                         "grad_rel_l2": rel_l2, "num_grads": len(grads)}
     return result
 
 
 def resume_across_layouts(dataset_root, run_dir):
-    base = [f"dataset.root={dataset_root}", "dataset.repo_id=local/tiny", f"run_dir={run_dir}", "policy.image_size=16",
-            "policy.chunk_size=4", "policy.max_state_dim=4", "policy.max_action_dim=4", "batch_size=4",
-            "progress=false", "tensorboard=false", "save_every=2", "log_every=1"]
-    first = train(load_train_config("train", base + ["steps=2", "parallel.mode=fsdp"]))
-    second = train(load_train_config("train", base + ["steps=4", "parallel.mode=ddp"]))
-    return {"first": first.losses, "second": second.losses, "second_start": second.start_step}
+    base = [f"data.root={dataset_root}", "data.repo_id=local/tiny", f"log.run_dir={run_dir}", "policy.image_size=16",
+            "policy.chunk_size=4", "policy.max_state_dim=4", "policy.max_action_dim=4", "train.global_batch_size=4",
+            "log.progress=false", "log.tensorboard=false", "checkpoint.interval=2", "log.interval=1"]
+
+    def train(overrides):
+        cfg = load_train_config("train", base + overrides)
+        return run_training(cfg, PolicyTask(cfg), "lf-embodied")
+
+    first = train(["train.steps=2", "parallel.data_parallel=fsdp"])
+    second = train(["train.steps=4", "parallel.data_parallel=ddp"])
+    return {"first": [r.loss for r in first.results], "second": [r.loss for r in second.results],
+            "second_start": second.start_step}
 
 
 def main():
     out = Path(sys.argv[1])
-    env = init_distributed(group_for_world_of_one=False)
-    results = {name: equivalence(env, name) for name in ("pi05", "groot")}
+    ctx = init_parallel(seed=1234)
+    results = {name: equivalence(ctx, name) for name in ("pi05", "groot")}
     results["resume"] = resume_across_layouts(sys.argv[2], out / "run")
-    if env.is_main:
+    if ctx.is_main:
         (out / "results.json").write_text(json.dumps(results, indent=1))
     torch.distributed.destroy_process_group()
 

@@ -38,14 +38,22 @@ def write_tiny_dataset(root, seed: int = 0):
 def tiny_overrides(dataset_root, run_dir, *extra: str) -> list[str]:
     """Config overrides for a fast CPU run on the tiny dataset."""
     return [
-        f"dataset.root={dataset_root}",
-        "dataset.repo_id=local/tiny",
-        f"run_dir={run_dir}",
+        f"data.root={dataset_root}",
+        "data.repo_id=local/tiny",
+        f"log.run_dir={run_dir}",
         "policy.image_size=16",
         "policy.chunk_size=4",
         "policy.max_state_dim=4",
         "policy.max_action_dim=4",
-        "batch_size=4",
-        "progress=false",
+        "train.global_batch_size=4",
+        "log.progress=false",
         *extra,
     ]
+
+
+def train(cfg):
+    """``lf-embodied train`` of ``cfg`` in this process: the loop's ``RunSummary``."""
+    from loongforge.core.models import get_model_spec
+    from loongforge.core.training.run import run_training
+
+    return run_training(cfg, get_model_spec(cfg.policy.family).make_task(cfg), "lf-embodied")

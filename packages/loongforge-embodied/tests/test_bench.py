@@ -16,19 +16,19 @@ from loongforge.embodied.bench import (
     samples_per_second,
     synthetic_batch,
 )
-from loongforge.embodied.config import ParallelConfig, PolicyConfig
-from loongforge.embodied.policies.registry import build_policy
+from loongforge.core.training.schema import TrainConfig
+from loongforge.embodied.policies import build_policy, policy_config
 
 
 def test_both_training_steps_run_and_update_weights():
-    cfg = PolicyConfig(image_size=16, chunk_size=4, max_token_len=12)
+    cfg = policy_config("pi05", image_size=16, chunk_size=4, max_token_len=12)
     env = init_distributed(group_for_world_of_one=False)
     batch = synthetic_batch(cfg, 2, env.device)
     torch.manual_seed(0)
     ours, ref = build_policy(cfg), build_lerobot_pi05(cfg)
     before = (ours.action_out_proj.weight.detach().clone(), ref.action_out_proj.weight.detach().clone())
     rates = [
-        samples_per_second(loongforge_step(ours, ParallelConfig(), env, batch, lr=1e-3), 2, steps=2, warmup=1, synchronize=env.accelerator.synchronize),
+        samples_per_second(loongforge_step(ours, TrainConfig(), env.device, batch, lr=1e-3), 2, steps=2, warmup=1, synchronize=env.accelerator.synchronize),
         samples_per_second(lerobot_step(ref, batch, lr=1e-3), 2, steps=2, warmup=1, synchronize=env.accelerator.synchronize),
     ]
     assert all(math.isfinite(r) and r > 0 for r in rates)

@@ -7,7 +7,6 @@ import json
 import os
 import shutil
 import subprocess
-from pathlib import Path
 
 import pytest
 import torch
@@ -19,7 +18,7 @@ from loongforge.embodied.config import load_train_config
 
 
 def test_policy_flag_selects_the_policy():
-    assert load_train_config("train", normalise_overrides(["--policy", "groot"])).policy.name == "groot"
+    assert load_train_config("train", normalise_overrides(["--policy", "groot"])).policy.family == "groot"
 
 
 @pytest.mark.slow
@@ -52,7 +51,7 @@ def test_train_with_no_arguments_then_export_convert_eval(tmp_path, capsys):
 
     capsys.readouterr()
     dataset_root = tmp_path / "cache" / "embodied-synthetic-v1"
-    assert main(["eval", "--checkpoint", str(run_dir), f"dataset.root={dataset_root}", "eval.max_batches=2"]) == 0
+    assert main(["eval", "--checkpoint", str(run_dir), f"data.root={dataset_root}", "eval.max_batches=2"]) == 0
     metrics = json.loads(capsys.readouterr().out)
     assert metrics["step"] == 100 and metrics["samples"] == 16 and metrics["episodes"] == 1
     assert metrics["action_mse"] > 0 and metrics["action_mse_normalized"] > 0

@@ -8,21 +8,20 @@ from __future__ import annotations
 import pytest
 import torch
 
-from loongforge.core.distributed import init_distributed
-from loongforge.embodied.config import ParallelConfig, PolicyConfig
-from loongforge.embodied.parallel import parallelize
-from loongforge.embodied.policies.registry import build_policy
+from loongforge.embodied.policies import build_policy, policy_config
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("name", ["pi05", "groot"])
 def test_compiled_checkpointed_blocks_match_eager(name):
-    cfg = PolicyConfig(name=name, chunk_size=4, max_action_dim=3, max_state_dim=3, num_cameras=1, image_size=16)
+    cfg = policy_config(name, chunk_size=4, max_action_dim=3, max_state_dim=3, num_cameras=1, image_size=16)
     torch.manual_seed(0)
     eager = build_policy(cfg)
     torch.manual_seed(0)
-    pcfg = ParallelConfig(compile=True, compile_backend="aot_eager", activation_checkpointing=True)
-    compiled = parallelize(build_policy(cfg), pcfg, init_distributed(group_for_world_of_one=False))
+    compiled = build_policy(cfg)
+    compiled.set_recompute("full")  # train.recompute=full, then the engine's regional compilation
+    for block in compiled.repeated_blocks():
+        block.compile(backend="aot_eager")
     g = torch.Generator().manual_seed(3)
     b = 2
     batch = {

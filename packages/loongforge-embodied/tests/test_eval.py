@@ -9,25 +9,24 @@ import pytest
 import torch
 from torch.utils.data import default_collate
 
-from embodied_helpers import tiny_overrides
+from embodied_helpers import tiny_overrides, train
 from loongforge.embodied.config import load_train_config
 from loongforge.embodied.data.dataset import EmbodiedDataset
 from loongforge.embodied.evaluation import evaluate_checkpoint, get_eval_hook
 from loongforge.embodied.restore import restore_policy
-from loongforge.embodied.trainer import train
 from test_data import expected_chunk, read_frames
 
 
 def test_offline_mse_matches_direct_computation(tiny_dataset, tmp_path):
     run_dir = tmp_path / "run"
-    train(load_train_config("train", tiny_overrides(tiny_dataset, run_dir, "steps=2", "tensorboard=false")))
+    train(load_train_config("train", tiny_overrides(tiny_dataset, run_dir, "train.steps=2", "log.tensorboard=false")))
     overrides = ["eval.batch_size=4", "eval.max_batches=5", "eval.seed=7"]
     metrics = evaluate_checkpoint(run_dir, overrides)
     assert metrics["step"] == 2 and metrics["samples"] == 6 and metrics["episodes"] == 1
 
     policy, cfg, _ = restore_policy(run_dir / "checkpoints", overrides)
     policy.eval()
-    ds = EmbodiedDataset(cfg.dataset, cfg.policy, str(tiny_dataset), "eval")
+    ds = EmbodiedDataset(cfg.data, cfg.policy, str(tiny_dataset), "eval")
     frames = read_frames(tiny_dataset)
     stats = json.loads((tiny_dataset / "meta/stats.json").read_text())["action"]
     q01, q99 = np.array(stats["q01"]), np.array(stats["q99"])

@@ -7,7 +7,6 @@ import math
 import numpy as np
 import torch
 
-from loongforge.embodied.config import PolicyConfig
 from loongforge.embodied.policies.flow_matching import (
     draw_noise_and_time,
     euler_integrate,
@@ -16,7 +15,7 @@ from loongforge.embodied.policies.flow_matching import (
     sinusoidal_embedding,
     velocity_target,
 )
-from loongforge.embodied.policies.registry import build_policy
+from loongforge.embodied.policies import build_policy, policy_config
 
 
 def test_interpolation_and_velocity_by_hand():
@@ -72,7 +71,7 @@ def test_policy_loss_is_squared_velocity_error():
     """The policy's per-element loss is (noise - actions - v(x_t, t))^2 with x_t built by hand."""
     for name in ("pi05", "groot"):
         torch.manual_seed(0)
-        cfg = PolicyConfig(name=name, chunk_size=4, max_action_dim=3, max_state_dim=3, num_cameras=1, image_size=16)
+        cfg = policy_config(name, chunk_size=4, max_action_dim=3, max_state_dim=3, num_cameras=1, image_size=16)
         policy = build_policy(cfg).eval()
         b = 2
         batch = {

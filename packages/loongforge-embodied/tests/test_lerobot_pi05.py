@@ -6,11 +6,10 @@ import pytest
 import torch
 
 from lerobot_reference import build_lerobot_pi05
-from loongforge.embodied.config import PolicyConfig
 from loongforge.embodied.convert.lerobot_pi05 import from_lerobot_pi05, to_lerobot_pi05
 from loongforge.embodied.convert.mapping import MappingError
 from loongforge.embodied.policies.flow_matching import euler_integrate
-from loongforge.embodied.policies.registry import build_policy
+from loongforge.embodied.policies import build_policy, policy_config
 
 IMAGE = 32
 TIED = "paligemma_with_expert.paligemma.lm_head.weight"
@@ -19,7 +18,7 @@ UNUSED = "paligemma_with_expert.gemma_expert.lm_head.weight"
 
 @pytest.fixture(scope="module")
 def pair():
-    cfg = PolicyConfig(image_size=IMAGE)
+    cfg = policy_config("pi05", image_size=IMAGE)
     torch.manual_seed(0)
     ref = build_lerobot_pi05(cfg)
     with torch.no_grad():  # zero-initialised norms and adaRMS projections would hide mistakes

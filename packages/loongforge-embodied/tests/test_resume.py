@@ -8,20 +8,22 @@ import time
 import pytest
 
 from cli_runner import Job, run_cli
-from embodied_helpers import tiny_overrides
-from loongforge.core.checkpoint import Checkpoint
+from embodied_helpers import tiny_overrides, train
+from loongforge.core.checkpoint import Checkpoint, CheckpointReadError, latest_checkpoint
 from loongforge.core.config import ConfigError
-from loongforge.embodied.checkpointing import find_resume_checkpoint
 from loongforge.embodied.config import load_train_config
-from loongforge.embodied.trainer import train
+
+
+def find_resume_checkpoint(run_dir):
+    return latest_checkpoint(run_dir / "checkpoints") if (run_dir / "checkpoints").is_dir() else None
 
 STEPS, SAVE_EVERY = 40, 4
 
 
 def cli_args(dataset, run_dir) -> list[str]:
-    return ["lf-embodied", "train", *tiny_overrides(dataset, run_dir, "tensorboard=false", "policy=groot",
-                                                     f"steps={STEPS}", f"save_every={SAVE_EVERY}", "log_every=1",
-                                                     "optim.warmup_steps=2")]
+    return ["lf-embodied", "train", *tiny_overrides(dataset, run_dir, "log.tensorboard=false", "policy=groot",
+                                                     f"train.steps={STEPS}", f"checkpoint.interval={SAVE_EVERY}",
+                                                     "log.interval=1", "train.warmup_steps=2")]
 
 
 def step_losses(run_dir) -> dict[int, float]:
@@ -61,27 +63,27 @@ def test_kill_and_resume_is_exact(tiny_dataset, tmp_path):
     assert got == {step: want[step] for step in got}  # exact equality
     manifest = json.loads((find_resume_checkpoint(killed) / "manifest.json").read_text())
     assert manifest["step"] == STEPS and manifest["family"] == "groot"
-    assert manifest["consumed_samples"] == STEPS * 4 and any(k.startswith("optim/") for k in manifest["tensors"])
+    assert manifest["consumed_samples"] == STEPS * 4 and any(k.startswith("optim.") for k in manifest["tensors"])
 
 
 def run(dataset, run_dir, *extra):
-    return train(load_train_config("train", tiny_overrides(dataset, run_dir, "tensorboard=false", "policy=groot", *extra)))
+    return train(load_train_config("train", tiny_overrides(dataset, run_dir, "log.tensorboard=false", "policy=groot", *extra)))
 
 
 def test_a_finished_run_trains_no_more(tiny_dataset, tmp_path):
-    first = run(tiny_dataset, tmp_path / "d", "steps=2")
-    again = run(tiny_dataset, tmp_path / "d", "steps=2")
-    assert len(first.losses) == 2 and again.start_step == 2 and again.losses == []
+    first = run(tiny_dataset, tmp_path / "d", "train.steps=2")
+    again = run(tiny_dataset, tmp_path / "d", "train.steps=2")
+    assert len(first.results) == 2 and again.start_step == 2 and again.results == []
 
 
 def test_resume_refuses_a_different_policy(tiny_dataset, tmp_path):
-    run(tiny_dataset, tmp_path / "c", "steps=1")
-    with pytest.raises(ValueError, match="policy.chunk_size"):
-        run(tiny_dataset, tmp_path / "c", "steps=2", "policy.chunk_size=3")
+    run(tiny_dataset, tmp_path / "c", "train.steps=1")
+    with pytest.raises(CheckpointReadError, match="policy.chunk_size"):
+        run(tiny_dataset, tmp_path / "c", "train.steps=2", "policy.chunk_size=3")
 
 
 def test_config_errors_name_the_key():
     with pytest.raises(ConfigError, match="policy.dit.widht"):
         load_train_config("train", ["policy=groot", "policy.dit.widht=3"])
-    with pytest.raises(ConfigError, match="parallel.mode='zero3'"):
-        load_train_config("train", ["parallel.mode=zero3"])
+    with pytest.raises(ConfigError, match="parallel.data_parallel='zero3'"):
+        load_train_config("train", ["parallel.data_parallel=zero3"])

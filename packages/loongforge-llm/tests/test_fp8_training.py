@@ -123,12 +123,12 @@ def _train(ctx, run_dir, data_cache, overrides) -> list:
     """``STEPS`` steps of the debug model in this process, initialised as ``lf-llm train`` does."""
     from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 
-    from loongforge.core.training.trainer import MegatronTrainer
+    from loongforge.core.training.loop import Trainer
 
     cfg = load_llm_config("train_debug", [*TRAIN, f"log.run_dir={run_dir}", f"data.cache_dir={data_cache}", *overrides])
     ctx.accelerator.manual_seed(cfg.train.seed)  # the seeding of init_parallel, so every run starts alike
     model_parallel_cuda_manual_seed(cfg.train.seed)
-    trainer = MegatronTrainer(LLMTask(cfg), ctx, cfg.train, cfg.log, cfg.checkpoint, config_record=to_dict(cfg))
+    trainer = Trainer(LLMTask(cfg), ctx, cfg, config_record=to_dict(cfg))
     return trainer.fit()
 
 

@@ -73,14 +73,14 @@ def ctx():
 
 
 def our_trainer(ctx, model_config, run_dir: Path, **train):
-    """The trainer's model (world of one, gloo) for ``model_config``; ``train``: TrainConfig overrides."""
-    from loongforge.core.training.schema import LogConfig, TrainConfig
-    from loongforge.core.training.trainer import MegatronTrainer
+    """The trainer's model (world of one, gloo) for ``model_config``; ``train``: SequenceTrainConfig overrides."""
+    from loongforge.core.training.schema import LogConfig, SequenceTrainConfig
+    from loongforge.core.training.loop import Trainer
     from loongforge.llm.recipe import LLMConfig, LLMTask
 
-    train = TrainConfig(**{"steps": 1, "warmup_steps": 0, "global_batch_size": 1, "micro_batch_size": 1, **train})
+    train = SequenceTrainConfig(**{"steps": 1, "warmup_steps": 0, "global_batch_size": 1, "micro_batch_size": 1, **train})
     cfg = LLMConfig(model=model_config, train=train, log=LogConfig(run_dir=str(run_dir), tensorboard=False, progress=False))
-    return MegatronTrainer(LLMTask(cfg), ctx, cfg.train, cfg.log)
+    return Trainer(LLMTask(cfg), ctx, cfg)
 
 
 def from_pretrained_logits(hf_dir: Path, tokens, pos) -> tuple[str, torch.Tensor]:

@@ -17,7 +17,6 @@ TOL = dict(rtol=1e-4, atol=1e-5)
 
 
 def _gpt(spec, cfg=CFG, model_class=None, **config_overrides):
-    from megatron.core.models.gpt import GPTModel
     from megatron.core.transformer import TransformerConfig
 
     from loongforge.llm.layers.gpt_model import FusedLossGPTModel

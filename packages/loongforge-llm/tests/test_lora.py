@@ -14,13 +14,13 @@ RANK, ALPHA = 4, 8.0
 
 
 def trainer(ctx, config: str, run_dir, data_cache, extra=()):
-    from loongforge.core.training.trainer import MegatronTrainer
+    from loongforge.core.training.loop import Trainer
 
     cfg = load_llm_config(config, ["train.steps=3", "train.global_batch_size=4", "train.micro_batch_size=2",
                                    "train.seq_length=32", "train.warmup_steps=0", "train.lr=0.01",
                                    f"log.run_dir={run_dir}", "log.progress=false", "log.tensorboard=false",
                                    f"data.cache_dir={data_cache}", "checkpoint.resume=false", *extra])
-    return MegatronTrainer(LLMTask(cfg), ctx, cfg.train, cfg.log, cfg.checkpoint, config_record=to_dict(cfg))
+    return Trainer(LLMTask(cfg), ctx, cfg, config_record=to_dict(cfg))
 
 
 def logits(tr, seed: int = 0) -> torch.Tensor:

@@ -61,13 +61,13 @@ def ctx():
 
 
 def our_trainer(ctx, model_config, run_dir: Path):
-    from loongforge.core.training.schema import LogConfig, TrainConfig
-    from loongforge.core.training.trainer import MegatronTrainer
+    from loongforge.core.training.schema import LogConfig, SequenceTrainConfig
+    from loongforge.core.training.loop import Trainer
     from loongforge.llm.recipe import LLMConfig, LLMTask
 
-    cfg = LLMConfig(model=model_config, train=TrainConfig(steps=1, warmup_steps=0, global_batch_size=1, micro_batch_size=1),
+    cfg = LLMConfig(model=model_config, train=SequenceTrainConfig(steps=1, warmup_steps=0, global_batch_size=1, micro_batch_size=1),
                     log=LogConfig(run_dir=str(run_dir), tensorboard=False, progress=False))
-    return MegatronTrainer(LLMTask(cfg), ctx, cfg.train, cfg.log)
+    return Trainer(LLMTask(cfg), ctx, cfg)
 
 
 def batch(seed: int = 1):

@@ -57,8 +57,8 @@ def _loss_and_grads(task, model, batches):
     model.zero_grad(set_to_none=True)
     total, count = 0.0, 0
     for batch in batches:
-        output, loss_func = task.forward_step(iter([batch]), model)
-        loss_sum, num_tokens, _ = loss_func(output)
+        output, loss_func = task.forward(model, batch)
+        loss_sum, num_tokens = loss_func(output)
         loss_sum.backward()
         total += loss_sum.item()
         count += int(num_tokens)
@@ -100,8 +100,8 @@ def test_packing_is_not_a_plain_concatenation(sft):
     plain["position_ids"] = torch.arange(row["tokens"].shape[1])[None]
     n = len(first["tokens"])
     with torch.no_grad():
-        alone = task.forward_step(iter([pad_rows([second])]), model)[0][0]
-        packed = task.forward_step(iter([row]), model)[0][0, n:]
-        concatenated = task.forward_step(iter([plain]), model)[0][0, n:]
+        alone = task.forward(model, pad_rows([second]))[0][0]
+        packed = task.forward(model, row)[0][0, n:]
+        concatenated = task.forward(model, plain)[0][0, n:]
     torch.testing.assert_close(packed, alone, rtol=1e-5, atol=1e-5)
     assert (concatenated - alone).abs().max() > 1e-2

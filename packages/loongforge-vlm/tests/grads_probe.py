@@ -44,24 +44,24 @@ def full_gradients(model, ctx) -> dict[str, torch.Tensor]:
 def main(out: str, overrides: list[str]) -> None:
     from loongforge.core.config import to_dict
     from loongforge.core.parallel import destroy_parallel, init_parallel
-    from loongforge.core.training.trainer import MegatronTrainer
+    from loongforge.core.training.loop import Trainer
     from loongforge.vlm.cli import load_vlm_config
     from loongforge.vlm.recipe import VLMTask
 
     cfg = load_vlm_config("vlm_debug", overrides)
     task = VLMTask(cfg)
-    ctx = init_parallel(tp=cfg.parallel.foundation.tp, seed=cfg.train.seed)
-    trainer = MegatronTrainer(task, ctx, cfg.train, cfg.log, cfg.checkpoint, config_record=to_dict(cfg))
+    ctx = init_parallel(tp=cfg.parallel.tp, seed=cfg.train.seed)
+    trainer = Trainer(task, ctx, cfg, config_record=to_dict(cfg))
     module = trainer.model.module
     captured = {}
-    step = trainer.optimizer.step
+    step = trainer.engine.optimizer.step_with_ready_grads
 
     def capture_then_step():
         if not captured:
             captured.update(full_gradients(module, ctx))
         return step()
 
-    trainer.optimizer.step = capture_then_step
+    trainer.engine.optimizer.step_with_ready_grads = capture_then_step
     results = trainer.fit()
     if ctx.rank == 0:
         torch.save({"losses": [r.loss for r in results], "grad_norms": [r.grad_norm for r in results],

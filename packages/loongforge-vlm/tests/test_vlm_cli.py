@@ -2,7 +2,6 @@
 the composition by changing one line of the config."""
 
 import json
-import sys
 from pathlib import Path
 
 import pytest
@@ -82,8 +81,8 @@ def test_changing_one_line_swaps_the_part_and_trains(swap, tmp_path, vlm_cache):
 def test_bad_config_is_one_clear_error(capsys):
     from loongforge.vlm.cli import main
 
-    assert main(["train", "parallel.foundation.tp=2", "parallel.encoder.tp=4"]) == 2
-    assert "parallel.encoder.tp=4: must be 1 or parallel.foundation.tp=2" in capsys.readouterr().err
+    assert main(["train", "parallel.tp=2", "parallel.encoder.tp=4"]) == 2
+    assert "parallel.encoder.tp=4: must be 1 or parallel.tp=2" in capsys.readouterr().err
     assert main(["train", "trainable=[projector,decoder]"]) == 2
     assert "trainable=['projector', 'decoder']" in capsys.readouterr().err
 

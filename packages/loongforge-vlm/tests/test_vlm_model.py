@@ -11,12 +11,12 @@ FAST = ["train.global_batch_size=4", "train.warmup_steps=1", "train.steps=2", "l
 
 
 def trainer_for(overrides, ctx, tmp_path, cache):
-    from loongforge.core.training.trainer import MegatronTrainer
+    from loongforge.core.training.loop import Trainer
     from loongforge.vlm.cli import load_vlm_config
     from loongforge.vlm.recipe import VLMTask
 
     cfg = load_vlm_config("vlm_debug", [*FAST, f"data.cache_dir={cache}", f"log.run_dir={tmp_path}", *overrides])
-    return cfg, MegatronTrainer(VLMTask(cfg), ctx, cfg.train, cfg.log, cfg.checkpoint)
+    return cfg, Trainer(VLMTask(cfg), ctx, cfg)
 
 
 @pytest.mark.parametrize("parts", [[], ["encoder=siglip_vit_debug", "projector=mlp_2x", "foundation=llama_debug"]],

@@ -36,7 +36,7 @@ def reference(tmp_path_factory, vlm_cache):
 @pytest.mark.slow
 @pytest.mark.parametrize("encoder_tp", [1, 2], ids=["encoder-tp1-split", "encoder-tp2"])
 def test_foundation_tp2_matches_one_process(encoder_tp, reference, tmp_path, vlm_cache):
-    layout = ["parallel.foundation.tp=2", f"parallel.encoder.tp={encoder_tp}"]
+    layout = ["parallel.tp=2", f"parallel.encoder.tp={encoder_tp}"]
     save = ["checkpoint.save=true", "checkpoint.interval=1", "checkpoint.keep_last=2"]
     got = probe(tmp_path / "grads.pt", [*layout, *save], vlm_cache, nproc=2)
     assert got["losses"] == pytest.approx(reference["losses"], rel=1e-5)

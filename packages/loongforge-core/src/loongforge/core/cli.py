@@ -81,9 +81,15 @@ def _cmd_compare(args) -> int:
 
 
 def run_main(fn) -> int:
-    """Run a CLI body; configuration errors print one clear line and exit 2."""
+    """Run a CLI body; configuration errors print one clear line and exit 2, a run stopped by a
+    non-finite loss or gradient norm one line and exit 1."""
+    from loongforge.core.training.errors import NonFiniteError
+
     try:
         return fn() or 0
     except ConfigError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    except NonFiniteError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1

@@ -1,7 +1,10 @@
 """The model-family registry (``loongforge.models`` entry points).
 
-A family registers one ``ModelSpec``: everything the trainer needs to build, train, convert and
-size it. Modality packages declare their families in their ``pyproject.toml``::
+A family registers one ``ModelSpec`` (like torchtitan's ``TrainSpec``): everything the loop needs
+to build, parallelise, feed, score, convert and size it. Every modality's families register the
+same way (the LLM families, the VLM, Wan, the robot policies), and every ``lf-* train`` finds its
+task through the spec of the family its config names. Modality packages declare their families in
+their ``pyproject.toml``::
 
     [project.entry-points."loongforge.models"]
     llama = "loongforge.llm.families.llama:LLAMA_SPEC"
@@ -27,23 +30,42 @@ ENTRY_POINT_GROUP = "loongforge.models"
 class ModelSpec:
     """One model family.
 
-    ``build(model_config, ctx, pre_process, post_process)`` returns this rank's module (a
-    megatron-core module for megatron families). ``layer_spec(model_config)`` gives the
-    megatron ``ModuleSpec`` of one layer. ``flavours`` maps names ("debug", "0.5b") to
-    ready model configs. ``flops_per_token(model_config, seq_length)`` is the training FLOPs
-    per token (forward + backward) used for MFU and the balancer's cost model.
-    ``hf_adapter`` converts to and from the Hugging Face layout; ``data_pipeline`` builds the
-    family's default dataset.
+    ``config_class`` is the dataclass of its model config (YAML keys are checked against it).
+    ``build(model_config, ...)`` returns the module: for the megatron-core engine
+    ``build(model_config, ctx, transformer_config, pre_process, post_process)``, this rank's chunk;
+    for the PyTorch-native engine ``build(model_config)``, the whole model (which may describe its
+    repeated blocks and parts for sharding: ``loongforge.core.training.torch_engine``). ``engine``
+    names the engine of the loop that trains it (``megatron`` or ``torch``): the parallelise
+    function is that engine's (TP/PP/EP from the layer specs; DDP/FSDP2/HSDP over the model's
+    repeated blocks). ``task(run_config)`` makes the task the loop runs (the family's data pipeline
+    and loss: ``loongforge.core.training.task``). ``layer_spec(model_config)`` gives the megatron
+    ``ModuleSpec`` of one layer. ``flavours`` maps names ("debug", "0.5b") to ready model
+    configs. ``flops_per_token(model_config, seq_length)`` is the training FLOPs per token
+    (forward + backward) used for MFU and the balancer's cost model. ``hf_adapter`` converts to
+    and from the family's outside layout (Hugging Face, diffusers, LeRobot) through
+    ``loongforge.core.hf_mapping``; ``data_pipeline`` builds the family's default dataset.
     """
 
     name: str
     config_class: type
     build: Callable[..., Any]
+    engine: str = "megatron"
+    task: Callable[[Any], Any] | None = None
     flavours: dict[str, Any] = field(default_factory=dict)
     layer_spec: Callable[[Any], Any] | None = None
     flops_per_token: Callable[[Any, int], float] | None = None
     hf_adapter: Any = None
     data_pipeline: Callable[..., Any] | None = None
+
+    def __post_init__(self):
+        if self.engine not in ("megatron", "torch"):
+            raise ValueError(f"model family {self.name!r}: engine {self.engine!r} is not one of megatron, torch")
+
+    def make_task(self, run_config):
+        """The task the loop runs for ``run_config`` (a family without one cannot be trained)."""
+        if self.task is None:
+            raise ModelRegistryError(f"model family {self.name!r} registers no training task")
+        return self.task(run_config)
 
     def flavour(self, name: str):
         if name not in self.flavours:

@@ -4,14 +4,14 @@ in one process on the same config, weights and data.
 The baseline is what a diffusers training script does: ``WanTransformer3DModel`` (eager, SDPA
 attention, its gradient checkpointing when the config checkpoints activations) on a
 ``[B, C, F, H, W]`` batch, MSE to the velocity, backward, AdamW. Ours is the LoongForge step: the
-packed ``WanDiT`` (regional ``torch.compile`` per ``model.compile``, the config's checkpointing
+packed ``WanDiT`` (regional ``torch.compile`` per ``train.compile``, the config's recomputation
 policy, the ``auto`` attention backend, kernels from the registry) with the same objective and
 fused AdamW on CUDA. Both use bf16 autocast on GPUs (fp32 on CPU).
 
 Every run reports its step time split into forward (with the loss), backward and optimizer, from
 CUDA events on a GPU (no host sync inside the step) or the wall clock elsewhere. Each run's
 first-step loss must agree with the baseline's, and its last timed step's must be finite. Extra
-variants of ours (model-config overrides, e.g. ``activation_checkpointing=none``) run after the
+variants of ours (config overrides, e.g. ``train.recompute=none``) run after the
 headline one. Results are reported as soon
 as each run ends; the profiler table and the attention-kernel timings come after the headline
 result, and a failure in them is reported without hiding it.
@@ -29,7 +29,7 @@ import torch
 import torch.nn.functional as F
 
 from loongforge.core.accelerators import get_accelerator
-from loongforge.diffusion.model import WanConfig, WanDiT
+from loongforge.diffusion.model import WanDiT
 from loongforge.diffusion.objective import noisy_and_target
 from loongforge.diffusion.packing import num_tokens, pack, pack_targets
 
@@ -69,8 +69,9 @@ def _latent_shape(recipe) -> tuple[int, int, int, int]:
     return (m.in_channels, 1 + (s.num_frames - 1) // 4, s.height // 8, s.width // 8)
 
 
-def variant_config(base: WanConfig, overrides: list[str]) -> WanConfig:
-    """``base`` with ``key=value`` model-config overrides (validated like the config file)."""
+def variant_recipe(base, overrides: list[str]):
+    """``base`` (the bench's recipe) with ``key=value`` config overrides (``train.recompute=none``,
+    ``model.fp8=tensorwise``), validated like the config file."""
     from omegaconf import OmegaConf
     from omegaconf.errors import OmegaConfBaseException
 
@@ -78,16 +79,22 @@ def variant_config(base: WanConfig, overrides: list[str]) -> WanConfig:
 
     for item in overrides:
         if "=" not in item:
-            raise ConfigError(f"bench variant {item!r} is not of the form key=value (a model config key)")
+            raise ConfigError(f"bench variant {item!r} is not of the form key=value (a config key)")
     try:
         return OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(base), OmegaConf.from_dotlist(list(overrides))))
     except (OmegaConfBaseException, ValueError) as exc:
         raise ConfigError(f"bench variant {' '.join(overrides)!r}: {str(exc).splitlines()[0]}") from exc
 
 
-def describe(cfg: WanConfig, device_type: str) -> str:
-    compiled = "compiled" if cfg.compile_on(device_type) else "eager"
-    return f"{compiled}, checkpointing={cfg.activation_checkpointing}, attention={cfg.attention_backend}, fp8={cfg.fp8}"
+def compiles(recipe, device_type: str) -> bool:
+    """``train.compile``; when null, on CUDA without context parallelism (as the engine decides)."""
+    return recipe.train.compile if recipe.train.compile is not None else device_type == "cuda" and recipe.parallel.cp == 1
+
+
+def describe(recipe, device_type: str) -> str:
+    compiled = "compiled" if compiles(recipe, device_type) else "eager"
+    return (f"{compiled}, recompute={recipe.train.recompute}, attention={recipe.model.attention_backend}, "
+            f"fp8={recipe.model.fp8}")
 
 
 class Bench:
@@ -127,7 +134,7 @@ class Bench:
         m = self.recipe.model
         model = WanTransformer3DModel(**m.diffusers_kwargs())
         model.load_state_dict(self.initial_state)
-        if m.activation_checkpointing != "none":
+        if self.recipe.train.recompute != "none":
             model.enable_gradient_checkpointing()
         model = model.to(self.device)
         xt, target, timesteps, text = self.video
@@ -139,11 +146,12 @@ class Bench:
 
         return model, forward_loss, torch.optim.AdamW(model.parameters(), lr=1e-5)
 
-    def ours_model(self, cfg: WanConfig):
-        model = WanDiT(cfg)
+    def ours_model(self, recipe):
+        model = WanDiT(recipe.model)
         model.load_state_dict(self.initial_state)
+        model.set_recompute(recipe.train.recompute)
         model = model.to(self.device)
-        if cfg.compile_on(self.device.type):
+        if compiles(recipe, self.device.type):
             import torch._dynamo as dynamo
 
             dynamo.reset()  # each variant compiles afresh (and stays under the recompile limit)
@@ -260,15 +268,15 @@ def run_bench(recipe, steps: int = 10, warmup: int = 3, batch_size: int = 1, var
     soon as it is known. Raises AssertionError (after reporting everything) when a run's
     first-step loss disagrees with the baseline's."""
     m = recipe.model
-    configs = [(" ".join(o), variant_config(m, o)) for o in variants]  # bad overrides fail before any run
-    for cfg in [m] + [c for _, c in configs]:
-        cfg.check_device(get_accelerator().device_type)
+    configs = [(" ".join(o), variant_recipe(recipe, o)) for o in variants]  # bad overrides fail before any run
+    for r in [recipe] + [c for _, c in configs]:
+        r.model.check_device(get_accelerator().device_type)
     bench = Bench(recipe, steps, warmup, batch_size)
     report(f"latents {batch_size} x {recipe.sample.num_frames}x{recipe.sample.height}x{recipe.sample.width} frames, "
            f"{bench.tokens} tokens/step, {m.num_layers} layers, {bench.device.type} {bench.dtype}")
 
     fp8_runs = {"loongforge": m.fp8 != "none"}
-    fp8_runs.update({f"variant {i}": cfg.fp8 != "none" for i, (_, cfg) in enumerate(configs, start=1)})
+    fp8_runs.update({f"variant {i}": r.model.fp8 != "none" for i, (_, r) in enumerate(configs, start=1)})
 
     def agrees(r: RunResult) -> bool:
         """First-step loss as the baseline's, and still finite after the timed steps."""
@@ -289,12 +297,12 @@ def run_bench(recipe, steps: int = 10, warmup: int = 3, batch_size: int = 1, var
     model, forward_loss, opt = bench.diffusers_model()
     base = results["diffusers"] = bench.time_run("diffusers", model, forward_loss, opt)
     bench.release(model, opt)
-    report(f"  diffusers: eager, SDPA, gradient checkpointing {'on' if m.activation_checkpointing != 'none' else 'off'}")
+    report(f"  diffusers: eager, SDPA, gradient checkpointing {'on' if recipe.train.recompute != 'none' else 'off'}")
     report(line(base, None))
 
-    model, forward_loss, opt = bench.ours_model(m)
+    model, forward_loss, opt = bench.ours_model(recipe)
     ours = results["loongforge"] = bench.time_run("loongforge", model, forward_loss, opt)
-    report(f"  loongforge: {describe(m, bench.device.type)}")
+    report(f"  loongforge: {describe(recipe, bench.device.type)}")
     report(line(ours, base))
     report(f"speed-up (diffusers step time / loongforge step time): {base.step_s / ours.step_s:.2f}x")
 
@@ -312,13 +320,13 @@ def run_bench(recipe, steps: int = 10, warmup: int = 3, batch_size: int = 1, var
             report("attention-kernel timing failed (the results above stand):\n" + traceback.format_exc())
     bench.release(model, opt)
 
-    for i, (overrides, cfg) in enumerate(configs, start=1):
+    for i, (overrides, variant) in enumerate(configs, start=1):
         name = f"variant {i}"
         try:
-            model, forward_loss, opt = bench.ours_model(cfg)
+            model, forward_loss, opt = bench.ours_model(variant)
             results[name] = bench.time_run(name, model, forward_loss, opt)
             bench.release(model, opt)
-            report(f"  {name}: {overrides} ({describe(cfg, bench.device.type)})")
+            report(f"  {name}: {overrides} ({describe(variant, bench.device.type)})")
             report(line(results[name], base))
         except Exception:
             report(f"{name} ({overrides}) failed:\n" + traceback.format_exc())

@@ -23,22 +23,19 @@ def _recipe(config: str, overrides: list[str]):
 
 
 def cmd_train(args) -> int:
-    from loongforge.core.config import to_yaml
-    from loongforge.diffusion.trainer import DiffusionTrainer
+    from loongforge.core.training.run import run_training
+    from loongforge.diffusion.task import WanTask
 
-    recipe = _recipe(args.config, args.overrides)
-    trainer = DiffusionTrainer(recipe)
-    if trainer.ctx.is_main:
-        trainer.run_dir.mkdir(parents=True, exist_ok=True)
-        (trainer.run_dir / "config.yaml").write_text(to_yaml(recipe))
-    history = trainer.fit()
-    if trainer.ctx.is_main and history:
-        print(f"trained steps {history[0]['step']}..{history[-1]['step']}: loss {history[0]['loss']:.4f} -> "
-              f"{history[-1]['loss']:.4f}; run dir {trainer.run_dir}")
-    from loongforge.core.parallel import destroy_parallel
-
-    destroy_parallel()
+    recipe = _recipe(args.config, args.overrides)  # fails here, before any process group, on a bad config
+    recipe.model.check_device(get_device_type())
+    run_training(recipe, WanTask(recipe), "lf-diffusion")
     return 0
+
+
+def get_device_type() -> str:
+    from loongforge.core.accelerators import get_accelerator
+
+    return get_accelerator().device_type
 
 
 def cmd_preprocess(args) -> int:
@@ -162,8 +159,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--batch-size", type=int, default=1)
     p.add_argument("--variant", action="append", default=[], metavar="'KEY=VALUE ...'",
-                   help="also time ours with these model-config overrides (repeatable), e.g. "
-                        "'activation_checkpointing=none'")
+                   help="also time ours with these config overrides (repeatable), e.g. "
+                        "'train.recompute=none'")
     p.add_argument("--no-profile", action="store_true", help="skip the CUDA profiler table and attention timings")
     p.set_defaults(fn=cmd_bench)
 

@@ -117,16 +117,15 @@ def noisy_and_target(x0: torch.Tensor, noise: torch.Tensor, sigma: float | torch
     return (1.0 - sigma) * x0 + sigma * noise, noise - x0
 
 
-def token_weights(token_counts: list[int], num_pad: int, reduction: str, global_elements: float,
-                  global_samples: float, features: int) -> torch.Tensor:
-    """Per-token weights ``w`` such that ``sum_t w_t * sum_f (pred - target)^2`` is this rank's share
-    of the global loss (padding weighs 0)."""
+def token_weights(token_counts: list[int], num_pad: int, reduction: str, features: int) -> torch.Tensor:
+    """Per-token loss weights ``w`` of a pack (padding weighs 0): the pack's loss sum is
+    ``sum_t w_t * sum_f (pred - target)^2`` and its count ``features * sum_t w_t``, so that summed
+    over every pack of the global batch their ratio is the mean over latent elements (``token``)
+    or the mean over samples of each sample's mean (``sample``: ``w_t = 1 / (n * features)`` for the
+    ``n`` tokens of a sample, whose count then adds up to 1)."""
     rows = []
     for n in token_counts:
-        if reduction == "token":
-            rows.append(torch.full((n,), 1.0 / global_elements))
-        else:
-            rows.append(torch.full((n,), 1.0 / (global_samples * n * features)))
+        rows.append(torch.full((n,), 1.0 if reduction == "token" else 1.0 / (n * features)))
     if num_pad:
         rows.append(torch.zeros(num_pad))
     return torch.cat(rows)

@@ -101,7 +101,7 @@ def sample_run(recipe, checkpoint: str | Path, out_dir: str | Path) -> list[Path
     """``lf-diffusion sample``: generate from a checkpoint of ``recipe``'s run and draw the result."""
     from loongforge.core.accelerators import get_accelerator
     from loongforge.core.checkpoint.format import Checkpoint
-    from loongforge.diffusion.checkpointing import load_model
+    from loongforge.core.training.torch_checkpoint import load_model
     from loongforge.diffusion.data.encoders import decode_latent, encode_prompts, load_text_encoder, load_vae
     from loongforge.diffusion.data.shards import LatentShards
     from loongforge.diffusion.packing import pad_text
@@ -111,10 +111,11 @@ def sample_run(recipe, checkpoint: str | Path, out_dir: str | Path) -> list[Path
     ckpt = Checkpoint(checkpoint)
     device = get_accelerator().device()
     experts = WanExperts(m)
-    load_model({n: experts.expert(n) for n in experts.names}, ckpt, prefix="model.")
+    load_model(experts, ckpt, prefix="model.")
     if s.use_ema and ckpt.manifest.get("ema"):  # EMA covers the trained experts; others keep model weights
-        trained = {n: experts.expert(n) for n in experts.names if f"ema.{n}.proj_out.weight" in ckpt.reader.keys()}
-        load_model(trained, ckpt, prefix="ema.")
+        for name in experts.names:
+            if f"ema.{name}.proj_out.weight" in ckpt.reader.keys():
+                load_model(experts.expert(name), ckpt, prefix=f"ema.{name}.")
     experts.to(device).eval()
 
     dataset = LatentShards(ckpt.manifest["data_root"])

@@ -4,11 +4,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from loongforge.core.training.schema import CheckpointConfig, LogConfig, ParallelConfig
+from loongforge.core.training.ema import EmaConfig
+from loongforge.core.training.schema import BalanceConfig, CheckpointConfig, LogConfig, ParallelConfig, TrainConfig
 from loongforge.diffusion.model.config import WanConfig
 from loongforge.diffusion.objective import ObjectiveConfig
-
-EXPERT_CHOICES = ("all", "transformer", "transformer_2")
 
 
 @dataclass
@@ -17,65 +16,10 @@ class DataConfig:
     # (generated and preprocessed into the cache on first use)
     root: str | None = None
     synthetic_clips: int = 48  # size of the built-in set
-    # tokens per micro-batch pack (the packing length); 0: all of a rank's samples in one pack
-    max_tokens_per_pack: int = 0
 
     def __post_init__(self):
         if self.synthetic_clips < 1:
             raise ValueError(f"data.synthetic_clips={self.synthetic_clips}: must be >= 1")
-        if self.max_tokens_per_pack < 0:
-            raise ValueError(f"data.max_tokens_per_pack={self.max_tokens_per_pack}: must be >= 0")
-
-
-@dataclass
-class TrainConfig:
-    steps: int = 60
-    global_batch_size: int = 8  # samples per step over all data-parallel ranks
-    lr: float = 1e-3
-    min_lr: float = 1e-4
-    warmup_steps: int = 5
-    lr_decay_style: str = "cosine"  # cosine | linear | constant
-    weight_decay: float = 0.0
-    adam_beta1: float = 0.9
-    adam_beta2: float = 0.999
-    adam_eps: float = 1e-8
-    clip_grad: float = 1.0
-    seed: int = 1234
-    precision: str = "auto"  # auto (bf16 on GPU, fp32 on CPU) | bf16 | fp32
-    data_parallel: str = "ddp"  # ddp | fsdp2
-    # which Wan 2.2 expert(s) to train: all (one per step, chosen by the timestep density) or one
-    expert: str = "all"
-    exit_interval: int = 0  # stop this run after N steps (resume later); 0: run to train.steps
-    balance: bool = True  # balance samples over DP ranks by compute cost (loongforge.core.balance)
-
-    def __post_init__(self):
-        for key in ("steps", "global_batch_size"):
-            if getattr(self, key) < 1:
-                raise ValueError(f"train.{key}={getattr(self, key)}: must be >= 1")
-        if self.lr_decay_style not in ("cosine", "linear", "constant"):
-            raise ValueError(f"train.lr_decay_style={self.lr_decay_style!r}: one of cosine, linear, constant")
-        if not 0 <= self.min_lr <= self.lr:
-            raise ValueError(f"train.min_lr={self.min_lr} must be in [0, train.lr={self.lr}]")
-        if self.precision not in ("auto", "bf16", "fp32"):
-            raise ValueError(f"train.precision={self.precision!r}: one of auto, bf16, fp32")
-        if self.data_parallel not in ("ddp", "fsdp2"):
-            raise ValueError(f"train.data_parallel={self.data_parallel!r}: one of ddp, fsdp2")
-        if self.expert not in EXPERT_CHOICES:
-            raise ValueError(f"train.expert={self.expert!r}: one of {', '.join(EXPERT_CHOICES)}")
-        if self.exit_interval < 0 or self.warmup_steps < 0:
-            raise ValueError("train.exit_interval and train.warmup_steps must be >= 0")
-
-
-@dataclass
-class EmaConfig:
-    decay: float = 0.0  # 0: no EMA weights
-    update_interval: int = 1
-
-    def __post_init__(self):
-        if not 0.0 <= self.decay < 1.0:
-            raise ValueError(f"ema.decay={self.decay}: must be in [0, 1)")
-        if self.update_interval < 1:
-            raise ValueError(f"ema.update_interval={self.update_interval}: must be >= 1")
 
 
 @dataclass
@@ -105,29 +49,38 @@ class DiffusionRecipe:
     model: WanConfig = field(default_factory=WanConfig)
     objective: ObjectiveConfig = field(default_factory=ObjectiveConfig)
     data: DataConfig = field(default_factory=DataConfig)
-    train: TrainConfig = field(default_factory=TrainConfig)
+    train: TrainConfig = field(default_factory=lambda: TrainConfig(
+        steps=60, warmup_steps=5, weight_decay=0.0, adam_beta2=0.999))
     ema: EmaConfig = field(default_factory=EmaConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    balance: BalanceConfig = field(default_factory=BalanceConfig)  # token_cap null: a rank's samples in one pack
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     log: LogConfig = field(default_factory=lambda: LogConfig(run_dir="runs/diffusion"))
     sample: SampleConfig = field(default_factory=SampleConfig)
 
     def __post_init__(self):
-        for key in ("tp", "pp", "ep"):
-            if getattr(self.parallel, key) != 1:
-                raise ValueError(
-                    f"parallel.{key}={getattr(self.parallel, key)}: the diffusion engine (FSDP2/DDP + Ulysses CP) "
-                    "shards data and context only; set parallel.cp"
-                )
+        from loongforge.core.training.torch_engine import check_parallel_config, check_train_config
+
+        check_parallel_config(self.parallel, context_parallel=True)
+        check_train_config(self.train)
         if self.model.num_attention_heads % self.parallel.cp:
             raise ValueError(
                 f"parallel.cp={self.parallel.cp} must divide model.num_attention_heads={self.model.num_attention_heads} "
                 "(Ulysses splits heads)"
             )
-        if self.model.compile and self.parallel.cp > 1:
+        if self.train.compile and self.parallel.cp > 1:
             raise ValueError(
-                f"model.compile=true with parallel.cp={self.parallel.cp}: compiled blocks run without context "
-                "parallelism (Ulysses all-to-alls stay eager); set model.compile=null or false"
+                f"train.compile=true with parallel.cp={self.parallel.cp}: compiled blocks run without context "
+                "parallelism (Ulysses all-to-alls stay eager); set train.compile=null or false"
             )
-        if self.train.expert != "all" and self.model.boundary_ratio is None:
-            raise ValueError(f"train.expert={self.train.expert!r} needs two experts (set model.boundary_ratio)")
+        if self.train.micro_batch_size is not None:
+            raise ValueError(f"train.micro_batch_size={self.train.micro_batch_size}: lf-diffusion packs micro-batches "
+                             f"by tokens (balance.token_cap); leave it null")
+        unsupported = {"balance.fit_steps": (self.balance.fit_steps, 0), "balance.max_micro_batches":
+                       (self.balance.max_micro_batches, None), "balance.shuffle": (self.balance.shuffle, True)}
+        for key, (value, default) in unsupported.items():
+            if value != default:
+                raise ValueError(f"{key}={value}: not supported by lf-diffusion (its step order is a seeded "
+                                 f"permutation per epoch and its plans are made from the FLOPs model)")
+        if self.model.train_expert != "all" and self.model.boundary_ratio is None:
+            raise ValueError(f"model.train_expert={self.model.train_expert!r} needs two experts (set model.boundary_ratio)")

@@ -15,9 +15,10 @@ from collections.abc import Callable
 import torch
 import torch.nn as nn
 
-from loongforge.core.distributed import DistributedProcess
-from loongforge.embodied.config import ParallelConfig, PolicyConfig
-from loongforge.embodied.parallel import compute_precision, parallelize
+from loongforge.core.training import torch_parallel
+from loongforge.core.training.engine import resolve_dtype
+from loongforge.core.training.schema import TrainConfig
+from loongforge.embodied.config import PolicyConfig
 
 
 def synthetic_batch(cfg: PolicyConfig, batch_size: int, device: torch.device, seed: int = 0) -> dict[str, torch.Tensor]:
@@ -47,13 +48,21 @@ def samples_per_second(step: Callable[[], None], batch_size: int, steps: int, wa
     return batch_size * steps / (time.perf_counter() - start)
 
 
-def loongforge_step(policy: nn.Module, parallel: ParallelConfig, env: DistributedProcess, batch: dict, lr: float = 1e-5) -> Callable[[], None]:
-    model = parallelize(policy, parallel, env)
+def loongforge_step(policy: nn.Module, train: TrainConfig, device: torch.device, batch: dict,
+                    lr: float = 1e-5) -> Callable[[], None]:
+    """Our training step as the engine runs it on one process: ``train.recompute``, regional
+    compilation per ``train.compile`` (null: on CUDA), autocast per ``train.precision``, AdamW (fused on CUDA)."""
+    model = policy.to(device)
+    model.set_recompute(train.recompute)
+    if train.compile if train.compile is not None else device.type == "cuda":
+        for block in model.repeated_blocks():
+            block.compile()
     model.train()
-    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=lr, fused=env.device.type == "cuda")
+    dtype = resolve_dtype(train.precision, device)
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=lr, fused=device.type == "cuda")
 
     def step():
-        with compute_precision(parallel, env.world_size, env.device):
+        with torch_parallel.autocast(device.type, dtype):
             loss = model(batch, batch["noise"], batch["time"]).mean()
         loss.backward()
         opt.step()

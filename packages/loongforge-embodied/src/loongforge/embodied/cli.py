@@ -1,7 +1,7 @@
 """``lf-embodied``: train, eval, export and convert VLA policies.
 
-    lf-embodied train [--config NAME|PATH] [--policy pi05|groot] [--dataset.root PATH] [key=value ...]
-    lf-embodied eval --checkpoint RUN_DIR|CKPT_DIR [--dataset.root PATH] [key=value ...]
+    lf-embodied train [--config NAME|PATH] [--policy pi05|groot] [--data.root PATH] [key=value ...]
+    lf-embodied eval --checkpoint RUN_DIR|CKPT_DIR [--data.root PATH] [key=value ...]
     lf-embodied export --checkpoint RUN_DIR|CKPT_DIR --out FILE.safetensors [--format loongforge|lerobot]
     lf-embodied convert --from-lerobot FILE.safetensors --out FILE.safetensors
     lf-embodied info [--config NAME|PATH] [key=value ...]
@@ -12,7 +12,7 @@
 ``train`` with no arguments trains the tiny Pi0.5-style policy on a synthetic LeRobot dataset
 (written to the cache directory on first use) on the current accelerator, resuming from
 ``RUN_DIR/checkpoints/latest`` if a previous run left one. Launch several processes with
-``torchrun --nproc-per-node N -m loongforge.embodied.cli train parallel.mode=fsdp``.
+``torchrun --nproc-per-node N -m loongforge.embodied.cli train parallel.data_parallel=fsdp``.
 """
 
 from __future__ import annotations
@@ -31,14 +31,11 @@ def _config(args, rest):
 
 
 def cmd_train(args, rest) -> int:
-    from loongforge.embodied.trainer import train
+    from loongforge.core.models import get_model_spec
+    from loongforge.core.training.run import run_training
 
-    result = train(_config(args, rest))
-    if result.losses:
-        print(f"trained steps {result.start_step}..{result.final_step}: loss {result.losses[0]:.4f} -> {result.losses[-1]:.4f}"
-              f" (metrics: {result.run_dir / 'metrics.jsonl'})")
-    else:
-        print(f"nothing to do: {result.run_dir} is already at step {result.final_step}")
+    cfg = _config(args, rest)  # fails here, before any process group, on a bad config
+    run_training(cfg, get_model_spec(cfg.policy.family).make_task(cfg), "lf-embodied")
     return 0
 
 
@@ -69,15 +66,15 @@ def cmd_info(args, rest) -> int:
 
     from loongforge.core.accelerators import get_accelerator
     from loongforge.core.config import to_yaml
-    from loongforge.embodied.policies.registry import build_policy
+    from loongforge.core.models import get_model_spec
 
     cfg = _config(args, rest)
     with torch.device("meta"):  # shapes only: released sizes need no memory
-        policy = build_policy(cfg.policy)
+        policy = get_model_spec(cfg.policy.family).build(cfg.policy)
     n = sum(p.numel() for p in policy.parameters())
     trainable = sum(p.numel() for p in policy.parameters() if p.requires_grad)
     print(to_yaml(cfg))
-    print(f"policy {cfg.policy.name}: {n:,} parameters ({trainable:,} trainable); accelerator {get_accelerator()}; torch {torch.__version__}")
+    print(f"policy {cfg.policy.family}: {n:,} parameters ({trainable:,} trainable); accelerator {get_accelerator()}; torch {torch.__version__}")
     return 0
 
 
@@ -92,21 +89,23 @@ def cmd_bench(args, rest) -> int:
         samples_per_second,
         synthetic_batch,
     )
-    from loongforge.embodied.policies.registry import build_policy
+    from loongforge.core.models import get_model_spec
+    from loongforge.core.training.engine import resolve_dtype
 
     cfg = _config(args, rest)
     env = init_distributed(group_for_world_of_one=False)
     batch = synthetic_batch(cfg.policy, args.batch_size, env.device)
     sync = env.accelerator.synchronize
-    report = {"policy": cfg.policy.name, "batch_size": args.batch_size, "image_size": cfg.policy.image_size,
-              "device": str(env.device), "param_dtype": cfg.parallel.param_dtype, "compile": cfg.parallel.compile}
-    policy = build_policy(cfg.policy).to(env.device)
-    step = loongforge_step(policy, cfg.parallel, env, batch)
+    dtype = resolve_dtype(cfg.train.precision, env.device)
+    report = {"policy": cfg.policy.family, "batch_size": args.batch_size, "image_size": cfg.policy.image_size,
+              "device": str(env.device), "precision": str(dtype), "compile": cfg.train.compile}
+    policy = get_model_spec(cfg.policy.family).build(cfg.policy).to(env.device)
+    step = loongforge_step(policy, cfg.train, env.device, batch)
     report["loongforge_samples_per_s"] = samples_per_second(step, args.batch_size, args.steps, args.warmup, sync)
     del policy, step
     if args.against_lerobot:
-        dtype = "bfloat16" if cfg.parallel.param_dtype == "bf16" else "float32"
-        ref = build_lerobot_pi05_released(cfg.policy, dtype=dtype).to(env.device)
+        ref = build_lerobot_pi05_released(cfg.policy, dtype="bfloat16" if dtype == torch.bfloat16 else "float32")
+        ref = ref.to(env.device)
         report["lerobot_samples_per_s"] = samples_per_second(lerobot_step(ref, batch), args.batch_size, args.steps, args.warmup, sync)
         report["speedup"] = report["loongforge_samples_per_s"] / report["lerobot_samples_per_s"]
     print(json.dumps(report, indent=1))

@@ -18,7 +18,7 @@ import torch.nn as nn
 from torch.utils.data import DataLoader
 
 from loongforge.core.accelerators import get_accelerator
-from loongforge.embodied.config import TrainConfig
+from loongforge.embodied.config import EmbodiedConfig
 from loongforge.embodied.data.dataset import EmbodiedDataset
 from loongforge.embodied.data.synthetic import ensure_synthetic_dataset
 from loongforge.embodied.restore import restore_policy
@@ -27,16 +27,16 @@ ENTRY_POINT_GROUP = "loongforge.embodied.eval_hooks"
 
 
 class EvalHook(Protocol):
-    def __call__(self, policy: nn.Module, cfg: TrainConfig, device: torch.device) -> dict[str, float]: ...
+    def __call__(self, policy: nn.Module, cfg: EmbodiedConfig, device: torch.device) -> dict[str, float]: ...
 
 
 @torch.no_grad()
-def offline_action_mse(policy: nn.Module, cfg: TrainConfig, device: torch.device) -> dict[str, float]:
+def offline_action_mse(policy: nn.Module, cfg: EmbodiedConfig, device: torch.device) -> dict[str, float]:
     """MSE of sampled chunks vs. recorded actions on the held-out episodes (valid steps and real
     action dimensions only), in normalised units and in the dataset's own units."""
-    root = cfg.dataset.root or str(ensure_synthetic_dataset())
-    ds = EmbodiedDataset(cfg.dataset, cfg.policy, root, "eval")
-    loader = DataLoader(ds, batch_size=cfg.eval.batch_size, shuffle=False, num_workers=cfg.dataset.num_workers)
+    root = cfg.data.root or str(ensure_synthetic_dataset())
+    ds = EmbodiedDataset(cfg.data, cfg.policy, root, "eval")
+    loader = DataLoader(ds, batch_size=cfg.eval.batch_size, shuffle=False, num_workers=cfg.data.num_workers)
     g = torch.Generator().manual_seed(cfg.eval.seed)
     key, adim = ds.spec.action_key, ds.spec.action_dim
     sums = torch.zeros(2, dtype=torch.float64)

@@ -10,24 +10,23 @@ from pathlib import Path
 import torch.nn as nn
 
 from loongforge.core.checkpoint import Checkpoint
-from loongforge.embodied.checkpointing import split_state
-from loongforge.embodied.config import CONFIG_DIR, TrainConfig
-from loongforge.core.config import load_config
-from loongforge.embodied.policies.registry import build_policy
+from loongforge.core.models import get_model_spec
+from loongforge.core.training.torch_checkpoint import load_model
+from loongforge.embodied.config import EmbodiedConfig, load_train_config
 
 
-def config_from_checkpoint(ckpt: Checkpoint, overrides: Sequence[str] = ()) -> TrainConfig:
-    """The checkpoint's training config (from its manifest) with ``key=value`` overrides."""
+def config_from_checkpoint(ckpt: Checkpoint, overrides: Sequence[str] = ()) -> EmbodiedConfig:
+    """The checkpoint's run config (from its manifest) with ``key=value`` overrides."""
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / "checkpoint_config.yaml"
         path.write_text(json.dumps(ckpt.manifest["config"]))  # JSON is YAML
-        return load_config(TrainConfig, str(path), overrides, config_dirs=[CONFIG_DIR])
+        return load_train_config(str(path), overrides)
 
 
-def restore_policy(path: str | Path, overrides: Sequence[str] = ()) -> tuple[nn.Module, TrainConfig, Checkpoint]:
+def restore_policy(path: str | Path, overrides: Sequence[str] = ()) -> tuple[nn.Module, EmbodiedConfig, Checkpoint]:
+    """The policy saved at ``path`` (a checkpoint directory or root), its run config and the checkpoint."""
     ckpt = Checkpoint(path)
     cfg = config_from_checkpoint(ckpt, overrides)
-    policy = build_policy(cfg.policy)
-    model_sd, _ = split_state(ckpt)
-    policy.load_state_dict(model_sd, strict=True)
+    policy = get_model_spec(cfg.policy.family).build(cfg.policy)
+    load_model(policy, ckpt)
     return policy, cfg, ckpt

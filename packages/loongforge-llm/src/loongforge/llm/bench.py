@@ -9,7 +9,7 @@ other:
 - ``hf_sdpa`` / ``hf_sdpa_compile``: ``LlamaForCausalLM`` of the same architecture with SDPA
   attention (and under ``torch.compile``; CUDA only), weights in the run's dtype, AdamW (fused on
   CUDA), the same micro-batches per step;
-- ``ours``: the config's model and ``MegatronTrainer.train_step`` (megatron DDP, fp32 main
+- ``ours``: the config's model and ``Trainer.train_step`` (megatron DDP, fp32 main
   weights and grads, AdamW, grad clipping, LR schedule) on random tokens; ``--variant`` adds runs
   with more config overrides (``train.recompute=selective``; commas inside brackets or quotes stay
   in the value) or the bench's own knobs (``spec.recompute_elementwise=false``: the fast layer spec
@@ -125,7 +125,7 @@ def our_step(run: Run):
     from megatron.core.transformer.enums import AttnBackend
 
     from loongforge.core.parallel import init_parallel
-    from loongforge.core.training.trainer import MegatronTrainer
+    from loongforge.core.training.loop import Trainer
     from loongforge.llm.recipe import LLMTask
 
     cfg, knobs = run.cfg, run.knobs
@@ -147,7 +147,7 @@ def our_step(run: Run):
 
     ctx = init_parallel(seed=cfg.train.seed)
     task = BenchTask(cfg)
-    trainer = MegatronTrainer(task, ctx, cfg.train, cfg.log, cfg.checkpoint)
+    trainer = Trainer(task, ctx, cfg)
     batches = micro_batches(cfg, ctx.accelerator.device())
 
     def step():

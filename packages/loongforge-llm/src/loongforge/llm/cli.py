@@ -45,33 +45,14 @@ def check_save_hf(cfg: LLMConfig, out: str | None) -> Path | None:
 def cmd_train(args) -> int:
     cfg = load_llm_config(args)  # fails here, before any process group, on a bad config
     save_hf = check_save_hf(cfg, args.save_hf)
-    from loongforge.core.config import to_dict
-    from loongforge.core.parallel import destroy_parallel, init_parallel
-    from loongforge.core.training.trainer import MegatronTrainer
-    from loongforge.llm.recipe import LLMTask
-    from loongforge.llm.sft_recipe import SFTTask
+    from loongforge.core.training.run import run_training
+    from loongforge.llm.recipe import make_task
 
-    p = cfg.parallel
-    ctx = init_parallel(tp=p.tp, pp=p.pp, cp=p.cp, ep=p.ep, seed=cfg.train.seed)
-    try:
-        task = SFTTask(cfg) if cfg.recipe == "sft" else LLMTask(cfg)
-        if cfg.recipe == "sft":
-            report = task.dataset().report  # every rank: the index is built collectively
-            if ctx.is_main:
-                print(f"lf-llm: SFT data: {report}", flush=True)
-        trainer = MegatronTrainer(task, ctx, cfg.train, cfg.log, cfg.checkpoint, config_record=to_dict(cfg))
-        if ctx.is_main:
-            print(f"lf-llm: {cfg.model.family} on {ctx.accelerator.name} x{ctx.world_size} "
-                  f"(tp={p.tp} pp={p.pp} dp={ctx.dp_size}), {trainer.dtype}, run dir {cfg.log.run_dir}", flush=True)
-        results = trainer.fit()
-        if ctx.is_main and results:
-            tps = sorted(r.tokens / r.seconds for r in results[len(results) // 2 :])
-            print(f"lf-llm: step {results[0].step} loss {results[0].loss:.4f} -> step {results[-1].step} loss "
-                  f"{results[-1].loss:.4f}; median {tps[len(tps) // 2]:.0f} tokens/s", flush=True)
-        if save_hf is not None:
-            export_hf(ctx, trainer.ckpt_dir, save_hf, progress=cfg.log.progress)
-    finally:
-        destroy_parallel()
+    after = None
+    if save_hf is not None:
+        def after(trainer):
+            export_hf(trainer.ctx, trainer.ckpt_dir, save_hf, progress=cfg.log.progress)
+    run_training(cfg, make_task(cfg), "lf-llm", after=after)
     return 0
 
 

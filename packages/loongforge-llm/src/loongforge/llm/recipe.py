@@ -7,15 +7,22 @@ the load balancer (``balance``)."""
 from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass, field, fields, make_dataclass, replace
+from dataclasses import dataclass, field, replace
+from functools import partial
 from pathlib import Path
-from typing import Any
 
 import torch
 
-from loongforge.core.config import ConfigError, load_config
+from loongforge.core.config import ConfigError, load_config, read_section
 from loongforge.core.models import ModelRegistryError, get_model_spec
-from loongforge.core.training.schema import BalanceConfig, CheckpointConfig, LogConfig, ParallelConfig, TrainConfig
+from loongforge.core.training.schema import (
+    BalanceConfig,
+    CheckpointConfig,
+    LogConfig,
+    ParallelConfig,
+    SequenceTrainConfig,
+)
+from loongforge.core.training.task import StepBatch
 from loongforge.llm.data.sft import SFTDataConfig
 from loongforge.llm.lora import LoRAConfig
 from loongforge.llm.model_config import GPTConfig
@@ -49,7 +56,7 @@ class KernelsConfig:
 class LLMConfig:
     model: GPTConfig = field(default_factory=GPTConfig)
     data: DataConfig = field(default_factory=DataConfig)
-    train: TrainConfig = field(default_factory=TrainConfig)
+    train: SequenceTrainConfig = field(default_factory=lambda: SequenceTrainConfig(micro_batch_size=2))
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     log: LogConfig = field(default_factory=LogConfig)
@@ -78,17 +85,6 @@ class LLMConfig:
             from loongforge.llm.sft_recipe import check_sft_config
 
             check_sft_config(self)
-
-
-def _model_section(name_or_path: str | None, overrides: Sequence[str]) -> dict:
-    """The composed config's ``model`` section, read with every section untyped (empty if the
-    config does not compose: the typed load reports that error against the real schema)."""
-    sections = make_dataclass("LLMConfigSections", [(f.name, Any, field(default_factory=dict)) for f in fields(LLMConfig)])
-    try:
-        model = load_config(sections, name_or_path, overrides, [CONFIG_DIR]).model
-    except ConfigError:
-        return {}
-    return model if isinstance(model, dict) else {}
 
 
 def _config_class(family: str) -> type[GPTConfig]:
@@ -122,7 +118,7 @@ def load_llm_config(name_or_path: str | None, overrides: Sequence[str] = ()) -> 
     family's own fields are known keys and unknown ones are errors. With ``model.init_from_hf``
     the model section is the HF model's (family and architecture from its ``config.json``) and
     takes no other ``model.*`` override."""
-    model = _model_section(name_or_path, overrides)
+    model = read_section(LLMConfig, "model", name_or_path, overrides, [CONFIG_DIR])
     if model.get("init_from_hf"):
         hf_model = _model_from_hf(str(model["init_from_hf"]))
         rest = [o for o in overrides if o.split("=", 1)[0].strip().lstrip("+~") != "model.init_from_hf"]
@@ -131,6 +127,15 @@ def load_llm_config(name_or_path: str | None, overrides: Sequence[str] = ()) -> 
         return load_config(LLMConfig(model=hf_model), name_or_path, rest, [CONFIG_DIR], fixed={"model": reason})
     config_class = _config_class(model.get("family", GPTConfig.family))
     return load_config(LLMConfig(model=config_class()), name_or_path, overrides, [CONFIG_DIR])
+
+
+def make_task(cfg: LLMConfig):
+    """The task of ``cfg.recipe``: pre-training on indexed data, or SFT on conversations."""
+    if cfg.recipe == "sft":
+        from loongforge.llm.sft_recipe import SFTTask
+
+        return SFTTask(cfg)
+    return LLMTask(cfg)
 
 
 def collate(samples: list[dict]) -> dict[str, torch.Tensor]:
@@ -154,6 +159,9 @@ class GlobalBatchSampler:
 
 class LLMTask:
     """GPT pre-training on an indexed dataset: next-token loss over ``loss_mask`` tokens."""
+
+    engine = "megatron"
+    variable_micro_batches = False
 
     def __init__(self, cfg: LLMConfig):
         self.cfg = cfg
@@ -238,26 +246,25 @@ class LLMTask:
 
         return str(self.cfg.data.tokenizer or shipped.bundled_tokenizer_path())
 
-    def micro_batches(self, ctx, consumed_samples: int) -> Iterator[list[dict[str, torch.Tensor]]]:
+    def steps(self, ctx, start_step: int) -> Iterator[StepBatch]:
         train = self.cfg.train
-        sampler = GlobalBatchSampler(train.global_batch_size, train.micro_batch_size, ctx.dp_rank, ctx.dp_size)
+        mbs = train.micro_batch_size or train.global_batch_size // ctx.dp_size
+        sampler = GlobalBatchSampler(train.global_batch_size, mbs, ctx.dp_rank, ctx.dp_size)
         data = self.dataset()
-        step = consumed_samples // train.global_batch_size
+        step = start_step
         while True:
-            yield [
-                {k: v.to(ctx.device) for k, v in collate([data[i] for i in mb]).items()}
-                for mb in sampler.step_indices(step)
-            ]
+            micro = [{k: v.to(ctx.device) for k, v in collate([data[i] for i in mb]).items()}
+                     for mb in sampler.step_indices(step)]
+            yield StepBatch(micro_batches=micro, tokens=sum(int(mb["tokens"].numel()) for mb in micro))
             step += 1
 
-    def forward_step(self, data_iterator, model):
-        batch = next(data_iterator)
+    def forward(self, model, batch):
         output = model(batch["tokens"], batch["position_ids"], None, labels=batch["labels"])
-        mask = batch["loss_mask"].float()
+        return output, partial(masked_token_loss, batch["loss_mask"])
 
-        def loss_func(per_token_loss: torch.Tensor):
-            loss_sum = (per_token_loss.float() * mask).sum()
-            num_tokens = mask.sum().to(torch.int)
-            return loss_sum, num_tokens, {"lm loss": (loss_sum.detach(), num_tokens)}
 
-        return output, loss_func
+def masked_token_loss(loss_mask: torch.Tensor, per_token_loss: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(sum of the per-token losses where loss_mask is set, number of those tokens)``: the loss of
+    every token model (pre-training, SFT, VLM), normalised by the loop over the global batch."""
+    mask = loss_mask.float()
+    return (per_token_loss.float() * mask).sum(), mask.sum()

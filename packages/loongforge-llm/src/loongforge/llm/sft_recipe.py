@@ -16,16 +16,14 @@ from __future__ import annotations
 
 from functools import partial
 
-import torch
-
 from loongforge.llm.data.errors import DataError
-from loongforge.llm.recipe import LLMConfig, LLMTask
+from loongforge.llm.recipe import LLMConfig, LLMTask, masked_token_loss
 
 
 def check_sft_config(cfg: LLMConfig) -> None:
     """Cross-group rules of ``recipe: sft`` (run while the config is built, before any process group)."""
     train, parallel = cfg.train, cfg.parallel
-    if train.micro_batch_size != 1:
+    if train.micro_batch_size not in (None, 1):
         raise ValueError(
             f"train.micro_batch_size={train.micro_batch_size}: recipe=sft plans its micro-batches by tokens "
             f"(balance.token_cap); set train.micro_batch_size=1"
@@ -54,6 +52,12 @@ class SFTTask(LLMTask):
     def __init__(self, cfg: LLMConfig):
         super().__init__(cfg)
         self._tokenizer = None
+
+    def prepare(self, ctx) -> None:
+        """Build the conversation index (every rank takes part) and report it."""
+        report = self.dataset().report
+        if ctx.is_main:
+            print(f"lf-llm: SFT data: {report}", flush=True)
 
     # -- data ----------------------------------------------------------------------------------
     def tokenizer_dir(self):
@@ -89,7 +93,7 @@ class SFTTask(LLMTask):
         tok = self.tokenizer()
         return int(tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id or 0)
 
-    def micro_batches(self, ctx, consumed_samples: int):
+    def steps(self, ctx, start_step: int):
         from loongforge.core.training.balanced import BalancedSteps
         from loongforge.llm.data.packing import pack, pad_rows
 
@@ -106,22 +110,14 @@ class SFTTask(LLMTask):
             token_cap=balance.token_cap or train.seq_length,
             dp_rank=ctx.dp_rank, dp_size=ctx.dp_size, seed=train.seed,
             flops_per_token=self.flops_per_token,
-            consumed_samples=consumed_samples,
+            consumed_samples=start_step * train.global_batch_size,
             device=ctx.device,
         )
 
     # -- the step ------------------------------------------------------------------------------
-    def forward_step(self, data_iterator, model):
+    def forward(self, model, batch):
         from loongforge.llm.data.packing import packed_seq_params
 
-        batch = next(data_iterator)
         output = model(batch["tokens"], batch["position_ids"], None, labels=batch["labels"],
                        packed_seq_params=packed_seq_params(batch))
-        mask = batch["loss_mask"].float()
-
-        def loss_func(per_token_loss):
-            loss_sum = (per_token_loss.float() * mask).sum()
-            num_tokens = mask.sum().to(torch.int)
-            return loss_sum, num_tokens, {"lm loss": (loss_sum.detach(), num_tokens)}
-
-        return output, loss_func
+        return output, partial(masked_token_loss, batch["loss_mask"])

@@ -13,11 +13,11 @@ on the text tokens. In one process, on the same device, one after the other:
 - ``hf_sdpa`` / ``hf_sdpa_compile``: ``Qwen2_5_VLForConditionalGeneration`` (config from
   ``loongforge.vlm.hf.config_to_hf``, ``attn_implementation="sdpa"``; and under ``torch.compile``)
   on the whole batch at once, weights in the step's dtype, fused ``torch.optim.AdamW``;
-- ``ours``: ``VLMTask``'s model and ``MegatronTrainer.train_step`` (megatron DDP, fp32 main
+- ``ours``: ``VLMTask``'s model and ``Trainer.train_step`` (megatron DDP, fp32 main
   weights and grads, AdamW, grad clipping) on the same samples, all of them packed into one
   micro-batch with a document-causal mask, as transformers gets them in one forward (``--pack K``:
   K per packed micro-batch, ``--pack 1`` one sample each); ``--variant NAME=KEY=VALUE,...`` adds more of ours with config
-  overrides (``parallel.encoder.recompute=full``, ``parallel.foundation.recompute=selective``;
+  overrides (``parallel.encoder.recompute=full``, ``train.recompute=selective``;
   commas inside brackets or quotes stay in the value) or the bench's own knob ``pack=K``.
 
 Both models hold the same weights: the transformers model's random initialisation is saved and
@@ -180,16 +180,16 @@ def split_overrides(overrides: list[str], default_pack: int) -> tuple[list[str],
 def our_step(cfg, hf_dir: Path, batch: Batch, case: Case, pack_size: int):
     from loongforge.core.hf_mapping.online import load_hf_weights
     from loongforge.core.parallel import init_parallel
-    from loongforge.core.training.trainer import MegatronTrainer
+    from loongforge.core.training.loop import Trainer
     from loongforge.vlm.data.packing import pack
     from loongforge.vlm.hf import QWEN2_5_VL_ADAPTER
     from loongforge.vlm.recipe import VLMTask
 
     task = VLMTask(cfg)
     ctx = init_parallel(seed=cfg.train.seed)
-    trainer = MegatronTrainer(task, ctx, cfg.train, cfg.log, cfg.checkpoint)
+    trainer = Trainer(task, ctx, cfg)
     load_hf_weights(trainer.inner_model, hf_dir, QWEN2_5_VL_ADAPTER, task.model_cfg)
-    trainer.optimizer.reload_model_params()  # the fp32 main weights from the loaded ones
+    trainer.engine.optimizer.reload_model_params()  # the fp32 main weights from the loaded ones
     groups = [batch.samples[i:i + pack_size] for i in range(0, len(batch.samples), pack_size)]
     micro_batches = [{k: v.to(case.device) if isinstance(v, torch.Tensor) else v for k, v in pack(g).items()}
                      for g in groups]

@@ -18,7 +18,6 @@ import sys
 from pathlib import Path
 
 from loongforge.core.cli import add_config_arguments, add_run_commands, normalise_overrides, run_main
-from loongforge.core.config import ConfigError
 
 DEFAULT_CONFIG = "vlm_debug"
 TRAIN_CONFIG = "train.yaml"
@@ -41,27 +40,10 @@ def load_vlm_config(name: str | None, overrides: list[str]):
 
 def cmd_train(args) -> int:
     cfg = load_vlm_config(args.config, args.overrides)  # fails here, before any process group, on a bad config
-    from loongforge.core.config import to_dict
-    from loongforge.core.parallel import destroy_parallel, init_parallel
-    from loongforge.core.training.trainer import MegatronTrainer
+    from loongforge.core.training.run import run_training
     from loongforge.vlm.recipe import VLMTask
 
-    task = VLMTask(cfg)  # tokenizer checks, before any process group too
-    p = cfg.parallel
-    ctx = init_parallel(tp=p.foundation.tp, pp=p.foundation.pp, seed=cfg.train.seed)
-    try:
-        trainer = MegatronTrainer(task, ctx, cfg.train, cfg.log, cfg.checkpoint, config_record=to_dict(cfg))
-        if ctx.is_main:
-            parts = f"{cfg.encoder.kind} + {cfg.projector.kind} + {cfg.foundation.family}"
-            print(f"lf-vlm: {parts} on {ctx.accelerator.name} x{ctx.world_size} (foundation tp={p.foundation.tp}, "
-                  f"encoder tp={p.encoder.tp}, dp={ctx.dp_size}), trainable {'+'.join(cfg.trainable)}, "
-                  f"{trainer.dtype}, run dir {cfg.log.run_dir}", flush=True)
-        results = trainer.fit()
-        if ctx.is_main and results:
-            print(f"lf-vlm: step {results[0].step} loss {results[0].loss:.4f} -> step {results[-1].step} loss "
-                  f"{results[-1].loss:.4f}", flush=True)
-    finally:
-        destroy_parallel()
+    run_training(cfg, VLMTask(cfg), "lf-vlm")  # the task checks the tokenizer before any process group too
     return 0
 
 
@@ -86,7 +68,7 @@ def write_train_config(converted, root: Path) -> Path:
     from loongforge.core.config import to_dict
 
     model = to_dict(converted.model_config)
-    doc = {**model, "train": {"micro_batch_size": 1, "seq_length": 2048, "lr": 1.0e-5, "min_lr": 1.0e-6},
+    doc = {**model, "train": {"seq_length": 2048, "lr": 1.0e-5, "min_lr": 1.0e-6},
            "checkpoint": {"load": str(root.resolve())}, "log": {"run_dir": "runs/vlm-from-hf"}}
     if converted.tokenizer is not None and (converted.tokenizer / "tokenizer.json").is_file():
         doc["data"] = {"tokenizer": str(converted.tokenizer)}

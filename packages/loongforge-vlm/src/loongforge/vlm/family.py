@@ -22,10 +22,19 @@ def flops_per_token(cfg: VLMModelConfig, seq_length: int) -> float:
     return cfg.foundation.flops_per_token(seq_length)
 
 
+def make_task(cfg):
+    """The VLM SFT task of an ``lf-vlm`` config."""
+    from loongforge.vlm.recipe import VLMTask
+
+    return VLMTask(cfg)
+
+
 VLM_SPEC = ModelSpec(
     name="vlm",
     config_class=VLMModelConfig,
     build=build_vlm,
+    engine="megatron",
+    task=make_task,
     flops_per_token=flops_per_token,
     hf_adapter=QWEN2_5_VL_ADAPTER,
 )

@@ -72,7 +72,7 @@ def build_foundation(cfg: VLMModelConfig, transformer_config, pgs, pre_process: 
                          f"must be a GPT-style family")
     f = cfg.foundation
     if f.vocab_size % pgs.tp.size():
-        raise ValueError(f"foundation.vocab_size={f.vocab_size} must be divisible by parallel.foundation.tp={pgs.tp.size()}")
+        raise ValueError(f"foundation.vocab_size={f.vocab_size} must be divisible by parallel.tp={pgs.tp.size()}")
     return GPTModel(
         config=transformer_config,
         transformer_layer_spec=spec.layer_spec(f),

@@ -18,13 +18,13 @@ summed over assistant tokens and normalised by their count over the whole global
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 
 import numpy as np
-import torch
 
 from loongforge.core.config import to_dict
-from loongforge.core.training.schema import BalanceConfig, CheckpointConfig, LogConfig, TrainConfig
+from loongforge.core.training.schema import BalanceConfig, CheckpointConfig, LogConfig, ParallelConfig, SequenceTrainConfig
 from loongforge.llm.model_config import GPTConfig
 from loongforge.vlm.data.media import MediaConfig
 from loongforge.vlm.model import VLMModelConfig
@@ -32,23 +32,6 @@ from loongforge.vlm.model_config import EncoderConfig, ProjectorConfig, VisionTo
 
 CONFIG_DIR = Path(__file__).resolve().parent / "configs"
 PARTS = ("encoder", "projector", "foundation")
-
-
-@dataclass
-class FoundationParallel:
-    tp: int = 1
-    pp: int = 1
-    recompute: str = "none"  # none | selective | full
-
-    def __post_init__(self):
-        for key in ("tp", "pp"):
-            if getattr(self, key) < 1:
-                raise ValueError(f"parallel.foundation.{key}={getattr(self, key)}: must be >= 1")
-        if self.pp != 1:
-            raise ValueError(f"parallel.foundation.pp={self.pp}: the VLM recipe runs the foundation without "
-                             f"pipeline parallelism (pp=1)")
-        if self.recompute not in ("none", "selective", "full"):
-            raise ValueError(f"parallel.foundation.recompute={self.recompute!r}: one of none, selective, full")
 
 
 @dataclass
@@ -69,14 +52,23 @@ class EncoderParallel:
 
 
 @dataclass
-class VLMParallelConfig:
-    foundation: FoundationParallel = field(default_factory=FoundationParallel)
+class VLMParallelConfig(ParallelConfig):
+    """The shared ``parallel`` group (``tp``, ``pp``...: the job's layout, which the foundation runs
+    on) plus ``encoder``: the vision tower's own layout."""
+
     encoder: EncoderParallel = field(default_factory=EncoderParallel)
 
     def __post_init__(self):
-        if self.encoder.tp not in (1, self.foundation.tp):
-            raise ValueError(f"parallel.encoder.tp={self.encoder.tp}: must be 1 or parallel.foundation.tp="
-                             f"{self.foundation.tp}")
+        super().__post_init__()
+        if self.encoder.tp not in (1, self.tp):
+            raise ValueError(f"parallel.encoder.tp={self.encoder.tp}: must be 1 or parallel.tp={self.tp}")
+        for key in ("pp", "cp", "ep"):
+            if getattr(self, key) != 1:
+                raise ValueError(f"parallel.{key}={getattr(self, key)}: the VLM recipe runs the foundation with "
+                                 f"tensor and data parallelism only ({key}=1)")
+        if self.data_parallel not in ("auto", "ddp"):
+            raise ValueError(f"parallel.data_parallel={self.data_parallel!r}: the VLM runs on the megatron-core "
+                             f"engine (auto/ddp)")
 
 
 @dataclass
@@ -106,7 +98,7 @@ class VLMConfig:
     parallel: VLMParallelConfig = field(default_factory=VLMParallelConfig)
     trainable: list[str] = field(default_factory=lambda: list(PARTS))
     data: VLMDataConfig = field(default_factory=VLMDataConfig)
-    train: TrainConfig = field(default_factory=TrainConfig)
+    train: SequenceTrainConfig = field(default_factory=SequenceTrainConfig)
     balance: BalanceConfig = field(default_factory=BalanceConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     log: LogConfig = field(default_factory=LogConfig)
@@ -115,12 +107,9 @@ class VLMConfig:
         unknown = [p for p in self.trainable if p not in PARTS]
         if unknown or not self.trainable or len(set(self.trainable)) != len(self.trainable):
             raise ValueError(f"trainable={list(self.trainable)}: a non-empty list of distinct parts among {', '.join(PARTS)}")
-        if self.train.micro_batch_size != 1:
+        if self.train.micro_batch_size not in (None, 1):
             raise ValueError(f"train.micro_batch_size={self.train.micro_batch_size}: the VLM recipe packs micro-batches "
-                             f"by tokens (balance.token_cap); set train.micro_batch_size=1")
-        if self.train.recompute != "none":
-            raise ValueError(f"train.recompute={self.train.recompute!r}: set parallel.foundation.recompute and "
-                             f"parallel.encoder.recompute instead")
+                             f"by tokens (balance.token_cap); leave it null (or 1)")
         if self.foundation.init_from_hf:
             raise ValueError(f"foundation.init_from_hf={self.foundation.init_from_hf}: the VLM recipe does not read HF "
                              f"directories online; convert the model (lf-vlm convert) and set checkpoint.load")
@@ -137,6 +126,8 @@ class VLMTask:
     """SFT of a composed VLM on image/video conversations (assistant tokens only)."""
 
     family = "vlm"
+    engine = "megatron"
+    model_section = None  # the model config is the encoder/projector/foundation/vision groups
     variable_micro_batches = True
 
     def __init__(self, cfg: VLMConfig):
@@ -171,12 +162,9 @@ class VLMTask:
 
     def transformer_config_kwargs(self) -> dict:
         from loongforge.llm.families.gpt import transformer_config_kwargs
-        from loongforge.vlm.encoders.layers import recompute_kwargs
-
         kwargs = transformer_config_kwargs(self.cfg.foundation)
         if self.model_cfg.mrope_section is not None:
             kwargs["mrope_section"] = self.model_cfg.mrope_section
-        kwargs.update(recompute_kwargs(self.cfg.parallel.foundation.recompute))
         return kwargs
 
     def build_model(self, ctx, transformer_config, pre_process, post_process, load_initial_weights=True):
@@ -241,7 +229,12 @@ class VLMTask:
             self._dataset = dataset
         return self._dataset
 
-    def micro_batches(self, ctx, consumed_samples: int):
+    def describe(self) -> str:
+        c = self.cfg
+        return (f"{c.encoder.kind} + {c.projector.kind} + {c.foundation.family} (encoder tp={c.parallel.encoder.tp}), "
+                f"trainable {'+'.join(c.trainable)}")
+
+    def steps(self, ctx, start_step: int):
         from loongforge.core.training.balanced import BalancedSteps
         from loongforge.vlm.data.packing import pack
 
@@ -251,20 +244,14 @@ class VLMTask:
             data, self.sample_costs(data), pack, self.cfg.balance,
             samples_per_step=train.global_batch_size, token_cap=self.token_cap(),
             dp_rank=ctx.dp_rank, dp_size=ctx.dp_size, seed=train.seed,
-            flops_per_token=self.flops_per_token, consumed_samples=consumed_samples,
+            flops_per_token=self.flops_per_token, consumed_samples=start_step * train.global_batch_size,
             num_workers=self.cfg.data.num_workers, device=ctx.device,
         )
 
     # -- the step -----------------------------------------------------------------------------
-    def forward_step(self, data_iterator, model):
-        batch = next(data_iterator)
+    def forward(self, model, batch):
+        from loongforge.llm.recipe import masked_token_loss
+
         output = model(batch["tokens"], batch["position_ids"], batch["attention_mask"], labels=batch["labels"],
                        pixel_values=batch["pixel_values"], grid_thw=batch["grid_thw"])
-        mask = batch["loss_mask"].float()
-
-        def loss_func(per_token_loss: torch.Tensor):
-            loss_sum = (per_token_loss.float() * mask).sum()
-            num_tokens = mask.sum().to(torch.int)
-            return loss_sum, num_tokens, {"lm loss": (loss_sum.detach(), num_tokens)}
-
-        return output, loss_func
+        return output, partial(masked_token_loss, batch["loss_mask"])

@@ -1,16 +1,45 @@
-"""Config groups every megatron-core recipe shares (train, parallel, checkpoint, log, balance)."""
+"""The config groups every ``lf-*`` CLI shares: ``train``, ``parallel``, ``checkpoint``, ``log``,
+``balance`` and ``eval``. A key here means the same thing in ``lf-llm``, ``lf-vlm``,
+``lf-diffusion`` and ``lf-embodied``; a modality adds groups of its own (``model``, ``data``,
+``objective``, ``ema``, ``policy``...) or extends one of these (``SequenceTrainConfig`` adds
+``seq_length`` for token-sequence models, ``lf-vlm`` adds ``parallel.encoder``), but never renames
+a key. Each modality's recipe chooses its own defaults through the shipped YAML and the dataclass
+``default_factory`` of its top-level config.
+
+A key one engine cannot honour is refused by that engine with the key named (``parallel.tp=2`` on
+the PyTorch-native engine, ``parallel.data_parallel=fsdp`` on megatron-core), before any process
+group is made.
+"""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+PRECISIONS = ("auto", "bf16", "fp32")
+DECAY_STYLES = ("cosine", "linear", "constant")
+RECOMPUTE = ("none", "selective", "full")
+DATA_PARALLEL = ("auto", "ddp", "fsdp", "hsdp")
+
+
+def _one_of(key: str, value, choices) -> None:
+    if value not in choices:
+        raise ValueError(f"{key}={value!r}: one of {', '.join(map(str, choices))}")
+
 
 @dataclass
 class TrainConfig:
+    """Steps, batch, optimizer (AdamW) and LR schedule: what the loop owns.
+
+    ``global_batch_size`` samples make one optimizer step, over all data-parallel ranks;
+    ``micro_batch_size`` samples go through the model at a time (null: a rank's whole share in one
+    micro-batch, or as a recipe that packs by tokens plans them). The LR warms up linearly over
+    ``warmup_steps`` (step ``s``, counted from 0, runs at ``lr * (s + 1) / warmup_steps``), then
+    decays to ``min_lr`` at ``steps`` (``loongforge.core.training.schedule``).
+    """
+
     steps: int = 100
     global_batch_size: int = 8
-    micro_batch_size: int = 2
-    seq_length: int = 128
+    micro_batch_size: int | None = None
     lr: float = 1e-3
     min_lr: float = 1e-4
     warmup_steps: int = 10
@@ -19,52 +48,78 @@ class TrainConfig:
     adam_beta1: float = 0.9
     adam_beta2: float = 0.95
     adam_eps: float = 1e-8
-    clip_grad: float = 1.0
+    clip_grad: float = 1.0  # max global grad norm; 0: no clipping (the norm is still logged)
     seed: int = 1234
-    precision: str = "auto"  # auto (bf16 on GPU, fp32 on CPU) | bf16 | fp32
-    use_distributed_optimizer: bool = False
-    overlap_grad_reduce: bool = False
-    recompute: str = "none"  # none | selective | full
+    precision: str = "auto"  # auto (bf16 on accelerators, fp32 on CPU) | bf16 | fp32
+    recompute: str = "none"  # activation recomputation: none | selective | full
+    compile: bool | None = None  # torch.compile the model's blocks; null: on CUDA where the model supports it
+    exit_interval: int = 0  # stop this run after N steps (it resumes from its checkpoint later); 0: run to steps
+    use_distributed_optimizer: bool = False  # megatron-core engine: shard optimizer state over DP (ZeRO-1)
+    overlap_grad_reduce: bool = False  # megatron-core engine: overlap the DP gradient reduction with the backward
 
     def __post_init__(self):
-        for key in ("steps", "global_batch_size", "micro_batch_size", "seq_length"):
+        for key in ("steps", "global_batch_size"):
             if getattr(self, key) < 1:
                 raise ValueError(f"train.{key}={getattr(self, key)}: must be >= 1")
-        if self.global_batch_size % self.micro_batch_size:
-            raise ValueError(
-                f"train.global_batch_size={self.global_batch_size} is not a multiple of "
-                f"train.micro_batch_size={self.micro_batch_size}"
-            )
-        if self.precision not in ("auto", "bf16", "fp32"):
-            raise ValueError(f"train.precision={self.precision!r}: one of auto, bf16, fp32")
-        if self.lr_decay_style not in ("cosine", "linear", "constant"):
-            raise ValueError(f"train.lr_decay_style={self.lr_decay_style!r}: one of cosine, linear, constant")
-        if self.recompute not in ("none", "selective", "full"):
-            raise ValueError(f"train.recompute={self.recompute!r}: one of none, selective, full")
-        if not 0 <= self.warmup_steps < self.steps:
-            raise ValueError(f"train.warmup_steps={self.warmup_steps} must be in [0, train.steps={self.steps})")
+        if self.micro_batch_size is not None:
+            if self.micro_batch_size < 1:
+                raise ValueError(f"train.micro_batch_size={self.micro_batch_size}: must be >= 1 (or null)")
+            if self.global_batch_size % self.micro_batch_size:
+                raise ValueError(f"train.global_batch_size={self.global_batch_size} is not a multiple of "
+                                 f"train.micro_batch_size={self.micro_batch_size}")
+        _one_of("train.precision", self.precision, PRECISIONS)
+        _one_of("train.lr_decay_style", self.lr_decay_style, DECAY_STYLES)
+        _one_of("train.recompute", self.recompute, RECOMPUTE)
         if not 0 <= self.min_lr <= self.lr:
             raise ValueError(f"train.min_lr={self.min_lr} must be in [0, train.lr={self.lr}]")
+        for key in ("warmup_steps", "exit_interval"):
+            if getattr(self, key) < 0:
+                raise ValueError(f"train.{key}={getattr(self, key)}: must be >= 0")
+        if self.clip_grad < 0 or self.weight_decay < 0:
+            raise ValueError(f"train.clip_grad={self.clip_grad}, train.weight_decay={self.weight_decay}: must be >= 0")
+
+
+@dataclass
+class SequenceTrainConfig(TrainConfig):
+    """``train`` of token-sequence models (LLM, VLM): adds the sequence length."""
+
+    seq_length: int = 128
+
+    def __post_init__(self):
+        super().__post_init__()
+        if self.seq_length < 1:
+            raise ValueError(f"train.seq_length={self.seq_length}: must be >= 1")
 
 
 @dataclass
 class ParallelConfig:
+    """How the job is split. ``tp``/``pp``/``cp``/``ep``: tensor, pipeline, context and expert
+    parallel sizes; data parallel is what the world size leaves. ``data_parallel``: how the
+    data-parallel replicas keep the model (auto: megatron's DDP on the megatron-core engine,
+    DDP on the PyTorch-native engine; ``fsdp``: FSDP2 sharding; ``hsdp``: FSDP2 sharding inside
+    groups of ``world / dp_replicate`` ranks, replicated across the ``dp_replicate`` groups)."""
+
     tp: int = 1
     pp: int = 1
     cp: int = 1
     ep: int = 1
+    data_parallel: str = "auto"
+    dp_replicate: int = 1
 
     def __post_init__(self):
-        for key in ("tp", "pp", "cp", "ep"):
+        for key in ("tp", "pp", "cp", "ep", "dp_replicate"):
             if getattr(self, key) < 1:
                 raise ValueError(f"parallel.{key}={getattr(self, key)}: must be >= 1")
+        _one_of("parallel.data_parallel", self.data_parallel, DATA_PARALLEL)
+        if self.dp_replicate != 1 and self.data_parallel != "hsdp":
+            raise ValueError(f"parallel.dp_replicate={self.dp_replicate} needs parallel.data_parallel=hsdp")
 
 
 @dataclass
 class CheckpointConfig:
     dir: str | None = None  # default: RUN_DIR/checkpoints
     interval: int = 0  # save every N steps (0: only at the end)
-    keep_last: int = 2
+    keep_last: int = 2  # older step directories are pruned after a save (0: keep all)
     resume: bool = True  # resume from DIR/latest when it exists
     load: str | None = None  # initial weights (a LoongForge checkpoint dir) when not resuming
     save: bool = True
@@ -77,10 +132,27 @@ class CheckpointConfig:
 @dataclass
 class LogConfig:
     run_dir: str = "runs/default"
-    interval: int = 1
+    interval: int = 1  # a metrics.jsonl / TensorBoard record every N steps (and at the last step)
     tensorboard: bool = True
     progress: bool = True
     sample_ids: bool = False  # write the dataset indices each DP rank trains to RUN_DIR/sample_ids/dp_rank_<r>.jsonl
+
+    def __post_init__(self):
+        if self.interval < 1:
+            raise ValueError(f"log.interval={self.interval}: must be >= 1")
+
+
+@dataclass
+class EvalConfig:
+    """The evaluation hook of the loop: every ``interval`` steps (and never when 0) the task's
+    ``evaluate`` runs on the current weights and its metrics are logged as ``eval/<name>``."""
+
+    interval: int = 0
+    max_batches: int = 4
+
+    def __post_init__(self):
+        if self.interval < 0 or self.max_batches < 1:
+            raise ValueError(f"eval.interval={self.interval} must be >= 0 and eval.max_batches={self.max_batches} >= 1")
 
 
 @dataclass
@@ -94,7 +166,7 @@ class BalanceConfig:
     coefficients: list[float] | None = None  # [a, b, c] of a*sum(len^2) + b*tokens + c; null: the model's FLOPs formula
     fit_steps: int = 0  # > 0: refit a, b, c from the measured compute seconds of this many steps, then broadcast
     skip_threshold: float = 1.02  # keep the plain split when its max/mean rank cost is at most this
-    token_cap: int | None = None  # tokens per micro-batch (the packing length); null: train.seq_length
+    token_cap: int | None = None  # tokens per micro-batch (the packing length); null: the recipe's default
     max_micro_batches: int | None = None  # per rank and step; null: as many as the rank's samples need
     shuffle: bool = True  # a fresh permutation of the dataset every epoch (seeded by train.seed)
 

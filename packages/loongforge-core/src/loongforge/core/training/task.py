@@ -1,15 +1,25 @@
-"""What a modality hands the shared megatron trainer: the model, the batches and the loss.
+"""What a modality hands the loop: a task, built from the run's config by the model family's spec.
 
-Per step, ``micro_batches`` yields either a plain list of micro-batches (exactly
-``global_batch_size / (micro_batch_size * dp)`` of them) or a ``StepBatch``, whose number of
-micro-batches may differ from step to step and from DP rank to DP rank (a task that plans its
-own micro-batches, e.g. with the DP load balancer, sets ``variable_micro_batches = True``). Every
-rank of one DP replica (its TP, PP and CP ranks) must get the same micro-batches.
+A task says which engine runs it (``engine``: ``"megatron"`` or ``"torch"``), builds the model
+the way that engine wants it, yields each step's micro-batches, and scores a micro-batch:
 
-The iterator ``micro_batches`` returns may also keep state for checkpoints (``state_dict()`` /
-``load_state_dict(state)``, saved per rank) and take measurements (``measuring``,
-``record_compute_seconds(seconds)``), as ``loongforge.core.training.balanced.BalancedSteps``
-does.
+- ``steps(ctx, start_step)`` yields, per optimizer step, a ``StepBatch`` of this DP rank's
+  micro-batches (every rank of one DP replica, i.e. its TP, PP and CP ranks, gets the same ones).
+  With ``variable_micro_batches = True`` the number may differ from step to step and from rank to
+  rank (a task that plans them, e.g. with the DP load balancer); otherwise it is
+  ``global_batch_size / (micro_batch_size * dp)``. The iterator may keep state for checkpoints
+  (``state_dict()`` / ``load_state_dict(state)``) and take measurements (``measuring``,
+  ``record_compute_seconds(seconds)``), as ``loongforge.core.training.balanced.BalancedSteps`` does.
+- ``forward(model, micro_batch)`` returns ``(output, loss_fn)``; ``loss_fn(output)`` returns
+  ``(loss_sum, count)``: the micro-batch's summed loss and what it is normalised by (tokens,
+  elements, samples). The engine sums both over every micro-batch and data-parallel rank of the
+  step and divides, so any split of a global batch gives the same loss and gradients. On the
+  megatron-core engine ``output`` is the last pipeline stage's (other stages never call
+  ``loss_fn``).
+
+The engine-specific half is the model build: ``MegatronTask.build_model`` receives megatron's
+``TransformerConfig`` and the pipeline-stage flags; ``TorchTask.build_model`` builds the whole
+model and ``TorchTask.load_pretrained`` fills it (or its FSDP shards) with pretrained weights.
 """
 
 from __future__ import annotations
@@ -25,34 +35,57 @@ import torch
 class StepBatch:
     """One step of one DP rank."""
 
-    micro_batches: list[dict[str, torch.Tensor]]
-    tokens: int | None = None  # input tokens of this DP replica's micro-batches (throughput); None: G * seq_length
+    micro_batches: list[Any]
+    tokens: int | None = None  # input tokens of this DP replica's micro-batches (throughput); None: not token data
+    flops: float | None = None  # training FLOPs of this DP replica's micro-batches (MFU); None: unknown
     metrics: dict[str, float] = field(default_factory=dict)  # logged with the step (the same on every rank)
     sample_ids: list[int] = field(default_factory=list)  # dataset indices trained by this DP replica
+    part: str | None = None  # the model part this step trains (a model of separately wrapped parts)
 
 
-class MegatronTask(Protocol):
+LossFn = Callable[[Any], tuple[torch.Tensor, torch.Tensor | float]]
+
+
+class TrainTask(Protocol):
     family: str  # registry name of the model family (recorded in checkpoints)
-    variable_micro_batches: bool = False  # True: steps are StepBatch with any number of micro-batches
+    engine: str  # "megatron" | "torch"
+    variable_micro_batches: bool = False
 
     def model_config_dict(self) -> dict:
-        """The full model config, recorded in checkpoint manifests and checked on load."""
+        """The full model config, recorded in checkpoint manifests and checked on resume."""
 
-    def build_model(self, ctx, transformer_config, pre_process: bool, post_process: bool,
-                    load_initial_weights: bool = True) -> torch.nn.Module:
-        """This rank's model chunk. ``load_initial_weights`` is False when the trainer resumes from
-        a checkpoint of the run, which holds every weight: pretrained weights the task would read
-        (a Hugging Face model, a LoRA base) are not read again."""
+    def steps(self, ctx, start_step: int) -> Iterator[StepBatch]:
+        """This rank's ``StepBatch`` of every step from ``start_step`` (0-based) on."""
 
+    def forward(self, model, micro_batch) -> tuple[Any, LossFn]:
+        """Run one micro-batch; see the module docstring."""
+
+    # Optional hooks (looked up with getattr; a task leaves out what it does not need):
+    #   tokenizer_ref() -> str | None           recorded in checkpoint manifests
+    #   manifest_fields() -> dict                more manifest entries (e.g. the data root)
+    #   check_resume(manifest: dict) -> None     refuse a checkpoint it cannot continue (ValueError)
+    #   evaluate(model, ctx) -> dict[str, float] the evaluation hook (eval.interval)
+    #   flops_per_token(seq_length) -> float     MFU of token models
+
+
+class MegatronTask(TrainTask, Protocol):
     def transformer_config_kwargs(self) -> dict:
         """Architecture fields of megatron's TransformerConfig."""
 
-    def flops_per_token(self, seq_length: int) -> float:
-        """Training FLOPs (forward + backward) per token, for MFU."""
+    def build_model(self, ctx, transformer_config, pre_process: bool, post_process: bool,
+                    load_initial_weights: bool = True) -> torch.nn.Module:
+        """This rank's model chunk. ``load_initial_weights`` is False when the run resumes from its
+        own checkpoint, which holds every weight: pretrained weights the task would read (a Hugging
+        Face model, a LoRA base) are not read again."""
 
-    def micro_batches(self, ctx, consumed_samples: int) -> Iterator[list[dict[str, torch.Tensor]] | StepBatch]:
-        """Per step, this rank's micro-batches, starting after ``consumed_samples`` global samples."""
 
-    def forward_step(self, data_iterator, model) -> tuple[torch.Tensor, Callable[[torch.Tensor], Any]]:
-        """megatron-core forward step (reads one micro-batch from ``data_iterator``): returns ``(output, loss_func)``; ``loss_func(output)`` returns
-        ``(loss_sum, num_tokens, {"lm loss": (loss_sum, num_tokens)})``."""
+class TorchTask(TrainTask, Protocol):
+    has_pretrained: bool  # whether load_pretrained has weights to read
+
+    def build_model(self, ctx) -> torch.nn.Module:
+        """The whole model, freshly initialised from the current RNG (the engine may build it under
+        ``torch.device("meta")`` and materialise it after sharding)."""
+
+    def load_pretrained(self, model: torch.nn.Module) -> None:
+        """Fill ``model`` (possibly FSDP-sharded: each rank fills what it holds) with the task's
+        pretrained weights. Called only when ``has_pretrained`` and the run does not resume."""

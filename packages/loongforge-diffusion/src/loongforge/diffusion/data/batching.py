@@ -38,8 +38,9 @@ def step_samples(step: int, batch_size: int, dataset_size: int, seed: int) -> li
     return out
 
 
-def plan(tokens: list[int], cost_model: CostModel, num_ranks: int, token_cap: int | None, balance: bool) -> Plan:
-    """Rank and micro-batch of each of the step's samples (token counts ``tokens``)."""
+def plan(tokens: list[int], cost_model: CostModel, num_ranks: int, token_cap: int | None, skip_threshold: float) -> Plan:
+    """Rank and micro-batch of each of the step's samples (token counts ``tokens``); the plain
+    contiguous split is kept when its max/mean rank cost is at most ``skip_threshold``."""
     tok = np.asarray(tokens, dtype=np.int64)
     costs = cost_model.costs(SampleSizes.from_lengths(tok))
-    return plan_step(costs, tok, num_ranks, token_cap=token_cap, skip_threshold=1.02 if balance else float("inf"))
+    return plan_step(costs, tok, num_ranks, token_cap=token_cap, skip_threshold=skip_threshold)

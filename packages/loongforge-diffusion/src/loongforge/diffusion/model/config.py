@@ -27,9 +27,10 @@ DIFFUSERS_FIELDS = (
 )
 # diffusers fields of image-conditioned variants (Wan 2.1 I2V); they must be unset
 UNSUPPORTED_FIELDS = ("image_dim", "added_kv_proj_dim", "pos_embed_seq_len")
-# per-block activation checkpointing: nothing, the whole block, or the elementwise work between
-# the kept attention and GEMM outputs
+# per-block activation recomputation (train.recompute): nothing, the whole block, or the
+# elementwise work between the kept attention and GEMM outputs
 CHECKPOINTING = ("none", "full", "selective")
+EXPERT_CHOICES = ("all", "transformer", "transformer_2")
 # FP8 GEMMs of the blocks' token linears (loongforge.core.kernels.fp8_tensorwise)
 FP8_MODES = ("none", "tensorwise")
 
@@ -56,16 +57,15 @@ class WanConfig:
     boundary_ratio: float | None = None
     # how it runs
     attention_backend: str = "auto"
-    activation_checkpointing: str = "none"  # none | full | selective (keeps attention and GEMM outputs)
     # none | tensorwise: the blocks' linears over video tokens (attention projections, feed-forward)
     # run their three GEMMs in FP8 with one scale per tensor (CUDA sm_89+); prompt projections,
     # embedders and the output head stay in the autocast dtype
     fp8: str = "none"
-    # regional torch.compile of the transformer blocks; null: on CUDA without context parallelism
-    compile: bool | None = None
     # a local diffusers directory (WanTransformer3DModel, or a pipeline with transformer/ and
     # transformer_2/ for two experts) to start from; None: random init
     pretrained: str | None = None
+    # which Wan 2.2 expert(s) to train: all (one per step, chosen by the timestep density) or one
+    train_expert: str = "all"
 
     def __post_init__(self):
         if len(self.patch_size) != 3 or any(p < 1 for p in self.patch_size):
@@ -82,10 +82,8 @@ class WanConfig:
             raise ValueError(f"model.boundary_ratio={self.boundary_ratio}: must be in (0, 1) or null")
         if self.attention_backend not in BACKENDS:
             raise ValueError(f"model.attention_backend={self.attention_backend!r}: one of {', '.join(BACKENDS)}")
-        if self.activation_checkpointing not in CHECKPOINTING:
-            raise ValueError(
-                f"model.activation_checkpointing={self.activation_checkpointing!r}: one of {', '.join(CHECKPOINTING)}"
-            )
+        if self.train_expert not in EXPERT_CHOICES:
+            raise ValueError(f"model.train_expert={self.train_expert!r}: one of {', '.join(EXPERT_CHOICES)}")
         if self.fp8 not in FP8_MODES:
             raise ValueError(f"model.fp8={self.fp8!r}: one of {', '.join(FP8_MODES)}")
         if self.fp8 != "none" and (self.hidden_size % 16 or self.ffn_dim % 16):
@@ -93,12 +91,6 @@ class WanConfig:
                 f"model.fp8={self.fp8!r} needs model.num_attention_heads x model.attention_head_dim "
                 f"({self.hidden_size}) and model.ffn_dim ({self.ffn_dim}) to be multiples of 16 (FP8 GEMM shapes)"
             )
-
-    def compile_on(self, device_type: str, cp_size: int = 1) -> bool:
-        """Whether the blocks are compiled: ``model.compile``, or when null, on CUDA without CP."""
-        if self.compile is None:
-            return device_type == "cuda" and cp_size == 1
-        return self.compile
 
     def check_device(self, device_type: str) -> None:
         """Settings the device cannot run, as a config error (call before any process group)."""

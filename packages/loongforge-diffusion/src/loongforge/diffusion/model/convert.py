@@ -16,7 +16,7 @@ import torch
 
 from loongforge.diffusion.model.config import WanConfig
 from loongforge.diffusion.model.experts import WanExperts
-from loongforge.diffusion.sharding import local, region
+from loongforge.core.training.sharding import local, region
 
 
 def check_layout(ours: dict[str, tuple], theirs: dict[str, tuple], source: str) -> None:

@@ -217,7 +217,7 @@ class WanBlock(nn.Module):
         self.norm2 = FP32LayerNorm(dim, cfg.eps, elementwise_affine=True) if cfg.cross_attn_norm else nn.Identity()
         self.ffn = FeedForward(dim, inner_dim=cfg.ffn_dim, activation_fn="gelu-approximate")
         self.scale_shift_table = nn.Parameter(torch.randn(1, 6, dim) / dim**0.5)
-        self.checkpointing, self.ffn_kernels = cfg.activation_checkpointing, feed_forward_kernels(fp8)
+        self.checkpointing, self.ffn_kernels = "none", feed_forward_kernels(fp8)  # set_recompute sets it
         # norm1/norm3 of diffusers' block have no parameters: their LayerNorm is ``_layer_norm``
         self.eps, self.norm_kernels = cfg.eps, get_kernel_with_backward("modulated_layer_norm")
 
@@ -280,11 +280,18 @@ class WanDiT(nn.Module):
         self.scale_shift_table = nn.Parameter(torch.randn(1, 2, dim) / dim**0.5)
         self._compiled_head = None  # set by compile_regions
 
-    def set_activation_checkpointing(self, policy: str) -> None:
+    recompute_modes = ("full", "selective")
+
+    def set_recompute(self, policy: str) -> None:
+        """Per-block activation recomputation (``train.recompute``): ``none``, ``full`` (the whole
+        block) or ``selective`` (keep the attention and GEMM outputs, recompute the rest)."""
         if policy not in CHECKPOINTING:
-            raise ValueError(f"activation checkpointing {policy!r}: one of {', '.join(CHECKPOINTING)}")
+            raise ValueError(f"activation recomputation {policy!r}: one of {', '.join(CHECKPOINTING)}")
         for block in self.blocks:
             block.checkpointing = policy
+
+    def repeated_blocks(self) -> list[nn.Module]:
+        return list(self.blocks)
 
     def compile_regions(self, dynamic: bool | None = None) -> None:
         """Regional compilation: every block is compiled (one graph serves all layers, since they

@@ -20,6 +20,10 @@ class WanExperts(nn.Module):
         for name in self.names:
             self.add_module(name, WanDiT(cfg))
 
+    def parts(self) -> dict[str, nn.Module]:
+        """The experts, wrapped and trained separately by the engine (a step trains one)."""
+        return {name: getattr(self, name) for name in self.names}
+
     def expert(self, name: str) -> nn.Module:
         if name not in self.names:
             raise KeyError(f"no expert {name!r}; this model has {self.names}")

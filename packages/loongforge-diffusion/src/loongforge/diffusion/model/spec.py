@@ -13,10 +13,16 @@ from loongforge.diffusion.model.flops import cost_model
 MODEL_CONFIGS = Path(__file__).resolve().parent.parent / "configs" / "model"
 
 
-def build(model_config: WanConfig, ctx=None, pre_process: bool = True, post_process: bool = True) -> WanExperts:
-    """The family's module: one DiT, or Wan 2.2's two experts (the engine is PyTorch-native, so
-    the parallel context and pipeline-stage flags do not change what is built)."""
+def build(model_config: WanConfig) -> WanExperts:
+    """The family's module: one DiT, or Wan 2.2's two experts (separately wrapped parts)."""
     return WanExperts(model_config)
+
+
+def make_task(recipe):
+    """Flow matching on latent shards, the task of an ``lf-diffusion`` config."""
+    from loongforge.diffusion.task import WanTask
+
+    return WanTask(recipe)
 
 
 def flops_per_token(model_config: WanConfig, seq_length: int) -> float:
@@ -41,6 +47,8 @@ WAN_SPEC = ModelSpec(
     name="wan",
     config_class=WanConfig,
     build=build,
+    engine="torch",
+    task=make_task,
     flavours={"debug": "tiny", "wan2.1-t2v-1.3b": "wan2_1_t2v_1_3b", "wan2.2-t2v-a14b": "wan2_2_t2v_a14b",
               "wan2.2-ti2v-5b": "wan2_2_ti2v_5b"},
     flops_per_token=flops_per_token,

@@ -55,7 +55,7 @@ class EmbodiedDataset(Dataset):
         cameras = list(self.meta.camera_keys) if data_cfg.image_keys is None else list(data_cfg.image_keys)
         for key in cameras:
             if key not in self.meta.camera_keys:
-                raise KeyError(f"dataset.image_keys: {key!r} is not a camera of {root} (cameras: {self.meta.camera_keys})")
+                raise KeyError(f"data.image_keys: {key!r} is not a camera of {root} (cameras: {self.meta.camera_keys})")
         if len(cameras) > policy_cfg.num_cameras:
             raise ValueError(f"dataset {root} has {len(cameras)} cameras but policy.num_cameras={policy_cfg.num_cameras}")
         self.spec = DatasetSpec(
@@ -74,7 +74,7 @@ class EmbodiedDataset(Dataset):
         train_eps, eval_eps = split_episodes(self.meta.total_episodes, data_cfg.eval_episodes)
         self.episodes = train_eps if split == "train" else eval_eps
         if not self.episodes:
-            raise ValueError(f"dataset {root}: the {split} split is empty (dataset.eval_episodes={data_cfg.eval_episodes})")
+            raise ValueError(f"dataset {root}: the {split} split is empty (data.eval_episodes={data_cfg.eval_episodes})")
         self.source = open_lerobot_dataset(
             self.meta,
             self.episodes,

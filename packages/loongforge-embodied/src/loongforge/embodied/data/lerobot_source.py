@@ -15,12 +15,12 @@ META_FILES = ("meta/info.json", "meta/stats.json", "meta/tasks.parquet")
 def check_local_dataset(root: Path) -> None:
     """Raise ``FileNotFoundError`` naming the first missing metadata file under ``root``."""
     if not root.is_dir():
-        raise FileNotFoundError(f"dataset.root={str(root)!r}: not a directory")
+        raise FileNotFoundError(f"data.root={str(root)!r}: not a directory")
     for rel in META_FILES:
         if not (root / rel).is_file():
-            raise FileNotFoundError(f"dataset.root={str(root)!r}: missing {rel} (not a LeRobot v3 dataset?)")
+            raise FileNotFoundError(f"data.root={str(root)!r}: missing {rel} (not a LeRobot v3 dataset?)")
     if not (root / "meta/episodes").is_dir():
-        raise FileNotFoundError(f"dataset.root={str(root)!r}: missing meta/episodes/")
+        raise FileNotFoundError(f"data.root={str(root)!r}: missing meta/episodes/")
 
 
 def open_metadata(root: str | Path, repo_id: str):
@@ -59,6 +59,6 @@ def split_episodes(total: int, eval_episodes: int) -> tuple[list[int], list[int]
     if total < 1:
         raise ValueError("the dataset has no episodes")
     if eval_episodes >= total:
-        raise ValueError(f"dataset.eval_episodes={eval_episodes} leaves no training episode (the dataset has {total})")
+        raise ValueError(f"data.eval_episodes={eval_episodes} leaves no training episode (the dataset has {total})")
     cut = total - eval_episodes
     return list(range(cut)), list(range(cut, total))

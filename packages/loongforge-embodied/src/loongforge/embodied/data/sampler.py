@@ -18,7 +18,7 @@ class StepBatchSampler:
         if num_samples < 1:
             raise ValueError("the dataset is empty")
         if global_batch % world:
-            raise ValueError(f"batch_size={global_batch} is not divisible by the {world} data-parallel ranks")
+            raise ValueError(f"train.global_batch_size={global_batch} is not divisible by the {world} data-parallel ranks")
         self.n, self.batch, self.rank, self.world, self.seed = num_samples, global_batch, rank, world, seed
         self.start_step = start_step
         self._perms: dict[int, torch.Tensor] = {}

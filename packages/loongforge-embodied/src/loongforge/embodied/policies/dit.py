@@ -3,11 +3,29 @@ and MLP, plus cross-attention from the action tokens to the backbone features.""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from loongforge.embodied.config import DiTConfig
+from loongforge.embodied.config import positive
+
+
+@dataclass
+class DiTConfig:
+    """The GR00T-style action head: DiT blocks with adaLN timestep conditioning and cross-attention."""
+
+    width: int = 64
+    depth: int = 2
+    num_heads: int = 4
+    mlp_ratio: float = 4.0
+    vlm_layer: int = -1  # backbone layer whose hidden states the head attends to (-1 = last)
+
+    def __post_init__(self):
+        positive("policy.dit", self, "width", "depth", "num_heads")
+        if self.width % self.num_heads:
+            raise ValueError(f"policy.dit.width={self.width} not divisible by num_heads={self.num_heads}")
 
 
 def modulate(x: torch.Tensor, shift: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:

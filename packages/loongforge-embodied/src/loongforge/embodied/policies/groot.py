@@ -11,15 +11,19 @@ features. The velocity comes from a final adaLN + linear layer on the action tok
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
+
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
+from loongforge.core.models import ModelSpec
 from loongforge.embodied.config import PolicyConfig
 from loongforge.embodied.policies.backbone import PrefixEmbedder
-from loongforge.embodied.policies.dit import DiTBlock, modulate, zero_init_adaln
+from loongforge.embodied.policies.dit import DiTBlock, DiTConfig, modulate, zero_init_adaln
 from loongforge.embodied.policies.flow_matching import euler_integrate, interpolate, sinusoidal_embedding, velocity_target
+from loongforge.embodied.task import PolicyTask
 from loongforge.embodied.policies.layers import (
     JointLayer,
     additive_mask,
@@ -29,10 +33,26 @@ from loongforge.embodied.policies.layers import (
 )
 
 
+@dataclass
+class GrootConfig(PolicyConfig):
+    """GR00T: the shared policy fields plus the DiT action head."""
+
+    family: str = "groot"
+    discrete_state: bool = False  # the state enters through the head's state encoder
+    dit: DiTConfig = field(default_factory=DiTConfig)
+
+    def __post_init__(self):
+        super().__post_init__()
+        if not -self.vlm.depth <= self.dit.vlm_layer < self.vlm.depth:
+            raise ValueError(f"policy.dit.vlm_layer={self.dit.vlm_layer}: out of range for policy.vlm.depth={self.vlm.depth}")
+
+
 class GrootPolicy(nn.Module):
     family = "groot"
+    recompute_modes = ("full",)  # train.recompute=full: each repeated block recomputed in the backward
+    fsdp_forward_methods = ("sample_actions",)
 
-    def __init__(self, cfg: PolicyConfig):
+    def __init__(self, cfg: GrootConfig):
         super().__init__()
         self.cfg = cfg
         vlm, dit = cfg.vlm, cfg.dit
@@ -59,8 +79,12 @@ class GrootPolicy(nn.Module):
         nn.init.zeros_(self.ada_out.bias)
         self.activation_checkpointing = False
 
-    def blocks(self) -> list[nn.Module]:
+    def repeated_blocks(self) -> list[nn.Module]:
+        """The repeated blocks: FSDP units, activation-checkpoint and compile targets."""
         return self.prefix.vision_layers() + list(self.layers) + list(self.blocks_)
+
+    def set_recompute(self, mode: str) -> None:
+        self.activation_checkpointing = mode == "full"
 
     def _block(self, block, *args):
         if self.activation_checkpointing and self.training:
@@ -105,3 +129,6 @@ class GrootPolicy(nn.Module):
             noise.float(),
             num_steps or self.cfg.num_inference_steps,
         )
+
+
+GROOT_SPEC = ModelSpec(name="groot", config_class=GrootConfig, build=GrootPolicy, engine="torch", task=PolicyTask)

@@ -14,14 +14,18 @@ is a table of name patterns.
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
+
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
-from loongforge.embodied.config import PolicyConfig
+from loongforge.core.models import ModelSpec
+from loongforge.embodied.config import GemmaConfig, PolicyConfig
 from loongforge.embodied.policies.backbone import PrefixEmbedder
 from loongforge.embodied.policies.flow_matching import euler_integrate, interpolate, sinusoidal_embedding, velocity_target
+from loongforge.embodied.task import PolicyTask
 from loongforge.embodied.policies.layers import (
     AdaRMSNorm,
     JointLayer,
@@ -33,10 +37,30 @@ from loongforge.embodied.policies.layers import (
 )
 
 
+@dataclass
+class Pi05Config(PolicyConfig):
+    """Pi0.5: the shared policy fields plus the Gemma action expert, which attends jointly with the
+    backbone layer by layer (so both stacks agree on heads, head size and depth)."""
+
+    family: str = "pi05"
+    expert: GemmaConfig = field(default_factory=lambda: GemmaConfig(width=32, mlp_dim=64))
+
+    def __post_init__(self):
+        super().__post_init__()
+        v, e = self.vlm, self.expert
+        if (v.num_heads, v.num_kv_heads, v.head_dim, v.depth) != (e.num_heads, e.num_kv_heads, e.head_dim, e.depth):
+            raise ValueError(
+                "policy.vlm and policy.expert must agree on num_heads, num_kv_heads, head_dim and depth "
+                f"(the action expert attends jointly with the backbone): vlm={v}, expert={e}"
+            )
+
+
 class Pi05Policy(nn.Module):
     family = "pi05"
+    recompute_modes = ("full",)  # train.recompute=full: each repeated block recomputed in the backward
+    fsdp_forward_methods = ("sample_actions",)
 
-    def __init__(self, cfg: PolicyConfig):
+    def __init__(self, cfg: Pi05Config):
         super().__init__()
         self.cfg = cfg
         vlm, expert = cfg.vlm, cfg.expert
@@ -61,10 +85,13 @@ class Pi05Policy(nn.Module):
         return [*self.norm.parameters(), last.self_attn.o_proj.weight,
                 *last.post_attention_layernorm.parameters(), *last.mlp.parameters()]
 
-    # -- structure the parallel wrapper uses ------------------------------------------------
-    def blocks(self) -> list[nn.Module]:
+    # -- structure the engine uses ---------------------------------------------------------
+    def repeated_blocks(self) -> list[nn.Module]:
         """The repeated blocks: FSDP units, activation-checkpoint and compile targets."""
         return self.prefix.vision_layers() + list(self.layers)
+
+    def set_recompute(self, mode: str) -> None:
+        self.activation_checkpointing = mode == "full"
 
     def _layer(self, layer, *args, **kwargs):
         if self.activation_checkpointing and self.training:
@@ -132,3 +159,12 @@ class Pi05Policy(nn.Module):
             return self.action_out_proj(out[:, -self.cfg.chunk_size :]).float()
 
         return euler_integrate(velocity, noise.float(), num_steps or self.cfg.num_inference_steps)
+
+
+PI05_SPEC = ModelSpec(
+    name="pi05",
+    config_class=Pi05Config,
+    build=Pi05Policy,
+    engine="torch",
+    task=PolicyTask,
+)

@@ -7,6 +7,7 @@ prediction is not built."""
 from __future__ import annotations
 
 from loongforge.core.models import ModelSpec
+from loongforge.llm.recipe import make_task
 from loongforge.llm.families.moe import build_moe_gpt, layer_spec, load_flavour
 from loongforge.llm.families.moe_hf import DEEPSEEK_V3_HF
 from loongforge.llm.moe_config import MLAMoEConfig
@@ -15,6 +16,8 @@ DEEPSEEK_V3_SPEC = ModelSpec(
     name="deepseek_v3",
     config_class=MLAMoEConfig,
     build=build_moe_gpt,
+    engine="megatron",
+    task=make_task,
     flavours={"debug": "deepseek_v3_debug", "671b": "deepseek_v3_671b",
               "v3.2-debug": "deepseek_v3_2_debug", "v3.2-671b": "deepseek_v3_2_671b"},
     layer_spec=layer_spec,

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from loongforge.core.models import ModelSpec
+from loongforge.llm.recipe import make_task
 from loongforge.llm.families.gpt import build_gpt, layer_spec, load_flavour
 from loongforge.llm.families.gpt_hf import gpt_hf_adapter
 from loongforge.llm.model_config import GPTConfig
@@ -11,6 +12,8 @@ QWEN2_SPEC = ModelSpec(
     name="qwen2",
     config_class=GPTConfig,
     build=build_gpt,
+    engine="megatron",
+    task=make_task,
     flavours={"debug": "qwen2_debug", "0.5b": "qwen2_5_0_5b"},
     layer_spec=layer_spec,
     flops_per_token=GPTConfig.flops_per_token,

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 from loongforge.core.models import ModelSpec
+from loongforge.llm.recipe import make_task
 from loongforge.llm.families.gpt import build_gpt, layer_spec, load_flavour
 from loongforge.llm.families.gpt_hf import gpt_hf_adapter
 from loongforge.llm.model_config import GPTConfig
@@ -12,6 +13,8 @@ QWEN3_SPEC = ModelSpec(
     name="qwen3",
     config_class=GPTConfig,
     build=build_gpt,
+    engine="megatron",
+    task=make_task,
     flavours={"debug": "qwen3_debug", "0.6b": "qwen3_0_6b"},
     layer_spec=layer_spec,
     flops_per_token=GPTConfig.flops_per_token,

@@ -4,6 +4,7 @@ layer (softmax top-k router, renormalised top-k probabilities, aux load-balancin
 from __future__ import annotations
 
 from loongforge.core.models import ModelSpec
+from loongforge.llm.recipe import make_task
 from loongforge.llm.families.moe import build_moe_gpt, layer_spec, load_flavour
 from loongforge.llm.families.moe_hf import QWEN3_MOE_HF
 from loongforge.llm.moe_config import MoEConfig
@@ -12,6 +13,8 @@ QWEN3_MOE_SPEC = ModelSpec(
     name="qwen3_moe",
     config_class=MoEConfig,
     build=build_moe_gpt,
+    engine="megatron",
+    task=make_task,
     flavours={"debug": "qwen3_moe_debug", "30b-a3b": "qwen3_moe_30b_a3b"},
     layer_spec=layer_spec,
     hf_adapter=QWEN3_MOE_HF,

@@ -13,6 +13,7 @@ from functools import partial
 import torch
 import torch.nn.functional as F
 
+from loongforge.core.training.megatron_engine import recompute_kwargs
 from loongforge.vlm.encoders.attention import FULL, WINDOW, SegmentAttention
 from loongforge.vlm.model_config import EncoderConfig
 
@@ -22,17 +23,6 @@ SHARED_RUNTIME_FIELDS = ("params_dtype", "bf16", "fp16", "use_cpu_initialization
 
 _FUSIONS_OFF = dict(bias_activation_fusion=False, masked_softmax_fusion=False, persist_layer_norm=False,
                     bias_dropout_fusion=False, apply_rope_fusion=False, gradient_accumulation_fusion=False)
-
-
-def recompute_kwargs(recompute: str) -> dict:
-    """megatron's activation-recompute settings for ``none | selective | full``."""
-    if recompute == "full":
-        return dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
-    if recompute == "selective":
-        return dict(recompute_granularity="selective")
-    if recompute != "none":
-        raise ValueError(f"recompute={recompute!r}: one of none, selective, full")
-    return {}
 
 
 def shared_runtime(foundation_config) -> dict:

@@ -1,11 +1,26 @@
 """Exponential moving average of the trained weights (kept for the parameters this rank holds:
-whole tensors under DDP, local shards under FSDP2)."""
+whole tensors under DDP, local shards under FSDP2), in fp32. The PyTorch-native engine updates it
+after every ``ema.update_interval`` steps and checkpoints it as ``ema.<parameter name>``."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
-from loongforge.diffusion.sharding import local
+from loongforge.core.training.sharding import local
+
+
+@dataclass
+class EmaConfig:
+    decay: float = 0.0  # 0: no EMA weights
+    update_interval: int = 1
+
+    def __post_init__(self):
+        if not 0.0 <= self.decay < 1.0:
+            raise ValueError(f"ema.decay={self.decay}: must be in [0, 1)")
+        if self.update_interval < 1:
+            raise ValueError(f"ema.update_interval={self.update_interval}: must be >= 1")
 
 
 class EMA:

@@ -1,0 +1,95 @@
+"""The interface between the loop and an engine, and how the loop picks one.
+
+An engine holds the model (wrapped for its kind of parallelism) and the optimizer, and runs the
+two halves of a step:
+
+- ``forward_backward(step)``: every micro-batch of the ``StepBatch`` forward and backward,
+  gradients reduced over data parallelism and normalised by the global loss count, the global
+  gradient norm computed; the weights are not touched yet. Returns a ``StepOutput``.
+- ``apply_update(lr)``: clip to ``train.clip_grad`` with that norm, step the optimizer at ``lr``,
+  clear the gradients; or ``discard_update()``: clear them without stepping.
+
+Between the two the loop checks the loss and the norm are finite, so an update from a
+non-finite gradient is never applied. Engines also save and load their state in the core
+checkpoint format (``checkpoint_state`` / ``load_checkpoint``) and report their RNG streams.
+
+Two engines ship with core: ``megatron`` (``MegatronEngine``: TP/PP/CP/EP, megatron DDP, the
+distributed optimizer, pipeline schedules) and ``torch`` (``TorchEngine``: DDP / FSDP2 / HSDP,
+``torch.compile``, activation checkpointing, EMA).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import torch
+
+from loongforge.core.training.task import StepBatch
+
+ENGINES = ("megatron", "torch")
+
+
+@dataclass
+class StepOutput:
+    loss: float  # mean over the global batch (loss sum / count, summed over micro-batches and ranks)
+    grad_norm: float  # global, before clipping
+    tokens: int | None = None  # input tokens of the global batch (None: not token data)
+    flops: float | None = None  # training FLOPs of the global batch (None: unknown)
+    compute_seconds: float = float("nan")  # this rank's forward+backward, up to the gradient reduction
+
+
+@dataclass
+class EngineState:
+    """What an engine contributes to a checkpoint: tensor pieces (``loongforge.core.checkpoint.Piece``),
+    this rank's objects, and manifest entries."""
+
+    pieces: list = field(default_factory=list)
+    objects: dict[str, Any] = field(default_factory=dict)
+    manifest: dict[str, Any] = field(default_factory=dict)
+
+
+class Engine(Protocol):
+    name: str
+    dtype: torch.dtype
+    model: torch.nn.Module  # as wrapped for training
+
+    @property
+    def inner_model(self) -> torch.nn.Module:
+        """The task's model inside the engine's wrappers."""
+
+    def forward_backward(self, step: StepBatch) -> StepOutput: ...
+
+    def apply_update(self, lr: float) -> None: ...
+
+    def discard_update(self) -> None: ...
+
+    def layout_record(self) -> dict: ...
+
+    def checkpoint_state(self) -> EngineState: ...
+
+    def load_checkpoint(self, ckpt, with_optimizer: bool) -> None: ...
+
+    def rng_state(self) -> dict: ...
+
+    def set_rng_state(self, state: dict) -> None: ...
+
+
+def resolve_dtype(precision: str, device: torch.device) -> torch.dtype:
+    """``train.precision``: auto is bf16 on accelerators, fp32 on CPU."""
+    if precision == "auto":
+        return torch.bfloat16 if device.type != "cpu" else torch.float32
+    return {"bf16": torch.bfloat16, "fp32": torch.float32}[precision]
+
+
+def make_engine(task, ctx, cfg, resuming: bool) -> Engine:
+    """The engine ``task.engine`` names, for the run config ``cfg`` (its ``train`` and ``parallel``)."""
+    if task.engine == "megatron":
+        from loongforge.core.training.megatron_engine import MegatronEngine
+
+        return MegatronEngine(task, ctx, cfg.train, cfg.parallel, resuming=resuming)
+    if task.engine == "torch":
+        from loongforge.core.training.torch_engine import TorchEngine
+
+        return TorchEngine(task, ctx, cfg.train, cfg.parallel, resuming=resuming, ema=getattr(cfg, "ema", None))
+    raise ValueError(f"model family {task.family!r} names engine {task.engine!r}; one of {', '.join(ENGINES)}")

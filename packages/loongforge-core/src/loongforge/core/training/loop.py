@@ -1,0 +1,201 @@
+"""The training loop: one for every modality, over the engine the task names.
+
+It owns the step accounting (steps, consumed samples, ``train.exit_interval``), the LR schedule
+(``schedule.lr_at``), the check that every step's loss and gradient norm are finite (a non-finite
+one stops the run before its update is applied, so no checkpoint ever holds the weights it would
+have made), metrics (progress bar, ``RUN_DIR/metrics.jsonl``, TensorBoard: loss, grad norm, LR,
+step time, samples/s, tokens/s for token data, MFU where FLOPs are known, the task's own step
+metrics), the evaluation hook (``eval.interval``), checkpoint cadence and exact resume through the
+core format (``checkpointing``), and ``RUN_DIR/config.yaml`` (the run's whole composed config). The
+engine (``engine.make_engine``) does the rest of a step.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from loongforge.core.metrics import MetricsLogger, progress
+from loongforge.core.training import checkpointing
+from loongforge.core.training.engine import StepOutput, make_engine
+from loongforge.core.training.errors import NonFiniteError
+from loongforge.core.training.schedule import lr_at
+from loongforge.core.training.task import StepBatch
+
+
+@dataclass
+class StepResult:
+    step: int
+    loss: float
+    grad_norm: float
+    lr: float
+    samples: int
+    seconds: float
+    tokens: int | None = None
+    flops: float | None = None
+    metrics: dict[str, float] = field(default_factory=dict)
+    compute_seconds: float = float("nan")
+
+
+class Trainer:
+    """Runs ``task`` with the run config ``cfg`` (its ``train``, ``parallel``, ``checkpoint``,
+    ``log`` and, when present, ``eval`` and ``ema`` groups) in the process groups of ``ctx``."""
+
+    def __init__(self, task, ctx, cfg, config_record: dict | None = None):
+        self.task, self.ctx, self.cfg = task, ctx, cfg
+        self.train, self.log_cfg, self.ckpt_cfg = cfg.train, cfg.log, cfg.checkpoint
+        self.eval_cfg = getattr(cfg, "eval", None)
+        self.config_record = config_record or {}
+        self.run_dir = Path(self.log_cfg.run_dir)
+        self.ckpt_dir = Path(self.ckpt_cfg.dir) if self.ckpt_cfg.dir else self.run_dir / "checkpoints"
+        self.resuming = bool(self.ckpt_cfg.resume) and checkpointing.has_checkpoint(self.ckpt_dir)
+        self.engine = make_engine(task, ctx, cfg, resuming=self.resuming)
+        self.step = 0
+        self.consumed_samples = 0
+        self.data = None  # the task's step iterator (made in fit)
+        self.resumed_data_state = None  # its state from the checkpoint resumed from, if any
+        self.last_checkpoint: Path | None = None
+        peak = ctx.accelerator.peak_flops(self.engine.dtype)
+        self._peak_total = peak * ctx.world_size if peak else None
+        flops_per_token = getattr(task, "flops_per_token", None)
+        seq_length = getattr(self.train, "seq_length", None)
+        self._flops_per_token = flops_per_token(seq_length) if flops_per_token and seq_length else None
+
+    @property
+    def dtype(self):
+        return self.engine.dtype
+
+    @property
+    def model(self):
+        return self.engine.model
+
+    @property
+    def inner_model(self):
+        return self.engine.inner_model
+
+    # -- one step ---------------------------------------------------------------------------
+    def train_step(self, step: StepBatch | list) -> StepResult:
+        """Forward, backward and (when the loss and gradient norm are finite) the update of one
+        step; raises ``NonFiniteError`` otherwise."""
+        if not isinstance(step, StepBatch):
+            step = StepBatch(micro_batches=list(step))
+        t0 = time.perf_counter()
+        out: StepOutput = self.engine.forward_backward(step, measuring=bool(getattr(self.data, "measuring", False)))
+        lr = lr_at(self.step, self.train)
+        bad = next(((k, v) for k, v in (("loss", out.loss), ("grad_norm", out.grad_norm)) if not math.isfinite(v)), None)
+        if bad is None:
+            self.engine.apply_update(lr)
+        else:
+            self.engine.discard_update()
+        self.ctx.accelerator.synchronize()
+        seconds = time.perf_counter() - t0
+        self.step += 1
+        self.consumed_samples += self.train.global_batch_size
+        flops = out.flops
+        if flops is None and out.tokens is not None and self._flops_per_token:
+            flops = out.tokens * self._flops_per_token
+        result = StepResult(step=self.step, loss=out.loss, grad_norm=out.grad_norm, lr=lr,
+                            samples=self.train.global_batch_size, seconds=seconds, tokens=out.tokens, flops=flops,
+                            metrics=dict(step.metrics), compute_seconds=out.compute_seconds)
+        if bad is not None:
+            raise NonFiniteError(self.step, *bad, self.last_checkpoint, result)
+        return result
+
+    def metrics(self, result: StepResult) -> dict[str, float]:
+        out = {"loss": result.loss, "grad_norm": result.grad_norm, "lr": result.lr, "step_time_s": result.seconds,
+               "samples_per_s": result.samples / result.seconds, "consumed_samples": self.consumed_samples}
+        if result.tokens is not None:
+            out["tokens_per_s"] = result.tokens / result.seconds
+        if result.flops is not None and self._peak_total:
+            out["mfu"] = result.flops / result.seconds / self._peak_total
+        out.update(result.metrics)
+        return out
+
+    # -- the loop ---------------------------------------------------------------------------
+    def _start(self) -> None:
+        if self.ctx.is_main and self.config_record:  # the composed config, for sampling, export and the record
+            from omegaconf import OmegaConf
+
+            self.run_dir.mkdir(parents=True, exist_ok=True)
+            (self.run_dir / "config.yaml").write_text(OmegaConf.to_yaml(OmegaConf.create(self.config_record)))
+        if self.resuming:
+            checkpointing.resume(self, self.ckpt_dir)
+            self.last_checkpoint = self.ckpt_dir
+        elif self.ckpt_cfg.load:
+            checkpointing.load_weights(self, self.ckpt_cfg.load)
+        self.data = self.task.steps(self.ctx, self.step)
+        if self.resumed_data_state is not None and hasattr(self.data, "load_state_dict"):
+            self.data.load_state_dict(self.resumed_data_state)
+
+    def save(self) -> Path:
+        self.last_checkpoint = checkpointing.save(self, self.ckpt_dir)
+        return self.last_checkpoint
+
+    def fit(self) -> list[StepResult]:
+        """Train from where the run stands to ``train.steps`` (or ``train.exit_interval`` steps
+        further), saving on the checkpoint cadence and at the end."""
+        self._start()
+        end = self.train.steps
+        if self.train.exit_interval:
+            end = min(end, self.step + self.train.exit_interval)
+        results: list[StepResult] = []
+        logger = MetricsLogger(self.run_dir, enabled=self.ctx.is_main, tensorboard=self.log_cfg.tensorboard)
+        samples_log = self._open_sample_log()
+        bar = progress(self.train.steps, "train", enabled=self.ctx.is_main and self.log_cfg.progress, initial=self.step)
+        try:
+            while self.step < end:
+                batch = next(self.data)
+                try:
+                    result = self.train_step(batch)
+                except NonFiniteError as exc:
+                    logger.log(exc.step, self.metrics(exc.result))
+                    raise
+                metrics = self.metrics(result)
+                results.append(result)
+                if hasattr(self.data, "record_compute_seconds"):
+                    self.data.record_compute_seconds(result.compute_seconds)
+                if samples_log is not None and isinstance(batch, StepBatch):
+                    samples_log.write(json.dumps({"step": self.step, "dp_rank": self.ctx.dp_rank,
+                                                  "ids": [int(i) for i in batch.sample_ids]}) + "\n")
+                metrics.update(self._evaluate())
+                if self.step % self.log_cfg.interval == 0 or self.step == end:
+                    logger.log(self.step, metrics)
+                bar.update(1)
+                postfix = {"loss": f"{result.loss:.4f}"}
+                if "tokens_per_s" in metrics:
+                    postfix["tok_s"] = f"{metrics['tokens_per_s']:.0f}"
+                bar.set_postfix(postfix)
+                interval = self.ckpt_cfg.interval
+                if self.ckpt_cfg.save and ((interval and self.step % interval == 0) or self.step == end):
+                    self.save()
+        finally:
+            bar.close()
+            logger.close()
+            if samples_log is not None:
+                samples_log.close()
+        return results
+
+    def _evaluate(self) -> dict[str, float]:
+        interval = self.eval_cfg.interval if self.eval_cfg is not None else 0
+        evaluate = getattr(self.task, "evaluate", None)
+        if not interval or evaluate is None or self.step % interval:
+            return {}
+        return {f"eval/{k}": v for k, v in evaluate(self.engine.inner_model, self.ctx).items()}
+
+    def _open_sample_log(self):
+        """``RUN_DIR/sample_ids/dp_rank_<r>.jsonl`` (appended), written by the first rank of each DP replica."""
+        if not self.log_cfg.sample_ids:
+            return None
+        ctx = self.ctx
+        if ctx.tp_rank != 0 or ctx.pp_rank != 0 or ctx.pgs.cp.rank() != 0:
+            return None
+        directory = self.run_dir / "sample_ids"
+        directory.mkdir(parents=True, exist_ok=True)
+        return open(directory / f"dp_rank_{ctx.dp_rank}.jsonl", "a", buffering=1)
+
+    def data_state_dict(self) -> dict | None:
+        """The step iterator's state for the checkpoint (None when it keeps none)."""
+        return self.data.state_dict() if self.data is not None and hasattr(self.data, "state_dict") else None

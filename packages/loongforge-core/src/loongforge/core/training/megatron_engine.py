@@ -1,0 +1,274 @@
+"""The megatron-core engine: megatron's ``get_forward_backward_func`` schedules (pipeline
+parallel with micro-batches), megatron DDP or the distributed optimizer, AdamW (fused on CUDA),
+grad clipping, and per-token loss normalisation (``calculate_per_token_loss``: any DP /
+micro-batch split of a global batch gives the same loss and gradients; the number of
+micro-batches may vary per step and per DP rank, since megatron's ``forward_backward_func`` takes
+the count per call and the per-token normalisation sums the counts over DP).
+
+The LR comes from the loop (``apply_update(lr)``); megatron's own scheduler is not used. The
+weight decay of each param group is ``train.weight_decay`` times the group's ``wd_mult``
+(megatron leaves biases and norms undecayed).
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+import torch.distributed as dist
+
+from loongforge.core.parallel import ParallelContext
+from loongforge.core.training.engine import EngineState, StepOutput, resolve_dtype
+from loongforge.core.training.schema import ParallelConfig, TrainConfig
+from loongforge.core.training.task import MegatronTask, StepBatch
+
+
+def use_fused_adam(optimizer, device: torch.device) -> None:
+    """Without Transformer Engine or apex, megatron-core steps with ``torch.optim.AdamW`` in its
+    multi-tensor (``foreach``) form: about ten passes over the fp32 weights, grads and moments. On
+    CUDA, switch its param groups to torch's fused AdamW (the same update in one kernel) before
+    the first step creates any state."""
+    if device.type != "cuda":
+        return
+    for inner in getattr(optimizer, "chained_optimizers", [optimizer]):
+        adam = getattr(inner, "optimizer", None)
+        if isinstance(adam, torch.optim.Adam | torch.optim.AdamW) and not adam.state:
+            for group in adam.param_groups:
+                group["foreach"], group["fused"] = False, True
+
+
+def recompute_kwargs(recompute: str) -> dict:
+    """megatron's ``TransformerConfig`` activation-recompute fields for ``none | selective | full``."""
+    if recompute == "full":
+        return dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
+    if recompute == "selective":
+        return dict(recompute_granularity="selective")
+    if recompute != "none":
+        raise ValueError(f"recompute={recompute!r}: one of none, selective, full")
+    return {}
+
+
+def check_parallel_config(parallel: ParallelConfig) -> None:
+    """What the megatron-core engine cannot do, as a config error (before any process group)."""
+    if parallel.data_parallel not in ("auto", "ddp"):
+        raise ValueError(f"parallel.data_parallel={parallel.data_parallel!r}: the megatron-core engine keeps "
+                         f"replicas with megatron DDP (auto/ddp); shard optimizer state with "
+                         f"train.use_distributed_optimizer=true")
+
+
+def check_train_config(train: TrainConfig) -> None:
+    if train.compile:
+        raise ValueError("train.compile=true: the megatron-core engine does not torch.compile the model; leave it null")
+
+
+class MegatronEngine:
+    name = "megatron"
+
+    def __init__(self, task: MegatronTask, ctx: ParallelContext, train: TrainConfig, parallel: ParallelConfig,
+                 resuming: bool = False):
+        from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
+        from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+        from megatron.core.transformer import TransformerConfig
+        from megatron.core.transformer.module import Float16Module
+
+        check_parallel_config(parallel)
+        check_train_config(train)
+        self.task, self.ctx, self.train = task, ctx, train
+        self.seq_length = getattr(train, "seq_length", 1)
+        dp = ctx.dp_size
+        self.variable_micro_batches = bool(getattr(task, "variable_micro_batches", False))
+        if self.variable_micro_batches:
+            self.num_microbatches = None  # the task plans each step's micro-batches
+            self.micro_batch_size = 1
+            if train.global_batch_size < dp:
+                raise ValueError(f"train.global_batch_size={train.global_batch_size} must be >= the DP size {dp}")
+        else:
+            self.micro_batch_size = train.micro_batch_size or train.global_batch_size // dp
+            if train.global_batch_size % (self.micro_batch_size * dp):
+                raise ValueError(f"train.global_batch_size={train.global_batch_size} must be a multiple of "
+                                 f"micro_batch_size*dp = {self.micro_batch_size}*{dp}")
+            self.num_microbatches = train.global_batch_size // (self.micro_batch_size * dp)
+        self.dtype = resolve_dtype(train.precision, ctx.device)
+        bf16 = self.dtype == torch.bfloat16
+        self.transformer_config = TransformerConfig(
+            **recompute_kwargs(train.recompute),
+            **task.transformer_config_kwargs(),
+            tensor_model_parallel_size=ctx.layout.tp,
+            pipeline_model_parallel_size=ctx.layout.pp,
+            context_parallel_size=ctx.layout.cp,
+            expert_model_parallel_size=ctx.layout.ep,
+            sequence_parallel=False,
+            use_cpu_initialization=True,
+            perform_initialization=True,
+            params_dtype=self.dtype,
+            pipeline_dtype=self.dtype,
+            bf16=bf16,
+            calculate_per_token_loss=True,
+        )
+        module = task.build_model(ctx, self.transformer_config, ctx.is_first_stage, ctx.is_last_stage,
+                                  load_initial_weights=not resuming)
+        module.to(ctx.device)
+        if bf16:
+            module = Float16Module(self.transformer_config, module)
+        ddp_config = DistributedDataParallelConfig(
+            grad_reduce_in_fp32=True,
+            overlap_grad_reduce=train.overlap_grad_reduce,
+            use_distributed_optimizer=train.use_distributed_optimizer,
+        )
+        self.model = DistributedDataParallel(self.transformer_config, ddp_config, module, pg_collection=ctx.pgs)
+        self.optimizer = get_megatron_optimizer(
+            OptimizerConfig(
+                optimizer="adam",
+                lr=train.lr,
+                min_lr=train.min_lr,
+                weight_decay=train.weight_decay,
+                adam_beta1=train.adam_beta1,
+                adam_beta2=train.adam_beta2,
+                adam_eps=train.adam_eps,
+                clip_grad=train.clip_grad,
+                bf16=bf16,
+                params_dtype=self.dtype,
+                use_distributed_optimizer=train.use_distributed_optimizer,
+            ),
+            [self.model],
+            use_gloo_process_groups=False,
+            pg_collection=ctx.pgs,
+        )
+        use_fused_adam(self.optimizer, ctx.device)
+        for group in self.optimizer.param_groups:
+            group["weight_decay"] = train.weight_decay * group.get("wd_mult", 1.0)
+        cfg = self.transformer_config
+        self._finalize_model_grads = finalize_model_grads
+        cfg.finalize_model_grads_func = self._finalize_grads_timed
+        self._compute_end = None
+        self._measuring = False
+        self._grad_norm = float("nan")
+        cfg.no_sync_func = self.model.no_sync
+        if train.overlap_grad_reduce:
+            cfg.grad_sync_func = self.model.start_grad_sync
+
+    # -- one step ---------------------------------------------------------------------------
+    def _finalize_grads_timed(self, *args, **kwargs):
+        """megatron's ``finalize_model_grads`` (gradient reduction over DP), timed at its start:
+        the rank's own compute ends there, before it waits for the slowest rank."""
+        if self._measuring:
+            self.ctx.accelerator.synchronize()
+        self._compute_end = time.perf_counter()
+        return self._finalize_model_grads(*args, **kwargs)
+
+    @property
+    def inner_model(self) -> torch.nn.Module:
+        """The task's model inside megatron's DDP (and Float16Module) wrappers."""
+        from megatron.core.utils import unwrap_model
+
+        return unwrap_model(self.model)
+
+    def _forward_step(self, data_iterator, model):
+        """megatron's forward-step contract over the task's ``forward`` / ``loss_fn``."""
+        output, loss_fn = self.task.forward(model, next(data_iterator))
+
+        def loss_func(out):
+            loss_sum, count = loss_fn(out)
+            count = torch.as_tensor(count, device=loss_sum.device).to(torch.int)
+            return loss_sum, count, {"loss": (loss_sum.detach(), count)}
+
+        return output, loss_func
+
+    def forward_backward(self, step: StepBatch, measuring: bool = False) -> StepOutput:
+        from megatron.core.pipeline_parallel import get_forward_backward_func
+
+        micro_batches = step.micro_batches
+        if self.num_microbatches is not None and len(micro_batches) != self.num_microbatches:
+            raise ValueError(f"expected {self.num_microbatches} micro-batches, got {len(micro_batches)}")
+        if not micro_batches:
+            raise ValueError(f"DP rank {self.ctx.dp_rank} got no micro-batch for this step")
+        self._measuring = measuring
+        t0 = time.perf_counter()
+        self.model.zero_grad_buffer()
+        self.optimizer.zero_grad()
+        forward_backward = get_forward_backward_func(pp_size=self.ctx.layout.pp)
+        losses = forward_backward(
+            forward_step_func=self._forward_step,
+            data_iterator=iter(micro_batches),
+            model=[self.model],
+            num_microbatches=len(micro_batches),
+            seq_length=self.seq_length,
+            micro_batch_size=self.micro_batch_size,
+            forward_only=False,
+        )
+        compute_seconds = (self._compute_end - t0) if self._compute_end is not None else float("nan")
+        self._compute_end = None
+        # loss sum, loss count, input tokens, FLOPs: counted once per DP replica
+        totals = torch.zeros(4, dtype=torch.float64, device=self.ctx.device)
+        if self.ctx.is_last_stage:
+            for entry in losses:
+                loss_sum, count = entry["loss"]
+                totals[0] += loss_sum.detach().double()
+                totals[1] += float(count)
+        first_of_replica = self.ctx.is_last_stage and self.ctx.tp_rank == 0 and self.ctx.pgs.cp.rank() == 0
+        if first_of_replica:
+            totals[2] = float(step.tokens or 0)
+            totals[3] = float(step.flops or 0)
+        if self.ctx.is_last_stage and self.ctx.tp_rank != 0:
+            totals[:2] = 0  # TP ranks hold the same loss; count it once
+        dist.all_reduce(totals)
+        self.optimizer.prepare_grads()
+        grad_norm = self.optimizer.get_grad_norm()
+        self._grad_norm = float(grad_norm) if grad_norm is not None else float("nan")
+        return StepOutput(
+            loss=(totals[0] / totals[1].clamp(min=1)).item(),
+            grad_norm=self._grad_norm,
+            tokens=int(totals[2].item()) if step.tokens is not None else None,
+            flops=float(totals[3].item()) if step.flops is not None else None,
+            compute_seconds=compute_seconds,
+        )
+
+    def apply_update(self, lr: float) -> None:
+        """Clip with the norm ``forward_backward`` computed and step every (sub-)optimizer, as
+        megatron's ``optimizer.step()`` does after its own norm computation."""
+        from megatron.core.optimizer.clip_grads import clip_grad_by_total_norm_fp32
+
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr * group.get("lr_mult", 1.0)
+        if self.train.clip_grad > 0:
+            for inner in getattr(self.optimizer, "chained_optimizers", [self.optimizer]):
+                params = inner.get_parameters()
+                if params:
+                    clip_grad_by_total_norm_fp32(params, self.train.clip_grad, self._grad_norm)
+        self.optimizer.step_with_ready_grads()
+
+    def discard_update(self) -> None:
+        self.model.zero_grad_buffer()
+        self.optimizer.zero_grad()
+
+    # -- checkpoints ---------------------------------------------------------------------------
+    def layout_record(self) -> dict:
+        ctx = self.ctx
+        return {"tp": ctx.layout.tp, "pp": ctx.layout.pp, "cp": ctx.layout.cp, "ep": ctx.layout.ep,
+                "dp": ctx.dp_size, "world_size": ctx.world_size}
+
+    def checkpoint_state(self) -> EngineState:
+        from loongforge.core.training import megatron_checkpoint
+
+        return megatron_checkpoint.engine_state(self)
+
+    def load_checkpoint(self, ckpt, with_optimizer: bool) -> None:
+        from loongforge.core.training import megatron_checkpoint
+
+        megatron_checkpoint.load(self, ckpt, with_optimizer)
+
+    def rng_state(self) -> dict:
+        from megatron.core import tensor_parallel
+
+        state = {"torch": torch.get_rng_state(), "tracker": tensor_parallel.get_cuda_rng_tracker().get_states()}
+        if self.ctx.device.type == "cuda":
+            state["cuda"] = torch.cuda.get_rng_state()
+        return state
+
+    def set_rng_state(self, state: dict) -> None:
+        from megatron.core import tensor_parallel
+
+        torch.set_rng_state(state["torch"])
+        if "cuda" in state and self.ctx.device.type == "cuda":
+            torch.cuda.set_rng_state(state["cuda"])
+        tensor_parallel.get_cuda_rng_tracker().set_states(state["tracker"])

@@ -1,0 +1,87 @@
+"""One training run from a validated config: the process groups of ``cfg.parallel``, the loop over
+the task, a summary line, and the groups torn down again (also when the run fails).
+
+Every ``lf-* train`` ends here; the config and the task are built first, so a bad config or bad
+data fails before any process group exists.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+from loongforge.core.config import to_dict
+from loongforge.core.training.loop import StepResult, Trainer
+
+
+@dataclass
+class RunSummary:
+    run_dir: Path
+    checkpoint_dir: Path
+    start_step: int
+    results: list[StepResult]
+    last_checkpoint: Path | None
+
+    @property
+    def losses(self) -> list[float]:
+        return [r.loss for r in self.results]
+
+
+def _median(values: list[float]) -> float:
+    values = sorted(values)
+    return values[len(values) // 2]
+
+
+def describe_layout(ctx) -> str:
+    return (f"{ctx.accelerator.name} x{ctx.world_size} (tp={ctx.layout.tp} pp={ctx.layout.pp} cp={ctx.layout.cp} "
+            f"ep={ctx.layout.ep} dp={ctx.dp_size})")
+
+
+def run_training(cfg, task, prog: str, after: Callable[[Trainer], None] | None = None) -> RunSummary:
+    """Train ``task`` as ``cfg`` says (``prog`` prefixes the printed lines); ``after(trainer)`` runs
+    once training has finished, before the groups are torn down (e.g. an export). Groups this call
+    made are torn down at the end; a process that was already in a group stays in it (and may run
+    again)."""
+    import torch.distributed as dist
+
+    from loongforge.core.parallel import destroy_parallel, init_parallel
+
+    owned = not dist.is_initialized()
+    p = cfg.parallel
+    ctx = init_parallel(tp=p.tp, pp=p.pp, cp=p.cp, ep=p.ep, seed=cfg.train.seed)
+    try:
+        prepare = getattr(task, "prepare", None)
+        if prepare is not None:  # collective set-up (e.g. a data index every rank builds together)
+            prepare(ctx)
+        trainer = Trainer(task, ctx, cfg, config_record=to_dict(cfg))
+        if ctx.is_main:
+            what = task.describe() if hasattr(task, "describe") else task.family
+            print(f"{prog}: {what} on {describe_layout(ctx)}, {trainer.engine.name} engine, {trainer.dtype}, "
+                  f"run dir {cfg.log.run_dir}", flush=True)
+        results = trainer.fit()
+        if after is not None:
+            after(trainer)
+        summary = RunSummary(trainer.run_dir, trainer.ckpt_dir, trainer.step - len(results), results,
+                             trainer.last_checkpoint)
+        if ctx.is_main:
+            print_summary(prog, summary)
+        return summary
+    finally:
+        if owned:
+            destroy_parallel()
+
+
+def print_summary(prog: str, summary: RunSummary) -> None:
+    results = summary.results
+    if not results:
+        print(f"{prog}: nothing to do: {summary.run_dir} is already at step {summary.start_step}", flush=True)
+        return
+    late = results[len(results) // 2:]
+    rate = (f"median {_median([r.tokens / r.seconds for r in late]):.0f} tokens/s" if results[-1].tokens is not None
+            else f"median {_median([r.samples / r.seconds for r in late]):.1f} samples/s")
+    print(f"{prog}: step {results[0].step} loss {results[0].loss:.4f} -> step {results[-1].step} loss "
+          f"{results[-1].loss:.4f}; {rate}", flush=True)
+    where = f"checkpoints in {summary.checkpoint_dir}" if summary.last_checkpoint else "no checkpoint saved"
+    print(f"{prog}: metrics in {summary.run_dir / 'metrics.jsonl'}; {where}; the same command resumes from the "
+          f"latest; curves: {prog} plot {summary.run_dir}", flush=True)

@@ -1,0 +1,229 @@
+"""The PyTorch-native engine: any ``nn.Module`` under DDP, FSDP2 or HSDP (``parallel.data_parallel``),
+with activation recomputation (``train.recompute``), regional ``torch.compile`` (``train.compile``),
+bf16 autocast (``train.precision``), AdamW (fused on CUDA) and an optional EMA of the weights
+(``ema.decay``). Context parallelism (``parallel.cp``) is the model's to implement (the task
+declares ``context_parallel = True`` and reads the CP group from ``ctx.pgs.cp``); tensor, pipeline
+and expert parallelism belong to the megatron-core engine.
+
+What the engine asks of the model (the task's ``build_model``):
+
+- ``repeated_blocks()``: its repeated blocks, FSDP2's sharding units and the compile units;
+- ``recompute_modes`` (the ``train.recompute`` values it implements besides ``none``) and
+  ``set_recompute(mode)``;
+- optionally ``compile_regions()``: its own regional compilation (default: ``torch.compile`` of
+  each repeated block);
+- optionally ``parts()``: ``{name: part}`` for a model whose parts are wrapped and trained
+  separately (Wan 2.2's two experts; a ``StepBatch.part`` names the part a step trains; each
+  part has the methods above); without it the model is one part;
+- optionally ``fsdp_forward_methods``: names of methods besides ``forward`` that run the part
+  under FSDP2 (a policy's ``sample_actions``).
+
+Gradients: each micro-batch's summed loss is back-propagated as it is; after the last one the
+loss sums and counts are all-reduced over the gradient group and the (DP-averaged) gradients are
+multiplied by ``world / global count``, which makes them the gradients of the global mean loss
+whatever the split over ranks and micro-batches.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+
+import torch
+import torch.distributed as dist
+
+from loongforge.core.training import torch_parallel
+from loongforge.core.training.ema import EMA
+from loongforge.core.training.engine import EngineState, StepOutput, resolve_dtype
+from loongforge.core.training.schema import ParallelConfig, TrainConfig
+from loongforge.core.training.sharding import local
+from loongforge.core.training.task import StepBatch, TorchTask
+
+
+def check_parallel_config(parallel: ParallelConfig, context_parallel: bool) -> None:
+    """What the PyTorch-native engine cannot do, as a config error (before any process group)."""
+    for key in ("tp", "pp", "ep"):
+        if getattr(parallel, key) != 1:
+            raise ValueError(f"parallel.{key}={getattr(parallel, key)}: the PyTorch-native engine shards data "
+                             f"(parallel.data_parallel) and, where the model implements it, context (parallel.cp)")
+    if parallel.cp != 1 and not context_parallel:
+        raise ValueError(f"parallel.cp={parallel.cp}: this model does not implement context parallelism")
+
+
+def check_train_config(train: TrainConfig) -> None:
+    if train.use_distributed_optimizer or train.overlap_grad_reduce:
+        raise ValueError("train.use_distributed_optimizer / train.overlap_grad_reduce are megatron-core engine "
+                         "options; shard the optimizer state with parallel.data_parallel=fsdp")
+
+
+def model_parts(model: torch.nn.Module) -> dict[str, torch.nn.Module]:
+    return model.parts() if hasattr(model, "parts") else {"model": model}
+
+
+class TorchEngine:
+    name = "torch"
+
+    def __init__(self, task: TorchTask, ctx, train: TrainConfig, parallel: ParallelConfig, resuming: bool = False,
+                 ema=None):
+        check_parallel_config(parallel, bool(getattr(task, "context_parallel", False)))
+        check_train_config(train)
+        self.task, self.ctx, self.train, self.parallel = task, ctx, train, parallel
+        self.device = ctx.device
+        self.dtype = resolve_dtype(train.precision, ctx.device)
+        self.group = ctx.pgs.dp_cp
+        self.world = dist.get_world_size(self.group)
+        self.mode = torch_parallel.data_parallel_mode(parallel.data_parallel, self.world)
+        pretrained = bool(getattr(task, "has_pretrained", False)) and not resuming
+        # pretrained weights under FSDP2: build on the meta device, shard, then each rank reads only
+        # its rows; otherwise build on the host (same seed: the same init on every rank)
+        sharded_init = pretrained and self.mode in ("fsdp", "hsdp")
+        torch.manual_seed(train.seed)
+        with torch.device("meta") if sharded_init else contextlib.nullcontext():
+            model = task.build_model(ctx)
+        if pretrained and not sharded_init:
+            task.load_pretrained(model)
+        if not sharded_init:
+            model.to(self.device)
+        self.model = model
+        self.parts = model_parts(model)
+        self._prepare_parts(train)
+        self.wrapped = {name: torch_parallel.wrap(part, self.mode, self.group, self.device, self.dtype,
+                                                  parallel.dp_replicate)
+                        for name, part in self.parts.items()}
+        if sharded_init:
+            model.to_empty(device=self.device)
+            task.load_pretrained(model)
+        self.named_trainable = {n: p for n, p in model.named_parameters() if p.requires_grad}
+        if not self.named_trainable:
+            raise ValueError(f"model family {task.family!r}: no trainable parameter")
+        self.optimizer = torch.optim.AdamW(
+            list(self.named_trainable.values()), lr=train.lr, betas=(train.adam_beta1, train.adam_beta2),
+            eps=train.adam_eps, weight_decay=train.weight_decay, fused=self.device.type == "cuda",
+        )
+        decay = ema.decay if ema is not None else 0.0
+        self.ema = EMA(self.named_trainable, decay) if decay > 0 else None
+        self.ema_interval = ema.update_interval if ema is not None else 1
+        self.updates = 0  # applied updates (the EMA cadence); a resumed run restores it
+        self._grad_norm = float("nan")
+        self._params_with_grad: list[torch.nn.Parameter] = []
+
+    def _prepare_parts(self, train: TrainConfig) -> None:
+        """Activation recomputation, then regional compilation, per part (before wrapping, as torchtitan orders them)."""
+        compile_requested = train.compile
+        for name, part in self.parts.items():
+            modes = ("none", *getattr(part, "recompute_modes", ()))
+            if train.recompute not in modes:
+                raise ValueError(f"train.recompute={train.recompute!r}: model family {self.task.family!r} implements "
+                                 f"{', '.join(modes)}")
+            if train.recompute != "none" or hasattr(part, "set_recompute"):
+                part.set_recompute(train.recompute)
+        if self.compiles(compile_requested):
+            for part in self.parts.values():
+                if hasattr(part, "compile_regions"):
+                    part.compile_regions()
+                else:
+                    for block in part.repeated_blocks():
+                        block.compile()
+
+    def compiles(self, requested: bool | None) -> bool:
+        """``train.compile``; when null, on CUDA unless the task says its model cannot be compiled in
+        this run (``compile_default(ctx)``)."""
+        if requested is not None:
+            return requested
+        default = getattr(self.task, "compile_default", None)
+        return default(self.ctx) if default is not None else self.device.type == "cuda"
+
+    @property
+    def inner_model(self) -> torch.nn.Module:
+        """The task's model (FSDP2 shards it in place; DDP wrappers are kept apart in ``wrapped``)."""
+        return self.model
+
+    # -- one step ---------------------------------------------------------------------------
+    def forward_backward(self, step: StepBatch, measuring: bool = False) -> StepOutput:
+        part = step.part or next(iter(self.wrapped))
+        if part not in self.wrapped:
+            raise KeyError(f"step trains part {part!r}; the model has {sorted(self.wrapped)}")
+        module = self.wrapped[part]
+        micro_batches = step.micro_batches
+        t0 = time.perf_counter()
+        sums = torch.zeros(4, dtype=torch.float64, device=self.device)  # loss sum, count, tokens, FLOPs
+        uneven = False
+        if self.world > 1 and torch_parallel.is_fsdp(module):  # the same answer on every rank
+            extremes = torch.tensor([len(micro_batches), -len(micro_batches)], device=self.device)
+            dist.all_reduce(extremes, op=dist.ReduceOp.MAX, group=self.group)
+            uneven = int(extremes[0]) != -int(extremes[1])
+        with torch_parallel.accumulation(module, uneven):
+            for k, micro in enumerate(micro_batches):
+                with torch_parallel.gradient_sync(module, k == len(micro_batches) - 1):
+                    with torch_parallel.autocast(self.device.type, self.dtype):
+                        output, loss_fn = self.task.forward(module, micro)
+                    loss_sum, count = loss_fn(output)
+                    loss_sum.backward()
+                sums[0] += loss_sum.detach().double()
+                sums[1] += float(count)
+        if measuring:
+            self.ctx.accelerator.synchronize()
+        compute_seconds = time.perf_counter() - t0
+        if self.ctx.pgs.cp.rank() == 0:
+            sums[2], sums[3] = float(step.tokens or 0), float(step.flops or 0)
+        if self.world > 1:
+            dist.all_reduce(sums, group=self.group)
+        scale = self.world / max(float(sums[1]), 1e-30)
+        grads = [local(p.grad) for p in self.named_trainable.values() if p.grad is not None]
+        if grads:
+            torch._foreach_mul_(grads, scale)
+        params = [p for p in self.named_trainable.values() if p.grad is not None]
+        norm = torch.nn.utils.get_total_norm([p.grad for p in params]) if params else torch.zeros(())
+        if hasattr(norm, "full_tensor"):
+            norm = norm.full_tensor()
+        self._grad_norm = float(norm)
+        self._params_with_grad = params
+        return StepOutput(
+            loss=float(sums[0] / sums[1].clamp(min=1e-30)),
+            grad_norm=self._grad_norm,
+            tokens=int(sums[2]) if step.tokens is not None else None,
+            flops=float(sums[3]) if step.flops is not None else None,
+            compute_seconds=compute_seconds,
+        )
+
+    def apply_update(self, lr: float) -> None:
+        clip = self.train.clip_grad
+        coefficient = clip / (self._grad_norm + 1e-6)  # as torch.nn.utils.clip_grad_norm_
+        if clip > 0 and coefficient < 1.0:
+            torch._foreach_mul_([local(p.grad) for p in self._params_with_grad], coefficient)
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.updates += 1
+        if self.ema is not None and self.updates % self.ema_interval == 0:
+            self.ema.update()
+
+    def discard_update(self) -> None:
+        self.optimizer.zero_grad(set_to_none=True)
+
+    # -- checkpoints ---------------------------------------------------------------------------
+    def layout_record(self) -> dict:
+        return {"dp": self.ctx.dp_size, "cp": self.ctx.layout.cp, "data_parallel": self.mode,
+                "dp_replicate": self.parallel.dp_replicate, "world_size": self.ctx.world_size}
+
+    def checkpoint_state(self) -> EngineState:
+        from loongforge.core.training import torch_checkpoint
+
+        return torch_checkpoint.engine_state(self)
+
+    def load_checkpoint(self, ckpt, with_optimizer: bool) -> None:
+        from loongforge.core.training import torch_checkpoint
+
+        torch_checkpoint.load(self, ckpt, with_optimizer)
+
+    def rng_state(self) -> dict:
+        state = {"torch": torch.get_rng_state()}
+        if self.device.type == "cuda":
+            state["cuda"] = torch.cuda.get_rng_state()
+        return state
+
+    def set_rng_state(self, state: dict) -> None:
+        torch.set_rng_state(state["torch"])
+        if "cuda" in state and self.device.type == "cuda":
+            torch.cuda.set_rng_state(state["cuda"])

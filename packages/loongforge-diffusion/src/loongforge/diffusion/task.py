@@ -1,0 +1,176 @@
+"""Wan flow matching as a task of the shared loop (PyTorch-native engine, Ulysses CP).
+
+Per step: the step's global samples (a fixed function of (seed, step): ``data.batching``) are
+planned over DP ranks by compute cost (core balancer; ``balance.*``); each rank packs its samples
+(mixed sizes in one sequence, split further into micro-batches of at most ``balance.token_cap``
+tokens), adds noise online (per sample, seeded by (seed, step, position), so the result does not
+depend on the layout) and regresses the flow-matching velocity. Wan 2.2 trains one expert per step
+(``StepBatch.part``), chosen with the probability of its timestep range unless
+``model.train_expert`` names one; the other expert is frozen.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from loongforge.core.balance import CostModel
+from loongforge.core.training.task import StepBatch
+from loongforge.diffusion.context_parallel import ContextParallel
+from loongforge.diffusion.data.batching import generator, plan, step_samples
+from loongforge.diffusion.data.shards import LatentShards
+from loongforge.diffusion.model import EXPERT_NAMES, WanExperts
+from loongforge.diffusion.model.convert import load_pretrained
+from loongforge.diffusion.model.flops import cost_model, training_flops
+from loongforge.diffusion.objective import TimestepSampler, noisy_and_target, pick_expert, token_weights
+from loongforge.diffusion.packing import num_tokens, pack, pack_targets, pad_text
+from loongforge.diffusion.schema import DiffusionRecipe
+
+FAMILY = "wan"
+
+
+def resolve_data_root(recipe: DiffusionRecipe, is_main: bool, progress: bool = True) -> Path:
+    """``data.root``, or the built-in moving-shapes set (written into the cache by the main rank)."""
+    if recipe.data.root:
+        return Path(recipe.data.root).expanduser()
+    from loongforge.diffusion.data.synthetic import builtin_dataset, cache_root
+
+    if is_main:
+        builtin_dataset(recipe.data.synthetic_clips, show_progress=progress)
+    if dist.is_available() and dist.is_initialized():
+        dist.barrier()
+    return cache_root() / f"n{recipe.data.synthetic_clips}" / "latents"
+
+
+class WanTask:
+    family = FAMILY
+    engine = "torch"
+    context_parallel = True
+    variable_micro_batches = True
+
+    def __init__(self, recipe: DiffusionRecipe):
+        self.recipe = recipe
+        m = recipe.model
+        self.sampler = TimestepSampler(recipe.objective)
+        coefficients = recipe.balance.coefficients
+        self.cost_model = CostModel(*coefficients) if coefficients is not None else cost_model(m)
+        self.features = m.out_channels * m.patch_volume
+        self.names = list(EXPERT_NAMES[: 2 if m.boundary_ratio is not None else 1])
+        self.trainable = self.names if m.train_expert == "all" else [m.train_expert]
+        boundary = None if m.boundary_ratio is None else m.boundary_ratio * recipe.objective.num_train_timesteps
+        self.ranges = {n: self.sampler.index_range(boundary, EXPERT_NAMES.index(n)) for n in self.names}
+        self.dataset: LatentShards | None = None
+        self.data_root: Path | None = None
+        self.tokens: list[int] = []
+
+    @property
+    def has_pretrained(self) -> bool:
+        return bool(self.recipe.model.pretrained)
+
+    def describe(self) -> str:
+        m = self.recipe.model
+        return f"wan DiT ({m.num_layers} layers, hidden {m.hidden_size}, experts {'+'.join(self.names)})"
+
+    # -- data ---------------------------------------------------------------------------------
+    def prepare(self, ctx) -> None:
+        """Open the latent shards (the main rank writes the built-in set first) and check they fit the model."""
+        r, m = self.recipe, self.recipe.model
+        self.data_root = resolve_data_root(r, ctx.is_main, r.log.progress)
+        self.dataset = LatentShards(self.data_root)
+        facts = self.dataset.manifest
+        for key, field in (("latent_channels", "in_channels"), ("text_dim", "text_dim")):
+            if facts.get(key) is not None and facts[key] != getattr(m, field):
+                raise ValueError(f"{self.data_root}/manifest.json: {key}={facts[key]} but model.{field}={getattr(m, field)}")
+        longest = max(rec["text_tokens"] for rec in self.dataset.records)
+        if longest > m.text_len:
+            raise ValueError(f"{self.data_root}/manifest.json: prompts of up to {longest} tokens but model.text_len={m.text_len}")
+        self.tokens = [num_tokens(self.dataset.latent_shape(i), m.patch_size) for i in range(len(self.dataset))]
+
+    def manifest_fields(self) -> dict:
+        return {"data_root": str(self.data_root.resolve()) if self.data_root else None, "experts": self.names}
+
+    def model_config_dict(self) -> dict:
+        m = self.recipe.model
+        return {**m.diffusers_kwargs(), "patch_size": list(m.patch_size), "text_len": m.text_len,
+                "boundary_ratio": m.boundary_ratio}
+
+    def choose_expert(self, step: int) -> str:
+        """The expert trained at ``step`` (the same on every rank)."""
+        if len(self.trainable) == 1:
+            return self.trainable[0]
+        return pick_expert(self.sampler, self.ranges, generator(self.recipe.train.seed, step, -1))
+
+    def steps(self, ctx, start_step: int):
+        r = self.recipe
+        cp = ContextParallel.from_group(ctx.pgs.cp)
+        dp_rank, dp_size = ctx.pgs.dp.rank(), ctx.dp_size
+        step = start_step
+        while True:
+            expert = self.choose_expert(step)
+            indices = step_samples(step, r.train.global_batch_size, len(self.dataset), r.train.seed)
+            tokens = [self.tokens[i] for i in indices]
+            step_plan = plan(tokens, self.cost_model, dp_size, r.balance.token_cap,
+                             r.balance.skip_threshold if r.balance.enable else float("inf"))
+            micro = [self.micro_batch(step, positions, indices, tokens, self.ranges[expert], cp, ctx.device)
+                     for positions in step_plan.micro_batches(dp_rank)]
+            mine = [tokens[j] for positions in step_plan.micro_batches(dp_rank) for j in positions]
+            yield StepBatch(
+                micro_batches=micro, tokens=sum(mine), flops=training_flops(r.model, mine), part=expert,
+                metrics={"expert": float(EXPERT_NAMES.index(expert)), "micro_batches": float(len(micro)),
+                         **step_plan.metrics.as_dict()},
+                sample_ids=[indices[j] for positions in step_plan.micro_batches(dp_rank) for j in positions],
+            )
+            step += 1
+
+    def micro_batch(self, step: int, positions: list[int], indices: list[int], tokens: list[int], index_range,
+                    cp: ContextParallel | None, device) -> dict:
+        """Noisy packed inputs, targets and per-token loss weights of some of the step's samples
+        (this CP rank's token range of the targets and weights)."""
+        r, m = self.recipe, self.recipe.model
+        latents, texts, targets, timesteps = [], [], [], []
+        for j in positions:
+            x0, text = self.dataset.load(indices[j])
+            g = generator(r.train.seed, step, j)
+            sigma, t = self.sampler.sample(1, g, index_range)
+            noise = torch.randn(x0.shape, generator=g)
+            if r.objective.text_dropout and torch.rand(1, generator=g).item() < r.objective.text_dropout:
+                text = torch.zeros_like(text)
+            xt, target = noisy_and_target(x0, noise, sigma.item())
+            latents.append(xt)
+            targets.append(target)
+            texts.append(text)
+            timesteps.append(t)
+        batch = pack(latents, torch.cat(timesteps), pad_text(texts, m.text_len), m.patch_size,
+                     pad_to_multiple=cp.size if cp else 1)
+        target = pack_targets(targets, m.patch_size, batch.num_pad)
+        weights = token_weights([tokens[j] for j in positions], batch.num_pad, r.objective.loss_reduction, self.features)
+        lo, hi = cp.local_range(batch.num_tokens) if cp else (0, batch.num_tokens)
+        return {"batch": batch.to(device), "target": target[lo:hi].to(device), "weights": weights[lo:hi].to(device),
+                "cp": cp}
+
+    # -- model --------------------------------------------------------------------------------
+    def build_model(self, ctx) -> WanExperts:
+        model = WanExperts(self.recipe.model)
+        for name in model.names:
+            if name not in self.trainable:
+                model.expert(name).requires_grad_(False)
+        return model
+
+    def load_pretrained(self, model: WanExperts) -> None:
+        load_pretrained(model, self.recipe.model.pretrained)
+
+    def compile_default(self, ctx) -> bool:
+        """Compiled blocks on CUDA, except under context parallelism (the Ulysses all-to-alls stay eager)."""
+        return ctx.device.type == "cuda" and ctx.layout.cp == 1
+
+    def forward(self, model, micro: dict):
+        pred = model(micro["batch"], micro["cp"])
+        weights = micro["weights"]
+
+        def loss_fn(output):
+            err = (output.float() - micro["target"].float()).pow(2).sum(-1)
+            return (err * weights).sum(), weights.sum() * self.features
+
+        return pred, loss_fn
