@@ -74,7 +74,8 @@ def test_fused_feed_forward_equals_the_reference_ops():
     casts = (fp8_cast_transpose, gelu_fp8_cast_transpose) if compiled_on_gpu() else reference_casts
     reference_backward = get_op("gelu_tanh_backward").reference
     cases = {False: (FeedForwardKernels(gelu_tanh_backward), FeedForwardKernels(reference_backward)),
-             True: (FeedForwardKernels(gelu_tanh_backward, *casts), FeedForwardKernels(reference_backward, *reference_casts))}
+             True: (FeedForwardKernels(gelu_tanh_backward, *casts),
+                    FeedForwardKernels(reference_backward, *reference_casts))}
     for fp8, kernel_sets in cases.items():
         results = []
         for kernels in kernel_sets:

@@ -111,13 +111,14 @@ def test_a_provider_op_that_no_package_defines_is_an_error_naming_it(monkeypatch
 def test_an_op_defined_twice_names_both_sources():
     registry = _registry(_definition("rms_norm", "loongforge.core.kernels.reference:rms_norm"),
                          _definition("rms_norm", "loongforge.llm.ops.dsa:indexer_scores"))
-    with pytest.raises(KernelRegistryError, match="op 'rms_norm' is defined twice: by loongforge.core.kernels.reference:rms_norm "
-                                                  "and by loongforge.llm.ops.dsa:indexer_scores"):
+    with pytest.raises(KernelRegistryError, match="op 'rms_norm' is defined twice: by "
+                       "loongforge.core.kernels.reference:rms_norm and by loongforge.llm.ops.dsa:indexer_scores"):
         registry.contract("rms_norm")
 
 
 def test_an_unknown_op_lists_the_known_ones():
-    with pytest.raises(KernelRegistryError, match=r"unknown kernel op 'rms_nrom'; known: .*dsa_indexer_topk.*qk_norm_rope.*rms_norm"):
+    known = r"known: .*dsa_indexer_topk.*qk_norm_rope.*rms_norm"
+    with pytest.raises(KernelRegistryError, match=rf"unknown kernel op 'rms_nrom'; {known}"):
         get_kernel("rms_nrom")
 
 

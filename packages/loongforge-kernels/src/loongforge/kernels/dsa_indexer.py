@@ -1,7 +1,8 @@
 """Lightning-indexer scoring for DSA (Triton): top-k selection and the sparse-stage KL loss.
 
-Contracts: ``dsa_indexer_topk`` and ``dsa_indexer_loss`` (loongforge-llm's ``loongforge.llm.ops.dsa``). The score of query ``t`` and key ``s``
-is ``sum_j w[t, j] * relu(q[t, j] . k[s])`` over the indexer's few heads. The torch reference
+Contracts: ``dsa_indexer_topk`` and ``dsa_indexer_loss`` (loongforge-llm's
+``loongforge.llm.ops.dsa``). The score of query ``t`` and key ``s`` is
+``sum_j w[t, j] * relu(q[t, j] . k[s])`` over the indexer's few heads. The torch reference
 forms the ``[queries, heads, keys]`` products before the ReLU-weighted head sum; the kernel keeps
 one ``[BLOCK_M, BLOCK_N]`` fp32 tile of the sum in registers and adds one head at a time, so only
 the head-summed scores ever reach memory, and key blocks wholly in a query block's future are

@@ -1,7 +1,7 @@
 """Blockwise FP8 linear layer with FP8 forward and backward GEMMs, and its adaptive mode.
 
-Contract: ``fp8_linear`` (loongforge-llm's ``loongforge.llm.ops.fp8_blockwise``). The forward quantises ``x`` (1x128) and
-the master weight (128x128) and runs ``y = x @ w.T`` in FP8; it saves the weight's e4m3 copy
+Contract: ``fp8_linear`` (loongforge-llm's ``loongforge.llm.ops.fp8_blockwise``). The forward
+quantises ``x`` (1x128) and the master weight (128x128) and runs ``y = x @ w.T`` in FP8; it saves the weight's e4m3 copy
 for the input-grad GEMM and ``x`` quantised along the token dim (transposed, 1 byte per element)
 for the weight-grad GEMM, so no bf16 activation is kept. The backward quantises ``dy`` both ways
 and runs ``dx = dy @ w`` and ``dw = dy.T @ x`` in FP8 (see ``fp8_gemm`` for the GEMMs).

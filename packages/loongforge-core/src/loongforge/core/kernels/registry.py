@@ -110,7 +110,8 @@ class OpRegistry:
             for ep in self._providers:
                 for op, impl in ep.load()().items():
                     if op in found:
-                        raise KernelRegistryError(f"op {op!r} is implemented twice: by {found[op].provider} and by {ep.value}")
+                        raise KernelRegistryError(
+                            f"op {op!r} is implemented twice: by {found[op].provider} and by {ep.value}")
                     found[op] = KernelImpl(fn=impl.fn, supports=impl.supports, provider=ep.value)
             self._provided = found
         return self._provided

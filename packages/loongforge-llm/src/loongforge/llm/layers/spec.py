@@ -59,7 +59,8 @@ def fast_layer_spec(cfg, recompute_elementwise: bool = True, kernels: KernelPoli
         column, row = _fp8_linear_classes(fp8, kernels)
         attention_linears = {"linear_qkv": column, "linear_proj": row}
         mlp_linears = {"linear_fc1": column, "linear_fc2": row}
-    spec = _with_attention(spec, FusedSelfAttention, kernels, core_attention=SDPAttention, **qk_norm, **attention_linears)
+    spec = _with_attention(spec, FusedSelfAttention, kernels, core_attention=SDPAttention, **qk_norm,
+                           **attention_linears)
     mlp = spec.submodules.mlp
     if not isinstance(mlp, functools.partial):
         raise TypeError(f"fast_layer_spec: megatron's local MLP spec is {mlp!r}; expected MLP.as_mlp_submodule")
