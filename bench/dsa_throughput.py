@@ -31,7 +31,7 @@ from torch import nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from loongforge.core.kernels import get_kernel
-from loongforge.core.kernels.dsa_attention import DSAConfig, DSAttention
+from loongforge.llm.families.dsa_attention import DSAConfig, DSAttention
 
 VARIANTS = ("dense", "dense-unfused", "dsa")
 

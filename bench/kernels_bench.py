@@ -2,7 +2,8 @@
 
 Run on a CUDA machine:  uv run python bench/kernels_bench.py [--iters 20] [--ops rms_norm,rope]
 
-For each op of ``loongforge.core.kernels`` it times one forward + backward of the fused version
+For each op of the kernel registry (``loongforge.core.kernels``: core's ops and those
+loongforge-llm and loongforge-diffusion define) it times one forward + backward of the fused version
 (from the installed ``loongforge-kernels`` wheel, found through its entry point), of the torch
 reference, and of ``torch.compile`` of the reference (for ``qk_norm_rope`` and
 ``modulated_layer_norm``, whose backwards are ops of their own, the reference is what they
@@ -59,7 +60,7 @@ def _cases(args, device) -> list[Case]:
     cos, sin = pair_angles.cos(), pair_angles.sin()
 
     def normed_rotated(kernels) -> Callable:
-        from loongforge.core.kernels.attention_inputs import normed_rotated_qkv
+        from loongforge.diffusion.ops.attention_inputs import normed_rotated_qkv
 
         return lambda qkv, wq, wk: normed_rotated_qkv(qkv, wq, wk, cos, sin, 1e-6, kernels)
 
@@ -180,16 +181,16 @@ def main(argv: list[str] | None = None) -> int:
 
     from tqdm import tqdm
 
-    from loongforge.core.kernels import REFERENCE_OPS, OpWithBackward, installed_kernels
+    from loongforge.core.kernels import OpWithBackward, installed_kernels, installed_ops
 
-    fused_ops = installed_kernels()
+    fused_ops, ops = installed_kernels(), installed_ops()
     if not fused_ops:
         print("kernels_bench: no fused kernels are installed (install the loongforge-kernels wheel)", file=sys.stderr)
         return 1
-    wanted = [o for o in args.ops.split(",") if o] or list(REFERENCE_OPS)
-    unknown = sorted(set(wanted) - set(REFERENCE_OPS))
+    wanted = [o for o in args.ops.split(",") if o] or list(ops)
+    unknown = sorted(set(wanted) - set(ops))
     if unknown:
-        print(f"kernels_bench: unknown op(s) {unknown} in --ops; known: {sorted(REFERENCE_OPS)}", file=sys.stderr)
+        print(f"kernels_bench: unknown op(s) {unknown} in --ops; known: {sorted(ops)}", file=sys.stderr)
         return 2
 
     device = torch.device("cuda")
@@ -201,7 +202,7 @@ def main(argv: list[str] | None = None) -> int:
             rows.append((case.op, case.shape, None))
             continue
         if case.build is None:
-            ref, fused = REFERENCE_OPS[case.op], fused_ops[case.op].fn
+            ref, fused = ops[case.op].reference, fused_ops[case.op].fn
         else:
             ref, fused = case.composed, case.build(OpWithBackward(fused_ops[case.op].fn, fused_ops[f"{case.op}_backward"].fn))
         impls = {"fused": fused, "reference": ref}

@@ -12,6 +12,7 @@ import json
 import pytest
 import torch
 from cli_runner import run_cli
+from triton_capable import TritonCapable
 
 from loongforge.core.config import ConfigError
 from loongforge.llm.families import deepseek_v3
@@ -161,23 +162,27 @@ def test_sparse_attention_changes_logits_and_the_indexer_learns(ctx):
                                                  ("triton", True)])
 def test_registry_sparse_attention_equals_megatrons(ctx, kernel, sparse_loss, monkeypatch):
     """RegistryDSAttention (the kernel registry's indexer top-k, indexer loss and sparse MLA;
-    ``triton``: loongforge-kernels' Triton kernels, interpreted on CPU) against megatron's own
-    DSAttention forward on the same module and inputs: output, input grads and indexer grads
-    (indexer loss on, dense and sparse KL)."""
+    ``triton``: loongforge-kernels' Triton kernels, interpreted on CPU, picked by a build context
+    whose accelerator claims Triton) against megatron's own DSAttention forward on the same module
+    and inputs: output, input grads and indexer grads (indexer loss on, dense and sparse KL)."""
     from megatron.core.transformer.experimental_attention_variant.dsa import DSAttention
 
+    from loongforge.core.kernels import KernelPolicy
     from loongforge.llm.families import dsa
 
+    monkeypatch.delenv("LOONGFORGE_KERNELS", raising=False)
     if kernel == "triton":
         from loongforge.kernels import provider
 
-        monkeypatch.setattr(dsa, "get_kernel", lambda name: getattr(provider, name))
+        ctx = dataclasses.replace(ctx, kernels=KernelPolicy(accelerator=TritonCapable(ctx.accelerator)))
     # 16 indexer heads: a key scores exactly 0 (a tie the two top-k may break differently) only
     # when all 16 ReLU(q.k) are 0
     model = build(ctx, v32(dsa_indexer_topk=6, dsa_indexer_n_heads=16, dsa_indexer_use_sparse_loss=sparse_loss), seed=2)
     model.train()
     core = model.decoder.layers[1].self_attention.core_attention
     assert type(core) is dsa.RegistryDSAttention
+    if kernel == "triton":
+        assert core._sparse_attention is provider.sparse_mla_attention
     seen = {}
     hook = core.register_forward_pre_hook(lambda m, args, kwargs: seen.update(args=args, kwargs=kwargs), with_kwargs=True)
     tok, pos = tokens()

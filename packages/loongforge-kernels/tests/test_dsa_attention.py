@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from loongforge.core.kernels.dsa_attention import DSAConfig, DSAttention
+from loongforge.core.kernels import KernelPolicy
+from loongforge.llm.families.dsa_attention import DSAConfig, DSAttention
 
 TIGHT = dict(rtol=1e-5, atol=1e-5)
 
@@ -19,7 +20,7 @@ def _tiny(topk: int) -> DSAConfig:
 
 def _module(topk: int, seed: int = 0) -> DSAttention:
     torch.manual_seed(seed)
-    m = DSAttention(_tiny(topk))
+    m = DSAttention(_tiny(topk), kernels=KernelPolicy(force_reference=True))
     with torch.no_grad():  # non-trivial norms, so a mix-up of weights shows
         m.q_norm.uniform_(0.5, 1.5)
         m.kv_norm.uniform_(0.5, 1.5)
@@ -28,11 +29,6 @@ def _module(topk: int, seed: int = 0) -> DSAttention:
 
 def _grads(m: DSAttention) -> dict[str, torch.Tensor | None]:
     return {n: None if p.grad is None else p.grad.clone() for n, p in m.named_parameters()}
-
-
-@pytest.fixture(autouse=True)
-def _torch_references(monkeypatch):
-    monkeypatch.setenv("LOONGFORGE_KERNELS", "reference")
 
 
 def test_sparse_attention_over_every_key_equals_dense_mla():

@@ -15,7 +15,7 @@ import os
 import pytest
 import torch
 
-from loongforge.core.kernels import dsa
+from loongforge.llm.ops import dsa
 
 pytestmark = [
     pytest.mark.gpu,

@@ -1,4 +1,4 @@
-"""The DSA torch references (loongforge.core.kernels.dsa) against direct dense computations."""
+"""The DSA torch references (loongforge-llm's loongforge.llm.ops.dsa) against direct dense computations."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from loongforge.core.kernels import dsa
+from loongforge.llm.ops import dsa
 
 TIGHT = dict(rtol=1e-5, atol=1e-5)
 

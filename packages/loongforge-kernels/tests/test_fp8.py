@@ -11,8 +11,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from loongforge.core.kernels import fp8 as ref
 from loongforge.kernels import fp8_gemm, fp8_linear
+from loongforge.llm.ops import fp8_blockwise as ref
 
 E4M3_EPS = 2.0**-3  # spacing of e4m3 significands: relative rounding error <= EPS / 2 for normal values
 E4M3_MIN_NORMAL = 2.0**-6
@@ -53,6 +53,11 @@ def test_128x128_round_trip_error_bound_and_scales():
     assert ((back - w).abs() <= _error_bound(w, full)).all()
     rel = ((back - w).norm() / w.norm()).item()
     assert rel < E4M3_EPS / 2
+
+
+def test_the_kernels_scale_the_recipes_blocks():
+    """The kernels name the recipe's block size themselves (they depend on core alone); it is the reference's."""
+    assert fp8_gemm.BLOCK == ref.BLOCK == 128
 
 
 def test_zero_blocks_stay_zero():

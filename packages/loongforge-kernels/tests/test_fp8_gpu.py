@@ -8,7 +8,7 @@ import os
 import pytest
 import torch
 
-from loongforge.core.kernels import fp8 as ref
+from loongforge.llm.ops import fp8_blockwise as ref
 
 pytestmark = [
     pytest.mark.gpu,

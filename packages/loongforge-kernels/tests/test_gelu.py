@@ -64,18 +64,18 @@ def test_fused_feed_forward_equals_the_reference_ops():
     """gelu_feed_forward with the Triton ops (FP8 and not) equals it with the references. In the
     interpreter the FP8 casts stay the references' (its e4m3 rounding is not the GPU's), so the
     fused GELU backward is checked inside the FP8 feed-forward as well."""
-    from loongforge.core.kernels import REFERENCE_OPS
+    from loongforge.core.kernels import get_op
 
     torch.manual_seed(0)
     device = torch.get_default_device()
     x = torch.randn(50, 32, device=device)
     params = [torch.randn(s, device=device) / s[-1] ** 0.5 for s in ((64, 32), (64,), (48, 64), (48,))]
-    casts = ((fp8_cast_transpose, gelu_fp8_cast_transpose) if compiled_on_gpu()
-             else (REFERENCE_OPS["fp8_cast_transpose"], REFERENCE_OPS["gelu_fp8_cast_transpose"]))
-    reference_casts = (REFERENCE_OPS["fp8_cast_transpose"], REFERENCE_OPS["gelu_fp8_cast_transpose"])
-    cases = {False: (FeedForwardKernels(gelu_tanh_backward), FeedForwardKernels(REFERENCE_OPS["gelu_tanh_backward"])),
+    reference_casts = (get_op("fp8_cast_transpose").reference, get_op("gelu_fp8_cast_transpose").reference)
+    casts = (fp8_cast_transpose, gelu_fp8_cast_transpose) if compiled_on_gpu() else reference_casts
+    reference_backward = get_op("gelu_tanh_backward").reference
+    cases = {False: (FeedForwardKernels(gelu_tanh_backward), FeedForwardKernels(reference_backward)),
              True: (FeedForwardKernels(gelu_tanh_backward, *casts),
-                    FeedForwardKernels(REFERENCE_OPS["gelu_tanh_backward"], *reference_casts))}
+                    FeedForwardKernels(reference_backward, *reference_casts))}
     for fp8, kernel_sets in cases.items():
         results = []
         for kernels in kernel_sets:

@@ -1,13 +1,14 @@
-"""The fused query/key RMSNorm + RoPE ops against their references (``core.kernels.qk_norm_rope``)."""
+"""The fused query/key RMSNorm + RoPE ops against their references (loongforge-diffusion's
+``loongforge.diffusion.ops.qk_norm_rope``)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from loongforge.core.kernels import qk_norm_rope as ref
 from loongforge.core.kernels import OpWithBackward
-from loongforge.core.kernels.attention_inputs import normed_rotated_qkv
+from loongforge.diffusion.ops import qk_norm_rope as ref
+from loongforge.diffusion.ops.attention_inputs import normed_rotated_qkv
 from loongforge.kernels.qk_norm_rope import BACKWARD_ROWS, qk_norm_rope, qk_norm_rope_backward
 
 from .conftest import compiled_on_gpu
@@ -116,10 +117,10 @@ def test_fake_outputs_match_the_real_ones():
 
 
 @pytest.mark.parametrize("change, match", [
-    (lambda a: (a[0][:, :-1], *a[1:]), r"qkv must be \[tokens, 3 \* width\]"),
-    (lambda a: (a[0], a[1][:-1], *a[2:]), r"q_weight must be \[32\]"),
-    (lambda a: (*a[:3], a[3][:, :3], a[4][:, :3]), r"head_dim 2 \* 3"),
-    (lambda a: (*a[:3], a[3][:-1], a[4]), "cos and sin must both be"),
+    (lambda a: (a[0][:, :-1], *a[1:]), r"expected qkv \[tokens, 3 \* width\] .*; got qkv \(6, 95\)"),
+    (lambda a: (a[0], a[1][:-1], *a[2:]), r"q_weight \[width\], k_weight \[width\].*; got \(6, 96\), \(31,\), \(32,\)"),
+    (lambda a: (*a[:3], a[3][:, :3], a[4][:, :3]), r"heads of 2 \* 3 channels"),
+    (lambda a: (*a[:3], a[3][:-1], a[4]), r"cos \[tokens, pairs\], sin \[tokens, pairs\]; got .*\(5, 8\), \(6, 8\)"),
 ])
 def test_bad_inputs_name_what_is_wrong(change, match):
     args = _inputs(6, 2, 16, torch.float32)

@@ -9,9 +9,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from loongforge.core.kernels import dsa
 from loongforge.kernels.dsa_indexer import dsa_indexer_loss, dsa_indexer_topk, indexer_scores_chunk
 from loongforge.kernels.sparse_mla import head_mean_probs, sparse_mla_attention
+from loongforge.llm.ops import dsa
 
 TIGHT = dict(rtol=1e-5, atol=1e-5)
 

@@ -12,8 +12,8 @@ import torch
 import torch.nn.functional as F
 
 from loongforge.core.config import ConfigError, to_dict
-from loongforge.core.kernels.fp8 import fp8_linear
 from loongforge.llm.layers.fp8_linear import Fp8ColumnParallelLinear, Fp8RowParallelLinear, fp8_linears
+from loongforge.llm.ops.fp8_blockwise import fp8_linear
 from loongforge.llm.recipe import LLMTask, load_llm_config
 
 STEPS = 20

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from triton_capable import TritonCapable
 
 from loongforge.llm.families.gpt import layer_spec, transformer_config_kwargs
 from loongforge.llm.model_config import GPTConfig
@@ -61,27 +62,13 @@ def test_layer_spec_matches_megatron_local_spec(megatron_world, cfg):
     _check_against_local_spec(cfg)
 
 
-class _TritonCapableCpu:
-    """The cpu accelerator, claiming Triton: the registry then hands out the Triton kernels,
-    which run under the interpreter (the root conftest sets TRITON_INTERPRET=1)."""
-
-    def __init__(self, base):
-        self._base = base
-
-    def __getattr__(self, name):
-        return getattr(self._base, name)
-
-    def supports_triton(self) -> bool:
-        return True
-
-
 def test_triton_kernels_in_the_model_match_megatron_local_spec(megatron_world, monkeypatch):
     pytest.importorskip("loongforge.kernels")
     import loongforge.core.accelerators as accelerators
 
     monkeypatch.delenv("LOONGFORGE_KERNELS", raising=False)
     cpu = accelerators.get_accelerator()
-    monkeypatch.setattr(accelerators, "get_accelerator", lambda *a, **k: _TritonCapableCpu(cpu))
+    monkeypatch.setattr(accelerators, "get_accelerator", lambda *a, **k: TritonCapable(cpu))
     ours = _check_against_local_spec(CFG)
     assert ours.decoder.layers[0].mlp._swiglu.__module__ == "loongforge.kernels.provider"  # not the reference
 
@@ -142,27 +129,41 @@ def test_packed_thd_matches_unpacked_sequences(megatron_world):
         torch.testing.assert_close(got[name], want[name], **TOL, msg=lambda m, n=name: f"{n}: {m}")
 
 
-def test_kernels_force_reference_config_key_builds_reference_ops(megatron_world, monkeypatch):
+def test_kernels_force_reference_config_key_applies_to_its_model_only(megatron_world, monkeypatch):
+    """``kernels.force_reference=true`` reaches the modules of the model built with it through the
+    build context (``ctx.kernels``), not through the environment: a model built afterwards in the
+    same process, with the same context and the default setting, gets the Triton kernels (run
+    under the interpreter here, on an accelerator that claims Triton)."""
     pytest.importorskip("loongforge.kernels")
+    import dataclasses
     import os
 
-    import loongforge.core.accelerators as accelerators
     from megatron.core.transformer import TransformerConfig
 
-    from loongforge.core.kernels import REFERENCE_OPS
+    from loongforge.core.kernels import KernelPolicy, get_op
+    from loongforge.kernels import provider
     from loongforge.llm.recipe import LLMTask, load_llm_config
 
-    monkeypatch.setenv("LOONGFORGE_KERNELS", "auto")  # restored after the test
-    cpu = accelerators.get_accelerator()
-    monkeypatch.setattr(accelerators, "get_accelerator", lambda *a, **k: _TritonCapableCpu(cpu))
-    task = LLMTask(load_llm_config("train_debug", ["kernels.force_reference=true"]))
-    config = TransformerConfig(**task.transformer_config_kwargs(), params_dtype=torch.float32, use_cpu_initialization=True)
-    model = task.build_model(megatron_world, config, True, True)
-    assert os.environ["LOONGFORGE_KERNELS"] == "reference"
-    layer = model.decoder.layers[0]
-    assert layer.mlp._swiglu is REFERENCE_OPS["swiglu"]
-    assert layer.input_layernorm._rms_norm is REFERENCE_OPS["rms_norm"]
-    assert model._linear_cross_entropy is REFERENCE_OPS["linear_cross_entropy"]
+    monkeypatch.delenv("LOONGFORGE_KERNELS", raising=False)  # restored after the test
+    triton_capable = KernelPolicy(accelerator=TritonCapable(megatron_world.accelerator))
+    ctx = dataclasses.replace(megatron_world, kernels=triton_capable)
+
+    def ops(overrides: list[str]) -> dict:
+        task = LLMTask(load_llm_config("train_debug", overrides))
+        config = TransformerConfig(**task.transformer_config_kwargs(), params_dtype=torch.float32,
+                                   use_cpu_initialization=True)
+        model = task.build_model(ctx, config, True, True)
+        layer = model.decoder.layers[0]
+        return {"swiglu": layer.mlp._swiglu, "rms_norm": layer.input_layernorm._rms_norm,
+                "add_rms_norm": layer.pre_mlp_layernorm._add_rms_norm, "rope": layer.self_attention._rope,
+                "linear_cross_entropy": model._linear_cross_entropy}
+
+    forced = ops(["kernels.force_reference=true"])
+    after = ops([])
+    assert "LOONGFORGE_KERNELS" not in os.environ
+    for name in forced:
+        assert forced[name] is get_op(name).reference, name
+        assert after[name] is getattr(provider, name), name
 
 
 def test_build_kwargs_reach_the_family_build(megatron_world):

@@ -13,13 +13,14 @@ a world of one.
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
 
 from loongforge.core.accelerators import Accelerator, get_accelerator
 from loongforge.core.distributed import init_distributed, world_size_from_env
+from loongforge.core.kernels.policy import KernelPolicy
 
 TE_ATTENTION_FLAGS = ("NVTE_FLASH_ATTN", "NVTE_FUSED_ATTN", "NVTE_UNFUSED_ATTN")
 
@@ -65,6 +66,9 @@ class ParallelContext:
     local_rank: int
     dp_size: int
     pgs: object  # megatron.core.process_groups_config.ProcessGroupCollection
+    # how the modules built with this context choose their registry ops (a task's build_model
+    # hands its own to the family's build with dataclasses.replace)
+    kernels: KernelPolicy = field(default_factory=KernelPolicy)
 
     @property
     def tp_rank(self) -> int:

@@ -1,7 +1,8 @@
 """Lightning-indexer scoring for DSA (Triton): top-k selection and the sparse-stage KL loss.
 
-Contracts: ``loongforge.core.kernels.dsa.dsa_indexer_topk`` and ``dsa_indexer_loss``. The score of query ``t`` and key ``s``
-is ``sum_j w[t, j] * relu(q[t, j] . k[s])`` over the indexer's few heads. The torch reference
+Contracts: ``dsa_indexer_topk`` and ``dsa_indexer_loss`` (loongforge-llm's
+``loongforge.llm.ops.dsa``). The score of query ``t`` and key ``s`` is
+``sum_j w[t, j] * relu(q[t, j] . k[s])`` over the indexer's few heads. The torch reference
 forms the ``[queries, heads, keys]`` products before the ReLU-weighted head sum; the kernel keeps
 one ``[BLOCK_M, BLOCK_N]`` fp32 tile of the sum in registers and adds one head at a time, so only
 the head-summed scores ever reach memory, and key blocks wholly in a query block's future are
@@ -23,8 +24,8 @@ import torch
 import triton
 import triton.language as tl
 
-from loongforge.core.kernels import dsa
-from loongforge.core.kernels.dsa import _check_indexer, query_chunk
+from loongforge.core.kernels import get_op
+from loongforge.core.kernels.shapes import check_shapes
 from loongforge.kernels.launch import check_tensors, dot_precision
 from loongforge.kernels.sparse_mla import head_mean_probs
 
@@ -214,10 +215,10 @@ def dsa_indexer_loss(
     softmax_scale: float,
     indices: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Fused ``loongforge.core.kernels.dsa.dsa_indexer_loss`` for the sparse stage; the warm-up
-    (``indices=None``) runs the reference."""
+    """Fused ``dsa_indexer_loss`` for the sparse stage; the warm-up (``indices=None``) runs the
+    registry's reference."""
     if indices is None:
-        return dsa.dsa_indexer_loss(q_idx, k_idx, w_idx, q, kv, softmax_scale)
+        return get_op("dsa_indexer_loss").reference(q_idx, k_idx, w_idx, q, kv, softmax_scale)
     _check_indexer("dsa_indexer_loss", q_idx, k_idx, w_idx)
     b, s = q_idx.shape[:2]
     if indices.dim() != 3 or tuple(indices.shape[:2]) != (b, s) or indices.dtype not in (torch.int32, torch.int64):
@@ -256,13 +257,19 @@ def indexer_scores_chunk(
     return view
 
 
+def _check_indexer(op: str, q_idx: torch.Tensor, k_idx: torch.Tensor, w_idx: torch.Tensor) -> None:
+    dims = check_shapes(op, q_idx=(q_idx, "B S HI DI"), k_idx=(k_idx, "B S_kv DI"), w_idx=(w_idx, "B S HI"))
+    if dims["S_kv"] < dims["S"]:
+        raise ValueError(f"{op}: fewer keys ({dims['S_kv']}) than queries ({dims['S']}); queries are the last keys")
+
+
 def _contiguous(t: torch.Tensor) -> torch.Tensor:
     return t if t.stride(-1) == 1 else t.contiguous()
 
 
 @torch.no_grad()
 def dsa_indexer_topk(q_idx: torch.Tensor, k_idx: torch.Tensor, w_idx: torch.Tensor, topk: int) -> torch.Tensor:
-    """Fused ``loongforge.core.kernels.dsa.dsa_indexer_topk``: int32 ``[B, S, topk]``, -1 padded."""
+    """Fused ``dsa_indexer_topk``: int32 ``[B, S, topk]``, -1 padded."""
     _check_indexer("dsa_indexer_topk", q_idx, k_idx, w_idx)
     if topk < 1:
         raise ValueError(f"dsa_indexer_topk: topk must be >= 1, got {topk}")
@@ -273,7 +280,7 @@ def dsa_indexer_topk(q_idx: torch.Tensor, k_idx: torch.Tensor, w_idx: torch.Tens
     b, s = q_idx.shape[:2]
     n_kv = k_idx.shape[1]
     out = torch.full((b, s, topk), -1, dtype=torch.int32, device=q_idx.device)
-    chunk = query_chunk(s, n_kv, s * topk)
+    chunk = max(1, min(s, s * topk // max(1, n_kv)))  # [chunk, keys] fp32 scores: about S * topk elements
     buf = torch.empty((b, chunk, n_kv), dtype=torch.float32, device=q_idx.device)
     for t0 in range(0, s, chunk):
         t1 = min(t0 + chunk, s)

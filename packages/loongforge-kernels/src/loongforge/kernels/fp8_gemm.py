@@ -1,7 +1,8 @@
 """Blockwise FP8 building blocks for Hopper: quantisation kernels and the scaled GEMM (Triton).
 
-Numerics: ``loongforge.core.kernels.fp8`` (1x128 blocks for activations and grads, 128x128 for
-weights, fp32 ``amax * (1/448)`` scales). The quantisers divide with IEEE rounding (``div_rn``),
+Numerics: loongforge-llm's ``loongforge.llm.ops.fp8_blockwise`` (1x128 blocks for activations and
+grads, 128x128 for weights, fp32 ``amax * (1/448)`` scales; e4m3's constants from core's
+``fp8_format``). The quantisers divide with IEEE rounding (``div_rn``),
 so on a GPU their e4m3 values and scales are bitwise those of the torch reference.
 
 Every GEMM here is ``C = A @ B.T`` with both operands K-major (the layout Hopper's FP8 tensor
@@ -30,12 +31,13 @@ import torch
 import triton
 import triton.language as tl
 
-from loongforge.core.kernels.fp8 import AMAX_FLOOR, BLOCK, FP8_DTYPE, FP8_MAX, INV_FP8_MAX
+from loongforge.core.kernels.fp8_format import AMAX_FLOOR, FP8_DTYPE, FP8_MAX, INV_FP8_MAX
 from loongforge.kernels.launch import check_tensors
 
 GEMM_ENV = "LOONGFORGE_FP8_GEMM"
 GEMM_BACKENDS = ("auto", "triton", "scaled_mm")
 QUANT_ROWS = 32  # rows per program of the 1x128 quantiser
+BLOCK = 128  # the recipe's scaling block (the reference's ``fp8_blockwise.BLOCK``; a test checks they agree)
 
 
 @triton.jit
@@ -151,7 +153,7 @@ def _rows_contiguous(op: str, x: torch.Tensor) -> torch.Tensor:
 
 
 def quantize_1x128(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Fused ``loongforge.core.kernels.fp8.quantize_1x128``: ``q [R, C]`` e4m3, ``scale [R, C/128]``."""
+    """Fused ``loongforge.llm.ops.fp8_blockwise.quantize_1x128``: ``q [R, C]`` e4m3, ``scale [R, C/128]``."""
     x = _rows_contiguous("quantize_1x128", x)
     rows, cols = x.shape
     q = torch.empty((rows, cols), dtype=FP8_DTYPE, device=x.device)
@@ -181,7 +183,7 @@ def quantize_1x128_transposed(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tens
 
 
 def quantize_128x128(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Fused ``loongforge.core.kernels.fp8.quantize_128x128``: ``q [N, K]`` e4m3, ``scale [N/128, K/128]``."""
+    """Fused ``loongforge.llm.ops.fp8_blockwise.quantize_128x128``: ``q [N, K]`` e4m3, ``scale [N/128, K/128]``."""
     w = _rows_contiguous("quantize_128x128", w)
     rows, cols = w.shape
     q = torch.empty((rows, cols), dtype=FP8_DTYPE, device=w.device)

@@ -1,7 +1,7 @@
 """Blockwise FP8 linear layer with FP8 forward and backward GEMMs, and its adaptive mode.
 
-Contract: ``loongforge.core.kernels.fp8.fp8_linear``. The forward quantises ``x`` (1x128) and
-the master weight (128x128) and runs ``y = x @ w.T`` in FP8; it saves the weight's e4m3 copy
+Contract: ``fp8_linear`` (loongforge-llm's ``loongforge.llm.ops.fp8_blockwise``). The forward
+quantises ``x`` (1x128) and the master weight (128x128) and runs ``y = x @ w.T`` in FP8; it saves the weight's e4m3 copy
 for the input-grad GEMM and ``x`` quantised along the token dim (transposed, 1 byte per element)
 for the weight-grad GEMM, so no bf16 activation is kept. The backward quantises ``dy`` both ways
 and runs ``dx = dy @ w`` and ``dw = dy.T @ x`` in FP8 (see ``fp8_gemm`` for the GEMMs).
@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
-from loongforge.core.kernels.fp8 import check_linear
+from loongforge.core.kernels.fp8_format import check_linear
 from loongforge.kernels import fp8_gemm as gemm
 
 GEMMS = ("fprop", "dgrad", "wgrad")
@@ -178,7 +178,7 @@ class _Fp8Linear(torch.autograd.Function):
 def fp8_linear(
     x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, adaptive: bool = False
 ) -> torch.Tensor:
-    """Fused ``loongforge.core.kernels.fp8.fp8_linear``: real e4m3 GEMMs, forward and backward."""
+    """Fused ``fp8_linear``: real e4m3 GEMMs, forward and backward."""
     check_linear("fp8_linear", x, weight, bias)
     x2 = x.reshape(-1, x.shape[-1])
     x2 = x2 if x2.stride(-1) == 1 else x2.contiguous()

@@ -1,8 +1,12 @@
 """The ``loongforge.kernels`` entry point: which fused ops this wheel provides and where they run.
 
 The registry in ``loongforge.core.kernels`` calls :func:`fused_kernels` when it first looks for
-fused ops. The op functions here import their Triton module on first call, so loading the
-provider on a machine that never runs them (CPU, a device without Triton) costs nothing.
+fused ops. The ops are those of any package (core's generic ones, loongforge-llm's DSA and
+blockwise FP8 ops, loongforge-diffusion's ``qk_norm_rope``): this wheel depends on core alone and
+names them; the registry refuses an implementation whose op no installed package defines. The op
+functions here import their Triton module on first call, so loading the provider on a machine
+that never runs them (CPU, a device without Triton) costs nothing, and it imports no package
+that defines ops.
 
 The registry chooses by accelerator, once, when a module is built; tensors can still live on the
 CPU on a GPU machine (a model built or evaluated on the host). Each op therefore dispatches on its
@@ -17,7 +21,7 @@ import importlib.util
 
 import torch
 
-from loongforge.core.kernels import REFERENCE_OPS, KernelImpl
+from loongforge.core.kernels import KernelImpl, get_op
 
 
 def _triton_runs_on(device: torch.device) -> bool:
@@ -31,14 +35,15 @@ def _triton_runs_on(device: torch.device) -> bool:
 
 
 def _by_device(op):
-    """``op`` for tensors Triton runs on, the registry's torch reference of the same name otherwise."""
-    reference = REFERENCE_OPS[op.__name__]
+    """``op`` for tensors Triton runs on, the registry's torch reference of the same name otherwise
+    (looked up when first needed, from the package that defines the op)."""
+    name = op.__name__
 
     @functools.wraps(op)
     def dispatch(first: torch.Tensor, *args, **kwargs):
         if _triton_runs_on(first.device):
             return op(first, *args, **kwargs)
-        return reference(first, *args, **kwargs)
+        return get_op(name).reference(first, *args, **kwargs)
 
     return dispatch
 

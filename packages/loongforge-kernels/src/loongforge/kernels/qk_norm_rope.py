@@ -1,6 +1,7 @@
 """Query/key RMSNorm and interleaved RoPE of a fused QKV projection (Triton), forward and backward.
 
-Contracts: ``loongforge.core.kernels.qk_norm_rope``. A program holds ``BLOCK_M`` whole rows of
+Contracts: ``qk_norm_rope`` and its backward (loongforge-diffusion's
+``loongforge.diffusion.ops.qk_norm_rope``). A program holds ``BLOCK_M`` whole rows of
 the query or the key columns (the norm spans the model width), read as contiguous blocks and
 split into channel pairs in registers. The forward reads each row once and writes it rotated.
 The backward reads the attention's gradient of a row and the row itself once, recomputes the
@@ -19,7 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
-from loongforge.core.kernels.qk_norm_rope import check_qkv
+from loongforge.core.kernels.shapes import check_shapes
 from loongforge.kernels.launch import check_tensors, row_block, split_rows, warps_for
 
 # rows per program (forward, backward) and backward programs per SM slot; warps follow the tile
@@ -149,13 +150,24 @@ def _qk_norm_rope_bwd(
         tl.store(PARTIAL + (tl.program_id(0) * 2 + which) * width + cols[None, :], partial, mask=col_ok[None, :])
 
 
+def _dims(op: str, qkv, q_weight, k_weight, cos, sin) -> tuple[int, int, int]:
+    """``(tokens, width, pairs per head)`` of valid inputs; a clear error naming the bad one otherwise."""
+    dims = check_shapes(op, qkv=(qkv, "tokens qkv"), q_weight=(q_weight, "width"), k_weight=(k_weight, "width"),
+                        cos=(cos, "tokens pairs"), sin=(sin, "tokens pairs"))
+    width, pairs = dims["width"], dims["pairs"]
+    if dims["qkv"] != 3 * width or pairs == 0 or width % (2 * pairs):
+        raise ValueError(f"{op}: expected qkv [tokens, 3 * width] for norm weights [width={width}] and heads of "
+                         f"2 * {pairs} channels (cos and sin [tokens, {pairs}]); got qkv {tuple(qkv.shape)}")
+    return dims["tokens"], width, pairs
+
+
 def _checked(op: str, qkv, q_weight, k_weight, cos, sin) -> tuple[int, int, int, int]:
     """``(tokens, width, pairs per head, pair block)`` of inputs the kernels can take."""
-    tokens, width = check_qkv(op, qkv, q_weight, k_weight, cos, sin)
+    tokens, width, pairs = _dims(op, qkv, q_weight, k_weight, cos, sin)
     check_tensors(op, qkv, q_weight, k_weight, cos, sin)
     if qkv.stride(1) != 1 or cos.stride(1) != 1 or sin.stride(1) != 1:
         raise ValueError(f"{op}: qkv, cos and sin need contiguous rows (strides {qkv.stride()}, {cos.stride()}, {sin.stride()})")
-    return tokens, width, cos.shape[1], row_block(op, width) // 2
+    return tokens, width, pairs, row_block(op, width) // 2
 
 
 def _rows(op: str, name: str, t: torch.Tensor, tokens: int, width: int) -> torch.Tensor:
@@ -185,7 +197,7 @@ def qk_norm_rope(
 
 @qk_norm_rope.register_fake
 def _(qkv, q_weight, k_weight, cos, sin, eps):
-    tokens, width = check_qkv("qk_norm_rope", qkv, q_weight, k_weight, cos, sin)
+    tokens, width, _ = _dims("qk_norm_rope", qkv, q_weight, k_weight, cos, sin)
     return qkv.new_empty(tokens, width), qkv.new_empty(tokens, width)
 
 
@@ -215,5 +227,5 @@ def qk_norm_rope_backward(
 
 @qk_norm_rope_backward.register_fake
 def _(dq, dk, dv, qkv, q_weight, k_weight, cos, sin, eps):
-    tokens, width = check_qkv("qk_norm_rope_backward", qkv, q_weight, k_weight, cos, sin)
+    tokens, width, _ = _dims("qk_norm_rope_backward", qkv, q_weight, k_weight, cos, sin)
     return dq.new_empty(tokens, 3 * width), qkv.new_empty(2, width, dtype=torch.float32)

@@ -1,6 +1,6 @@
 """Sparse MLA attention over per-query top-k keys (Triton), forward and backward.
 
-Contract: ``loongforge.core.kernels.dsa.sparse_mla_attention``. MLA in its absorbed form has one
+Contract: ``sparse_mla_attention`` (loongforge-llm's ``loongforge.llm.ops.dsa``). MLA in its absorbed form has one
 latent KV row per key shared by every head, ``kv = [c_kv (d_v), k_rope (d_rope)]``, whose first
 ``d_v`` entries are also the value. So one program takes one query token and a block of its
 heads, and walks that token's ``topk`` indices in blocks: it gathers the selected latent rows
@@ -21,7 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
-from loongforge.core.kernels.dsa import _check_attention
+from loongforge.core.kernels.shapes import check_shapes
 from loongforge.kernels.launch import check_tensors, dot_precision
 
 LOG2E = math.log2(math.e)
@@ -223,10 +223,9 @@ BLOCK_N_BWD = 16
 
 
 def _check(q, kv, indices, d_v):
-    _check_attention("sparse_mla_attention", q, kv, d_v)
-    b, s = q.shape[:2]
-    if indices.dim() != 3 or tuple(indices.shape[:2]) != (b, s):
-        raise ValueError(f"sparse_mla_attention: indices must be [B, S, topk] = [{b}, {s}, k], got {tuple(indices.shape)}")
+    dims = check_shapes("sparse_mla_attention", q=(q, "B S H D"), kv=(kv, "B S_kv D"), indices=(indices, "B S topk"))
+    if not 0 < d_v <= dims["D"]:
+        raise ValueError(f"sparse_mla_attention: d_v={d_v} must be in (0, D={dims['D']}]")
     if indices.dtype not in (torch.int32, torch.int64):
         raise ValueError(f"sparse_mla_attention: indices must be int32 or int64, got {indices.dtype}")
     if q.dtype != kv.dtype:
@@ -320,5 +319,5 @@ def head_mean_probs(q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor, so
 def sparse_mla_attention(
     q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor, softmax_scale: float, d_v: int
 ) -> torch.Tensor:
-    """Fused ``loongforge.core.kernels.dsa.sparse_mla_attention``."""
+    """Fused ``sparse_mla_attention``."""
     return _SparseMLA.apply(q, kv, indices, softmax_scale, d_v)

@@ -182,9 +182,9 @@ class LLMTask:
 
     def build_model(self, ctx, transformer_config, pre_process, post_process, load_initial_weights=True):
         if self.cfg.kernels.force_reference:
-            from loongforge.core.kernels import force_reference_kernels
+            from loongforge.core.kernels import KernelPolicy
 
-            force_reference_kernels()  # before the modules resolve their ops
+            ctx = replace(ctx, kernels=KernelPolicy(force_reference=True))  # the modules resolve their ops by it
         model = self._build_with_fp8(ctx, transformer_config, pre_process, post_process)
         if self.cfg.model.init_from_hf and load_initial_weights:  # before any adapter: the HF weights are the base
             from loongforge.core.hf_mapping import MappingError

@@ -11,8 +11,9 @@ range matters more than its precision):
 
 This is the recipe for large GEMMs over well-conditioned activations, such as a DiT's: on an H200
 at a Wan-1.3B block's shapes (14k tokens) tensor-wise ``_scaled_mm`` runs the three GEMMs of a
-linear 1.6-1.7x faster than bf16, where the blockwise recipe of ``fp8.py`` (DeepSeek-V3's, robust
-to outlier rows, used for LLMs) is slower than bf16 there once its quantisation passes are counted.
+linear 1.6-1.7x faster than bf16, where the blockwise recipe (DeepSeek-V3's, robust to outlier
+rows, used for LLMs: loongforge-llm's ``loongforge.llm.ops.fp8_blockwise``) is slower than bf16
+there once its quantisation passes are counted.
 
 Every operand is cast once into both layouts Hopper's FP8 GEMMs read (the registry op
 ``fp8_cast_transpose``: :func:`cast_transpose` here, one Triton pass in ``loongforge-kernels``,
@@ -33,7 +34,7 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-from loongforge.core.kernels.fp8 import AMAX_FLOOR, check_linear
+from loongforge.core.kernels.fp8_format import AMAX_FLOOR, check_linear
 
 E4M3 = torch.float8_e4m3fn
 E5M2 = torch.float8_e5m2

@@ -1,11 +1,13 @@
-"""Torch reference implementations of LoongForge's named fused ops.
+"""Torch references of core's generic transformer ops: ``rms_norm``, ``add_rms_norm``, ``rope``,
+``swiglu``, ``linear_cross_entropy``.
 
-These define each op's contract (shapes, dtypes, numerics); DeepSeek sparse attention's ops live
-in ``dsa.py``, the FP8 linear in ``fp8.py``, the feed-forward's GELU ops in ``gelu.py``, the
-query/key norm and rotation of Wan-style attention in ``qk_norm_rope.py``, adaLN's LayerNorm in
-``layer_norm.py``. Fused versions registered through the ``loongforge.kernels`` entry-point
-group must match them; they are what runs when no fused version applies (CPU, a device without
-Triton, or ``kernels.force_reference``). An op ``<name>_backward`` is the backward of ``<name>``
+Each defines its op's contract (shapes, dtypes, numerics) and is registered under the op's name
+as a ``loongforge.ops`` entry point in core's ``pyproject.toml``, like core's other generic ops
+(the tensor-wise FP8 cast in ``fp8_tensorwise.py``, the feed-forward's GELU ops in ``gelu.py``,
+adaLN's LayerNorm in ``layer_norm.py``); model-specific ops are defined by the packages that own
+them. Fused versions registered through the ``loongforge.kernels`` entry-point group must match
+them; they are what runs when no fused version applies (CPU, a device without Triton, or a
+forced reference). An op ``<name>_backward`` is the backward of ``<name>``
 (``get_kernel_with_backward`` resolves both).
 """
 
@@ -13,13 +15,6 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-
-from loongforge.core.kernels.dsa import dsa_indexer_loss, dsa_indexer_topk, sparse_mla_attention
-from loongforge.core.kernels.fp8 import fp8_linear
-from loongforge.core.kernels.fp8_tensorwise import cast_transpose as fp8_cast_transpose
-from loongforge.core.kernels.gelu import gelu_fp8_cast_transpose, gelu_tanh_backward
-from loongforge.core.kernels.layer_norm import modulated_layer_norm, modulated_layer_norm_backward
-from loongforge.core.kernels.qk_norm_rope import qk_norm_rope, qk_norm_rope_backward
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
@@ -74,22 +69,3 @@ def linear_cross_entropy(
     logits = (hidden @ weight.t()).float()
     return F.cross_entropy(logits, labels, ignore_index=ignore_index, reduction="none")
 
-
-REFERENCE_OPS = {
-    "rms_norm": rms_norm,
-    "add_rms_norm": add_rms_norm,
-    "rope": rope,
-    "swiglu": swiglu,
-    "linear_cross_entropy": linear_cross_entropy,
-    "dsa_indexer_topk": dsa_indexer_topk,
-    "dsa_indexer_loss": dsa_indexer_loss,
-    "sparse_mla_attention": sparse_mla_attention,
-    "fp8_linear": fp8_linear,
-    "fp8_cast_transpose": fp8_cast_transpose,
-    "gelu_tanh_backward": gelu_tanh_backward,
-    "gelu_fp8_cast_transpose": gelu_fp8_cast_transpose,
-    "qk_norm_rope": qk_norm_rope,
-    "qk_norm_rope_backward": qk_norm_rope_backward,
-    "modulated_layer_norm": modulated_layer_norm,
-    "modulated_layer_norm_backward": modulated_layer_norm_backward,
-}

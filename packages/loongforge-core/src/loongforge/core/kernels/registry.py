@@ -1,25 +1,50 @@
-"""Named fused ops: a torch reference per op, overridden by installed kernel wheels.
+"""Named fused ops: each op's contract, defined by the package that owns it, and the fused
+implementations kernel wheels provide for any of them.
 
-A kernel wheel registers a provider under the ``loongforge.kernels`` entry-point group: a
-zero-argument callable returning ``{op_name: KernelImpl}``. ``get_kernel(name)`` returns the
-provider's implementation when one is installed and ``supports(accelerator)`` holds, else the
-reference. ``LOONGFORGE_KERNELS=reference`` always picks the reference: it is the one switch, which the
-``kernels.force_reference`` config key sets through :func:`force_reference_kernels` (and
-``get_kernel(name, force_reference=True)`` applies to one lookup).
+A package defines an op with an entry point of the ``loongforge.ops`` group named after the op,
+whose object is the op's torch reference (its contract: shapes, dtypes, numerics)::
+
+    [project.entry-points."loongforge.ops"]
+    rms_norm = "loongforge.core.kernels.reference:rms_norm"
+
+Looking an op up loads that one entry point, so it imports the owning package's module and no
+other modality's. A kernel wheel registers a provider under the ``loongforge.kernels`` group: a
+zero-argument callable returning ``{op_name: KernelImpl}``, for ops of any package.
+``get_kernel(name)`` returns the provider's implementation where one is installed and
+``supports(accelerator)`` holds, else the reference. Errors name what is wrong: an op defined
+twice (both sources), an implementation of an op no installed package defines (when that op is
+looked up, or when the providers are listed: ``installed_kernels``) and an unknown op (with the
+known ones).
+
+The reference wherever a fused kernel would run: ``get_kernel(name, force_reference=True)`` for
+one lookup, ``KernelPolicy(force_reference=True)`` handed to the modules a builder makes
+(``policy.py``), or ``LOONGFORGE_KERNELS=reference`` in the environment (read here, never written).
 """
 
 from __future__ import annotations
 
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from functools import cache
-from importlib.metadata import entry_points
+from importlib.metadata import EntryPoint, entry_points
 
-from loongforge.core.kernels.reference import REFERENCE_OPS
-
-ENTRY_POINT_GROUP = "loongforge.kernels"
+OPS_GROUP = "loongforge.ops"
+ENTRY_POINT_GROUP = "loongforge.kernels"  # the providers' group
 ENV_VAR = "LOONGFORGE_KERNELS"
+
+
+class KernelRegistryError(LookupError):
+    """An op defined twice, implemented but defined by no installed package, or unknown."""
+
+
+@dataclass(frozen=True)
+class OpContract:
+    """One named op as the package that owns it defines it."""
+
+    name: str
+    reference: Callable  # the torch reference: what every implementation must compute
+    source: str = ""  # where it is defined: "distribution: module:attribute"
 
 
 @dataclass(frozen=True)
@@ -31,43 +56,118 @@ class KernelImpl:
     provider: str = ""
 
 
+def _source(ep: EntryPoint) -> str:
+    dist = getattr(ep, "dist", None)
+    return f"{dist.name}: {ep.value}" if dist is not None else ep.value
+
+
+class OpRegistry:
+    """The ops defined by ``definitions`` (``loongforge.ops`` entry points) and the implementations
+    of ``providers`` (``loongforge.kernels`` entry points); an entry point is loaded when first needed."""
+
+    def __init__(self, definitions: Iterable[EntryPoint], providers: Iterable[EntryPoint]):
+        self._definitions: dict[str, list[EntryPoint]] = {}
+        for ep in definitions:
+            self._definitions.setdefault(ep.name, []).append(ep)
+        self._providers = tuple(providers)
+        self._contracts: dict[str, OpContract] = {}
+        self._provided: dict[str, KernelImpl] | None = None
+
+    def names(self) -> list[str]:
+        """Every defined op's name, from the packages' metadata (imports nothing)."""
+        return sorted(self._definitions)
+
+    def contract(self, name: str) -> OpContract:
+        """The contract of op ``name``, importing only the module that defines it."""
+        if name not in self._contracts:
+            self._contracts[name] = self._load_contract(name)
+        return self._contracts[name]
+
+    def _load_contract(self, name: str) -> OpContract:
+        definitions = self._definitions.get(name, [])
+        if not definitions:
+            if name in self.provided():
+                raise KernelRegistryError(self._undefined_message([name]))
+            raise KernelRegistryError(f"unknown kernel op {name!r}; known: {', '.join(self.names()) or 'none'}")
+        if len(definitions) > 1:
+            sources = " and by ".join(_source(ep) for ep in definitions)
+            raise KernelRegistryError(f"op {name!r} is defined twice: by {sources}")
+        (ep,) = definitions
+        reference = ep.load()
+        if not callable(reference):
+            raise KernelRegistryError(f"op {name!r}: {_source(ep)} is not a callable (the op's torch reference)")
+        return OpContract(name, reference, _source(ep))
+
+    def contracts(self) -> dict[str, OpContract]:
+        """Every defined op (imports every package that defines one)."""
+        return {name: self.contract(name) for name in self.names()}
+
+    def provided(self) -> dict[str, KernelImpl]:
+        """Every provider's implementations by op, as the providers give them (not checked
+        against the definitions; :meth:`kernels` is)."""
+        if self._provided is None:
+            found: dict[str, KernelImpl] = {}
+            for ep in self._providers:
+                for op, impl in ep.load()().items():
+                    if op in found:
+                        raise KernelRegistryError(
+                            f"op {op!r} is implemented twice: by {found[op].provider} and by {ep.value}")
+                    found[op] = KernelImpl(fn=impl.fn, supports=impl.supports, provider=ep.value)
+            self._provided = found
+        return self._provided
+
+    def kernels(self) -> dict[str, KernelImpl]:
+        """Every provided implementation by op; one of an op no installed package defines is an error naming it."""
+        undefined = sorted(set(self.provided()) - set(self._definitions))
+        if undefined:
+            raise KernelRegistryError(self._undefined_message(undefined))
+        return self.provided()
+
+    def _undefined_message(self, ops: list[str]) -> str:
+        listed = ", ".join(f"{op!r} (by {self.provided()[op].provider})" for op in ops)
+        return (f"kernel providers implement ops that no installed package defines: {listed}; install the package "
+                f"that defines them (its {OPS_GROUP!r} entry points) or remove the provider")
+
+    def resolve(self, name: str, accelerator=None, force_reference: bool | None = None) -> Callable:
+        """The implementation of op ``name`` to use on ``accelerator`` (default: the current one);
+        ``force_reference`` None reads ``LOONGFORGE_KERNELS``."""
+        contract = self.contract(name)
+        if force_reference is None:
+            force_reference = os.environ.get(ENV_VAR, "auto").lower() == "reference"
+        impl = None if force_reference else self.provided().get(name)
+        if impl is None:
+            return contract.reference
+        if accelerator is None:
+            from loongforge.core.accelerators import get_accelerator
+
+            accelerator = get_accelerator()
+        return impl.fn if impl.supports(accelerator) else contract.reference
+
+
 @cache
+def installed_registry() -> OpRegistry:
+    """The registry of the installed packages' op definitions and kernel providers."""
+    return OpRegistry(entry_points(group=OPS_GROUP), entry_points(group=ENTRY_POINT_GROUP))
+
+
+def get_op(name: str) -> OpContract:
+    """The contract of installed op ``name`` (imports only the module that defines it)."""
+    return installed_registry().contract(name)
+
+
+def installed_ops() -> dict[str, OpContract]:
+    """Every installed op's contract, by name (imports every package that defines one)."""
+    return installed_registry().contracts()
+
+
 def installed_kernels() -> dict[str, KernelImpl]:
     """Every fused op provided by installed kernel wheels, by op name."""
-    found: dict[str, KernelImpl] = {}
-    for ep in entry_points(group=ENTRY_POINT_GROUP):
-        for op, impl in ep.load()().items():
-            if op not in REFERENCE_OPS:
-                raise ValueError(f"kernel provider {ep.value!r} registers unknown op {op!r}; known: {sorted(REFERENCE_OPS)}")
-            if op in found:
-                raise ValueError(f"op {op!r} is registered twice ({found[op].provider} and {ep.value})")
-            found[op] = KernelImpl(fn=impl.fn, supports=impl.supports, provider=ep.value)
-    return found
-
-
-def force_reference_kernels() -> None:
-    """From now on every ``get_kernel`` of this process (and of processes it starts) returns the
-    torch reference: sets ``LOONGFORGE_KERNELS=reference``. Modules resolve their ops when they
-    are built, so call it before building the model."""
-    os.environ[ENV_VAR] = "reference"
+    return installed_registry().kernels()
 
 
 def get_kernel(name: str, accelerator=None, force_reference: bool | None = None) -> Callable:
     """The implementation of op ``name`` to use on ``accelerator`` (default: the current one)."""
-    if name not in REFERENCE_OPS:
-        raise KeyError(f"unknown kernel op {name!r}; known: {sorted(REFERENCE_OPS)}")
-    if force_reference is None:
-        force_reference = os.environ.get(ENV_VAR, "auto").lower() == "reference"
-    if force_reference:
-        return REFERENCE_OPS[name]
-    impl = installed_kernels().get(name)
-    if impl is None:
-        return REFERENCE_OPS[name]
-    if accelerator is None:
-        from loongforge.core.accelerators import get_accelerator
-
-        accelerator = get_accelerator()
-    return impl.fn if impl.supports(accelerator) else REFERENCE_OPS[name]
+    return installed_registry().resolve(name, accelerator, force_reference)
 
 
 @dataclass(frozen=True)

@@ -14,7 +14,7 @@ variants), so ``load_state_dict`` of a diffusers checkpoint is the identity mapp
   cross-attention's query and output, the feed-forward) run their GEMMs in FP8
   (``loongforge.core.kernels.fp8_tensorwise``); prompt projections stay in the autocast dtype;
 - self-attention's query/key RMSNorm and RoPE are one registry op on the fused QKV projection's
-  output (``loongforge.core.kernels.attention_inputs.normed_rotated_qkv``: one pass forward, one
+  output (``loongforge.diffusion.ops.attention_inputs.normed_rotated_qkv``: one pass forward, one
   backward that writes the projection's whole gradient), also inside compiled blocks;
   cross-attention's query and key RMSNorms go through the registry's ``rms_norm``, whose torch
   reference a compiled block (``compile_regions``) uses instead, for inductor to fuse;
@@ -51,7 +51,6 @@ from diffusers.models.transformers.transformer_wan import WanTimeTextImageEmbedd
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 from loongforge.core.kernels import get_kernel, get_kernel_with_backward
-from loongforge.core.kernels.attention_inputs import normed_rotated_qkv
 from loongforge.core.kernels.feed_forward import feed_forward_kernels, gelu_feed_forward
 from loongforge.core.kernels.fp8_tensorwise import fp8_linear_tensorwise
 from loongforge.core.kernels.modulated_norm import normalize_and_modulate
@@ -59,6 +58,7 @@ from loongforge.diffusion.context_parallel import ContextParallel, heads_to_seq,
 from loongforge.diffusion.model.attention import Segments, packed_attention
 from loongforge.diffusion.model.config import CHECKPOINTING, WanConfig
 from loongforge.diffusion.model.rope import rope_tables
+from loongforge.diffusion.ops.attention_inputs import normed_rotated_qkv
 from loongforge.diffusion.packing import PackedBatch, pack, unpack_outputs
 
 

@@ -3,7 +3,8 @@
 Wan splits each head's channels into (frame, height, width) bands of sizes
 ``(hd - 2*(2*(hd//6)), 2*(hd//6), 2*(hd//6))`` and rotates channel pairs ``(2i, 2i+1)`` of each band
 by ``pos * theta**(-2i/band)`` (diffusers' ``WanRotaryPosEmbed``, interleaved pairs). The tables
-here hold one angle per pair and token; the core ``qk_norm_rope`` op rotates with them.
+here hold one angle per pair and token; the registry op ``qk_norm_rope`` (``loongforge.diffusion.ops``)
+rotates with them.
 """
 
 from __future__ import annotations

@@ -18,8 +18,9 @@ attention spec takes those in place of ``linear()``.
 
 The core attention is ``RegistryDSAttention``: megatron's ``DSAttention`` whose indexer top-k,
 indexer loss and sparse attention are the kernel registry's ops (loongforge-kernels' Triton
-kernels where they run, the torch references elsewhere), instead of megatron's torch path, which
-builds every head's full ``[sq, skv]`` scores for the attention and for the loss.
+kernels where they run, the torch references of ``loongforge.llm.ops.dsa`` elsewhere, as the
+build's ``KernelPolicy`` picks them), instead of megatron's torch path, which builds every
+head's full ``[sq, skv]`` scores for the attention and for the loss.
 """
 
 from __future__ import annotations
@@ -32,9 +33,9 @@ from megatron.core.transformer.experimental_attention_variant import dsa as mega
 from megatron.core.transformer.experimental_attention_variant.dsa_masking import build_dsattention_forward_mask
 from megatron.core.utils import get_pg_size
 
-from loongforge.core.kernels.dsa import indexer_scores
-from loongforge.core.kernels.registry import get_kernel
+from loongforge.core.kernels import KernelPolicy
 from loongforge.llm.families.norm import LayerNorm, RMSNorm
+from loongforge.llm.ops.dsa import indexer_scores
 
 
 class RegistryDSAttention(megatron_dsa.DSAttention):
@@ -52,8 +53,14 @@ class RegistryDSAttention(megatron_dsa.DSAttention):
     split and the loss's target needs megatron's all-reduce: there the loss is megatron's
     ``compute_dsa_indexer_loss`` on the same top-k (so every layout selects the same keys).
     Layouts the registry ops do not cover (an explicit mask, packed sequences, context
-    parallel, top-k shared across layers) run megatron's forward.
+    parallel, top-k shared across layers) run megatron's forward. ``kernels``: the policy the
+    registry ops are resolved by when the module is built.
     """
+
+    def __init__(self, *args, kernels: KernelPolicy = KernelPolicy(), **kwargs):
+        super().__init__(*args, **kwargs)
+        self._indexer_topk, self._indexer_loss = kernels.get("dsa_indexer_topk"), kernels.get("dsa_indexer_loss")
+        self._sparse_attention = kernels.get("sparse_mla_attention")
 
     def _registry_path(self, query, key, value, attention_mask, up_v_weight, packed_seq_params) -> bool:
         return (value is None and up_v_weight is not None and key.size(2) == 1 and attention_mask is None
@@ -76,16 +83,16 @@ class RegistryDSAttention(megatron_dsa.DSAttention):
         # the registry ops' batch-major layouts: [b, s, heads, dim], one latent KV row per key
         q_attn, kv_attn = query.transpose(0, 1), key[:, :, 0].transpose(0, 1)
         q_idx, k_idx, w_idx = q.transpose(0, 1), k.transpose(0, 1), weights.transpose(0, 1)
-        topk = get_kernel("dsa_indexer_topk")(q_idx.detach(), k_idx.detach(), w_idx.detach(), self.index_topk)
+        topk = self._indexer_topk(q_idx.detach(), k_idx.detach(), w_idx.detach(), self.index_topk)
         loss = None
         if with_loss and get_pg_size(self.pg_collection.tp) > 1:
             loss = self._tensor_parallel_indexer_loss(q_idx, k_idx, w_idx, topk, query, key, attn_mask_type, position_ids)
         elif with_loss:
             sparse = topk if config.dsa_indexer_use_sparse_loss else None
-            per_query = get_kernel("dsa_indexer_loss")(q_idx, k_idx, w_idx, q_attn.detach(), kv_attn.detach(),
-                                                      self.softmax_scale, sparse)
+            per_query = self._indexer_loss(q_idx, k_idx, w_idx, q_attn.detach(), kv_attn.detach(), self.softmax_scale,
+                                           sparse)
             loss = coeff * (per_query.sum() if config.calculate_per_token_loss else per_query.mean())
-        latent = get_kernel("sparse_mla_attention")(q_attn, kv_attn, topk, self.softmax_scale, config.kv_lora_rank)
+        latent = self._sparse_attention(q_attn, kv_attn, topk, self.softmax_scale, config.kv_lora_rank)
         output = torch.einsum("bshc,hdc->sbhd", latent, up_v_weight.to(latent.dtype)).reshape(sq, b, -1)
         if loss is None:
             return output
@@ -119,33 +126,35 @@ class LocalDSASpecProvider(LocalSpecProvider):
         return RMSNorm if rms_norm else LayerNorm
 
 
-def attention_spec(config):
-    """megatron's DSA self-attention spec (AbsorbedMLA + DSAttention + DSAIndexer), local backend."""
+def attention_spec(config, kernels: KernelPolicy = KernelPolicy()):
+    """megatron's DSA self-attention spec (AbsorbedMLA + DSAttention + DSAIndexer), local backend;
+    ``kernels``: the policy of the core attention's registry ops."""
     from megatron.core.models.gpt.experimental_attention_variant_module_specs import get_dsa_module_spec_for_backend
     from megatron.core.tensor_parallel.layers import ColumnParallelLinear
 
     spec = get_dsa_module_spec_for_backend(config, backend=LocalDSASpecProvider())
-    core = dataclasses.replace(spec.submodules.core_attention, module=RegistryDSAttention)
+    core = spec.submodules.core_attention
+    core = dataclasses.replace(core, module=RegistryDSAttention, params={**core.params, "kernels": kernels})
     changes = dict(linear_q_down_proj=ColumnParallelLinear, linear_kv_down_proj=ColumnParallelLinear, core_attention=core)
     return dataclasses.replace(spec, submodules=dataclasses.replace(spec.submodules, **changes))
 
 
-def layer_specs(config) -> list:
+def layer_specs(config, kernels: KernelPolicy = KernelPolicy()) -> list:
     """Every decoder layer's spec (dense/MoE MLP by ``config.moe_layer_freq``), DSA attention in all."""
     from megatron.core.models.gpt.experimental_attention_variant_module_specs import (
         get_transformer_layer_with_experimental_attention_variant_spec,
     )
 
-    attention = attention_spec(config)
+    attention = attention_spec(config, kernels)
     layers = get_transformer_layer_with_experimental_attention_variant_spec(config, backend=LocalDSASpecProvider())
     return [dataclasses.replace(s, submodules=dataclasses.replace(s.submodules, self_attention=attention)) for s in layers]
 
 
-def block_spec(config):
+def block_spec(config, kernels: KernelPolicy = KernelPolicy()):
     """This pipeline stage's DSA decoder layers and the final RMSNorm."""
     from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
     from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
 
     offset = get_transformer_layer_offset(config)
-    stage = layer_specs(config)[offset : offset + get_num_layers_to_build(config)]
+    stage = layer_specs(config, kernels)[offset : offset + get_num_layers_to_build(config)]
     return TransformerBlockSubmodules(layer_specs=stage, layer_norm=RMSNorm)

@@ -8,6 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from loongforge.core.config import load_config
+from loongforge.core.kernels import KernelPolicy
 from loongforge.llm.model_config import GPTConfig
 
 MODEL_CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs" / "model"
@@ -45,27 +46,28 @@ def transformer_config_kwargs(cfg: GPTConfig) -> dict:
     )
 
 
-def layer_spec(cfg: GPTConfig, recompute_elementwise: bool | None = None):
+def layer_spec(cfg: GPTConfig, recompute_elementwise: bool | None = None, kernels: KernelPolicy = KernelPolicy()):
     """The megatron ModuleSpec of one decoder layer: Transformer Engine's when it is installed,
-    else LoongForge's fast layer (SDPA attention and the fused ops of ``loongforge.core.kernels``).
-    ``recompute_elementwise`` (an option of the fast layer alone): given, the fast layer with that
-    setting even where Transformer Engine is installed."""
+    else LoongForge's fast layer (SDPA attention and the fused ops of ``loongforge.core.kernels``,
+    resolved by ``kernels``). ``recompute_elementwise`` (an option of the fast layer alone):
+    given, the fast layer with that setting even where Transformer Engine is installed."""
     import importlib.util
 
     from loongforge.llm.layers.spec import fast_layer_spec
 
     if recompute_elementwise is not None:
-        return fast_layer_spec(cfg, recompute_elementwise=recompute_elementwise)
+        return fast_layer_spec(cfg, recompute_elementwise=recompute_elementwise, kernels=kernels)
     if importlib.util.find_spec("transformer_engine") is not None:
         from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_spec
 
         return get_gpt_layer_with_transformer_engine_spec(qk_layernorm=cfg.qk_layernorm)
-    return fast_layer_spec(cfg)
+    return fast_layer_spec(cfg, kernels=kernels)
 
 
 def build_gpt(cfg: GPTConfig, ctx, transformer_config, pre_process: bool, post_process: bool,
               recompute_elementwise: bool | None = None) -> torch.nn.Module:
-    """This rank's GPT model; ``recompute_elementwise``: see ``layer_spec``."""
+    """This rank's GPT model, its registry ops resolved by ``ctx.kernels``; ``recompute_elementwise``:
+    see ``layer_spec``."""
     from loongforge.llm.layers.gpt_model import FusedLossGPTModel
 
     vocab = cfg.vocab_size
@@ -73,7 +75,7 @@ def build_gpt(cfg: GPTConfig, ctx, transformer_config, pre_process: bool, post_p
         raise ValueError(f"model.vocab_size={vocab} must be divisible by parallel.tp={ctx.layout.tp}")
     return FusedLossGPTModel(
         config=transformer_config,
-        transformer_layer_spec=layer_spec(cfg, recompute_elementwise),
+        transformer_layer_spec=layer_spec(cfg, recompute_elementwise, ctx.kernels),
         vocab_size=vocab,
         max_sequence_length=cfg.max_position_embeddings,
         pre_process=pre_process,
@@ -83,4 +85,5 @@ def build_gpt(cfg: GPTConfig, ctx, transformer_config, pre_process: bool, post_p
         rotary_percent=cfg.rotary_percent,
         rotary_base=int(cfg.rotary_base),
         pg_collection=ctx.pgs,
+        kernels=ctx.kernels,
     )

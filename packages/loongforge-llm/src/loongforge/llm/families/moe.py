@@ -18,6 +18,7 @@ import dataclasses
 
 import torch
 
+from loongforge.core.kernels import KernelPolicy
 from loongforge.llm.moe_config import MLAMoEConfig, MoEConfig
 
 
@@ -57,8 +58,9 @@ def layer_spec(cfg: MoEConfig):
     return _local_layer(spec, cfg)
 
 
-def block_spec(cfg: MoEConfig, config):
-    """This pipeline stage's layer specs: dense and MoE layers by ``config.moe_layer_freq``."""
+def block_spec(cfg: MoEConfig, config, kernels: KernelPolicy = KernelPolicy()):
+    """This pipeline stage's layer specs: dense and MoE layers by ``config.moe_layer_freq``;
+    ``kernels``: the policy of DSA attention's registry ops."""
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
     from megatron.core.transformer.torch_norm import WrappedTorchNorm
 
@@ -67,7 +69,7 @@ def block_spec(cfg: MoEConfig, config):
     if isinstance(cfg, MLAMoEConfig) and cfg.dsa:
         from loongforge.llm.families import dsa
 
-        return dsa.block_spec(config)
+        return dsa.block_spec(config, kernels)
     block = get_gpt_decoder_block_spec(config, use_transformer_engine=False, normalization="RMSNorm")
     final_norm = RMSNorm if block.layer_norm is WrappedTorchNorm else block.layer_norm
     return dataclasses.replace(block, layer_specs=[_local_layer(s, cfg) for s in block.layer_specs], layer_norm=final_norm)
@@ -105,7 +107,7 @@ def build_moe_gpt(cfg: MoEConfig, ctx, transformer_config, pre_process: bool, po
     config = model_transformer_config(cfg, transformer_config)
     return GPTModel(
         config=config,
-        transformer_layer_spec=block_spec(cfg, config),
+        transformer_layer_spec=block_spec(cfg, config, ctx.kernels),
         vocab_size=cfg.vocab_size,
         max_sequence_length=cfg.max_position_embeddings,
         pre_process=pre_process,

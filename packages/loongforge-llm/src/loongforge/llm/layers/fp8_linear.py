@@ -5,7 +5,7 @@ and ``RowParallelLinear`` -- same parameters, initialisation, sharded state dict
 tensor-parallel communication -- whose local GEMM (the ``_forward_impl`` both forwards call) is
 the registry's ``fp8_linear``: the input, the weight and the output gradient are quantised
 blockwise to e4m3 in the forward and in both backward GEMMs, and the master weight stays in the
-param dtype (see ``loongforge.core.kernels.fp8``). On CUDA GPUs of compute capability 8.9+ that
+param dtype (see ``loongforge.llm.ops.fp8_blockwise``, the op's contract). On CUDA GPUs of compute capability 8.9+ that
 op is the fused kernel of ``loongforge-kernels``; elsewhere the torch reference, which emulates
 the FP8 numerics in fp32. ``adaptive=True`` lets the fused kernel run a GEMM in bf16 where its
 measured FP8 form is slower.
@@ -28,7 +28,7 @@ from megatron.core.tensor_parallel.mappings import (
     gather_from_sequence_parallel_region,
 )
 
-from loongforge.core.kernels import get_kernel
+from loongforge.core.kernels import KernelPolicy
 
 FP8_MODES = ("none", "blockwise", "adaptive")
 
@@ -69,7 +69,7 @@ class _Fp8Gemm:
     accumulation fusion).
     """
 
-    def __init__(self, *args, adaptive: bool = False, **kwargs):
+    def __init__(self, *args, adaptive: bool = False, kernels: KernelPolicy = KernelPolicy(), **kwargs):
         super().__init__(*args, **kwargs)
         if self.gtp_remat_size > 1:
             raise ValueError(f"{type(self).__name__}: GTP weight sharding (gtp_remat_size={self.gtp_remat_size}) "
@@ -78,7 +78,7 @@ class _Fp8Gemm:
             raise ValueError(f"{type(self).__name__}: deferred weight-gradient GEMMs "
                              "(defer_embedding_wgrad_compute) are not supported with FP8 linears")
         self.fp8_adaptive = adaptive
-        self._fp8_linear = get_kernel("fp8_linear")
+        self._fp8_linear = kernels.get("fp8_linear")
 
     def _forward_impl(self, input, weight, bias, gradient_accumulation_fusion, allreduce_dgrad, sequence_parallel,
                       grad_output_buffer=None, wgrad_deferral_limit=None, tp_group=None, gtp_remat_size=1):

@@ -12,13 +12,15 @@ from __future__ import annotations
 
 from megatron.core.models.gpt import GPTModel
 
-from loongforge.core.kernels import get_kernel
+from loongforge.core.kernels import KernelPolicy
 
 
 class FusedLossGPTModel(GPTModel):
-    def __init__(self, *args, **kwargs):
+    """``kernels``: the policy its ``linear_cross_entropy`` is resolved by."""
+
+    def __init__(self, *args, kernels: KernelPolicy = KernelPolicy(), **kwargs):
         super().__init__(*args, **kwargs)
-        self._linear_cross_entropy = get_kernel("linear_cross_entropy")
+        self._linear_cross_entropy = kernels.get("linear_cross_entropy")
 
     def _fused_loss_applies(self) -> bool:
         cfg = self.config

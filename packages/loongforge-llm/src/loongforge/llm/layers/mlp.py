@@ -6,7 +6,7 @@ import torch.nn.functional as F
 from megatron.core import tensor_parallel
 from megatron.core.transformer.mlp import MLP
 
-from loongforge.core.kernels import get_kernel
+from loongforge.core.kernels import KernelPolicy
 
 
 class FusedMLP(MLP):
@@ -17,13 +17,22 @@ class FusedMLP(MLP):
     ``linear_fc2`` saves it, megatron's ``CheckpointWithoutOutput`` frees it after the forward and
     recomputes it from ``linear_fc1``'s output (kept anyway) when the backward reaches fc2 -- one
     elementwise pass for ``tokens x ffn`` activations. Other activations fall back to ``MLP``.
+    ``kernels``: the policy its ``swiglu`` is resolved by.
     """
 
-    def __init__(self, *args, **kwargs):
+    def __init__(self, *args, kernels: KernelPolicy = KernelPolicy(), **kwargs):
         super().__init__(*args, **kwargs)
-        self._swiglu = get_kernel("swiglu")
+        self._swiglu = kernels.get("swiglu")
         self._fused = self.config.gated_linear_unit and self.config.activation_func is F.silu
         self.recompute_activation = False
+
+    @classmethod
+    def as_mlp_submodule(cls, *args, kernels: KernelPolicy = KernelPolicy(), **kwargs) -> FusedMLP:
+        """megatron's builder of a decoder layer's MLP (the layer spec's ``mlp``), its ``swiglu``
+        resolved by ``kernels`` (megatron's builder constructs the module without it)."""
+        mlp = super().as_mlp_submodule(*args, **kwargs)
+        mlp._swiglu = kernels.get("swiglu")
+        return mlp
 
     def forward(self, hidden_states, per_token_scale=None, **kwargs):
         if not self._fused or per_token_scale is not None:

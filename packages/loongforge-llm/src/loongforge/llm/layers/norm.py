@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from loongforge.core.kernels import get_kernel
+from loongforge.core.kernels import KernelPolicy
 
 
 class FusedRMSNorm(torch.nn.Module):
@@ -12,11 +12,12 @@ class FusedRMSNorm(torch.nn.Module):
 
     ``norm(x)`` is ``rms_norm(x)``; ``norm(x, residual=r)`` returns ``(rms_norm(x + r), x + r)``
     from one fused pass (the pre-MLP norm of a decoder layer, whose sum is the residual stream).
-    The ops come from ``loongforge.core.kernels``: Triton where the accelerator runs it, else the
-    torch references. Its one parameter is ``weight``, as in megatron's local spec.
+    The ops come from ``loongforge.core.kernels``, resolved by ``kernels``: Triton where the
+    accelerator runs it, else the torch references. Its one parameter is ``weight``, as in
+    megatron's local spec.
     """
 
-    def __init__(self, config, hidden_size: int, eps: float = 1e-5):
+    def __init__(self, config, hidden_size: int, eps: float = 1e-5, kernels: KernelPolicy = KernelPolicy()):
         super().__init__()
         if getattr(config, "normalization", "RMSNorm") != "RMSNorm":
             raise ValueError(f"FusedRMSNorm: config.normalization={config.normalization!r}; expected 'RMSNorm'")
@@ -25,8 +26,8 @@ class FusedRMSNorm(torch.nn.Module):
         self.eps = eps
         self.weight = torch.nn.Parameter(torch.ones(hidden_size, dtype=config.params_dtype))
         setattr(self.weight, "sequence_parallel", bool(getattr(config, "sequence_parallel", False)))
-        self._rms_norm = get_kernel("rms_norm")
-        self._add_rms_norm = get_kernel("add_rms_norm")
+        self._rms_norm = kernels.get("rms_norm")
+        self._add_rms_norm = kernels.get("add_rms_norm")
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
         if residual is None:

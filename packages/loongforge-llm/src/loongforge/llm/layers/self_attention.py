@@ -13,16 +13,18 @@ from __future__ import annotations
 
 from megatron.core.transformer.attention import SelfAttention
 
-from loongforge.core.kernels import get_kernel
+from loongforge.core.kernels import KernelPolicy
 from loongforge.llm.layers.rope_tables import RopeTables
 
 _TABLES = RopeTables()  # shared by every layer: one angle tensor per forward
 
 
 class FusedSelfAttention(SelfAttention):
-    def __init__(self, *args, **kwargs):
+    """``kernels``: the policy its ``rope`` is resolved by."""
+
+    def __init__(self, *args, kernels: KernelPolicy = KernelPolicy(), **kwargs):
         super().__init__(*args, **kwargs)
-        self._rope = get_kernel("rope")
+        self._rope = kernels.get("rope")
 
     def _own_path(self, key_value_states, inference_context, kwargs) -> bool:
         cfg = self.config

@@ -11,6 +11,8 @@ from __future__ import annotations
 import dataclasses
 import functools
 
+from loongforge.core.kernels import KernelPolicy
+
 
 def _local_spec(cfg):
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
@@ -18,31 +20,29 @@ def _local_spec(cfg):
     return get_gpt_layer_local_spec(qk_layernorm=cfg.qk_layernorm, normalization="RMSNorm")
 
 
-def _with_attention(spec, module=None, **submodules):
+def _with_attention(spec, module, kernels: KernelPolicy, **submodules):
     attention = spec.submodules.self_attention
-    attention = dataclasses.replace(
-        attention, module=module or attention.module, submodules=dataclasses.replace(attention.submodules, **submodules)
-    )
+    attention = dataclasses.replace(attention, module=module, params={**attention.params, "kernels": kernels},
+                                    submodules=dataclasses.replace(attention.submodules, **submodules))
     return dataclasses.replace(spec, submodules=dataclasses.replace(spec.submodules, self_attention=attention))
 
 
-def _fp8_linear_classes(mode: str) -> tuple:
-    """The column- and row-parallel linear classes of FP8 ``mode`` (blockwise | adaptive)."""
+def _fp8_linear_classes(mode: str, kernels: KernelPolicy) -> tuple:
+    """The column- and row-parallel linear builders of FP8 ``mode`` (blockwise | adaptive)."""
     from loongforge.llm.layers.fp8_linear import Fp8ColumnParallelLinear, Fp8RowParallelLinear
 
-    if mode == "adaptive":
-        return (functools.partial(Fp8ColumnParallelLinear, adaptive=True),
-                functools.partial(Fp8RowParallelLinear, adaptive=True))
-    return Fp8ColumnParallelLinear, Fp8RowParallelLinear
+    options = {"adaptive": mode == "adaptive", "kernels": kernels}
+    return functools.partial(Fp8ColumnParallelLinear, **options), functools.partial(Fp8RowParallelLinear, **options)
 
 
-def fast_layer_spec(cfg, recompute_elementwise: bool = True):
+def fast_layer_spec(cfg, recompute_elementwise: bool = True, kernels: KernelPolicy = KernelPolicy()):
     """The fast decoder layer: ``FusedTransformerLayer`` (fused residual add + RMSNorm, no no-op
     dropout, norm/SwiGLU outputs recomputed in the backward when ``recompute_elementwise``),
     ``FusedSelfAttention`` (fused RoPE read from the qkv projection) on ``SDPAttention``,
     ``FusedRMSNorm`` norms (also q/k norms) and ``FusedMLP`` (fused SwiGLU), each op from the
-    ``loongforge.core.kernels`` registry. In an ``fp8_linears`` block of mode blockwise or
-    adaptive, QKV, the attention output and MLP fc1/fc2 are FP8 linears."""
+    ``loongforge.core.kernels`` registry, resolved by ``kernels`` when the modules are built. In
+    an ``fp8_linears`` block of mode blockwise or adaptive, QKV, the attention output and MLP
+    fc1/fc2 are FP8 linears."""
     from loongforge.llm.layers.attention import SDPAttention
     from loongforge.llm.layers.fp8_linear import active_fp8_mode
     from loongforge.llm.layers.mlp import FusedMLP
@@ -51,19 +51,22 @@ def fast_layer_spec(cfg, recompute_elementwise: bool = True):
     from loongforge.llm.layers.transformer_layer import FusedTransformerLayer
 
     spec = _local_spec(cfg)
-    qk_norm = {"q_layernorm": FusedRMSNorm, "k_layernorm": FusedRMSNorm} if cfg.qk_layernorm else {}
+    norm = functools.partial(FusedRMSNorm, kernels=kernels)
+    qk_norm = {"q_layernorm": norm, "k_layernorm": norm} if cfg.qk_layernorm else {}
     attention_linears, mlp_linears = {}, {}
     fp8 = active_fp8_mode()
     if fp8 != "none":
-        column, row = _fp8_linear_classes(fp8)
+        column, row = _fp8_linear_classes(fp8, kernels)
         attention_linears = {"linear_qkv": column, "linear_proj": row}
         mlp_linears = {"linear_fc1": column, "linear_fc2": row}
-    spec = _with_attention(spec, FusedSelfAttention, core_attention=SDPAttention, **qk_norm, **attention_linears)
+    spec = _with_attention(spec, FusedSelfAttention, kernels, core_attention=SDPAttention, **qk_norm,
+                           **attention_linears)
     mlp = spec.submodules.mlp
     if not isinstance(mlp, functools.partial):
         raise TypeError(f"fast_layer_spec: megatron's local MLP spec is {mlp!r}; expected MLP.as_mlp_submodule")
     mlp_submodules = dataclasses.replace(mlp.keywords["submodules"], **mlp_linears)
-    mlp = functools.partial(FusedMLP.as_mlp_submodule, *mlp.args, **{**mlp.keywords, "submodules": mlp_submodules})
-    submodules = dataclasses.replace(spec.submodules, input_layernorm=FusedRMSNorm, pre_mlp_layernorm=FusedRMSNorm, mlp=mlp)
+    mlp = functools.partial(FusedMLP.as_mlp_submodule, *mlp.args,
+                            **{**mlp.keywords, "submodules": mlp_submodules, "kernels": kernels})
+    submodules = dataclasses.replace(spec.submodules, input_layernorm=norm, pre_mlp_layernorm=norm, mlp=mlp)
     return dataclasses.replace(spec, module=FusedTransformerLayer, submodules=submodules,
                                params={**spec.params, "recompute_elementwise": recompute_elementwise})

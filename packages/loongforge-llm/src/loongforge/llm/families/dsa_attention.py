@@ -12,8 +12,10 @@ indexer, and three ways to run the attention:
   and values), plus the indexer's KL loss over the selected keys.
 
 The indexer reads detached inputs, so its loss trains only the indexer and the language-model
-loss never reaches it. All heavy ops come from the kernel registry (``get_kernel``), so fused
-Triton kernels run where they are installed and supported, torch references elsewhere.
+loss never reaches it. All heavy ops come from the kernel registry, resolved when the module is
+built under its ``KernelPolicy``, so fused Triton kernels run where they are installed and
+supported (and not forced off), torch references elsewhere. The DSA ops' contracts are
+loongforge-llm's (``loongforge.llm.ops.dsa``).
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from loongforge.core.kernels.registry import get_kernel
+from loongforge.core.kernels import KernelPolicy
 
 MODES = ("dense", "warmup", "sparse")
 
@@ -73,11 +75,15 @@ def rope_tables(n: int, dim: int, theta: float, device) -> tuple[torch.Tensor, t
 
 
 class DSAttention(nn.Module):
-    """MLA attention with a lightning indexer; ``forward`` returns ``(output, indexer_loss or None)``."""
+    """MLA attention with a lightning indexer; ``forward`` returns ``(output, indexer_loss or None)``.
+    ``kernels``: the policy its registry ops are resolved by."""
 
-    def __init__(self, config: DSAConfig):
+    def __init__(self, config: DSAConfig, kernels: KernelPolicy = KernelPolicy()):
         super().__init__()
         c = self.config = config
+        self._rms_norm, self._rope = kernels.get("rms_norm"), kernels.get("rope")
+        self._indexer_topk, self._indexer_loss = kernels.get("dsa_indexer_topk"), kernels.get("dsa_indexer_loss")
+        self._sparse_attention = kernels.get("sparse_mla_attention")
         h = c.num_heads
         self.wq_a = nn.Linear(c.hidden_size, c.q_lora_rank, bias=False)
         self.q_norm = nn.Parameter(torch.ones(c.q_lora_rank))
@@ -109,7 +115,7 @@ class DSAttention(nn.Module):
         c = self.config
         b, s, _ = x.shape
         h, nope, rope_dim = c.num_heads, c.qk_nope_head_dim, c.qk_rope_head_dim
-        rms_norm, rope = get_kernel("rms_norm"), get_kernel("rope")
+        rms_norm, rope = self._rms_norm, self._rope
         cos, sin = rope_tables(s, rope_dim, c.rope_theta, x.device)
 
         c_q = rms_norm(self.wq_a(x), self.q_norm, c.norm_eps)
@@ -126,10 +132,10 @@ class DSAttention(nn.Module):
             kv_abs = torch.cat([c_kv, k_rope], dim=-1)
             q_idx, k_idx, w_idx = self._indexer_inputs(x, c_q, cos, sin)
         if mode == "sparse":
-            indices = get_kernel("dsa_indexer_topk")(q_idx, k_idx, w_idx, c.index_topk)
-            o_lat = get_kernel("sparse_mla_attention")(q_abs, kv_abs, indices, c.softmax_scale, c.kv_lora_rank)
+            indices = self._indexer_topk(q_idx, k_idx, w_idx, c.index_topk)
+            o_lat = self._sparse_attention(q_abs, kv_abs, indices, c.softmax_scale, c.kv_lora_rank)
             o = torch.einsum("bshc,hdc->bshd", o_lat, w_uv)
-            loss = get_kernel("dsa_indexer_loss")(q_idx, k_idx, w_idx, q_abs, kv_abs, c.softmax_scale, indices)
+            loss = self._indexer_loss(q_idx, k_idx, w_idx, q_abs, kv_abs, c.softmax_scale, indices)
         else:
             k_nope = torch.einsum("bsc,hdc->bshd", c_kv, w_uk)
             v = torch.einsum("bsc,hdc->bshd", c_kv, w_uv)
@@ -140,7 +146,7 @@ class DSAttention(nn.Module):
             ).transpose(1, 2)
             loss = None
             if mode == "warmup":
-                loss = get_kernel("dsa_indexer_loss")(q_idx, k_idx, w_idx, q_abs, kv_abs, c.softmax_scale)
+                loss = self._indexer_loss(q_idx, k_idx, w_idx, q_abs, kv_abs, c.softmax_scale)
         out = self.wo(o.reshape(b, s, h * c.v_head_dim))
         return out, None if loss is None else loss.mean()
 
@@ -148,7 +154,7 @@ class DSAttention(nn.Module):
         """Indexer queries ``[B, S, HI, DI]``, keys ``[B, S, DI]`` and fp32 head weights ``[B, S, HI]``."""
         c = self.config
         b, s, _ = x.shape
-        rope = get_kernel("rope")
+        rope = self._rope
         x, c_q = x.detach(), c_q.detach()
         q_idx = rope(self.wq_index(c_q).view(b, s, c.index_n_heads, c.index_head_dim), cos, sin)
         k_idx = rope(self.k_index_norm(self.wk_index(x))[:, :, None], cos, sin)[:, :, 0]

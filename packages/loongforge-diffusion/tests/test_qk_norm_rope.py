@@ -1,14 +1,16 @@
-"""The query/key norm + RoPE contracts (torch references) and the autograd function over them."""
+"""The query/key norm + RoPE contracts (loongforge-diffusion's torch references) and the autograd
+function over them."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 import torch.nn.functional as F
+from compiled_vs_composed import assert_compiled_like_composed
 
-from loongforge.core.kernels import qk_norm_rope as ref
 from loongforge.core.kernels import get_kernel_with_backward
-from loongforge.core.kernels.attention_inputs import normed_rotated_qkv
+from loongforge.diffusion.ops import qk_norm_rope as ref
+from loongforge.diffusion.ops.attention_inputs import normed_rotated_qkv
 
 EPS = 1e-6
 TOKENS, HEADS, HEAD_DIM = 23, 3, 8
@@ -57,7 +59,7 @@ def test_reference_forward_and_backward_equal_autograd_of_the_ops(dtype):
 
 
 @pytest.mark.parametrize("backend", ["eager", "aot_eager", "inductor"])
-def test_function_gradients_equal_autograd_compiled_or_not(backend, assert_compiled_like_composed):
+def test_function_gradients_equal_autograd_compiled_or_not(backend):
     """``normed_rotated_qkv`` (reference ops) inside a graph that also uses the values: the same
     outputs and gradients as autograd of the composed ops, compiled or not. A reference that
     returned views of its intermediates lost the query/key gradients in compiled graphs."""

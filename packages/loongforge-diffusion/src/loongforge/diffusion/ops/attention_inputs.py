@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import torch
 
-from loongforge.core.kernels.registry import OpWithBackward
+from loongforge.core.kernels import OpWithBackward
 
 
 class _QKNormRope(torch.autograd.Function):

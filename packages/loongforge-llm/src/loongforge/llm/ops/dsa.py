@@ -22,14 +22,17 @@ largest intermediate stays within ``S * topk`` elements (``S * DENSE_CHUNK_KEYS`
 warm-up loss), and each chunk of a differentiable op is
 wrapped in ``torch.utils.checkpoint``, so its backward recomputes that chunk (autograd gives the
 exact gradient) instead of keeping every chunk's intermediates alive. These functions define the
-contract the fused kernels in ``loongforge-kernels`` are tested against; they are slow but
-correct, and run on any device.
+contracts of the ops ``dsa_indexer_topk``, ``dsa_indexer_loss`` and ``sparse_mla_attention``
+(``loongforge.ops`` entry points of loongforge-llm), which the fused kernels in
+``loongforge-kernels`` are tested against; they are slow but correct, and run on any device.
 """
 
 from __future__ import annotations
 
 import torch
 from torch.utils.checkpoint import checkpoint
+
+from loongforge.core.kernels.shapes import check_shapes
 
 # The dense warm-up loss has no top-k to bound its chunks: it sizes them as if ``topk`` were this.
 DENSE_CHUNK_KEYS = 2048
@@ -51,27 +54,16 @@ def _causal_mask(t0: int, t1: int, n_kv: int, offset: int, device) -> torch.Tens
     return torch.arange(n_kv, device=device)[None, :] <= rows
 
 
-def _check_indexer(op: str, q_idx: torch.Tensor, k_idx: torch.Tensor, w_idx: torch.Tensor) -> None:
-    if q_idx.dim() != 4 or k_idx.dim() != 3 or w_idx.dim() != 3:
-        raise ValueError(
-            f"{op}: expected q_idx [B, S, HI, DI], k_idx [B, S_kv, DI], w_idx [B, S, HI]; got "
-            f"{tuple(q_idx.shape)}, {tuple(k_idx.shape)}, {tuple(w_idx.shape)}"
-        )
-    b, s, h, d = q_idx.shape
-    if k_idx.shape[0] != b or k_idx.shape[2] != d or tuple(w_idx.shape) != (b, s, h):
-        raise ValueError(
-            f"{op}: shapes do not match: q_idx {tuple(q_idx.shape)}, k_idx {tuple(k_idx.shape)}, "
-            f"w_idx {tuple(w_idx.shape)}"
-        )
-    if k_idx.shape[1] < s:
-        raise ValueError(f"{op}: {k_idx.shape[1]} keys for {s} queries; queries must be the last S key positions")
+def check_indexer(op: str, q_idx: torch.Tensor, k_idx: torch.Tensor, w_idx: torch.Tensor) -> None:
+    dims = check_shapes(op, q_idx=(q_idx, "B S HI DI"), k_idx=(k_idx, "B S_kv DI"), w_idx=(w_idx, "B S HI"))
+    if dims["S_kv"] < dims["S"]:
+        raise ValueError(f"{op}: {dims['S_kv']} keys for {dims['S']} queries; queries must be the last S key positions")
 
 
-def _check_attention(op: str, q: torch.Tensor, kv: torch.Tensor, d_v: int) -> None:
-    if q.dim() != 4 or kv.dim() != 3 or q.shape[0] != kv.shape[0] or q.shape[-1] != kv.shape[-1]:
-        raise ValueError(f"{op}: expected q [B, S, H, D] and kv [B, S_kv, D]; got {tuple(q.shape)}, {tuple(kv.shape)}")
-    if not 0 < d_v <= q.shape[-1]:
-        raise ValueError(f"{op}: d_v={d_v} must be in (0, D={q.shape[-1]}]")
+def check_attention(op: str, q: torch.Tensor, kv: torch.Tensor, d_v: int) -> None:
+    dims = check_shapes(op, q=(q, "B S H D"), kv=(kv, "B S_kv D"))
+    if not 0 < d_v <= dims["D"]:
+        raise ValueError(f"{op}: d_v={d_v} must be in (0, D={dims['D']}]")
 
 
 def indexer_scores(q_idx: torch.Tensor, k_idx: torch.Tensor, w_idx: torch.Tensor) -> torch.Tensor:
@@ -101,7 +93,7 @@ def dsa_indexer_topk(q_idx: torch.Tensor, k_idx: torch.Tensor, w_idx: torch.Tens
     Returns int32 ``[B, S, topk]`` key positions in no particular order; a query with fewer than
     ``topk`` visible keys pads its row with -1. Scores are computed in fp32.
     """
-    _check_indexer("dsa_indexer_topk", q_idx, k_idx, w_idx)
+    check_indexer("dsa_indexer_topk", q_idx, k_idx, w_idx)
     if topk < 1:
         raise ValueError(f"dsa_indexer_topk: topk must be >= 1, got {topk}")
     b, s, h, _ = q_idx.shape
@@ -142,7 +134,7 @@ def sparse_mla_attention(
     a query with no valid entry gets 0. Repeated indices count once per entry. Returns
     ``[B, S, H, d_v]`` in ``q``'s dtype; grads flow to ``q`` and ``kv``.
     """
-    _check_attention("sparse_mla_attention", q, kv, d_v)
+    check_attention("sparse_mla_attention", q, kv, d_v)
     b, s, h, d = q.shape
     if indices.dim() != 3 or tuple(indices.shape[:2]) != (b, s):
         raise ValueError(f"sparse_mla_attention: indices must be [B, S, topk] = [{b}, {s}, k], got {tuple(indices.shape)}")
@@ -205,8 +197,8 @@ def dsa_indexer_loss(
     ``w_idx`` do. With ``indices=None`` (the dense warm-up stage) both distributions range over
     every causal key; with ``indices`` (the sparse stage) over the selected keys only.
     """
-    _check_indexer("dsa_indexer_loss", q_idx, k_idx, w_idx)
-    _check_attention("dsa_indexer_loss", q, kv, q.shape[-1])
+    check_indexer("dsa_indexer_loss", q_idx, k_idx, w_idx)
+    check_attention("dsa_indexer_loss", q, kv, q.shape[-1])
     b, s, hi, _ = q_idx.shape
     h, n_kv = q.shape[2], kv.shape[1]
     if tuple(q.shape[:2]) != (b, s) or k_idx.shape[1] != n_kv:

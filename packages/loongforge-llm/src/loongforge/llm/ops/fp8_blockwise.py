@@ -14,8 +14,10 @@ The three GEMMs of ``y = x @ w.T + b`` run on quantised operands:
     wgrad    dw = Q1x128(dy.T)       @ Q1x128(x.T).T       (blocks run along the token dim)
 
 ``fp8_linear`` here computes them on dequantised operands in fp32: the numbers an exact FP8 GEMM
-with fp32 accumulation gives. It is the contract of the fused version in ``loongforge-kernels``
-(real FP8 GEMMs, sm_89+) and what runs elsewhere.
+with fp32 accumulation gives. It is the contract of the op ``fp8_linear`` (a ``loongforge.ops``
+entry point of loongforge-llm), which the fused version in ``loongforge-kernels`` (real FP8
+GEMMs, sm_89+) implements; it is what runs elsewhere. e4m3's constants and the input check are
+core's (``loongforge.core.kernels.fp8_format``), shared with the tensor-wise recipe.
 """
 
 from __future__ import annotations
@@ -23,15 +25,9 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-FP8_DTYPE = torch.float8_e4m3fn
-FP8_MAX = 448.0
-# scale = amax * (1 / 448): a product, which every device rounds alike (CUDA torch turns a division
-# by a Python scalar into this product anyway, so a quotient would differ between devices)
-INV_FP8_MAX = 1.0 / FP8_MAX
-BLOCK = 128
-# Blocks whose amax is below this get the scale this amax would give: all-zero blocks stay zero
-# and the scale never underflows.
-AMAX_FLOOR = 1e-12
+from loongforge.core.kernels.fp8_format import AMAX_FLOOR, FP8_DTYPE, FP8_MAX, INV_FP8_MAX, check_linear
+
+BLOCK = 128  # the scaling block: 1 x 128 for activations and gradients, 128 x 128 for weights
 
 
 def _blocks(n: int) -> int:
@@ -110,17 +106,6 @@ class _Fp8LinearReference(torch.autograd.Function):
         if ctx.has_bias and ctx.needs_input_grad[2]:
             db = dy.float().sum(0).to(dy.dtype)
         return dx, dw, db
-
-
-def check_linear(op: str, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
-    """Clear errors for inputs an FP8 linear cannot take."""
-    if weight.dim() != 2 or x.dim() < 1 or x.shape[-1] != weight.shape[1]:
-        raise ValueError(f"{op}: expected x [..., K] and weight [N, K]; got {tuple(x.shape)} and {tuple(weight.shape)}")
-    if bias is not None and tuple(bias.shape) != (weight.shape[0],):
-        raise ValueError(f"{op}: bias must be [{weight.shape[0]}], got {tuple(bias.shape)}")
-    for name, t in (("x", x), ("weight", weight)):
-        if not t.is_floating_point() or t.dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
-            raise ValueError(f"{op}: {name} must be a bf16/fp16/fp32 tensor (it is quantised inside), got {t.dtype}")
 
 
 def fp8_linear(

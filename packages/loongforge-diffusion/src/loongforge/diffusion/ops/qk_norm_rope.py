@@ -1,5 +1,6 @@
 """Query/key RMSNorm and rotary embedding of a fused QKV projection, as Wan's self-attention does
-them: the registry contracts (torch references); ``attention_inputs.normed_rotated_qkv`` is the
+them: the contracts of the registry ops ``qk_norm_rope`` and ``qk_norm_rope_backward`` (torch
+references, defined by loongforge-diffusion); ``attention_inputs.normed_rotated_qkv`` is the
 autograd function that calls them.
 
 Wan normalises queries and keys with an RMSNorm across all heads (``norm_q``/``norm_k`` over the
