@@ -50,7 +50,6 @@ def load_lf_weights(module, checkpoint) -> None:
 def converted(tmp_path_factory, megatron_world):
     from megatron.core.transformer import TransformerConfig
 
-    from loongforge.llm.families.gpt import transformer_config_kwargs
     from loongforge.vlm.family import build_vlm
 
     root = tmp_path_factory.mktemp("qwen2_5_vl")
@@ -58,7 +57,7 @@ def converted(tmp_path_factory, megatron_world):
     hf.save_pretrained(root / "hf")
     done = hf_to_lf(root / "hf", root / "lf", progress=False)
     cfg = done.model_config
-    tc = TransformerConfig(**transformer_config_kwargs(cfg.foundation), mrope_section=cfg.mrope_section,
+    tc = TransformerConfig(**cfg.foundation.transformer_config_kwargs(), mrope_section=cfg.mrope_section,
                            use_cpu_initialization=True, calculate_per_token_loss=True)
     ours = build_vlm(cfg, megatron_world, tc).eval()
     load_lf_weights(ours, done.path)

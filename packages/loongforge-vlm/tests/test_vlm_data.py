@@ -8,7 +8,7 @@ import pytest
 import torch
 from PIL import Image
 
-from loongforge.llm.data.errors import DataError
+from loongforge.llm.api import DataError
 from loongforge.vlm.data import media as M
 from loongforge.vlm.data.packing import document_causal_mask, pack
 from loongforge.vlm.data.records import read_records

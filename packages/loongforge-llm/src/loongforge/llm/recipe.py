@@ -26,8 +26,7 @@ from loongforge.core.training.task import StepBatch
 from loongforge.llm.data.sft import SFTDataConfig
 from loongforge.llm.lora import LoRAConfig
 from loongforge.llm.model_config import GPTConfig
-
-CONFIG_DIR = Path(__file__).resolve().parent / "configs"
+from loongforge.llm.shipped_configs import CONFIG_DIR
 
 
 @dataclass

@@ -2,8 +2,8 @@
 
 The checkpoint is three parts, each a declarative table of the core mapping engine bound to its
 own config and prefixed: the vision transformer (``visual.*`` <-> ``encoder.*``), its patch
-merger (``visual.merger.*`` <-> ``projector.*``) and the language model, whose layout is the
-GPT table of loongforge-llm (``model.*``/``lm_head`` <-> ``language_model.*``).
+merger (``visual.merger.*`` <-> ``projector.*``) and the language model, whose layout is
+loongforge-llm's ``GPT_HF_MAPPING`` (``model.*``/``lm_head`` <-> ``language_model.*``).
 
 Two transforms are the ViT's own: its fused ``qkv`` projection (q, k, v of all heads stacked)
 <-> megatron's per-head interleaved ``linear_qkv``, and the ``Conv3d`` patch embedding <-> the
@@ -85,7 +85,7 @@ PATCH_MERGER_MAPPING = HFMapping(
 
 
 def foundation_mapping():
-    from loongforge.llm.families.gpt_hf import GPT_HF_MAPPING
+    from loongforge.llm.api import GPT_HF_MAPPING
 
     return GPT_HF_MAPPING
 

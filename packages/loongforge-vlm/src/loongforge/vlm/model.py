@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 import torch
 from megatron.core.transformer.module import MegatronModule
 
-from loongforge.llm.model_config import GPTConfig
+from loongforge.llm.api import GPTConfig
 from loongforge.vlm.encoders import build_encoder
 from loongforge.vlm.encoders.geometry import patch_counts
 from loongforge.vlm.encoders.layers import encoder_transformer_config

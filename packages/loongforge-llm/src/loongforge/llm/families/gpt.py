@@ -2,16 +2,13 @@
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import torch
 import torch.nn.functional as F
 
 from loongforge.core.config import load_config
 from loongforge.core.kernels import KernelPolicy
 from loongforge.llm.model_config import GPTConfig
-
-MODEL_CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs" / "model"
+from loongforge.llm.shipped_configs import MODEL_CONFIG_DIR
 
 
 def load_flavour(name: str) -> GPTConfig:

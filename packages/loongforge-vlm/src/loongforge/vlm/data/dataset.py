@@ -22,8 +22,7 @@ from pathlib import Path
 
 import numpy as np
 
-from loongforge.llm.data.cache import build_once, save_token_arrays
-from loongforge.llm.data.errors import DataError
+from loongforge.llm.api import DataError, build_once, save_token_arrays
 from loongforge.vlm.data import media as M
 from loongforge.vlm.data.records import IMAGE_TAG, VIDEO_TAG, Record, read_records
 from loongforge.vlm.data.tokenizer import VisionTokenIds, vision_text
@@ -102,7 +101,7 @@ def _index_key(path: Path, tokenizer_dir: Path, template: str | None, cfg: M.Med
 
 def _write_index(directory: Path, path: Path, tokenizer, template: str | None, cfg: M.MediaConfig,
                  geo: M.PatchGeometry, media_root: Path | None, name: str) -> None:
-    from loongforge.llm.data.chat import ChatRenderer
+    from loongforge.llm.api import ChatRenderer
 
     renderer = ChatRenderer(tokenizer, template, name=name)
     ids_parts, mask_parts, media, wheres = [], [], [], []

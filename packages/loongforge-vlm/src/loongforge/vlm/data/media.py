@@ -19,7 +19,7 @@ from pathlib import Path
 
 import numpy as np
 
-from loongforge.llm.data.errors import DataError
+from loongforge.llm.api import DataError
 
 CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)
 CLIP_STD = (0.26862954, 0.26130258, 0.27577711)

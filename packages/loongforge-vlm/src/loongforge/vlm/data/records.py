@@ -19,8 +19,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-from loongforge.llm.data.chat import parse_record
-from loongforge.llm.data.errors import DataError
+from loongforge.llm.api import DataError, parse_chat_record
 
 IMAGE_TAG = "<image>"
 VIDEO_TAG = "<video>"
@@ -57,7 +56,7 @@ def _tag_order(messages: list[dict[str, str]]) -> list[str]:
 
 
 def parse_media_record(record, where: str, base: Path) -> Record:
-    messages = parse_record(record, where)
+    messages = parse_chat_record(record, where)
     images = _paths(record, "image", base, where) + _paths(record, "images", base, where)
     videos = _paths(record, "video", base, where) + _paths(record, "videos", base, where)
     order = _tag_order(messages)

@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from loongforge.llm.data.errors import DataError
+from loongforge.llm.api import DataError
 
 VISION_START, VISION_END = "<|vision_start|>", "<|vision_end|>"
 IMAGE_PAD, VIDEO_PAD = "<|image_pad|>", "<|video_pad|>"
@@ -19,7 +19,7 @@ VISION_TOKENS = (VISION_START, VISION_END, IMAGE_PAD, VIDEO_PAD)
 
 
 def default_tokenizer_dir() -> Path:
-    from loongforge.llm.data.shipped import bundled_tokenizer_path
+    from loongforge.llm.api import bundled_tokenizer_path
 
     return Path(bundled_tokenizer_path())
 
@@ -34,7 +34,7 @@ class VisionTokenIds:
 
 def load_vlm_tokenizer(path: str | Path | None = None):
     """``(tokenizer, VisionTokenIds)`` of a local tokenizer directory (default: the bundled one)."""
-    from loongforge.llm.data.sft import load_chat_tokenizer
+    from loongforge.llm.api import load_chat_tokenizer
 
     tokenizer = load_chat_tokenizer(Path(path) if path is not None else default_tokenizer_dir())
     vocab = tokenizer.get_vocab()

@@ -1,0 +1,76 @@
+"""The public API of loongforge-llm: the names other packages (loongforge-vlm ...) may import.
+
+Import them from here or from ``loongforge.llm`` (the same objects). Every other module of
+``loongforge.llm`` is private to this package and may change without notice. A name is looked
+up in its module on first use, so importing this module, or ``loongforge.llm``, imports neither
+torch, megatron-core nor transformers.
+
+"""
+
+from __future__ import annotations
+
+import importlib
+
+# name: (module, attribute there, what it is)
+_EXPORTS: dict[str, tuple[str, str, str]] = {
+    # the model
+    "GPTConfig": (
+        "loongforge.llm.model_config", "GPTConfig",
+        "The architecture config of the GPT-style families (llama, qwen2, qwen3); its "
+        "``transformer_config_kwargs()`` is the architecture part of megatron's TransformerConfig."),
+    "GPT_HF_MAPPING": (
+        "loongforge.llm.families.gpt_hf", "GPT_HF_MAPPING",
+        "The Hugging Face mapping rules of the GPT-style families (``model.*``/``lm_head`` <-> megatron "
+        "``GPTModel``), bound to a ``GPTConfig``."),
+    "CONFIG_DIR": (
+        "loongforge.llm.shipped_configs", "CONFIG_DIR",
+        "The directory of the shipped configs, a config search path: its ``model/`` group holds the model "
+        "YAMLs (``defaults: [/model@_here_: qwen2_debug]`` composes one)."),
+    # chat data
+    "ChatRenderer": (
+        "loongforge.llm.data.chat", "ChatRenderer",
+        "Renders conversations with a chat template into token ids and the assistant-token mask."),
+    "parse_chat_record": (
+        "loongforge.llm.data.chat", "parse_record",
+        "The ``{role, content}`` messages of one OpenAI (``messages``) or ShareGPT (``conversations``) record."),
+    "read_chat_template": (
+        "loongforge.llm.data.sft", "read_template",
+        "The text of a Jinja chat-template file, or None for None (a missing file is a ``DataError``)."),
+    "load_chat_tokenizer": (
+        "loongforge.llm.data.sft", "load_chat_tokenizer",
+        "A ``transformers`` tokenizer from a local directory (offline; a ``DataError`` if it cannot load)."),
+    "bundled_tokenizer_path": (
+        "loongforge.llm.data.shipped", "bundled_tokenizer_path",
+        "The directory of the tokenizer that ships with the package (the default tokenizer)."),
+    "DataError": (
+        "loongforge.llm.data.errors", "DataError",
+        "The error of unusable data, tokenizers or caches; its message names the file, line or key."),
+    # caches
+    "build_once": (
+        "loongforge.llm.data.cache", "build_once",
+        "Builds a cache directory unless complete, once per node, every rank waiting for it."),
+    "write_atomically": (
+        "loongforge.llm.data.cache", "write_atomically",
+        "Fills a temporary sibling of a directory and renames it into place (the first rename wins)."),
+    "save_token_arrays": (
+        "loongforge.llm.data.cache", "save_token_arrays",
+        "Saves token sequences and their assistant masks as ``tokens.npy``, ``assistant.npy`` and ``offsets.npy``."),
+}
+
+__all__ = sorted(_EXPORTS)
+if __doc__ is not None:  # None under python -OO
+    __doc__ += "\n".join(f"- ``{name}``: {line}" for name, (_, _, line) in _EXPORTS.items()) + "\n"
+
+
+def __getattr__(name: str):
+    try:
+        module, attribute, _ = _EXPORTS[name]
+    except KeyError:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}") from None
+    value = getattr(importlib.import_module(module), attribute)
+    globals()[name] = value  # looked up once
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *_EXPORTS})
