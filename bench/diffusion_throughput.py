@@ -11,7 +11,7 @@ each run also prints forward/backward/optimizer time and peak memory, and ours a
 of its top CUDA kernels and timings of the self-attention kernels at this shape. Then ours runs
 again with FP8 linears (``model.fp8=tensorwise``), with full recomputation (diffusers' policy), with
 none, and uncompiled (last: its host-bound step is the slowest). Extra arguments override the
-defaults (later wins; ``--variant '...'`` adds a variant, ``--no-profile`` skips the diagnostics).
+defaults (later wins; ``--variant NAME=KEY=VALUE,...`` adds a variant, ``--no-profile`` skips the diagnostics).
 """
 
 from __future__ import annotations
@@ -21,10 +21,10 @@ import sys
 from loongforge.diffusion.cli import main
 
 OPTIONS = ["--config", "wan2_1_t2v_1_3b", "--steps", "10",
-           "--variant", "model.fp8=tensorwise",
-           "--variant", "train.recompute=full",
-           "--variant", "train.recompute=none",
-           "--variant", "train.compile=false"]
+           "--variant", "fp8=model.fp8=tensorwise",
+           "--variant", "recompute_full=train.recompute=full",
+           "--variant", "recompute_none=train.recompute=none",
+           "--variant", "eager=train.compile=false"]
 OVERRIDES = ["model.num_layers=4", "sample.num_frames=33", "sample.height=480", "sample.width=832"]
 FLAGS = ("--no-profile",)  # options without a value
 

@@ -3,7 +3,7 @@ import os
 import pytest
 import torch
 
-from loongforge.diffusion.data.synthetic import CACHE_ENV
+from loongforge.core.cache import ENV_VAR as CACHE_ENV
 
 TEST_CLIPS = 12  # size of the built-in set the tests train on
 

@@ -46,7 +46,7 @@ def test_train_then_sample_then_convert(tmp_path, synthetic_overrides, builtin_l
     assert prompted.shape == (32 + 2, 5 * (48 + 2), 3)
 
     out = tmp_path / "hf"
-    assert main(["convert", "--run", str(run), "--out", str(out), "--ema"]) == 0
+    assert main(["convert", "lf-to-diffusers", str(run), str(out), "--ema"]) == 0
     tensors, manifest, _ = load_checkpoint(run / "checkpoints")
     assert manifest["family"] == "wan" and manifest["ema"] is True
     exported = read_diffusers_weights(out)
@@ -97,15 +97,15 @@ def test_one_expert_of_two_trains_and_the_other_stays(tmp_path, synthetic_overri
 
 def test_bench_and_info_run(capsys):
     size = ["sample.num_frames=5", "sample.height=32", "sample.width=48"]
-    assert main(["bench", "--steps", "1", "--warmup", "1", "--variant", "train.recompute=selective",
-                 "--variant", "model.fp8=tensorwise", *size]) == 0
+    assert main(["bench", "--steps", "1", "--warmup", "1", "--variant", "v1=train.recompute=selective",
+                 "--variant", "v2=model.fp8=tensorwise", *size]) == 0
     out = capsys.readouterr().out
     assert "speed-up" in out and "12 tokens/step" in out  # 2 latent frames x 2 x 3 patches
     rows = [line for line in out.splitlines() if "ms/step" in line]
-    assert [r.split(":")[0].strip() for r in rows] == ["diffusers", "loongforge", "variant 1", "variant 2"]
+    assert [r.split(":")[0].strip() for r in rows] == ["diffusers", "loongforge", "v1", "v2"]
     assert all("forward" in r and "backward" in r and "optimizer" in r for r in rows)
     assert "recompute=selective" in out and "MISMATCH" not in out
-    assert main(["bench", "--variant", "train.recompute=sometimes", *size]) == 2
+    assert main(["bench", "--variant", "v=train.recompute=sometimes", *size]) == 2
     assert "train.recompute='sometimes'" in capsys.readouterr().err
     assert main(["info", "model=wan2_1_t2v_1_3b"]) == 0
     assert "parameters per expert: 1419.00M" in capsys.readouterr().out  # Wan 2.1 T2V 1.3B

@@ -1,5 +1,5 @@
 """``lf-embodied`` end to end: train with no arguments (synthetic dataset written on first use),
-export (LoongForge and LeRobot names), convert back, eval."""
+convert to LeRobot's layout and back, eval."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from loongforge.core.checkpoint import Checkpoint
 from loongforge.core.cli import normalise_overrides
 from loongforge.embodied.cli import main
 from loongforge.embodied.config import load_train_config
@@ -36,18 +37,18 @@ def test_train_with_no_arguments_then_export_convert_eval(tmp_path, capsys):
     assert sum(losses[-3:]) / 3 < 0.8 * losses[0], losses
     assert (run_dir / "tensorboard").is_dir() and "samples_per_s" in records[0]
 
-    out = tmp_path / "policy.safetensors"
-    assert main(["export", "--checkpoint", str(run_dir), "--out", str(out)]) == 0
-    ours = load_file(str(out))
+    ours = Checkpoint(run_dir / "checkpoints").tensors("model.")
+    ours = {k[len("model."):]: v for k, v in ours.items()}
     lerobot_file = tmp_path / "lerobot" / "model.safetensors"
-    assert main(["export", "--checkpoint", str(run_dir), "--out", str(lerobot_file), "--format", "lerobot"]) == 0
+    assert main(["convert", "lf-to-lerobot", str(run_dir), str(lerobot_file)]) == 0
     lerobot = load_file(str(lerobot_file))
     assert all(k.startswith("model.paligemma_with_expert.") or k.startswith("model.") for k in lerobot)
     torch.testing.assert_close(lerobot["model.action_out_proj.weight"], ours["action_out_proj.weight"])
     back = tmp_path / "back.safetensors"
-    assert main(["convert", "--from-lerobot", str(lerobot_file), "--out", str(back)]) == 0
+    assert main(["convert", "lerobot-to-lf", str(lerobot_file), str(back)]) == 0
     converted = load_file(str(back))
     assert set(converted) == set(ours) and all(torch.equal(converted[k], ours[k]) for k in ours)
+    assert main(["convert", "lerobot-to-lf", str(lerobot_file), str(back)]) == 2  # the output exists
 
     capsys.readouterr()
     dataset_root = tmp_path / "cache" / "embodied-synthetic-v1"

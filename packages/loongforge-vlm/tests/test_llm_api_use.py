@@ -9,13 +9,6 @@ from pathlib import Path
 PACKAGE = Path(__file__).resolve().parents[1]
 PUBLIC = ("loongforge.llm", "loongforge.llm.api")
 
-# Files being rewritten by another change right now, allowed their private llm imports until it
-# merges. At the merge, switch their imports to ``loongforge.llm.api`` and delete this list.
-PENDING_REWRITE = {
-    "src/loongforge/vlm/recipe.py",
-    "src/loongforge/vlm/cli.py",
-    "src/loongforge/vlm/bench.py",
-}
 
 
 def private_llm_imports(source: str, filename: str, public_names) -> list[tuple[int, str]]:
@@ -65,14 +58,10 @@ def test_the_check_finds_each_kind_of_private_import():
 def test_vlm_imports_only_the_public_api_of_llm():
     from loongforge.llm import api
 
-    bad, pending = [], set()
+    bad = []
     for file in vlm_files():
         rel = file.relative_to(PACKAGE).as_posix()
         hits = private_llm_imports(file.read_text(encoding="utf-8"), rel, set(api.__all__))
-        if rel in PENDING_REWRITE:
-            pending.add(rel)
-            continue
         bad += [f"packages/loongforge-vlm/{rel}:{line}: imports {module}" for line, module in hits]
     assert not bad, ("loongforge-vlm must use loongforge-llm's public API (loongforge.llm.api); add what it needs "
                      "there instead of importing llm's private modules:\n" + "\n".join(bad))
-    assert pending == PENDING_REWRITE, f"the allow-list names files that are gone: {sorted(PENDING_REWRITE - pending)}"

@@ -262,21 +262,22 @@ def _loss_agrees(a: float, b: float, dtype: torch.dtype, fp8: bool = False) -> b
     return abs(a - b) <= tol * max(abs(a), 1e-6)
 
 
-def run_bench(recipe, steps: int = 10, warmup: int = 3, batch_size: int = 1, variants: list[list[str]] = (),
+def run_bench(recipe, steps: int = 10, warmup: int = 3, batch_size: int = 1,
+              variants: list[tuple[str, list[str]]] = (),
               profile: bool = True, report: Callable[[str], None] = print) -> dict[str, RunResult]:
     """Time the diffusers step, ours, then each variant of ours; ``report`` gets every line as
     soon as it is known. Raises AssertionError (after reporting everything) when a run's
     first-step loss disagrees with the baseline's."""
     m = recipe.model
-    configs = [(" ".join(o), variant_recipe(recipe, o)) for o in variants]  # bad overrides fail before any run
-    for r in [recipe] + [c for _, c in configs]:
+    configs = [(name, o, variant_recipe(recipe, o)) for name, o in variants]  # bad overrides fail before any run
+    for r in [recipe] + [c for _, _, c in configs]:
         r.model.check_device(get_accelerator().device_type)
     bench = Bench(recipe, steps, warmup, batch_size)
     report(f"latents {batch_size} x {recipe.sample.num_frames}x{recipe.sample.height}x{recipe.sample.width} frames, "
            f"{bench.tokens} tokens/step, {m.num_layers} layers, {bench.device.type} {bench.dtype}")
 
     fp8_runs = {"loongforge": m.fp8 != "none"}
-    fp8_runs.update({f"variant {i}": r.model.fp8 != "none" for i, (_, r) in enumerate(configs, start=1)})
+    fp8_runs.update({name: r.model.fp8 != "none" for name, _, r in configs})
 
     def agrees(r: RunResult) -> bool:
         """First-step loss as the baseline's, and still finite after the timed steps."""
@@ -320,13 +321,12 @@ def run_bench(recipe, steps: int = 10, warmup: int = 3, batch_size: int = 1, var
             report("attention-kernel timing failed (the results above stand):\n" + traceback.format_exc())
     bench.release(model, opt)
 
-    for i, (overrides, variant) in enumerate(configs, start=1):
-        name = f"variant {i}"
+    for name, overrides, variant in configs:
         try:
             model, forward_loss, opt = bench.ours_model(variant)
             results[name] = bench.time_run(name, model, forward_loss, opt)
             bench.release(model, opt)
-            report(f"  {name}: {overrides} ({describe(variant, bench.device.type)})")
+            report(f"  {name}: {','.join(overrides)} ({describe(variant, bench.device.type)})")
             report(line(results[name], base))
         except Exception:
             report(f"{name} ({overrides}) failed:\n" + traceback.format_exc())

@@ -1,41 +1,115 @@
-"""``lf-diffusion``: preprocess, train, sample, convert, bench, info, plot, compare."""
+"""``lf-diffusion``: the shared ``lf-*`` commands (train, info, convert, bench, plot, compare) for
+the Wan DiT, plus ``preprocess`` (videos and captions -> latent shards) and ``sample``.
+
+    lf-diffusion train [--config NAME|PATH] [key=value ...]
+    lf-diffusion convert lf-to-diffusers CHECKPOINT OUT [--ema]   # CHECKPOINT: a run dir, root or step dir
+    lf-diffusion sample [--run RUN_DIR] [--checkpoint CKPT] [--out DIR] [key=value ...]
+    lf-diffusion preprocess [--config NAME|PATH] [key=value ...]
+"""
 
 from __future__ import annotations
 
-import argparse
 import sys
 from pathlib import Path
 
 import torch.distributed as dist
 
-from loongforge.core.cli import add_config_arguments, add_run_commands, normalise_overrides, run_main
+from loongforge.core.cli import add_config_arguments, normalise_overrides
 
 CONFIG_DIR = Path(__file__).parent / "configs"
 DEFAULT_TRAIN = "tiny"
 DEFAULT_PREPROCESS = "preprocess"
 
 
-def _recipe(config: str, overrides: list[str]):
+def load_recipe(config: str | None, overrides: list[str]):
     from loongforge.core.config import load_config
     from loongforge.diffusion.schema import DiffusionRecipe
 
-    return load_config(DiffusionRecipe, config, normalise_overrides(overrides), config_dirs=[CONFIG_DIR])
+    return load_config(DiffusionRecipe, config, list(overrides), config_dirs=[CONFIG_DIR])
 
 
-def cmd_train(args) -> int:
-    from loongforge.core.training.run import run_training
-    from loongforge.diffusion.task import WanTask
-
-    recipe = _recipe(args.config, args.overrides)  # fails here, before any process group, on a bad config
-    recipe.model.check_device(get_device_type())
-    run_training(recipe, WanTask(recipe), "lf-diffusion")
-    return 0
-
-
-def get_device_type() -> str:
+def make_task(recipe):
+    """The task of the ``wan`` family (``ModelSpec.task``), after the device check of ``model.fp8``."""
     from loongforge.core.accelerators import get_accelerator
+    from loongforge.core.models import get_model_spec
 
-    return get_accelerator().device_type
+    recipe.model.check_device(get_accelerator().device_type)
+    return get_model_spec("wan").make_task(recipe)
+
+
+def cmd_info(args, recipe) -> None:
+    import torch
+
+    from loongforge.core.accelerators import get_accelerator
+    from loongforge.core.config import to_yaml
+    from loongforge.diffusion.model import WanExperts
+
+    with torch.device("meta"):
+        model = WanExperts(recipe.model)
+    per_expert = sum(p.numel() for p in model.expert(model.names[0]).parameters())
+    print(to_yaml(recipe))
+    print(f"experts: {', '.join(model.names)}; parameters per expert: {per_expert / 1e6:.2f}M")
+    print(f"accelerator: {get_accelerator()!r}")
+
+
+def checkpoint_root(source: str | Path) -> Path:
+    """A run directory's ``checkpoints``, or the checkpoint (root or step directory) itself."""
+    source = Path(source)
+    return source / "checkpoints" if (source / "checkpoints").is_dir() else source
+
+
+def recipe_of(manifest: dict, overrides: list[str] = ()):
+    """The run config a checkpoint was trained with (its manifest), with ``key=value`` overrides."""
+    from omegaconf import OmegaConf
+
+    from loongforge.core.config import ConfigError
+    from loongforge.diffusion.schema import DiffusionRecipe
+
+    try:
+        merged = OmegaConf.merge(OmegaConf.structured(DiffusionRecipe), manifest["config"],
+                                 OmegaConf.from_dotlist(list(overrides)))
+        return OmegaConf.to_object(merged)
+    except Exception as exc:  # an omegaconf error or a __post_init__ check
+        raise ConfigError(f"the checkpoint's config with {list(overrides)}: {str(exc).splitlines()[0]}") from exc
+
+
+def lf_to_diffusers_command(source: str, out: str, args) -> str:
+    from loongforge.core.checkpoint import load_checkpoint
+    from loongforge.core.config import ConfigError
+    from loongforge.diffusion.model.convert import export_diffusers
+
+    tensors, manifest, _ = load_checkpoint(checkpoint_root(source))
+    prefix = "ema." if args.ema else "model."
+    if args.ema and not manifest.get("ema"):
+        raise ConfigError(f"{source}: the checkpoint has no EMA weights (trained with ema.decay=0)")
+    state = {k[len(prefix):]: v for k, v in tensors.items() if k.startswith(prefix)}
+    if args.ema:  # experts without EMA (not trained) export their model weights
+        for k, v in tensors.items():
+            if k.startswith("model.") and k[len("model."):] not in state:
+                state[k[len("model."):]] = v
+    written = export_diffusers(state, recipe_of(manifest).model, out)
+    return "\n".join(f"wrote {path}" for path in written)
+
+
+def convert_options(parser) -> None:
+    parser.add_argument("--ema", action="store_true", help="lf-to-diffusers: export the EMA weights")
+
+
+def bench_options(parser) -> None:
+    parser.add_argument("--batch-size", type=int, default=1)
+    parser.add_argument("--no-profile", action="store_true", help="skip the CUDA profiler table and attention timings")
+
+
+def bench(args, config: str, overrides: list[str]) -> None:
+    from loongforge.core.benchmarking import parse_variant
+    from loongforge.diffusion.bench import run_bench
+
+    recipe = load_recipe(config, overrides)
+    variants: list[tuple[str, list[str]]] = []
+    for spec in args.variant:
+        variants.append(parse_variant(spec, ["diffusers", "loongforge", *(n for n, _ in variants)]))
+    run_bench(recipe, steps=args.steps, warmup=args.warmup, batch_size=args.batch_size, variants=variants,
+              profile=not args.no_profile, report=lambda line: print(line, flush=True))
 
 
 def cmd_preprocess(args) -> int:
@@ -58,119 +132,43 @@ def cmd_preprocess(args) -> int:
     return 0
 
 
-def _run_config(run_dir: Path) -> str:
-    path = run_dir / "config.yaml"
-    if not path.is_file():
-        raise FileNotFoundError(f"{path}: missing (is {run_dir} a `lf-diffusion train` run directory?)")
-    return str(path)
-
-
 def cmd_sample(args) -> int:
+    from loongforge.core.checkpoint import Checkpoint
     from loongforge.diffusion.sampling import sample_run
 
     run_dir = Path(args.run)
-    recipe = _recipe(args.config or _run_config(run_dir), args.overrides)
-    checkpoint = args.checkpoint or (Path(recipe.checkpoint.dir) if recipe.checkpoint.dir else run_dir / "checkpoints")
-    for path in sample_run(recipe, checkpoint, args.out or run_dir / "samples"):
+    checkpoint = Checkpoint(args.checkpoint or checkpoint_root(run_dir))
+    recipe = recipe_of(checkpoint.manifest, normalise_overrides(args.overrides))
+    for path in sample_run(recipe, checkpoint.directory, args.out or run_dir / "samples"):
         print(f"wrote {path}")
     return 0
 
 
-def cmd_convert(args) -> int:
-    from loongforge.core.checkpoint import load_checkpoint
-    from loongforge.diffusion.model.convert import export_diffusers
-
-    run_dir = Path(args.run)
-    recipe = _recipe(args.config or _run_config(run_dir), args.overrides)
-    tensors, manifest, _ = load_checkpoint(args.checkpoint or run_dir / "checkpoints")
-    prefix = "ema." if args.ema else "model."
-    if args.ema and not manifest.get("ema"):
-        raise ValueError(f"{args.checkpoint or run_dir}: the checkpoint has no EMA weights")
-    state = {k[len(prefix):]: v for k, v in tensors.items() if k.startswith(prefix)}
-    if args.ema:  # experts without EMA (not trained) export their model weights
-        for k, v in tensors.items():
-            if k.startswith("model.") and k[len("model."):] not in state:
-                state[k[len("model."):]] = v
-    for path in export_diffusers(state, recipe.model, args.out):
-        print(f"wrote {path}")
-    return 0
-
-
-def cmd_info(args) -> int:
-    import torch
-
-    from loongforge.core.accelerators import get_accelerator
-    from loongforge.core.config import to_yaml
-    from loongforge.diffusion.model import WanExperts
-
-    recipe = _recipe(args.config, args.overrides)
-    with torch.device("meta"):
-        model = WanExperts(recipe.model)
-    per_expert = sum(p.numel() for p in model.expert(model.names[0]).parameters())
-    print(to_yaml(recipe))
-    print(f"experts: {', '.join(model.names)}; parameters per expert: {per_expert / 1e6:.2f}M")
-    print(f"accelerator: {get_accelerator()!r}")
-    print(f"shipped configs: {', '.join(sorted(p.stem for p in CONFIG_DIR.glob('*.yaml')))}")
-    return 0
-
-
-def cmd_bench(args) -> int:
-    from loongforge.diffusion.bench import run_bench
-
-    recipe = _recipe(args.config, args.overrides)
-    variants = [v.split() for v in args.variant]
-    run_bench(recipe, steps=args.steps, warmup=args.warmup, batch_size=args.batch_size, variants=variants,
-              profile=not args.no_profile, report=lambda line: print(line, flush=True))
-    return 0
-
-
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="lf-diffusion", description="LoongForge Wan-style video diffusion")
-    sub = parser.add_subparsers(dest="command", required=True)
-
-    p = sub.add_parser("train", help="train (no arguments: a tiny model on the built-in moving-shapes set)")
-    add_config_arguments(p, DEFAULT_TRAIN)
-    p.set_defaults(fn=cmd_train)
-
-    p = sub.add_parser("preprocess", help="encode videos/images + captions to latent shards")
+def commands(sub) -> None:
+    p = sub.add_parser("preprocess", help="encode videos/images + captions to latent shards", allow_abbrev=False)
     add_config_arguments(p, DEFAULT_PREPROCESS)
     p.set_defaults(fn=cmd_preprocess)
 
-    for name, fn, text in (("sample", cmd_sample, "generate frames from a checkpoint into a PNG grid and GIF"),
-                           ("convert", cmd_convert, "export a checkpoint as diffusers WanTransformer3DModel directories")):
-        p = sub.add_parser(name, help=text)
-        p.add_argument("--run", default="runs/diffusion-tiny", help="run directory of `lf-diffusion train`")
-        p.add_argument("--config", default=None, help="config (default: RUN/config.yaml)")
-        p.add_argument("--checkpoint", default=None, help="checkpoint dir or root (default: the run's latest)")
-        p.add_argument("--out", default=None, required=name == "convert",
-                       help="output directory" + (" (default: RUN/samples)" if name == "sample" else ""))
-        if name == "convert":
-            p.add_argument("--ema", action="store_true", help="export the EMA weights")
-        p.add_argument("overrides", nargs="*", metavar="key=value")
-        p.set_defaults(fn=fn)
-
-    p = sub.add_parser("info", help="print the composed config, model size and accelerator")
-    add_config_arguments(p, DEFAULT_TRAIN)
-    p.set_defaults(fn=cmd_info)
-
-    p = sub.add_parser("bench", help="our training step vs a plain diffusers training step, same config and weights")
-    add_config_arguments(p, DEFAULT_TRAIN)
-    p.add_argument("--steps", type=int, default=10)
-    p.add_argument("--warmup", type=int, default=3)
-    p.add_argument("--batch-size", type=int, default=1)
-    p.add_argument("--variant", action="append", default=[], metavar="'KEY=VALUE ...'",
-                   help="also time ours with these config overrides (repeatable), e.g. "
-                        "'train.recompute=none'")
-    p.add_argument("--no-profile", action="store_true", help="skip the CUDA profiler table and attention timings")
-    p.set_defaults(fn=cmd_bench)
-
-    add_run_commands(sub)
-    return parser
+    p = sub.add_parser("sample", help="generate frames from a checkpoint into a PNG grid and GIF", allow_abbrev=False)
+    p.add_argument("--run", default="runs/diffusion-tiny", help="run directory of `lf-diffusion train`")
+    p.add_argument("--checkpoint", default=None, help="checkpoint dir or root (default: the run's latest)")
+    p.add_argument("--out", default=None, help="output directory (default: RUN/samples)")
+    p.set_defaults(fn=cmd_sample, takes_overrides=True)
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(sys.argv[1:] if argv is None else argv)
-    return run_main(lambda: args.fn(args))
+    from loongforge.core.cli import Converter, ModalityCLI, build_cli
+
+    app = ModalityCLI(
+        prog="lf-diffusion", description="LoongForge Wan-style video diffusion",
+        config_dirs=[CONFIG_DIR], default_config=DEFAULT_TRAIN, load_config=load_recipe, make_task=make_task,
+        info=cmd_info, example="train.steps=100 parallel.data_parallel=fsdp train.recompute=selective",
+        converters=[Converter("lf-to-diffusers", "a LoongForge checkpoint (or run dir) -> diffusers "
+                              "WanTransformer3DModel directories", lf_to_diffusers_command)],
+        convert_options=convert_options, bench_options=bench_options, bench=bench, commands=commands,
+        packages=["loongforge-core", "loongforge-diffusion"],
+    )
+    return build_cli(app)(argv)
 
 
 if __name__ == "__main__":

@@ -1,5 +1,9 @@
-"""Export a trained policy's weights to one safetensors file (LoongForge or LeRobot names), and
-convert LeRobot Pi0.5 weights into LoongForge names for ``policy.pretrained``."""
+"""``lf-embodied convert``: a trained policy's weights <-> LeRobot's Pi0.5 layout.
+
+``lf-to-lerobot`` writes a checkpoint's policy as LeRobot's ``PI05Policy`` ``model.safetensors``;
+``lerobot-to-lf`` rewrites such a file in LoongForge names, a file ``policy.pretrained`` reads (or
+read LeRobot's file directly with ``policy.pretrained_format=lerobot``).
+"""
 
 from __future__ import annotations
 
@@ -12,35 +16,40 @@ from loongforge.embodied.convert.lerobot_pi05 import from_lerobot_pi05, to_lerob
 from loongforge.embodied.restore import restore_policy
 
 
-def _checkpoint_path(path: str | Path) -> Path:
+def checkpoint_path(path: str | Path) -> Path:
+    """A run directory's ``checkpoints``, or the checkpoint (root or step directory) itself."""
     path = Path(path)
     return path / "checkpoints" if (path / "checkpoints").is_dir() else path
 
 
-def export_checkpoint(path: str | Path, out: str | Path, fmt: str = "loongforge") -> Path:
-    policy, cfg, ckpt = restore_policy(_checkpoint_path(path))
-    sd = {k: v.contiguous() for k, v in policy.state_dict().items()}
-    if fmt == "lerobot":
-        if policy.family != "pi05":
-            raise ValueError(f"--format lerobot: only pi05 has a LeRobot layout mapping, this checkpoint is {policy.family!r}")
-        sd = to_lerobot_pi05(sd)
-    elif fmt != "loongforge":
-        raise ValueError(f"export format {fmt!r}: one of loongforge, lerobot")
+def _new_file(out: str | Path) -> Path:
     out = Path(out)
+    if out.exists():
+        raise FileExistsError(f"{out} exists; the conversion writes a new file")
     out.parent.mkdir(parents=True, exist_ok=True)
-    meta = {"format": fmt, "family": policy.family, "step": str(ckpt.step),
-            "policy_config": json.dumps(ckpt.manifest["config"]["policy"]),
-            "dataset": json.dumps(ckpt.manifest.get("dataset", {}))}
-    save_file(sd, str(out), metadata=meta)
     return out
 
 
-def convert_lerobot_file(src: str | Path, out: str | Path) -> Path:
+def export_lerobot(path: str | Path, out: str | Path) -> Path:
+    """The Pi0.5 policy of checkpoint ``path`` as LeRobot's ``model.safetensors`` at ``out``."""
+    policy, cfg, ckpt = restore_policy(checkpoint_path(path))
+    if cfg.policy.family != "pi05":
+        raise ValueError(f"lf-to-lerobot: only pi05 has a LeRobot layout mapping, this checkpoint is {cfg.policy.family!r}")
+    state = to_lerobot_pi05({k: v.contiguous() for k, v in policy.state_dict().items()})
+    meta = {"format": "lerobot", "family": cfg.policy.family, "step": str(ckpt.step),
+            "policy_config": json.dumps(ckpt.manifest["config"]["policy"]),
+            "dataset": json.dumps(ckpt.manifest.get("dataset", {}))}
+    out = _new_file(out)
+    save_file(state, str(out), metadata=meta)
+    return out
+
+
+def import_lerobot(src: str | Path, out: str | Path) -> Path:
     """A LeRobot ``PI05Policy`` ``model.safetensors`` rewritten in ``Pi05Policy`` names."""
-    src, out = Path(src), Path(out)
+    src = Path(src)
     if not src.is_file():
-        raise FileNotFoundError(f"--from-lerobot {str(src)!r}: no such file")
-    sd = from_lerobot_pi05(load_file(str(src)))
-    out.parent.mkdir(parents=True, exist_ok=True)
-    save_file({k: v.contiguous() for k, v in sd.items()}, str(out), metadata={"format": "loongforge", "family": "pi05"})
+        raise FileNotFoundError(f"{src}: no such file (a LeRobot pi05 model.safetensors)")
+    state = from_lerobot_pi05(load_file(str(src)))
+    out = _new_file(out)
+    save_file({k: v.contiguous() for k, v in state.items()}, str(out), metadata={"format": "loongforge", "family": "pi05"})
     return out

@@ -22,6 +22,10 @@ _EXPORTS: dict[str, tuple[str, str, str]] = {
         "loongforge.llm.families.gpt_hf", "GPT_HF_MAPPING",
         "The Hugging Face mapping rules of the GPT-style families (``model.*``/``lm_head`` <-> megatron "
         "``GPTModel``), bound to a ``GPTConfig``."),
+    "masked_token_loss": (
+        "loongforge.llm.recipe", "masked_token_loss",
+        "``(loss sum over the tokens a loss mask selects, their count)``: the token loss of a task's ``forward``, "
+        "which the loop normalises over the global batch."),
     "CONFIG_DIR": (
         "loongforge.llm.shipped_configs", "CONFIG_DIR",
         "The directory of the shipped configs, a config search path: its ``model/`` group holds the model "

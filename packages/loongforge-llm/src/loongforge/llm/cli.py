@@ -11,19 +11,13 @@
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 from pathlib import Path
 
-from loongforge.core.cli import add_config_arguments, add_run_commands, normalise_overrides, run_main
 from loongforge.core.config import ConfigError
 from loongforge.llm import recipe
 from loongforge.llm.recipe import LLMConfig
-
-
-def load_llm_config(args) -> LLMConfig:
-    return recipe.load_llm_config(args.config, normalise_overrides(args.overrides))
 
 
 def check_save_hf(cfg: LLMConfig, out: str | None) -> Path | None:
@@ -42,20 +36,6 @@ def check_save_hf(cfg: LLMConfig, out: str | None) -> Path | None:
     return path
 
 
-def cmd_train(args) -> int:
-    cfg = load_llm_config(args)  # fails here, before any process group, on a bad config
-    save_hf = check_save_hf(cfg, args.save_hf)
-    from loongforge.core.training.run import run_training
-    from loongforge.llm.recipe import make_task
-
-    after = None
-    if save_hf is not None:
-        def after(trainer):
-            export_hf(trainer.ctx, trainer.ckpt_dir, save_hf, progress=cfg.log.progress)
-    run_training(cfg, make_task(cfg), "lf-llm", after=after)
-    return 0
-
-
 def export_hf(ctx, checkpoints: Path, out: Path, progress: bool) -> None:
     """Rank 0 writes the latest checkpoint in ``checkpoints`` to the HF directory ``out``, after
     every rank has finished saving."""
@@ -71,8 +51,7 @@ def export_hf(ctx, checkpoints: Path, out: Path, progress: bool) -> None:
               + ("" if done.tokenizer else " (no tokenizer found to copy)"), flush=True)
 
 
-def cmd_info(args) -> int:
-    cfg = load_llm_config(args)
+def cmd_info(args, cfg: LLMConfig) -> None:
     from loongforge.core.parallel import ParallelLayout
     from loongforge.llm.sizing import size_report
 
@@ -85,7 +64,6 @@ def cmd_info(args) -> int:
         raise ConfigError(str(exc)) from exc
     print(json.dumps({"family": m.family, "parameters": m.parameter_counts(), **sizes,
                       "flops_per_token": m.flops_per_token(cfg.train.seq_length)}, indent=1))
-    return 0
 
 
 def cmd_preprocess(args) -> int:
@@ -95,58 +73,76 @@ def cmd_preprocess(args) -> int:
     return 0
 
 
-def cmd_bench(args) -> int:
+def make_task(cfg: LLMConfig):
+    """The task of the config's model family (``ModelSpec.task``: pre-training or SFT by ``recipe``)."""
+    from loongforge.core.models import get_model_spec
+
+    return get_model_spec(cfg.model.family).make_task(cfg)
+
+
+def train_options(parser) -> None:
+    parser.add_argument("--save-hf", metavar="OUT", default=None,
+                        help="at the end, export the final checkpoint to OUT as a Hugging Face model directory")
+
+
+def after_train(args, cfg: LLMConfig, save_hf: Path | None, trainer) -> None:
+    if save_hf is not None:
+        export_hf(trainer.ctx, trainer.ckpt_dir, save_hf, progress=cfg.log.progress)
+
+
+def info_options(parser) -> None:
+    parser.add_argument("--dp", type=int, default=None,
+                        help="data-parallel size to size the layout for (default: the smallest parallel.ep allows)")
+
+
+def bench_options(parser) -> None:
+    parser.add_argument("--fp8", action="append", default=[], choices=["blockwise", "adaptive"],
+                        help="one more run of ours with fp8=<mode>, compared with ours in bf16")
+    parser.add_argument("--skip", action="append", default=[], choices=["hf_sdpa", "hf_sdpa_compile"],
+                        help="a baseline to leave out")
+    parser.add_argument("--profile-rows", type=int, default=25, help="rows of ours' profiler tables (CUDA); 0: none")
+    parser.add_argument("--trace", default=None, help="write a Chrome trace of the profiled steps of ours here")
+
+
+def bench(args, config: str, overrides: list[str]) -> None:
     from loongforge.llm.bench import run_bench
 
-    run_bench(args.config, normalise_overrides(args.overrides), steps=args.steps, warmup=args.warmup,
-              variants=args.variant, fp8=args.fp8, skip=args.skip, profile_rows=args.profile_rows, trace=args.trace)
-    return 0
+    run_bench(config, overrides, steps=args.steps, warmup=args.warmup, variants=args.variant, fp8=args.fp8,
+              skip=args.skip, profile_rows=args.profile_rows, trace=args.trace)
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="lf-llm", description="LoongForge LLM training on megatron-core")
-    sub = parser.add_subparsers(dest="command", required=True)
-    train = sub.add_parser("train", help="train (no arguments: the debug model on the bundled corpus)")
-    add_config_arguments(train, "train_debug")
-    train.add_argument("--save-hf", metavar="OUT", default=None,
-                       help="at the end, export the final checkpoint to OUT as a Hugging Face model directory")
-    train.set_defaults(fn=cmd_train)
-    info = sub.add_parser("info", help="parameter counts (meta-device build), per-GPU memory of the layout, FLOPs")
-    add_config_arguments(info, "train_debug")
-    info.add_argument("--dp", type=int, default=None,
-                      help="data-parallel size to size the layout for (default: the smallest parallel.ep allows)")
-    info.set_defaults(fn=cmd_info)
-    bench = sub.add_parser("bench", help="time our training step against HF transformers' Llama (one process)")
-    add_config_arguments(bench, "train_0_5b")
-    bench.add_argument("--steps", type=int, default=10, help="timed steps per run (the median is reported)")
-    bench.add_argument("--warmup", type=int, default=3)
-    bench.add_argument("--variant", action="append", default=[], metavar="NAME=KEY=VALUE,...",
-                       help="one more run of ours with these overrides (comma-separated)")
-    bench.add_argument("--fp8", action="append", default=[], choices=["blockwise", "adaptive"],
-                       help="one more run of ours with fp8=<mode>, compared with ours in bf16")
-    bench.add_argument("--skip", action="append", default=[], choices=["hf_sdpa", "hf_sdpa_compile"],
-                       help="a baseline to leave out")
-    bench.add_argument("--profile-rows", type=int, default=25, help="rows of ours' profiler tables (CUDA); 0: none")
-    bench.add_argument("--trace", default=None, help="write a Chrome trace of the profiled steps of ours here")
-    bench.set_defaults(fn=cmd_bench)
+def commands(sub) -> None:
     pre = sub.add_parser("preprocess", help="tokenize text/JSONL into a megatron indexed dataset (.bin/.idx)")
     from loongforge.llm.data.preprocess import add_preprocess_arguments
 
     add_preprocess_arguments(pre)
     pre.set_defaults(fn=cmd_preprocess)
-    from loongforge.llm.convert import add_convert_command
-
-    add_convert_command(sub)
     from loongforge.llm.lora_command import add_lora_command
 
     add_lora_command(sub)
-    add_run_commands(sub)
-    return parser
+
+
+def _errors() -> tuple[type[BaseException], ...]:
+    from loongforge.core.hf_mapping import MappingError
+    from loongforge.llm.data.errors import DataError
+
+    return (DataError, MappingError, FileExistsError)
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(sys.argv[1:] if argv is None else argv)
-    return run_main(lambda: args.fn(args))
+    from loongforge.core.cli import ModalityCLI, build_cli
+    from loongforge.llm.convert import convert_options, converters
+
+    app = ModalityCLI(
+        prog="lf-llm", description="LoongForge LLM training on megatron-core",
+        config_dirs=[recipe.CONFIG_DIR], default_config="train_debug", load_config=recipe.load_llm_config,
+        make_task=make_task, info=cmd_info, info_options=info_options, example="train.steps=200 parallel.tp=2",
+        converters=converters("lf-llm"), convert_options=convert_options,
+        train_options=train_options, before_train=lambda args, cfg: check_save_hf(cfg, args.save_hf),
+        after_train=after_train, bench_options=bench_options, bench=bench, default_bench_config="train_0_5b",
+        commands=commands, errors=_errors(), packages=["loongforge-core", "loongforge-llm"],
+    )
+    return build_cli(app)(argv)
 
 
 if __name__ == "__main__":

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import re
-import sys
 from pathlib import Path
 
 import torch
@@ -45,34 +44,34 @@ def write_train_config(converted, root: Path) -> Path:
     return path
 
 
-def cmd_convert(args) -> int:
-    from loongforge.core.checkpoint import CheckpointReadError
-    from loongforge.core.hf_mapping import MappingError
-    from loongforge.core.hf_mapping.convert import hf_to_lf, lf_to_hf
+def hf_to_lf_command(source: str, out: str, args) -> str:
+    from loongforge.core.hf_mapping.convert import hf_to_lf
 
-    dtype = DTYPES[args.dtype] if args.dtype else None
-    try:
-        if args.direction == "hf-to-lf":
-            done = hf_to_lf(args.source, args.out, dtype=dtype, progress=not args.no_progress, max_shard_bytes=args.shard_size)
-            config = write_train_config(done, Path(args.out))
-            print(f"lf-llm: {done.family} ({done.tensors} tensors) -> {done.path}; "
-                  f"tokenizer {done.tokenizer or 'none found'}; train with: lf-llm train --config {config}")
-        else:
-            done = lf_to_hf(args.source, args.out, dtype=dtype, progress=not args.no_progress, max_shard_bytes=args.shard_size)
-            print(f"lf-llm: {done.family} ({done.tensors} tensors) -> {done.path}"
-                  + ("" if done.tokenizer else " (no tokenizer found to copy)"))
-    except (MappingError, CheckpointReadError, FileExistsError, FileNotFoundError) as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
-    return 0
+    done = hf_to_lf(source, out, dtype=DTYPES[args.dtype] if args.dtype else None, progress=not args.no_progress,
+                    max_shard_bytes=args.shard_size)
+    config = write_train_config(done, Path(out))
+    return (f"lf-llm: {done.family} ({done.tensors} tensors) -> {done.path}; tokenizer {done.tokenizer or 'none found'}; "
+            f"train with: lf-llm train --config {config}")
 
 
-def add_convert_command(sub) -> None:
-    conv = sub.add_parser("convert", help="convert between Hugging Face model directories and LoongForge checkpoints")
-    conv.add_argument("direction", choices=["hf-to-lf", "lf-to-hf"])
-    conv.add_argument("source", help="HF model directory (hf-to-lf) or LoongForge checkpoint (lf-to-hf)")
-    conv.add_argument("out", help="output directory (must not exist)")
-    conv.add_argument("--dtype", choices=sorted(DTYPES), help="cast floating-point weights (default: keep)")
-    conv.add_argument("--shard-size", type=parse_size, default=parse_size("2GB"), help="max bytes per output file (default 2GB)")
-    conv.add_argument("--no-progress", action="store_true", help="no progress bar")
-    conv.set_defaults(fn=cmd_convert)
+def lf_to_hf_command(source: str, out: str, args) -> str:
+    from loongforge.core.hf_mapping.convert import lf_to_hf
+
+    done = lf_to_hf(source, out, dtype=DTYPES[args.dtype] if args.dtype else None, progress=not args.no_progress,
+                    max_shard_bytes=args.shard_size)
+    return (f"lf-llm: {done.family} ({done.tensors} tensors) -> {done.path}"
+            + ("" if done.tokenizer else " (no tokenizer found to copy)"))
+
+
+def converters(prog: str = "lf-llm"):
+    from loongforge.core.cli import Converter
+
+    return [Converter("hf-to-lf", "a Hugging Face model directory -> a LoongForge checkpoint (+ OUT/train.yaml)",
+                      hf_to_lf_command),
+            Converter("lf-to-hf", "a LoongForge checkpoint (step directory or root) -> a Hugging Face directory",
+                      lf_to_hf_command)]
+
+
+def convert_options(parser) -> None:
+    parser.add_argument("--shard-size", type=parse_size, default=parse_size("2GB"),
+                        help="max bytes per output file (default 2GB)")

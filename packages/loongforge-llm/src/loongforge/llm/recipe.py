@@ -35,13 +35,19 @@ class DataConfig:
     prefixes: list[str] = field(default_factory=list)
     weights: list[float] = field(default_factory=list)  # blend weights, one per prefix (default equal)
     tokenizer: str | None = None  # local tokenizer dir; default: the bundled tokenizer
-    cache_dir: str = "runs/cache/llm-data"
+    cache_dir: str | None = None  # tokenized corpora and sample indices; null: $LOONGFORGE_CACHE/llm-data
 
     def __post_init__(self):
         if self.weights and len(self.weights) != len(self.prefixes):
             raise ValueError(f"data.weights has {len(self.weights)} entries for {len(self.prefixes)} data.prefixes")
         if any(w <= 0 for w in self.weights):
             raise ValueError(f"data.weights={self.weights}: must be positive")
+
+    def resolved_cache_dir(self) -> str:
+        """``data.cache_dir``, or the LoongForge cache's ``llm-data`` folder (``loongforge.core.cache``)."""
+        from loongforge.core.cache import cache_dir
+
+        return self.cache_dir or str(cache_dir("llm-data"))
 
 
 @dataclass
@@ -55,7 +61,7 @@ class KernelsConfig:
 class LLMConfig:
     model: GPTConfig = field(default_factory=GPTConfig)
     data: DataConfig = field(default_factory=DataConfig)
-    train: SequenceTrainConfig = field(default_factory=lambda: SequenceTrainConfig(micro_batch_size=2))
+    train: SequenceTrainConfig = field(default_factory=SequenceTrainConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     log: LogConfig = field(default_factory=LogConfig)
@@ -232,11 +238,11 @@ class LLMTask:
                 self._dataset = gpt.build_gpt_dataset(
                     blend, seq_length=train.seq_length, num_samples=num_samples, seed=train.seed,
                     tokenizer=self.cfg.data.tokenizer or shipped.bundled_tokenizer_path(),
-                    cache_dir=self.cfg.data.cache_dir,
+                    cache_dir=self.cfg.data.resolved_cache_dir(),
                 )
             else:
                 self._dataset = shipped.bundled_dataset(
-                    self.cfg.data.cache_dir, seq_length=train.seq_length, num_samples=num_samples, seed=train.seed
+                    self.cfg.data.resolved_cache_dir(), seq_length=train.seq_length, num_samples=num_samples, seed=train.seed
                 )
         return self._dataset
 

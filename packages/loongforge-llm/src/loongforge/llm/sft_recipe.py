@@ -84,7 +84,7 @@ class SFTTask(LLMTask):
 
             sft = self.cfg.sft
             self.tokenizer()  # checks the vocabulary first
-            index = build_sft_index(sft.files or [bundled_sft_path()], self.tokenizer_dir(), self.cfg.data.cache_dir,
+            index = build_sft_index(sft.files or [bundled_sft_path()], self.tokenizer_dir(), self.cfg.data.resolved_cache_dir(),
                                     chat_template=read_template(sft.chat_template))
             self._dataset = SFTDataset(index, self.cfg.train.seq_length, sft.truncation)
         return self._dataset

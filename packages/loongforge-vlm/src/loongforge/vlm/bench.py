@@ -56,6 +56,7 @@ BASELINES = ("hf_sdpa", "hf_sdpa_compile")
 class Case:
     """The composition, the batch and the device of every run."""
 
+    config: str  # the config the composition starts from
     overrides: list[str]  # config overrides selecting the parts
     samples: int
     image_size: int
@@ -68,7 +69,7 @@ class Case:
 def load_config(case: Case, extra: list[str], run_dir: str, seq_length: int):
     from loongforge.vlm.cli import load_vlm_config
 
-    return load_vlm_config("vlm_debug", [
+    return load_vlm_config(case.config, [
         *case.overrides, f"train.global_batch_size={case.samples}", f"train.seq_length={seq_length}",
         f"train.precision={'bf16' if case.dtype == torch.bfloat16 else 'fp32'}", "train.warmup_steps=0",
         "train.lr=1.0e-5", "train.min_lr=1.0e-5", f"log.run_dir={run_dir}", "log.tensorboard=false",
@@ -205,20 +206,15 @@ def our_step(cfg, hf_dir: Path, batch: Batch, case: Case, pack_size: int):
 
 # -- the command ---------------------------------------------------------------------------------
 def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
+    """The options of ``lf-vlm bench`` besides the shared ``--config``, ``--steps``, ``--warmup``,
+    ``--variant`` and config overrides (``encoder=...``, ``foundation=...`` swap a part; any other
+    override applies to both models, e.g. ``encoder.num_layers=8``)."""
     parser.add_argument("--tiny", action="store_true", help="the debug parts (qwen2_5_vit_debug + qwen2_debug)")
-    parser.add_argument("--encoder", default=None, help="encoder config group (default qwen2_5_vit)")
-    parser.add_argument("--foundation", default=None, help="foundation config group (default qwen2_5_0_5b)")
-    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
-                        help="a config override of the composition, for both models (encoder.num_layers=8)")
     parser.add_argument("--samples", type=int, default=None, help="samples per step (default 8; --tiny: 2)")
     parser.add_argument("--image-size", type=int, default=None, help="image side in pixels (default 448; --tiny: 32)")
     parser.add_argument("--text-tokens", type=int, default=None, help="text tokens per sample (default 768; --tiny: 24)")
     parser.add_argument("--pack", type=int, default=None,
                         help="samples per packed micro-batch of ours (default: all samples of a step in one)")
-    parser.add_argument("--steps", type=int, default=10)
-    parser.add_argument("--warmup", type=int, default=3)
-    parser.add_argument("--variant", action="append", default=[], metavar="NAME=KEY=VALUE,...",
-                        help="one more run of ours with these config overrides (comma-separated)")
     parser.add_argument("--skip", action="append", default=[], choices=BASELINES,
                         help="a baseline to leave out (on CPU hf_sdpa_compile is left out unless --compile-on-cpu)")
     parser.add_argument("--compile-on-cpu", action="store_true")
@@ -226,11 +222,14 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--trace", default=None, help="write a Chrome trace of the profiled steps of ours here")
 
 
-def make_case(args, dev: BenchDevice) -> Case:
+def make_case(args, dev: BenchDevice, config: str, overrides: list[str]) -> Case:
     samples = args.samples or (2 if args.tiny else 8)
+    given = {o.split("=", 1)[0] for o in overrides}
+    parts = {"encoder": "qwen2_5_vit_debug" if args.tiny else "qwen2_5_vit",
+             "foundation": "qwen2_debug" if args.tiny else "qwen2_5_0_5b"}
     case = Case(
-        overrides=[f"encoder={args.encoder or ('qwen2_5_vit_debug' if args.tiny else 'qwen2_5_vit')}",
-                   f"foundation={args.foundation or ('qwen2_debug' if args.tiny else 'qwen2_5_0_5b')}", *args.set],
+        config=config,
+        overrides=[f"{part}={name}" for part, name in parts.items() if part not in given] + list(overrides),
         samples=samples,
         image_size=args.image_size or (32 if args.tiny else 448),
         text_tokens=args.text_tokens if args.text_tokens is not None else (24 if args.tiny else 768),
@@ -262,13 +261,14 @@ class VLMRunResult(RunResult):
     first_loss: float
 
 
-def run_bench(args, report: Callable[[str], None] = print) -> dict[str, VLMRunResult]:
+def run_bench(args, config: str = "vlm_debug", overrides: list[str] = (),
+              report: Callable[[str], None] = print) -> dict[str, VLMRunResult]:
     """Every run's tokens/s, TFLOP/s, MFU, peak GiB and first-step loss; ``report`` gets each line when known."""
     from loongforge.vlm.recipe import VLMTask
 
     check_timing(args.steps, args.warmup)
     dev = BenchDevice()
-    case = make_case(args, dev)
+    case = make_case(args, dev, config, list(overrides))
     runs = plan_runs(args, case)
     warnings.filterwarnings("ignore")
     with tempfile.TemporaryDirectory() as scratch:

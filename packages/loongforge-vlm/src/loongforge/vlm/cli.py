@@ -12,12 +12,9 @@ projector=mlp_2x``.
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 from pathlib import Path
-
-from loongforge.core.cli import add_config_arguments, add_run_commands, normalise_overrides, run_main
 
 DEFAULT_CONFIG = "vlm_debug"
 TRAIN_CONFIG = "train.yaml"
@@ -25,7 +22,7 @@ TRAIN_CONFIG = "train.yaml"
 
 def config_dirs() -> list[Path]:
     """The VLM's configs, and loongforge-llm's (the ``foundation`` group reuses its model configs)."""
-    from loongforge.llm.recipe import CONFIG_DIR as LLM_CONFIG_DIR
+    from loongforge.llm.api import CONFIG_DIR as LLM_CONFIG_DIR
     from loongforge.vlm.recipe import CONFIG_DIR
 
     return [CONFIG_DIR, LLM_CONFIG_DIR]
@@ -35,20 +32,10 @@ def load_vlm_config(name: str | None, overrides: list[str]):
     from loongforge.core.config import load_config
     from loongforge.vlm.recipe import VLMConfig
 
-    return load_config(VLMConfig, name, normalise_overrides(overrides), config_dirs())
+    return load_config(VLMConfig, name, list(overrides), config_dirs())
 
 
-def cmd_train(args) -> int:
-    cfg = load_vlm_config(args.config, args.overrides)  # fails here, before any process group, on a bad config
-    from loongforge.core.training.run import run_training
-    from loongforge.vlm.recipe import VLMTask
-
-    run_training(cfg, VLMTask(cfg), "lf-vlm")  # the task checks the tokenizer before any process group too
-    return 0
-
-
-def cmd_info(args) -> int:
-    cfg = load_vlm_config(args.config, args.overrides)
+def cmd_info(args, cfg) -> None:
     f = cfg.foundation
     counts = cfg.model().parameter_counts()
     print(json.dumps({
@@ -58,7 +45,6 @@ def cmd_info(args) -> int:
         "encoder_flops_per_patch": cfg.encoder.flops_per_patch(),
         "mrope_section": cfg.model().mrope_section, "trainable": cfg.trainable,
     }, indent=1))
-    return 0
 
 
 def write_train_config(converted, root: Path) -> Path:
@@ -79,76 +65,63 @@ def write_train_config(converted, root: Path) -> Path:
     return path
 
 
-def cmd_convert(args) -> int:
+def _dtype(args):
     import torch
 
-    from loongforge.core.checkpoint import CheckpointReadError
+    return {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}.get(args.dtype)
+
+
+def hf_to_lf_command(source: str, out: str, args) -> str:
     from loongforge.core.hf_mapping import MappingError
-    from loongforge.core.hf_mapping.convert import hf_to_lf, lf_to_hf
+    from loongforge.core.hf_mapping.convert import hf_to_lf
 
-    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}.get(args.dtype)
-    try:
-        if args.direction == "hf-to-lf":
-            done = hf_to_lf(args.source, args.out, dtype=dtype, progress=not args.no_progress)
-            if done.family != "vlm":
-                raise MappingError(f"{args.source}: a {done.family} model, not a VLM (use that family's CLI)")
-            config = write_train_config(done, Path(args.out))
-            print(f"lf-vlm: {done.tensors} tensors -> {done.path}; tokenizer {done.tokenizer or 'none found'}; "
-                  f"train with: lf-vlm train --config {config}")
-        else:
-            done = lf_to_hf(args.source, args.out, dtype=dtype, progress=not args.no_progress)
-            print(f"lf-vlm: {done.tensors} tensors -> {done.path}" + ("" if done.tokenizer else " (no tokenizer found)"))
-    except (MappingError, CheckpointReadError, FileExistsError, FileNotFoundError) as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
-    return 0
+    done = hf_to_lf(source, out, dtype=_dtype(args), progress=not args.no_progress)
+    if done.family != "vlm":
+        raise MappingError(f"{source}: a {done.family} model, not a VLM (use that family's CLI)")
+    config = write_train_config(done, Path(out))
+    return (f"lf-vlm: {done.tensors} tensors -> {done.path}; tokenizer {done.tokenizer or 'none found'}; "
+            f"train with: lf-vlm train --config {config}")
 
 
-def cmd_bench(args) -> int:
+def lf_to_hf_command(source: str, out: str, args) -> str:
+    from loongforge.core.hf_mapping.convert import lf_to_hf
+
+    done = lf_to_hf(source, out, dtype=_dtype(args), progress=not args.no_progress)
+    return f"lf-vlm: {done.tensors} tensors -> {done.path}" + ("" if done.tokenizer else " (no tokenizer found)")
+
+
+def make_task(cfg):
+    """The VLM task, through the ``vlm`` family's registered spec."""
+    from loongforge.core.models import get_model_spec
+
+    return get_model_spec("vlm").make_task(cfg)
+
+
+def bench(args, config: str, overrides: list[str]) -> None:
     from loongforge.vlm.bench import run_bench
 
-    run_bench(args)
-    return 0
-
-
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="lf-vlm", description="LoongForge vision-language models on megatron-core")
-    sub = parser.add_subparsers(dest="command", required=True)
-    train = sub.add_parser("train", help="train (no arguments: the debug VLM on the shipped shapes set)")
-    add_config_arguments(train, DEFAULT_CONFIG)
-    train.set_defaults(fn=cmd_train)
-    info = sub.add_parser("info", help="parts, parameter counts and FLOPs of a config")
-    add_config_arguments(info, DEFAULT_CONFIG)
-    info.set_defaults(fn=cmd_info)
-    conv = sub.add_parser("convert", help="Qwen2.5-VL Hugging Face directories <-> LoongForge checkpoints")
-    conv.add_argument("direction", choices=["hf-to-lf", "lf-to-hf"])
-    conv.add_argument("source", help="HF model directory (hf-to-lf) or LoongForge checkpoint (lf-to-hf)")
-    conv.add_argument("out", help="output directory (must not exist)")
-    conv.add_argument("--dtype", choices=["bf16", "fp16", "fp32"], help="cast floating-point weights (default: keep)")
-    conv.add_argument("--no-progress", action="store_true", help="no progress bar")
-    conv.set_defaults(fn=cmd_convert)
-    bench = sub.add_parser("bench", help="time our training step against transformers' Qwen2.5-VL (one process)")
-    from loongforge.vlm.bench import add_bench_arguments
-
-    add_bench_arguments(bench)
-    bench.set_defaults(fn=cmd_bench)
-    add_run_commands(sub)
-    return parser
+    run_bench(args, config, overrides)
 
 
 def main(argv: list[str] | None = None) -> int:
-    from loongforge.llm.data.errors import DataError
+    from loongforge.core.cli import Converter, ModalityCLI, build_cli
+    from loongforge.core.hf_mapping import MappingError
+    from loongforge.llm.api import DataError
+    from loongforge.vlm.bench import add_bench_arguments
 
-    args = build_parser().parse_args(sys.argv[1:] if argv is None else argv)
-
-    def body():
-        try:
-            return args.fn(args)
-        except DataError as exc:  # a data file, record or tokenizer that cannot be used: one clear line
-            print(f"error: {exc}", file=sys.stderr)
-            return 2
-
-    return run_main(body)
+    app = ModalityCLI(
+        prog="lf-vlm", description="LoongForge vision-language models on megatron-core",
+        config_dirs=config_dirs()[:1], default_config=DEFAULT_CONFIG, load_config=load_vlm_config,
+        make_task=make_task, info=cmd_info,
+        example="foundation=qwen3_debug encoder=siglip_vit_debug parallel.tp=2 parallel.encoder.tp=1",
+        converters=[Converter("hf-to-lf", "a Qwen2.5-VL Hugging Face directory -> a LoongForge checkpoint",
+                              hf_to_lf_command),
+                    Converter("lf-to-hf", "a LoongForge VLM checkpoint -> a Qwen2.5-VL Hugging Face directory",
+                              lf_to_hf_command)],
+        bench_options=add_bench_arguments, bench=bench, errors=(DataError, MappingError),
+        packages=["loongforge-core", "loongforge-llm", "loongforge-vlm"],
+    )
+    return build_cli(app)(argv)
 
 
 if __name__ == "__main__":

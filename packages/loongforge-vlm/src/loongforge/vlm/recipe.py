@@ -25,7 +25,7 @@ import numpy as np
 
 from loongforge.core.config import to_dict
 from loongforge.core.training.schema import BalanceConfig, CheckpointConfig, LogConfig, ParallelConfig, SequenceTrainConfig
-from loongforge.llm.model_config import GPTConfig
+from loongforge.llm.api import GPTConfig
 from loongforge.vlm.data.media import MediaConfig
 from loongforge.vlm.model import VLMModelConfig
 from loongforge.vlm.model_config import EncoderConfig, ProjectorConfig, VisionTokensConfig
@@ -77,7 +77,7 @@ class VLMDataConfig:
     media_root: str | None = None  # base of relative media paths (default: the JSONL's directory)
     tokenizer: str | None = None  # local tokenizer dir; default: loongforge-llm's bundled one + vision tokens
     chat_template: str | None = None  # a Jinja file to use instead of the tokenizer's template
-    cache_dir: str = "runs/cache/vlm-data"
+    cache_dir: str | None = None  # media indices and the shipped set; null: $LOONGFORGE_CACHE/vlm-data
     too_long: str = "skip"  # a sample over balance.token_cap: skip | error
     num_workers: int = 0
     media: MediaConfig = field(default_factory=MediaConfig)
@@ -137,7 +137,7 @@ class VLMTask:
         self.tokenizer_dir = Path(cfg.data.tokenizer).expanduser() if cfg.data.tokenizer else default_tokenizer_dir()
         self.tokenizer, self.vision_ids = load_vlm_tokenizer(self.tokenizer_dir)
         if len(self.tokenizer) > cfg.foundation.vocab_size:
-            from loongforge.llm.data.errors import DataError
+            from loongforge.llm.api import DataError
 
             raise DataError(f"tokenizer {self.tokenizer_dir} has {len(self.tokenizer)} tokens (vision tokens "
                             f"included), more than foundation.vocab_size={cfg.foundation.vocab_size}")
@@ -161,8 +161,7 @@ class VLMTask:
         return to_dict(self.model_cfg)
 
     def transformer_config_kwargs(self) -> dict:
-        from loongforge.llm.families.gpt import transformer_config_kwargs
-        kwargs = transformer_config_kwargs(self.cfg.foundation)
+        kwargs = self.cfg.foundation.transformer_config_kwargs()
         if self.model_cfg.mrope_section is not None:
             kwargs["mrope_section"] = self.model_cfg.mrope_section
         return kwargs
@@ -205,15 +204,18 @@ class VLMTask:
 
     def dataset(self):
         if self._dataset is None:
-            from loongforge.llm.data.errors import DataError
-            from loongforge.llm.data.sft import read_template
+            from loongforge.llm.api import DataError
+            from loongforge.llm.api import read_chat_template
             from loongforge.vlm.data.dataset import VLMDataset, build_index
             from loongforge.vlm.data.shipped import shipped_dataset
 
             data = self.cfg.data
-            path = data.path or shipped_dataset(data.cache_dir)
-            index = build_index(path, self.tokenizer, self.tokenizer_dir, data.cache_dir, data.media, self.geometry(),
-                                template=read_template(data.chat_template), media_root=data.media_root)
+            from loongforge.core.cache import cache_dir
+
+            cache = data.cache_dir or str(cache_dir("vlm-data"))
+            path = data.path or shipped_dataset(cache)
+            index = build_index(path, self.tokenizer, self.tokenizer_dir, cache, data.media, self.geometry(),
+                                template=read_chat_template(data.chat_template), media_root=data.media_root)
             dataset = VLMDataset(index, self.vision_ids, data.media, self.geometry(), rope=self.cfg.vision.rope,
                                  tokens_per_second=self.cfg.vision.tokens_per_second)
             cost = self.sample_costs(dataset)
@@ -250,7 +252,7 @@ class VLMTask:
 
     # -- the step -----------------------------------------------------------------------------
     def forward(self, model, batch):
-        from loongforge.llm.recipe import masked_token_loss
+        from loongforge.llm.api import masked_token_loss
 
         output = model(batch["tokens"], batch["position_ids"], batch["attention_mask"], labels=batch["labels"],
                        pixel_values=batch["pixel_values"], grid_thw=batch["grid_thw"])

@@ -8,7 +8,6 @@ cached, so ``lf-diffusion train`` with no arguments needs no download.
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 
 import numpy as np
@@ -23,11 +22,13 @@ DIRECTIONS = {"left": (0, -1), "right": (0, 1), "up": (-1, 0), "down": (1, 0)}
 SIZES = ((32, 32), (32, 48), (48, 32))  # (height, width) in pixels
 LENGTHS = (1, 5, 9)  # frames (1 + 4k: the Wan VAE's temporal grid)
 VERSION = "moving_shapes_v1"
-CACHE_ENV = "LOONGFORGE_DIFFUSION_CACHE"
 
 
 def cache_root() -> Path:
-    return Path(os.environ.get(CACHE_ENV) or Path.home() / ".cache" / "loongforge" / "diffusion") / VERSION
+    """The built-in set's folder in the LoongForge cache (``loongforge.core.cache``)."""
+    from loongforge.core.cache import cache_dir
+
+    return cache_dir("diffusion", VERSION)
 
 
 def vocabulary() -> list[str]:

@@ -20,10 +20,10 @@ TASKS = ("move the red square to the left", "move the blue square to the right")
 
 
 def cache_dir() -> Path:
-    if "LOONGFORGE_CACHE" in os.environ:
-        return Path(os.environ["LOONGFORGE_CACHE"])
-    base = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache"))
-    return base / "loongforge"
+    """The LoongForge cache (``loongforge.core.cache``)."""
+    from loongforge.core.cache import cache_root
+
+    return cache_root()
 
 
 def synthetic_features(image_size: int, cameras: tuple[str, ...], use_videos: bool = False) -> dict:
