@@ -48,6 +48,17 @@ def save(trainer, root: str | Path) -> Path:
                            keep_last=trainer.ckpt_cfg.keep_last or None)
 
 
+def restore_task_state(task, root: str | Path) -> None:
+    """``task.restore(manifest)`` with the latest checkpoint's manifest, for a task that saves
+    state of its own through ``manifest_fields()`` which its model build depends on (e.g. a plan
+    measured at the start of the run); called before the engine builds the model."""
+    restore = getattr(task, "restore", None)
+    if restore is not None:
+        from loongforge.core.checkpoint import read_manifest
+
+        restore(read_manifest(latest_checkpoint(root)))
+
+
 def check_model_config(ckpt: Checkpoint, task) -> None:
     saved, current = ckpt.manifest.get("model_config", {}), task.model_config_dict()
     diff = {k: (saved.get(k), current.get(k)) for k in sorted(set(saved) | set(current)) if saved.get(k) != current.get(k)}

@@ -52,6 +52,8 @@ class Trainer:
         self.run_dir = Path(self.log_cfg.run_dir)
         self.ckpt_dir = Path(self.ckpt_cfg.dir) if self.ckpt_cfg.dir else self.run_dir / "checkpoints"
         self.resuming = bool(self.ckpt_cfg.resume) and checkpointing.has_checkpoint(self.ckpt_dir)
+        if self.resuming:  # what the task saved in the manifest, back before the model is built
+            checkpointing.restore_task_state(task, self.ckpt_dir)
         self.engine = make_engine(task, ctx, cfg, resuming=self.resuming)
         self.step = 0
         self.consumed_samples = 0

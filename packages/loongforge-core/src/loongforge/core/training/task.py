@@ -63,6 +63,7 @@ class TrainTask(Protocol):
     # Optional hooks (looked up with getattr; a task leaves out what it does not need):
     #   tokenizer_ref() -> str | None           recorded in checkpoint manifests
     #   manifest_fields() -> dict                more manifest entries (e.g. the data root)
+    #   restore(manifest: dict) -> None          a resumed run's saved entries, before the model is built
     #   check_resume(manifest: dict) -> None     refuse a checkpoint it cannot continue (ValueError)
     #   evaluate(model, ctx) -> dict[str, float] the evaluation hook (eval.interval)
     #   flops_per_token(seq_length) -> float     MFU of token models
