@@ -31,9 +31,38 @@ def test_one_family_loads_only_its_own_package():
     assert proc.returncode == 0 and proc.stdout.strip() == "[]", proc.stdout + proc.stderr[-2000:]
 
 
+def test_every_modality_registers_its_families_and_each_loads_alone():
+    """Wan and both policies register like the LLM families, each naming its engine and task; a
+    lookup of one imports only its own modality package."""
+    engines = {name: get_model_spec(name).engine for name in ("llama", "vlm", "wan", "pi05", "groot")}
+    assert engines == {"llama": "megatron", "vlm": "megatron", "wan": "torch", "pi05": "torch", "groot": "torch"}
+    others = {"pi05": ("loongforge.llm", "loongforge.vlm", "loongforge.diffusion", "diffusers", "megatron"),
+              "wan": ("loongforge.llm", "loongforge.vlm", "loongforge.embodied", "lerobot")}
+    for name, modules in others.items():
+        script = (f"import sys; from loongforge.core.models import get_model_spec; get_model_spec({name!r}); "
+                  f"print(sorted(m for m in {modules!r} if m in sys.modules))")
+        proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+        assert proc.returncode == 0 and proc.stdout.strip() == "[]", (name, proc.stdout + proc.stderr[-2000:])
+
+
+def test_components_register_by_name_and_role():
+    from loongforge.core.models import ComponentSpec, get_component, installed_components
+
+    assert set(installed_components("vision_encoder")) >= {"qwen2_5_vit", "siglip_vit"}
+    assert set(installed_components("projector")) >= {"patch_merge_mlp", "mlp"}
+    assert get_component("siglip_vit", "vision_encoder").config_class().family == "siglip_vit"
+    with pytest.raises(ModelRegistryError, match="component 'mlp' is a projector, not a vision_encoder"):
+        get_component("mlp", "vision_encoder")
+    with pytest.raises(ModelRegistryError, match="no component 'clip_vit' is installed; installed: .*siglip_vit"):
+        get_component("clip_vit")
+    a = ComponentSpec(name="vit", role="vision_encoder", config_class=dict, build=lambda *a: None)
+    with pytest.raises(ModelRegistryError, match="component 'vit' is registered twice"):
+        collect([("pkg_a:VIT", a), ("pkg_b:VIT", a)], ComponentSpec, "component")
+
+
 def test_entry_point_must_be_named_after_its_family():
     ep = EntryPoint(name="llama3", value="loongforge.llm.families.llama:LLAMA_SPEC", group=ENTRY_POINT_GROUP)
-    with pytest.raises(ModelRegistryError, match="entry point 'llama3' .* registers model family 'llama'"):
+    with pytest.raises(ModelRegistryError, match="entry point 'llama3' .* registers model family 'llama'; the entry point must be named after it"):
         load_specs([ep])
 
 

@@ -135,11 +135,10 @@ def test_export_loads_in_transformers_bitwise(converted):
 def test_compositions_without_hf_counterpart_are_refused(converted):
     import dataclasses
 
+    from loongforge.vlm.encoders.siglip_vit import SigLIPViTConfig
     from loongforge.vlm.hf import config_to_hf
-    from loongforge.vlm.model_config import EncoderConfig
 
     _, _, done, _ = converted
-    siglip = dataclasses.replace(done.model_config, encoder=EncoderConfig(kind="siglip_vit", temporal_patch_size=1,
-                                                                          full_attention_layers=[]))
-    with pytest.raises(MappingError, match="encoder.kind='siglip_vit'"):
+    siglip = dataclasses.replace(done.model_config, encoder=SigLIPViTConfig())
+    with pytest.raises(MappingError, match="encoder.family='siglip_vit'"):
         config_to_hf(siglip)

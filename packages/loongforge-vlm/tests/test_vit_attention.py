@@ -121,9 +121,9 @@ def test_encoder_on_cuda_matches_the_fp32_masked_encoder(megatron_world):
 
     from loongforge.vlm.encoders import build_encoder
     from loongforge.vlm.encoders.layers import encoder_transformer_config
-    from loongforge.vlm.model_config import EncoderConfig
+    from loongforge.vlm.encoders.qwen2_5_vit import QwenViTConfig
 
-    cfg = EncoderConfig(num_layers=3, hidden_size=64, num_attention_heads=4, ffn_hidden_size=128,
+    cfg = QwenViTConfig(num_layers=3, hidden_size=64, num_attention_heads=4, ffn_hidden_size=128,
                         window_size=WINDOW_UNITS * MERGE * 8, full_attention_layers=[1])
     foundation = TransformerConfig(num_layers=1, hidden_size=64, num_attention_heads=4, use_cpu_initialization=True)
     reference, fast = (build_encoder(cfg, encoder_transformer_config(cfg, 1, "none", foundation), megatron_world.pgs)

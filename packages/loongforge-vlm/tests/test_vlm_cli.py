@@ -33,7 +33,7 @@ def test_train_end_to_end_and_exact_resume(tmp_path, vlm_cache):
     assert [m["step"] for m in ref] == [1, 2, 3, 4]
     assert ref[-1]["loss"] < ref[0]["loss"]
     record = manifest(first)
-    assert record["family"] == "vlm" and record["model_config"]["encoder"]["kind"] == "qwen2_5_vit"
+    assert record["family"] == "vlm" and record["model_config"]["encoder"]["family"] == "qwen2_5_vit"
 
     # resume from the step-2 checkpoint of the first run: steps 3 and 4 again, bit for bit
     resumed = tmp_path / "resumed"
@@ -75,7 +75,7 @@ def test_changing_one_line_swaps_the_part_and_trains(swap, tmp_path, vlm_cache):
     parts = manifest(run)["model_config"]
     expected = {"foundation-llama": ("llama", "qwen2_5_vit"), "foundation-qwen3": ("qwen3", "qwen2_5_vit"),
                 "encoder-siglip": ("qwen2", "siglip_vit")}[swap]
-    assert (parts["foundation"]["family"], parts["encoder"]["kind"]) == expected
+    assert (parts["foundation"]["family"], parts["encoder"]["family"]) == expected
 
 
 def test_bad_config_is_one_clear_error(capsys):

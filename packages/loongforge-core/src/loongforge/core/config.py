@@ -21,7 +21,7 @@ All of this happens before any process group is made, so a bad config costs no c
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import field, fields, is_dataclass, make_dataclass
+from dataclasses import fields, is_dataclass, make_dataclass
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -130,7 +130,7 @@ def read_section(schema: type, section: str, name_or_path: str | None, overrides
     recipe learns which family's config class validates that section (``model.family``,
     ``policy.family``) before the typed load. Empty when the config does not compose (the typed
     load then reports the error against the real schema)."""
-    sections = make_dataclass(f"{schema.__name__}Sections", [(f.name, Any, field(default_factory=dict)) for f in fields(schema)])
+    sections = make_dataclass(f"{schema.__name__}Sections", [(f.name, Any, None) for f in fields(schema)])
     try:
         value = getattr(load_config(sections, name_or_path, overrides, config_dirs), section)
     except ConfigError:

@@ -77,28 +77,36 @@ class ModelRegistryError(LookupError):
     pass
 
 
-def collect(specs: list[tuple[str, ModelSpec]]) -> dict[str, ModelSpec]:
+def collect(specs: list[tuple[str, object]], spec_type: type = ModelSpec, what: str = "model family") -> dict:
     """Index specs by name; a duplicate name is an error naming both sources."""
-    found: dict[str, tuple[str, ModelSpec]] = {}
+    found: dict[str, tuple[str, object]] = {}
     for source, spec in specs:
-        if not isinstance(spec, ModelSpec):
-            raise ModelRegistryError(f"{source} is not a ModelSpec")
+        if not isinstance(spec, spec_type):
+            raise ModelRegistryError(f"{source} is not a {spec_type.__name__}")
         if spec.name in found:
-            raise ModelRegistryError(f"model family {spec.name!r} is registered twice: by {found[spec.name][0]} and by {source}")
+            raise ModelRegistryError(f"{what} {spec.name!r} is registered twice: by {found[spec.name][0]} and by {source}")
         found[spec.name] = (source, spec)
     return {name: spec for name, (_, spec) in found.items()}
 
 
-def load_specs(entries) -> dict[str, ModelSpec]:
-    """Load the specs of these entry points, each checked to name its own family."""
+def load_specs(entries, spec_type: type = ModelSpec, what: str = "model family") -> dict:
+    """Load the specs of these entry points, each checked to be named after its entry point."""
     specs = []
     for ep in entries:
         spec = ep.load()
-        if isinstance(spec, ModelSpec) and spec.name != ep.name:
-            raise ModelRegistryError(f"entry point {ep.name!r} ({ep.value}) registers model family {spec.name!r}; "
-                                     f"the entry point must be named after its family")
+        if isinstance(spec, spec_type) and spec.name != ep.name:
+            raise ModelRegistryError(f"entry point {ep.name!r} ({ep.value}) registers {what} {spec.name!r}; "
+                                     f"the entry point must be named after it")
         specs.append((ep.value, spec))
-    return collect(specs)
+    return collect(specs, spec_type, what)
+
+
+def _lookup(group: str, name: str, spec_type: type, what: str):
+    found = load_specs(entry_points(group=group, name=name), spec_type, what)
+    if name not in found:
+        installed = sorted({ep.name for ep in entry_points(group=group)})
+        raise ModelRegistryError(f"no {what} {name!r} is installed; installed: {', '.join(installed) or 'none'}")
+    return found[name]
 
 
 @cache
@@ -110,8 +118,37 @@ def installed_models() -> dict[str, ModelSpec]:
 @cache
 def get_model_spec(name: str) -> ModelSpec:
     """The family ``name``, loading only the entry points of that name."""
-    models = load_specs(entry_points(group=ENTRY_POINT_GROUP, name=name))
-    if name not in models:
-        installed = sorted({ep.name for ep in entry_points(group=ENTRY_POINT_GROUP)})
-        raise ModelRegistryError(f"no model family {name!r} is installed; installed: {', '.join(installed) or 'none'}")
-    return models[name]
+    return _lookup(ENTRY_POINT_GROUP, name, ModelSpec, "model family")
+
+
+# -- components ---------------------------------------------------------------------------------
+COMPONENT_GROUP = "loongforge.components"
+
+
+@dataclass(frozen=True)
+class ComponentSpec:
+    """A part that models compose, registered by name under ``loongforge.components`` like a
+    family (a VLM's vision encoders and projectors). ``role`` says what slot it fills
+    (``vision_encoder``, ``projector``); ``config_class`` validates its config group (the YAML's
+    ``family`` key names the component); ``build(config, ...)`` makes the module, with the
+    arguments its role defines."""
+
+    name: str
+    role: str
+    config_class: type
+    build: Callable[..., Any]
+
+
+@cache
+def get_component(name: str, role: str | None = None) -> ComponentSpec:
+    """The component ``name`` (checked to fill ``role``), loading only entry points of that name."""
+    spec = _lookup(COMPONENT_GROUP, name, ComponentSpec, "component")
+    if role is not None and spec.role != role:
+        raise ModelRegistryError(f"component {name!r} is a {spec.role}, not a {role}")
+    return spec
+
+
+def installed_components(role: str | None = None) -> dict[str, ComponentSpec]:
+    """Every installed component (of ``role``)."""
+    found = load_specs(entry_points(group=COMPONENT_GROUP), ComponentSpec, "component")
+    return {n: s for n, s in found.items() if role is None or s.role == role}

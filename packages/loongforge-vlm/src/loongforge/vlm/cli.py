@@ -29,17 +29,33 @@ def config_dirs() -> list[Path]:
 
 
 def load_vlm_config(name: str | None, overrides: list[str]):
-    from loongforge.core.config import load_config
+    """The composed config, its ``encoder`` and ``projector`` groups validated as their families'
+    own config classes (registered components), the ``foundation`` as its LLM family's."""
+    from loongforge.core.config import ConfigError, load_config, read_section
+    from loongforge.core.models import ModelRegistryError, get_component, get_model_spec
     from loongforge.vlm.recipe import VLMConfig
 
-    return load_config(VLMConfig, name, list(overrides), config_dirs())
+    dirs, overrides = config_dirs(), list(overrides)
+    parts = {}
+    for section, role, default in (("encoder", "vision_encoder", "qwen2_5_vit"), ("projector", "projector", "patch_merge_mlp")):
+        family = read_section(VLMConfig, section, name, overrides, dirs).get("family", default)
+        try:
+            parts[section] = get_component(family, role).config_class()
+        except ModelRegistryError as exc:
+            raise ConfigError(f"{section}.family={family!r}: {exc}") from exc
+    family = read_section(VLMConfig, "foundation", name, overrides, dirs).get("family", "llama")
+    try:
+        parts["foundation"] = get_model_spec(family).config_class()
+    except ModelRegistryError as exc:
+        raise ConfigError(f"foundation.family={family!r}: {exc}") from exc
+    return load_config(VLMConfig(**parts), name, overrides, dirs)
 
 
 def cmd_info(args, cfg) -> None:
     f = cfg.foundation
     counts = cfg.model().parameter_counts()
     print(json.dumps({
-        "encoder": cfg.encoder.kind, "projector": cfg.projector.kind, "foundation": f.family,
+        "encoder": cfg.encoder.family, "projector": cfg.projector.family, "foundation": f.family,
         "parameters": counts, "total_parameters": sum(counts.values()),
         "foundation_flops_per_token": f.flops_per_token(cfg.train.seq_length),
         "encoder_flops_per_patch": cfg.encoder.flops_per_patch(),

@@ -18,7 +18,9 @@ import torch
 
 from loongforge.core.hf_mapping import FuseQKV, HFAdapter, HFMapping, MappingError, Rule, Transform, register_transform
 from loongforge.core.hf_mapping.transforms import config_value
-from loongforge.vlm.model_config import EncoderConfig, ProjectorConfig, VisionTokensConfig
+from loongforge.vlm.encoders.qwen2_5_vit import QwenViTConfig
+from loongforge.vlm.model_config import VisionTokensConfig
+from loongforge.vlm.projectors.patch_merge_mlp import PatchMergeMLPConfig
 
 ARCHITECTURE = "Qwen2_5_VLForConditionalGeneration"
 
@@ -125,14 +127,14 @@ def config_from_hf(raw: dict):
     foundation = _qwen2_adapter().config_from_hf(text)
     rope = dict(getattr(t, "rope_parameters", None) or {})
     vision_rope = dict(getattr(v, "rope_parameters", None) or {})
-    encoder = EncoderConfig(
-        kind="qwen2_5_vit", num_layers=v.depth, hidden_size=v.hidden_size, num_attention_heads=v.num_heads,
+    encoder = QwenViTConfig(
+        num_layers=v.depth, hidden_size=v.hidden_size, num_attention_heads=v.num_heads,
         ffn_hidden_size=v.intermediate_size, in_channels=v.in_channels, patch_size=v.patch_size,
         temporal_patch_size=v.temporal_patch_size, spatial_merge_size=v.spatial_merge_size, window_size=v.window_size,
         full_attention_layers=list(v.fullatt_block_indexes), rope_theta=float(vision_rope.get("rope_theta", 10000.0)),
         norm_epsilon=1e-6, init_method_std=float(v.initializer_range),
     )
-    projector = ProjectorConfig(kind="patch_merge_mlp", norm="rmsnorm", norm_epsilon=1e-6)
+    projector = PatchMergeMLPConfig(norm="rmsnorm", norm_epsilon=1e-6)
     vision = VisionTokensConfig(rope="mrope", mrope_section=list(rope["mrope_section"]) if "mrope_section" in rope else None,
                                 tokens_per_second=float(v.tokens_per_second), image_token_id=hf.image_token_id,
                                 video_token_id=hf.video_token_id, vision_start_token_id=hf.vision_start_token_id,
@@ -145,8 +147,8 @@ def config_to_hf(cfg) -> dict:
     from transformers import Qwen2_5_VLConfig
 
     e, p, vis = cfg.encoder, cfg.projector, cfg.vision
-    checks = {"encoder.kind": (e.kind, "qwen2_5_vit"), "projector.kind": (p.kind, "patch_merge_mlp"),
-              "projector.norm": (p.norm, "rmsnorm"), "vision.rope": (vis.rope, "mrope"),
+    checks = {"encoder.family": (e.family, "qwen2_5_vit"), "projector.family": (p.family, "patch_merge_mlp"),
+              "projector.norm": (getattr(p, "norm", None), "rmsnorm"), "vision.rope": (vis.rope, "mrope"),
               "projector.ffn_hidden_size": (p.ffn_hidden_size or e.hidden_size * e.spatial_merge_size ** 2,
                                             e.hidden_size * e.spatial_merge_size ** 2)}
     for key, (value, needed) in checks.items():

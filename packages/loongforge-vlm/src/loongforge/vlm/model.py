@@ -19,7 +19,19 @@ from loongforge.vlm.encoders.geometry import patch_counts
 from loongforge.vlm.encoders.layers import encoder_transformer_config
 from loongforge.vlm.model_config import EncoderConfig, ProjectorConfig, VisionTokensConfig
 from loongforge.vlm.parallel import VisionGroups, gather_rows, mark_replicated_parameters, split_items
-from loongforge.vlm.projectors import Projector
+from loongforge.vlm.projectors import build_projector
+
+
+def component_config(section: str, value, role: str):
+    """A part's config from a plain dict (a checkpoint manifest): its family's config class."""
+    if not isinstance(value, dict):
+        return value
+    from loongforge.core.models import get_component
+
+    family = value.get("family")
+    if family is None:
+        raise ValueError(f"{section}: no family (the registered {role} component) in {value}")
+    return get_component(family, role).config_class(**value)
 
 
 @dataclass
@@ -27,15 +39,17 @@ class VLMModelConfig:
     """The model a VLM config composes: ``encoder``, ``projector`` and ``foundation`` come from
     their config groups; ``vision`` says how vision tokens enter the foundation."""
 
-    encoder: EncoderConfig = field(default_factory=EncoderConfig)
-    projector: ProjectorConfig = field(default_factory=ProjectorConfig)
+    encoder: EncoderConfig = field(default_factory=lambda: component_config("encoder", {"family": "qwen2_5_vit"},
+                                                                           "vision_encoder"))
+    projector: ProjectorConfig = field(default_factory=lambda: component_config("projector",
+                                                                               {"family": "patch_merge_mlp"}, "projector"))
     foundation: GPTConfig = field(default_factory=GPTConfig)
     vision: VisionTokensConfig = field(default_factory=VisionTokensConfig)
 
     def __post_init__(self):
-        parts = {"encoder": EncoderConfig, "projector": ProjectorConfig, "foundation": GPTConfig,
-                 "vision": VisionTokensConfig}
-        for name, cls in parts.items():  # built from a plain dict (a checkpoint manifest)
+        self.encoder = component_config("encoder", self.encoder, "vision_encoder")
+        self.projector = component_config("projector", self.projector, "projector")
+        for name, cls in {"foundation": GPTConfig, "vision": VisionTokensConfig}.items():  # from a manifest's dicts
             if isinstance(getattr(self, name), dict):
                 setattr(self, name, cls(**getattr(self, name)))
         if self.vision.rope == "mrope":
@@ -48,10 +62,7 @@ class VLMModelConfig:
     def parameter_counts(self) -> dict[str, int]:
         """Parameters of the encoder, the projector and the foundation."""
         e, f = self.encoder, self.foundation
-        merged = e.hidden_size * e.spatial_merge_size ** 2
-        ffn = self.projector.ffn_hidden_size or (merged if self.projector.kind == "patch_merge_mlp" else f.hidden_size)
-        norm = {"rmsnorm": 1, "layernorm": 2}[self.projector.norm] * e.hidden_size if self.projector.kind == "patch_merge_mlp" else 0
-        projector = norm + merged * ffn + ffn + ffn * f.hidden_size + f.hidden_size
+        projector = self.projector.parameter_count(e.hidden_size, e.hidden_size * e.spatial_merge_size ** 2, f.hidden_size)
         return {"encoder": e.parameter_count(), "projector": projector, "foundation": sum(f.parameter_counts().values())}
 
     @property
@@ -114,8 +125,8 @@ class VisionLanguageModel(MegatronModule):
         if pre_process:
             enc_config = encoder_transformer_config(cfg.encoder, groups.tp_size, encoder_recompute, transformer_config)
             self.encoder = build_encoder(cfg.encoder, enc_config, groups.pgs)
-            self.projector = Projector(cfg.projector, cfg.encoder, cfg.foundation.hidden_size, transformer_config,
-                                       groups.pgs)
+            self.projector = build_projector(cfg.projector, cfg.encoder, cfg.foundation.hidden_size,
+                                             transformer_config, groups.pgs)
             mark_replicated_parameters(self.encoder, groups)
             mark_replicated_parameters(self.projector, groups)
 

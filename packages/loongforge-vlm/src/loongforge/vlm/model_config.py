@@ -2,33 +2,31 @@
 tokens are positioned in the foundation (an LLM family's ``GPTConfig`` from loongforge-llm).
 
 Each part is its own YAML config group (``encoder/``, ``projector/``, ``foundation/``), so a
-VLM is a composition and swapping one part is a one-line change.
+VLM is a composition and swapping one part is a one-line change. Encoders and projectors are
+components registered by name (``loongforge.components``, ``loongforge.core.models.ComponentSpec``):
+the group's ``family`` key names one, and its own config class (a subclass of ``EncoderConfig`` or
+``ProjectorConfig`` in the component's module) validates the group.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
+from typing import ClassVar
 
-ENCODER_KINDS = ("qwen2_5_vit", "siglip_vit")
-PROJECTOR_KINDS = ("patch_merge_mlp", "mlp")
+NORM_PARAMETERS = {"RMSNorm": 1, "LayerNorm": 2}  # parameters per channel of a norm
 
 
 @dataclass
 class EncoderConfig:
-    """A ViT over patch sequences.
+    """What every vision encoder shares: a ViT over patch sequences (``patch_size``² pixels of
+    ``temporal_patch_size`` frames), megatron layers of ``hidden_size`` with an MLP of
+    ``ffn_hidden_size``. Patches of one LLM token (``spatial_merge_size``² neighbours) are
+    consecutive in the patch sequence, so the projector can merge them with a reshape.
 
-    ``qwen2_5_vit``: linear patch embedding of ``temporal_patch_size`` frames x
-    ``patch_size``² pixels, 2D rotary positions (height, width), RMSNorm, SwiGLU, window
-    attention in every layer but ``full_attention_layers`` (full attention within one frame).
-    ``siglip_vit``: single-frame patches, learned absolute positions over a
-    ``image_size / patch_size`` grid (resampled for other grids), LayerNorm, GELU MLP, a final
-    LayerNorm, full attention within one frame.
+    An encoder family (``encoders/qwen2_5_vit.py``, ``encoders/siglip_vit.py``) subclasses it
+    with its own fields and says how its layers compute through the class attributes below."""
 
-    Patches of one LLM token (``spatial_merge_size``² neighbours) are consecutive in the
-    patch sequence, so the projector can merge them with a reshape.
-    """
-
-    kind: str = "qwen2_5_vit"
+    family: str = "qwen2_5_vit"  # the registered component (loongforge.components)
     num_layers: int = 2
     hidden_size: int = 32
     num_attention_heads: int = 2
@@ -37,16 +35,16 @@ class EncoderConfig:
     patch_size: int = 8
     temporal_patch_size: int = 2
     spatial_merge_size: int = 2
-    window_size: int = 32  # qwen2_5_vit: attention window side in pixels (0: no windows)
-    full_attention_layers: list[int] = field(default_factory=lambda: [1])  # qwen2_5_vit, 0-based
-    rope_theta: float = 10000.0  # qwen2_5_vit
-    image_size: int = 64  # siglip_vit: the learned position grid covers image_size x image_size pixels
     norm_epsilon: float = 1e-6
     init_method_std: float = 0.02
 
+    normalization: ClassVar[str] = "LayerNorm"  # RMSNorm | LayerNorm
+    gated_mlp: ClassVar[bool] = False  # SwiGLU-style (two input projections)
+    activation: ClassVar[str] = "gelu_tanh"  # silu | gelu_tanh
+    patch_bias: ClassVar[bool] = True  # the patch embedding has a bias
+    post_norm: ClassVar[bool] = False  # a norm after the last layer
+
     def __post_init__(self):
-        if self.kind not in ENCODER_KINDS:
-            raise ValueError(f"encoder.kind={self.kind!r}: one of {', '.join(ENCODER_KINDS)}")
         for key in ("num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_size", "in_channels",
                     "patch_size", "temporal_patch_size", "spatial_merge_size"):
             if getattr(self, key) < 1:
@@ -54,22 +52,6 @@ class EncoderConfig:
         if self.hidden_size % self.num_attention_heads:
             raise ValueError(f"encoder.hidden_size={self.hidden_size} is not divisible by "
                              f"encoder.num_attention_heads={self.num_attention_heads}")
-        bad = [i for i in self.full_attention_layers if not 0 <= i < self.num_layers]
-        if bad:
-            raise ValueError(f"encoder.full_attention_layers={self.full_attention_layers}: {bad} outside 0..{self.num_layers - 1}")
-        if self.kind == "qwen2_5_vit":
-            if self.head_dim % 4:
-                raise ValueError(f"encoder head dim {self.head_dim} (hidden_size/num_attention_heads) must be a "
-                                 f"multiple of 4 for 2D rotary positions")
-            unit = self.patch_size * self.spatial_merge_size
-            if self.window_size < 0 or self.window_size % unit:
-                raise ValueError(f"encoder.window_size={self.window_size} must be a non-negative multiple of "
-                                 f"patch_size*spatial_merge_size = {unit}")
-        else:
-            if self.temporal_patch_size != 1:
-                raise ValueError(f"encoder.temporal_patch_size={self.temporal_patch_size}: siglip_vit embeds single frames (1)")
-            if self.image_size % self.patch_size:
-                raise ValueError(f"encoder.image_size={self.image_size} is not a multiple of encoder.patch_size={self.patch_size}")
 
     @property
     def head_dim(self) -> int:
@@ -82,52 +64,64 @@ class EncoderConfig:
 
     @property
     def uses_windows(self) -> bool:
-        return self.kind == "qwen2_5_vit" and self.window_size > 0
+        """Whether some layers attend within windows (``window_size``) rather than whole frames."""
+        return False
 
-    @property
-    def position_grid(self) -> int:
-        """siglip_vit: the side of the learned position grid, in patches."""
-        return self.image_size // self.patch_size
+    def full_attention(self, layer: int) -> bool:
+        """Whether ``layer`` (0-based) attends over whole frames (else within windows)."""
+        return True
+
+    def extra_parameters(self) -> int:
+        """Parameters of the family's own modules besides layers, patch embedding and final norm."""
+        return 0
 
     def parameter_count(self) -> int:
         h, f = self.hidden_size, self.ffn_hidden_size
-        gated = self.kind == "qwen2_5_vit"
+        norm = NORM_PARAMETERS[self.normalization] * h
         attn = 4 * h * h + 4 * h
-        mlp = (3 if gated else 2) * h * f + (2 * f if gated else f) + h
-        norms = (2 if gated else 4) * h
-        embed = self.patch_dim * h + (0 if gated else h + self.position_grid ** 2 * h)
-        final = 0 if gated else 2 * h
-        return self.num_layers * (attn + mlp + norms) + embed + final
+        mlp = (3 if self.gated_mlp else 2) * h * f + (2 * f if self.gated_mlp else f) + h
+        embed = self.patch_dim * h + (h if self.patch_bias else 0)
+        final = norm if self.post_norm else 0
+        return self.num_layers * (attn + mlp + 2 * norm) + embed + final + self.extra_parameters()
 
     def flops_per_patch(self) -> float:
         """Training FLOPs (6 x matmul parameters) per patch; attention scores are left out
         (windows keep them small next to the projections)."""
         h, f = self.hidden_size, self.ffn_hidden_size
-        per_layer = 4 * h * h + (3 if self.kind == "qwen2_5_vit" else 2) * h * f
+        per_layer = 4 * h * h + (3 if self.gated_mlp else 2) * h * f
         return 6.0 * (self.num_layers * per_layer + self.patch_dim * h)
 
 
 @dataclass
 class ProjectorConfig:
-    """Vision features -> foundation embeddings; both kinds first concatenate the
-    ``spatial_merge_size``² patches of one LLM token.
+    """Vision features -> foundation embeddings: every projector concatenates the
+    ``spatial_merge_size``² patches of one LLM token, then runs an MLP (Linear, GELU, Linear) to
+    the foundation's width. A projector family (``projectors/patch_merge_mlp.py``,
+    ``projectors/mlp.py``) subclasses it: whether patches are normed first, the default width."""
 
-    ``patch_merge_mlp`` (Qwen2.5-VL's merger): norm of each patch, concatenate, Linear, GELU, Linear.
-    ``mlp`` (LLaVA's ``mlp2x_gelu``): concatenate, Linear to the LLM width, GELU, Linear.
-    """
-
-    kind: str = "patch_merge_mlp"
-    ffn_hidden_size: int | None = None  # default: encoder hidden x merge² (patch_merge_mlp), LLM hidden (mlp)
-    norm: str = "rmsnorm"  # patch_merge_mlp: rmsnorm | layernorm
+    family: str = "patch_merge_mlp"  # the registered component (loongforge.components)
+    ffn_hidden_size: int | None = None  # null: the family's default (default_ffn)
     norm_epsilon: float = 1e-6
 
     def __post_init__(self):
-        if self.kind not in PROJECTOR_KINDS:
-            raise ValueError(f"projector.kind={self.kind!r}: one of {', '.join(PROJECTOR_KINDS)}")
-        if self.norm not in ("rmsnorm", "layernorm"):
-            raise ValueError(f"projector.norm={self.norm!r}: one of rmsnorm, layernorm")
         if self.ffn_hidden_size is not None and self.ffn_hidden_size < 1:
             raise ValueError(f"projector.ffn_hidden_size={self.ffn_hidden_size}: must be >= 1")
+
+    def patch_norm(self) -> str | None:
+        """The norm of each patch before merging (RMSNorm | LayerNorm), or None."""
+        return None
+
+    def default_ffn(self, merged: int, foundation_hidden: int) -> int:
+        return foundation_hidden
+
+    def ffn(self, merged: int, foundation_hidden: int) -> int:
+        return self.ffn_hidden_size or self.default_ffn(merged, foundation_hidden)
+
+    def parameter_count(self, encoder_hidden: int, merged: int, foundation_hidden: int) -> int:
+        norm = self.patch_norm()
+        f = self.ffn(merged, foundation_hidden)
+        norm_params = NORM_PARAMETERS[norm] * encoder_hidden if norm else 0
+        return norm_params + merged * f + f + f * foundation_hidden + foundation_hidden
 
 
 @dataclass

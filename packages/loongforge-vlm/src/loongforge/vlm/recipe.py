@@ -28,7 +28,9 @@ from loongforge.core.training.schema import BalanceConfig, CheckpointConfig, Log
 from loongforge.llm.api import GPTConfig
 from loongforge.vlm.data.media import MediaConfig
 from loongforge.vlm.model import VLMModelConfig
+from loongforge.vlm.encoders.qwen2_5_vit import QwenViTConfig
 from loongforge.vlm.model_config import EncoderConfig, ProjectorConfig, VisionTokensConfig
+from loongforge.vlm.projectors.patch_merge_mlp import PatchMergeMLPConfig
 
 CONFIG_DIR = Path(__file__).resolve().parent / "configs"
 PARTS = ("encoder", "projector", "foundation")
@@ -91,8 +93,8 @@ class VLMDataConfig:
 
 @dataclass
 class VLMConfig:
-    encoder: EncoderConfig = field(default_factory=EncoderConfig)
-    projector: ProjectorConfig = field(default_factory=ProjectorConfig)
+    encoder: EncoderConfig = field(default_factory=QwenViTConfig)  # a registered encoder's config class
+    projector: ProjectorConfig = field(default_factory=PatchMergeMLPConfig)
     foundation: GPTConfig = field(default_factory=GPTConfig)
     vision: VisionTokensConfig = field(default_factory=VisionTokensConfig)
     parallel: VLMParallelConfig = field(default_factory=VLMParallelConfig)
@@ -233,7 +235,7 @@ class VLMTask:
 
     def describe(self) -> str:
         c = self.cfg
-        return (f"{c.encoder.kind} + {c.projector.kind} + {c.foundation.family} (encoder tp={c.parallel.encoder.tp}), "
+        return (f"{c.encoder.family} + {c.projector.family} + {c.foundation.family} (encoder tp={c.parallel.encoder.tp}), "
                 f"trainable {'+'.join(c.trainable)}")
 
     def steps(self, ctx, start_step: int):

@@ -1,5 +1,12 @@
-"""Vision encoders (Qwen2.5-VL ViT, SigLIP ViT) on megatron-core."""
+"""Vision encoders on megatron-core. Each family is one module (its config class, its
+``VisionEncoder`` and its ``ComponentSpec``) registered under ``loongforge.components``:
+``qwen2_5_vit`` (Qwen2.5-VL's ViT), ``siglip_vit`` (SigLIP)."""
 
-from loongforge.vlm.encoders.vit import ENCODERS, QwenViT, SigLIPViT, VisionEncoder, build_encoder
+from __future__ import annotations
 
-__all__ = ["ENCODERS", "QwenViT", "SigLIPViT", "VisionEncoder", "build_encoder"]
+
+def build_encoder(cfg, config, pg_collection):
+    """The encoder of ``cfg.family`` (a registered ``vision_encoder`` component)."""
+    from loongforge.core.models import get_component
+
+    return get_component(cfg.family, "vision_encoder").build(cfg, config, pg_collection)

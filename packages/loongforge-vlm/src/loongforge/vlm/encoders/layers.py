@@ -21,6 +21,8 @@ from loongforge.vlm.model_config import EncoderConfig
 SHARED_RUNTIME_FIELDS = ("params_dtype", "bf16", "fp16", "use_cpu_initialization", "perform_initialization",
                          "pipeline_dtype", "deterministic_mode")
 
+ACTIVATIONS = {"silu": F.silu, "gelu_tanh": partial(F.gelu, approximate="tanh")}
+
 _FUSIONS_OFF = dict(bias_activation_fusion=False, masked_softmax_fusion=False, persist_layer_norm=False,
                     bias_dropout_fusion=False, apply_rope_fusion=False, gradient_accumulation_fusion=False)
 
@@ -35,7 +37,6 @@ def encoder_transformer_config(cfg: EncoderConfig, tp: int, recompute: str, foun
     dtype/initialisation settings of the foundation's config."""
     from megatron.core.transformer import TransformerConfig
 
-    qwen = cfg.kind == "qwen2_5_vit"
     return TransformerConfig(
         num_layers=cfg.num_layers,
         hidden_size=cfg.hidden_size,
@@ -43,10 +44,10 @@ def encoder_transformer_config(cfg: EncoderConfig, tp: int, recompute: str, foun
         num_query_groups=cfg.num_attention_heads,
         ffn_hidden_size=cfg.ffn_hidden_size,
         kv_channels=cfg.head_dim,
-        normalization="RMSNorm" if qwen else "LayerNorm",
+        normalization=cfg.normalization,
         layernorm_epsilon=cfg.norm_epsilon,
-        gated_linear_unit=qwen,
-        activation_func=F.silu if qwen else partial(F.gelu, approximate="tanh"),
+        gated_linear_unit=cfg.gated_mlp,
+        activation_func=ACTIVATIONS[cfg.activation],
         add_bias_linear=True,
         add_qkv_bias=True,
         hidden_dropout=0.0,
@@ -124,13 +125,12 @@ def vit_layer_spec(segment_row: int):
 
 
 def vit_block_spec(cfg: EncoderConfig):
-    """The encoder block: window attention in every layer but ``full_attention_layers``
-    (all full attention when the encoder has no windows)."""
+    """The encoder block: each layer attends over whole frames or within windows, as the
+    encoder's config says (``full_attention``)."""
     from megatron.core.models.backends import LocalSpecProvider
     from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
 
-    full = set(cfg.full_attention_layers) if cfg.uses_windows else set(range(cfg.num_layers))
-    specs = [vit_layer_spec(FULL if i in full else WINDOW) for i in range(cfg.num_layers)]
+    specs = [vit_layer_spec(FULL if cfg.full_attention(i) else WINDOW) for i in range(cfg.num_layers)]
     return TransformerBlockSubmodules(layer_specs=specs, layer_norm=LocalSpecProvider().layer_norm())
 
 

@@ -1,9 +1,8 @@
-"""Projectors: per-patch encoder features -> one foundation embedding per LLM token.
-
-Both kinds concatenate the ``merge²`` consecutive patches of a token (the encoder keeps them
-consecutive) and run megatron-core's ``MultimodalProjector`` (an MLP of a column- and a
-row-parallel linear, tensor-parallel in the vision tower's TP group).
-"""
+"""What every projector shares: per-patch encoder features -> one foundation embedding per LLM
+token. It concatenates the ``merge²`` consecutive patches of a token (the encoder keeps them
+consecutive), optionally after a norm of each patch (the family's ``patch_norm``), and runs
+megatron-core's ``MultimodalProjector`` (an MLP of a column- and a row-parallel linear,
+tensor-parallel in the vision tower's TP group)."""
 
 from __future__ import annotations
 
@@ -15,7 +14,7 @@ from loongforge.vlm.model_config import EncoderConfig, ProjectorConfig
 
 
 class Projector(MegatronModule):
-    """``patch_merge_mlp``: norm, merge, Linear, GELU, Linear. ``mlp``: merge, Linear, GELU, Linear."""
+    """[norm,] merge, Linear, GELU, Linear."""
 
     def __init__(self, cfg: ProjectorConfig, encoder: EncoderConfig, foundation_hidden: int, foundation_config,
                  pg_collection):
@@ -24,10 +23,7 @@ class Projector(MegatronModule):
         from megatron.core.transformer.mlp import MLPSubmodules
 
         merged = encoder.hidden_size * encoder.spatial_merge_size ** 2
-        if cfg.ffn_hidden_size is not None:
-            ffn = cfg.ffn_hidden_size
-        else:
-            ffn = merged if cfg.kind == "patch_merge_mlp" else foundation_hidden
+        ffn = cfg.ffn(merged, foundation_hidden)
         config = projector_transformer_config(merged, ffn, foundation_hidden, pg_collection.tp.size(),
                                               encoder.init_method_std, foundation_config)
         super().__init__(config=config)
@@ -35,8 +31,8 @@ class Projector(MegatronModule):
         self.merged = merged
         self.tp_group = pg_collection.tp
         self.norm = None
-        if cfg.kind == "patch_merge_mlp":
-            norm = torch.nn.RMSNorm if cfg.norm == "rmsnorm" else torch.nn.LayerNorm
+        if cfg.patch_norm() is not None:
+            norm = {"RMSNorm": torch.nn.RMSNorm, "LayerNorm": torch.nn.LayerNorm}[cfg.patch_norm()]
             self.norm = norm(encoder.hidden_size, eps=cfg.norm_epsilon, dtype=config.params_dtype)
         backend = LocalSpecProvider()
         self.mlp = MultimodalProjector(
