@@ -16,6 +16,8 @@ from safetensors.torch import load_file, save_file
 from transformers import (
     LlamaConfig,
     LlamaForCausalLM,
+    MistralConfig,
+    MistralForCausalLM,
     Qwen2Config,
     Qwen2ForCausalLM,
     Qwen3Config,
@@ -32,6 +34,7 @@ FAMILIES = {
     "llama": (LlamaConfig, LlamaForCausalLM, {"rope_parameters": {"rope_type": "default", "rope_theta": 500000.0}}),
     "qwen2": (Qwen2Config, Qwen2ForCausalLM, {"tie_word_embeddings": True, "rms_norm_eps": 1e-6}),
     "qwen3": (Qwen3Config, Qwen3ForCausalLM, {"head_dim": 32}),  # head dim 32 != hidden / heads = 16
+    "mistral": (MistralConfig, MistralForCausalLM, {"sliding_window": None}),
 }
 
 
@@ -236,6 +239,14 @@ def test_bad_hf_dirs_name_the_problem(tmp_path):
     (src / "config.json").unlink()
     with pytest.raises(MappingError, match=r"config\.json: missing"):
         hf_to_lf(src, tmp_path / "e", progress=False)
+
+
+def test_sliding_window_mistral_is_refused_by_key(tmp_path):
+    """Mistral 7B v0.1/v0.2 attend within 4096-token windows, which the family does not implement."""
+    config_cls, model_cls, _ = FAMILIES["mistral"]
+    src = save_hf(model_cls(config_cls(**SHAPE, sliding_window=4096)), tmp_path / "hf")
+    with pytest.raises(MappingError, match="sliding_window=4096 is not supported by LoongForge's mistral family"):
+        hf_to_lf(src, tmp_path / "lf", progress=False)
 
 
 def test_leftover_hf_tensor_is_an_error(tmp_path):

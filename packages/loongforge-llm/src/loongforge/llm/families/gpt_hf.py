@@ -102,12 +102,12 @@ def gpt_hf_adapter(family: str, architecture: str, config_class: str, *, add_qkv
             num_attention_heads=cfg.num_attention_heads,
             num_key_value_heads=cfg.num_query_groups,
             **({"head_dim": cfg.head_dim} if explicit else {}),
-            hidden_act="silu",
             max_position_embeddings=cfg.max_position_embeddings,
             rms_norm_eps=cfg.norm_epsilon,
             rope_parameters={"rope_type": "default", "rope_theta": cfg.rotary_base},
             tie_word_embeddings=cfg.tie_embeddings,
             initializer_range=cfg.init_method_std,
+            **required,  # hidden_act=silu and the values the family needs where the class defaults to others
         )
         return hf.to_dict()
 
