@@ -81,3 +81,20 @@ def test_a_non_finite_run_stops_naming_the_step_and_keeps_the_last_good_checkpoi
     latest = Checkpoint(run / "checkpoints")
     assert latest.step == bad_step - 1
     assert all(torch.isfinite(t).all() for t in latest.tensors().values() if t.is_floating_point())
+
+
+@pytest.mark.parametrize(("cli", "override", "message"), [
+    ("lf-llm", "parallel.data_parallel=fsdp", "parallel.data_parallel='fsdp': the megatron-core engine"),
+    ("lf-vlm", "train.compile=true", "train.compile=true: the megatron-core engine"),
+    ("lf-diffusion", "parallel.tp=2", "parallel.tp=2: the PyTorch-native engine"),
+    ("lf-embodied", "parallel.cp=2", "parallel.cp=2: this model does not implement context parallelism"),
+    ("lf-embodied", "train.use_distributed_optimizer=true", "megatron-core engine options"),
+])
+def test_a_key_the_engine_cannot_honour_fails_before_any_process_group(cli, override, message, tmp_path, capsys):
+    import torch.distributed as dist
+
+    capsys.readouterr()
+    assert train(cli, tmp_path / "run", override) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error: ") and message in err[0], err
+    assert not dist.is_initialized() and not (tmp_path / "run").exists()

@@ -50,3 +50,13 @@ def test_offline_mse_matches_direct_computation(tiny_dataset, tmp_path):
 def test_unknown_eval_hook_is_named():
     with pytest.raises(KeyError, match="loongforge.embodied.eval_hooks"):
         get_eval_hook("mujoco_pick")
+
+
+def test_the_eval_hook_runs_during_training(tiny_dataset, tmp_path):
+    """``eval.interval``: the loop runs the policy's evaluation hook every N steps and logs it."""
+    run_dir = tmp_path / "run"
+    train(load_train_config("train", tiny_overrides(tiny_dataset, run_dir, "train.steps=4", "log.interval=1",
+                                                    "eval.interval=2", "eval.max_batches=1", "log.tensorboard=false")))
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    evaluated = [r["step"] for r in records if "eval/action_mse" in r]
+    assert evaluated == [2, 4] and all(r["eval/action_mse"] > 0 and r["eval/samples"] > 0 for r in records if r["step"] in (2, 4))

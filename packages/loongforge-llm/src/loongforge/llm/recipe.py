@@ -75,6 +75,10 @@ class LLMConfig:
     fp8: str = "none"
 
     def __post_init__(self):
+        from loongforge.core.training.megatron_engine import check_parallel_config, check_train_config
+
+        check_parallel_config(self.parallel)  # what the megatron-core engine cannot do, before any process group
+        check_train_config(self.train)
         if self.recipe not in ("pretrain", "sft"):
             raise ValueError(f"recipe={self.recipe!r}: one of pretrain, sft")
         if self.model.init_from_hf:

@@ -106,6 +106,9 @@ class VLMConfig:
     log: LogConfig = field(default_factory=LogConfig)
 
     def __post_init__(self):
+        from loongforge.core.training.megatron_engine import check_train_config
+
+        check_train_config(self.train)  # the parallel group checks itself (VLMParallelConfig)
         unknown = [p for p in self.trainable if p not in PARTS]
         if unknown or not self.trainable or len(set(self.trainable)) != len(self.trainable):
             raise ValueError(f"trainable={list(self.trainable)}: a non-empty list of distinct parts among {', '.join(PARTS)}")
