@@ -49,6 +49,7 @@ class WanTask:
     engine = "torch"
     context_parallel = True
     variable_micro_batches = True
+    loads_into_shards = True  # the diffusers checkpoint holds every tensor of the DiT
 
     def __init__(self, recipe: DiffusionRecipe):
         self.recipe = recipe

@@ -82,6 +82,9 @@ class MegatronTask(TrainTask, Protocol):
 
 class TorchTask(TrainTask, Protocol):
     has_pretrained: bool  # whether load_pretrained has weights to read
+    # load_pretrained fills every tensor of the state dict (buffers included) into FSDP2 shards, so
+    # the engine may build the model on the meta device first (default False: built on the host)
+    loads_into_shards: bool = False
 
     def build_model(self, ctx) -> torch.nn.Module:
         """The whole model, freshly initialised from the current RNG (the engine may build it under

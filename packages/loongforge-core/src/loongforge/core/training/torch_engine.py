@@ -74,9 +74,10 @@ class TorchEngine:
         self.world = dist.get_world_size(self.group)
         self.mode = torch_parallel.data_parallel_mode(parallel.data_parallel, self.world)
         pretrained = bool(getattr(task, "has_pretrained", False)) and not resuming
-        # pretrained weights under FSDP2: build on the meta device, shard, then each rank reads only
-        # its rows; otherwise build on the host (same seed: the same init on every rank)
-        sharded_init = pretrained and self.mode in ("fsdp", "hsdp")
+        # pretrained weights under FSDP2, for a task whose load fills every tensor (buffers too): build
+        # on the meta device, shard, then each rank reads only its rows; otherwise build on the host
+        # (same seed: the same init on every rank)
+        sharded_init = pretrained and self.mode in ("fsdp", "hsdp") and bool(getattr(task, "loads_into_shards", False))
         torch.manual_seed(train.seed)
         with torch.device("meta") if sharded_init else contextlib.nullcontext():
             model = task.build_model(ctx)
