@@ -85,6 +85,15 @@ class ModalityCLI:
     packages: Sequence[str] = field(default_factory=lambda: ["loongforge-core"])  # for --version
 
 
+def convert_dtype(name: str | None):
+    """``convert --dtype``: the torch dtype to cast floating-point weights to (None: keep theirs)."""
+    if name is None:
+        return None
+    import torch
+
+    return {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[name]
+
+
 def shipped_configs(config_dirs: Sequence[Path]) -> list[str]:
     return sorted({p.stem for d in config_dirs for p in Path(d).glob("*.y*ml")})
 

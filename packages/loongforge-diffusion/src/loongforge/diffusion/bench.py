@@ -29,6 +29,7 @@ import torch
 import torch.nn.functional as F
 
 from loongforge.core.accelerators import get_accelerator
+from loongforge.core.training.engine import resolve_dtype
 from loongforge.diffusion.model import WanDiT
 from loongforge.diffusion.objective import noisy_and_target
 from loongforge.diffusion.packing import num_tokens, pack, pack_targets
@@ -103,7 +104,7 @@ class Bench:
     def __init__(self, recipe, steps: int = 10, warmup: int = 3, batch_size: int = 1):
         accel = get_accelerator()
         self.accel, self.device = accel, accel.device()
-        self.dtype = torch.bfloat16 if self.device.type != "cpu" else torch.float32
+        self.dtype = resolve_dtype(recipe.train.precision, self.device)
         self.recipe, self.steps, self.warmup, self.batch_size = recipe, steps, warmup, batch_size
         m = recipe.model
         torch.manual_seed(recipe.train.seed)

@@ -16,9 +16,8 @@ import argparse
 import re
 from pathlib import Path
 
-import torch
+from loongforge.core.cli import convert_dtype
 
-DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 TRAIN_CONFIG = "train.yaml"
 
 
@@ -47,7 +46,7 @@ def write_train_config(converted, root: Path) -> Path:
 def hf_to_lf_command(source: str, out: str, args) -> str:
     from loongforge.core.hf_mapping.convert import hf_to_lf
 
-    done = hf_to_lf(source, out, dtype=DTYPES[args.dtype] if args.dtype else None, progress=not args.no_progress,
+    done = hf_to_lf(source, out, dtype=convert_dtype(args.dtype), progress=not args.no_progress,
                     max_shard_bytes=args.shard_size)
     config = write_train_config(done, Path(out))
     return (f"lf-llm: {done.family} ({done.tensors} tensors) -> {done.path}; tokenizer {done.tokenizer or 'none found'}; "
@@ -57,7 +56,7 @@ def hf_to_lf_command(source: str, out: str, args) -> str:
 def lf_to_hf_command(source: str, out: str, args) -> str:
     from loongforge.core.hf_mapping.convert import lf_to_hf
 
-    done = lf_to_hf(source, out, dtype=DTYPES[args.dtype] if args.dtype else None, progress=not args.no_progress,
+    done = lf_to_hf(source, out, dtype=convert_dtype(args.dtype), progress=not args.no_progress,
                     max_shard_bytes=args.shard_size)
     return (f"lf-llm: {done.family} ({done.tensors} tensors) -> {done.path}"
             + ("" if done.tokenizer else " (no tokenizer found to copy)"))

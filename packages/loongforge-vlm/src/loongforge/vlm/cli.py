@@ -16,6 +16,8 @@ import json
 import sys
 from pathlib import Path
 
+from loongforge.core.cli import convert_dtype
+
 DEFAULT_CONFIG = "vlm_debug"
 TRAIN_CONFIG = "train.yaml"
 
@@ -81,17 +83,11 @@ def write_train_config(converted, root: Path) -> Path:
     return path
 
 
-def _dtype(args):
-    import torch
-
-    return {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}.get(args.dtype)
-
-
 def hf_to_lf_command(source: str, out: str, args) -> str:
     from loongforge.core.hf_mapping import MappingError
     from loongforge.core.hf_mapping.convert import hf_to_lf
 
-    done = hf_to_lf(source, out, dtype=_dtype(args), progress=not args.no_progress)
+    done = hf_to_lf(source, out, dtype=convert_dtype(args.dtype), progress=not args.no_progress)
     if done.family != "vlm":
         raise MappingError(f"{source}: a {done.family} model, not a VLM (use that family's CLI)")
     config = write_train_config(done, Path(out))
@@ -102,7 +98,7 @@ def hf_to_lf_command(source: str, out: str, args) -> str:
 def lf_to_hf_command(source: str, out: str, args) -> str:
     from loongforge.core.hf_mapping.convert import lf_to_hf
 
-    done = lf_to_hf(source, out, dtype=_dtype(args), progress=not args.no_progress)
+    done = lf_to_hf(source, out, dtype=convert_dtype(args.dtype), progress=not args.no_progress)
     return f"lf-vlm: {done.tensors} tensors -> {done.path}" + ("" if done.tokenizer else " (no tokenizer found)")
 
 
