@@ -16,7 +16,7 @@ import sys
 from loongforge.embodied.cli import main
 
 DEFAULT = ["bench", "--against-lerobot", "--batch-size", "8", "--steps", "10",
-           "policy=pi05_base", "parallel.param_dtype=bf16", "parallel.compile=true"]
+           "policy=pi05_base", "train.precision=bf16", "train.compile=true"]
 
 if __name__ == "__main__":
     sys.exit(main(DEFAULT + sys.argv[1:]))
