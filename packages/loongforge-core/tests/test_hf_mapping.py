@@ -11,7 +11,9 @@ from loongforge.core.hf_mapping import (
     Location,
     MappingError,
     Rule,
+    Tied,
     Transform,
+    Unused,
     get_transform,
     register_transform,
 )
@@ -187,3 +189,106 @@ def test_transform_registry_errors():
         register_transform("fuse_qkv", get_transform("identity"))
     with pytest.raises(MappingError, match=r"placeholder\(s\) \['head'\] have no range"):
         HFMapping((Rule("a.{head}", "b.{head}"),)).bind(Cfg())
+
+
+# A table with a tied head (a copy of the embedding, read only when the embedding is absent) and
+# a second head the model never uses (written as zeros of a config-derived shape on export).
+HEADS = HFMapping(
+    rules=(
+        Rule("embed.weight", "embedding.weight"),
+        Rule("layers.{layer}.w", "decoder.layers.{layer}.w"),
+        Rule("proj.weight", "proj.weight"),
+    ),
+    ranges={"layer": "num_layers"},
+    tied=(Tied("lm_head.weight", of="embed.weight", when="tie"),),
+    unused=(Unused("expert_head.weight", shape=(11, "hidden"), like="proj.weight"),
+            Unused("layers.{layer}.unused_bias", shape=(lambda c: c.hidden,), like="decoder.layers.{layer}.w")),
+)
+
+
+def heads_state(cfg: Cfg) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(3)
+    sd = {"embed.weight": torch.randn(11, cfg.hidden, generator=g), "proj.weight": torch.randn(4, 4, generator=g).bfloat16()}
+    return sd | {f"layers.{i}.w": torch.randn(cfg.hidden, generator=g) for i in range(cfg.num_layers)}
+
+
+def test_tied_and_unused_tensors_round_trip():
+    cfg = Cfg(tie=True)
+    bound = HEADS.bind(cfg)
+    hf = heads_state(cfg)
+    exported = hf | {"lm_head.weight": hf["embed.weight"].clone(), "expert_head.weight": torch.zeros(11, cfg.hidden, dtype=torch.bfloat16)}
+    exported |= {f"layers.{i}.unused_bias": torch.zeros(cfg.hidden) for i in range(cfg.num_layers)}
+    bound.check_hf(exported)  # tied copies and unused tensors are known names
+    lf = dict(bound.to_lf(exported.__getitem__, exported))
+    assert sorted(lf) == sorted(["embedding.weight", "proj.weight"] + [f"decoder.layers.{i}.w" for i in range(2)])
+    assert torch.equal(lf["embedding.weight"], hf["embed.weight"])
+    back = dict(bound.to_hf(lf.__getitem__))
+    assert sorted(back) == sorted(exported) == sorted(bound.export_names)
+    for name, t in exported.items():
+        assert back[name].dtype == t.dtype and torch.equal(back[name], t), name
+    assert back["lm_head.weight"].untyped_storage().data_ptr() != back["embed.weight"].untyped_storage().data_ptr()
+    assert back["expert_head.weight"].dtype == torch.bfloat16  # the dtype of its `like` tensor
+    bound.check_hf(hf)  # both heads may be absent on import
+
+
+def test_tied_copy_stands_in_only_for_a_missing_original():
+    cfg = Cfg(tie=True)
+    bound = HEADS.bind(cfg)
+    hf = heads_state(cfg)
+    only_copy = {k: v for k, v in hf.items() if k != "embed.weight"} | {"lm_head.weight": torch.ones(11, cfg.hidden)}
+    bound.check_hf(only_copy)
+    assert bound.sources(only_copy)["embed.weight"] == "lm_head.weight"
+    assert torch.equal(dict(bound.to_lf(only_copy.__getitem__, only_copy))["embedding.weight"], torch.ones(11, cfg.hidden))
+    both = hf | {"lm_head.weight": torch.ones(11, cfg.hidden)}  # the original wins over its copy
+    assert torch.equal(dict(bound.to_lf(both.__getitem__, both))["embedding.weight"], hf["embed.weight"])
+    with pytest.raises(MappingError, match=r"missing 1 tensor.*: embed\.weight"):
+        bound.check_hf({k: v for k, v in hf.items() if k != "embed.weight"})
+    with pytest.raises(MappingError, match=r"embed\.weight.* missing \(no tied copy either\)"):
+        dict(bound.to_lf(hf.__getitem__, [k for k in hf if k != "embed.weight"]))
+    untied = HEADS.bind(Cfg(tie=False))  # the condition switches the tie off: the copy is unknown
+    with pytest.raises(MappingError, match="does not know: lm_head.weight"):
+        untied.check_hf(both)
+    assert "lm_head.weight" not in dict(untied.to_hf(dict(untied.to_lf(hf.__getitem__)).__getitem__))
+
+
+def test_partial_conversion_skips_what_is_absent():
+    cfg = Cfg()
+    bound = HEADS.bind(cfg)
+    hf = heads_state(cfg)
+    grads = {k: v for k, v in hf.items() if k != "layers.1.w"}
+    bound.check_hf(grads, partial=True)
+    with pytest.raises(MappingError, match="does not know: bogus"):
+        bound.check_hf({**grads, "bogus": torch.ones(1)}, partial=True)
+    assert sorted(dict(bound.to_lf(grads.__getitem__, grads, partial=True))) == ["decoder.layers.0.w", "embedding.weight", "proj.weight"]
+
+
+def test_counts_in_reads_ranges_off_the_names():
+    hf = heads_state(Cfg(num_layers=3))
+    assert HEADS.counts_in(hf) == {"layer": 3}
+    assert HEADS.counts_in(["decoder.layers.4.w"], side="lf") == {"layer": 5}
+    assert HEADS.counts_in(["embed.weight"]) == {"layer": 0}
+    assert TABLE.counts_in(hf_state(Cfg(num_layers=2, num_experts=4))) == {"layer": 2, "expert": 4}
+
+
+def test_tied_and_unused_survive_prefix_and_composition():
+    cfg = Cfg(tie=True)
+    bound = HEADS.bind(cfg).prefixed(hf="model.", lf="policy.") + TABLE.bind(Cfg(num_layers=1))
+    assert bound.tied == {"model.lm_head.weight": "model.embed.weight"}
+    lf = {"policy.embedding.weight": torch.ones(11, 5), "policy.proj.weight": torch.ones(4, 4),
+          **{f"policy.decoder.layers.{i}.w": torch.ones(5) for i in range(2)}}
+    conv = next(c for c in bound.conversions if c.lf == ("policy.proj.weight",))
+    assert [n for n, _ in bound.hf_outputs(conv, [lf["policy.proj.weight"]])] == ["model.proj.weight", "model.expert_head.weight"]
+
+
+def test_tied_and_unused_errors_name_the_tensor():
+    with pytest.raises(MappingError, match=r"tied tensor 'head' copies 'nope', which no rule maps"):
+        HFMapping((Rule("a", "b"),), tied=(Tied("head", of="nope"),)).bind(Cfg())
+    with pytest.raises(MappingError, match=r"unused tensor 'head' takes the dtype of 'nope', which no rule maps"):
+        HFMapping((Rule("a", "b"),), unused=(Unused("head", shape=(1,), like="nope"),)).bind(Cfg())
+    with pytest.raises(MappingError, match="more than once: a"):
+        HFMapping((Rule("a", "b"),), unused=(Unused("a", shape=(1,), like="b"),)).bind(Cfg())
+    with pytest.raises(MappingError, match="same placeholders"):
+        Tied("h.{layer}", of="e")
+    missing_size = HFMapping((Rule("a", "b"),), unused=(Unused("head", shape=("vocab",), like="b"),)).bind({"vocab": None})
+    with pytest.raises(MappingError, match="gives no value for 'vocab'"):
+        dict(missing_size.to_hf({"b": torch.ones(1)}.__getitem__))

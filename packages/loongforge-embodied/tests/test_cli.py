@@ -10,10 +10,12 @@ import subprocess
 
 import pytest
 import torch
-from safetensors.torch import load_file
+from safetensors.torch import load_file, save_file
 
 from loongforge.core.checkpoint import Checkpoint
 from loongforge.core.cli import normalise_overrides
+from loongforge.core.hf_mapping import MappingError
+from loongforge.core.hf_mapping.convert import lf_to_hf
 from loongforge.embodied.cli import main
 from loongforge.embodied.config import load_train_config
 
@@ -49,6 +51,14 @@ def test_train_with_no_arguments_then_export_convert_eval(tmp_path, capsys):
     converted = load_file(str(back))
     assert set(converted) == set(ours) and all(torch.equal(converted[k], ours[k]) for k in ours)
     assert main(["convert", "lerobot-to-lf", str(lerobot_file), str(back)]) == 2  # the output exists
+    truncated = tmp_path / "truncated.safetensors"  # a file that does not fit the table: one error line
+    save_file({k: v for k, v in lerobot.items() if "action_out_proj" not in k}, str(truncated))
+    capsys.readouterr()
+    assert main(["convert", "lerobot-to-lf", str(truncated), str(tmp_path / "never.safetensors")]) == 2
+    assert "action_out_proj.bias" in capsys.readouterr().err
+    # the whole-checkpoint converter of megatron families refuses a torch-engine checkpoint by name
+    with pytest.raises(MappingError, match="'pi05' is trained by the torch engine"):
+        lf_to_hf(run_dir / "checkpoints", tmp_path / "hf", progress=False)
 
     capsys.readouterr()
     dataset_root = tmp_path / "cache" / "embodied-synthetic-v1"

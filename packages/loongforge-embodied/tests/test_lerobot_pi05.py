@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import json
+from dataclasses import replace
+
 import pytest
 import torch
 
 from lerobot_reference import build_lerobot_pi05
+from loongforge.core.hf_mapping import MappingError
 from loongforge.embodied.convert.lerobot_pi05 import from_lerobot_pi05, to_lerobot_pi05
-from loongforge.embodied.convert.mapping import MappingError
 from loongforge.embodied.policies.flow_matching import euler_integrate
 from loongforge.embodied.policies import build_policy, policy_config
 
@@ -53,7 +56,7 @@ def test_same_loss_and_gradients_as_lerobot(pair):
     torch.testing.assert_close(our_loss, ref_loss, rtol=1e-4, atol=1e-5)
     ref_loss.mean().backward()
     our_loss.mean().backward()
-    ref_grads = from_lerobot_pi05({k: p.grad for k, p in ref.named_parameters() if p.grad is not None})
+    ref_grads = from_lerobot_pi05({k: p.grad for k, p in ref.named_parameters() if p.grad is not None}, partial=True)
     checked = 0
     for name, p in ours.named_parameters():
         if p.requires_grad:
@@ -84,6 +87,32 @@ def test_state_dict_round_trip(pair):
     assert torch.equal(from_lerobot_pi05(only_lm_head)["prefix.embed_tokens.weight"], sd[TIED])
     with pytest.raises(MappingError, match="bogus"):
         from_lerobot_pi05({**sd, "paligemma_with_expert.bogus.weight": torch.zeros(1)})
+
+
+def test_lerobot_loads_our_export_and_gives_the_same_loss(pair):
+    cfg, ref, ours = pair
+    other = build_lerobot_pi05(cfg)
+    other.load_state_dict(to_lerobot_pi05(ours.state_dict(), cfg, policy_prefix=False), strict=True)
+    batch, noise, t = make_batch(cfg, seed=2)
+    with torch.no_grad():
+        loss = other.forward(list(batch["images"].unbind(1)), list(batch["image_mask"].unbind(1)), batch["tokens"],
+                             batch["token_mask"], batch["actions"], noise, t)
+        torch.testing.assert_close(loss, ours(batch, noise, t), rtol=1e-4, atol=1e-5)
+
+
+def test_missing_and_mismatched_tensors_are_named(pair):
+    cfg, ref, ours = pair
+    sd = ref.state_dict()
+    norm = "paligemma_with_expert.paligemma.model.language_model.norm.weight"
+    with pytest.raises(MappingError, match=r"missing 1 tensor.*language_model\.norm\.weight"):
+        from_lerobot_pi05({k: v for k, v in sd.items() if k != norm})
+    with pytest.raises(MappingError, match=r"missing .*language_model\.layers\.1\."):  # a gap in the layers
+        from_lerobot_pi05({k: v for k, v in sd.items() if ".language_model.layers.1." not in k})
+    deeper = replace(cfg, vlm=replace(cfg.vlm, depth=3), expert=replace(cfg.expert, depth=3))
+    with pytest.raises(MappingError, match=r"missing .*layers\.2\."):  # checked against the configured policy
+        from_lerobot_pi05(sd, deeper)
+    with pytest.raises(MappingError, match="does not know: layers.0.vlm.bogus"):
+        to_lerobot_pi05({**ours.state_dict(), "layers.0.vlm.bogus": torch.zeros(1)})
 
 
 def test_cached_sampling_matches_full_recompute(pair):
@@ -118,3 +147,38 @@ def test_released_size_preset_has_lerobot_pi05_shapes():
     assert set(mapped) == set(shapes)
     assert {k: tuple(v.shape) for k, v in mapped.items()} == shapes
     assert sum(v.numel() for v in ours.state_dict().values()) > 3.3e9
+
+
+def test_family_adapter_is_the_lerobot_table(tmp_path):
+    """``PI05_SPEC.hf_adapter`` binds the same table to a policy config and translates LeRobot's own
+    ``config.json`` (its released sizes) to and from ``Pi05Config``; it names no transformers
+    architecture, so ``hf_to_lf`` of an HF directory never picks the pi05 family."""
+    from lerobot.configs.policies import PreTrainedConfig
+    from lerobot.policies.pi05.configuration_pi05 import PI05Config
+
+    from loongforge.core.config import to_dict
+    from loongforge.core.hf_mapping import family_for_architectures
+    from loongforge.embodied.config import load_train_config
+    from loongforge.embodied.policies.pi05 import PI05_SPEC
+
+    adapter = PI05_SPEC.hf_adapter
+    assert adapter.architectures == ()
+    with pytest.raises(MappingError, match="not supported by any installed model family"):
+        family_for_architectures(["PI05Policy", "pi05"])
+    cfg = policy_config("pi05", image_size=IMAGE)
+    with torch.device("meta"):
+        names = set(build_policy(cfg).state_dict())
+    assert set(adapter.bind(cfg).lf_names) == names
+
+    base = load_train_config("train", ["policy=pi05_base"]).policy
+    PI05Config()._save_pretrained(tmp_path)  # LeRobot's own config.json of its released pi05
+    released = adapter.config_from_hf(json.loads((tmp_path / "config.json").read_text()))
+    assert to_dict(released) == to_dict(base)
+    (tmp_path / "config.json").write_text(json.dumps(adapter.config_to_hf(base)))
+    theirs = PreTrainedConfig.from_pretrained(tmp_path)  # LeRobot reads what we write
+    assert isinstance(theirs, PI05Config) and (theirs.paligemma_variant, theirs.action_expert_variant) == ("gemma_2b", "gemma_300m")
+    assert (theirs.chunk_size, theirs.max_action_dim, tuple(theirs.image_resolution)) == (50, 32, (224, 224))
+    with pytest.raises(MappingError, match=r"policy\.vlm=.*only the Gemma variants"):
+        adapter.config_to_hf(cfg)
+    with pytest.raises(MappingError, match="paligemma_variant='gemma_7b'"):
+        adapter.config_from_hf({**adapter.config_to_hf(base), "paligemma_variant": "gemma_7b"})

@@ -112,6 +112,7 @@ def commands(sub) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     from loongforge.core.cli import Converter, ModalityCLI, build_cli
+    from loongforge.core.hf_mapping import MappingError
     from loongforge.embodied.config import load_train_config
 
     app = ModalityCLI(
@@ -122,7 +123,7 @@ def main(argv: list[str] | None = None) -> int:
                               lf_to_lerobot),
                     Converter("lerobot-to-lf", "LeRobot's pi05 model.safetensors -> the same weights in LoongForge "
                               "names (for policy.pretrained)", lerobot_to_lf)],
-        bench_options=bench_options, bench=bench, commands=commands,
+        bench_options=bench_options, bench=bench, commands=commands, errors=(MappingError,),
         packages=["loongforge-core", "loongforge-embodied"],
     )
     return build_cli(app)(argv)

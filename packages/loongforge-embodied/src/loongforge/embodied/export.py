@@ -35,7 +35,7 @@ def export_lerobot(path: str | Path, out: str | Path) -> Path:
     policy, cfg, ckpt = restore_policy(checkpoint_path(path))
     if cfg.policy.family != "pi05":
         raise ValueError(f"lf-to-lerobot: only pi05 has a LeRobot layout mapping, this checkpoint is {cfg.policy.family!r}")
-    state = to_lerobot_pi05({k: v.contiguous() for k, v in policy.state_dict().items()})
+    state = to_lerobot_pi05({k: v.contiguous() for k, v in policy.state_dict().items()}, cfg.policy)
     meta = {"format": "lerobot", "family": cfg.policy.family, "step": str(ckpt.step),
             "policy_config": json.dumps(ckpt.manifest["config"]["policy"]),
             "dataset": json.dumps(ckpt.manifest.get("dataset", {}))}

@@ -70,7 +70,7 @@ def read_pretrained(cfg) -> dict[str, torch.Tensor]:
             raise ValueError(f"policy.pretrained_format=lerobot: only the pi05 layout is mapped, not {cfg.family!r}")
         from loongforge.embodied.convert.lerobot_pi05 import from_lerobot_pi05
 
-        state = from_lerobot_pi05(state)
+        state = from_lerobot_pi05(state, cfg)
     return state
 
 

@@ -28,26 +28,38 @@ and converts tensor by tensor in either direction, bitwise round trip::
 
 - **Names.** LF names are megatron-core state-dict names with *global* indices, spelled as in
   megatron's sharded state dict (``linear_qkv.layer_norm_weight``, the name every layer spec
-  saves under). ``{name}`` placeholders are integer indices with ranges from the config; one
+  saves under); a torch-engine family's are its module's ``state_dict`` names (LeRobot's Pi0.5
+  table in loongforge-embodied). ``{name}`` placeholders are integer indices with ranges from the config; one
   on both sides of a rule makes one conversion per value, one on a single side is gathered
   into one conversion (index-major, then pattern order).
 - **Transforms** (``transforms.py``): ``identity``, ``fuse_qkv`` (megatron's per-query-group
   interleaved q/k/v, weights and biases), ``fuse_gate_up`` (``linear_fc1 = [gate; up]``). A
   family with another layout subclasses ``Transform`` (``to_lf``/``to_hf``, exact inverses)
   and calls ``register_transform(name, instance)``.
-- **Conditions.** ``when="attr"``, ``"not attr"`` or a callable on the config switch a rule or
-  an ``Ignore`` on and off (biases, tied embeddings).
+- **Conditions.** ``when="attr"``, ``"not attr"`` or a callable on the config switch a rule,
+  an ``Ignore``, a ``Tied`` or an ``Unused`` on and off (biases, tied embeddings).
+- **HF tensors without an LF counterpart.** ``Ignore(hf)``: tolerated on import, never written.
+  ``Tied(hf, of=...)``: a copy of the HF tensor ``of`` (a tied ``lm_head``), read in its place
+  only when the checkpoint lacks ``of``, written as its copy. ``Unused(hf, shape=..., like=...)``:
+  a tensor the model never uses, dropped on import, written as zeros of ``shape`` (sizes as in
+  ``ranges``) in the dtype of the LF tensor ``like``. ``bound.sources(names)`` says which tensor
+  of a checkpoint each conversion input is read from; ``bound.to_lf(get, names)`` uses it
+  (``partial=True`` converts what is there, e.g. gradients of a subset of parameters).
+- **Configless state dicts.** ``HFMapping.counts_in(names, side)`` reads each placeholder's
+  range off a state dict's own names, for binding one that comes without its config.
 - **Composition.** ``bound.prefixed(hf=..., lf=...)`` and ``+`` assemble a model from parts
   (a VLM's vision tower and language model), each bound to its own config.
 - ``HFAdapter`` (``ModelSpec.hf_adapter``) adds the architectures a family reads and the
-  ``config.json`` translation; ``convert`` streams whole checkpoints between an HF directory
-  and a LoongForge checkpoint; ``online.HFPieceReader`` serves an HF directory to
+  ``config.json`` translation (architectures empty for an outside layout with no transformers
+  architecture, e.g. LeRobot's, so ``hf_to_lf`` of a directory never picks it); ``convert``
+  streams whole checkpoints between an HF directory and a LoongForge checkpoint of a megatron
+  family (torch-engine families convert through their own CLI, with the same tables); ``online.HFPieceReader`` serves an HF directory to
   ``checkpoint.sharded.load_into`` as if it were a converted checkpoint (each rank reads its
   TP/PP/EP shards of the HF weights directly).
 """
 
 from loongforge.core.hf_mapping.adapter import HFAdapter, family_for_architectures
-from loongforge.core.hf_mapping.table import BoundMapping, Conversion, HFMapping, Ignore, Location, Rule
+from loongforge.core.hf_mapping.table import BoundMapping, Conversion, HFMapping, Ignore, Location, Rule, Tied, Unused
 from loongforge.core.hf_mapping.transforms import (
     Concat,
     FuseQKV,
@@ -71,8 +83,10 @@ __all__ = [
     "Location",
     "MappingError",
     "Rule",
+    "Tied",
     "Transform",
     "TransformContext",
+    "Unused",
     "family_for_architectures",
     "get_transform",
     "register_transform",

@@ -5,7 +5,8 @@ streamed one conversion (a few tensors) at a time; no model is built.
 sharded-state-dict tensors (per-layer tensors are pieces of the stacked ones), loadable under
 any TP/PP layout by the weights-only load path (``checkpoint.load=OUT``). The tokenizer files
 of the HF directory are copied into ``tokenizer/`` and named in the manifest. ``lf_to_hf``
-reads a checkpoint (converted or saved by training; optimizer state is skipped) and writes a
+reads a checkpoint of a megatron family (converted or saved by training; optimizer state is
+skipped; a torch-engine family's checkpoint is refused, its modality converts it) and writes a
 directory ``transformers`` loads with ``from_pretrained``.
 """
 
@@ -55,16 +56,17 @@ def _model_config_record(cfg) -> dict:
 
 def _stream_to_lf(reader: HFReader, bound: BoundMapping, writer: StreamingCheckpointWriter, family: str, cfg,
                   dtype, progress: bool) -> tuple[Path, Path | None]:
-    total = sum(reader.nbytes(n) for n in bound.hf_names)
+    source = bound.sources(reader.names())  # a tied copy stands in for a missing original
+    total = sum(reader.nbytes(source[n]) for n in bound.hf_names)
     with _bar(total, f"{family} HF -> LoongForge", progress) as bar:
         for conv in bound.conversions:
-            outputs = conv.to_lf([reader.get(n) for n in conv.hf])
+            outputs = conv.to_lf([reader.get(source[n]) for n in conv.hf])
             for name, tensor in zip(conv.lf, outputs):
                 loc = bound.location(name)
                 tensor = _cast(tensor, dtype)
                 stacked = (1,) * len(loc.sizes) + tuple(tensor.shape)
                 writer.add(Piece(loc.key, loc.sizes + tuple(tensor.shape), loc.offsets + (0,) * tensor.dim(), tensor.reshape(stacked)))
-            bar.update(sum(reader.nbytes(n) for n in conv.hf))
+            bar.update(sum(reader.nbytes(source[n]) for n in conv.hf))
     files = reader.tokenizer_files()
     for path in files:
         writer.add_file(path, f"{TOKENIZER_DIR}/{path.name}")
@@ -103,6 +105,9 @@ def _adapter_of(family: str, source: Path):
     spec = get_model_spec(family)  # (adapter, spec)
     if not isinstance(spec.hf_adapter, HFAdapter):
         raise MappingError(f"{source}: model family {family!r} has no Hugging Face adapter")
+    if spec.engine != "megatron":  # its checkpoint keys are its module's, not megatron's sharded ones
+        raise MappingError(f"{source}: model family {family!r} is trained by the {spec.engine} engine; this conversion "
+                           f"reads megatron checkpoints (convert it with its own modality's `convert` command)")
     return spec.hf_adapter, spec
 
 
@@ -155,7 +160,7 @@ def _stream_to_hf(ckpt: Checkpoint, bound: BoundMapping, get, writer: HFWriter, 
     written = set()
     with _bar(sum(nbytes(n) for n in bound.lf_names), f"{family} LoongForge -> HF", progress) as bar:
         for conv in bound.conversions:
-            for name, tensor in zip(conv.hf, conv.to_hf([get(n) for n in conv.lf])):
+            for name, tensor in bound.hf_outputs(conv, [get(n) for n in conv.lf]):
                 tensor = _cast(tensor, dtype)
                 written.add(tensor.dtype)
                 writer.add(name, tensor)
@@ -190,7 +195,7 @@ def lf_to_hf(checkpoint: str | Path, out: str | Path, *, dtype: torch.dtype | No
     except BaseException:
         writer.abort()
         raise
-    return Converted(path, family, cfg, len(bound.hf_names), path if has_tokenizer(tokenizer) else None)
+    return Converted(path, family, cfg, len(bound.export_names), path if has_tokenizer(tokenizer) else None)
 
 
 def _nbytes(ckpt: Checkpoint, key: str, stacked_axes: int) -> int:

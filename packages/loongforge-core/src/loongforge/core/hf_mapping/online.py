@@ -36,6 +36,7 @@ class HFPieceReader:
         self.directory = self.hf.directory
         bound.check_hf(self.hf.names(), source=str(self.directory))
         self.bound = bound
+        self._source = bound.sources(self.hf.names())  # a tied copy stands in for a missing original
         # sharded key -> stacked index -> (conversion, output position)
         self._sources: dict[str, dict[tuple[int, ...], tuple[Conversion, int]]] = {}
         self._sizes: dict[str, tuple[int, ...]] = {}
@@ -56,7 +57,7 @@ class HFPieceReader:
         if key in self._cache:
             self._cache.move_to_end(key)
             return self._cache[key]
-        out = conv.to_lf([self.hf.get(n) for n in conv.hf])
+        out = conv.to_lf([self.hf.get(self._source[n]) for n in conv.hf])
         self._cache[key] = out
         if len(self._cache) > self._cache_size:
             self._cache.popitem(last=False)

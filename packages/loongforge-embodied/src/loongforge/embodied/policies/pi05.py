@@ -9,7 +9,7 @@ expert's output is projected to the action velocity. Inference runs the prefix o
 its keys/values per layer and integrates the velocity with Euler steps.
 
 Parameter names follow LeRobot's ``PI05Pytorch`` closely enough that ``convert.lerobot_pi05``
-is a table of name patterns.
+is a table of renames of the core mapping engine; it is the family's ``hf_adapter``.
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ from torch.utils.checkpoint import checkpoint
 
 from loongforge.core.models import ModelSpec
 from loongforge.embodied.config import GemmaConfig, PolicyConfig
+from loongforge.embodied.convert.lerobot_pi05 import LEROBOT_PI05_ADAPTER
 from loongforge.embodied.policies.backbone import PrefixEmbedder
 from loongforge.embodied.policies.flow_matching import euler_integrate, interpolate, sinusoidal_embedding, velocity_target
 from loongforge.embodied.task import PolicyTask
@@ -167,4 +168,5 @@ PI05_SPEC = ModelSpec(
     build=Pi05Policy,
     engine="torch",
     task=PolicyTask,
+    hf_adapter=LEROBOT_PI05_ADAPTER,
 )
