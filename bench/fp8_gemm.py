@@ -1,4 +1,4 @@
-"""Blockwise FP8 vs bf16 GEMMs on Hopper: per-shape ratios, the FP8 linear, the adaptive table.
+"""Blockwise FP8 vs bf16 GEMMs on Hopper: per-shape ratios, the FP8 linear, fp8=adaptive's choices.
 
 Run on a CUDA machine (sm_90):  uv run python bench/fp8_gemm.py [--shapes 4096x4096x4096,...] [--steps 200]
 
@@ -6,8 +6,9 @@ Run on a CUDA machine (sm_90):  uv run python bench/fp8_gemm.py [--shapes 4096x4
    quantised: the Triton kernel and, where it runs, ``torch._scaled_mm`` with blockwise scales)
    and against FP8 including the quantisation of both operands. Ratios are bf16 time / FP8 time.
 2. The FP8 linear (forward + backward, fp32 master weight, bf16 activations): ``F.linear`` in bf16
-   against ``fp8_linear`` with every GEMM in FP8 and in adaptive mode, whose measured per-GEMM
-   table is printed afterwards.
+   against ``fp8_linear`` with every GEMM in FP8 and with the GEMMs fp8=adaptive chooses for the
+   shape (loongforge-llm's ``layers.fp8_measure``: the registry op timed in each of the 8
+   choices, bf16 weight), whose per-shape table is printed afterwards.
 3. A short training run of a small MLP regression in bf16 and with FP8 linears, same data and
    initial weights: the final losses and their relative difference.
 """
@@ -20,12 +21,25 @@ import torch
 import torch.nn.functional as F
 
 from loongforge.core.kernels import get_kernel
-from loongforge.kernels.fp8_linear import time_ms
 
 DEFAULT_SHAPES = (
     "4096x4096x4096,8192x8192x8192,16384x7168x2048,16384x2048x7168,"
     "4096x18432x7168,4096x7168x18432,2048x1536x7168,512x4096x4096"
 )
+
+
+def time_ms(fn, reps: int = 5, warmup: int = 2) -> float:
+    """Mean CUDA milliseconds of ``fn()`` over ``reps`` calls after ``warmup`` untimed ones."""
+    for _ in range(warmup):
+        fn()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    torch.cuda.synchronize()
+    start.record()
+    for _ in range(reps):
+        fn()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / reps
 
 
 def _shapes(text: str) -> list[tuple[int, int, int]]:
@@ -69,9 +83,12 @@ def gemm_table(shapes) -> None:
 
 
 def linear_table(shapes) -> None:
-    from loongforge.kernels import fp8_linear as fl
+    from loongforge.core.kernels import KernelPolicy
+    from loongforge.llm.layers.fp8_measure import measure_fp8_plan, registry_linear_timer
 
-    fl.clear_adaptive_table()
+    fp8_linear = get_kernel("fp8_linear")
+    timer = registry_linear_timer(KernelPolicy(), torch.bfloat16, torch.device("cuda"), torch.cuda.synchronize)
+    plans = []
     print("\n| tokens x out x in | bf16 linear fwd+bwd ms | fp8 ms | adaptive ms | bf16/fp8 | bf16/adaptive |")
     print("|---|---:|---:|---:|---:|---:|")
     for m, n, k in shapes:
@@ -80,13 +97,16 @@ def linear_table(shapes) -> None:
         w16 = w.detach().to(torch.bfloat16).requires_grad_()
         dy = torch.randn(m, n, device="cuda", dtype=torch.bfloat16)
         bf16 = time_ms(lambda: F.linear(x, w16).backward(dy), reps=5, warmup=3)
-        fp8 = time_ms(lambda: fl.fp8_linear(x, w).backward(dy), reps=5, warmup=3)
-        fl.fp8_linear(x, w, adaptive=True)  # measure this shape's GEMMs once, outside the timing
-        adaptive = time_ms(lambda: fl.fp8_linear(x, w, adaptive=True).backward(dy), reps=5, warmup=3)
+        fp8 = time_ms(lambda: fp8_linear(x, w).backward(dy), reps=5, warmup=3)
+        plan = measure_fp8_plan([(n, k)], m, timer)  # this shape's choice, measured outside the timing
+        gemms = plan.gemms(n, k)
+        adaptive = time_ms(lambda: fp8_linear(x, w, gemms=gemms).backward(dy), reps=5, warmup=3)
+        plans.append(plan)
         print(f"| {m}x{n}x{k} | {bf16:.3f} | {fp8:.3f} | {adaptive:.3f} | {bf16 / fp8:.2f}x | {bf16 / adaptive:.2f}x |",
               flush=True)
-    print("\nAdaptive table (per GEMM: bf16 vs FP8 incl. quantisation, measured on first use):")
-    print(fl.adaptive_table(), flush=True)
+    print("\nfp8=adaptive's choices (ms of the registry op's forward+backward with the GEMMs named in FP8, "
+          "f/d/w = fprop/dgrad/wgrad):")
+    print("\n".join([plans[0].table().splitlines()[0]] + [p.table().splitlines()[1] for p in plans]), flush=True)
 
 
 def loss_run(steps: int, width: int = 2048, tokens: int = 4096) -> None:

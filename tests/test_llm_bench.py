@@ -50,3 +50,17 @@ def test_bench_bad_arguments_fail_before_any_run(argv, message, capsys):
     assert main(["bench", *argv]) == 2
     captured = capsys.readouterr()
     assert message in captured.err and "ms/step" not in captured.out  # no run started
+
+
+def test_bench_refuses_adaptive_fp8_where_nothing_can_be_timed(capsys):
+    """``--fp8 adaptive`` times the fused FP8 kernels; where fp8_linear is the torch reference (CPU)
+    the bench says so before any run."""
+    from loongforge.core.kernels import KernelPolicy
+    from loongforge.llm.layers.fp8_measure import fused_fp8_linear
+
+    if fused_fp8_linear(KernelPolicy()):
+        pytest.skip("the fused FP8 kernels run here: --fp8 adaptive is a real run")
+    assert main(["bench", "--fp8", "adaptive"]) == 2
+    captured = capsys.readouterr()
+    assert "--fp8=adaptive: fp8_linear runs its torch reference here" in captured.err
+    assert "ms/step" not in captured.out

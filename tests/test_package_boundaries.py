@@ -21,12 +21,7 @@ PLUGINS = ("kernels", "xpu")  # found through entry points only
 ALLOWED = {("vlm", "llm")}  # (importer, imported): vlm's foundation is an llm family
 
 # Known exceptions, each to be removed when fixed.
-KNOWN = {
-    # `lf-llm bench --fp8 adaptive` clears and prints loongforge-kernels' adaptive FP8 table
-    # (kernels.fp8_linear module state); the core kernel registry has no call for a provider's
-    # tuning state yet.
-    ("packages/loongforge-llm/src/loongforge/llm/bench.py", "loongforge.kernels"),
-}
+KNOWN: set[tuple[str, str]] = set()
 
 
 def loongforge_imports(file: Path) -> list[tuple[int, str]]:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from loongforge.core.kernels.fp8_format import ALL_FP8, Fp8Gemms
 from loongforge.kernels import fp8_gemm, fp8_linear
 from loongforge.llm.ops import fp8_blockwise as ref
 
@@ -164,40 +165,47 @@ def reference_quantisers(monkeypatch):
     monkeypatch.setattr(fp8_gemm, "quantize_1x128_transposed", lambda x: ref.quantize_1x128(x.t().contiguous()))
 
 
-@pytest.mark.parametrize("plan", [fp8_linear.ALL_FP8, fp8_linear.Plan(fprop=False, dgrad=True, wgrad=False)])
-def test_fused_linear_autograd_matches_the_reference(reference_quantisers, plan):
+@pytest.mark.parametrize("gemms", [ALL_FP8, Fp8Gemms(fprop=False, dgrad=True, wgrad=False),
+                                   Fp8Gemms(fprop=True, dgrad=False, wgrad=True), Fp8Gemms(False, False, False)],
+                         ids=lambda g: "+".join(g.names()) or "none")
+def test_fused_linear_autograd_matches_the_reference(reference_quantisers, gemms):
+    """The fused op and the reference honour the same ``gemms``: FP8 GEMMs give the reference's
+    numbers, GEMMs kept out of FP8 the exact ones (here fp32) -- the same numbers in both."""
     x, w, b = _linear_leaves(m=64, n=128, k=256)
     xr, wr, br = (t.detach().clone().requires_grad_() for t in (x, w, b))
-    x2 = x.reshape(-1, 256)
-    y = fp8_linear._Fp8Linear.apply(x2, w, b, plan)
-    y_ref = ref.fp8_linear(xr, wr, br).reshape(-1, 128)
-    exact = torch.nn.functional.linear(xr.detach().reshape(-1, 256), wr.detach(), br.detach())
+    y = fp8_linear.fp8_linear(x, w, b, gemms=gemms)
+    y_ref = ref.fp8_linear(xr, wr, br, gemms=gemms)
     dy = torch.randn_like(y)
     y.backward(dy)
     y_ref.backward(dy)
-    # GEMMs in FP8 give the reference's numbers; GEMMs kept in bf16 (here fp32) give the exact ones
-    _assert_gemm_close(y, y_ref if plan.fprop else exact, fp8=plan.fprop)
-    dx_exact = dy @ wr.detach()
-    _assert_gemm_close(x.grad.reshape(-1, 256), xr.grad.reshape(-1, 256) if plan.dgrad else dx_exact, fp8=plan.dgrad)
-    dw_exact = dy.t() @ xr.detach().reshape(-1, 256)
-    _assert_gemm_close(w.grad, wr.grad if plan.wgrad else dw_exact, fp8=plan.wgrad)
+    _assert_gemm_close(y, y_ref, fp8=gemms.fprop)
+    _assert_gemm_close(x.grad, xr.grad, fp8=gemms.dgrad)
+    _assert_gemm_close(w.grad, wr.grad, fp8=gemms.wgrad)
     torch.testing.assert_close(b.grad, br.grad)
+    # a GEMM kept out of FP8 is the plain product; one in FP8 is not
+    x2, dy2 = xr.detach().reshape(-1, 256), dy.reshape(-1, 128)
+    exact = {"fprop": (y_ref.reshape(-1, 128), x2 @ wr.detach().t() + br.detach()),
+             "dgrad": (xr.grad.reshape(-1, 256), dy2 @ wr.detach()), "wgrad": (wr.grad, dy2.t() @ x2)}
+    for name, (got, plain) in exact.items():
+        if getattr(gemms, name):
+            assert (got - plain).abs().max() > 1e-3 * plain.abs().max(), name
+        else:
+            torch.testing.assert_close(got, plain, rtol=1e-6, atol=1e-5)
 
 
-def test_adaptive_table_formats_measured_rows():
-    fp8_linear.clear_adaptive_table()
-    fp8_linear._TABLE[(256, 512, 1024, torch.bfloat16, "cuda:0")] = (
-        fp8_linear.GemmChoice("fprop", 256, 512, 1024, 0.02, 0.03),
-        fp8_linear.GemmChoice("dgrad", 256, 1024, 512, 0.02, 0.01),
-        fp8_linear.GemmChoice("wgrad", 512, 1024, 256, 0.02, 0.04),
-    )
-    try:
-        table = fp8_linear.adaptive_table().splitlines()
-    finally:
-        fp8_linear.clear_adaptive_table()
-    assert table[0].split()[:4] == ["gemm", "M", "N", "K"]
-    assert [line.split()[-1] for line in table[1:]] == ["bf16", "fp8", "bf16"]
-    assert table[2].split()[1:4] == ["256", "1024", "512"]
+def test_the_fused_op_and_the_reference_take_the_same_arguments():
+    """One contract: the provider's ``fp8_linear``, the fused function and the reference have the
+    same parameters and defaults (the caller's ``gemms``; no choice of their own)."""
+    import inspect
+
+    from loongforge.kernels import provider
+
+    params = [[(p.name, p.default) for p in inspect.signature(fn).parameters.values()]
+              for fn in (provider.fp8_linear, fp8_linear.fp8_linear, ref.fp8_linear)]
+    assert params[0] == params[1] == params[2]
+    assert params[0][-1] == ("gemms", ALL_FP8)
+    with pytest.raises(TypeError, match="gemms must be"):
+        fp8_linear.fp8_linear(torch.randn(4, 8), torch.randn(6, 8), gemms=True)
 
 
 def test_fp8_linear_rejects_bad_inputs():
@@ -207,6 +215,8 @@ def test_fp8_linear_rejects_bad_inputs():
         ref.fp8_linear(torch.randn(4, 8), torch.randn(6, 8), torch.randn(5))
     with pytest.raises(ValueError, match="bf16/fp16/fp32"):
         ref.fp8_linear(torch.randn(4, 8).to(torch.float8_e4m3fn), torch.randn(6, 8))
+    with pytest.raises(TypeError, match="gemms must be"):
+        ref.fp8_linear(torch.randn(4, 8), torch.randn(6, 8), gemms=("fprop",))
 
 
 @pytest.mark.parametrize("dtype_in", [torch.bfloat16, torch.float32])

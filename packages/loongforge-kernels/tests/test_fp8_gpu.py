@@ -1,5 +1,6 @@
 """Blockwise FP8 on a GPU (sm_89+): quantisers bitwise equal to the reference, both GEMM backends,
-the FP8 linear against the reference numerics, and the adaptive table."""
+the FP8 linear against the reference numerics (every GEMM in FP8, and the caller's choice of
+GEMMs), and fp8=adaptive's timer on the fused op."""
 
 from __future__ import annotations
 
@@ -94,18 +95,44 @@ def test_fp8_linear_matches_the_reference_numerics(monkeypatch, backend):
     assert all(e < 1e-2 for e in errs.values()), errs
 
 
-def test_adaptive_mode_measures_each_shape_once():
-    from loongforge.kernels import fp8_linear as fl
+@pytest.mark.parametrize("names", [(), ("dgrad",), ("fprop", "wgrad")])
+def test_fp8_linear_honours_the_callers_gemms(names):
+    """A GEMM the caller keeps out of FP8 is the input dtype's matmul, as in the reference."""
+    from loongforge.core.kernels.fp8_format import Fp8Gemms
+    from loongforge.kernels.fp8_linear import fp8_linear
 
-    fl.clear_adaptive_table()
-    x = torch.randn(2048, 4096, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-    w = torch.randn(4096, 4096, device="cuda", requires_grad=True)
-    fl.fp8_linear(x, w, adaptive=True).sum().backward()
-    fl.fp8_linear(x, w, adaptive=True).sum().backward()
-    table = fl.adaptive_table()
-    print(table)
-    assert len(table.splitlines()) == 4  # header + fprop, dgrad, wgrad of the one shape
-    assert torch.isfinite(x.grad).all() and torch.isfinite(w.grad).all()
+    gemms = Fp8Gemms.from_names(names)
+    torch.manual_seed(0)
+    x = torch.randn(512, 1024, device="cuda").to(torch.bfloat16).requires_grad_()
+    w = (torch.randn(768, 1024, device="cuda") * 1024**-0.5).requires_grad_()
+    xr, wr = (t.detach().clone().requires_grad_() for t in (x, w))
+    y, y_ref = fp8_linear(x, w, gemms=gemms), ref.fp8_linear(xr, wr, gemms=gemms)
+    dy = torch.randn_like(y)
+    y.backward(dy)
+    y_ref.backward(dy)
+    errs = dict(y=_rel(y, y_ref), dx=_rel(x.grad, xr.grad), dw=_rel(w.grad, wr.grad))
+    assert all(e < 1e-2 for e in errs.values()), errs
+
+
+def test_the_adaptive_timer_times_the_fused_op_and_chooses():
+    """loongforge-llm's fp8=adaptive timer on the registry's fused ``fp8_linear``: a time for every
+    combination of GEMMs in FP8 at each shape, and a choice the reference accepts."""
+    from loongforge.core.accelerators import get_accelerator
+    from loongforge.core.kernels import KernelPolicy
+    from loongforge.llm.layers.fp8_measure import fused_fp8_linear, measure_fp8_plan, registry_linear_timer
+    from loongforge.llm.layers.fp8_plan import COMBINATIONS, FP8Plan
+
+    kernels = KernelPolicy()
+    assert fused_fp8_linear(kernels) and not fused_fp8_linear(KernelPolicy(force_reference=True))
+    timer = registry_linear_timer(kernels, torch.bfloat16, torch.device("cuda"), get_accelerator().synchronize,
+                                  reps=3, warmup=1)
+    plan = measure_fp8_plan([(4096, 4096), (512, 4096)], 2048, timer, torch.device("cuda"))
+    print(plan.table())
+    assert [s.key for s in plan.shapes] == [(512, 4096), (4096, 4096)]
+    for s in plan.shapes:
+        assert len(s.ms) == len(COMBINATIONS) and all(t > 0 for t in s.ms)
+        assert s.ms[COMBINATIONS.index(s.gemms)] == min(s.ms)
+    assert FP8Plan.from_dict(plan.to_dict()) == plan
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])

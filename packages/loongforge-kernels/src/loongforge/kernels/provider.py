@@ -22,6 +22,7 @@ import importlib.util
 import torch
 
 from loongforge.core.kernels import KernelImpl, get_op
+from loongforge.core.kernels.fp8_format import ALL_FP8, Fp8Gemms
 
 
 def _triton_runs_on(device: torch.device) -> bool:
@@ -125,11 +126,11 @@ def dsa_indexer_loss(
 
 @_by_device
 def fp8_linear(
-    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, adaptive: bool = False
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, gemms: Fp8Gemms = ALL_FP8
 ) -> torch.Tensor:
     from loongforge.kernels.fp8_linear import fp8_linear as fused
 
-    return fused(x, weight, bias, adaptive)
+    return fused(x, weight, bias, gemms)
 
 
 @_by_device

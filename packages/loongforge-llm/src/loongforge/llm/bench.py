@@ -15,7 +15,10 @@ other:
   in the value) or the bench's own knobs (``spec.recompute_elementwise=false``: the fast layer spec
   with that setting; ``attention_backend=flash|fused|unfused``);
 - ``ours_fp8_<mode>`` (``--fp8 blockwise|adaptive``): ours with ``fp8=<mode>``, compared with ours
-  in bf16; for ``adaptive`` the per-GEMM table it measured is printed.
+  in bf16; for ``adaptive`` the run's FP8 plan (measured when its model was built, before the
+  timed steps) is printed: per linear shape, the time of each choice of GEMMs in FP8 and the
+  choice. ``adaptive`` needs a GPU with the fused FP8 kernels and is refused before any run
+  elsewhere.
 
 Each run: warm-up steps, then ``--steps`` timed steps; tokens/s, model TFLOP/s
 (``GPTConfig.flops_per_token``), MFU against the measured matmul and peak memory (GPUs). The table
@@ -169,6 +172,12 @@ def plan_runs(config: str, overrides: list[str], variants: list[str], fp8: list[
 
     runs = [ours("ours", [])]
     runs += [ours(f"ours_fp8_{mode}", [f"fp8={mode}"]) for mode in dict.fromkeys(fp8)]
+    if "adaptive" in fp8:  # nothing to time without the fused FP8 kernels
+        from loongforge.core.kernels import KernelPolicy
+        from loongforge.llm.layers.fp8_measure import check_adaptive_fp8
+
+        adaptive = next(r for r in runs if r.name == "ours_fp8_adaptive")
+        check_adaptive_fp8(KernelPolicy(force_reference=adaptive.cfg.kernels.force_reference), key="--fp8")
     for spec in variants:
         runs.append(ours(*parse_variant(spec, [r.name for r in runs])))
     base = runs[0].cfg
@@ -197,22 +206,17 @@ def run_bench(config: str = "train_0_5b", overrides: list[str] = (), steps: int 
             report("hf_sdpa_compile: skipped (the compiled baseline runs on CUDA only)")
 
         results: dict[str, RunResult] = {}
-        profile, measured_table = None, None
+        profile, fp8_plan = None, None
         for run in runs:
             dev.fresh_memory()
-            adaptive = run.name == "ours_fp8_adaptive" and dev.cuda
             try:
                 if run.baseline:
                     step, keep = hf_step(run.cfg, dev, compile_=run.name.endswith("compile"))
                 else:
-                    if adaptive:
-                        from loongforge.kernels import fp8_linear as fused_fp8
-
-                        fused_fp8.clear_adaptive_table()  # this run's shapes only
                     step, keep = our_step(run)
+                    if run.name == "ours_fp8_adaptive":
+                        fp8_plan = keep[1].fp8_plan  # the task's plan, made when its model was built
                 seconds = dev.timed(step, steps, warmup)
-                if adaptive:
-                    measured_table = fused_fp8.adaptive_table()
                 memory = dev.peak_gib()
                 if run.name == "ours" and profile_rows and dev.cuda:
                     profile = profile_tables(step, dev, profile_rows, trace)
@@ -233,6 +237,7 @@ def run_bench(config: str = "train_0_5b", overrides: list[str] = (), steps: int 
         a, b = results[f"ours_fp8_{mode}"], results["ours"]
         report(f"fp8={mode} / bf16 (ours): {a.tokens_per_s / b.tokens_per_s:.2f}x tokens/s, "
                f"peak memory {a.peak_gib:.1f} / {b.peak_gib:.1f} GiB")
-    if measured_table:
-        report("\nfp8=adaptive, the GEMM choices it measured (one line per GEMM of each linear shape):\n" + measured_table)
+    if fp8_plan is not None:
+        report("\nfp8=adaptive, the run's FP8 plan (one line per linear shape, out x in of its local weight; ms of one "
+               "forward+backward with the GEMMs named in FP8, f/d/w = fprop/dgrad/wgrad):\n" + fp8_plan.table())
     return results

@@ -71,7 +71,8 @@ class LLMConfig:
     kernels: KernelsConfig = field(default_factory=KernelsConfig)
     lora: LoRAConfig = field(default_factory=LoRAConfig)  # rank > 0: train low-rank adapters only
     # none | blockwise | adaptive: the dense layers' QKV, attention-output and MLP GEMMs in blockwise
-    # FP8 (e4m3; adaptive: bf16 where a GEMM's FP8 form measures slower); see layers.fp8_linear
+    # FP8 (e4m3; adaptive: per linear shape, the GEMMs whose FP8 form measured faster at the start of
+    # the run, agreed by all ranks and saved in the checkpoints); see layers.fp8_linear, layers.fp8_plan
     fp8: str = "none"
 
     def __post_init__(self):
@@ -177,6 +178,27 @@ class LLMTask:
         self.family = cfg.model.family
         self.spec = get_model_spec(cfg.model.family)
         self._dataset = None
+        # fp8=adaptive: the run's FP8Plan (layers.fp8_plan), measured when the model is built or
+        # restored from the checkpoint a run resumes; saved in every checkpoint's manifest
+        self.fp8_plan = None
+
+    def manifest_fields(self) -> dict:
+        """The checkpoint manifest's entries of this task: ``fp8_plan`` (fp8=adaptive)."""
+        return {"fp8_plan": self.fp8_plan.to_dict()} if self.fp8_plan is not None else {}
+
+    def restore(self, manifest: dict) -> None:
+        """A resumed run's manifest, before the model is built: an fp8=adaptive run takes the
+        checkpoint's ``fp8_plan`` and measures no shape it covers."""
+        record = manifest.get("fp8_plan")
+        if self.cfg.fp8 != "adaptive" or record is None:
+            return
+        from loongforge.core.checkpoint import CheckpointReadError
+        from loongforge.llm.layers.fp8_plan import FP8Plan
+
+        try:
+            self.fp8_plan = FP8Plan.from_dict(record)
+        except ValueError as exc:
+            raise CheckpointReadError(f"the checkpoint's manifest: {exc}") from exc
 
     def model_config_dict(self) -> dict:
         return self.cfg.model.architecture()
@@ -214,8 +236,9 @@ class LLMTask:
 
     def _build_with_fp8(self, ctx, transformer_config, pre_process, post_process):
         """The family's model, its layer specs made in the ``fp8`` mode; an FP8 mode that the
-        family's layers do not take is an error rather than a bf16 run."""
-        from loongforge.llm.layers.fp8_linear import count_fp8_linears, fp8_linears
+        family's layers do not take is an error rather than a bf16 run. With ``fp8=adaptive`` the
+        run's plan is made (or taken from the resumed checkpoint) and handed to every FP8 linear."""
+        from loongforge.llm.layers.fp8_linear import apply_fp8_plan, count_fp8_linears, fp8_linears
 
         with fp8_linears(self.cfg.fp8):
             model = self.spec.build(self.cfg.model, ctx, transformer_config, pre_process, post_process,
@@ -225,7 +248,42 @@ class LLMTask:
                 f"fp8={self.cfg.fp8!r}: model.family={self.family!r} builds no FP8 linear; FP8 runs in the "
                 "dense fast layer spec (the llama, qwen2 and qwen3 families without Transformer Engine installed)"
             )
+        if self.cfg.fp8 == "adaptive":
+            self.fp8_plan = self._agreed_fp8_plan(ctx, model, transformer_config.params_dtype)
+            apply_fp8_plan(model, self.fp8_plan)
         return model
+
+    def _agreed_fp8_plan(self, ctx, model, dtype):
+        """The run's FP8 plan for ``model``'s adaptive linears, the same on every rank: the plan
+        restored from the checkpoint where it covers every rank's shapes (a resumed run measures
+        nothing), else that plan with the shapes it lacks measured (``layers.fp8_measure``; every
+        rank takes part, so every rank calls this)."""
+        from loongforge.llm.layers.fp8_linear import adaptive_fp8_shapes
+        from loongforge.llm.layers.fp8_measure import measure_fp8_plan, shapes_of_all_ranks
+        from loongforge.llm.layers.fp8_plan import FP8Plan
+
+        plan = self.fp8_plan or FP8Plan()
+        missing = plan.missing(shapes_of_all_ranks(adaptive_fp8_shapes(model)))
+        if missing:
+            measured = measure_fp8_plan(missing, self.fp8_tokens_per_micro_batch(ctx), self.fp8_timer(ctx, dtype),
+                                        ctx.device)
+            plan = plan.merged(measured)
+        return plan
+
+    def fp8_tokens_per_micro_batch(self, ctx) -> int:
+        """The tokens one linear takes per micro-batch (the ``M`` fp8=adaptive times its shapes at):
+        micro-batch size x sequence length, over the context-parallel split."""
+        train = self.cfg.train
+        mbs = train.micro_batch_size or train.global_batch_size // ctx.dp_size
+        return mbs * train.seq_length // ctx.layout.cp
+
+    def fp8_timer(self, ctx, dtype):
+        """How fp8=adaptive times a linear shape (``layers.fp8_measure.Timer``): the registry's
+        ``fp8_linear`` as the run resolves it, on the run's device and in its parameter dtype; a
+        ``ConfigError`` where it has no fused FP8 kernel. A subclass may time otherwise."""
+        from loongforge.llm.layers.fp8_measure import registry_linear_timer
+
+        return registry_linear_timer(ctx.kernels, dtype, ctx.device, ctx.accelerator.synchronize)
 
     def flops_per_token(self, seq_length: int) -> float:
         return self.cfg.model.flops_per_token(seq_length)

@@ -53,6 +53,11 @@ class SFTTask(LLMTask):
         super().__init__(cfg)
         self._tokenizer = None
 
+    def fp8_tokens_per_micro_batch(self, ctx) -> int:
+        """A micro-batch holds at most ``balance.token_cap`` tokens (default ``train.seq_length``):
+        fp8=adaptive times its shapes at that cap, over the context-parallel split."""
+        return (self.cfg.balance.token_cap or self.cfg.train.seq_length) // ctx.layout.cp
+
     def prepare(self, ctx) -> None:
         """Build the conversation index (every rank takes part) and report it."""
         report = self.dataset().report

@@ -1,8 +1,11 @@
 """What every FP8 linear of LoongForge shares, whatever its scaling recipe (tensor-wise here in
 ``fp8_tensorwise.py``, blockwise in loongforge-llm): e4m3's range, the floor of a scale's amax,
-and the inputs an FP8 linear takes."""
+the inputs an FP8 linear takes, and ``Fp8Gemms``, which of a linear's three GEMMs run in FP8 (the
+choice its caller hands an FP8 linear op; the op never makes it)."""
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 
@@ -25,3 +28,38 @@ def check_linear(op: str, x: torch.Tensor, weight: torch.Tensor, bias: torch.Ten
     for name, t in (("x", x), ("weight", weight)):
         if not t.is_floating_point() or t.dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
             raise ValueError(f"{op}: {name} must be a bf16/fp16/fp32 tensor (it is quantised inside), got {t.dtype}")
+
+
+GEMMS = ("fprop", "dgrad", "wgrad")  # y = x w^T, dx = dy w, dw = dy^T x
+
+
+@dataclass(frozen=True)
+class Fp8Gemms:
+    """Which of a linear's three GEMMs run in FP8; the others run in the input's dtype (the weight
+    cast to it, a plain matmul; the weight gradient cast back to the weight's dtype)."""
+
+    fprop: bool = True
+    dgrad: bool = True
+    wgrad: bool = True
+
+    def names(self) -> tuple[str, ...]:
+        """The GEMMs in FP8, in ``GEMMS`` order."""
+        return tuple(g for g in GEMMS if getattr(self, g))
+
+    @classmethod
+    def from_names(cls, names) -> Fp8Gemms:
+        """The choice that runs exactly ``names`` (a subset of ``GEMMS``) in FP8."""
+        names = list(names)
+        unknown = [n for n in names if n not in GEMMS]
+        if unknown:
+            raise ValueError(f"FP8 GEMMs {unknown}: each one of {', '.join(GEMMS)}")
+        return cls(*(g in names for g in GEMMS))
+
+
+ALL_FP8 = Fp8Gemms()
+
+
+def check_gemms(op: str, gemms) -> None:
+    """A clear error for a ``gemms`` argument that is not an ``Fp8Gemms``."""
+    if not isinstance(gemms, Fp8Gemms):
+        raise TypeError(f"{op}: gemms must be a loongforge.core.kernels.fp8_format.Fp8Gemms, got {gemms!r}")

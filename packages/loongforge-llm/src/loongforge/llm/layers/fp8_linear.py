@@ -7,12 +7,15 @@ the registry's ``fp8_linear``: the input, the weight and the output gradient are
 blockwise to e4m3 in the forward and in both backward GEMMs, and the master weight stays in the
 param dtype (see ``loongforge.llm.ops.fp8_blockwise``, the op's contract). On CUDA GPUs of compute capability 8.9+ that
 op is the fused kernel of ``loongforge-kernels``; elsewhere the torch reference, which emulates
-the FP8 numerics in fp32. ``adaptive=True`` lets the fused kernel run a GEMM in bf16 where its
-measured FP8 form is slower.
+the FP8 numerics in fp32. Each linear hands the op its ``fp8_gemms`` (core's ``Fp8Gemms``: which
+of fprop, dgrad and wgrad run in FP8; the others run in the input's dtype).
 
-The modes are ``none`` (megatron's linears), ``blockwise`` (every GEMM in FP8) and ``adaptive``.
-A family's builder makes its layer spec itself, so the mode reaches ``fast_layer_spec`` through
-an ``fp8_linears(mode)`` block around the build (``LLMTask.build_model`` opens it).
+The modes are ``none`` (megatron's linears), ``blockwise`` (every GEMM in FP8) and ``adaptive``
+(``adaptive=True``: a linear's GEMMs are the run's ``FP8Plan`` choice for its weight shape, which
+the task hands it after the build with :func:`apply_fp8_plan`; one that was never given a choice
+refuses to run). A family's builder makes its layer spec itself, so the mode reaches
+``fast_layer_spec`` through an ``fp8_linears(mode)`` block around the build
+(``LLMTask.build_model`` opens it).
 """
 
 from __future__ import annotations
@@ -29,6 +32,8 @@ from megatron.core.tensor_parallel.mappings import (
 )
 
 from loongforge.core.kernels import KernelPolicy
+from loongforge.core.kernels.fp8_format import ALL_FP8, Fp8Gemms
+from loongforge.llm.layers.fp8_plan import FP8Plan, label
 
 FP8_MODES = ("none", "blockwise", "adaptive")
 
@@ -78,20 +83,33 @@ class _Fp8Gemm:
             raise ValueError(f"{type(self).__name__}: deferred weight-gradient GEMMs "
                              "(defer_embedding_wgrad_compute) are not supported with FP8 linears")
         self.fp8_adaptive = adaptive
+        # adaptive: None until the run's plan is applied (apply_fp8_plan)
+        self.fp8_gemms: Fp8Gemms | None = None if adaptive else ALL_FP8
         self._fp8_linear = kernels.get("fp8_linear")
+
+    def fp8_shape(self) -> tuple[int, int]:
+        """The local weight's ``(out_features, in_features)``: the key of this linear in an ``FP8Plan``."""
+        out_features, in_features = self.weight.shape
+        return int(out_features), int(in_features)
 
     def _forward_impl(self, input, weight, bias, gradient_accumulation_fusion, allreduce_dgrad, sequence_parallel,
                       grad_output_buffer=None, wgrad_deferral_limit=None, tp_group=None, gtp_remat_size=1):
         # see the class doc and __init__ (which refuses GTP and deferred weight gradients)
         del gradient_accumulation_fusion, grad_output_buffer, wgrad_deferral_limit, gtp_remat_size
+        if self.fp8_gemms is None:
+            raise RuntimeError(f"{type(self).__name__} (fp8=adaptive, weight {'x'.join(map(str, self.fp8_shape()))}) "
+                               "has no FP8 plan: the task that builds it applies the run's FP8Plan (apply_fp8_plan)")
         if sequence_parallel:
             input = gather_from_sequence_parallel_region(input, tensor_parallel_output_grad=True, group=tp_group)
         elif allreduce_dgrad:
             input = copy_to_tensor_model_parallel_region(input, group=tp_group)
-        return self._fp8_linear(input, weight, bias, adaptive=self.fp8_adaptive)
+        return self._fp8_linear(input, weight, bias, gemms=self.fp8_gemms)
 
     def extra_repr(self) -> str:
-        return f"{super().extra_repr()}, fp8={'adaptive' if self.fp8_adaptive else 'blockwise'}"
+        if not self.fp8_adaptive:
+            return f"{super().extra_repr()}, fp8=blockwise"
+        chosen = "no plan" if self.fp8_gemms is None else label(self.fp8_gemms)
+        return f"{super().extra_repr()}, fp8=adaptive ({chosen} in FP8)"
 
 
 class Fp8ColumnParallelLinear(_Fp8Gemm, ColumnParallelLinear):
@@ -105,3 +123,22 @@ class Fp8RowParallelLinear(_Fp8Gemm, RowParallelLinear):
 def count_fp8_linears(model: torch.nn.Module) -> int:
     """How many of ``model``'s modules are FP8 linears."""
     return sum(isinstance(m, _Fp8Gemm) for m in model.modules())
+
+
+def adaptive_fp8_linears(model: torch.nn.Module) -> list[_Fp8Gemm]:
+    """``model``'s FP8 linears built with ``adaptive=True``."""
+    return [m for m in model.modules() if isinstance(m, _Fp8Gemm) and m.fp8_adaptive]
+
+
+def adaptive_fp8_shapes(model: torch.nn.Module) -> list[tuple[int, int]]:
+    """The sorted local weight shapes of ``model``'s adaptive FP8 linears (the shapes a plan needs)."""
+    return sorted({m.fp8_shape() for m in adaptive_fp8_linears(model)})
+
+
+def apply_fp8_plan(model: torch.nn.Module, plan: FP8Plan) -> int:
+    """Hands each adaptive FP8 linear of ``model`` ``plan``'s choice for its weight shape; returns
+    how many it set. A shape the plan lacks is a ``LookupError`` naming it."""
+    linears = adaptive_fp8_linears(model)
+    for m in linears:
+        m.fp8_gemms = plan.gemms(*m.fp8_shape())
+    return len(linears)

@@ -14,10 +14,12 @@ The three GEMMs of ``y = x @ w.T + b`` run on quantised operands:
     wgrad    dw = Q1x128(dy.T)       @ Q1x128(x.T).T       (blocks run along the token dim)
 
 ``fp8_linear`` here computes them on dequantised operands in fp32: the numbers an exact FP8 GEMM
-with fp32 accumulation gives. It is the contract of the op ``fp8_linear`` (a ``loongforge.ops``
-entry point of loongforge-llm), which the fused version in ``loongforge-kernels`` (real FP8
-GEMMs, sm_89+) implements; it is what runs elsewhere. e4m3's constants and the input check are
-core's (``loongforge.core.kernels.fp8_format``), shared with the tensor-wise recipe.
+with fp32 accumulation gives. Its ``gemms`` argument names the GEMMs that run in FP8 (all three by
+default); the others are plain matmuls in the input's dtype. It is the contract of the op
+``fp8_linear`` (a ``loongforge.ops`` entry point of loongforge-llm), which the fused version in
+``loongforge-kernels`` (real FP8 GEMMs, sm_89+) implements; it is what runs elsewhere. e4m3's
+constants, ``Fp8Gemms`` and the input checks are core's (``loongforge.core.kernels.fp8_format``),
+shared with the tensor-wise recipe and the fused op.
 """
 
 from __future__ import annotations
@@ -25,7 +27,9 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from loongforge.core.kernels.fp8_format import AMAX_FLOOR, FP8_DTYPE, FP8_MAX, INV_FP8_MAX, check_linear
+from loongforge.core.kernels.fp8_format import (
+    ALL_FP8, AMAX_FLOOR, FP8_DTYPE, FP8_MAX, INV_FP8_MAX, Fp8Gemms, check_gemms, check_linear,
+)
 
 BLOCK = 128  # the scaling block: 1 x 128 for activations and gradients, 128 x 128 for weights
 
@@ -86,39 +90,55 @@ def round_128x128(w: torch.Tensor) -> torch.Tensor:
 
 class _Fp8LinearReference(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x2, weight, bias):
-        w_r = round_128x128(weight)
-        y = round_1x128(x2) @ w_r.t()
-        if bias is not None:
-            y = y + bias.float()
+    def forward(ctx, x2, weight, bias, gemms: Fp8Gemms):
+        if gemms.fprop:
+            y = round_1x128(x2) @ round_128x128(weight).t()
+            if bias is not None:
+                y = y + bias.float()
+            y = y.to(x2.dtype)
+        else:
+            y = x2 @ weight.to(x2.dtype).t()
+            if bias is not None:
+                y = y + bias.to(x2.dtype)
         ctx.save_for_backward(x2, weight)
-        ctx.has_bias = bias is not None
-        return y.to(x2.dtype)
+        ctx.has_bias, ctx.gemms = bias is not None, gemms
+        return y
 
     @staticmethod
     def backward(ctx, dy):
         x2, weight = ctx.saved_tensors
+        gemms = ctx.gemms
         dx = dw = db = None
         if ctx.needs_input_grad[0]:
-            dx = (round_1x128(dy) @ round_128x128(weight)).to(x2.dtype)
+            if gemms.dgrad:
+                dx = (round_1x128(dy) @ round_128x128(weight)).to(x2.dtype)
+            else:
+                dx = dy @ weight.to(dy.dtype)
         if ctx.needs_input_grad[1]:
-            dw = (round_1x128(dy.t()) @ round_1x128(x2.t()).t()).to(weight.dtype)
+            if gemms.wgrad:
+                dw = (round_1x128(dy.t()) @ round_1x128(x2.t()).t()).to(weight.dtype)
+            else:
+                dw = (dy.t() @ x2).to(weight.dtype)
         if ctx.has_bias and ctx.needs_input_grad[2]:
             db = dy.float().sum(0).to(dy.dtype)
-        return dx, dw, db
+        return dx, dw, db, None
 
 
 def fp8_linear(
-    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, adaptive: bool = False
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, gemms: Fp8Gemms = ALL_FP8
 ) -> torch.Tensor:
-    """``x @ weight.T + bias`` with every GEMM on blockwise e4m3-rounded operands (fp32 math here).
+    """``x @ weight.T + bias`` with the GEMMs ``gemms`` names on blockwise e4m3-rounded operands
+    (fp32 math here), the others in ``x``'s dtype.
 
     ``x``: ``[..., K]``; ``weight``: ``[N, K]`` master weight (bf16/fp32); the output has ``x``'s
-    dtype, the weight grad ``weight``'s. ``adaptive=True`` lets an implementation run a GEMM in
-    bf16 where its measured FP8 form is slower (more accurate, never less); this reference
-    always rounds.
+    dtype, the weight grad ``weight``'s. ``gemms`` (core's ``Fp8Gemms``, default all three) is
+    the caller's choice and every implementation honours it: a GEMM in FP8 gives the numbers
+    above; one not in FP8 is a plain matmul in ``x``'s dtype (``x @ w.T``, ``dy @ w``, ``dy.T @ x``
+    with the weight cast to that dtype, the bias added in it, the weight grad cast to the
+    weight's dtype). The op never chooses by itself (``fp8=adaptive``'s choice is the run's plan:
+    ``loongforge.llm.layers.fp8_plan``).
     """
     check_linear("fp8_linear", x, weight, bias)
-    del adaptive
+    check_gemms("fp8_linear", gemms)
     x2 = x.reshape(-1, x.shape[-1])
-    return _Fp8LinearReference.apply(x2, weight, bias).view(*x.shape[:-1], weight.shape[0])
+    return _Fp8LinearReference.apply(x2, weight, bias, gemms).view(*x.shape[:-1], weight.shape[0])
