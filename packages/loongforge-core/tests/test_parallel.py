@@ -61,4 +61,5 @@ BAD_LAYOUT = textwrap.dedent("""
 
 def test_bad_layout_fails_before_any_process_group():
     out = run_in_fresh_cpu_process(BAD_LAYOUT)
-    assert "rejected: world size 1 is not divisible by tp*pp*cp" in out and "process group: False" in out, out
+    assert "rejected: parallel.tp=2 parallel.pp=1 parallel.cp=1: tp*pp*cp = 2 does not divide the world size 1" in out
+    assert "process group: False" in out, out

@@ -13,6 +13,7 @@ import torch
 from PIL import Image
 
 from embodied_helpers import CAMERAS, EPISODE_LENGTHS, TASKS
+from loongforge.core.errors import DataError
 from loongforge.embodied.config import DatasetConfig, PolicyConfig
 from loongforge.embodied.data.dataset import EmbodiedDataset
 from loongforge.embodied.data.images import resize_with_pad
@@ -123,7 +124,7 @@ def test_sampler_splits_and_resumes_exactly():
 
 def test_missing_dataset_files_are_named(tmp_path):
     (tmp_path / "meta").mkdir()
-    with pytest.raises(FileNotFoundError, match="meta/info.json"):
+    with pytest.raises(DataError, match="meta/info.json"):
         make(tmp_path)
 
 

@@ -10,6 +10,7 @@ import torch
 from torch.utils.data import default_collate
 
 from embodied_helpers import tiny_overrides, train
+from loongforge.core.config import ConfigError
 from loongforge.embodied.config import load_train_config
 from loongforge.embodied.data.dataset import EmbodiedDataset
 from loongforge.embodied.evaluation import evaluate_checkpoint, get_eval_hook
@@ -48,7 +49,7 @@ def test_offline_mse_matches_direct_computation(tiny_dataset, tmp_path):
 
 
 def test_unknown_eval_hook_is_named():
-    with pytest.raises(KeyError, match="loongforge.embodied.eval_hooks"):
+    with pytest.raises(ConfigError, match="loongforge.embodied.eval_hooks"):
         get_eval_hook("mujoco_pick")
 
 

@@ -20,8 +20,13 @@ or gradient norm is one ``error:`` line and exit 1.
 from __future__ import annotations
 
 import argparse
+import logging
+import os
 import sys
+import time
+import warnings
 from collections.abc import Callable, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -213,6 +218,9 @@ def build_parser(app: ModalityCLI) -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog=app.prog, description=app.description, allow_abbrev=False,
                                      epilog=_config_epilog(app), formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--version", action="version", version=_versions(app.packages))
+    parser.add_argument("--debug", action="store_true",
+                        help=f"show the traceback of an error too (or set {DEBUG_ENV}=1); implies --verbose")
+    parser.add_argument("--verbose", action="store_true", help="show the libraries' warnings and log records")
     sub = parser.add_subparsers(dest="command", required=True)
 
     def command(name: str, help: str, **kw) -> argparse.ArgumentParser:
@@ -267,6 +275,10 @@ def build_parser(app: ModalityCLI) -> argparse.ArgumentParser:
 def _parse(parser: argparse.ArgumentParser, argv: list[str]) -> argparse.Namespace:
     """Commands that take config overrides take every argument they do not define, in order."""
     args, extra = parser.parse_known_args(argv)
+    for flag in ("--debug", "--verbose"):  # accepted after the command too (``lf-X train --debug``)
+        if flag in extra:
+            extra = [a for a in extra if a != flag]
+            setattr(args, flag[2:], True)
     if extra and not getattr(args, "takes_overrides", False):
         parser.error(f"unrecognized arguments: {' '.join(extra)}")
     args.overrides = extra
@@ -278,23 +290,82 @@ def build_cli(app: ModalityCLI) -> Callable[[list[str] | None], int]:
 
     def main(argv: list[str] | None = None) -> int:
         args = _parse(build_parser(app), sys.argv[1:] if argv is None else list(argv))
-        return run_main(lambda: args.fn(args), errors=app.errors)
+        debug = args.debug or os.environ.get(DEBUG_ENV, "") not in ("", "0")
+        with library_output(verbose=args.verbose or debug):
+            return run_main(lambda: args.fn(args), errors=app.errors, debug=debug)
 
     return main
 
 
-def run_main(fn, errors: tuple[type[BaseException], ...] = ()) -> int:
-    """Run a CLI body. A configuration error, or one of ``errors`` (bad data, a checkpoint or
-    mapping that cannot be read, an output that exists), prints one ``error:`` line and exits 2;
-    a run stopped by a non-finite loss or gradient norm prints one line and exits 1."""
-    from loongforge.core.checkpoint.pieces import CheckpointReadError
+DEBUG_ENV = "LOONGFORGE_DEBUG"
+# the libraries whose import-time warnings and WARNING log records a normal run does not show
+LIBRARY_LOGGERS = ("megatron", "torch", "transformers", "diffusers", "lerobot", "torchcodec", "huggingface_hub",
+                   "datasets", "accelerate")
+RANK_REPORT_DELAY_S = 3.0
+
+
+@contextmanager
+def library_output(verbose: bool):
+    """Quiet libraries (the default): warnings raised outside ``loongforge`` and the libraries'
+    WARNING log records are not shown, so a run's first lines are ours; ``verbose`` shows them.
+    Everything is restored on exit."""
+    if verbose:
+        yield
+        return
+    loggers = [logging.getLogger(name) for name in LIBRARY_LOGGERS]
+    levels = [logger.level for logger in loggers]
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", module=r"(?!loongforge)")
+        for logger in loggers:
+            logger.setLevel(logging.ERROR)
+        try:
+            yield
+        finally:
+            for logger, level in zip(loggers, levels):
+                logger.setLevel(level)
+
+
+def report_error(message: str) -> None:
+    """One ``error:`` line on stderr, once per job: a rank other than 0 waits a moment first, so that
+    when every rank fails alike, rank 0's line is the one shown (its exit makes the launcher stop the
+    others); a rank that fails alone still reports, tagged with its rank."""
+    rank = int(os.environ.get("RANK", "0") or 0)
+    if rank:
+        time.sleep(RANK_REPORT_DELAY_S)
+        message = f"[rank {rank}] {message}"
+    print(f"error: {message}", file=sys.stderr, flush=True)
+
+
+def run_main(fn, errors: tuple[type[BaseException], ...] = (), debug: bool = False) -> int:
+    """Run a CLI body under the error contract (``loongforge.core.errors``): a ``UserError`` (or one
+    of ``errors``) and a file system refusal (disk full, read-only, permission) print one ``error:``
+    line and exit 2; a run stopped by a non-finite loss, gradient norm or weights prints one line
+    and exits 1; anything else is a bug and keeps its traceback. ``debug``: every traceback shown."""
+    from loongforge.core.errors import UserError, storage_error
     from loongforge.core.training.errors import NonFiniteError
 
     try:
         return fn() or 0
-    except (ConfigError, CheckpointReadError, *errors) as exc:
-        print(f"error: {exc}", file=sys.stderr)
+    except (UserError, *errors) as exc:
+        if debug:
+            raise
+        report_error(str(exc))
         return 2
     except NonFiniteError as exc:
-        print(f"error: {exc}", file=sys.stderr)
+        if debug:
+            raise
+        report_error(str(exc))
+        return 1
+    except OSError as exc:
+        refused = storage_error(exc, "cannot write" if exc.filename else "a file operation failed")
+        if refused is None or debug:
+            raise
+        report_error(str(refused))
+        return 2
+    except Exception as exc:
+        distributed = sys.modules.get("loongforge.core.distributed")  # loaded once the job has groups
+        failure = distributed.collective_failure(exc) if distributed is not None else None
+        if failure is None or debug:
+            raise
+        report_error(failure)
         return 1

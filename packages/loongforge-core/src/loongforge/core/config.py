@@ -25,13 +25,16 @@ from dataclasses import fields, is_dataclass, make_dataclass
 from pathlib import Path
 from typing import Any, TypeVar
 
+import yaml
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
+
+from loongforge.core.errors import UserError
 
 T = TypeVar("T")
 
 
-class ConfigError(ValueError):
+class ConfigError(UserError, ValueError):
     """A configuration that cannot be used; the message names the key and where it came from."""
 
 
@@ -64,9 +67,21 @@ def _compose(path: Path, group_overrides: list[str], config_dirs: Sequence[Path]
             cfg = compose(config_name=path.stem, overrides=overrides)
     except (HydraException, OmegaConfBaseException) as exc:
         raise ConfigError(f"{path}: cannot compose config: {exc}") from exc
+    except yaml.YAMLError as exc:
+        raise ConfigError(yaml_error_message(exc, path)) from exc
     cfg = OmegaConf.create(OmegaConf.to_container(cfg, resolve=False))
     cfg.pop("hydra", None)
     return cfg
+
+
+def yaml_error_message(exc: yaml.YAMLError, path: Path) -> str:
+    """``FILE:LINE:COL: not valid YAML: PROBLEM`` (the file the parser was reading, else ``path``)."""
+    mark = getattr(exc, "problem_mark", None)
+    where = f"{mark.name if mark and mark.name and not mark.name.startswith('<') else path}"
+    if mark is not None:
+        where += f":{mark.line + 1}:{mark.column + 1}"
+    problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
+    return f"{where}: not valid YAML: {problem}"
 
 
 def _is_group(key: str, path: Path, config_dirs: Sequence[Path]) -> bool:

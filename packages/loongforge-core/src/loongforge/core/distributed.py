@@ -18,6 +18,7 @@ from __future__ import annotations
 import os
 import socket
 from dataclasses import dataclass
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -62,13 +63,15 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def init_distributed(*, group_for_world_of_one: bool, accelerator: Accelerator | None = None) -> DistributedProcess:
+def init_distributed(*, group_for_world_of_one: bool, accelerator: Accelerator | None = None,
+                     timeout_s: float | None = None) -> DistributedProcess:
     """Join the job this process was launched into and pick its device.
 
     A process group on ``accelerator.dist_backend`` is made when the world has more than one
     process, or when ``group_for_world_of_one`` is true; a group that already exists is used as it is.
     The environment is checked before any group is made. Rank and world size are the group's
-    where there is one, else those of the environment.
+    where there is one, else those of the environment. ``timeout_s``: how long the rendezvous and
+    every collective of the group may wait for the other ranks (None: torch's default).
     """
     world_size = world_size_from_env()
     rank = _rank_from_env(world_size)
@@ -79,9 +82,23 @@ def init_distributed(*, group_for_world_of_one: bool, accelerator: Accelerator |
 
     if not dist.is_initialized() and (world_size > 1 or group_for_world_of_one):
         kwargs = {"device_id": device} if device.type != "cpu" else {}
+        if timeout_s is not None:
+            kwargs["timeout"] = timedelta(seconds=timeout_s)
         if world_size == 1 and "MASTER_ADDR" not in os.environ:
             kwargs["init_method"] = f"tcp://127.0.0.1:{_free_port()}"
         dist.init_process_group(backend=accel.dist_backend, world_size=world_size, rank=rank, **kwargs)
     if dist.is_initialized():
         rank, world_size = dist.get_rank(), dist.get_world_size()
     return DistributedProcess(rank=rank, world_size=world_size, local_rank=local_rank, device=device, accelerator=accel)
+
+
+def collective_failure(exc: BaseException) -> str | None:
+    """One line for ``exc`` when it is the job's communication failing (a rendezvous or collective
+    timed out, a peer's connection closed: another rank died or stalled), else None."""
+    text = str(exc).strip()
+    if not (isinstance(exc, dist.DistError) or (isinstance(exc, RuntimeError) and "gloo/transport" in text)):
+        return None
+    first = text.splitlines()[0] if text else type(exc).__name__
+    first = first.split("] ", 1)[-1] if first.startswith("[") else first  # drop gloo's source location
+    return (f"communication with the other ranks failed: {first} (another rank failed, was killed or stalled: "
+            f"see its output; parallel.timeout_s bounds every wait)")

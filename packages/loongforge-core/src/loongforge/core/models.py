@@ -23,6 +23,8 @@ from functools import cache
 from importlib.metadata import entry_points
 from typing import Any
 
+from loongforge.core.errors import UserError
+
 ENTRY_POINT_GROUP = "loongforge.models"
 
 
@@ -73,7 +75,7 @@ class ModelSpec:
         return self.flavours[name]
 
 
-class ModelRegistryError(LookupError):
+class ModelRegistryError(UserError, LookupError):
     pass
 
 

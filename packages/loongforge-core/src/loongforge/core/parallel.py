@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 
 from loongforge.core.accelerators import Accelerator, get_accelerator
+from loongforge.core.config import ConfigError
 from loongforge.core.distributed import init_distributed, world_size_from_env
 from loongforge.core.kernels.policy import KernelPolicy
 
@@ -42,16 +43,16 @@ class ParallelLayout:
         for key in ("tp", "pp", "cp", "ep"):
             value = getattr(self, key)
             if not isinstance(value, int) or value < 1:
-                raise ValueError(f"parallel.{key}={value!r}: must be a positive integer")
+                raise ConfigError(f"parallel.{key}={value!r}: must be a positive integer")
         model_parallel = self.tp * self.pp * self.cp
         if world_size % model_parallel:
-            raise ValueError(
-                f"world size {world_size} is not divisible by tp*pp*cp = "
-                f"{self.tp}*{self.pp}*{self.cp} = {model_parallel}"
+            raise ConfigError(
+                f"parallel.tp={self.tp} parallel.pp={self.pp} parallel.cp={self.cp}: tp*pp*cp = {model_parallel} does "
+                f"not divide the world size {world_size} (processes started, e.g. torchrun --nproc-per-node N)"
             )
         dp = world_size // model_parallel
         if (dp * self.cp) % self.ep:
-            raise ValueError(f"parallel.ep={self.ep} must divide dp*cp = {dp * self.cp} (world size {world_size})")
+            raise ConfigError(f"parallel.ep={self.ep} must divide dp*cp = {dp * self.cp} (world size {world_size})")
 
 
 @dataclass
@@ -103,6 +104,7 @@ def init_parallel(
     *,
     seed: int = 1234,
     accelerator: Accelerator | None = None,
+    timeout_s: float | None = None,
 ) -> ParallelContext:
     layout = ParallelLayout(tp=tp, pp=pp, cp=cp, ep=ep)
     world_size = world_size_from_env()
@@ -110,7 +112,7 @@ def init_parallel(
 
     accel = accelerator or get_accelerator()
     accel.install_megatron_adaptations()
-    process = init_distributed(group_for_world_of_one=True, accelerator=accel)
+    process = init_distributed(group_for_world_of_one=True, accelerator=accel, timeout_s=timeout_s)
 
     from megatron.core import parallel_state
     from megatron.core.process_groups_config import ProcessGroupCollection

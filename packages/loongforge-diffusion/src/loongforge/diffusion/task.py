@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 
 from loongforge.core.balance import CostModel
+from loongforge.core.errors import DataError
 from loongforge.core.training.task import StepBatch
 from loongforge.diffusion.context_parallel import ContextParallel
 from loongforge.diffusion.data.batching import generator, plan, step_samples
@@ -24,7 +25,12 @@ from loongforge.diffusion.data.shards import LatentShards
 from loongforge.diffusion.model import EXPERT_NAMES, WanExperts
 from loongforge.diffusion.model.convert import load_pretrained
 from loongforge.diffusion.model.flops import cost_model, training_flops
-from loongforge.diffusion.objective import TimestepSampler, noisy_and_target, pick_expert, token_weights
+from loongforge.diffusion.objective import (
+    TimestepSampler,
+    noisy_and_target,
+    pick_expert,
+    token_weights,
+)
 from loongforge.diffusion.packing import num_tokens, pack, pack_targets, pad_text
 from loongforge.diffusion.schema import DiffusionRecipe
 
@@ -83,10 +89,10 @@ class WanTask:
         facts = self.dataset.manifest
         for key, field in (("latent_channels", "in_channels"), ("text_dim", "text_dim")):
             if facts.get(key) is not None and facts[key] != getattr(m, field):
-                raise ValueError(f"{self.data_root}/manifest.json: {key}={facts[key]} but model.{field}={getattr(m, field)}")
+                raise DataError(f"{self.data_root}/manifest.json: {key}={facts[key]} but model.{field}={getattr(m, field)}")
         longest = max(rec["text_tokens"] for rec in self.dataset.records)
         if longest > m.text_len:
-            raise ValueError(f"{self.data_root}/manifest.json: prompts of up to {longest} tokens but model.text_len={m.text_len}")
+            raise DataError(f"{self.data_root}/manifest.json: prompts of up to {longest} tokens but model.text_len={m.text_len}")
         self.tokens = [num_tokens(self.dataset.latent_shape(i), m.patch_size) for i in range(len(self.dataset))]
 
     def manifest_fields(self) -> dict:

@@ -18,6 +18,8 @@ import torch.nn as nn
 from torch.utils.data import DataLoader
 
 from loongforge.core.accelerators import get_accelerator
+from loongforge.core.config import ConfigError
+from loongforge.core.errors import DataError
 from loongforge.embodied.config import EmbodiedConfig
 from loongforge.embodied.data.dataset import EmbodiedDataset
 from loongforge.embodied.data.synthetic import ensure_synthetic_dataset
@@ -57,7 +59,7 @@ def offline_action_mse(policy: nn.Module, cfg: EmbodiedConfig, device: torch.dev
         count += float(valid.sum()) * adim
         samples += b
     if samples == 0:
-        raise ValueError(f"no held-out samples to evaluate (dataset {root}, episodes {ds.episodes})")
+        raise DataError(f"no held-out samples to evaluate (dataset {root}, episodes {ds.episodes})")
     return {"action_mse_normalized": float(sums[0] / count), "action_mse": float(sums[1] / count),
             "samples": samples, "episodes": len(ds.episodes)}
 
@@ -70,7 +72,7 @@ def get_eval_hook(name: str) -> EvalHook:
         return BUILTIN_HOOKS[name]
     found = {ep.name: ep for ep in entry_points(group=ENTRY_POINT_GROUP)}
     if name not in found:
-        raise KeyError(f"eval.hook={name!r}: not built in ({sorted(BUILTIN_HOOKS)}) nor registered under {ENTRY_POINT_GROUP} ({sorted(found)})")
+        raise ConfigError(f"eval.hook={name!r}: not built in ({sorted(BUILTIN_HOOKS)}) nor registered under {ENTRY_POINT_GROUP} ({sorted(found)})")
     return found[name].load()
 
 

@@ -12,6 +12,7 @@ from pathlib import Path
 
 from safetensors.torch import load_file, save_file
 
+from loongforge.core.errors import DataError
 from loongforge.embodied.convert.lerobot_pi05 import from_lerobot_pi05, to_lerobot_pi05
 from loongforge.embodied.restore import restore_policy
 
@@ -48,7 +49,7 @@ def import_lerobot(src: str | Path, out: str | Path) -> Path:
     """A LeRobot ``PI05Policy`` ``model.safetensors`` rewritten in ``Pi05Policy`` names."""
     src = Path(src)
     if not src.is_file():
-        raise FileNotFoundError(f"{src}: no such file (a LeRobot pi05 model.safetensors)")
+        raise DataError(f"{src}: no such file (a LeRobot pi05 model.safetensors)")
     state = from_lerobot_pi05(load_file(str(src)))
     out = _new_file(out)
     save_file({k: v.contiguous() for k, v in state.items()}, str(out), metadata={"format": "loongforge", "family": "pi05"})

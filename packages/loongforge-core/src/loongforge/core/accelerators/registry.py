@@ -12,12 +12,13 @@ from functools import cache
 from importlib.metadata import entry_points
 
 from loongforge.core.accelerators.base import Accelerator
+from loongforge.core.errors import UserError
 
 ENTRY_POINT_GROUP = "loongforge.accelerators"
 ENV_VAR = "LOONGFORGE_ACCELERATOR"
 
 
-class AcceleratorError(RuntimeError):
+class AcceleratorError(UserError, RuntimeError):
     """An accelerator was asked for that cannot be used here."""
 
 

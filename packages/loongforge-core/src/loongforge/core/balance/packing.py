@@ -10,9 +10,10 @@ from __future__ import annotations
 import numpy as np
 
 from loongforge.core.balance.ordering import ordered
+from loongforge.core.errors import UserError
 
 
-class PlanError(ValueError):
+class PlanError(UserError, ValueError):
     """The step's samples cannot be placed under the given caps."""
 
 

@@ -91,43 +91,70 @@ def save_checkpoint(
         raise OSError(error)
     tmp = storage.temp_dir(root, name)
     shard = f"shard-{rank:05d}.safetensors"
-    records = write_pieces(tmp / shard, pieces) if pieces else []
-    meta = {p.key: {"shape": list(p.global_shape), "dtype": str(p.tensor.dtype)} for p in pieces}
-    files = [shard] if pieces else []
-    if objects:
-        obj_file = f"objects-{rank:05d}.pt"
-        torch.save(objects, tmp / obj_file)
-        files.append(obj_file)
-    file_info = {f: {"size": (tmp / f).stat().st_size, "sha256": storage.sha256_file(tmp / f)} for f in files}
-    gathered = _all_gather((records, meta, file_info), group)
+    records, meta, file_info, failure = [], {}, {}, None
+    try:
+        records = write_pieces(tmp / shard, pieces) if pieces else []
+        meta = {p.key: {"shape": list(p.global_shape), "dtype": str(p.tensor.dtype)} for p in pieces}
+        files = [shard] if pieces else []
+        if objects:
+            obj_file = f"objects-{rank:05d}.pt"
+            torch.save(objects, tmp / obj_file)
+            files.append(obj_file)
+        file_info = {f: {"size": (tmp / f).stat().st_size, "sha256": storage.sha256_file(tmp / f)} for f in files}
+    except OSError as exc:  # a full or read-only disk: every rank learns of it, nothing is committed
+        failure = _failure(exc, tmp)
+    gathered = _all_gather((records, meta, file_info, failure), group)
+    failure = next((g[3] for g in gathered if g[3] is not None), None)
+    if rank == 0 and failure is None:
+        try:
+            _write_manifest(tmp, step, world, manifest, gathered)
+        except OSError as exc:
+            failure = _failure(exc, tmp / MANIFEST)
+    failure = _broadcast(failure, group)
+    if failure is not None:
+        if rank == 0:
+            storage.discard_temp(root, name)  # the space it took back; the last checkpoint is untouched
+        _barrier(group)
+        raise OSError(*failure)
     if rank == 0:
-        index: dict[str, dict] = {}
-        all_files: dict[str, dict] = {}
-        for recs, metas, finfo in gathered:
-            all_files.update(finfo)
-            for key, m in metas.items():
-                entry = index.setdefault(key, {**m, "pieces": []})
-                if entry["shape"] != m["shape"] or entry["dtype"] != m["dtype"]:
-                    raise ValueError(f"tensor {key!r}: ranks disagree on its global shape/dtype")
-            for rec in recs:
-                key = rec["entry"].rsplit("@", 1)[0]
-                index[key]["pieces"].append(rec)
-        doc = {
-            "format_version": FORMAT_VERSION,
-            "step": int(step),
-            "world_size": world,
-            **(manifest or {}),
-            "tensors": index,
-            "files": all_files,
-        }
-        with open(tmp / MANIFEST, "w") as f:
-            json.dump(doc, f, indent=1, sort_keys=True)
-    _barrier(group)
-    if rank == 0:
-        storage.commit(root, name)
-        storage.prune(root, keep_last)
-    _barrier(group)
+        try:
+            storage.commit(root, name)  # ``latest`` moves last: until then the previous checkpoint stands
+            storage.prune(root, keep_last)
+        except OSError as exc:
+            failure = _failure(exc, root)
+    failure = _broadcast(failure, group)
+    if failure is not None:
+        raise OSError(*failure)
     return root / name
+
+
+def _failure(exc: OSError, path: Path) -> tuple:
+    """An ``OSError`` as picklable ``OSError(*args)`` arguments (errno, message, file)."""
+    return (exc.errno, exc.strerror or str(exc), str(exc.filename or path))
+
+
+def _write_manifest(tmp: Path, step: int, world: int, manifest: dict | None, gathered: list) -> None:
+    index: dict[str, dict] = {}
+    all_files: dict[str, dict] = {}
+    for recs, metas, finfo, _ in gathered:
+        all_files.update(finfo)
+        for key, m in metas.items():
+            entry = index.setdefault(key, {**m, "pieces": []})
+            if entry["shape"] != m["shape"] or entry["dtype"] != m["dtype"]:
+                raise ValueError(f"tensor {key!r}: ranks disagree on its global shape/dtype")
+        for rec in recs:
+            key = rec["entry"].rsplit("@", 1)[0]
+            index[key]["pieces"].append(rec)
+    doc = {
+        "format_version": FORMAT_VERSION,
+        "step": int(step),
+        "world_size": world,
+        **(manifest or {}),
+        "tensors": index,
+        "files": all_files,
+    }
+    with open(tmp / MANIFEST, "w") as f:
+        json.dump(doc, f, indent=1, sort_keys=True)
 
 
 def resolve(path_or_root: str | Path) -> Path:

@@ -17,6 +17,8 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from loongforge.core.errors import UserError
+
 DTYPES = {str(t): t for t in (torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int64,
                               torch.int32, torch.int16, torch.int8, torch.uint8, torch.bool)}
 
@@ -44,7 +46,7 @@ def write_pieces(path: Path, pieces: list[Piece]) -> list[dict]:
     return [piece_record(p, path.name) for p in pieces]
 
 
-class CheckpointReadError(RuntimeError):
+class CheckpointReadError(UserError, RuntimeError):
     """A checkpoint file is missing, truncated, corrupted or does not match the model."""
 
 

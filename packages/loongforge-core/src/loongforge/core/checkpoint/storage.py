@@ -83,6 +83,11 @@ def prepare_temp(root: Path, name: str) -> Path:
     return tmp
 
 
+def discard_temp(root: Path, name: str) -> None:
+    """Remove a failed save's ``.tmp-<name>`` (nothing else is touched)."""
+    shutil.rmtree(temp_dir(root, name), ignore_errors=True)
+
+
 def commit(root: Path, name: str) -> Path:
     """Atomically publish ``.tmp-<name>`` as ``<name>`` and point ``latest`` at it."""
     tmp, final = temp_dir(root, name), root / name

@@ -17,8 +17,10 @@ from typing import Any
 
 import torch
 
+from loongforge.core.errors import UserError
 
-class MappingError(ValueError):
+
+class MappingError(UserError, ValueError):
     """A state dict does not fit a mapping table (missing/unexpected names, wrong shapes)."""
 
 

@@ -29,12 +29,14 @@ from dataclasses import dataclass
 from functools import cache
 from importlib.metadata import EntryPoint, entry_points
 
+from loongforge.core.errors import UserError
+
 OPS_GROUP = "loongforge.ops"
 ENTRY_POINT_GROUP = "loongforge.kernels"  # the providers' group
 ENV_VAR = "LOONGFORGE_KERNELS"
 
 
-class KernelRegistryError(LookupError):
+class KernelRegistryError(UserError, LookupError):
     """An op defined twice, implemented but defined by no installed package, or unknown."""
 
 

@@ -6,10 +6,18 @@ from pathlib import Path
 
 
 class NonFiniteError(RuntimeError):
-    """A step's loss or gradient norm was not finite; its update was not applied."""
+    """The run stopped on a non-finite value: a step's loss or gradient norm (its update was not
+    applied; ``streak`` such steps in a row, ``train.nonfinite_patience``), or the weights about to
+    be checkpointed (``metric == "weights"``: the checkpoint was not written)."""
 
-    def __init__(self, step: int, metric: str, value: float, last_checkpoint: Path | None, result=None):
+    def __init__(self, step: int, metric: str, value: float, last_checkpoint: Path | None, result=None,
+                 streak: int = 1):
         self.step, self.metric, self.value, self.last_checkpoint = step, metric, value, last_checkpoint
         self.result = result  # the step's StepResult (logged before the run stops)
         kept = f"the last checkpoint is {last_checkpoint}" if last_checkpoint else "no checkpoint was written"
-        super().__init__(f"step {step}: {metric} is {value} (not finite); stopped before applying its update; {kept}")
+        if metric == "weights":
+            what = f"step {step}: the weights are not finite; its checkpoint was not saved"
+        else:
+            row = f" ({streak} steps in a row, train.nonfinite_patience)" if streak > 1 else ""
+            what = f"step {step}: {metric} is {value} (not finite){row}; stopped before applying its update"
+        super().__init__(f"{what}; {kept}")

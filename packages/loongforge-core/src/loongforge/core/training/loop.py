@@ -2,11 +2,11 @@
 
 It owns the step accounting (steps, consumed samples, ``train.exit_interval``), the LR schedule
 (``schedule.lr_at``), the check that every step's loss and gradient norm are finite (a non-finite
-one stops the run before its update is applied, so no checkpoint ever holds the weights it would
-have made), metrics (progress bar, ``RUN_DIR/metrics.jsonl``, TensorBoard: loss, grad norm, LR,
+one's update is skipped, and ``train.nonfinite_patience`` of them in a row stop the run), metrics (progress bar, ``RUN_DIR/metrics.jsonl``, TensorBoard: loss, grad norm, LR,
 step time, samples/s, tokens/s for token data, MFU where FLOPs are known, the task's own step
 metrics), the evaluation hook (``eval.interval``), checkpoint cadence and exact resume through the
-core format (``checkpointing``), and ``RUN_DIR/config.yaml`` (the run's whole composed config). The
+core format (``checkpointing``; a save is refused when the weights are not finite, so ``keep_last``
+never prunes the last finite checkpoint), and ``RUN_DIR/config.yaml`` (the run's whole composed config). The
 engine (``engine.make_engine``) does the rest of a step.
 """
 
@@ -18,6 +18,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from loongforge.core.errors import storage_error
 from loongforge.core.metrics import MetricsLogger, progress
 from loongforge.core.training import checkpointing
 from loongforge.core.training.engine import StepOutput, make_engine
@@ -38,6 +39,7 @@ class StepResult:
     flops: float | None = None
     metrics: dict[str, float] = field(default_factory=dict)
     compute_seconds: float = float("nan")
+    skipped: bool = False  # its loss or grad norm was not finite: the update was not applied
 
 
 class Trainer:
@@ -60,6 +62,7 @@ class Trainer:
         self.data = None  # the task's step iterator (made in fit)
         self.resumed_data_state = None  # its state from the checkpoint resumed from, if any
         self.last_checkpoint: Path | None = None
+        self.nonfinite_streak = 0  # steps in a row whose update was skipped
         peak = ctx.accelerator.peak_flops(self.engine.dtype)
         self._peak_total = peak * ctx.world_size if peak else None
         flops_per_token = getattr(task, "flops_per_token", None)
@@ -81,7 +84,8 @@ class Trainer:
     # -- one step ---------------------------------------------------------------------------
     def train_step(self, step: StepBatch | list) -> StepResult:
         """Forward, backward and (when the loss and gradient norm are finite) the update of one
-        step; raises ``NonFiniteError`` otherwise."""
+        step. A non-finite one skips the update; ``train.nonfinite_patience`` of them in a row raise
+        ``NonFiniteError``."""
         if not isinstance(step, StepBatch):
             step = StepBatch(micro_batches=list(step))
         t0 = time.perf_counter()
@@ -101,9 +105,11 @@ class Trainer:
             flops = out.tokens * self._flops_per_token
         result = StepResult(step=self.step, loss=out.loss, grad_norm=out.grad_norm, lr=lr,
                             samples=self.train.global_batch_size, seconds=seconds, tokens=out.tokens, flops=flops,
-                            metrics=dict(step.metrics), compute_seconds=out.compute_seconds)
-        if bad is not None:
-            raise NonFiniteError(self.step, *bad, self.last_checkpoint, result)
+                            metrics=dict(step.metrics), compute_seconds=out.compute_seconds, skipped=bad is not None)
+        self.nonfinite_streak = self.nonfinite_streak + 1 if bad is not None else 0
+        patience = self.train.nonfinite_patience
+        if bad is not None and patience and self.nonfinite_streak >= patience:
+            raise NonFiniteError(self.step, *bad, self.last_checkpoint, result, streak=self.nonfinite_streak)
         return result
 
     def metrics(self, result: StepResult) -> dict[str, float]:
@@ -133,8 +139,33 @@ class Trainer:
             self.data.load_state_dict(self.resumed_data_state)
 
     def save(self) -> Path:
-        self.last_checkpoint = checkpointing.save(self, self.ckpt_dir)
+        """A checkpoint of this step; refused (``NonFiniteError``) when any rank's weights are not
+        finite, and a full or read-only disk is a ``StorageError``: either way the last checkpoint
+        stays as it was (``keep_last`` prunes only after a save succeeded)."""
+        if not self.engine_weights_finite():
+            raise NonFiniteError(self.step, "weights", float("nan"), self.last_checkpoint)
+        try:
+            self.last_checkpoint = checkpointing.save(self, self.ckpt_dir)
+        except OSError as exc:
+            kept = f"the last checkpoint {self.last_checkpoint} is intact" if self.last_checkpoint else "none was saved before"
+            refused = storage_error(exc, f"checkpoint of step {self.step} not saved under {self.ckpt_dir} ({kept})")
+            if refused is None:
+                raise
+            raise refused from exc
         return self.last_checkpoint
+
+    def engine_weights_finite(self) -> bool:
+        """Whether every rank's weights are finite (all ranks call it together)."""
+        import torch
+        import torch.distributed as dist
+        from torch.distributed.tensor import DTensor
+
+        flags = [torch.isfinite(p.to_local() if isinstance(p, DTensor) else p).all()
+                 for p in self.engine.model.parameters() if p.numel()]
+        bad = (~torch.stack(flags)).any().to(torch.float32) if flags else torch.zeros((), device=self.ctx.device)
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            dist.all_reduce(bad, op=dist.ReduceOp.MAX)
+        return not bool(bad.item())
 
     def fit(self) -> list[StepResult]:
         """Train from where the run stands to ``train.steps`` (or ``train.exit_interval`` steps
@@ -155,6 +186,9 @@ class Trainer:
                 except NonFiniteError as exc:
                     logger.log(exc.step, self.metrics(exc.result))
                     raise
+                if result.skipped and self.ctx.is_main:
+                    bar.write(f"step {result.step}: loss {result.loss}, grad norm {result.grad_norm}: not finite, "
+                              f"update skipped ({self.nonfinite_streak} in a row)")
                 metrics = self.metrics(result)
                 results.append(result)
                 if hasattr(self.data, "record_compute_seconds"):

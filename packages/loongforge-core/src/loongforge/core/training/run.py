@@ -49,7 +49,7 @@ def run_training(cfg, task, prog: str, after: Callable[[Trainer], None] | None =
 
     owned = not dist.is_initialized()
     p = cfg.parallel
-    ctx = init_parallel(tp=p.tp, pp=p.pp, cp=p.cp, ep=p.ep, seed=cfg.train.seed)
+    ctx = init_parallel(tp=p.tp, pp=p.pp, cp=p.cp, ep=p.ep, seed=cfg.train.seed, timeout_s=p.timeout_s)
     try:
         prepare = getattr(task, "prepare", None)
         if prepare is not None:  # collective set-up (e.g. a data index every rank builds together)

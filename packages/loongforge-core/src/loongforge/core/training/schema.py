@@ -54,6 +54,9 @@ class TrainConfig:
     recompute: str = "none"  # activation recomputation: none | selective | full
     compile: bool | None = None  # torch.compile the model's blocks; null: on CUDA where the model supports it
     exit_interval: int = 0  # stop this run after N steps (it resumes from its checkpoint later); 0: run to steps
+    # a step whose loss or grad norm is not finite skips its update; the run stops (exit 1) after
+    # this many such steps in a row (1: at the first); 0: never stop, skip them all
+    nonfinite_patience: int = 1
     use_distributed_optimizer: bool = False  # megatron-core engine: shard optimizer state over DP (ZeRO-1)
     overlap_grad_reduce: bool = False  # megatron-core engine: overlap the DP gradient reduction with the backward
 
@@ -72,7 +75,7 @@ class TrainConfig:
         _one_of("train.recompute", self.recompute, RECOMPUTE)
         if not 0 <= self.min_lr <= self.lr:
             raise ValueError(f"train.min_lr={self.min_lr} must be in [0, train.lr={self.lr}]")
-        for key in ("warmup_steps", "exit_interval"):
+        for key in ("warmup_steps", "exit_interval", "nonfinite_patience"):
             if getattr(self, key) < 0:
                 raise ValueError(f"train.{key}={getattr(self, key)}: must be >= 0")
         if self.clip_grad < 0 or self.weight_decay < 0:
@@ -105,9 +108,12 @@ class ParallelConfig:
     ep: int = 1
     data_parallel: str = "auto"
     dp_replicate: int = 1
+    # seconds the rendezvous or any collective may wait for the other ranks before the run stops
+    # with an error (a rank that died or stalled never leaves the others hanging)
+    timeout_s: int = 600
 
     def __post_init__(self):
-        for key in ("tp", "pp", "cp", "ep", "dp_replicate"):
+        for key in ("tp", "pp", "cp", "ep", "dp_replicate", "timeout_s"):
             if getattr(self, key) < 1:
                 raise ValueError(f"parallel.{key}={getattr(self, key)}: must be >= 1")
         _one_of("parallel.data_parallel", self.data_parallel, DATA_PARALLEL)

@@ -12,6 +12,8 @@ from pathlib import Path
 
 import torch
 
+from loongforge.core.errors import DataError
+
 
 def _component_dir(path: str | Path, component: str, marker: str = "config.json") -> Path:
     """``path`` itself, or its ``component/`` subfolder (a diffusers pipeline directory)."""
@@ -20,7 +22,7 @@ def _component_dir(path: str | Path, component: str, marker: str = "config.json"
         return root
     if (root / component / marker).is_file():
         return root / component
-    raise FileNotFoundError(f"{path}: no {marker} here or in {component}/ (a local {component} directory is expected)")
+    raise DataError(f"{path}: no {marker} here or in {component}/ (a local {component} directory is expected)")
 
 
 def read_component_config(path: str | Path, component: str) -> dict:
@@ -79,7 +81,7 @@ def load_text_encoder(path: str | Path, tokenizer_path: str | Path | None, devic
     model_type = read_component_config(path, "text_encoder").get("model_type")
     cls = {"umt5": UMT5EncoderModel, "t5": T5EncoderModel}.get(model_type)
     if cls is None:
-        raise ValueError(f"{enc_dir / 'config.json'}: model_type={model_type!r}; expected 'umt5' or 't5'")
+        raise DataError(f"{enc_dir / 'config.json'}: model_type={model_type!r}; expected 'umt5' or 't5'")
     encoder = cls.from_pretrained(str(enc_dir), local_files_only=True, torch_dtype=dtype)
     return tokenizer, encoder.to(device).eval().requires_grad_(False)
 

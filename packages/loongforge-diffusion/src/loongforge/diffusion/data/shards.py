@@ -24,6 +24,8 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from loongforge.core.errors import DataError
+
 FORMAT = "loongforge-diffusion-latents"
 VERSION = 1
 MANIFEST = "manifest.json"
@@ -92,7 +94,7 @@ def check_settings(out_dir: Path, settings: dict) -> None:
         old = json.loads(path.read_text())
         for key in sorted(set(old) | set(settings)):
             if old.get(key) != settings.get(key):
-                raise ValueError(
+                raise DataError(
                     f"{path}: this directory was preprocessed with {key}={old.get(key)!r}, now {key}={settings.get(key)!r}; "
                     "use a new output directory"
                 )
@@ -117,10 +119,10 @@ def write_manifest(out_dir: Path, num_shards: int, facts: dict) -> Path | None:
 def read_manifest(root: str | Path) -> dict:
     path = Path(root) / MANIFEST
     if not path.is_file():
-        raise FileNotFoundError(f"{path}: missing (run `lf-diffusion preprocess` into {root} first, or finish it)")
+        raise DataError(f"{path}: missing (run `lf-diffusion preprocess` into {root} first, or finish it)")
     doc = json.loads(path.read_text())
     if doc.get("format") != FORMAT or doc.get("version") != VERSION:
-        raise ValueError(f"{path}: not a {FORMAT} v{VERSION} manifest (format={doc.get('format')!r}, version={doc.get('version')!r})")
+        raise DataError(f"{path}: not a {FORMAT} v{VERSION} manifest (format={doc.get('format')!r}, version={doc.get('version')!r})")
     return doc
 
 
@@ -134,8 +136,11 @@ class LatentShards:
         self.records: list[dict] = []
         for shard in self.manifest["shards"]:
             path = self.root / shard["file"]
-            if not path.is_file() or path.stat().st_size != shard["size"]:
-                raise FileNotFoundError(f"{path}: missing or not the size {self.root / MANIFEST} records")
+            if not path.is_file():
+                raise DataError(f"{path}: missing ({self.root / MANIFEST} lists it)")
+            if path.stat().st_size != shard["size"]:
+                raise DataError(f"{path}: truncated or overwritten: {path.stat().st_size} bytes, {self.root / MANIFEST} "
+                                f"records {shard['size']}")
             for j, rec in enumerate(shard["samples"]):
                 self.index.append((shard["file"], j))
                 self.records.append(rec)

@@ -10,6 +10,8 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from loongforge.core.errors import DataError
+
 IMAGE_SUFFIXES = {".png", ".jpg", ".jpeg", ".webp", ".bmp"}
 
 
@@ -33,9 +35,9 @@ def read_frames(path: str | Path, max_frames: int, frame_stride: int = 1) -> np.
                     if len(frames) >= max_frames:
                         break
     except (av.error.FFmpegError, IndexError) as exc:
-        raise ValueError(f"{path}: cannot decode video ({exc})") from exc
+        raise DataError(f"{path}: cannot decode video ({exc})") from exc
     if not frames:
-        raise ValueError(f"{path}: no video frames")
+        raise DataError(f"{path}: no video frames")
     return np.stack(frames)
 
 

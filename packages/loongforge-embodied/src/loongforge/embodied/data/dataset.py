@@ -14,9 +14,14 @@ from dataclasses import dataclass
 import torch
 from torch.utils.data import Dataset
 
+from loongforge.core.errors import DataError
 from loongforge.embodied.config import DatasetConfig, PolicyConfig
 from loongforge.embodied.data.images import resize_with_pad, to_model_range
-from loongforge.embodied.data.lerobot_source import open_lerobot_dataset, open_metadata, split_episodes
+from loongforge.embodied.data.lerobot_source import (
+    open_lerobot_dataset,
+    open_metadata,
+    split_episodes,
+)
 from loongforge.embodied.data.normalize import Normalizer
 from loongforge.embodied.data.tokenizer import ByteTokenizer
 
@@ -35,7 +40,7 @@ class DatasetSpec:
 
 def pad_last(x: torch.Tensor, size: int) -> torch.Tensor:
     if x.shape[-1] > size:
-        raise ValueError(f"a feature of size {x.shape[-1]} does not fit the policy's padded size {size}")
+        raise DataError(f"a feature of size {x.shape[-1]} does not fit the policy's padded size {size}")
     return torch.nn.functional.pad(x, (0, size - x.shape[-1]))
 
 
@@ -51,13 +56,13 @@ class EmbodiedDataset(Dataset):
         features = self.meta.features
         for key in (data_cfg.state_key, data_cfg.action_key):
             if key not in features:
-                raise KeyError(f"dataset {root}: no feature {key!r} in meta/info.json (have: {sorted(features)})")
+                raise DataError(f"dataset {root}: no feature {key!r} in meta/info.json (have: {sorted(features)})")
         cameras = list(self.meta.camera_keys) if data_cfg.image_keys is None else list(data_cfg.image_keys)
         for key in cameras:
             if key not in self.meta.camera_keys:
                 raise KeyError(f"data.image_keys: {key!r} is not a camera of {root} (cameras: {self.meta.camera_keys})")
         if len(cameras) > policy_cfg.num_cameras:
-            raise ValueError(f"dataset {root} has {len(cameras)} cameras but policy.num_cameras={policy_cfg.num_cameras}")
+            raise DataError(f"dataset {root} has {len(cameras)} cameras but policy.num_cameras={policy_cfg.num_cameras}")
         self.spec = DatasetSpec(
             fps=int(self.meta.fps),
             state_dim=int(features[data_cfg.state_key]["shape"][0]),
@@ -67,14 +72,14 @@ class EmbodiedDataset(Dataset):
             action_key=data_cfg.action_key,
         )
         if self.spec.state_dim > policy_cfg.max_state_dim or self.spec.action_dim > policy_cfg.max_action_dim:
-            raise ValueError(
+            raise DataError(
                 f"dataset {root}: state/action dims {self.spec.state_dim}/{self.spec.action_dim} exceed "
                 f"policy.max_state_dim/max_action_dim {policy_cfg.max_state_dim}/{policy_cfg.max_action_dim}"
             )
         train_eps, eval_eps = split_episodes(self.meta.total_episodes, data_cfg.eval_episodes)
         self.episodes = train_eps if split == "train" else eval_eps
         if not self.episodes:
-            raise ValueError(f"dataset {root}: the {split} split is empty (data.eval_episodes={data_cfg.eval_episodes})")
+            raise DataError(f"dataset {root}: the {split} split is empty (data.eval_episodes={data_cfg.eval_episodes})")
         self.source = open_lerobot_dataset(
             self.meta,
             self.episodes,

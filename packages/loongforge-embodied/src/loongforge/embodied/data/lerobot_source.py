@@ -9,18 +9,20 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from loongforge.core.errors import DataError
+
 META_FILES = ("meta/info.json", "meta/stats.json", "meta/tasks.parquet")
 
 
 def check_local_dataset(root: Path) -> None:
     """Raise ``FileNotFoundError`` naming the first missing metadata file under ``root``."""
     if not root.is_dir():
-        raise FileNotFoundError(f"data.root={str(root)!r}: not a directory")
+        raise DataError(f"data.root={str(root)!r}: not a directory")
     for rel in META_FILES:
         if not (root / rel).is_file():
-            raise FileNotFoundError(f"data.root={str(root)!r}: missing {rel} (not a LeRobot v3 dataset?)")
+            raise DataError(f"data.root={str(root)!r}: missing {rel} (not a LeRobot v3 dataset?)")
     if not (root / "meta/episodes").is_dir():
-        raise FileNotFoundError(f"data.root={str(root)!r}: missing meta/episodes/")
+        raise DataError(f"data.root={str(root)!r}: missing meta/episodes/")
 
 
 def open_metadata(root: str | Path, repo_id: str):
@@ -37,7 +39,7 @@ def check_episode_files(meta, episodes: list[int]) -> None:
         paths = [meta.get_data_file_path(ep)] + [meta.get_video_file_path(ep, key) for key in meta.video_keys]
         for rel in paths:
             if not (meta.root / rel).is_file():
-                raise FileNotFoundError(f"dataset {meta.root}: episode {ep} needs {rel}, which is missing")
+                raise DataError(f"dataset {meta.root}: episode {ep} needs {rel}, which is missing")
 
 
 def open_lerobot_dataset(meta, episodes: list[int], delta_timestamps: dict[str, list[float]], video_backend: str):
@@ -57,8 +59,8 @@ def open_lerobot_dataset(meta, episodes: list[int], delta_timestamps: dict[str, 
 def split_episodes(total: int, eval_episodes: int) -> tuple[list[int], list[int]]:
     """(train, held-out) episode indices: the last ``eval_episodes`` are held out."""
     if total < 1:
-        raise ValueError("the dataset has no episodes")
+        raise DataError("the dataset has no episodes")
     if eval_episodes >= total:
-        raise ValueError(f"data.eval_episodes={eval_episodes} leaves no training episode (the dataset has {total})")
+        raise DataError(f"data.eval_episodes={eval_episodes} leaves no training episode (the dataset has {total})")
     cut = total - eval_episodes
     return list(range(cut)), list(range(cut, total))

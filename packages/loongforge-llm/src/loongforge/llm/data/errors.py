@@ -1,5 +1,7 @@
 """The one error type of the text-data pipeline; its message names the bad file, line or key."""
 
+from loongforge.core.errors import DataError as CoreDataError
 
-class DataError(ValueError):
+
+class DataError(CoreDataError):
     """A tokenizer, input file or dataset prefix that cannot be used as given."""

@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import torch.nn.functional as F
-from megatron.core import tensor_parallel
 from megatron.core.transformer.mlp import MLP
 
 from loongforge.core.kernels import KernelPolicy
+from loongforge.llm.layers.discarded_output import DiscardedOutput
 
 
 class FusedMLP(MLP):
@@ -14,7 +14,7 @@ class FusedMLP(MLP):
     ``[gate, up]`` per tensor-parallel rank, so TP works unchanged).
 
     With ``recompute_activation`` the SwiGLU output (``ffn`` wide) is not kept for the backward:
-    ``linear_fc2`` saves it, megatron's ``CheckpointWithoutOutput`` frees it after the forward and
+    ``linear_fc2`` saves it, ``DiscardedOutput`` frees it after the forward and
     recomputes it from ``linear_fc1``'s output (kept anyway) when the backward reaches fc2 -- one
     elementwise pass for ``tokens x ffn`` activations. Other activations fall back to ``MLP``.
     ``kernels``: the policy its ``swiglu`` is resolved by.
@@ -41,9 +41,9 @@ class FusedMLP(MLP):
         if bias is not None:
             gate_up = gate_up + bias
         if self.recompute_activation and self.training and gate_up.requires_grad:
-            checkpoint = tensor_parallel.CheckpointWithoutOutput(fp8=None)
-            out, out_bias = self.linear_fc2(checkpoint.checkpoint(self._swiglu, gate_up))
-            checkpoint.discard_output_and_register_recompute(out)
+            activation = DiscardedOutput()
+            out, out_bias = self.linear_fc2(activation.run(self._swiglu, gate_up))
+            activation.discard(out)
         else:
             out, out_bias = self.linear_fc2(self._swiglu(gate_up))
         return out, out_bias

@@ -18,9 +18,9 @@ forward. Parameter names and the sharded state dict are the parent's (the same c
 
 from __future__ import annotations
 
-from megatron.core import tensor_parallel
 from megatron.core.transformer.transformer_layer import TransformerLayer
 
+from loongforge.llm.layers.discarded_output import DiscardedOutput
 from loongforge.llm.layers.mlp import FusedMLP
 
 
@@ -48,25 +48,25 @@ class FusedTransformerLayer(TransformerLayer):
         attn_kwargs = {k: kwargs.get(k) for k in ("rotary_pos_emb", "attention_bias", "packed_seq_params")}
 
         if recompute:
-            norm1 = tensor_parallel.CheckpointWithoutOutput(fp8=None)
-            normed = norm1.checkpoint(self.input_layernorm, hidden_states)
+            norm1 = DiscardedOutput()
+            normed = norm1.run(self.input_layernorm, hidden_states)
         else:
             normed = self.input_layernorm(hidden_states)
         attn, attn_bias = self.self_attention(normed, attention_mask=attention_mask, **attn_kwargs)
         if recompute:
-            norm1.discard_output_and_register_recompute(attn)
+            norm1.discard(attn)
         if attn_bias is not None:
             attn = attn + attn_bias
 
         if recompute:
             residual = attn + hidden_states
-            norm2 = tensor_parallel.CheckpointWithoutOutput(fp8=None)
-            normed2 = norm2.checkpoint(self.pre_mlp_layernorm, residual)
+            norm2 = DiscardedOutput()
+            normed2 = norm2.run(self.pre_mlp_layernorm, residual)
         else:
             normed2, residual = self.pre_mlp_layernorm(attn, residual=hidden_states)
         out, out_bias = self.mlp(normed2)
         if recompute:
-            norm2.discard_output_and_register_recompute(out)
+            norm2.discard(out)
         if out_bias is not None:
             out = out + out_bias
         return out + residual, kwargs.get("context")
