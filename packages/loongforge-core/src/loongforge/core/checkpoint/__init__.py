@@ -8,12 +8,13 @@ from loongforge.core.checkpoint.format import (
     read_manifest,
     save_checkpoint,
 )
-from loongforge.core.checkpoint.pieces import CheckpointReadError, Piece, PieceReader
+from loongforge.core.checkpoint.pieces import CheckpointNotFound, CheckpointReadError, Piece, PieceReader
 from loongforge.core.checkpoint.storage import latest_checkpoint
 
 __all__ = [
     "FORMAT_VERSION",
     "Checkpoint",
+    "CheckpointNotFound",
     "CheckpointReadError",
     "Piece",
     "PieceReader",

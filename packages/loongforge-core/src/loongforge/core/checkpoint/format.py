@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 
 from loongforge.core.checkpoint import storage
-from loongforge.core.checkpoint.pieces import CheckpointReadError, Piece, PieceReader, write_pieces
+from loongforge.core.checkpoint.pieces import CheckpointNotFound, CheckpointReadError, Piece, PieceReader, write_pieces
 
 FORMAT_VERSION = 1
 MANIFEST = "manifest.json"
@@ -164,7 +164,7 @@ def resolve(path_or_root: str | Path) -> Path:
         return path
     latest = storage.latest_checkpoint(path)
     if latest is None:
-        raise FileNotFoundError(f"{path}: neither a checkpoint directory (no {MANIFEST}) nor a root with a 'latest' pointer")
+        raise CheckpointNotFound(f"{path}: neither a checkpoint directory (no {MANIFEST}) nor a root with a 'latest' pointer")
     return latest
 
 

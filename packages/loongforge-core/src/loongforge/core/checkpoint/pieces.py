@@ -10,11 +10,13 @@ loads into any other. The files are plain safetensors, readable without LoongFor
 
 from __future__ import annotations
 
+import os
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
 from loongforge.core.errors import UserError
@@ -42,12 +44,22 @@ def piece_record(piece: Piece, file: str) -> dict:
 def write_pieces(path: Path, pieces: list[Piece]) -> list[dict]:
     """Write pieces into one safetensors file; returns their manifest records."""
     tensors = {p.entry: p.tensor.detach().to("cpu").contiguous() for p in pieces}
-    save_file(tensors, str(path))
+    try:
+        save_file(tensors, str(path))
+    except SafetensorError as exc:  # its I/O errors, as the OSError they are (e.g. a full disk)
+        code = re.search(r"os error (\d+)", str(exc))
+        if code is None:
+            raise
+        raise OSError(int(code.group(1)), os.strerror(int(code.group(1))), str(path)) from exc
     return [piece_record(p, path.name) for p in pieces]
 
 
 class CheckpointReadError(UserError, RuntimeError):
     """A checkpoint file is missing, truncated, corrupted or does not match the model."""
+
+
+class CheckpointNotFound(CheckpointReadError, FileNotFoundError):
+    """No checkpoint where one was named."""
 
 
 class PieceReader:

@@ -125,7 +125,9 @@ def latest_checkpoint(root: str | Path) -> Path | None:
         return target
     if old_dir(root, target.name).is_dir():  # a re-save of that name died half-way
         return old_dir(root, target.name)
-    raise FileNotFoundError(f"{pointer} points at {target.name}, which does not exist")
+    from loongforge.core.checkpoint.pieces import CheckpointNotFound
+
+    raise CheckpointNotFound(f"{pointer} points at {target.name}, which does not exist")
 
 
 def prune(root: Path, keep_last: int | None) -> list[Path]:
