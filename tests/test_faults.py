@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from cli_runner import BINDIR, Job, cli_env
+from cli_runner import BINDIR, Job, cli_env, run_cli
 from loongforge.core.checkpoint import Checkpoint
 from loongforge.diffusion.cli import main as lf_diffusion
 from loongforge.embodied.cli import main as lf_embodied
@@ -351,6 +351,19 @@ def test_a_killed_rank_stops_the_other_with_a_message(tmp_path):
     out = (tmp_path / "rank0.log").read_text()
     assert code == 1
     assert_one_error_line(out, "communication with the other ranks failed")
+
+
+@pytest.mark.slow
+def test_an_error_on_every_rank_is_reported_once(tmp_path):
+    """Under torchrun, a mistake every rank makes is one ``error:`` line (rank 0's), not one per
+    rank, and no rank prints a traceback (torchrun's own failure report follows it)."""
+    proc = run_cli(["lf-llm", "train", f"data.prefixes=[{tmp_path / 'corpus'}]", f"log.run_dir={tmp_path / 'run'}"],
+                   nproc=2, timeout=300)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode != 0
+    lines = [line for line in out.splitlines() if line.startswith("error:")]
+    assert len(lines) == 1 and str(tmp_path / "corpus") in lines[0] and "[rank" not in lines[0], out
+    assert "[rank0]:" not in out and "[rank1]:" not in out, out
 
 
 # -- kill -9 during saves: the last committed checkpoint always loads and resumes exactly -----------

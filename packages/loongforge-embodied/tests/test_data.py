@@ -128,6 +128,18 @@ def test_missing_dataset_files_are_named(tmp_path):
         make(tmp_path)
 
 
+def test_a_video_that_does_not_decode_names_the_episode_and_frame(tmp_path):
+    from loongforge.embodied.data.synthetic import write_synthetic_dataset
+
+    root = tmp_path / "video"
+    write_synthetic_dataset(root, episodes=3, frames=8, image_size=64, use_videos=True)
+    for video in (root / "videos").rglob("*.mp4"):
+        video.write_bytes(video.read_bytes()[:200])  # truncated: the frames are gone
+    ds = EmbodiedDataset(DatasetConfig(root=str(root)), PolicyConfig(image_size=64), str(root), "train")
+    with pytest.raises(DataError, match=rf"dataset {root}: episode 1 frame 2: cannot be read"):
+        ds[10]
+
+
 def test_video_cameras_decode_to_the_recorded_frames(tmp_path):
     """Video-backed cameras (AV1 mp4 written by LeRobot, decoded with pyav) come out aligned with
     their frame: close to the rendered source image, and far from the same step of the next episode."""

@@ -57,3 +57,15 @@ def test_a_strided_output_is_refilled_in_place():
             torch.testing.assert_close((x.grad.clone(), w.grad.clone()), ref, rtol=0, atol=0)
         else:
             ref = (x.grad.clone(), w.grad.clone())
+
+
+def test_without_a_backward_the_output_is_kept():
+    x = torch.randn(3, 4, requires_grad=True)
+    w = torch.randn(4, 2, requires_grad=True)
+    with torch.no_grad():
+        d = DiscardedOutput()
+        y = d.run(torch.tanh, x)
+        z = y @ w
+        d.discard(z)
+    torch.testing.assert_close(y, torch.tanh(x).detach(), rtol=0, atol=0)
+    torch.testing.assert_close(z, torch.tanh(x).detach() @ w.detach(), rtol=0, atol=0)

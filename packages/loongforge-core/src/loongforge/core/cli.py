@@ -9,12 +9,15 @@ A modality describes itself as a ``ModalityCLI`` (its configs, how a config beco
     lf-X convert DIRECTION SOURCE OUT [--dtype bf16|fp16|fp32] [--no-progress]
     lf-X bench   [--config NAME|PATH] [--steps N] [--warmup N] [--variant NAME=KEY=VALUE,...] [key=value ...]
     lf-X plot RUN_DIR | compare RUN_A RUN_B [--window N] [--tolerance F]
-    lf-X --version
+    lf-X configs                        # the shipped configs, one line each
+    lf-X env                            # versions and devices, for a bug report
+    lf-X --version | --debug | --verbose
 
 ``train`` loads and validates the config (a bad key or value is one ``error:`` line naming it,
 exit 2, before any process group exists), builds the task the config's model family registers,
-and runs the shared loop (``loongforge.core.training.run``). A run stopped by a non-finite loss
-or gradient norm is one ``error:`` line and exit 1.
+and runs the shared loop (``loongforge.core.training.run``); ``train --help`` lists every key of
+the modality's schema (``config_docs``). Every command runs under the error contract of
+``loongforge.core.errors`` (``run_main``), quiet unless ``--verbose``.
 """
 
 from __future__ import annotations
@@ -86,8 +89,9 @@ class ModalityCLI:
     bench: Callable[[argparse.Namespace, str | None, list[str]], None] | None = None  # (args, config, overrides)
     default_bench_config: str | None = None
     commands: Callable[[Any], None] | None = None  # adds the modality's own subcommands (fn(args) -> int)
-    errors: tuple[type[BaseException], ...] = ()  # more exceptions printed as one error line (exit 2)
-    packages: Sequence[str] = field(default_factory=lambda: ["loongforge-core"])  # for --version
+    packages: Sequence[str] = field(default_factory=lambda: ["loongforge-core"])  # for --version and env
+    schema: type | None = None  # the run config's dataclass: `train --help` lists its keys
+    libraries: Sequence[str] = ("torch", "megatron-core", "transformers")  # more versions `env` reports
 
 
 def convert_dtype(name: str | None):
@@ -101,6 +105,25 @@ def convert_dtype(name: str | None):
 
 def shipped_configs(config_dirs: Sequence[Path]) -> list[str]:
     return sorted({p.stem for d in config_dirs for p in Path(d).glob("*.y*ml")})
+
+
+def describe_configs(config_dirs: Sequence[Path]) -> list[tuple[str, str]]:
+    """``(name, first comment line)`` of every shipped config."""
+    out = {}
+    for d in config_dirs:
+        for path in sorted(Path(d).glob("*.y*ml")):
+            first = next((line.lstrip("#").strip() for line in path.read_text().splitlines() if line.startswith("#")), "")
+            out.setdefault(path.stem, first)
+    return sorted(out.items())
+
+
+def _keys_epilog(app: ModalityCLI) -> str:
+    if app.schema is None:
+        return ""
+    from loongforge.core.config_docs import describe_schema, format_keys
+
+    return ("\n\nconfig keys (override any with key=value; the shipped config sets its own defaults, "
+            f"see `{app.prog} info`):\n" + format_keys(describe_schema(app.schema)))
 
 
 def _config_epilog(app: ModalityCLI) -> str:
@@ -165,15 +188,9 @@ def _cmd_compare(args) -> int:
 
 
 def _versions(packages: Sequence[str]) -> str:
-    from importlib.metadata import PackageNotFoundError, version
+    from loongforge.core.environment import package_version
 
-    out = []
-    for name in packages:
-        try:
-            out.append(f"{name} {version(name)}")
-        except PackageNotFoundError:
-            out.append(f"{name} (not installed)")
-    return ", ".join(out)
+    return ", ".join(f"{name} {package_version(name)}" for name in packages)
 
 
 class _ModalityCommands:
@@ -193,7 +210,10 @@ class _ModalityCommands:
         state = app.before_train(args, cfg) if app.before_train is not None else None
         task = app.make_task(cfg)  # the family's task: its data and tokenizer checks come before any group too
         after = (lambda trainer: app.after_train(args, cfg, state, trainer)) if app.after_train is not None else None
-        run_training(cfg, task, app.prog, after=after)
+        summary = run_training(cfg, task, app.prog, after=after)
+        export = next((c.direction for c in app.converters if c.direction.startswith("lf-to-")), None)
+        if export and summary.last_checkpoint is not None and summary.is_main:
+            print(f"{app.prog}: export: {app.prog} convert {export} {summary.last_checkpoint} OUT", flush=True)
         return 0
 
     def info(self, args) -> int:
@@ -228,7 +248,9 @@ def build_parser(app: ModalityCLI) -> argparse.ArgumentParser:
                               formatter_class=argparse.RawDescriptionHelpFormatter, **kw)
 
     usage = "%(prog)s [--config NAME|PATH] [key=value | --key value | group=option ...]"
-    train = command("train", f"train (no arguments: {app.default_config})", usage=usage)
+    train = sub.add_parser("train", help=f"train (no arguments: {app.default_config})", usage=usage, allow_abbrev=False,
+                           epilog=_config_epilog(app) + _keys_epilog(app),
+                           formatter_class=argparse.RawDescriptionHelpFormatter)
     add_config_arguments(train, app.default_config)
     if app.train_options is not None:
         app.train_options(train)
@@ -266,10 +288,37 @@ def build_parser(app: ModalityCLI) -> argparse.ArgumentParser:
             app.bench_options(bench)
         bench.set_defaults(fn=commands.bench)
 
+    configs = sub.add_parser("configs", help="the shipped configs, one line each")
+    configs.set_defaults(fn=lambda args: _cmd_configs(app))
+    env = sub.add_parser("env", help="versions and devices, to paste into a bug report")
+    env.set_defaults(fn=lambda args: _cmd_env(app))
+
     if app.commands is not None:
         app.commands(sub)
     add_run_commands(sub)
     return parser
+
+
+def _cmd_configs(app: ModalityCLI) -> int:
+    described = describe_configs(app.config_dirs)
+    width = max((len(name) for name, _ in described), default=0)
+    for name, line in described:
+        print(f"{name:<{width}}  {line}")
+    print(f"\n{app.prog} train --config NAME [key=value ...]; {app.prog} info --config NAME shows what it builds")
+    return 0
+
+
+def _cmd_env(app: ModalityCLI) -> int:
+    import platform
+
+    from loongforge.core.environment import describe_environment
+
+    print(f"{app.prog} environment")
+    print(f"python: {platform.python_version()} ({sys.executable})")
+    print(f"platform: {platform.platform()}")
+    for key, value in describe_environment([*app.packages, *app.libraries]):
+        print(f"{key}: {value}")
+    return 0
 
 
 def _parse(parser: argparse.ArgumentParser, argv: list[str]) -> argparse.Namespace:
@@ -285,14 +334,17 @@ def _parse(parser: argparse.ArgumentParser, argv: list[str]) -> argparse.Namespa
     return args
 
 
-def build_cli(app: ModalityCLI) -> Callable[[list[str] | None], int]:
-    """``main(argv)`` of the modality's ``lf-*`` command."""
+def build_cli(make_app: Callable[[], ModalityCLI]) -> Callable[[list[str] | None], int]:
+    """``main(argv)`` of a modality's ``lf-*`` command; ``make_app()`` describes the modality (it is
+    called inside the quiet scope, so what its imports print is quiet too)."""
 
     def main(argv: list[str] | None = None) -> int:
-        args = _parse(build_parser(app), sys.argv[1:] if argv is None else list(argv))
-        debug = args.debug or os.environ.get(DEBUG_ENV, "") not in ("", "0")
-        with library_output(verbose=args.verbose or debug):
-            return run_main(lambda: args.fn(args), errors=app.errors, debug=debug)
+        argv = sys.argv[1:] if argv is None else list(argv)
+        debug = "--debug" in argv or os.environ.get(DEBUG_ENV, "") not in ("", "0")
+        with library_output(verbose="--verbose" in argv or debug):
+            app = make_app()
+            args = _parse(build_parser(app), argv)
+            return run_main(lambda: args.fn(args), debug=debug)
 
     return main
 
@@ -301,7 +353,7 @@ DEBUG_ENV = "LOONGFORGE_DEBUG"
 # the libraries whose import-time warnings and WARNING log records a normal run does not show
 LIBRARY_LOGGERS = ("megatron", "torch", "transformers", "diffusers", "lerobot", "torchcodec", "huggingface_hub",
                    "datasets", "accelerate")
-RANK_REPORT_DELAY_S = 3.0
+RANK_REPORT_DELAY_S = 10.0
 
 
 @contextmanager
@@ -336,9 +388,9 @@ def report_error(message: str) -> None:
     print(f"error: {message}", file=sys.stderr, flush=True)
 
 
-def run_main(fn, errors: tuple[type[BaseException], ...] = (), debug: bool = False) -> int:
-    """Run a CLI body under the error contract (``loongforge.core.errors``): a ``UserError`` (or one
-    of ``errors``) and a file system refusal (disk full, read-only, permission) print one ``error:``
+def run_main(fn, debug: bool = False) -> int:
+    """Run a CLI body under the error contract (``loongforge.core.errors``): a ``UserError`` and a
+    file system refusal (disk full, read-only, permission) print one ``error:``
     line and exit 2; a run stopped by a non-finite loss, gradient norm or weights prints one line
     and exits 1; anything else is a bug and keeps its traceback. ``debug``: every traceback shown."""
     from loongforge.core.errors import UserError, storage_error
@@ -346,7 +398,7 @@ def run_main(fn, errors: tuple[type[BaseException], ...] = (), debug: bool = Fal
 
     try:
         return fn() or 0
-    except (UserError, *errors) as exc:
+    except UserError as exc:
         if debug:
             raise
         report_error(str(exc))

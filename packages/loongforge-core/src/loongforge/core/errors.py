@@ -23,6 +23,10 @@ class DataError(UserError, ValueError):
     line, sample, episode or frame) and what is wrong with it."""
 
 
+class OutputExistsError(UserError, FileExistsError):
+    """An output path that exists already (conversions and exports write new files only)."""
+
+
 class StorageError(UserError):
     """Writing or reading a file failed for a reason outside the program (disk full, read-only or
     permission denied); the message names the file and says what was kept."""

@@ -156,19 +156,27 @@ def commands(sub) -> None:
     p.set_defaults(fn=cmd_sample, takes_overrides=True)
 
 
-def main(argv: list[str] | None = None) -> int:
-    from loongforge.core.cli import Converter, ModalityCLI, build_cli
+def describe_cli():
+    """This package's ``ModalityCLI`` (``loongforge.core.cli``)."""
+    from loongforge.core.cli import Converter, ModalityCLI
+    from loongforge.diffusion.schema import DiffusionRecipe
 
-    app = ModalityCLI(
+    return ModalityCLI(
         prog="lf-diffusion", description="LoongForge Wan-style video diffusion",
         config_dirs=[CONFIG_DIR], default_config=DEFAULT_TRAIN, load_config=load_recipe, make_task=make_task,
         info=cmd_info, example="train.steps=100 parallel.data_parallel=fsdp train.recompute=selective",
         converters=[Converter("lf-to-diffusers", "a LoongForge checkpoint (or run dir) -> diffusers "
                               "WanTransformer3DModel directories", lf_to_diffusers_command)],
         convert_options=convert_options, bench_options=bench_options, bench=bench, commands=commands,
-        packages=["loongforge-core", "loongforge-diffusion"],
+        packages=["loongforge-core", "loongforge-diffusion", "loongforge-kernels"], schema=DiffusionRecipe,
+        libraries=("torch", "diffusers", "transformers"),
     )
-    return build_cli(app)(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    from loongforge.core.cli import build_cli
+
+    return build_cli(describe_cli)(argv)
 
 
 if __name__ == "__main__":

@@ -110,12 +110,12 @@ def commands(sub) -> None:
     p.set_defaults(fn=cmd_eval, takes_overrides=True)
 
 
-def main(argv: list[str] | None = None) -> int:
-    from loongforge.core.cli import Converter, ModalityCLI, build_cli
-    from loongforge.core.hf_mapping import MappingError
-    from loongforge.embodied.config import load_train_config
+def describe_cli():
+    """This package's ``ModalityCLI`` (``loongforge.core.cli``)."""
+    from loongforge.core.cli import Converter, ModalityCLI
+    from loongforge.embodied.config import EmbodiedConfig, load_train_config
 
-    app = ModalityCLI(
+    return ModalityCLI(
         prog="lf-embodied", description="LoongForge embodied (VLA) policies",
         config_dirs=[CONFIG_DIR], default_config="train", load_config=load_train_config, make_task=make_task,
         info=cmd_info, example="--policy groot data.root=/data/lerobot_dataset train.steps=2000",
@@ -123,10 +123,16 @@ def main(argv: list[str] | None = None) -> int:
                               lf_to_lerobot),
                     Converter("lerobot-to-lf", "LeRobot's pi05 model.safetensors -> the same weights in LoongForge "
                               "names (for policy.pretrained)", lerobot_to_lf)],
-        bench_options=bench_options, bench=bench, commands=commands, errors=(MappingError,),
-        packages=["loongforge-core", "loongforge-embodied"],
+        bench_options=bench_options, bench=bench, commands=commands,
+        packages=["loongforge-core", "loongforge-embodied", "loongforge-kernels"], schema=EmbodiedConfig,
+        libraries=("torch", "lerobot", "transformers"),
     )
-    return build_cli(app)(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    from loongforge.core.cli import build_cli
+
+    return build_cli(describe_cli)(argv)
 
 
 if __name__ == "__main__":

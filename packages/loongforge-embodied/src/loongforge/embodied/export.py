@@ -12,7 +12,7 @@ from pathlib import Path
 
 from safetensors.torch import load_file, save_file
 
-from loongforge.core.errors import DataError
+from loongforge.core.errors import DataError, OutputExistsError
 from loongforge.embodied.convert.lerobot_pi05 import from_lerobot_pi05, to_lerobot_pi05
 from loongforge.embodied.restore import restore_policy
 
@@ -26,7 +26,7 @@ def checkpoint_path(path: str | Path) -> Path:
 def _new_file(out: str | Path) -> Path:
     out = Path(out)
     if out.exists():
-        raise FileExistsError(f"{out} exists; the conversion writes a new file")
+        raise OutputExistsError(f"{out} exists; the conversion writes a new file")
     out.parent.mkdir(parents=True, exist_ok=True)
     return out
 

@@ -122,27 +122,27 @@ def commands(sub) -> None:
     add_lora_command(sub)
 
 
-def _errors() -> tuple[type[BaseException], ...]:
-    from loongforge.core.hf_mapping import MappingError
-    from loongforge.llm.data.errors import DataError
-
-    return (DataError, MappingError, FileExistsError)
-
-
-def main(argv: list[str] | None = None) -> int:
-    from loongforge.core.cli import ModalityCLI, build_cli
+def describe_cli():
+    """This package's ``ModalityCLI`` (``loongforge.core.cli``)."""
+    from loongforge.core.cli import ModalityCLI
     from loongforge.llm.convert import convert_options, converters
 
-    app = ModalityCLI(
+    return ModalityCLI(
         prog="lf-llm", description="LoongForge LLM training on megatron-core",
         config_dirs=[recipe.CONFIG_DIR], default_config="train_debug", load_config=recipe.load_llm_config,
         make_task=make_task, info=cmd_info, info_options=info_options, example="train.steps=200 parallel.tp=2",
         converters=converters("lf-llm"), convert_options=convert_options,
         train_options=train_options, before_train=lambda args, cfg: check_save_hf(cfg, args.save_hf),
         after_train=after_train, bench_options=bench_options, bench=bench, default_bench_config="train_0_5b",
-        commands=commands, errors=_errors(), packages=["loongforge-core", "loongforge-llm"],
+        commands=commands, packages=["loongforge-core", "loongforge-llm", "loongforge-kernels"],
+        schema=recipe.LLMConfig,
     )
-    return build_cli(app)(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    from loongforge.core.cli import build_cli
+
+    return build_cli(describe_cli)(argv)
 
 
 if __name__ == "__main__":

@@ -178,6 +178,10 @@ class LLMTask:
         self.family = cfg.model.family
         self.spec = get_model_spec(cfg.model.family)
         self._dataset = None
+        if cfg.data.prefixes:  # the files exist and the blend is well formed, before any process group
+            from loongforge.llm.data.gpt import resolve_blend
+
+            resolve_blend(self._blend())
         # fp8=adaptive: the run's FP8Plan (layers.fp8_plan), measured when the model is built or
         # restored from the checkpoint a run resumes; saved in every checkpoint's manifest
         self.fp8_plan = None
@@ -295,10 +299,8 @@ class LLMTask:
             train = self.cfg.train
             num_samples = train.steps * train.global_batch_size
             if self.cfg.data.prefixes:
-                weights = self.cfg.data.weights or [1.0] * len(self.cfg.data.prefixes)
-                blend = list(zip(weights, self.cfg.data.prefixes))
                 self._dataset = gpt.build_gpt_dataset(
-                    blend, seq_length=train.seq_length, num_samples=num_samples, seed=train.seed,
+                    self._blend(), seq_length=train.seq_length, num_samples=num_samples, seed=train.seed,
                     tokenizer=self.cfg.data.tokenizer or shipped.bundled_tokenizer_path(),
                     cache_dir=self.cfg.data.resolved_cache_dir(),
                 )
@@ -307,6 +309,10 @@ class LLMTask:
                     self.cfg.data.resolved_cache_dir(), seq_length=train.seq_length, num_samples=num_samples, seed=train.seed
                 )
         return self._dataset
+
+    def _blend(self) -> list[tuple[float, str]]:
+        weights = self.cfg.data.weights or [1.0] * len(self.cfg.data.prefixes)
+        return list(zip(weights, self.cfg.data.prefixes))
 
     def tokenizer_ref(self) -> str:
         from loongforge.llm.data import shipped

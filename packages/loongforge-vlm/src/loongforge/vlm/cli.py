@@ -115,13 +115,13 @@ def bench(args, config: str, overrides: list[str]) -> None:
     run_bench(args, config, overrides)
 
 
-def main(argv: list[str] | None = None) -> int:
-    from loongforge.core.cli import Converter, ModalityCLI, build_cli
-    from loongforge.core.hf_mapping import MappingError
-    from loongforge.llm.api import DataError
+def describe_cli():
+    """This package's ``ModalityCLI`` (``loongforge.core.cli``)."""
+    from loongforge.core.cli import Converter, ModalityCLI
     from loongforge.vlm.bench import add_bench_arguments
+    from loongforge.vlm.recipe import VLMConfig
 
-    app = ModalityCLI(
+    return ModalityCLI(
         prog="lf-vlm", description="LoongForge vision-language models on megatron-core",
         config_dirs=config_dirs()[:1], default_config=DEFAULT_CONFIG, load_config=load_vlm_config,
         make_task=make_task, info=cmd_info,
@@ -130,10 +130,15 @@ def main(argv: list[str] | None = None) -> int:
                               hf_to_lf_command),
                     Converter("lf-to-hf", "a LoongForge VLM checkpoint -> a Qwen2.5-VL Hugging Face directory",
                               lf_to_hf_command)],
-        bench_options=add_bench_arguments, bench=bench, errors=(DataError, MappingError),
-        packages=["loongforge-core", "loongforge-llm", "loongforge-vlm"],
+        bench_options=add_bench_arguments, bench=bench,
+        packages=["loongforge-core", "loongforge-llm", "loongforge-vlm", "loongforge-kernels"], schema=VLMConfig,
     )
-    return build_cli(app)(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    from loongforge.core.cli import build_cli
+
+    return build_cli(describe_cli)(argv)
 
 
 if __name__ == "__main__":

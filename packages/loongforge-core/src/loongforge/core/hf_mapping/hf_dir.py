@@ -19,6 +19,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from loongforge.core.checkpoint import storage
+from loongforge.core.errors import OutputExistsError
 from loongforge.core.hf_mapping.transforms import MappingError
 
 CONFIG = "config.json"
@@ -118,7 +119,7 @@ class HFWriter:
     def __init__(self, out: str | Path, max_shard_bytes: int = 2 << 30):
         self.out = Path(out)
         if self.out.exists():
-            raise FileExistsError(f"{self.out}: already exists; choose a new output directory")
+            raise OutputExistsError(f"{self.out}: already exists; choose a new output directory")
         self.max_shard_bytes = max_shard_bytes
         self.tmp = storage.prepare_temp(self.out.parent, self.out.name)
         self._pending: dict[str, torch.Tensor] = {}

@@ -16,6 +16,7 @@ from pathlib import Path
 from loongforge.core.checkpoint import FORMAT_VERSION, Piece, storage
 from loongforge.core.checkpoint.format import MANIFEST
 from loongforge.core.checkpoint.pieces import write_pieces
+from loongforge.core.errors import OutputExistsError
 
 
 class StreamingCheckpointWriter:
@@ -24,7 +25,7 @@ class StreamingCheckpointWriter:
         self.step = int(step)
         self.name = storage.step_dir_name(self.step)
         if (self.root / self.name).exists():
-            raise FileExistsError(f"{self.root / self.name}: already exists; choose a new output directory")
+            raise OutputExistsError(f"{self.root / self.name}: already exists; choose a new output directory")
         self.max_shard_bytes = max_shard_bytes
         self.tmp = storage.prepare_temp(self.root, self.name)
         self.index: dict[str, dict] = {}

@@ -22,6 +22,7 @@ class RunSummary:
     start_step: int
     results: list[StepResult]
     last_checkpoint: Path | None
+    is_main: bool = True  # this process prints for the job (global rank 0)
 
     @property
     def losses(self) -> list[float]:
@@ -63,7 +64,7 @@ def run_training(cfg, task, prog: str, after: Callable[[Trainer], None] | None =
         if after is not None:
             after(trainer)
         summary = RunSummary(trainer.run_dir, trainer.ckpt_dir, trainer.step - len(results), results,
-                             trainer.last_checkpoint)
+                             trainer.last_checkpoint, ctx.is_main)
         if ctx.is_main:
             print_summary(prog, summary)
         return summary
@@ -82,6 +83,7 @@ def print_summary(prog: str, summary: RunSummary) -> None:
             else f"median {_median([r.samples / r.seconds for r in late]):.1f} samples/s")
     print(f"{prog}: step {results[0].step} loss {results[0].loss:.4f} -> step {results[-1].step} loss "
           f"{results[-1].loss:.4f}; {rate}", flush=True)
-    where = f"checkpoints in {summary.checkpoint_dir}" if summary.last_checkpoint else "no checkpoint saved"
-    print(f"{prog}: metrics in {summary.run_dir / 'metrics.jsonl'}; {where}; the same command resumes from the "
-          f"latest; curves: {prog} plot {summary.run_dir}", flush=True)
+    where = f"last checkpoint {summary.last_checkpoint}" if summary.last_checkpoint else "no checkpoint saved"
+    print(f"{prog}: run dir {summary.run_dir} (metrics.jsonl, config.yaml); {where}", flush=True)
+    print(f"{prog}: resume: the same command (it continues from {summary.checkpoint_dir / 'latest'}); "
+          f"curves: {prog} plot {summary.run_dir}", flush=True)

@@ -37,19 +37,19 @@ class TrainConfig:
     decays to ``min_lr`` at ``steps`` (``loongforge.core.training.schedule``).
     """
 
-    steps: int = 100
-    global_batch_size: int = 8
-    micro_batch_size: int | None = None
-    lr: float = 1e-3
-    min_lr: float = 1e-4
-    warmup_steps: int = 10
+    steps: int = 100  # optimizer steps of the whole run
+    global_batch_size: int = 8  # samples per optimizer step, over all data-parallel ranks
+    micro_batch_size: int | None = None  # samples per forward/backward on a rank; null: a rank's whole share
+    lr: float = 1e-3  # peak learning rate (AdamW)
+    min_lr: float = 1e-4  # learning rate reached at the last step
+    warmup_steps: int = 10  # linear warm-up: step s (from 0) runs at lr * (s + 1) / warmup_steps
     lr_decay_style: str = "cosine"  # cosine | linear | constant
-    weight_decay: float = 0.01
-    adam_beta1: float = 0.9
-    adam_beta2: float = 0.95
-    adam_eps: float = 1e-8
+    weight_decay: float = 0.01  # AdamW weight decay (not on biases and norms)
+    adam_beta1: float = 0.9  # AdamW beta1
+    adam_beta2: float = 0.95  # AdamW beta2
+    adam_eps: float = 1e-8  # AdamW epsilon
     clip_grad: float = 1.0  # max global grad norm; 0: no clipping (the norm is still logged)
-    seed: int = 1234
+    seed: int = 1234  # initial weights, data order and noise
     precision: str = "auto"  # auto (bf16 on accelerators, fp32 on CPU) | bf16 | fp32
     recompute: str = "none"  # activation recomputation: none | selective | full
     compile: bool | None = None  # torch.compile the model's blocks; null: on CUDA where the model supports it
@@ -102,12 +102,12 @@ class ParallelConfig:
     DDP on the PyTorch-native engine; ``fsdp``: FSDP2 sharding; ``hsdp``: FSDP2 sharding inside
     groups of ``world / dp_replicate`` ranks, replicated across the ``dp_replicate`` groups)."""
 
-    tp: int = 1
-    pp: int = 1
-    cp: int = 1
-    ep: int = 1
-    data_parallel: str = "auto"
-    dp_replicate: int = 1
+    tp: int = 1  # tensor-parallel size
+    pp: int = 1  # pipeline-parallel size
+    cp: int = 1  # context-parallel size (the sequence split over ranks)
+    ep: int = 1  # expert-parallel size (MoE)
+    data_parallel: str = "auto"  # auto | ddp | fsdp | hsdp (the PyTorch-native engine)
+    dp_replicate: int = 1  # hsdp: replica groups (FSDP2 shards within each)
     # seconds the rendezvous or any collective may wait for the other ranks before the run stops
     # with an error (a rank that died or stalled never leaves the others hanging)
     timeout_s: int = 600
@@ -128,7 +128,7 @@ class CheckpointConfig:
     keep_last: int = 2  # older step directories are pruned after a save (0: keep all)
     resume: bool = True  # resume from DIR/latest when it exists
     load: str | None = None  # initial weights (a LoongForge checkpoint dir) when not resuming
-    save: bool = True
+    save: bool = True  # false: write no checkpoint at all
 
     def __post_init__(self):
         if self.interval < 0 or self.keep_last < 0:
@@ -137,10 +137,10 @@ class CheckpointConfig:
 
 @dataclass
 class LogConfig:
-    run_dir: str = "runs/default"
+    run_dir: str = "runs/default"  # metrics.jsonl, TensorBoard, config.yaml and (by default) checkpoints
     interval: int = 1  # a metrics.jsonl / TensorBoard record every N steps (and at the last step)
-    tensorboard: bool = True
-    progress: bool = True
+    tensorboard: bool = True  # TensorBoard scalars in RUN_DIR/tensorboard
+    progress: bool = True  # the console progress bar
     sample_ids: bool = False  # write the dataset indices each DP rank trains to RUN_DIR/sample_ids/dp_rank_<r>.jsonl
 
     def __post_init__(self):
@@ -153,8 +153,8 @@ class EvalConfig:
     """The evaluation hook of the loop: every ``interval`` steps (and never when 0) the task's
     ``evaluate`` runs on the current weights and its metrics are logged as ``eval/<name>``."""
 
-    interval: int = 0
-    max_batches: int = 4
+    interval: int = 0  # run the task's evaluation every N steps (0: never)
+    max_batches: int = 4  # batches per evaluation
 
     def __post_init__(self):
         if self.interval < 0 or self.max_batches < 1:
@@ -168,7 +168,7 @@ class BalanceConfig:
     rank has about the same compute. With ``enable: false`` the same sampler keeps the plain
     contiguous split (still packed under the cap)."""
 
-    enable: bool = True
+    enable: bool = True  # plan each step's samples across DP ranks by cost (false: the plain split)
     coefficients: list[float] | None = None  # [a, b, c] of a*sum(len^2) + b*tokens + c; null: the model's FLOPs formula
     fit_steps: int = 0  # > 0: refit a, b, c from the measured compute seconds of this many steps, then broadcast
     skip_threshold: float = 1.02  # keep the plain split when its max/mean rank cost is at most this

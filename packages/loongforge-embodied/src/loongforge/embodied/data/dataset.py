@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import torch
 from torch.utils.data import Dataset
 
+from loongforge.core.config import ConfigError
 from loongforge.core.errors import DataError
 from loongforge.embodied.config import DatasetConfig, PolicyConfig
 from loongforge.embodied.data.images import resize_with_pad, to_model_range
@@ -91,15 +92,27 @@ class EmbodiedDataset(Dataset):
         )
         self.tokenizer = ByteTokenizer(policy_cfg.max_token_len, policy_cfg.discrete_state)
         if self.tokenizer.vocab_size > policy_cfg.vocab_size:
-            raise ValueError(f"policy.vocab_size={policy_cfg.vocab_size} < tokenizer vocabulary {self.tokenizer.vocab_size}")
+            raise ConfigError(f"policy.vocab_size={policy_cfg.vocab_size} < tokenizer vocabulary {self.tokenizer.vocab_size}")
         self.data_cfg = data_cfg
         self.policy_cfg = policy_cfg
 
     def __len__(self) -> int:
         return len(self.source)
 
+    def _where(self, idx: int) -> str:
+        """``episode E frame F`` of sample ``idx`` (its parquet row), else ``sample idx``."""
+        try:
+            row = self.source.hf_dataset[idx]
+            return f"episode {int(row['episode_index'])} frame {int(row['frame_index'])}"
+        except Exception:  # the row itself cannot be read
+            return f"sample {idx}"
+
     def __getitem__(self, idx: int) -> dict[str, torch.Tensor]:
-        raw = self.source[idx]
+        try:
+            raw = self.source[idx]
+        except Exception as exc:  # a frame that does not decode, a row that cannot be read
+            raise DataError(f"dataset {self.meta.root}: {self._where(idx)}: cannot be read "
+                            f"({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''})") from exc
         spec, pcfg = self.spec, self.policy_cfg
         state = self.normalizer.normalize(spec.state_key, raw[spec.state_key])
         actions = self.normalizer.normalize(spec.action_key, raw[spec.action_key])

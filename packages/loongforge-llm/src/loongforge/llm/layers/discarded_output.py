@@ -53,7 +53,10 @@ class DiscardedOutput:
 
     def discard(self, hook_tensor: torch.Tensor) -> None:
         """Free the output's storage; it is recomputed when ``hook_tensor``'s gradient arrives
-        (``hook_tensor``: the consumer's output, whose backward needs the freed tensor)."""
+        (``hook_tensor``: the consumer's output, whose backward needs the freed tensor). Without a
+        backward to come (no grad recorded, e.g. under ``torch.no_grad()``) the output is kept."""
+        if not hook_tensor.requires_grad:
+            return
         self.nbytes = self.output.untyped_storage().nbytes()
         self.output.untyped_storage().resize_(0)
         hook_tensor.register_hook(self._recompute)

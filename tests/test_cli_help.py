@@ -1,0 +1,88 @@
+"""The four CLIs explain themselves: ``--version``, ``env``, ``configs``, and ``train --help``
+listing every key of the run config's dataclasses with its type and default."""
+
+from __future__ import annotations
+
+import dataclasses
+import typing
+
+import pytest
+
+from loongforge.core.config_docs import describe_schema
+from loongforge.diffusion.cli import describe_cli as diffusion_cli
+from loongforge.diffusion.cli import main as lf_diffusion
+from loongforge.embodied.cli import describe_cli as embodied_cli
+from loongforge.embodied.cli import main as lf_embodied
+from loongforge.llm.cli import describe_cli as llm_cli
+from loongforge.llm.cli import main as lf_llm
+from loongforge.vlm.cli import describe_cli as vlm_cli
+from loongforge.vlm.cli import main as lf_vlm
+
+CLIS = {"lf-llm": (lf_llm, llm_cli), "lf-vlm": (lf_vlm, vlm_cli), "lf-diffusion": (lf_diffusion, diffusion_cli),
+        "lf-embodied": (lf_embodied, embodied_cli)}
+
+
+def output(capsys, main, *argv: str) -> str:
+    capsys.readouterr()
+    try:
+        code = main(list(argv))
+    except SystemExit as exc:  # argparse's --help and --version
+        code = exc.code
+    assert code == 0
+    return capsys.readouterr().out
+
+
+def leaf_keys(schema: type, prefix: str = "") -> set[str]:
+    """Every leaf key, walked independently of ``config_docs``."""
+    keys = set()
+    hints = typing.get_type_hints(schema)
+    for f in dataclasses.fields(schema):
+        tp = hints[f.name]
+        default = f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
+        nested = tp if dataclasses.is_dataclass(tp) else type(default) if dataclasses.is_dataclass(default) else None
+        keys |= leaf_keys(nested, f"{prefix}{f.name}.") if nested else {f"{prefix}{f.name}"}
+    return keys
+
+
+@pytest.mark.parametrize("cli", list(CLIS))
+def test_train_help_lists_every_key_with_type_and_default(cli, capsys):
+    main, describe = CLIS[cli]
+    schema = describe().schema
+    text = output(capsys, main, "train", "--help")
+    keys = leaf_keys(schema)
+    assert {"train.lr", "train.steps", "parallel.timeout_s", "checkpoint.interval", "log.run_dir"} <= keys
+    listed = {line.split()[0] for line in text.splitlines() if line.startswith("  ") and " = " in line}
+    assert keys <= listed, sorted(keys - listed)
+    assert "  train.lr (float) = " in text and "peak learning rate" in text
+    assert "  train.nonfinite_patience (int) = 1  -- " in text
+    assert "shipped configs:" in text
+
+
+@pytest.mark.parametrize("cli", list(CLIS))
+def test_version_env_and_configs(cli, capsys):
+    main, describe = CLIS[cli]
+    app = describe()
+    version = output(capsys, main, "--version")
+    assert all(f"{name} 0.1.0" in version for name in app.packages if name.startswith("loongforge-"))
+    env = output(capsys, main, "env")
+    for key in ("python:", "torch:", "accelerator plugins:", "accelerator in use: cpu", "fused kernels:", "torch reference ops:"):
+        assert key in env, env
+    configs = output(capsys, main, "configs")
+    names = [line.split()[0] for line in configs.splitlines() if line and not line.startswith(cli)]
+    assert app.default_config in names
+    assert all(len(line.split(None, 1)) == 2 for line in configs.splitlines() if line.split() and line.split()[0] in names)
+
+
+def test_config_docs_reads_descriptions_from_the_dataclass_source():
+    @dataclasses.dataclass
+    class Example:
+        plain: int = 1  # a trailing comment
+        # a comment above,
+        # over two lines
+        above: str = "x#y"
+        nothing: float | None = None
+
+    docs = {d.key: d for d in describe_schema(Example)}
+    assert docs["plain"].help == "a trailing comment" and docs["plain"].default == "1"
+    assert docs["above"].help == "a comment above, over two lines" and docs["above"].default == "'x#y'"
+    assert docs["nothing"].help == "" and docs["nothing"].type == "float | null" and docs["nothing"].default == "null"
