@@ -75,26 +75,32 @@ def spread(values: Sequence[float]) -> float:
 
 
 # -- --processes N ----------------------------------------------------------------------------
-def _child(target: Callable[..., Mapping[str, float]], kwargs: dict, path: str) -> None:
-    Path(path).write_text(json.dumps(dict(target(**kwargs))))
+def _child(target: Callable[..., object], kwargs: dict, path: str) -> None:
+    Path(path).write_text(json.dumps(target(**kwargs)))
+
+
+def in_fresh_process(target: Callable[..., object], kwargs: dict) -> object:
+    """``target(**kwargs)`` (a module-level function returning JSON-able data) in a fresh (spawned)
+    process, e.g. a run whose library changes process-wide state; its result."""
+    ctx = multiprocessing.get_context("spawn")
+    with tempfile.TemporaryDirectory() as scratch:
+        path = str(Path(scratch) / "result.json")
+        proc = ctx.Process(target=_child, args=(target, kwargs, path))
+        proc.start()
+        proc.join()
+        if proc.exitcode != 0:
+            raise RuntimeError(f"{getattr(target, '__name__', target)} in a fresh process failed (exit code {proc.exitcode})")
+        return json.loads(Path(path).read_text())
 
 
 def in_fresh_processes(target: Callable[..., Mapping[str, float]], kwargs: dict, processes: int,
                        report: Callable[[str], None] = print) -> list[dict[str, float]]:
     """``target(**kwargs)`` (a module-level function returning run name -> seconds per step) in
     ``processes`` fresh (spawned) processes, one after the other; each one's result."""
-    ctx = multiprocessing.get_context("spawn")
     out = []
-    with tempfile.TemporaryDirectory() as scratch:
-        for i in range(processes):
-            report(f"-- process {i + 1} of {processes}")
-            path = str(Path(scratch) / f"{i}.json")
-            proc = ctx.Process(target=_child, args=(target, kwargs, path))
-            proc.start()
-            proc.join()
-            if proc.exitcode != 0:
-                raise RuntimeError(f"bench process {i + 1} of {processes} failed (exit code {proc.exitcode})")
-            out.append(json.loads(Path(path).read_text()))
+    for i in range(processes):
+        report(f"-- process {i + 1} of {processes}")
+        out.append(dict(in_fresh_process(target, kwargs)))
     return out
 
 
