@@ -45,7 +45,6 @@ import tempfile
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 
