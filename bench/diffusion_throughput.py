@@ -1,17 +1,17 @@
-"""Diffusion training-step throughput: LoongForge's Wan DiT step vs a plain diffusers step.
+"""Diffusion training-step throughput: LoongForge's Wan DiT step vs diffusers' Wan training step.
 
-Run on a CUDA machine:  uv run python bench/diffusion_throughput.py [--steps N] [KEY=VALUE ...]
+Run on a CUDA machine:  uv run python bench/diffusion_throughput.py [--steps N] [--rounds R] [--processes P] [KEY=VALUE ...]
 
 The default case is a Wan2.1-T2V-1.3B-shaped model cut to 4 layers on 480x832 video of 33 frames
 (one latent of 16 x 9 x 60 x 104, 14040 tokens), bf16 autocast. Both steps run in this process on
-the same weights and latents (``lf-diffusion bench``): diffusers eager with its gradient
-checkpointing, ours with the preset's settings (compiled blocks, selective checkpointing that
-keeps attention and GEMM outputs, fused AdamW). The printed ratio is the baseline's step time over ours;
-each run also prints forward/backward/optimizer time and peak memory, and ours a profiler table
-of its top CUDA kernels and timings of the self-attention kernels at this shape. Then ours runs
-again with FP8 linears (``model.fp8=tensorwise``), with full recomputation (diffusers' policy), with
-none, and uncompiled (last: its host-bound step is the slowest). Extra arguments override the
-defaults (later wins; ``--variant NAME=KEY=VALUE,...`` adds a variant, ``--no-profile`` skips the diagnostics).
+the same weights and latents (``lf-diffusion bench``, whose docstring says what runs): diffusers
+as its docs recommend for GPU training (``compile_repeated_blocks()``, fused AdamW, TF32, SDPA,
+its gradient checkpointing) against ours with the same checkpointing (``train.recompute=full``) in
+the headline row, then ours with the preset's selective recomputation, in alternating rounds;
+the bench prints the baseline's settings and checks the first-step losses. Then ours runs again
+with FP8 linears (``model.fp8=tensorwise``), with no recomputation, and uncompiled (last: its
+host-bound step is the slowest). Extra arguments override the defaults (later wins;
+``--variant NAME=KEY=VALUE,...`` adds a variant, ``--no-profile`` skips the diagnostics).
 """
 
 from __future__ import annotations
@@ -22,7 +22,6 @@ from loongforge.diffusion.cli import main
 
 OPTIONS = ["--config", "wan2_1_t2v_1_3b", "--steps", "10",
            "--variant", "fp8=model.fp8=tensorwise",
-           "--variant", "recompute_full=train.recompute=full",
            "--variant", "recompute_none=train.recompute=none",
            "--variant", "eager=train.compile=false"]
 OVERRIDES = ["model.num_layers=4", "sample.num_frames=33", "sample.height=480", "sample.width=832"]

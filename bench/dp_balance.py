@@ -1,27 +1,38 @@
-"""DP load balancing: simulated step time of plain sequential assignment vs the balancer.
+"""DP load balancing: the balancer against the plain split and two textbook partitioning baselines,
+simulated at DP 8 / 64 / 512 and measured in a 2-process gloo run on CPU.
 
-Baseline: the plain split a distributed sampler makes (each DP rank takes the next contiguous
-samples_per_step / DP samples of the shuffled step). Balancer: ``loongforge.core.balance.plan_step``
-on the same samples. Both are scored with one cost model, the FLOP formula of a Llama-3-8B-shaped
-model (``transformer_cost_model``), turned into seconds at an assumed 400 TFLOP/s per GPU; a
-compute-bound step lasts as long as its most loaded rank, so
+Assignments of one step's samples to the DP ranks:
+  plain     the contiguous split a distributed sampler makes (each rank takes the next
+            samples_per_step / DP samples of the shuffled step)
+  lpt       largest-first greedy (``loongforge.core.balance.baselines.lpt_assignment``)
+  kk        multiway Karmarkar-Karp differencing (``karmarkar_karp_assignment``; O(n x DP), so only
+            up to DP 64, "-" above)
+  balanced  ``loongforge.core.balance.plan_step`` (which also packs micro-batches under a token cap)
 
-    imbalance = max / mean rank cost, scaling efficiency = mean / max = 1 / imbalance.
+Scores. Each plan is made with one cost model, the FLOP formula of a Llama-3-8B-shaped model
+(``transformer_cost_model``), and scored under it and under a perturbed model in which attention
+runs at half the GEMM efficiency (its quadratic term doubled): a plan tuned to the wrong costs.
+A compute-bound step lasts as long as its most loaded rank, so
+
+    imbalance = max / mean rank cost, scaling efficiency = mean / max = 1 / imbalance;
+
+the step seconds are the max rank cost at an assumed 400 TFLOP/s per GPU. "bound" is the best
+max/mean any assignment can reach without splitting a sample. "solver ms" is the wall time of one
+plan_step call (median), "mb/rank" the mean number of micro-batches per rank.
 
 Length mixes (samples per rank per step, micro-batch token cap):
   text-sft    chat SFT, lognormal lengths (median 700, sigma 1.0), 32..16K tokens
-  image-text  text (median 200) + 1-8 images of 256-1,280 tokens each, one sequence
+  image-text  text (median 200) + images of 256-1,280 tokens each: one image in 80% of samples,
+              two in 12%, three or four in the rest
   video       8K-100K tokens (log-uniform) + a short prompt
   mixed       70% text-sft, 25% image-text, 5% video in one step
 
-"solver ms" is the wall time of one plan_step call (median and max over the rows' steps), "cpu"
-the median CPU time of the calling thread (the same work, without time the OS gave to other
-processes). "mb/rank" is the mean number of micro-batches per rank.
+Measured: the "mixed" lengths scaled down 32x, run by 2 gloo processes on CPU
+(``loongforge.core.balance.cpu_step_times``: GEMMs linear in the length, attention quadratic,
+an all-reduce ending each step), the plain split, LPT and the balanced sampler taking turns step by
+step; median and mean step seconds. On a shared or busy machine these times are noisy.
 
-"bound" is the best max/mean any assignment can reach without splitting a sample:
-max(largest sample, mean rank cost) / mean rank cost.
-
-Usage: uv run python bench/dp_balance.py [--trials 5] [--seed 0]
+Usage: uv run python bench/dp_balance.py [--trials 5] [--seed 0] [--measured-steps 8] [--no-measured]
 """
 
 from __future__ import annotations
@@ -32,13 +43,17 @@ import time
 import numpy as np
 from tqdm.auto import tqdm
 
-from loongforge.core.balance import SampleSizes, plan_step, transformer_cost_model
+from loongforge.core.balance import CostModel, SampleSizes, plan_step, transformer_cost_model
 from loongforge.core.balance.assign import plain_assignment
+from loongforge.core.balance.baselines import karmarkar_karp_assignment, lpt_assignment
 
 FLOPS_PER_SECOND = 400e12  # achieved bf16 throughput per GPU assumed for the simulated seconds
 COST = transformer_cost_model(hidden_size=4096, num_layers=32, ffn_hidden_size=14336, num_attention_heads=32,
                               num_query_groups=8, vocab_size=128256)
+PERTURBED = CostModel(a=2 * COST.a, b=COST.b, c=COST.c)  # attention at half the GEMM efficiency
 DP_SIZES = (8, 64, 512)
+KK_MAX_DP = 64
+IMAGES_PER_SAMPLE = ([1, 2, 3, 4], [0.80, 0.12, 0.05, 0.03])
 
 
 def text_sft(rng, n):
@@ -47,7 +62,7 @@ def text_sft(rng, n):
 
 def image_text(rng, n):
     text = np.clip(rng.lognormal(np.log(200), 0.8, n), 16, 4096)
-    images = rng.integers(1, 9, n)
+    images = rng.choice(IMAGES_PER_SAMPLE[0], size=n, p=IMAGES_PER_SAMPLE[1])
     image_tokens = np.array([rng.integers(256, 1281, k).sum() for k in images])
     return (text + image_tokens).astype(np.int64)
 
@@ -73,52 +88,92 @@ MIXES = {  # name: (lengths, samples per rank per step, token cap per micro-batc
 }
 
 
+def imbalances(rank_of: np.ndarray, dp: int, *costs: np.ndarray) -> list[float]:
+    """max / mean rank cost of one assignment under each of ``costs``."""
+    out = []
+    for c in costs:
+        loads = np.bincount(rank_of, weights=c, minlength=dp)
+        out.append(loads.max() / loads.mean())
+    return out
+
+
 def run(trials: int, seed: int) -> list[dict]:
     rows = []
     configs = [(mix, dp) for mix in MIXES for dp in DP_SIZES]
     for mix, dp in tqdm(configs, desc="dp_balance", leave=False):
         make, per_rank, cap = MIXES[mix]
         rng = np.random.default_rng([seed, dp, len(mix)])
-        plain_imb, bal_imb, bound, plain_s, bal_s, solver_ms, solver_cpu, micro = [], [], [], [], [], [], [], []
+        cells: dict[str, list] = {}
         plan_step(np.ones(dp), np.ones(dp), dp)  # warm numpy paths before timing
         for _ in range(trials):
             sizes = SampleSizes.from_lengths(make(rng, dp * per_rank))
-            costs = COST.costs(sizes)
-            t0, c0 = time.perf_counter(), time.thread_time()
+            costs, perturbed = COST.costs(sizes), PERTURBED.costs(sizes)
+            t0 = time.perf_counter()
             plan = plan_step(costs, sizes.tokens, dp, token_cap=cap)
-            solver_ms.append((time.perf_counter() - t0) * 1e3)
-            solver_cpu.append((time.thread_time() - c0) * 1e3)
-            plain = np.bincount(plain_assignment(len(costs), dp), weights=costs, minlength=dp)
-            plain_imb.append(plain.max() / plain.mean())
-            bal_imb.append(plan.rank_costs.max() / plan.rank_costs.mean())
-            bound.append(max(costs.max(), plain.mean()) / plain.mean())
-            plain_s.append(plain.max() / FLOPS_PER_SECOND)
-            bal_s.append(plan.rank_costs.max() / FLOPS_PER_SECOND)
-            micro.append(plan.micro_counts.mean())
-        rows.append(dict(mix=mix, dp=dp, per_rank=per_rank, plain_imb=np.mean(plain_imb), bal_imb=np.mean(bal_imb),
-                         bal_worst=np.max(bal_imb), bound=np.mean(bound), plain_s=np.mean(plain_s), bal_s=np.mean(bal_s),
-                         solver_ms=np.median(solver_ms), solver_max=np.max(solver_ms), solver_cpu=np.median(solver_cpu), micro=np.mean(micro)))
+            cells.setdefault("solver_ms", []).append((time.perf_counter() - t0) * 1e3)
+            assignments = {"plain": plain_assignment(len(costs), dp), "lpt": lpt_assignment(costs, dp),
+                           "balanced": plan.rank}
+            if dp <= KK_MAX_DP:
+                assignments["kk"] = karmarkar_karp_assignment(costs, dp)
+            for name, rank_of in assignments.items():
+                nominal, off = imbalances(rank_of, dp, costs, perturbed)
+                cells.setdefault(name, []).append(nominal)
+                cells.setdefault(name + "_perturbed", []).append(off)
+                loads = np.bincount(rank_of, weights=costs, minlength=dp)
+                cells.setdefault(name + "_s", []).append(loads.max() / FLOPS_PER_SECOND)
+            cells.setdefault("bound", []).append(max(costs.max(), costs.sum() / dp) / (costs.sum() / dp))
+            cells.setdefault("micro", []).append(plan.micro_counts.mean())
+        row = {k: float(np.median(v) if k == "solver_ms" else np.mean(v)) for k, v in cells.items()}
+        rows.append(dict(mix=mix, dp=dp, per_rank=per_rank, **row))
     return rows
+
+
+def measured(steps: int, seed: int) -> dict[str, list[float]]:
+    """Step seconds of the plain split, LPT and the balanced sampler, 2 gloo processes on CPU."""
+    from loongforge.core.balance.cpu_step_times import measure_step_times
+
+    samples_per_step = 32
+    rng = np.random.default_rng([seed, 2])
+    lengths = np.maximum(mixed(rng, samples_per_step * steps) // 32, 4)
+    return measure_step_times(lengths, samples_per_step, steps, world=2)
+
+
+def fmt(row: dict, key: str, spec: str) -> str:
+    return format(row[key], spec) if key in row else "-"
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--trials", type=int, default=5, help="random steps per (mix, DP) cell")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--measured-steps", type=int, default=8, help="steps of the 2-process gloo run")
+    parser.add_argument("--no-measured", action="store_true", help="skip the 2-process gloo run")
     args = parser.parse_args()
     rows = run(args.trials, args.seed)
-    print(f"DP balance: plain sequential split vs loongforge.core.balance.plan_step; "
-          f"{args.trials} random steps per row, Llama-3-8B FLOP costs at {FLOPS_PER_SECOND / 1e12:.0f} TFLOP/s")
-    header = (f"{'mix':<11}{'DP':>5}{'smp/rk':>7} | {'max/mean plain':>14}{'balanced':>9}{'(worst)':>8}{'bound':>7} | "
-              f"{'eff plain':>9}{'balanced':>9} | {'step s plain':>12}{'balanced':>9}{'speedup':>8} | "
-              f"{'solver ms':>9}{'(max)':>7}{'cpu':>6} | {'mb/rank':>7}")
+    print(f"DP balance: plain split, LPT, Karmarkar-Karp (DP <= {KK_MAX_DP}) and plan_step; {args.trials} random "
+          f"steps per row, Llama-3-8B FLOP costs at {FLOPS_PER_SECOND / 1e12:.0f} TFLOP/s; max/mean rank cost under "
+          f"the planning model and (perturbed) with attention at half the GEMM efficiency")
+    names = ("plain", "lpt", "kk", "balanced")
+    header = (f"{'mix':<11}{'DP':>5}{'smp/rk':>7} | " + "".join(f"{n:>9}" for n in names) + f"{'bound':>7} | "
+              + "".join(f"{n + '*':>10}" for n in names) + f" | {'step s plain':>12}{'lpt':>7}{'balanced':>9}"
+              f"{'x plain':>8}{'x lpt':>7} | {'solver ms':>9} | {'mb/rank':>7}")
     print(header)
     print("-" * len(header))
     for r in rows:
-        print(f"{r['mix']:<11}{r['dp']:>5}{r['per_rank']:>7} | {r['plain_imb']:>14.3f}{r['bal_imb']:>9.4f}"
-              f"{r['bal_worst']:>8.4f}{r['bound']:>7.3f} | {1 / r['plain_imb']:>9.1%}{1 / r['bal_imb']:>9.1%} | "
-              f"{r['plain_s']:>12.3f}{r['bal_s']:>9.3f}{r['plain_s'] / r['bal_s']:>7.2f}x | "
-              f"{r['solver_ms']:>9.2f}{r['solver_max']:>7.2f}{r['solver_cpu']:>6.2f} | {r['micro']:>7.2f}")
+        print(f"{r['mix']:<11}{r['dp']:>5}{r['per_rank']:>7} | " + "".join(f"{fmt(r, n, '.4f'):>9}" for n in names)
+              + f"{r['bound']:>7.3f} | " + "".join(f"{fmt(r, n + '_perturbed', '.4f'):>10}" for n in names)
+              + f" | {r['plain_s']:>12.3f}{r['lpt_s']:>7.3f}{r['balanced_s']:>9.3f}"
+              f"{r['plain_s'] / r['balanced_s']:>7.2f}x{r['lpt_s'] / r['balanced_s']:>6.3f}x | "
+              f"{r['solver_ms']:>9.2f} | {r['micro']:>7.2f}")
+    print("(* scored under the perturbed cost model; the plans were made with the planning model)")
+    if not args.no_measured:
+        times = measured(args.measured_steps, args.seed)
+        print(f"\nmeasured, 2 gloo processes on CPU, {args.measured_steps} steps of 32 'mixed' samples (lengths / 32):")
+        for name, values in times.items():
+            print(f"  {name:<9} median {np.median(values) * 1e3:8.1f} ms/step   mean {np.mean(values) * 1e3:8.1f}")
+        base = {n: np.mean(v) for n, v in times.items()}
+        print(f"  mean step time: plain / balanced {base['plain'] / base['balanced']:.2f}x, "
+              f"lpt / balanced {base['lpt'] / base['balanced']:.2f}x")
 
 
 if __name__ == "__main__":

@@ -19,17 +19,47 @@ def test_bench_runs_ours_variant_and_hf_baseline():
     assert proc.returncode == 0, proc.stderr[-5000:]
     out = proc.stdout
     assert "512 tokens/step (train_debug)" in out  # global batch 4 x 128 tokens
-    per_run = {name: (int(tps.replace(",", "")), int(tokens)) for name, tps, tokens in re.findall(
-        r"^(\w+): [\d.]+ ms/step, ([\d,]+) tokens/s \((\d+) a step\)", out, flags=re.M)}
-    assert list(per_run) == ["ours", "selective", "big", "unfused", "hf_sdpa"]
-    assert all(tps > 0 for tps, _ in per_run.values())
+    order = ["hf_eager", "ours", "selective", "big", "unfused"]
+    per_run = {name: (int(tps.replace(",", "")), int(tokens), float(loss)) for name, tps, tokens, loss in re.findall(
+        r"^(\w+): [\d.]+ ms/step, ([\d,]+) tokens/s \((\d+) a step\), \S+ GiB, first-step loss ([\d.]+)$",
+        out, flags=re.M)}
+    assert list(per_run) == order
+    assert all(tps > 0 for tps, _, _ in per_run.values())
     # each run counts its own tokens: the variant with twice the global batch trains 2 x 4 x 128
-    assert {name: tokens for name, (_, tokens) in per_run.items()} == {"ours": 512, "selective": 512, "big": 1024,
-                                                                       "unfused": 512, "hf_sdpa": 512}
-    assert "hf_sdpa_compile: skipped" in out
+    assert {name: tokens for name, (_, tokens, _) in per_run.items()} == {
+        "hf_eager": 512, "ours": 512, "selective": 512, "big": 1024, "unfused": 512}
+    # the same weights (HF's, read by ours) and micro-batches: the first-step losses agree in fp32
+    reference = per_run["hf_eager"][2]
+    assert [per_run[n][2] for n in ("ours", "selective", "unfused")] == pytest.approx([reference] * 3, rel=1e-4)
+    assert "first-step loss ours: " in out and "agrees with hf_eager" in out and "DISAGREES" not in out
+    assert "first-step loss big: not compared" in out
+    # the baseline's settings, its compiled runs skipped on CPU, and alternating rounds
+    assert "baseline: transformers LlamaForCausalLM" in out and "compile = True  (requested; CUDA only" in out
+    assert "hf_compile, hf_liger_compile: skipped" in out
+    assert "round 1 of 2: hf_eager, ours," in out and "round 2 of 2: ours, selective, big, unfused, hf_eager" in out
+    assert "spec peak not listed for this device" in out
     header, *rows = out[out.index("\nrun ") + 1 :].strip().splitlines()
-    assert header.split()[-1] == "hf_sdpa" and [r.split()[0] for r in rows] == ["ours", "selective", "big", "unfused", "hf_sdpa"]
-    assert rows[-1].split()[-1] == "1.00"  # the baseline against itself
+    header, rows = header.split(), rows[: len(order)]
+    assert header[-1] == "hf_eager" and "spec" in header and [r.split()[0] for r in rows] == order
+    assert rows[0].split()[-1] == "1.00"  # the baseline against itself
+
+
+@pytest.mark.parametrize(("flash", "liger"), [(False, False), (True, True)])
+def test_baseline_recipe_is_transformers_gpu_training(flash, liger):
+    from loongforge.llm.bench import BASELINES, hf_recipe
+
+    recipe = hf_recipe(flash_attn=flash, liger=liger)
+    assert dict(recipe.options) == {"attn_implementation": "flash_attention_2" if flash else "sdpa", "compile": True,
+                                    "fused_adamw": True, "tf32": True, "clip_grad": True, "liger_kernel": liger}
+    assert recipe.applied("cuda") == dict(recipe.options)
+    assert BASELINES == ("hf_compile", "hf_liger_compile", "hf_eager")  # the headline baseline first
+    assert any("liger-kernel is not installed" in n for n in recipe.notes) is not liger
+
+
+def test_spec_peaks_cover_the_bench_machines():
+    from loongforge.core.device_peaks import spec_peak_bf16
+
+    assert spec_peak_bf16("NVIDIA H200") == spec_peak_bf16("NVIDIA H100 80GB HBM3") == 989e12
 
 
 @pytest.mark.parametrize(("argv", "message"), [
@@ -40,6 +70,7 @@ def test_bench_runs_ours_variant_and_hf_baseline():
     (["--variant", "x=spec.recompute_elementwise=maybe"], "true or false"),
     (["--variant", "x=train.lrr=1"], "lrr"),
     (["--steps", "0"], "at least one timed step"),
+    (["--rounds", "0"], "at least one round"),
     (["--variant", "x=train.lr"], "'train.lr' is not of the form key=value"),
     # a list value keeps its commas: the config gets data.weights=[1,2] (no prefixes for the two weights)
     (["--variant", "x=data.weights=[1,2],train.lr=1"], "data.weights has 2 entries for 0 data.prefixes"),

@@ -96,16 +96,44 @@ def test_one_expert_of_two_trains_and_the_other_stays(tmp_path, synthetic_overri
 
 
 def test_bench_and_info_run(capsys):
+    from loongforge.diffusion.cli import load_recipe
+
     size = ["sample.num_frames=5", "sample.height=32", "sample.width=48"]
+    preset = load_recipe(None, size).train.recompute
     assert main(["bench", "--steps", "1", "--warmup", "1", "--variant", "v1=train.recompute=selective",
                  "--variant", "v2=model.fp8=tensorwise", *size]) == 0
     out = capsys.readouterr().out
     assert "speed-up" in out and "12 tokens/step" in out  # 2 latent frames x 2 x 3 patches
-    rows = [line for line in out.splitlines() if "ms/step" in line]
-    assert [r.split(":")[0].strip() for r in rows] == ["diffusers", "loongforge", "v1", "v2"]
-    assert all("forward" in r and "backward" in r and "optimizer" in r for r in rows)
+    rows = [line for line in out.splitlines() if "tokens/s " in line]
+    headline = ["diffusers", "loongforge"] + (["loongforge_preset"] if preset not in ("none", "full") else [])
+    assert [r.split(":")[0].strip() for r in rows] == [*headline, "v1", "v2"]
+    assert all("forward" in r and "backward" in r and "optimizer" in r and "peak" in r for r in rows)
     assert "recompute=selective" in out and "MISMATCH" not in out
+    # two rounds, alternating which side runs first
+    assert f"round 1 of 2: diffusers, {', '.join(headline[1:])}" in out
+    assert f"round 2 of 2: {', '.join(headline[1:])}, diffusers" in out
+    assert "compile_repeated_blocks = True" in out and "fused_adamw = True  (requested; CUDA only" in out
     assert main(["bench", "--variant", "v=train.recompute=sometimes", *size]) == 2
     assert "train.recompute='sometimes'" in capsys.readouterr().err
     assert main(["info", "model=wan2_1_t2v_1_3b"]) == 0
     assert "parameters per expert: 1419.00M" in capsys.readouterr().out  # Wan 2.1 T2V 1.3B
+
+
+@pytest.mark.parametrize("recompute", ["selective", "none"])
+def test_bench_baseline_recipe_is_diffusers_gpu_training_with_our_checkpointing(recompute):
+    from loongforge.diffusion.bench import diffusers_recipe, headline_recompute
+    from loongforge.diffusion.cli import load_recipe
+
+    recipe = load_recipe(None, [f"train.recompute={recompute}"])
+    baseline = diffusers_recipe(recipe)
+    assert dict(baseline.options) == {"attention": "sdpa", "compile_repeated_blocks": True, "fused_adamw": True,
+                                      "tf32": True, "autocast": "bfloat16",
+                                      "gradient_checkpointing": recompute != "none"}
+    assert baseline.applied("cuda") == dict(baseline.options)
+    # the headline row checkpoints exactly when diffusers does: whole blocks, train.recompute=full
+    assert headline_recompute(recipe) == ("full" if recompute != "none" else "none")
+
+
+def test_bench_refuses_a_variant_named_as_a_headline_run(capsys):
+    assert main(["bench", "--variant", "loongforge_preset=train.recompute=none"]) == 2
+    assert "give it a name of its own" in capsys.readouterr().err

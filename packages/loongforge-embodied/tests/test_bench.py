@@ -1,4 +1,6 @@
-"""The throughput harness runs both training steps (tiny sizes on CPU; no timing assertions)."""
+"""``lf-embodied bench``: LeRobot's recipe is the one its training script runs on a GPU, both sides
+start from the same weights (their first-step losses agree), the runs alternate order, and
+``--variant`` adds runs of ours (tiny sizes on CPU; no timing assertions)."""
 
 from __future__ import annotations
 
@@ -9,29 +11,70 @@ import torch
 
 from lerobot_reference import build_lerobot_pi05
 from loongforge.core.distributed import init_distributed
-from loongforge.embodied.bench import (
-    build_lerobot_pi05_released,
-    lerobot_step,
-    loongforge_step,
-    samples_per_second,
-    synthetic_batch,
-)
 from loongforge.core.training.schema import TrainConfig
-from loongforge.embodied.policies import build_policy, policy_config
+from loongforge.embodied.bench import build_lerobot_pi05_released, lerobot_recipe, run_bench
+from loongforge.embodied.policies import policy_config
 
 
-def test_both_training_steps_run_and_update_weights():
-    cfg = policy_config("pi05", image_size=16, chunk_size=4, max_token_len=12)
-    env = init_distributed(group_for_world_of_one=False)
-    batch = synthetic_batch(cfg, 2, env.device)
+def test_lerobot_recipe_is_its_gpu_training_recipe():
+    recipe = lerobot_recipe()
+    assert dict(recipe.options) == {"dtype": "bfloat16", "autocast": "bfloat16", "tf32": True, "compile_model": True,
+                                    "compile_mode": "max-autotune", "fused_adamw": True, "grad_clip_norm": 1.0,
+                                    "gradient_checkpointing": False}
+    assert recipe.applied("cuda") == dict(recipe.options)
+    on_cpu = recipe.applied("cpu")  # requested, applied on CUDA only
+    assert (on_cpu["tf32"], on_cpu["fused_adamw"], on_cpu["compile_model"], on_cpu["autocast"]) == (False, False, False, None)
+    lines = "\n".join(recipe.lines("cpu"))
+    assert "compile_model = True  (requested; CUDA only, not applied on cpu)" in lines
+    assert "grad_clip_norm = 1.0\n" in lines + "\n"
+
+
+def _tiny(cfg, recipe, device_type):
     torch.manual_seed(0)
-    ours, ref = build_policy(cfg), build_lerobot_pi05(cfg)
-    before = (ours.action_out_proj.weight.detach().clone(), ref.action_out_proj.weight.detach().clone())
-    rates = [
-        samples_per_second(loongforge_step(ours, TrainConfig(), env.device, batch, lr=1e-3), 2, steps=2, warmup=1, synchronize=env.accelerator.synchronize),
-        samples_per_second(lerobot_step(ref, batch, lr=1e-3), 2, steps=2, warmup=1, synchronize=env.accelerator.synchronize),
-    ]
-    assert all(math.isfinite(r) and r > 0 for r in rates)
-    assert not torch.equal(before[0], ours.action_out_proj.weight) and not torch.equal(before[1], ref.action_out_proj.weight)
+    return build_lerobot_pi05(cfg)
+
+
+def test_both_sides_same_weights_first_losses_agree_and_order_alternates():
+    cfg = policy_config("pi05", image_size=16, chunk_size=4, max_token_len=12)
+    init_distributed(group_for_world_of_one=False)
+    lines = []
+    trains = {"ours": TrainConfig(), "full": TrainConfig(recompute="full")}
+    results = run_bench(cfg, trains, batch_size=2, steps=2, warmup=1, rounds=2, against_lerobot=True,
+                        build_baseline=_tiny, report=lines.append)
+    out = "\n".join(lines)
+    assert list(results) == ["lerobot", "ours", "full"]
+    assert all(math.isfinite(r.samples_per_s) and r.samples_per_s > 0 for r in results.values())
+    ref = results["lerobot"].first_loss
+    assert [r.first_loss for r in results.values()] == pytest.approx([ref] * 3, rel=1e-4)
+    assert "first-step loss ours" in out and "DISAGREES" not in out
+    assert "round 1 of 2: lerobot, ours, full" in out and "round 2 of 2: ours, full, lerobot" in out
+    assert "baseline: LeRobot PI05Pytorch" in out and "tf32 = True  (requested" in out
     with pytest.raises(ValueError, match="pi05_base"):
         build_lerobot_pi05_released(cfg)
+
+
+@pytest.mark.parametrize(("argv", "message"), [
+    (["--variant", "lerobot_x=train.recompute=full"], "not starting with lerobot"),
+    (["--variant", "ours=train.recompute=full"], "give it a name of its own"),
+    (["--variant", "v=policy.chunk_size=5"], "a variant changes train.* only"),
+    (["--variant", "v=train.recompte=full"], "recompte"),
+    (["--rounds", "0"], "at least one round"),
+])
+def test_bench_bad_variants_fail_before_any_run(argv, message, capsys):
+    from loongforge.embodied.cli import main
+
+    assert main(["bench", "--steps", "1", *argv]) == 2
+    captured = capsys.readouterr()
+    assert message in captured.err and "ms/step" not in captured.out
+
+
+def test_bench_command_runs_ours_and_a_variant():
+    from cli_runner import run_cli
+
+    proc = run_cli(["lf-embodied", "bench", "--batch-size", "2", "--steps", "1", "--warmup", "1", "--rounds", "1",
+                    "--variant", "full=train.recompute=full"], env={"LOONGFORGE_ACCELERATOR": "cpu"})
+    assert proc.returncode == 0, proc.stderr[-5000:]
+    header, *rows = [line for line in proc.stdout.splitlines() if line.startswith(("run ", "ours ", "full "))]
+    assert header.split()[:5] == ["run", "samples/s", "ms/step", "peak", "GiB"]
+    assert [r.split()[0] for r in rows] == ["ours", "full"]
+    assert "first-step loss full" in proc.stdout and "agrees with ours" in proc.stdout

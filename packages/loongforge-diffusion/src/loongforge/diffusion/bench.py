@@ -1,20 +1,24 @@
-"""``lf-diffusion bench``: our training step against a plain diffusers training step, side by side
-in one process on the same config, weights and data.
+"""``lf-diffusion bench``: our training step against diffusers' Wan training step, side by side in
+one process on the same config, weights and data.
 
-The baseline is what a diffusers training script does: ``WanTransformer3DModel`` (eager, SDPA
-attention, its gradient checkpointing when the config checkpoints activations) on a
-``[B, C, F, H, W]`` batch, MSE to the velocity, backward, AdamW. Ours is the LoongForge step: the
-packed ``WanDiT`` (regional ``torch.compile`` per ``train.compile``, the config's recomputation
-policy, the ``auto`` attention backend, kernels from the registry) with the same objective and
-fused AdamW on CUDA. Both use bf16 autocast on GPUs (fp32 on CPU).
+The baseline is set up as diffusers recommends for training on a GPU (``diffusers_recipe``):
+``WanTransformer3DModel`` with SDPA attention, its transformer blocks compiled by
+``compile_repeated_blocks()`` (whenever ours compiles: ``train.compile``, null on CUDA), fused
+AdamW and TF32 on CUDA, bf16 autocast, on a ``[B, C, F, H, W]`` batch, MSE to the velocity. The
+headline row compares ours with the same gradient-checkpointing policy: diffusers checkpoints
+whole blocks (``enable_gradient_checkpointing``) when the config recomputes anything, and the
+headline ``loongforge`` run then uses ``train.recompute=full``; the preset's own policy (e.g.
+``selective``) runs as ``loongforge_preset`` after it. Ours is the packed ``WanDiT`` (regional
+``torch.compile``, the ``auto`` attention backend, kernels from the registry, fused AdamW on CUDA).
 
-Every run reports its step time split into forward (with the loss), backward and optimizer, from
-CUDA events on a GPU (no host sync inside the step) or the wall clock elsewhere. Each run's
-first-step loss must agree with the baseline's, and its last timed step's must be finite. Extra
-variants of ours (config overrides, e.g. ``train.recompute=none``) run after the
-headline one. Results are reported as soon
-as each run ends; the profiler table and the attention-kernel timings come after the headline
-result, and a failure in them is reported without hiding it.
+The runs alternate order round by round (``--rounds``: diffusers first, then ours first, ...);
+a run's step time is the mean over its timed steps of all rounds, split into forward (with the
+loss), backward and optimizer from CUDA events on a GPU (wall clock elsewhere), and its peak
+memory the largest of its rounds. Every run's first-step loss must agree with the baseline's
+(``FirstLossMismatch`` otherwise) and its last timed step's must be finite. Extra variants of
+ours (config overrides, e.g. ``train.recompute=none``) run after the headline ones; the profiler
+table and the attention-kernel timings come after the headline result, and a failure in them is
+reported without hiding it.
 """
 
 from __future__ import annotations
@@ -29,6 +33,8 @@ import torch
 import torch.nn.functional as F
 
 from loongforge.core.accelerators import get_accelerator
+from loongforge.core.baseline_recipe import BaselineRecipe, tf32_matmuls
+from loongforge.core.bench_protocol import FirstLossMismatch, alternating_orders, first_loss_tolerance, losses_agree
 from loongforge.core.training.engine import resolve_dtype
 from loongforge.diffusion.model import WanDiT
 from loongforge.diffusion.objective import noisy_and_target
@@ -92,6 +98,26 @@ def compiles(recipe, device_type: str) -> bool:
     return recipe.train.compile if recipe.train.compile is not None else device_type == "cuda" and recipe.parallel.cp == 1
 
 
+def headline_recompute(recipe) -> str:
+    """Ours' recomputation in the headline row: diffusers' policy, whole-block checkpointing
+    (``full``) when the config recomputes anything, else none."""
+    return "full" if recipe.train.recompute != "none" else "none"
+
+
+def diffusers_recipe(recipe) -> BaselineRecipe:
+    """diffusers' Wan training step as its documentation recommends on a GPU, with the gradient
+    checkpointing of the headline row."""
+    return BaselineRecipe(
+        project="diffusers WanTransformer3DModel",
+        source="diffusers training docs: regional compilation, fused AdamW, TF32, bf16 mixed precision",
+        options={"attention": "sdpa", "compile_repeated_blocks": True, "fused_adamw": True, "tf32": True,
+                 "autocast": "bfloat16", "gradient_checkpointing": recipe.train.recompute != "none"},
+        cuda_only=frozenset({"fused_adamw", "tf32", "autocast"}),
+        notes=("compile_repeated_blocks applies whenever ours compiles (train.compile; null: on CUDA)",
+               f"headline row: ours with train.recompute={headline_recompute(recipe)} (the same checkpointing)"),
+    )
+
+
 def describe(recipe, device_type: str) -> str:
     compiled = "compiled" if compiles(recipe, device_type) else "eager"
     return (f"{compiled}, recompute={recipe.train.recompute}, attention={recipe.model.attention_backend}, "
@@ -129,15 +155,21 @@ class Bench:
     def _autocast(self):
         return torch.autocast(self.device.type, dtype=self.dtype, enabled=self.dtype != torch.float32)
 
-    def diffusers_model(self):
+    def diffusers_model(self, baseline: BaselineRecipe):
         from diffusers import WanTransformer3DModel
 
         m = self.recipe.model
+        applied = baseline.applied(self.device.type)
         model = WanTransformer3DModel(**m.diffusers_kwargs())
         model.load_state_dict(self.initial_state)
-        if self.recipe.train.recompute != "none":
+        if applied["gradient_checkpointing"]:
             model.enable_gradient_checkpointing()
         model = model.to(self.device)
+        if applied["compile_repeated_blocks"] and compiles(self.recipe, self.device.type):
+            import torch._dynamo as dynamo
+
+            dynamo.reset()
+            model.compile_repeated_blocks(dynamic=False)
         xt, target, timesteps, text = self.video
 
         def forward_loss():
@@ -145,7 +177,7 @@ class Bench:
                 pred = model(xt, timesteps, text, return_dict=False)[0]
             return F.mse_loss(pred.float(), target.float())
 
-        return model, forward_loss, torch.optim.AdamW(model.parameters(), lr=1e-5)
+        return model, forward_loss, torch.optim.AdamW(model.parameters(), lr=1e-5, fused=bool(applied["fused_adamw"]))
 
     def ours_model(self, recipe):
         model = WanDiT(recipe.model)
@@ -257,33 +289,45 @@ class Bench:
         return out
 
 
-def _loss_agrees(a: float, b: float, dtype: torch.dtype, fp8: bool = False) -> bool:
-    """Whether two first-step losses agree: to 1e-4 in fp32, to 5e-2 in bf16 or with FP8 GEMMs."""
-    tol = 1e-4 if dtype == torch.float32 and not fp8 else 5e-2
-    return abs(a - b) <= tol * max(abs(a), 1e-6)
+def merge_rounds(runs: list[RunResult]) -> RunResult:
+    """One run's rounds as one result: mean times (each round times the same number of steps), the
+    largest peak memory, the first round's first-step loss and the last round's last loss."""
+    n = len(runs)
+    return RunResult(runs[0].name, sum(r.step_s for r in runs) / n, sum(r.forward_s for r in runs) / n,
+                     sum(r.backward_s for r in runs) / n, sum(r.optimizer_s for r in runs) / n,
+                     max(r.peak_bytes for r in runs), runs[0].first_loss, runs[-1].last_loss)
 
 
 def run_bench(recipe, steps: int = 10, warmup: int = 3, batch_size: int = 1,
-              variants: list[tuple[str, list[str]]] = (),
+              variants: list[tuple[str, list[str]]] = (), rounds: int = 2,
               profile: bool = True, report: Callable[[str], None] = print) -> dict[str, RunResult]:
-    """Time the diffusers step, ours, then each variant of ours; ``report`` gets every line as
-    soon as it is known. Raises AssertionError (after reporting everything) when a run's
-    first-step loss disagrees with the baseline's."""
+    """Time the diffusers step, ours at the same checkpointing (and at the preset's where that
+    differs) in ``rounds`` alternating rounds, then each variant of ours; ``report`` gets every
+    line as soon as it is known. Raises ``FirstLossMismatch`` (after reporting everything) when a
+    run's first-step loss disagrees with the baseline's or its last is not finite."""
     m = recipe.model
     configs = [(name, o, variant_recipe(recipe, o)) for name, o in variants]  # bad overrides fail before any run
     for r in [recipe] + [c for _, _, c in configs]:
         r.model.check_device(get_accelerator().device_type)
     bench = Bench(recipe, steps, warmup, batch_size)
+    device_type = bench.device.type
+    baseline = diffusers_recipe(recipe)
+    headline = variant_recipe(recipe, [f"train.recompute={headline_recompute(recipe)}"])
+    ours_runs = {"loongforge": headline}
+    if recipe.train.recompute != headline.train.recompute:
+        ours_runs["loongforge_preset"] = recipe
     report(f"latents {batch_size} x {recipe.sample.num_frames}x{recipe.sample.height}x{recipe.sample.width} frames, "
-           f"{bench.tokens} tokens/step, {m.num_layers} layers, {bench.device.type} {bench.dtype}")
+           f"{bench.tokens} tokens/step, {m.num_layers} layers, {device_type} {bench.dtype}")
+    for text in baseline.lines(device_type):
+        report(text)
 
-    fp8_runs = {"loongforge": m.fp8 != "none"}
+    fp8_runs = {name: r.model.fp8 != "none" for name, r in ours_runs.items()}
     fp8_runs.update({name: r.model.fp8 != "none" for name, _, r in configs})
 
     def agrees(r: RunResult) -> bool:
         """First-step loss as the baseline's, and still finite after the timed steps."""
-        finite = math.isfinite(r.last_loss)
-        return finite and _loss_agrees(base.first_loss, r.first_loss, bench.dtype, fp8_runs.get(r.name, False))
+        tol = first_loss_tolerance(bench.dtype, fp8_runs.get(r.name, False))
+        return math.isfinite(r.last_loss) and losses_agree(base.first_loss, r.first_loss, tol)
 
     def line(r: RunResult, base: RunResult | None) -> str:
         text = (f"{r.name:>10}: {r.step_s * 1e3:8.1f} ms/step {bench.tokens / r.step_s:10.0f} tokens/s  "
@@ -295,20 +339,38 @@ def run_bench(recipe, steps: int = 10, warmup: int = 3, batch_size: int = 1,
             text += f"  speed-up {base.step_s / r.step_s:.2f}x{agree}"
         return text
 
-    results: dict[str, RunResult] = {}
-    model, forward_loss, opt = bench.diffusers_model()
-    base = results["diffusers"] = bench.time_run("diffusers", model, forward_loss, opt)
-    bench.release(model, opt)
-    report(f"  diffusers: eager, SDPA, gradient checkpointing {'on' if recipe.train.recompute != 'none' else 'off'}")
+    def diffusers_run() -> RunResult:
+        with tf32_matmuls(bool(baseline.applied(device_type)["tf32"])):
+            model, forward_loss, opt = bench.diffusers_model(baseline)
+            result = bench.time_run("diffusers", model, forward_loss, opt)
+        bench.release(model, opt)
+        return result
+
+    per_round: dict[str, list[RunResult]] = {"diffusers": [], **{name: [] for name in ours_runs}}
+    for i, order in enumerate(alternating_orders(["diffusers"], list(ours_runs), rounds)):
+        report(f"round {i + 1} of {rounds}: {', '.join(order)}")
+        for name in order:
+            if name == "diffusers":
+                per_round[name].append(diffusers_run())
+            else:
+                model, forward_loss, opt = bench.ours_model(ours_runs[name])
+                per_round[name].append(bench.time_run(name, model, forward_loss, opt))
+                bench.release(model, opt)
+            r = per_round[name][-1]
+            report(f"  {name}: {r.step_s * 1e3:.1f} ms/step, first loss {r.first_loss:.5f}")
+
+    results: dict[str, RunResult] = {name: merge_rounds(runs) for name, runs in per_round.items()}
+    base = results["diffusers"]
+    report(f"  diffusers: {', '.join(f'{k}={v}' for k, v in baseline.applied(device_type).items())}")
     report(line(base, None))
+    for name, run_recipe in ours_runs.items():
+        report(f"  {name}: {describe(run_recipe, device_type)}")
+        report(line(results[name], base))
+    ours = results["loongforge"]
+    report(f"speed-up (diffusers step time / loongforge step time, same checkpointing): {base.step_s / ours.step_s:.2f}x")
 
-    model, forward_loss, opt = bench.ours_model(recipe)
-    ours = results["loongforge"] = bench.time_run("loongforge", model, forward_loss, opt)
-    report(f"  loongforge: {describe(recipe, bench.device.type)}")
-    report(line(ours, base))
-    report(f"speed-up (diffusers step time / loongforge step time): {base.step_s / ours.step_s:.2f}x")
-
-    if profile and bench.device.type == "cuda":
+    if profile and device_type == "cuda":
+        model, forward_loss, opt = bench.ours_model(headline)
         try:
             report("loongforge: top CUDA kernels over 3 steps (torch.profiler)")
             report(bench.profile(forward_loss, opt))
@@ -320,20 +382,27 @@ def run_bench(recipe, steps: int = 10, warmup: int = 3, batch_size: int = 1,
                 report(f"  {name:<24} {ms:8.2f} ms  {tflops:6.0f} TFLOP/s")
         except Exception:
             report("attention-kernel timing failed (the results above stand):\n" + traceback.format_exc())
-    bench.release(model, opt)
+        bench.release(model, opt)
 
     for name, overrides, variant in configs:
         try:
             model, forward_loss, opt = bench.ours_model(variant)
             results[name] = bench.time_run(name, model, forward_loss, opt)
             bench.release(model, opt)
-            report(f"  {name}: {','.join(overrides)} ({describe(variant, bench.device.type)})")
+            report(f"  {name}: {','.join(overrides)} ({describe(variant, device_type)})")
             report(line(results[name], base))
         except Exception:
             report(f"{name} ({overrides}) failed:\n" + traceback.format_exc())
 
     bad = [r.name for r in results.values() if not agrees(r)]
     if bad:
-        raise AssertionError(f"first-step losses disagree with diffusers ({base.first_loss:.6f}) or the last is not finite: "
-                             + ", ".join(f"{n} {results[n].first_loss:.6f} (last {results[n].last_loss:.6f})" for n in bad))
+        raise FirstLossMismatch(f"first-step losses disagree with diffusers ({base.first_loss:.6f}) or the last is not finite: "
+                                + ", ".join(f"{n} {results[n].first_loss:.6f} (last {results[n].last_loss:.6f})" for n in bad))
     return results
+
+
+def step_seconds_from_config(config: str | None, overrides: list[str], **kwargs) -> dict[str, float]:
+    """``run_bench`` on the config's recipe: each run's seconds per step (one process of ``--processes``)."""
+    from loongforge.diffusion.cli import load_recipe
+
+    return {name: r.step_s for name, r in run_bench(load_recipe(config, overrides), **kwargs).items()}

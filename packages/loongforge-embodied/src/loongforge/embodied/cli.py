@@ -4,7 +4,8 @@ VLA policies, plus ``eval``.
     lf-embodied train [--config NAME|PATH] [--policy pi05|groot] [--data.root PATH] [key=value ...]
     lf-embodied eval --checkpoint RUN_DIR|CKPT_DIR [--data.root PATH] [key=value ...]
     lf-embodied convert lf-to-lerobot CHECKPOINT OUT.safetensors | lerobot-to-lf LEROBOT.safetensors OUT.safetensors
-    lf-embodied bench [--against-lerobot] [--batch-size B] [--steps N] [key=value ...]
+    lf-embodied bench [--against-lerobot] [--batch-size B] [--steps N] [--rounds R] [--processes P]
+                      [--variant NAME=KEY=VALUE,...] [key=value ...]
 
 ``train`` with no arguments trains the tiny Pi0.5-style policy on a synthetic LeRobot dataset
 (written to the cache directory on first use) on the current accelerator, resuming from
@@ -54,42 +55,30 @@ def cmd_eval(args) -> int:
 
 
 def bench_options(parser) -> None:
+    from loongforge.core.bench_protocol import add_protocol_arguments
+
     parser.add_argument("--against-lerobot", action="store_true", help="also time LeRobot's PI05Pytorch (needs policy=pi05_base)")
     parser.add_argument("--batch-size", type=int, default=8)
+    add_protocol_arguments(parser)
 
 
 def bench(args, config: str, overrides: list[str]) -> None:
-    import torch
+    from loongforge.core.bench_protocol import check_protocol, in_fresh_processes, spread_lines
+    from loongforge.core.benchmarking import check_timing
+    from loongforge.embodied.bench import BASELINE, bench_from_config, load_runs, results_lines, step_seconds_from_config
 
-    from loongforge.core.distributed import init_distributed
-    from loongforge.core.training.engine import resolve_dtype
-    from loongforge.embodied.bench import (
-        build_lerobot_pi05_released,
-        lerobot_step,
-        loongforge_step,
-        samples_per_second,
-        synthetic_batch,
-    )
-    from loongforge.embodied.config import load_train_config
-    from loongforge.embodied.policies import build_policy
-
-    cfg = load_train_config(config, overrides)
-    env = init_distributed(group_for_world_of_one=False)
-    batch = synthetic_batch(cfg.policy, args.batch_size, env.device)
-    sync = env.accelerator.synchronize
-    dtype = resolve_dtype(cfg.train.precision, env.device)
-    report = {"policy": cfg.policy.family, "batch_size": args.batch_size, "image_size": cfg.policy.image_size,
-              "device": str(env.device), "precision": str(dtype), "compile": cfg.train.compile}
-    policy = build_policy(cfg.policy).to(env.device)
-    step = loongforge_step(policy, cfg.train, env.device, batch)
-    report["loongforge_samples_per_s"] = samples_per_second(step, args.batch_size, args.steps, args.warmup, sync)
-    del policy, step
-    if args.against_lerobot:
-        ref = build_lerobot_pi05_released(cfg.policy, dtype="bfloat16" if dtype == torch.bfloat16 else "float32")
-        ref = ref.to(env.device)
-        report["lerobot_samples_per_s"] = samples_per_second(lerobot_step(ref, batch), args.batch_size, args.steps, args.warmup, sync)
-        report["speedup"] = report["loongforge_samples_per_s"] / report["lerobot_samples_per_s"]
-    print(json.dumps(report, indent=1))
+    check_timing(args.steps, args.warmup)
+    check_protocol(args.rounds, args.processes)
+    load_runs(config, overrides, args.variant)  # a bad variant fails before any run
+    kwargs = dict(config=config, overrides=overrides, variants=args.variant, batch_size=args.batch_size,
+                  steps=args.steps, warmup=args.warmup, rounds=args.rounds, against_lerobot=args.against_lerobot)
+    if args.processes > 1:
+        per_process = in_fresh_processes(step_seconds_from_config, kwargs, args.processes)
+        print("\n".join(spread_lines(per_process, [BASELINE] if args.against_lerobot else [])))
+        return
+    results = bench_from_config(**kwargs)
+    print("\n".join(results_lines(results)))
+    print(json.dumps({name: vars(r) for name, r in results.items()}, indent=1))
 
 
 def lf_to_lerobot(source: str, out: str, args) -> str:

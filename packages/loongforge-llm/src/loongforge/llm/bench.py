@@ -6,9 +6,15 @@ other:
 
 - ``matmul``: a square matrix product in the run's dtype, the measured peak that MFU is taken
   against;
-- ``hf_sdpa`` / ``hf_sdpa_compile``: ``LlamaForCausalLM`` of the same architecture with SDPA
-  attention (and under ``torch.compile``; CUDA only), weights in the run's dtype, AdamW (fused on
-  CUDA), the same micro-batches per step;
+- ``hf_compile`` (the headline baseline), ``hf_liger_compile`` and ``hf_eager``:
+  ``LlamaForCausalLM`` of the same architecture set up as transformers recommends for training on
+  a GPU (``hf_recipe``: FlashAttention-2 where flash-attn is installed, else SDPA; under
+  ``torch.compile``; fused AdamW, TF32, gradient clipping at ``train.clip_grad``), weights in the
+  run's dtype, the same micro-batches per step; ``hf_liger_compile`` adds Liger's Triton kernels
+  (``apply_liger_kernel_to_llama``: RoPE, RMSNorm, SwiGLU, fused linear cross-entropy) and runs
+  in a fresh process of its own (Liger patches transformers' module for the whole process); it is
+  left out, with a line saying so, where liger-kernel is not installed; ``hf_eager`` is the
+  uncompiled ``hf_compile``. The compiled ones run on CUDA only;
 - ``ours``: the config's model and ``Trainer.train_step`` (megatron DDP, fp32 main
   weights and grads, AdamW, grad clipping, LR schedule) on random tokens; ``--variant`` adds runs
   with more config overrides (``train.recompute=selective``; commas inside brackets or quotes stay
@@ -20,8 +26,15 @@ other:
   choice. ``adaptive`` needs a GPU with the fused FP8 kernels and is refused before any run
   elsewhere.
 
-Each run: warm-up steps, then ``--steps`` timed steps; tokens/s, model TFLOP/s
-(``GPTConfig.flops_per_token``), MFU against the measured matmul and peak memory (GPUs). The table
+Every run starts from the same weights: a random ``LlamaForCausalLM`` saved once, read by ours
+through ``model.init_from_hf``; every run's first-step loss must agree with the headline
+baseline's (``FirstLossMismatch`` beyond the precision's tolerance). The runs alternate order
+round by round (``--rounds``: the baselines first, then ours first, ...); ``--processes N``
+repeats the bench in N fresh processes and prints each run's median and spread.
+
+Each run: warm-up steps, then ``--steps`` timed steps (the median over all rounds); tokens/s,
+model TFLOP/s (``GPTConfig.flops_per_token``), MFU against the measured matmul and against the
+device's spec peak (``loongforge.core.device_peaks``), and peak memory (GPUs). The table
 of ratios of ours to each baseline comes last, after a torch.profiler table of ours' top GPU
 kernels (CUDA). On CPU (fp32) it is a smoke run of the same code, e.g. ``--config train_debug``.
 """
@@ -35,12 +48,38 @@ from dataclasses import dataclass
 
 import torch
 
-from loongforge.core.benchmarking import (BenchDevice, RunResult, check_timing, parse_variant, profile_tables,
-                                          results_table)
+from loongforge.core.baseline_recipe import BaselineRecipe, tf32_matmuls
+from loongforge.core.bench_protocol import (alternating_orders, check_first_losses, check_protocol, in_fresh_process,
+                                            median, timed_steps)
+from loongforge.core.benchmarking import (BenchDevice, ExtraColumn, RunResult, check_timing, parse_variant,
+                                          profile_tables, results_table)
+from loongforge.core.device_peaks import spec_peak_bf16
 from loongforge.core.config import ConfigError
 from loongforge.llm.recipe import LLMConfig, load_llm_config
 
 BENCH_KNOBS = ("spec.recompute_elementwise", "attention_backend")
+BASELINES = ("hf_compile", "hf_liger_compile", "hf_eager")  # the headline baseline first
+
+
+def installed(module: str) -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec(module) is not None
+
+
+def hf_recipe(flash_attn: bool | None = None, liger: bool | None = None) -> BaselineRecipe:
+    """transformers' Llama as its docs recommend for training on a GPU, with and without Liger."""
+    flash = installed("flash_attn") if flash_attn is None else flash_attn
+    liger = installed("liger_kernel") if liger is None else liger
+    return BaselineRecipe(
+        project="transformers LlamaForCausalLM",
+        source="transformers docs: flash_attention_2 (flash-attn installed) else sdpa, torch.compile; Liger's "
+               "apply_liger_kernel_to_llama",
+        options={"attn_implementation": "flash_attention_2" if flash else "sdpa", "compile": True,
+                 "fused_adamw": True, "tf32": True, "clip_grad": True, "liger_kernel": liger},
+        cuda_only=frozenset({"compile", "fused_adamw", "tf32", "liger_kernel"} | ({"attn_implementation"} if flash else set())),
+        notes=(() if liger else ("hf_liger_compile: liger-kernel is not installed, the run is left out",)),
+    )
 TRUTH = {"true": True, "1": True, "yes": True, "false": False, "0": False, "no": False}
 
 
@@ -76,14 +115,18 @@ def split_overrides(overrides: list[str]) -> tuple[list[str], dict]:
 
 
 def micro_batches(cfg: LLMConfig, device) -> list[dict]:
-    """One step's micro-batches of random tokens (one process; the same for every run of the bench)."""
+    """One step's micro-batches of random tokens (one process; the same for every run of the bench):
+    next-token labels with the last position masked, the targets transformers takes from
+    ``labels=tokens`` (it shifts them itself)."""
     t = cfg.train
     count = t.global_batch_size // t.micro_batch_size
     g = torch.Generator().manual_seed(t.seed)
     out = []
     for _ in range(count):
         tokens = torch.randint(0, cfg.model.vocab_size, (t.micro_batch_size, t.seq_length), generator=g).to(device)
-        out.append({"tokens": tokens, "labels": tokens, "loss_mask": torch.ones_like(tokens, dtype=torch.float32),
+        mask = torch.ones_like(tokens, dtype=torch.float32)
+        mask[:, -1] = 0
+        out.append({"tokens": tokens, "labels": torch.roll(tokens, -1, dims=1), "loss_mask": mask,
                     "position_ids": torch.arange(t.seq_length, device=device).expand(t.micro_batch_size, -1).contiguous()})
     return out
 
@@ -107,21 +150,59 @@ def hf_llama_config(cfg: LLMConfig):
     return hf
 
 
-def hf_step(cfg: LLMConfig, dev: BenchDevice, compile_: bool):
+def save_hf_model(cfg: LLMConfig, directory: str, dtype: torch.dtype) -> None:
+    """A random ``LlamaForCausalLM`` of the config's model (seed ``train.seed``), saved in ``dtype``:
+    the weights every run starts from."""
     from transformers import LlamaForCausalLM
 
-    model = LlamaForCausalLM(hf_llama_config(cfg)).to(dev.device, dev.dtype)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=dev.cuda)
+    torch.manual_seed(cfg.train.seed)
+    LlamaForCausalLM(hf_llama_config(cfg)).to(dtype).save_pretrained(directory)
+
+
+def hf_step(cfg: LLMConfig, hf_dir: str, dev: BenchDevice, recipe: BaselineRecipe, compile_: bool, liger: bool = False):
+    """A transformers training step per ``recipe`` on the bench's micro-batches (the loss of each
+    scaled by their count, as gradient accumulation does); it returns the step's loss."""
+    from transformers import LlamaForCausalLM
+
+    applied = recipe.applied(dev.device.type)
+    model = LlamaForCausalLM.from_pretrained(hf_dir, attn_implementation=applied["attn_implementation"] or "sdpa",
+                                             dtype=dev.dtype).to(dev.device)
+    if liger:
+        from liger_kernel.transformers import apply_liger_kernel_to_llama
+
+        apply_liger_kernel_to_llama(model=model)
+    model.train()
+    params = list(model.parameters())
+    opt = torch.optim.AdamW(params, lr=1e-4, fused=bool(applied["fused_adamw"]))
     batches = [b["tokens"] for b in micro_batches(cfg, dev.device)]
     forward = torch.compile(model) if compile_ else model
+    clip = cfg.train.clip_grad if applied["clip_grad"] else 0
 
     def step():
+        total = 0.0
         for tokens in batches:
-            forward(input_ids=tokens, labels=tokens).loss.backward()
+            loss = forward(input_ids=tokens, labels=tokens).loss / len(batches)
+            loss.backward()
+            total = total + loss.detach()
+        if clip > 0:
+            torch.nn.utils.clip_grad_norm_(params, clip)
         opt.step()
         opt.zero_grad(set_to_none=True)
+        return total
 
     return step, (model, opt)
+
+
+def hf_liger_run(config: str, overrides: list[str], hf_dir: str, steps: int, warmup: int) -> dict:
+    """``hf_liger_compile`` in this (fresh) process: its first-step loss, step times and peak GiB."""
+    dev = BenchDevice()
+    cfg = load_llm_config(config, overrides)
+    recipe = hf_recipe()
+    dev.fresh_memory()
+    with tf32_matmuls(bool(recipe.applied(dev.device.type)["tf32"])):
+        step, keep = hf_step(cfg, hf_dir, dev, recipe, compile_=dev.cuda, liger=True)
+        first, times = timed_steps(step, steps, warmup, dev.accel.synchronize)
+    return {"first": first, "times": times, "peak": dev.peak_gib()}
 
 
 def our_step(run: Run):
@@ -154,7 +235,7 @@ def our_step(run: Run):
     batches = micro_batches(cfg, ctx.accelerator.device())
 
     def step():
-        trainer.train_step(batches)
+        return trainer.train_step(batches).loss
 
     return step, (trainer, task, ctx)
 
@@ -165,7 +246,8 @@ def plan_runs(config: str, overrides: list[str], variants: list[str], fp8: list[
     and each knob checked here, so that a bad one fails before any run."""
     def ours(name: str, items: list[str]) -> Run:
         config_overrides, knobs = split_overrides([*overrides, *items])
-        cfg = load_llm_config(config, [*config_overrides, f"log.run_dir={run_dir}/{name}", "log.tensorboard=false",
+        cfg = load_llm_config(config, [f"model.init_from_hf={run_dir}/hf", *config_overrides,
+                                       f"log.run_dir={run_dir}/{name}", "log.tensorboard=false",
                                        "log.progress=false", "checkpoint.save=false",
                                        "checkpoint.resume=false"])
         return Run(name, cfg, knobs)
@@ -181,58 +263,105 @@ def plan_runs(config: str, overrides: list[str], variants: list[str], fp8: list[
     for spec in variants:
         runs.append(ours(*parse_variant(spec, [r.name for r in runs])))
     base = runs[0].cfg
-    return runs + [Run(n, base, {}) for n in ("hf_sdpa", "hf_sdpa_compile") if n not in skip and (cuda or n == "hf_sdpa")]
+    liger = installed("liger_kernel")
+    wanted = [n for n in BASELINES if n not in skip and (cuda or n == "hf_eager") and (liger or n != "hf_liger_compile")]
+    return [Run(n, base, {}) for n in wanted] + runs
+
+
+def same_step(a: LLMConfig, b: LLMConfig) -> bool:
+    """Whether two runs train the same model on the same micro-batches (their first losses compare)."""
+    ta, tb = a.train, b.train
+    return (a.model == b.model and (ta.global_batch_size, ta.micro_batch_size, ta.seq_length, ta.seed)
+            == (tb.global_batch_size, tb.micro_batch_size, tb.seq_length, tb.seed))
 
 
 def run_bench(config: str = "train_0_5b", overrides: list[str] = (), steps: int = 10, warmup: int = 3,
               variants: list[str] = (), fp8: list[str] = (), skip: list[str] = (), profile_rows: int = 25,
-              trace: str | None = None, report: Callable[[str], None] = print) -> dict[str, RunResult]:
+              trace: str | None = None, rounds: int = 2, report: Callable[[str], None] = print,
+              seconds_out: dict[str, float] | None = None) -> dict[str, RunResult]:
     """Every run's tokens/s, TFLOP/s, MFU and peak memory; ``report`` gets each line when known.
-    Tokens and FLOPs per step are each run's own (a variant may change the batch or the model)."""
+    Tokens and FLOPs per step are each run's own (a variant may change the batch or the model; its
+    first-step loss is then not compared). ``seconds_out``: also gets each run's median seconds per step."""
     from loongforge.core.parallel import destroy_parallel
 
     check_timing(steps, warmup)
+    check_protocol(rounds, 1)
     dev = BenchDevice()
     with tempfile.TemporaryDirectory() as run_dir:
+        # the configs name the HF directory: its config.json first, the weights once every run is checked
+        hf_llama_config(load_llm_config(config, split_overrides(list(overrides))[0])).save_pretrained(f"{run_dir}/hf")
         runs = plan_runs(config, list(overrides), list(variants), list(fp8), list(skip), dev.cuda, run_dir)
-        hf_llama_config(runs[0].cfg)  # a family the baseline cannot build fails here
+        base = next(r for r in runs if r.name == "ours").cfg
         warnings.filterwarnings("ignore")
         peak = dev.matmul_peak()
-        t = runs[0].cfg.train
-        report(f"device: {dev.describe()}; measured matmul {peak / 1e12:.2f} TFLOP/s; "
-               f"{runs[0].cfg.model.flops_per_token(t.seq_length) / 1e9:.3f} GFLOP/token; "
+        spec = spec_peak_bf16(torch.cuda.get_device_name()) if dev.cuda else None
+        t = base.train
+        report(f"device: {dev.describe()}; measured matmul {peak / 1e12:.2f} TFLOP/s; spec peak "
+               f"{f'{spec / 1e12:.0f} TFLOP/s (dense bf16)' if spec else 'not listed for this device'}; "
+               f"{base.model.flops_per_token(t.seq_length) / 1e9:.3f} GFLOP/token; "
                f"{t.global_batch_size * t.seq_length} tokens/step ({config})")
-        if not dev.cuda and "hf_sdpa_compile" not in skip:
-            report("hf_sdpa_compile: skipped (the compiled baseline runs on CUDA only)")
+        recipe = hf_recipe()
+        for text in recipe.lines(dev.device.type):
+            report(text)
+        if not dev.cuda:
+            report("hf_compile, hf_liger_compile: skipped (the compiled baselines run on CUDA only)")
+        save_hf_model(base, f"{run_dir}/hf", dev.dtype)
+        tf32 = bool(recipe.applied(dev.device.type)["tf32"])
+
+        by_name = {r.name: r for r in runs}
+        times: dict[str, list[float]] = {r.name: [] for r in runs}
+        peaks: dict[str, float] = {}
+        firsts: dict[str, float] = {}
+        profile, fp8_plan = None, None
+        baselines = [r.name for r in runs if r.baseline]
+        for i, order in enumerate(alternating_orders(baselines, [r.name for r in runs if not r.baseline], rounds)):
+            report(f"round {i + 1} of {rounds}: {', '.join(order)}")
+            for name in order:
+                run = by_name[name]
+                dev.fresh_memory()
+                if name == "hf_liger_compile":  # Liger patches transformers for the whole process
+                    out = in_fresh_process(hf_liger_run, dict(config=config, overrides=list(overrides),
+                                                              hf_dir=f"{run_dir}/hf", steps=steps, warmup=warmup))
+                    first, seconds, memory = out["first"], out["times"], out["peak"]
+                else:
+                    try:
+                        with tf32_matmuls(tf32 and run.baseline):
+                            if run.baseline:
+                                step, keep = hf_step(run.cfg, f"{run_dir}/hf", dev, recipe, compile_=name == "hf_compile")
+                            else:
+                                step, keep = our_step(run)
+                                if name == "ours_fp8_adaptive":
+                                    fp8_plan = keep[1].fp8_plan  # the task's plan, made when its model was built
+                            first, seconds = timed_steps(step, steps, warmup, dev.accel.synchronize)
+                            memory = dev.peak_gib()
+                            if name == "ours" and profile_rows and dev.cuda and profile is None:
+                                profile = profile_tables(step, dev, profile_rows, trace)
+                        del step, keep
+                    finally:
+                        if not run.baseline:
+                            destroy_parallel()
+                peaks[name] = max(peaks.get(name, float("-inf")), memory)
+                firsts.setdefault(name, first)
+                times[name] += seconds
+                report(f"  {name}: {median(seconds) * 1e3:.1f} ms/step, first-step loss {first:.5f}")
 
         results: dict[str, RunResult] = {}
-        profile, fp8_plan = None, None
         for run in runs:
-            dev.fresh_memory()
-            try:
-                if run.baseline:
-                    step, keep = hf_step(run.cfg, dev, compile_=run.name.endswith("compile"))
-                else:
-                    step, keep = our_step(run)
-                    if run.name == "ours_fp8_adaptive":
-                        fp8_plan = keep[1].fp8_plan  # the task's plan, made when its model was built
-                seconds = dev.timed(step, steps, warmup)
-                memory = dev.peak_gib()
-                if run.name == "ours" and profile_rows and dev.cuda:
-                    profile = profile_tables(step, dev, profile_rows, trace)
-                del step, keep
-            finally:
-                if not run.baseline:
-                    destroy_parallel()
+            seconds = median(times[run.name])
             t = run.cfg.train
             tokens = t.global_batch_size * t.seq_length
             tps, flops = tokens / seconds, tokens * run.cfg.model.flops_per_token(t.seq_length) / seconds
-            results[run.name] = RunResult(tps, flops / 1e12, flops / peak, memory)
+            results[run.name] = RunResult(tps, flops / 1e12, flops / peak, peaks[run.name])
+            if seconds_out is not None:
+                seconds_out[run.name] = seconds
             report(f"{run.name}: {seconds * 1e3:.1f} ms/step, {tps:,.0f} tokens/s ({tokens} a step), "
-                   f"{memory:.1f} GiB")
+                   f"{peaks[run.name]:.1f} GiB, first-step loss {firsts[run.name]:.5f}")
     if profile:
         report("\nours, torch.profiler:\n" + profile)
-    report("\n" + "\n".join(results_table(results)))
+    extra = [ExtraColumn("MFU spec", {n: (r.tflops * 1e12 / spec if spec else float("nan")) for n, r in results.items()},
+                         spec=".1%"),
+             ExtraColumn("loss@1", firsts, width=10)]
+    report("\n" + "\n".join(results_table(results, extra=extra)))
     for mode in dict.fromkeys(fp8):
         a, b = results[f"ours_fp8_{mode}"], results["ours"]
         report(f"fp8={mode} / bf16 (ours): {a.tokens_per_s / b.tokens_per_s:.2f}x tokens/s, "
@@ -240,4 +369,18 @@ def run_bench(config: str = "train_0_5b", overrides: list[str] = (), steps: int 
     if fp8_plan is not None:
         report("\nfp8=adaptive, the run's FP8 plan (one line per linear shape, out x in of its local weight; ms of one "
                "forward+backward with the GEMMs named in FP8, f/d/w = fprop/dgrad/wgrad):\n" + fp8_plan.table())
+    reference = runs[0].name  # the headline baseline (ours where every baseline is skipped)
+    compared = {r.name: firsts[r.name] for r in runs if same_step(r.cfg, base)}
+    for r in runs:
+        if r.name not in compared:
+            report(f"first-step loss {r.name}: not compared (another model or batch than ours)")
+    for text in check_first_losses(compared, reference, dev.dtype, fp8_runs=[f"ours_fp8_{m}" for m in fp8]):
+        report(text)
     return results
+
+
+def step_seconds(**kwargs) -> dict[str, float]:
+    """``run_bench``'s median seconds per step of each run (one process of ``--processes``)."""
+    out: dict[str, float] = {}
+    run_bench(**kwargs, seconds_out=out)
+    return out

@@ -10,9 +10,12 @@ merger and the ``qwen2_5_0_5b`` foundation (``--tiny``: the ``*_debug`` parts; `
 image of ``--image-size`` pixels square between ``--text-tokens`` random text tokens; the loss is
 on the text tokens. In one process, on the same device, one after the other:
 
-- ``hf_sdpa`` / ``hf_sdpa_compile``: ``Qwen2_5_VLForConditionalGeneration`` (config from
-  ``loongforge.vlm.hf.config_to_hf``, ``attn_implementation="sdpa"``; and under ``torch.compile``)
-  on the whole batch at once, weights in the step's dtype, fused ``torch.optim.AdamW``;
+- ``hf_compile`` (the headline baseline) / ``hf_eager``: ``Qwen2_5_VLForConditionalGeneration``
+  (config from ``loongforge.vlm.hf.config_to_hf``) set up as transformers recommends for training
+  on a GPU (``hf_recipe``): ``attn_implementation="flash_attention_2"`` where flash-attn is
+  installed, else ``"sdpa"``; under ``torch.compile`` (``hf_eager``: the same uncompiled; on CPU
+  the compiled one runs only with ``--compile-on-cpu``); weights in the step's dtype; fused
+  ``torch.optim.AdamW`` and TF32 on CUDA; on the whole batch at once;
 - ``ours``: ``VLMTask``'s model and ``Trainer.train_step`` (megatron DDP, fp32 main
   weights and grads, AdamW, grad clipping) on the same samples, all of them packed into one
   micro-batch with a document-causal mask, as transformers gets them in one forward (``--pack K``:
@@ -23,6 +26,12 @@ on the text tokens. In one process, on the same device, one after the other:
 Both models hold the same weights: the transformers model's random initialisation is saved and
 read into ours through the ``vlm`` family's HF mapping, and the positions given to transformers
 are the multimodal RoPE positions ours computes, so the first step's losses agree (printed).
+
+The runs alternate order round by round (``--rounds``: the baselines first, then ours first,
+...); a run's step time is the median of its timed steps over all rounds. The bench prints the
+baseline's settings and checks every run's first-step loss against the headline baseline's
+(``FirstLossMismatch`` beyond the precision's tolerance). ``--processes N`` repeats the bench in
+N fresh processes and prints each run's median and spread across them.
 
 Each run: warm-up steps, then ``--steps`` timed steps; tokens/s (the foundation's tokens: text and
 image tokens), model TFLOP/s (the foundation's FLOPs per token plus the encoder's per patch), MFU
@@ -44,11 +53,34 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from loongforge.core.baseline_recipe import BaselineRecipe, tf32_matmuls
+from loongforge.core.bench_protocol import alternating_orders, check_first_losses, median, timed_steps
 from loongforge.core.benchmarking import (BenchDevice, ExtraColumn, RunResult, check_timing, parse_variant,
                                           profile_tables, results_table)
 from loongforge.core.config import ConfigError
 
-BASELINES = ("hf_sdpa", "hf_sdpa_compile")
+BASELINES = ("hf_compile", "hf_eager")  # the headline baseline first
+
+
+def flash_attn_installed() -> bool:
+    """Whether the ``flash-attn`` package imports here (transformers' ``flash_attention_2`` needs it)."""
+    import importlib.util
+
+    return importlib.util.find_spec("flash_attn") is not None
+
+
+def hf_recipe(flash_attn: bool | None = None) -> BaselineRecipe:
+    """transformers' Qwen2.5-VL as its docs recommend for training on a GPU: FlashAttention-2 when
+    flash-attn is installed (else SDPA), ``torch.compile``, fused AdamW, TF32."""
+    flash = flash_attn_installed() if flash_attn is None else flash_attn
+    return BaselineRecipe(
+        project="transformers Qwen2_5_VLForConditionalGeneration",
+        source="transformers docs: attn_implementation flash_attention_2 (flash-attn installed) else sdpa, torch.compile",
+        options={"attn_implementation": "flash_attention_2" if flash else "sdpa", "compile": True,
+                 "fused_adamw": True, "tf32": True},
+        cuda_only=frozenset({"fused_adamw", "tf32", "compile"} | ({"attn_implementation"} if flash else set())),
+        notes=("hf_eager: the same, uncompiled; on CPU the compiled baseline runs only with --compile-on-cpu",),
+    )
 
 
 # -- the case ----------------------------------------------------------------------------------
@@ -142,24 +174,24 @@ def save_hf_model(cfg, case: Case, directory: Path) -> None:
     del model
 
 
-def hf_step(hf_dir: Path, batch: Batch, case: Case, compile_: bool):
+def hf_step(hf_dir: Path, batch: Batch, case: Case, recipe: BaselineRecipe, compile_: bool):
     from transformers import Qwen2_5_VLForConditionalGeneration
 
-    model = Qwen2_5_VLForConditionalGeneration.from_pretrained(hf_dir, attn_implementation="sdpa", dtype=case.dtype)
+    applied = recipe.applied(case.device.type)
+    model = Qwen2_5_VLForConditionalGeneration.from_pretrained(
+        hf_dir, attn_implementation=applied["attn_implementation"] or "sdpa", dtype=case.dtype)
     model.to(case.device).train()
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=case.device.type == "cuda")
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=bool(applied["fused_adamw"]))
     forward = torch.compile(model) if compile_ else model
-    losses = []
 
     def step():
         loss = forward(**batch.hf_inputs).loss
         loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
-        if not losses:
-            losses.append(loss.item())
+        return loss.detach()
 
-    return step, losses, (model, opt)
+    return step, (model, opt)
 
 
 # -- ours --------------------------------------------------------------------------------------
@@ -194,14 +226,10 @@ def our_step(cfg, hf_dir: Path, batch: Batch, case: Case, pack_size: int):
     groups = [batch.samples[i:i + pack_size] for i in range(0, len(batch.samples), pack_size)]
     micro_batches = [{k: v.to(case.device) if isinstance(v, torch.Tensor) else v for k, v in pack(g).items()}
                      for g in groups]
-    losses = []
-
     def step():
-        result = trainer.train_step(micro_batches)
-        if not losses:
-            losses.append(result.loss)
+        return trainer.train_step(micro_batches).loss
 
-    return step, losses, (trainer, task, ctx)
+    return step, (trainer, task, ctx)
 
 
 # -- the command ---------------------------------------------------------------------------------
@@ -216,10 +244,13 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--pack", type=int, default=None,
                         help="samples per packed micro-batch of ours (default: all samples of a step in one)")
     parser.add_argument("--skip", action="append", default=[], choices=BASELINES,
-                        help="a baseline to leave out (on CPU hf_sdpa_compile is left out unless --compile-on-cpu)")
+                        help="a baseline to leave out (on CPU hf_compile is left out unless --compile-on-cpu)")
     parser.add_argument("--compile-on-cpu", action="store_true")
     parser.add_argument("--profile-rows", type=int, default=25, help="0: no profiler table")
     parser.add_argument("--trace", default=None, help="write a Chrome trace of the profiled steps of ours here")
+    from loongforge.core.bench_protocol import add_protocol_arguments
+
+    add_protocol_arguments(parser)
 
 
 def make_case(args, dev: BenchDevice, config: str, overrides: list[str]) -> Case:
@@ -243,7 +274,7 @@ def make_case(args, dev: BenchDevice, config: str, overrides: list[str]) -> Case
 def plan_runs(args, case: Case) -> list[tuple[str, list[str] | None]]:
     """(name, overrides) of every run: the baselines (overrides None), ours, the variants; a
     malformed variant fails here, before any run."""
-    skip = set(args.skip) | ({"hf_sdpa_compile"} if case.device.type == "cpu" and not args.compile_on_cpu else set())
+    skip = set(args.skip) | ({"hf_compile"} if case.device.type == "cpu" and not args.compile_on_cpu else set())
     runs = [(name, None) for name in BASELINES if name not in skip] + [("ours", [])]
     for spec in args.variant:
         name, items = parse_variant(spec, [r[0] for r in runs])
@@ -259,6 +290,7 @@ class VLMRunResult(RunResult):
     """One run's measurements and its first step's loss (the same weights: the runs' should agree)."""
 
     first_loss: float
+    step_s: float  # median seconds per step
 
 
 def run_bench(args, config: str = "vlm_debug", overrides: list[str] = (),
@@ -266,7 +298,10 @@ def run_bench(args, config: str = "vlm_debug", overrides: list[str] = (),
     """Every run's tokens/s, TFLOP/s, MFU, peak GiB and first-step loss; ``report`` gets each line when known."""
     from loongforge.vlm.recipe import VLMTask
 
+    from loongforge.core.bench_protocol import check_protocol
+
     check_timing(args.steps, args.warmup)
+    check_protocol(args.rounds, args.processes)
     dev = BenchDevice()
     case = make_case(args, dev, config, list(overrides))
     runs = plan_runs(args, case)
@@ -297,37 +332,71 @@ def run_bench(args, config: str = "vlm_debug", overrides: list[str] = (),
         hf_dir = Path(scratch) / "hf"
         save_hf_model(cfg, case, hf_dir)
 
-        results, profile = {}, None
-        for name, overrides in runs:
-            dev.fresh_memory()
-            try:
-                if overrides is None:
-                    step, losses, keep = hf_step(hf_dir, batch, case, compile_=name.endswith("compile"))
-                else:
-                    run_cfg, pack_size = ours_configs[name]
-                    step, losses, keep = our_step(run_cfg, hf_dir, batch, case, pack_size)
-                seconds = dev.timed(step, args.steps, args.warmup)
-                if name == "ours" and args.profile_rows:
-                    profile = profile_tables(step, dev, args.profile_rows, args.trace)
-            except Exception as error:  # a failing baseline is reported, the others still run
-                if overrides is not None:
-                    raise
-                report(f"{name}: failed: {type(error).__name__}: {error}")
-                continue
-            finally:
-                if overrides is not None:
-                    from loongforge.core.parallel import destroy_parallel
+        recipe = hf_recipe()
+        for text in recipe.lines(case.device.type):
+            report(text)
+        configs = dict(runs)
+        baselines = [name for name, o in runs if o is None]
+        times: dict[str, list[float]] = {name: [] for name, _ in runs}
+        peaks: dict[str, float] = {}
+        firsts: dict[str, float] = {}
+        failed: set[str] = set()
+        profile = None
+        for i, order in enumerate(alternating_orders(baselines, [n for n, o in runs if o is not None], args.rounds)):
+            report(f"round {i + 1} of {args.rounds}: {', '.join(order)}")
+            for name in order:
+                if name in failed:
+                    continue
+                overrides = configs[name]
+                dev.fresh_memory()
+                try:
+                    if overrides is None:
+                        with tf32_matmuls(bool(recipe.applied(case.device.type)["tf32"])):
+                            step, keep = hf_step(hf_dir, batch, case, recipe, compile_=name == "hf_compile")
+                            first, seconds = timed_steps(step, args.steps, args.warmup, dev.accel.synchronize)
+                    else:
+                        run_cfg, pack_size = ours_configs[name]
+                        step, keep = our_step(run_cfg, hf_dir, batch, case, pack_size)
+                        first, seconds = timed_steps(step, args.steps, args.warmup, dev.accel.synchronize)
+                        if name == "ours" and args.profile_rows and profile is None:
+                            profile = profile_tables(step, dev, args.profile_rows, args.trace)
+                except Exception as error:  # a failing baseline is reported, the others still run
+                    if overrides is not None:
+                        raise
+                    report(f"{name}: failed: {type(error).__name__}: {error}")
+                    failed.add(name)
+                    continue
+                finally:
+                    if overrides is not None:
+                        from loongforge.core.parallel import destroy_parallel
 
-                    destroy_parallel()
-            memory = dev.peak_gib()
-            tps = batch.tokens / seconds
-            flops = flops_per_step / seconds
-            results[name] = VLMRunResult(tps, flops / 1e12, flops / peak, memory, losses[0])
-            report(f"{name}: {seconds * 1e3:.1f} ms/step, {tps:,.0f} tokens/s, peak memory {memory:.1f} GiB, "
-                   f"first-step loss {losses[0]:.4f}")
-            del step, keep
+                        destroy_parallel()
+                peaks[name] = max(peaks.get(name, float("-inf")), dev.peak_gib())
+                firsts.setdefault(name, first)
+                times[name] += seconds
+                report(f"  {name}: {median(seconds) * 1e3:.1f} ms/step, first-step loss {first:.4f}")
+                del step, keep
+
+        results = {}
+        for name in times:
+            if name in failed:
+                continue
+            seconds = median(times[name])
+            tps, flops = batch.tokens / seconds, flops_per_step / seconds
+            results[name] = VLMRunResult(tps, flops / 1e12, flops / peak, peaks[name], firsts[name], seconds)
+            report(f"{name}: {seconds * 1e3:.1f} ms/step, {tps:,.0f} tokens/s, peak memory {peaks[name]:.1f} GiB, "
+                   f"first-step loss {firsts[name]:.4f}")
     if profile:
         report("\nours, torch.profiler:\n" + profile)
     first_losses = ExtraColumn("loss@1", {name: r.first_loss for name, r in results.items()})
     report("\n" + "\n".join(results_table(results, tokens_decimals=1, extra=[first_losses])))
+    reference = next((b for b in BASELINES if b in results), "ours")
+    for text in check_first_losses({n: r.first_loss for n, r in results.items()}, reference, case.dtype):
+        report(text)
     return results
+
+
+def step_seconds_from_args(options: dict, config: str, overrides: list[str]) -> dict[str, float]:
+    """``run_bench`` with the command's options: each run's seconds per step (one process of ``--processes``)."""
+    results = run_bench(argparse.Namespace(**options), config, overrides)
+    return {name: r.step_s for name, r in results.items()}

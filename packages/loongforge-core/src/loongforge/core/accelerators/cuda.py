@@ -5,9 +5,7 @@ from __future__ import annotations
 import torch
 
 from loongforge.core.accelerators.base import Accelerator, MemoryStats
-
-# Dense bf16/fp16 tensor-core peak FLOP/s per device, by name fragment (for MFU only).
-_PEAK_BF16 = {"H200": 989e12, "H100": 989e12, "H800": 989e12, "H20": 148e12, "A100": 312e12, "A800": 312e12, "L40": 181e12}
+from loongforge.core.device_peaks import spec_peak_bf16
 
 
 class CudaAccelerator(Accelerator):
@@ -47,8 +45,7 @@ class CudaAccelerator(Accelerator):
         return torch.cuda.is_available()
 
     def peak_flops(self, dtype: torch.dtype) -> float | None:
-        name = torch.cuda.get_device_name()
-        for frag, flops in _PEAK_BF16.items():
-            if frag in name:
-                return flops / 2 if dtype == torch.float32 else flops  # fp32 runs as TF32
-        return None
+        flops = spec_peak_bf16(torch.cuda.get_device_name())
+        if flops is None:
+            return None
+        return flops / 2 if dtype == torch.float32 else flops  # fp32 runs as TF32
