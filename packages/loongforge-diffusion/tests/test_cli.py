@@ -5,6 +5,7 @@ import json
 import numpy as np
 import pytest
 import torch
+from diffusers import WanTransformer3DModel
 from PIL import Image
 
 from loongforge.core.checkpoint import load_checkpoint
@@ -53,6 +54,10 @@ def test_train_then_sample_then_convert(tmp_path, synthetic_overrides, builtin_l
     assert json.loads((out / "config.json").read_text())["num_layers"] == 2
     for key, value in exported.items():
         assert torch.equal(value, tensors[f"ema.transformer.{key}"]), key
+    loaded = WanTransformer3DModel.from_pretrained(str(out))  # the export is a diffusers checkpoint
+    assert set(loaded.state_dict()) == set(exported)
+    for key, value in loaded.state_dict().items():
+        assert torch.equal(value, exported[key]), key
 
 
 @pytest.mark.parametrize("fp8", ["none", "tensorwise"])  # FP8 scales are current: nothing to carry over

@@ -287,6 +287,32 @@ def test_pretrained_import_and_export_roundtrip(tmp_path):
         load_pretrained(WanExperts(WanConfig(num_layers=3)), tmp_path / "src")
 
 
+@pytest.mark.parametrize("boundary_ratio", [None, 0.6])
+def test_export_loads_with_diffusers_from_pretrained(tmp_path, boundary_ratio):
+    """What export_diffusers writes (one transformer, or Wan 2.2's transformer/ + transformer_2/)
+    is a checkpoint diffusers' WanTransformer3DModel.from_pretrained loads, with our weights and
+    our forward."""
+    cfg = WanConfig(boundary_ratio=boundary_ratio)
+    torch.manual_seed(2)
+    experts = WanExperts(cfg).eval()
+    state = {f"{name}.{k}": v for name in experts.names for k, v in experts.expert(name).state_dict().items()}
+    written = export_diffusers(state, cfg, tmp_path / "out")
+    assert len(written) == len(experts.names)
+    x, t, text = torch.randn(1, 4, 2, 4, 4), torch.tensor([400.0]), torch.randn(1, cfg.text_len, cfg.text_dim)
+    for name, directory in zip(experts.names, written):
+        if boundary_ratio is None:
+            loaded = WanTransformer3DModel.from_pretrained(str(tmp_path / "out"))
+        else:
+            loaded = WanTransformer3DModel.from_pretrained(str(tmp_path / "out"), subfolder=name)
+        loaded.eval()
+        ours = experts.expert(name)
+        assert set(loaded.state_dict()) == set(ours.state_dict())
+        for k, v in ours.state_dict().items():
+            assert torch.equal(loaded.state_dict()[k], v), k
+        with torch.no_grad():
+            torch.testing.assert_close(loaded(x, t, text, return_dict=False)[0], ours.forward_video(x, t, text), **TOL)
+
+
 def test_two_expert_sampling_follows_wan_pipeline():
     """Euler sampling with two experts equals WanPipeline's loop (diffusers scheduler, transformer
     for t >= boundary, transformer_2 below) on the same weights."""

@@ -126,7 +126,8 @@ def test_megatron_adaptations_refuse_an_unknown_device_type(host_runtime):
 
 def test_package_depends_on_core_only_and_is_imported_by_no_other_package():
     requires = importlib.metadata.requires("loongforge-xpu")
-    assert requires == ["loongforge-core"]
+    version = importlib.metadata.version("loongforge-xpu")
+    assert requires == [f"loongforge-core=={version}"]  # the core of the same release, nothing else
     (ep,) = [e for e in importlib.metadata.entry_points(group="loongforge.accelerators") if e.name == "xpu"]
     assert ep.value == "loongforge.xpu.accelerator:XpuAccelerator"
     pattern = re.compile(r"\bloongforge\.xpu\b|from\s+loongforge\s+import\s+[^\n]*\bxpu\b")

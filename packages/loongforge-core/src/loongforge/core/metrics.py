@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+import sys
 import time
 from pathlib import Path
 
@@ -26,9 +27,7 @@ class MetricsLogger:
             self.run_dir.mkdir(parents=True, exist_ok=True)
             self._file = open(self.run_dir / "metrics.jsonl", "a", buffering=1)
             if tensorboard:
-                from torch.utils.tensorboard import SummaryWriter
-
-                self._writer = SummaryWriter(log_dir=str(self.run_dir / "tensorboard"))
+                self._writer = tensorboard_writer(self.run_dir / "tensorboard")
 
     def log(self, step: int, metrics: dict[str, float]) -> None:
         if not self.enabled:
@@ -55,6 +54,24 @@ class MetricsLogger:
     def __exit__(self, *exc):
         self.close()
         return False
+
+
+def tensorboard_writer(log_dir: Path):
+    """A TensorBoard ``SummaryWriter`` for ``log_dir``; without the ``tensorboard`` package (the
+    ``loongforge-core[tensorboard]`` extra) a one-line notice and ``None``: the metrics still go
+    to ``metrics.jsonl``."""
+    try:
+        import tensorboard  # noqa: F401  (the backend of torch.utils.tensorboard)
+    except ModuleNotFoundError as exc:
+        if exc.name != "tensorboard":
+            raise
+        print("notice: log.tensorboard=true but the tensorboard package is not installed; no TensorBoard "
+              "scalars for this run (metrics.jsonl has them all). Install it with: "
+              "pip install 'loongforge-core[tensorboard]'", file=sys.stderr, flush=True)
+        return None
+    from torch.utils.tensorboard import SummaryWriter
+
+    return SummaryWriter(log_dir=str(log_dir))
 
 
 def read_metrics(run_dir: str | Path) -> list[dict]:

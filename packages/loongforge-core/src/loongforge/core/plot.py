@@ -4,11 +4,20 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from loongforge.core.config import ConfigError
 from loongforge.core.metrics import read_metrics
 
 
 def plot_run(run_dir: str | Path, out: str | Path | None = None) -> Path:
-    import matplotlib
+    """Draw ``RUN_DIR/metrics.jsonl``'s curves to ``out`` (default ``RUN_DIR/curves.png``).
+    Needs matplotlib (the ``loongforge-core[plot]`` extra); without it a ConfigError says so."""
+    try:
+        import matplotlib
+    except ModuleNotFoundError as exc:
+        if exc.name != "matplotlib":
+            raise
+        raise ConfigError("plotting needs matplotlib, which is not installed: "
+                          "pip install 'loongforge-core[plot]'") from None
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
