@@ -2,8 +2,9 @@
 
 Every ``lf-*`` CLI validates its YAML into one dataclass (``LLMConfig``, ``VLMConfig``,
 ``DiffusionRecipe``, ``EmbodiedConfig``). This script walks each of them and writes every key with
-its type, its default and the comment written next to the field in the source, so the page
-cannot drift from the code:
+its type, its default and the comment written next to the field in the source, as read by
+``loongforge.core.config_docs`` (which ``lf-X train --help`` uses too), so the page cannot drift
+from the code:
 
     uv run python docs/gen_config_reference.py           # rewrite docs/config-reference.md
     uv run python docs/gen_config_reference.py --check   # exit 1 when the file is out of date
@@ -16,16 +17,14 @@ own config class adds.
 from __future__ import annotations
 
 import argparse
-import ast
 import dataclasses
 import importlib
 import inspect
-import io
 import sys
-import tokenize
 import typing
-from functools import cache
 from pathlib import Path
+
+from loongforge.core.config_docs import describe_fields
 
 OUT = Path(__file__).resolve().parent / "config-reference.md"
 
@@ -55,61 +54,13 @@ CLI (`loongforge.core.training.schema`); their defaults differ where a CLI sets 
 """
 
 
-# -- reading the source ---------------------------------------------------------------------------
-@cache
-def _field_comments(cls: type) -> dict[str, str]:
-    """``{field: comment}`` for the fields ``cls`` declares: the comment lines right above a field
-    and the comment at the end of its line(s), joined."""
-    try:
-        source = inspect.getsource(cls)
-    except (OSError, TypeError):
-        return {}
-    comments: dict[int, str] = {}  # line (1-based) -> comment text
-    code_lines: set[int] = set()
-    for tok in tokenize.generate_tokens(io.StringIO(source).readline):
-        if tok.type == tokenize.COMMENT:
-            comments[tok.start[0]] = tok.string.lstrip("#").strip()
-        elif tok.type not in (tokenize.NL, tokenize.NEWLINE, tokenize.INDENT, tokenize.DEDENT, tokenize.ENDMARKER):
-            code_lines.update(range(tok.start[0], tok.end[0] + 1))
-    tree = ast.parse(inspect.cleandoc(source) if source[:1].isspace() else source)
-    (node,) = [n for n in tree.body if isinstance(n, ast.ClassDef)]
-    out = {}
-    for stmt in node.body:
-        if not (isinstance(stmt, ast.AnnAssign) and isinstance(stmt.target, ast.Name)):
-            continue
-        above, line = [], stmt.lineno - 1
-        while line >= 1 and line in comments and line not in code_lines:
-            above.insert(0, comments[line])
-            line -= 1
-        trailing = [comments[n] for n in range(stmt.lineno, (stmt.end_lineno or stmt.lineno) + 1)
-                    if n in comments and n in code_lines]
-        text = " ".join(above + trailing).strip()
-        if text:
-            out[stmt.target.id] = text
-    return out
-
-
-def _comment(cls: type, name: str) -> str:
-    """The comment of field ``name``, from the most derived class of ``cls`` that declares it."""
-    for klass in cls.__mro__:
-        if name in getattr(klass, "__annotations__", {}):
-            found = _field_comments(klass).get(name, "")
-            if found:
-                return found
-    return ""
-
-
+# -- reading the classes ---------------------------------------------------------------------------
 def _doc(cls: type) -> str:
     """The first paragraph of a class's own docstring (not a dataclass's generated signature)."""
     doc = cls.__dict__.get("__doc__") or ""
     if not doc or doc.startswith(cls.__name__ + "("):
         return ""
     return " ".join(inspect.cleandoc(doc).split("\n\n")[0].split())
-
-
-def _type_name(cls: type, f: dataclasses.Field) -> str:
-    text = f.type if isinstance(f.type, str) else getattr(f.type, "__name__", str(f.type))
-    return text.replace("typing.", "")
 
 
 def _root_class(cls: type, name: str) -> type | None:
@@ -144,18 +95,16 @@ def _rows(cls: type, instance, prefix: str, skip: set[str] = frozenset(),
           notes: dict[str, str] | None = None) -> tuple[list[str], list[tuple]]:
     """Table rows of ``instance``'s scalar fields (``notes`` adds to a field's description) and
     the nested dataclass groups to expand."""
-    rows, nested = [], []
+    rows = []
+    for doc in describe_fields(cls, instance, prefix, skip=skip):
+        name = doc.key[len(prefix):]
+        text = "; ".join(s for s in (doc.help, (notes or {}).get(name, "")) if s)
+        rows.append(f"| `{doc.key}` | {_cell(doc.type)} | {_cell(f'`{_value(doc.value)}`')} | {_cell(text)} |")
+    nested = []
     for f in dataclasses.fields(cls):
-        if f.name in skip:
-            continue
         value = getattr(instance, f.name)
-        key = f"{prefix}{f.name}"
-        if dataclasses.is_dataclass(value) and not isinstance(value, type):
-            nested.append((key, cls, f.name, value))
-            continue
-        default = f"`{_value(value)}`"
-        text = "; ".join(s for s in (_comment(cls, f.name), (notes or {}).get(f.name, "")) if s)
-        rows.append(f"| `{key}` | {_cell(_type_name(cls, f))} | {_cell(default)} | {_cell(text)} |")
+        if f.name not in skip and dataclasses.is_dataclass(value) and not isinstance(value, type):
+            nested.append((f"{prefix}{f.name}", cls, f.name, value))
     return rows, nested
 
 

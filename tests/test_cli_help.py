@@ -86,3 +86,32 @@ def test_config_docs_reads_descriptions_from_the_dataclass_source():
     assert docs["plain"].help == "a trailing comment" and docs["plain"].default == "1"
     assert docs["above"].help == "a comment above, over two lines" and docs["above"].default == "'x#y'"
     assert docs["nothing"].help == "" and docs["nothing"].type == "float | null" and docs["nothing"].default == "null"
+
+
+@dataclasses.dataclass
+class _Group:
+    steps: int = 100  # optimizer steps
+    name: str = "base"
+
+
+@dataclasses.dataclass
+class _Family(_Group):
+    extra: bool = False  # a key only this family has
+
+
+@dataclasses.dataclass
+class _Run:
+    group: _Group = dataclasses.field(default_factory=lambda: _Group(steps=60))
+    family: _Group = dataclasses.field(default_factory=lambda: _Family(name="fam"))
+
+
+def test_config_docs_takes_a_groups_defaults_from_its_parent():
+    from loongforge.core.config_docs import describe_fields
+
+    docs = {d.key: d for d in describe_schema(_Run)}
+    assert docs["group.steps"].default == "60" and docs["group.steps"].value == 60
+    assert docs["group.steps"].help == "optimizer steps"
+    # a family's subclass as default is described as the annotated base, with the subclass's values
+    assert docs["family.name"].default == "'fam'" and "family.extra" not in docs
+    added = describe_fields(_Family, _Family(), "family.", skip={f.name for f in dataclasses.fields(_Group)})
+    assert [(d.key, d.type, d.value, d.help) for d in added] == [("family.extra", "bool", False, "a key only this family has")]

@@ -2,7 +2,8 @@
 
 The description of a field is its comment in the dataclass source: the comment at the end of its
 line, else the comment lines right above it. ``train --help``, the config reference of the docs
-and the tests that check both list every key come from here.
+(``docs/gen_config_reference.py``, which lists a group's keys with ``describe_fields``) and the
+tests that check both list every key come from here.
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ import inspect
 import textwrap
 import types
 import typing
-from dataclasses import MISSING, dataclass, fields, is_dataclass
+from dataclasses import MISSING, dataclass, field, fields, is_dataclass
 from functools import cache
 
 
@@ -20,8 +21,9 @@ from functools import cache
 class KeyDoc:
     key: str  # dotted, e.g. "train.lr"
     type: str
-    default: str
+    default: str  # as shown by ``train --help``: repr of the value, "null", or "(required)"
     help: str
+    value: object = field(default=MISSING, compare=False, repr=False)  # the default itself; MISSING when required
 
 
 @cache
@@ -83,23 +85,68 @@ def _default(f) -> object:
     return MISSING
 
 
-def describe_schema(schema: type, prefix: str = "") -> list[KeyDoc]:
-    """Every leaf key of ``schema`` (nested dataclasses are groups), in declaration order."""
-    out: list[KeyDoc] = []
-    hints = typing.get_type_hints(schema)
+def schema_comments(schema: type) -> dict[str, str]:
+    """``{field: comment}`` of a dataclass and its dataclass bases; a subclass's comment wins over
+    its base's."""
     comments: dict[str, str] = {}
-    for cls in reversed(schema.__mro__):  # a subclass's comment wins over its base's
+    for cls in reversed(schema.__mro__):
         if is_dataclass(cls):
             comments.update({k: v for k, v in field_comments(cls).items() if v})
+    return comments
+
+
+def _nested(tp, default) -> type | None:
+    """The dataclass a field is a group of, or None for a leaf: its annotation when that is a
+    dataclass (a family's subclass as default is described as the annotated base), else its
+    default's class."""
+    if is_dataclass(tp):
+        return tp
+    if is_dataclass(default) and not isinstance(default, type):
+        return type(default)
+    return None
+
+
+def describe_fields(schema: type, instance: object = None, prefix: str = "",
+                    skip: typing.Collection[str] = ()) -> list[KeyDoc]:
+    """The leaf keys ``schema`` itself holds, in declaration order, without its nested groups or
+    the fields named in ``skip`` (e.g. a base class's, to list only what a subclass adds). The
+    defaults are ``instance``'s values when given (a parent config may set its own), else the
+    dataclass defaults."""
+    out: list[KeyDoc] = []
+    hints = typing.get_type_hints(schema)
+    comments = schema_comments(schema)
     for f in fields(schema):
-        key = f"{prefix}{f.name}"
+        if f.name in skip:
+            continue
         tp = hints.get(f.name, f.type)
-        default = _default(f)
-        if is_dataclass(tp) or is_dataclass(default):
-            out.extend(describe_schema(tp if is_dataclass(tp) else type(default), f"{key}."))
+        default = getattr(instance, f.name) if instance is not None else _default(f)
+        if _nested(tp, default) is not None:
             continue
         shown = "(required)" if default is MISSING else ("null" if default is None else repr(default))
-        out.append(KeyDoc(key, _type_name(tp), shown, comments.get(f.name, "")))
+        out.append(KeyDoc(f"{prefix}{f.name}", _type_name(tp), shown, comments.get(f.name, ""), default))
+    return out
+
+
+def describe_schema(schema: type, prefix: str = "", instance: object = None) -> list[KeyDoc]:
+    """Every leaf key of ``schema`` (nested dataclasses are groups), in declaration order, with the
+    defaults of ``instance`` (default: ``schema()`` where it has no required field, so a group's
+    defaults are the ones its parent sets, e.g. a CLI's own ``train.lr``)."""
+    if instance is None:
+        try:
+            instance = schema()
+        except TypeError:  # a required field: the dataclass defaults, field by field
+            instance = None
+    leaves = {d.key: d for d in describe_fields(schema, instance, prefix)}
+    hints = typing.get_type_hints(schema)
+    out: list[KeyDoc] = []
+    for f in fields(schema):
+        key = f"{prefix}{f.name}"
+        if key in leaves:
+            out.append(leaves[key])
+            continue
+        default = getattr(instance, f.name) if instance is not None else _default(f)
+        nested = _nested(hints.get(f.name, f.type), default)
+        out.extend(describe_schema(nested, f"{key}.", default if is_dataclass(default) else None))
     return out
 
 
