@@ -19,15 +19,15 @@ def _inputs(tokens, width, samples, dtype, seed=0, pad=0):
     """x ``[tokens, width]`` (rows ``pad`` elements apart beyond the width); a transform of
     ``samples`` rows taken as views of a ``[samples, 6, width]`` modulation table, and the sample
     of each token (None for one sample; else contiguous runs, one sample twice); an output gradient."""
-    g = torch.Generator().manual_seed(seed)
-    x = (torch.randn(tokens, width + pad, generator=g) * 3 + 1)[:, :width]
-    table = torch.randn(samples, 6, width, generator=g)
+    g = torch.Generator().manual_seed(seed)  # CPU draws (the GPU tests run with cuda as the default device)
+    x = (torch.randn(tokens, width + pad, generator=g, device="cpu") * 3 + 1)[:, :width]
+    table = torch.randn(samples, 6, width, generator=g, device="cpu")
     weight, bias = 1 + 0.3 * table[:, 1], table[:, 0]
     index = None
     if samples > 1:
         cuts = torch.linspace(0, tokens, samples + 2).long()
         index = torch.cat([torch.full((int(cuts[i + 1] - cuts[i]),), i % samples) for i in range(samples + 1)])
-    dy = torch.randn(tokens, width, generator=g)
+    dy = torch.randn(tokens, width, generator=g, device="cpu")
     device = torch.get_default_device()
     return (x.to(dtype).to(device), weight.to(device), bias.to(device),
             None if index is None else index.to(device), dy.to(dtype).to(device))

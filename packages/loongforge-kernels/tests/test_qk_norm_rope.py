@@ -21,9 +21,9 @@ def _inputs(tokens, heads, head_dim, dtype, seed=0, pad=0):
     a wider projection output), norm weights and per-token angle tables."""
     g = torch.Generator().manual_seed(seed)
     width = heads * head_dim
-    qkv = (torch.randn(tokens, 3 * width + pad, generator=g) * 2)[:, : 3 * width]
-    weights = [1 + 0.5 * torch.randn(width, generator=g) for _ in range(2)]
-    angles = torch.rand(tokens, head_dim // 2, generator=g) * 40
+    qkv = (torch.randn(tokens, 3 * width + pad, generator=g, device="cpu") * 2)[:, : 3 * width]
+    weights = [1 + 0.5 * torch.randn(width, generator=g, device="cpu") for _ in range(2)]
+    angles = torch.rand(tokens, head_dim // 2, generator=g, device="cpu") * 40
     device = torch.get_default_device()
     return (qkv.to(dtype).to(device), *(w.to(device) for w in weights),
             angles.cos().to(device), angles.sin().to(device))
@@ -33,9 +33,9 @@ def _grads(tokens, heads, head_dim, dtype, seed=1):
     """Gradients of q, k and v as attention hands them back: ``[tokens, heads, head_dim]``, the
     key's gradient with heads outermost in memory."""
     g = torch.Generator().manual_seed(seed)
-    dq = torch.randn(tokens, heads, head_dim, generator=g)
-    dk = torch.randn(heads, tokens, head_dim, generator=g).transpose(0, 1)
-    dv = torch.randn(tokens, heads, head_dim, generator=g)
+    dq = torch.randn(tokens, heads, head_dim, generator=g, device="cpu")
+    dk = torch.randn(heads, tokens, head_dim, generator=g, device="cpu").transpose(0, 1)
+    dv = torch.randn(tokens, heads, head_dim, generator=g, device="cpu")
     device = torch.get_default_device()
     return tuple(t.to(dtype).to(device) for t in (dq, dk, dv))
 
