@@ -65,10 +65,6 @@ def alternating_orders(baselines: Sequence[str], ours: Sequence[str], rounds: in
     return [[*baselines, *ours] if r % 2 == 0 else [*ours, *baselines] for r in range(rounds)]
 
 
-def median(values: Sequence[float]) -> float:
-    return statistics.median(values)
-
-
 def spread(values: Sequence[float]) -> float:
     """(max - min) / median of ``values``: how far apart the repeats of one measurement are."""
     return (max(values) - min(values)) / statistics.median(values)
@@ -104,6 +100,15 @@ def in_fresh_processes(target: Callable[..., Mapping[str, float]], kwargs: dict,
     return out
 
 
+def repeat_in_processes(target: Callable[..., Mapping[str, float]], kwargs: dict, processes: int,
+                        baselines: Sequence[str], report: Callable[[str], None] = print) -> None:
+    """``--processes N``: the bench (``target(**kwargs)``, run name -> seconds per step) in ``N``
+    fresh processes, then each run's median and spread over them and its ratio to each of
+    ``baselines`` that ran."""
+    per_process = in_fresh_processes(target, kwargs, processes, report)
+    report("\n".join(spread_lines(per_process, [b for b in baselines if b in per_process[0]])))
+
+
 def spread_lines(per_process: Sequence[Mapping[str, float]], baselines: Sequence[str]) -> list[str]:
     """Per run: the median, min and max seconds per step over the processes and their spread, then
     the ratio of each baseline's median to the run's (the speed-up over that baseline)."""
@@ -111,8 +116,8 @@ def spread_lines(per_process: Sequence[Mapping[str, float]], baselines: Sequence
     lines = [f"{'run':<22}{'median ms':>11}{'min':>9}{'max':>9}{'spread':>8}" + "".join(f"{'x ' + b:>18}" for b in baselines)]
     for name in names:
         values = [p[name] for p in per_process]
-        ratios = "".join(f"{median([p[b] for p in per_process]) / median(values):>18.2f}" for b in baselines)
-        lines.append(f"{name:<22}{median(values) * 1e3:>11.1f}{min(values) * 1e3:>9.1f}{max(values) * 1e3:>9.1f}"
+        ratios = "".join(f"{statistics.median([p[b] for p in per_process]) / statistics.median(values):>18.2f}" for b in baselines)
+        lines.append(f"{name:<22}{statistics.median(values) * 1e3:>11.1f}{min(values) * 1e3:>9.1f}{max(values) * 1e3:>9.1f}"
                      f"{spread(values):>8.1%}{ratios}")
     return lines
 
@@ -123,19 +128,12 @@ def timed_steps(step: Callable[[], object], steps: int, warmup: int,
     """The first step's loss (``float`` of what the first call returns: the loss before any
     update; that call also compiles where compiled), ``warmup - 1`` more untimed calls, then the
     seconds of each of ``steps`` timed calls (host clock, synchronised after each)."""
-    import time
+    from loongforge.core.benchmarking import timed_calls
 
     first = float(step())
     for _ in range(max(warmup - 1, 0)):
         step()
-    synchronize()
-    times = []
-    for _ in range(steps):
-        t0 = time.perf_counter()
-        step()
-        synchronize()
-        times.append(time.perf_counter() - t0)
-    return first, times
+    return first, timed_calls(step, steps, synchronize)
 
 
 def check_protocol(rounds: int, processes: int) -> None:

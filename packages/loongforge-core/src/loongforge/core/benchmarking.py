@@ -5,6 +5,7 @@ measured matmul peak for MFU, torch.profiler tables of the hottest kernels and o
 from __future__ import annotations
 
 import gc
+import statistics
 import time
 from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass
@@ -15,6 +16,19 @@ from loongforge.core.accelerators import get_accelerator
 from loongforge.core.config import ConfigError
 
 CLOSERS = {"[": "]", "{": "}", "(": ")"}  # the brackets a variant item's value may hold commas in
+
+
+def timed_calls(step: Callable[[], object], steps: int, synchronize: Callable[[], None]) -> list[float]:
+    """Seconds of each of ``steps`` calls of ``step`` (host clock, the device synchronised before
+    the first and after each)."""
+    synchronize()
+    times = []
+    for _ in range(steps):
+        t0 = time.perf_counter()
+        step()
+        synchronize()
+        times.append(time.perf_counter() - t0)
+    return times
 
 
 class BenchDevice:
@@ -34,14 +48,7 @@ class BenchDevice:
         """Median seconds of ``steps`` calls after ``warmup`` calls (synchronised host clock)."""
         for _ in range(warmup):
             step()
-        self.accel.synchronize()
-        times = []
-        for _ in range(steps):
-            t0 = time.perf_counter()
-            step()
-            self.accel.synchronize()
-            times.append(time.perf_counter() - t0)
-        return sorted(times)[len(times) // 2]
+        return statistics.median(timed_calls(step, steps, self.accel.synchronize))
 
     def fresh_memory(self) -> None:
         gc.collect()

@@ -104,7 +104,7 @@ def convert_dtype(name: str | None):
 
 
 def shipped_configs(config_dirs: Sequence[Path]) -> list[str]:
-    return sorted({p.stem for d in config_dirs for p in Path(d).glob("*.y*ml")})
+    return [name for name, _ in describe_configs(config_dirs)]
 
 
 def describe_configs(config_dirs: Sequence[Path]) -> list[tuple[str, str]]:
@@ -229,6 +229,11 @@ class _ModalityCommands:
         return 0
 
     def bench(self, args) -> int:
+        from loongforge.core.bench_protocol import check_protocol
+        from loongforge.core.benchmarking import check_timing
+
+        check_timing(args.steps, args.warmup)
+        check_protocol(args.rounds, args.processes)
         self.app.bench(args, args.config, normalise_overrides(args.overrides))
         return 0
 
@@ -243,14 +248,12 @@ def build_parser(app: ModalityCLI) -> argparse.ArgumentParser:
     parser.add_argument("--verbose", action="store_true", help="show the libraries' warnings and log records")
     sub = parser.add_subparsers(dest="command", required=True)
 
-    def command(name: str, help: str, **kw) -> argparse.ArgumentParser:
-        return sub.add_parser(name, help=help, allow_abbrev=False, epilog=_config_epilog(app),
+    def command(name: str, help: str, more_epilog: str = "", **kw) -> argparse.ArgumentParser:
+        return sub.add_parser(name, help=help, allow_abbrev=False, epilog=_config_epilog(app) + more_epilog,
                               formatter_class=argparse.RawDescriptionHelpFormatter, **kw)
 
     usage = "%(prog)s [--config NAME|PATH] [key=value | --key value | group=option ...]"
-    train = sub.add_parser("train", help=f"train (no arguments: {app.default_config})", usage=usage, allow_abbrev=False,
-                           epilog=_config_epilog(app) + _keys_epilog(app),
-                           formatter_class=argparse.RawDescriptionHelpFormatter)
+    train = command("train", f"train (no arguments: {app.default_config})", _keys_epilog(app), usage=usage)
     add_config_arguments(train, app.default_config)
     if app.train_options is not None:
         app.train_options(train)
@@ -276,6 +279,8 @@ def build_parser(app: ModalityCLI) -> argparse.ArgumentParser:
         conv.set_defaults(fn=commands.convert)
 
     if app.bench is not None:
+        from loongforge.core.bench_protocol import add_protocol_arguments
+
         bench = command("bench", "time our training step against the reference implementation, in one process",
                         usage="%(prog)s [--config NAME|PATH] [--steps N] [--warmup N] [--variant NAME=KEY=VALUE,...] "
                               "[key=value ...]")
@@ -284,6 +289,7 @@ def build_parser(app: ModalityCLI) -> argparse.ArgumentParser:
         bench.add_argument("--warmup", type=int, default=3, help="untimed steps before them")
         bench.add_argument("--variant", action="append", default=[], metavar="NAME=KEY=VALUE,...",
                            help="one more run of ours with these config overrides (repeatable)")
+        add_protocol_arguments(bench)  # --rounds, --processes
         if app.bench_options is not None:
             app.bench_options(bench)
         bench.set_defaults(fn=commands.bench)

@@ -57,7 +57,8 @@ def _rank_from_env(world_size: int) -> int:
     return rank
 
 
-def _free_port() -> int:
+def free_port() -> int:
+    """A TCP port of 127.0.0.1 free right now (for a job's rendezvous on one host)."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
@@ -85,7 +86,7 @@ def init_distributed(*, group_for_world_of_one: bool, accelerator: Accelerator |
         if timeout_s is not None:
             kwargs["timeout"] = timedelta(seconds=timeout_s)
         if world_size == 1 and "MASTER_ADDR" not in os.environ:
-            kwargs["init_method"] = f"tcp://127.0.0.1:{_free_port()}"
+            kwargs["init_method"] = f"tcp://127.0.0.1:{free_port()}"
         dist.init_process_group(backend=accel.dist_backend, world_size=world_size, rank=rank, **kwargs)
     if dist.is_initialized():
         rank, world_size = dist.get_rank(), dist.get_world_size()

@@ -96,19 +96,15 @@ def convert_options(parser) -> None:
 
 
 def bench_options(parser) -> None:
-    from loongforge.core.bench_protocol import add_protocol_arguments
-
     parser.add_argument("--batch-size", type=int, default=1)
-    add_protocol_arguments(parser)
     parser.add_argument("--no-profile", action="store_true", help="skip the CUDA profiler table and attention timings")
 
 
 def bench(args, config: str, overrides: list[str]) -> None:
-    from loongforge.core.bench_protocol import check_protocol, in_fresh_processes, spread_lines
+    from loongforge.core.bench_protocol import repeat_in_processes
     from loongforge.core.benchmarking import parse_variant
     from loongforge.diffusion.bench import run_bench, step_seconds_from_config, variant_recipe
 
-    check_protocol(args.rounds, args.processes)
     recipe = load_recipe(config, overrides)
     variants: list[tuple[str, list[str]]] = []
     for spec in args.variant:
@@ -118,10 +114,8 @@ def bench(args, config: str, overrides: list[str]) -> None:
     options = dict(steps=args.steps, warmup=args.warmup, batch_size=args.batch_size, variants=variants,
                    rounds=args.rounds)
     if args.processes > 1:
-        per_process = in_fresh_processes(step_seconds_from_config, dict(config=config, overrides=overrides, profile=False,
-                                                                        **options), args.processes)
-        print("\n".join(spread_lines(per_process, ["diffusers"])), flush=True)
-        return
+        return repeat_in_processes(step_seconds_from_config, dict(config=config, overrides=overrides, profile=False,
+                                                                  **options), args.processes, ["diffusers"])
     run_bench(recipe, **options, profile=not args.no_profile, report=lambda line: print(line, flush=True))
 
 

@@ -16,6 +16,7 @@ so ``--against-lerobot`` needs ``policy=pi05_base``.
 
 from __future__ import annotations
 
+import statistics
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
@@ -23,7 +24,7 @@ import torch
 import torch.nn as nn
 
 from loongforge.core.baseline_recipe import BaselineRecipe, tf32_matmuls
-from loongforge.core.bench_protocol import alternating_orders, check_first_losses, median, timed_steps
+from loongforge.core.bench_protocol import alternating_orders, check_first_losses, timed_steps
 from loongforge.core.training import torch_parallel
 from loongforge.core.training.engine import resolve_dtype
 from loongforge.core.training.schema import TrainConfig
@@ -219,10 +220,10 @@ def run_bench(policy_cfg: PolicyConfig, trains: Mapping[str, TrainConfig], batch
                     torch.cuda.empty_cache()
             firsts.setdefault(name, first)
             times[name] += seconds
-            report(f"  {name}: {median(seconds) * 1e3:.1f} ms/step (median of {len(seconds)}), first-step loss {first:.5f}")
+            report(f"  {name}: {statistics.median(seconds) * 1e3:.1f} ms/step (median of {len(seconds)}), first-step loss {first:.5f}")
     results = {}
     for name in times:
-        step_s = median(times[name])
+        step_s = statistics.median(times[name])
         results[name] = EmbodiedRun(name, batch_size / step_s, step_s, peaks[name], firsts[name])
     reference = BASELINE if against_lerobot else "ours"
     for line in check_first_losses(firsts, reference, dtype):

@@ -55,27 +55,19 @@ def cmd_eval(args) -> int:
 
 
 def bench_options(parser) -> None:
-    from loongforge.core.bench_protocol import add_protocol_arguments
-
     parser.add_argument("--against-lerobot", action="store_true", help="also time LeRobot's PI05Pytorch (needs policy=pi05_base)")
     parser.add_argument("--batch-size", type=int, default=8)
-    add_protocol_arguments(parser)
 
 
 def bench(args, config: str, overrides: list[str]) -> None:
-    from loongforge.core.bench_protocol import check_protocol, in_fresh_processes, spread_lines
-    from loongforge.core.benchmarking import check_timing
+    from loongforge.core.bench_protocol import repeat_in_processes
     from loongforge.embodied.bench import BASELINE, bench_from_config, load_runs, results_lines, step_seconds_from_config
 
-    check_timing(args.steps, args.warmup)
-    check_protocol(args.rounds, args.processes)
     load_runs(config, overrides, args.variant)  # a bad variant fails before any run
     kwargs = dict(config=config, overrides=overrides, variants=args.variant, batch_size=args.batch_size,
                   steps=args.steps, warmup=args.warmup, rounds=args.rounds, against_lerobot=args.against_lerobot)
     if args.processes > 1:
-        per_process = in_fresh_processes(step_seconds_from_config, kwargs, args.processes)
-        print("\n".join(spread_lines(per_process, [BASELINE] if args.against_lerobot else [])))
-        return
+        return repeat_in_processes(step_seconds_from_config, kwargs, args.processes, [BASELINE])
     results = bench_from_config(**kwargs)
     print("\n".join(results_lines(results)))
     print(json.dumps({name: vars(r) for name, r in results.items()}, indent=1))

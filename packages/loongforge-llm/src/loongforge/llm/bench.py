@@ -41,6 +41,7 @@ kernels (CUDA). On CPU (fp32) it is a smoke run of the same code, e.g. ``--confi
 
 from __future__ import annotations
 
+import statistics
 import tempfile
 import warnings
 from collections.abc import Callable
@@ -50,7 +51,7 @@ import torch
 
 from loongforge.core.baseline_recipe import BaselineRecipe, tf32_matmuls
 from loongforge.core.bench_protocol import (alternating_orders, check_first_losses, check_protocol, in_fresh_process,
-                                            median, timed_steps)
+                                            timed_steps)
 from loongforge.core.benchmarking import (BenchDevice, ExtraColumn, RunResult, check_timing, parse_variant,
                                           profile_tables, results_table)
 from loongforge.core.device_peaks import spec_peak_bf16
@@ -343,11 +344,11 @@ def run_bench(config: str = "train_0_5b", overrides: list[str] = (), steps: int 
                 peaks[name] = max(peaks.get(name, float("-inf")), memory)
                 firsts.setdefault(name, first)
                 times[name] += seconds
-                report(f"  {name}: {median(seconds) * 1e3:.1f} ms/step, first-step loss {first:.5f}")
+                report(f"  {name}: {statistics.median(seconds) * 1e3:.1f} ms/step, first-step loss {first:.5f}")
 
         results: dict[str, RunResult] = {}
         for run in runs:
-            seconds = median(times[run.name])
+            seconds = statistics.median(times[run.name])
             t = run.cfg.train
             tokens = t.global_batch_size * t.seq_length
             tps, flops = tokens / seconds, tokens * run.cfg.model.flops_per_token(t.seq_length) / seconds

@@ -98,26 +98,20 @@ def info_options(parser) -> None:
 def bench_options(parser) -> None:
     parser.add_argument("--fp8", action="append", default=[], choices=["blockwise", "adaptive"],
                         help="one more run of ours with fp8=<mode>, compared with ours in bf16")
-    from loongforge.core.bench_protocol import add_protocol_arguments
-
     parser.add_argument("--skip", action="append", default=[], choices=["hf_compile", "hf_liger_compile", "hf_eager"],
                         help="a baseline to leave out")
-    add_protocol_arguments(parser)
     parser.add_argument("--profile-rows", type=int, default=25, help="rows of ours' profiler tables (CUDA); 0: none")
     parser.add_argument("--trace", default=None, help="write a Chrome trace of the profiled steps of ours here")
 
 
 def bench(args, config: str, overrides: list[str]) -> None:
-    from loongforge.core.bench_protocol import check_protocol, in_fresh_processes, spread_lines
+    from loongforge.core.bench_protocol import repeat_in_processes
     from loongforge.llm.bench import BASELINES, run_bench, step_seconds
 
-    check_protocol(args.rounds, args.processes)
     options = dict(config=config, overrides=list(overrides), steps=args.steps, warmup=args.warmup, variants=args.variant,
                    fp8=args.fp8, skip=args.skip, rounds=args.rounds)
     if args.processes > 1:
-        per_process = in_fresh_processes(step_seconds, dict(options, profile_rows=0), args.processes)
-        print("\n".join(spread_lines(per_process, [b for b in BASELINES if b in per_process[0]])))
-        return
+        return repeat_in_processes(step_seconds, dict(options, profile_rows=0), args.processes, BASELINES)
     run_bench(**options, profile_rows=args.profile_rows, trace=args.trace)
 
 

@@ -44,6 +44,7 @@ baseline.
 from __future__ import annotations
 
 import argparse
+import statistics
 import tempfile
 import warnings
 from collections.abc import Callable
@@ -54,7 +55,7 @@ import numpy as np
 import torch
 
 from loongforge.core.baseline_recipe import BaselineRecipe, tf32_matmuls
-from loongforge.core.bench_protocol import alternating_orders, check_first_losses, median, timed_steps
+from loongforge.core.bench_protocol import alternating_orders, check_first_losses, timed_steps
 from loongforge.core.benchmarking import (BenchDevice, ExtraColumn, RunResult, check_timing, parse_variant,
                                           profile_tables, results_table)
 from loongforge.core.config import ConfigError
@@ -248,9 +249,6 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--compile-on-cpu", action="store_true")
     parser.add_argument("--profile-rows", type=int, default=25, help="0: no profiler table")
     parser.add_argument("--trace", default=None, help="write a Chrome trace of the profiled steps of ours here")
-    from loongforge.core.bench_protocol import add_protocol_arguments
-
-    add_protocol_arguments(parser)
 
 
 def make_case(args, dev: BenchDevice, config: str, overrides: list[str]) -> Case:
@@ -296,9 +294,8 @@ class VLMRunResult(RunResult):
 def run_bench(args, config: str = "vlm_debug", overrides: list[str] = (),
               report: Callable[[str], None] = print) -> dict[str, VLMRunResult]:
     """Every run's tokens/s, TFLOP/s, MFU, peak GiB and first-step loss; ``report`` gets each line when known."""
-    from loongforge.vlm.recipe import VLMTask
-
     from loongforge.core.bench_protocol import check_protocol
+    from loongforge.vlm.recipe import VLMTask
 
     check_timing(args.steps, args.warmup)
     check_protocol(args.rounds, args.processes)
@@ -374,14 +371,14 @@ def run_bench(args, config: str = "vlm_debug", overrides: list[str] = (),
                 peaks[name] = max(peaks.get(name, float("-inf")), dev.peak_gib())
                 firsts.setdefault(name, first)
                 times[name] += seconds
-                report(f"  {name}: {median(seconds) * 1e3:.1f} ms/step, first-step loss {first:.4f}")
+                report(f"  {name}: {statistics.median(seconds) * 1e3:.1f} ms/step, first-step loss {first:.4f}")
                 del step, keep
 
         results = {}
         for name in times:
             if name in failed:
                 continue
-            seconds = median(times[name])
+            seconds = statistics.median(times[name])
             tps, flops = batch.tokens / seconds, flops_per_step / seconds
             results[name] = VLMRunResult(tps, flops / 1e12, flops / peak, peaks[name], firsts[name], seconds)
             report(f"{name}: {seconds * 1e3:.1f} ms/step, {tps:,.0f} tokens/s, peak memory {peaks[name]:.1f} GiB, "

@@ -110,16 +110,13 @@ def make_task(cfg):
 
 
 def bench(args, config: str, overrides: list[str]) -> None:
-    from loongforge.core.bench_protocol import check_protocol, in_fresh_processes, spread_lines
+    from loongforge.core.bench_protocol import repeat_in_processes
     from loongforge.vlm.bench import BASELINES, run_bench, step_seconds_from_args
 
-    check_protocol(args.rounds, args.processes)
     if args.processes > 1:
         options = {k: v for k, v in vars(args).items() if k != "fn"} | {"processes": 1}
-        per_process = in_fresh_processes(step_seconds_from_args, dict(options=options, config=config,
-                                                                      overrides=overrides), args.processes)
-        print("\n".join(spread_lines(per_process, [b for b in BASELINES if b in per_process[0]])))
-        return
+        return repeat_in_processes(step_seconds_from_args, dict(options=options, config=config, overrides=overrides),
+                                   args.processes, BASELINES)
     run_bench(args, config, overrides)
 
 

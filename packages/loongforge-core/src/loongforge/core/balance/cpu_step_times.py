@@ -16,7 +16,6 @@ The policies take turns step by step, in a rotating order, on the same steps' sa
 from __future__ import annotations
 
 import json
-import socket
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -27,6 +26,7 @@ import torch
 from loongforge.core.balance.baselines import lpt_assignment
 from loongforge.core.balance.cost import CostModel, SampleSizes
 from loongforge.core.balance.sampler import BalancedBatchSampler
+from loongforge.core.distributed import free_port
 
 POLICIES = ("plain", "lpt", "balanced")
 
@@ -101,12 +101,6 @@ def _worker(rank: int, world: int, port: int, lengths: list[int], samples_per_st
         dist.destroy_process_group()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def measure_step_times(lengths: np.ndarray, samples_per_step: int, steps: int, world: int = 2,
                        workload: CpuWorkload = CpuWorkload()) -> dict[str, list[float]]:
     """Seconds of each of ``steps`` steps (the first ``steps * samples_per_step`` of ``lengths``,
@@ -119,6 +113,6 @@ def measure_step_times(lengths: np.ndarray, samples_per_step: int, steps: int, w
         raise ValueError(f"{len(lengths)} lengths for {steps} steps of {samples_per_step} samples")
     with tempfile.TemporaryDirectory() as scratch:
         out = str(Path(scratch) / "times.json")
-        mp.spawn(_worker, args=(world, _free_port(), [int(n) for n in lengths], samples_per_step, steps, workload, out),
+        mp.spawn(_worker, args=(world, free_port(), [int(n) for n in lengths], samples_per_step, steps, workload, out),
                  nprocs=world, join=True)
         return json.loads(Path(out).read_text())

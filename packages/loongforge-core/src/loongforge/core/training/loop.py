@@ -39,7 +39,11 @@ class StepResult:
     flops: float | None = None
     metrics: dict[str, float] = field(default_factory=dict)
     compute_seconds: float = float("nan")
-    skipped: bool = False  # its loss or grad norm was not finite: the update was not applied
+
+    @property
+    def skipped(self) -> bool:
+        """Its loss or grad norm was not finite: the update was not applied."""
+        return not (math.isfinite(self.loss) and math.isfinite(self.grad_norm))
 
 
 class Trainer:
@@ -105,7 +109,7 @@ class Trainer:
             flops = out.tokens * self._flops_per_token
         result = StepResult(step=self.step, loss=out.loss, grad_norm=out.grad_norm, lr=lr,
                             samples=self.train.global_batch_size, seconds=seconds, tokens=out.tokens, flops=flops,
-                            metrics=dict(step.metrics), compute_seconds=out.compute_seconds, skipped=bad is not None)
+                            metrics=dict(step.metrics), compute_seconds=out.compute_seconds)
         self.nonfinite_streak = self.nonfinite_streak + 1 if bad is not None else 0
         patience = self.train.nonfinite_patience
         if bad is not None and patience and self.nonfinite_streak >= patience:
@@ -142,7 +146,7 @@ class Trainer:
         """A checkpoint of this step; refused (``NonFiniteError``) when any rank's weights are not
         finite, and a full or read-only disk is a ``StorageError``: either way the last checkpoint
         stays as it was (``keep_last`` prunes only after a save succeeded)."""
-        if not self.engine_weights_finite():
+        if not self.weights_finite():
             raise NonFiniteError(self.step, "weights", float("nan"), self.last_checkpoint)
         try:
             self.last_checkpoint = checkpointing.save(self, self.ckpt_dir)
@@ -154,7 +158,7 @@ class Trainer:
             raise refused from exc
         return self.last_checkpoint
 
-    def engine_weights_finite(self) -> bool:
+    def weights_finite(self) -> bool:
         """Whether every rank's weights are finite (all ranks call it together)."""
         import torch
         import torch.distributed as dist

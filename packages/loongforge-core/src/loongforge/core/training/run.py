@@ -7,6 +7,7 @@ data fails before any process group exists.
 
 from __future__ import annotations
 
+import statistics
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -27,11 +28,6 @@ class RunSummary:
     @property
     def losses(self) -> list[float]:
         return [r.loss for r in self.results]
-
-
-def _median(values: list[float]) -> float:
-    values = sorted(values)
-    return values[len(values) // 2]
 
 
 def describe_layout(ctx) -> str:
@@ -79,8 +75,8 @@ def print_summary(prog: str, summary: RunSummary) -> None:
         print(f"{prog}: nothing to do: {summary.run_dir} is already at step {summary.start_step}", flush=True)
         return
     late = results[len(results) // 2:]
-    rate = (f"median {_median([r.tokens / r.seconds for r in late]):.0f} tokens/s" if results[-1].tokens is not None
-            else f"median {_median([r.samples / r.seconds for r in late]):.1f} samples/s")
+    rate = (f"median {statistics.median([r.tokens / r.seconds for r in late]):.0f} tokens/s" if results[-1].tokens is not None
+            else f"median {statistics.median([r.samples / r.seconds for r in late]):.1f} samples/s")
     print(f"{prog}: step {results[0].step} loss {results[0].loss:.4f} -> step {results[-1].step} loss "
           f"{results[-1].loss:.4f}; {rate}", flush=True)
     where = f"last checkpoint {summary.last_checkpoint}" if summary.last_checkpoint else "no checkpoint saved"
