@@ -107,9 +107,12 @@ class Trainer:
         flops = out.flops
         if flops is None and out.tokens is not None and self._flops_per_token:
             flops = out.tokens * self._flops_per_token
+        metrics = dict(step.metrics)
+        if out.offloaded_bytes is not None:
+            metrics["offload_gib"] = out.offloaded_bytes / 2**30
         result = StepResult(step=self.step, loss=out.loss, grad_norm=out.grad_norm, lr=lr,
                             samples=self.train.global_batch_size, seconds=seconds, tokens=out.tokens, flops=flops,
-                            metrics=dict(step.metrics), compute_seconds=out.compute_seconds)
+                            metrics=metrics, compute_seconds=out.compute_seconds)
         self.nonfinite_streak = self.nonfinite_streak + 1 if bad is not None else 0
         patience = self.train.nonfinite_patience
         if bad is not None and patience and self.nonfinite_streak >= patience:

@@ -52,6 +52,9 @@ class TrainConfig:
     seed: int = 1234  # initial weights, data order and noise
     precision: str = "auto"  # auto (bf16 on accelerators, fp32 on CPU) | bf16 | fp32
     recompute: str = "none"  # activation recomputation: none | selective | full
+    # the activations the first N repeated blocks (of each model part or pipeline stage) save for
+    # the backward wait in pinned host memory (copied on side streams, prefetched one block ahead)
+    offload_layers: int = 0
     compile: bool | None = None  # torch.compile the model's blocks; null: on CUDA where the model supports it
     exit_interval: int = 0  # stop this run after N steps (it resumes from its checkpoint later); 0: run to steps
     # a step whose loss or grad norm is not finite skips its update; the run stops (exit 1) after
@@ -75,7 +78,10 @@ class TrainConfig:
         _one_of("train.recompute", self.recompute, RECOMPUTE)
         if not 0 <= self.min_lr <= self.lr:
             raise ValueError(f"train.min_lr={self.min_lr} must be in [0, train.lr={self.lr}]")
-        for key in ("warmup_steps", "exit_interval", "nonfinite_patience"):
+        if self.offload_layers and self.recompute == "full":
+            raise ValueError(f"train.offload_layers={self.offload_layers} with train.recompute=full: full "
+                             f"recomputation saves only each block's input; offload with none or selective")
+        for key in ("warmup_steps", "exit_interval", "nonfinite_patience", "offload_layers"):
             if getattr(self, key) < 0:
                 raise ValueError(f"train.{key}={getattr(self, key)}: must be >= 0")
         if self.clip_grad < 0 or self.weight_decay < 0:
