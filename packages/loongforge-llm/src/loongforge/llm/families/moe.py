@@ -6,8 +6,10 @@ experts, shared experts, alltoall token dispatch over the EP group) are megatron
 modules; nothing here re-implements them. The experts use the local backend's
 ``SequentialMLP`` (no Transformer Engine grouped GEMM), which runs anywhere megatron-core does.
 Two local-backend gaps are filled in the specs: the norms (``norm.RMSNorm``, usable under
-sequence parallelism, which megatron's MoE layer needs with TP) and MLA's core attention
-(``core_attention.LatentDotProductAttention``, different query/key and value head dims).
+sequence parallelism, which megatron's MoE layer needs with TP) and the core attention, the fast
+path's SDPA one (``layers.attention.SDPAttention``; for MLA ``core_attention.LatentSDPAttention``,
+different query/key and value head dims) instead of the local backend's, which materialises the
+scores.
 DeepSeek-V3.2's sparse attention (``attention_variant: dsa``) takes its layers from megatron's
 DSA specs instead (``dsa``).
 """
@@ -24,11 +26,14 @@ from loongforge.llm.moe_config import MLAMoEConfig, MoEConfig
 
 def _local_layer(layer, cfg: MoEConfig):
     """``layer`` (a local-backend TransformerLayer spec) with our RMSNorm in place of megatron's
-    torch norm wrapper (see ``norm``) and, for MLA, a core attention taking MLA's head dims."""
+    torch norm wrapper (see ``norm``) and the fast path's SDPA core attention in place of megatron's
+    local one (which materialises the ``[b, heads, s, s]`` scores); for MLA, the SDPA attention
+    taking MLA's head dims."""
     from megatron.core.transformer.torch_norm import WrappedTorchNorm
 
-    from loongforge.llm.families.core_attention import LatentDotProductAttention
+    from loongforge.llm.families.core_attention import LatentSDPAttention
     from loongforge.llm.families.norm import RMSNorm
+    from loongforge.llm.layers.attention import SDPAttention
 
     def norms(submodules):
         changes = {f.name: RMSNorm for f in dataclasses.fields(submodules) if getattr(submodules, f.name) is WrappedTorchNorm}
@@ -36,8 +41,8 @@ def _local_layer(layer, cfg: MoEConfig):
 
     attention = layer.submodules.self_attention
     attention_sub = norms(attention.submodules)
-    if isinstance(cfg, MLAMoEConfig):
-        attention_sub = dataclasses.replace(attention_sub, core_attention=LatentDotProductAttention)
+    attention_sub = dataclasses.replace(
+        attention_sub, core_attention=LatentSDPAttention if isinstance(cfg, MLAMoEConfig) else SDPAttention)
     attention = dataclasses.replace(attention, submodules=attention_sub)
     return dataclasses.replace(layer, submodules=dataclasses.replace(norms(layer.submodules), self_attention=attention))
 
