@@ -62,8 +62,17 @@ def cmd_info(args, cfg: LLMConfig) -> None:
         sizes = size_report(m, layout, args.dp, precision=precision, distributed_optimizer=cfg.train.use_distributed_optimizer)
     except ValueError as exc:
         raise ConfigError(str(exc)) from exc
-    print(json.dumps({"family": m.family, "parameters": m.parameter_counts(), **sizes,
-                      "flops_per_token": m.flops_per_token(cfg.train.seq_length)}, indent=1))
+    report = {"family": m.family, "parameters": m.parameter_counts(), **sizes,
+              "flops_per_token": m.flops_per_token(cfg.train.seq_length)}
+    if args.activations:
+        from loongforge.llm import activation_memory
+
+        dp = sizes["layout"]["dp"]
+        mbs = cfg.train.micro_batch_size or max(1, cfg.train.global_batch_size // dp)
+        num_microbatches = max(1, cfg.train.global_batch_size // (mbs * dp))
+        profile = activation_memory.measure(cfg)
+        report["activations"] = activation_memory.per_gpu(profile, cfg, layout, mbs, num_microbatches)
+    print(json.dumps(report, indent=1))
 
 
 def cmd_preprocess(args) -> int:
@@ -93,6 +102,8 @@ def after_train(args, cfg: LLMConfig, save_hf: Path | None, trainer) -> None:
 def info_options(parser) -> None:
     parser.add_argument("--dp", type=int, default=None,
                         help="data-parallel size to size the layout for (default: the smallest parallel.ep allows)")
+    parser.add_argument("--no-activations", dest="activations", action="store_false",
+                        help="skip the activation memory (measured on a one-layer proxy of the model on the CPU)")
 
 
 def bench_options(parser) -> None:

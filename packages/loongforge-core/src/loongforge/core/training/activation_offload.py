@@ -44,10 +44,11 @@ class _Group:
     """What one forward of one block saved off the device, and the group of the block before it in
     the same forward (prefetched while this one's backward runs)."""
 
-    __slots__ = ("saved", "previous")
+    __slots__ = ("saved", "by_key", "previous")
 
     def __init__(self, previous: "_Group | None"):
         self.saved: list[_Saved] = []
+        self.by_key: dict[tuple, _Saved] = {}  # a tensor saved by several operations moves once
         self.previous = previous
 
 
@@ -117,6 +118,9 @@ class ActivationOffload:
     def _pack(self, group: _Group, t: torch.Tensor):
         if self._keeps(t):
             return t
+        key = (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), t.stride(), t.dtype, t._version)
+        if key in group.by_key:
+            return group.by_key[key]
         self.step_bytes += t.numel() * t.element_size()
         if not self.cuda:
             saved = _Saved(t.detach().clone(), t.device, None)
@@ -131,6 +135,7 @@ class ActivationOffload:
             t.record_stream(self.d2h)  # the allocator frees t's memory once the copy is done
             saved = _Saved(host, t.device, copied)
         group.saved.append(saved)
+        group.by_key[key] = saved
         return saved
 
     def _reload(self, saved: _Saved) -> None:
