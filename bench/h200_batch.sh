@@ -6,6 +6,7 @@
 #   bash bench/h200_batch.sh bench-a  # lf-llm bench (HF + compile, + Liger) and lf-vlm bench (transformers, compiled)
 #   bash bench/h200_batch.sh bench-b  # lf-diffusion bench (diffusers, compile_repeated_blocks), DSA, FP8 GEMMs
 #   bash bench/h200_batch.sh embodied # lf-embodied bench --against-lerobot (needs lerobot and its imports in .whl/)
+#   bash bench/h200_batch.sh long     # train_0_5b at 32K and 128K tokens, with and without activation offload
 #
 # Each bench prints its baseline's settings, both sides' first-step losses and peak memory, and the
 # ratios; the tables in docs/benchmarks.md and the READMEs are copied from these logs.
@@ -15,7 +16,7 @@
 # its deps, and LoongForge's own wheels from `uv build --wheel --package loongforge-<name> -o .whl`).
 # Everything printed also goes to $OUT/<stage>.log.
 set -uo pipefail
-stage=${1:?usage: h200_batch.sh check|bench-a|bench-b|embodied}
+stage=${1:?usage: h200_batch.sh check|bench-a|bench-b|embodied|long}
 OUT=${OUT:-/tmp/lf-h200}
 mkdir -p "$OUT"
 exec > >(tee "$OUT/$stage.log") 2>&1
@@ -78,6 +79,25 @@ bench-b)
       model.num_layers=4 sample.num_frames=33 sample.height=480 sample.width=832
   bench 150 python3 "$repo/bench/dsa_throughput.py" --seqs 8192,32768,65536
   bench 100 python3 "$repo/bench/fp8_gemm.py" --steps 50
+  ;;
+long)
+  environment
+  # one sequence per step; the metrics carry tokens/s, peak_memory_gib and offload_gib per step
+  for seq in 32768 131072; do
+    for offload in 0 4; do
+      run=llm-$seq-offload$offload
+      cli loongforge.llm.cli train --config train_0_5b train.seq_length=$seq model.max_position_embeddings=$seq \
+          train.global_batch_size=1 train.micro_batch_size=1 train.steps=6 train.offload_layers=$offload \
+          checkpoint.save=false log.progress=false log.run_dir=$run
+      python3 - "$run/metrics.jsonl" <<'PY'
+import json, sys
+rows = [json.loads(line) for line in open(sys.argv[1])][2:]
+if rows:
+    print("median tokens/s", sorted(r["tokens_per_s"] for r in rows)[len(rows) // 2],
+          "peak GiB", max(r["peak_memory_gib"] for r in rows), "offloaded GiB", rows[-1].get("offload_gib", 0))
+PY
+    done
+  done
   ;;
 embodied)
   environment

@@ -92,6 +92,9 @@ class Trainer:
         ``NonFiniteError``."""
         if not isinstance(step, StepBatch):
             step = StepBatch(micro_batches=list(step))
+        tracks_memory = self.ctx.device.type != "cpu"
+        if tracks_memory:
+            self.ctx.accelerator.reset_peak_memory_stats()
         t0 = time.perf_counter()
         out: StepOutput = self.engine.forward_backward(step, measuring=bool(getattr(self.data, "measuring", False)))
         lr = lr_at(self.step, self.train)
@@ -110,6 +113,8 @@ class Trainer:
         metrics = dict(step.metrics)
         if out.offloaded_bytes is not None:
             metrics["offload_gib"] = out.offloaded_bytes / 2**30
+        if tracks_memory:  # this rank's device memory at its peak in the step (tensors allocated)
+            metrics["peak_memory_gib"] = self.ctx.accelerator.memory_stats().peak_allocated / 2**30
         result = StepResult(step=self.step, loss=out.loss, grad_norm=out.grad_norm, lr=lr,
                             samples=self.train.global_batch_size, seconds=seconds, tokens=out.tokens, flops=flops,
                             metrics=metrics, compute_seconds=out.compute_seconds)
