@@ -42,6 +42,7 @@ def run_training(cfg, task, prog: str, after: Callable[[Trainer], None] | None =
     again)."""
     import torch.distributed as dist
 
+    from loongforge.core.kernels.registry import installed_kernel_providers, reference_kernels_notice
     from loongforge.core.parallel import destroy_parallel, init_parallel
 
     owned = not dist.is_initialized()
@@ -56,6 +57,10 @@ def run_training(cfg, task, prog: str, after: Callable[[Trainer], None] | None =
             what = task.describe() if hasattr(task, "describe") else task.family
             print(f"{prog}: {what} on {describe_layout(ctx)}, {trainer.engine.name} engine, {trainer.dtype}, "
                   f"run dir {cfg.log.run_dir}", flush=True)
+            notice = reference_kernels_notice(ctx.accelerator.name, installed_kernel_providers(),
+                                              prog.replace("lf-", "loongforge-"))
+            if notice:
+                print(f"{prog}: {notice}", flush=True)
         results = trainer.fit()
         if after is not None:
             after(trainer)
