@@ -127,10 +127,10 @@ def test_wheel_requirements(wheels, name):
             assert req.specifier.contains(tested), f"{name}: {req} excludes the tested {req.name} {tested}"
 
     base = {canonicalize_name(r.name) for r in requirements if _extra_of(r) is None}
-    assert not base & {"matplotlib", "tensorboard"}, f"{name}: plotting/TensorBoard outside an extra"
+    assert not base & {"matplotlib", "tensorboard", "wandb"}, f"{name}: plotting/TensorBoard/W&B outside an extra"
     if name == "loongforge-core":
         extras = {_extra_of(r): canonicalize_name(r.name) for r in requirements if _extra_of(r)}
-        assert extras == {"plot": "matplotlib", "tensorboard": "tensorboard"}, extras
+        assert extras == {"plot": "matplotlib", "tensorboard": "tensorboard", "wandb": "wandb"}, extras
     if name in MODALITIES:
         (core,) = [r for r in siblings if r.name == "loongforge-core" and _extra_of(r) is None]
         assert {"plot", "tensorboard"} <= core.extras, core  # a training install logs and plots

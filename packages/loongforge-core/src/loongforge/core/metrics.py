@@ -1,5 +1,5 @@
 """Run metrics: one JSON line per logged step in ``RUN_DIR/metrics.jsonl``, TensorBoard scalars,
-and the tqdm progress bar long work shows."""
+Weights & Biases (``log.wandb``), and the tqdm progress bar long work shows."""
 
 from __future__ import annotations
 
@@ -18,11 +18,13 @@ class MetricsLogger:
     Only the process with ``enabled=True`` (normally global rank 0) writes anything.
     """
 
-    def __init__(self, run_dir: str | Path, enabled: bool = True, tensorboard: bool = True):
+    def __init__(self, run_dir: str | Path, enabled: bool = True, tensorboard: bool = True, wandb=None):
+        """``wandb``: a ``WandbRun`` to log to as well (rank 0's), or None."""
         self.run_dir = Path(run_dir)
         self.enabled = enabled
         self._writer = None
         self._file = None
+        self._wandb = wandb if enabled else None
         if enabled:
             self.run_dir.mkdir(parents=True, exist_ok=True)
             self._file = open(self.run_dir / "metrics.jsonl", "a", buffering=1)
@@ -39,20 +41,25 @@ class MetricsLogger:
             for key, value in clean.items():
                 if isinstance(value, float) and math.isfinite(value):
                     self._writer.add_scalar(key, value, step)
+        if self._wandb is not None:
+            self._wandb.log(step, clean)
 
-    def close(self) -> None:
+    def close(self, failed: bool = False) -> None:
         if self._file is not None:
             self._file.close()
             self._file = None
         if self._writer is not None:
             self._writer.close()
             self._writer = None
+        if self._wandb is not None:
+            self._wandb.finish(failed)
+            self._wandb = None
 
     def __enter__(self):
         return self
 
-    def __exit__(self, *exc):
-        self.close()
+    def __exit__(self, exc_type, *exc):
+        self.close(failed=exc_type is not None)
         return False
 
 

@@ -187,7 +187,8 @@ class Trainer:
         if self.train.exit_interval:
             end = min(end, self.step + self.train.exit_interval)
         results: list[StepResult] = []
-        logger = MetricsLogger(self.run_dir, enabled=self.ctx.is_main, tensorboard=self.log_cfg.tensorboard)
+        logger = MetricsLogger(self.run_dir, enabled=self.ctx.is_main, tensorboard=self.log_cfg.tensorboard,
+                               wandb=self._wandb_run())
         samples_log = self._open_sample_log()
         bar = progress(self.train.steps, "train", enabled=self.ctx.is_main and self.log_cfg.progress, initial=self.step)
         try:
@@ -219,12 +220,24 @@ class Trainer:
                 interval = self.ckpt_cfg.interval
                 if self.ckpt_cfg.save and ((interval and self.step % interval == 0) or self.step == end):
                     self.save()
+        except BaseException:
+            logger.close(failed=True)
+            raise
         finally:
             bar.close()
             logger.close()
             if samples_log is not None:
                 samples_log.close()
         return results
+
+    def _wandb_run(self):
+        """Rank 0's W&B run with the composed config (``log.wandb``), or None."""
+        if not (self.ctx.is_main and getattr(self.log_cfg, "wandb", False)):
+            return None
+        from loongforge.core.wandb_run import WandbRun
+
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        return WandbRun(self.run_dir, self.log_cfg, self.config_record)
 
     def _evaluate(self) -> dict[str, float]:
         interval = self.eval_cfg.interval if self.eval_cfg is not None else 0

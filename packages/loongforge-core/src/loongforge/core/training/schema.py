@@ -19,6 +19,16 @@ PRECISIONS = ("auto", "bf16", "fp32")
 DECAY_STYLES = ("cosine", "linear", "constant")
 RECOMPUTE = ("none", "selective", "full")
 DATA_PARALLEL = ("auto", "ddp", "fsdp", "hsdp")
+WANDB_MODES = ("online", "offline", "disabled")
+
+
+def _importable(name: str) -> bool:
+    from importlib.util import find_spec
+
+    try:
+        return find_spec(name) is not None
+    except ValueError:  # in sys.modules as None: imports of it are blocked
+        return False
 
 
 def _one_of(key: str, value, choices) -> None:
@@ -148,10 +158,21 @@ class LogConfig:
     tensorboard: bool = True  # TensorBoard scalars in RUN_DIR/tensorboard
     progress: bool = True  # the console progress bar
     sample_ids: bool = False  # write the dataset indices each DP rank trains to RUN_DIR/sample_ids/dp_rank_<r>.jsonl
+    # also log the run's config and every metric to Weights & Biases (pip install "loongforge-core[wandb]");
+    # a resumed run continues the same W&B run (its id is kept in RUN_DIR/wandb_run_id)
+    wandb: bool = False
+    wandb_project: str = "loongforge"  # the W&B project
+    wandb_entity: str | None = None  # the W&B team or user; null: wandb's default
+    wandb_name: str | None = None  # the W&B run name; null: the run dir's name
+    wandb_mode: str | None = None  # online | offline | disabled; null: wandb's default (WANDB_MODE, else online)
 
     def __post_init__(self):
         if self.interval < 1:
             raise ValueError(f"log.interval={self.interval}: must be >= 1")
+        if self.wandb_mode is not None:
+            _one_of("log.wandb_mode", self.wandb_mode, WANDB_MODES)
+        if self.wandb and not _importable("wandb"):
+            raise ValueError('log.wandb=true but wandb is not installed: pip install "loongforge-core[wandb]"')
 
 
 @dataclass
