@@ -29,10 +29,16 @@ def load_recipe(config: str | None, overrides: list[str]):
     from loongforge.core.config import load_config, read_section
     from loongforge.diffusion.schema import DiffusionRecipe
 
+    from loongforge.core.hub import is_hub_id, resolve_local
+
     overrides = list(overrides)
     model = read_section(DiffusionRecipe, "model", config, overrides, [CONFIG_DIR])
     if model.get("pretrained"):
-        overrides += pretrained_overrides(str(model["pretrained"]), model, overrides)
+        pretrained = str(model["pretrained"])
+        if is_hub_id(pretrained):  # owner/name: its snapshot in the hub cache
+            pretrained = resolve_local(pretrained, key="model.pretrained")
+            overrides.append(f"model.pretrained={pretrained}")
+        overrides += pretrained_overrides(pretrained, model, overrides)
     return load_config(DiffusionRecipe, config, overrides, config_dirs=[CONFIG_DIR])
 
 

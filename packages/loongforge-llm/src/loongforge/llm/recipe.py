@@ -111,8 +111,9 @@ def _model_from_hf(hf_dir: str) -> GPTConfig:
     """``model.init_from_hf=DIR``: the model section of the HF model in DIR."""
     from loongforge.core.hf_mapping import MappingError
     from loongforge.core.hf_mapping.online import hf_model_config
+    from loongforge.core.hub import resolve_local
 
-    path = Path(hf_dir).expanduser().resolve()
+    path = Path(resolve_local(hf_dir, key="model.init_from_hf")).expanduser().resolve()
     try:
         family, model = hf_model_config(path)
     except (MappingError, ValueError) as exc:
