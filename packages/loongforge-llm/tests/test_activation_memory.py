@@ -18,8 +18,9 @@ from loongforge.llm.recipe import load_llm_config
 def test_proxy_bytes_match_what_the_offloader_moves_in_a_training_step(tmp_path):
     """train_debug at 1024 tokens with both layers offloaded: the bytes the offloader moved (read from
     metrics.jsonl) against the proxy's two layers. The proxy counts each storage once; the
-    offloader moves a tensor again when an in-place operation changed it between two saves (one
-    hidden-size tensor per layer here), so it moves a little more, never less."""
+    offloader moves a tensor that two operations save once only while the tensor object it copied
+    is alive (memory of a dead one may hold a new tensor at the same address), so it moves somewhat
+    more, never less."""
     seq = 1024
     overrides = [f"train.seq_length={seq}", "train.global_batch_size=1", "train.micro_batch_size=1",
                  "train.precision=bf16"]
@@ -28,7 +29,7 @@ def test_proxy_bytes_match_what_the_offloader_moves_in_a_training_step(tmp_path)
     assert lf_llm(["train", *overrides, "train.steps=1", "train.offload_layers=2", "checkpoint.save=false",
                    "log.progress=false", f"log.run_dir={tmp_path}"]) == 0
     moved = json.loads((tmp_path / "metrics.jsonl").read_text().splitlines()[0])["offload_gib"] * 2**30
-    assert predicted <= moved <= 1.1 * predicted, (moved, predicted)
+    assert predicted <= moved <= 1.25 * predicted, (moved, predicted)
 
 
 def test_full_recompute_keeps_only_each_layers_input():

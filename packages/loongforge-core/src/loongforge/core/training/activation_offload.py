@@ -23,6 +23,7 @@ equals one that is not. ``step_bytes`` counts what one step moved.
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Sequence
 
 import torch
@@ -48,7 +49,10 @@ class _Group:
 
     def __init__(self, previous: "_Group | None"):
         self.saved: list[_Saved] = []
-        self.by_key: dict[tuple, _Saved] = {}  # a tensor saved by several operations moves once
+        # a tensor saved by several operations moves once: key -> (a weak reference to the tensor, its
+        # copy); an entry counts only while that tensor lives, since the memory of a dead one can hold
+        # a new tensor of the same shape at the same address
+        self.by_key: dict[tuple, tuple[weakref.ref, _Saved]] = {}
         self.previous = previous
 
 
@@ -119,8 +123,9 @@ class ActivationOffload:
         if self._keeps(t):
             return t
         key = (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), t.stride(), t.dtype, t._version)
-        if key in group.by_key:
-            return group.by_key[key]
+        known = group.by_key.get(key)
+        if known is not None and known[0]() is not None:
+            return known[1]
         self.step_bytes += t.numel() * t.element_size()
         if not self.cuda:
             saved = _Saved(t.detach().clone(), t.device, None)
@@ -135,7 +140,7 @@ class ActivationOffload:
             t.record_stream(self.d2h)  # the allocator frees t's memory once the copy is done
             saved = _Saved(host, t.device, copied)
         group.saved.append(saved)
-        group.by_key[key] = saved
+        group.by_key[key] = (weakref.ref(t), saved)
         return saved
 
     def _reload(self, saved: _Saved) -> None:
