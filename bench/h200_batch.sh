@@ -68,10 +68,10 @@ check)
 bench-a)
   environment
   section "GPU-marked kernel tests (compiled kernels)"
-  (cd "$repo" && timeout 60 python3 -m pytest -q -p no:cacheprovider -n 0 -m gpu -o addopts="--import-mode=importlib" \
+  (cd "$repo" && timeout 50 python3 -m pytest -q -p no:cacheprovider -n 0 -m gpu -o addopts="--import-mode=importlib" \
       -W ignore -s packages/loongforge-kernels/tests packages/loongforge-core/tests/test_activation_offload.py 2>&1 | grep -E "peak [0-9]|passed|failed|FAILED|^E " | tail -n 25)
-  bench 280 python3 "$repo/bench/llm_throughput.py" --skip hf_eager
-  bench 190 python3 "$repo/bench/vlm_throughput.py" --skip hf_eager
+  bench 250 python3 "$repo/bench/llm_throughput.py" --skip hf_eager
+  bench 170 python3 "$repo/bench/vlm_throughput.py" --skip hf_eager
   ;;
 bench-b)
   environment
