@@ -68,3 +68,12 @@ def test_info_prints_activations_for_the_layout(capsys):
     assert act["offloaded_layers"] == 1 and act["layers_gib"] > 0 and act["offloaded_to_host_gib"] > 0
     assert lf_llm(["info", "--no-activations"]) == 0
     assert "activations" not in json.loads(capsys.readouterr().out)
+
+
+def test_an_moe_proxy_leaves_the_next_moe_run_in_the_process_alone(tmp_path, capsys):
+    """megatron keeps one MoE metrics tracker per process, sized by the first model recording into
+    it; info's one-layer proxy before a two-layer run must not break that run (each engine starts
+    a tracker of its own)."""
+    assert lf_llm(["info", "--config", "train_qwen3_moe_debug"]) == 0
+    assert lf_llm(["train", "--config", "train_qwen3_moe_debug", "train.steps=1", "checkpoint.save=false",
+                   "log.progress=false", f"log.run_dir={tmp_path}"]) == 0

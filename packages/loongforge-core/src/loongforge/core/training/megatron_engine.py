@@ -49,6 +49,15 @@ def recompute_kwargs(recompute: str) -> dict:
     return {}
 
 
+def fresh_moe_metrics() -> None:
+    """A new megatron MoE metrics tracker for this engine's model: megatron keeps one per process,
+    sized by the first MoE model that records into it, so a second model with more layers in the
+    same process (a proxy of ``lf-llm info``, a test) would index past its end."""
+    from megatron.core.transformer.moe.moe_logging import MoEMetricsTracker, set_moe_metrics_tracker
+
+    set_moe_metrics_tracker(MoEMetricsTracker())
+
+
 def transformer_layers(module: torch.nn.Module) -> list[torch.nn.Module]:
     """megatron-core's transformer layers of a model (or pipeline stage), in forward order: the
     repeated blocks ``train.offload_layers`` counts (a VLM's encoder layers come first)."""
@@ -114,6 +123,7 @@ class MegatronEngine:
             bf16=bf16,
             calculate_per_token_loss=True,
         )
+        fresh_moe_metrics()
         module = task.build_model(ctx, self.transformer_config, ctx.is_first_stage, ctx.is_last_stage,
                                   load_initial_weights=not resuming)
         module.to(ctx.device)
