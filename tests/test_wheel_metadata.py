@@ -1,6 +1,7 @@
 """The wheels as pip users get them: every package is built with ``uv build --wheel`` and its
 METADATA and contents checked (license, project URLs, classifiers, pinned siblings, the ``gpu``
-extras, loongforge-core's optional ``plot``/``tensorboard``/``wandb`` extras, tested upper bounds for torch and transformers, a README that reads on its own)."""
+extras, loongforge-core's optional ``plot``/``tensorboard``/``wandb`` extras, tested upper bounds
+for torch and transformers, a README that reads on its own)."""
 
 from __future__ import annotations
 

@@ -205,8 +205,11 @@ class _ModalityCommands:
     def train(self, args) -> int:
         from loongforge.core.training.run import run_training
 
+        from loongforge.core.training.wandb_run import require_wandb
+
         app = self.app
         cfg = self.config(args)  # fails here, before any process group, on a bad config
+        require_wandb(cfg.log)  # and here when log.wandb=true has no wandb to log to
         state = app.before_train(args, cfg) if app.before_train is not None else None
         task = app.make_task(cfg)  # the family's task: its data and tokenizer checks come before any group too
         after = (lambda trainer: app.after_train(args, cfg, state, trainer)) if app.after_train is not None else None

@@ -1,4 +1,5 @@
 """Run metrics: one JSON line per logged step in ``RUN_DIR/metrics.jsonl``, TensorBoard scalars,
+the same records to a Weights & Biases run when one is open (``loongforge.core.training.wandb_run``),
 and the tqdm progress bar long work shows."""
 
 from __future__ import annotations
@@ -13,16 +14,19 @@ from tqdm.auto import tqdm
 
 
 class MetricsLogger:
-    """Appends ``{"step": ..., "time": ..., **metrics}`` lines and TensorBoard scalars.
+    """Appends ``{"step": ..., "time": ..., **metrics}`` lines and TensorBoard scalars, and hands
+    each record to ``wandb_run`` (anything with ``log(step, metrics)`` and ``finish(exit_code)``)
+    when given; ``close`` finishes it.
 
     Only the process with ``enabled=True`` (normally global rank 0) writes anything.
     """
 
-    def __init__(self, run_dir: str | Path, enabled: bool = True, tensorboard: bool = True):
+    def __init__(self, run_dir: str | Path, enabled: bool = True, tensorboard: bool = True, wandb_run=None):
         self.run_dir = Path(run_dir)
         self.enabled = enabled
         self._writer = None
         self._file = None
+        self._wandb = wandb_run if enabled else None
         if enabled:
             self.run_dir.mkdir(parents=True, exist_ok=True)
             self._file = open(self.run_dir / "metrics.jsonl", "a", buffering=1)
@@ -39,20 +43,26 @@ class MetricsLogger:
             for key, value in clean.items():
                 if isinstance(value, float) and math.isfinite(value):
                     self._writer.add_scalar(key, value, step)
+        if self._wandb is not None:
+            self._wandb.log(step, clean)
 
-    def close(self) -> None:
+    def close(self, failed: bool = False) -> None:
+        """Close the files; finish the W&B run (``failed``: with exit code 1, a failed run in W&B)."""
         if self._file is not None:
             self._file.close()
             self._file = None
         if self._writer is not None:
             self._writer.close()
             self._writer = None
+        if self._wandb is not None:
+            run, self._wandb = self._wandb, None
+            run.finish(exit_code=1 if failed else 0)
 
     def __enter__(self):
         return self
 
-    def __exit__(self, *exc):
-        self.close()
+    def __exit__(self, exc_type, *exc):
+        self.close(failed=exc_type is not None)
         return False
 
 

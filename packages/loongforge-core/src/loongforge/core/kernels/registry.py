@@ -162,6 +162,12 @@ def installed_ops() -> dict[str, OpContract]:
     return installed_registry().contracts()
 
 
+def installed_providers() -> list[str]:
+    """The installed kernel providers (``loongforge.kernels`` entry points), as
+    ``"distribution: module:attribute"``; read from the packages' metadata, nothing is imported."""
+    return sorted(_source(ep) for ep in entry_points(group=ENTRY_POINT_GROUP))
+
+
 def installed_kernels() -> dict[str, KernelImpl]:
     """Every fused op provided by installed kernel wheels, by op name."""
     return installed_registry().kernels()

@@ -2,7 +2,8 @@
 
 It owns the step accounting (steps, consumed samples, ``train.exit_interval``), the LR schedule
 (``schedule.lr_at``), the check that every step's loss and gradient norm are finite (a non-finite
-one's update is skipped, and ``train.nonfinite_patience`` of them in a row stop the run), metrics (progress bar, ``RUN_DIR/metrics.jsonl``, TensorBoard: loss, grad norm, LR,
+one's update is skipped, and ``train.nonfinite_patience`` of them in a row stop the run), metrics
+(progress bar, ``RUN_DIR/metrics.jsonl``, TensorBoard, W&B with ``log.wandb``: loss, grad norm, LR,
 step time, samples/s, tokens/s for token data, MFU where FLOPs are known, the task's own step
 metrics), the evaluation hook (``eval.interval``), checkpoint cadence and exact resume through the
 core format (``checkpointing``; a save is refused when the weights are not finite, so ``keep_last``
@@ -179,9 +180,16 @@ class Trainer:
         if self.train.exit_interval:
             end = min(end, self.step + self.train.exit_interval)
         results: list[StepResult] = []
-        logger = MetricsLogger(self.run_dir, enabled=self.ctx.is_main, tensorboard=self.log_cfg.tensorboard)
+        wandb_run = None
+        if self.ctx.is_main and self.log_cfg.wandb:
+            from loongforge.core.training.wandb_run import start_wandb_run
+
+            wandb_run = start_wandb_run(self.log_cfg, self.run_dir, self.config_record, resuming=self.resuming)
+        logger = MetricsLogger(self.run_dir, enabled=self.ctx.is_main, tensorboard=self.log_cfg.tensorboard,
+                               wandb_run=wandb_run)
         samples_log = self._open_sample_log()
         bar = progress(self.train.steps, "train", enabled=self.ctx.is_main and self.log_cfg.progress, initial=self.step)
+        completed = False
         try:
             while self.step < end:
                 batch = next(self.data)
@@ -211,9 +219,10 @@ class Trainer:
                 interval = self.ckpt_cfg.interval
                 if self.ckpt_cfg.save and ((interval and self.step % interval == 0) or self.step == end):
                     self.save()
+            completed = True
         finally:
             bar.close()
-            logger.close()
+            logger.close(failed=not completed)  # a run stopped by an error is a failed W&B run
             if samples_log is not None:
                 samples_log.close()
         return results

@@ -2,7 +2,8 @@
 the task, a summary line, and the groups torn down again (also when the run fails).
 
 Every ``lf-* train`` ends here; the config and the task are built first, so a bad config or bad
-data fails before any process group exists.
+data fails before any process group exists, and so does ``log.wandb=true`` without the wandb
+package. A CUDA run without a kernel wheel says so in one line (``reference_kernels_notice``).
 """
 
 from __future__ import annotations
@@ -43,7 +44,9 @@ def run_training(cfg, task, prog: str, after: Callable[[Trainer], None] | None =
     import torch.distributed as dist
 
     from loongforge.core.parallel import destroy_parallel, init_parallel
+    from loongforge.core.training.wandb_run import require_wandb
 
+    require_wandb(cfg.log)  # before any process group
     owned = not dist.is_initialized()
     p = cfg.parallel
     ctx = init_parallel(tp=p.tp, pp=p.pp, cp=p.cp, ep=p.ep, seed=cfg.train.seed, timeout_s=p.timeout_s)
@@ -56,6 +59,7 @@ def run_training(cfg, task, prog: str, after: Callable[[Trainer], None] | None =
             what = task.describe() if hasattr(task, "describe") else task.family
             print(f"{prog}: {what} on {describe_layout(ctx)}, {trainer.engine.name} engine, {trainer.dtype}, "
                   f"run dir {cfg.log.run_dir}", flush=True)
+            print_kernels_notice(prog, ctx.accelerator.name)
         results = trainer.fit()
         if after is not None:
             after(trainer)
@@ -67,6 +71,16 @@ def run_training(cfg, task, prog: str, after: Callable[[Trainer], None] | None =
     finally:
         if owned:
             destroy_parallel()
+
+
+def print_kernels_notice(prog: str, accelerator: str) -> None:
+    """One line when ``accelerator`` would run fused kernels but no kernel wheel is installed."""
+    from loongforge.core.kernels import installed_providers
+    from loongforge.core.kernels.reference_notice import reference_kernels_notice
+
+    notice = reference_kernels_notice(prog, accelerator, installed_providers())
+    if notice is not None:
+        print(notice, flush=True)
 
 
 def print_summary(prog: str, summary: RunSummary) -> None:

@@ -19,6 +19,7 @@ PRECISIONS = ("auto", "bf16", "fp32")
 DECAY_STYLES = ("cosine", "linear", "constant")
 RECOMPUTE = ("none", "selective", "full")
 DATA_PARALLEL = ("auto", "ddp", "fsdp", "hsdp")
+WANDB_MODES = ("online", "offline", "disabled")
 
 
 def _one_of(key: str, value, choices) -> None:
@@ -142,10 +143,19 @@ class LogConfig:
     tensorboard: bool = True  # TensorBoard scalars in RUN_DIR/tensorboard
     progress: bool = True  # the console progress bar
     sample_ids: bool = False  # write the dataset indices each DP rank trains to RUN_DIR/sample_ids/dp_rank_<r>.jsonl
+    wandb: bool = False  # every metrics.jsonl record to Weights & Biases too (rank 0; needs loongforge-core[wandb])
+    wandb_project: str = "loongforge"  # the W&B project
+    wandb_entity: str | None = None  # the W&B team or user; null: your default entity
+    wandb_run_name: str | None = None  # the W&B run's display name; null: the run dir's name
+    wandb_mode: str | None = None  # online | offline | disabled; null: WANDB_MODE, else W&B's default (online)
 
     def __post_init__(self):
         if self.interval < 1:
             raise ValueError(f"log.interval={self.interval}: must be >= 1")
+        if self.wandb_mode is not None:
+            _one_of("log.wandb_mode", self.wandb_mode, WANDB_MODES)
+        if not self.wandb_project:
+            raise ValueError("log.wandb_project: must not be empty")
 
 
 @dataclass
