@@ -3,13 +3,20 @@
 # device call:
 #
 #   bash bench/h200_batch.sh check    # correctness: GPU-marked tests (compiled Triton), every CLI trains
+#   bash bench/h200_batch.sh bench-a  # lf-llm bench (HF + compile, + Liger) and lf-vlm bench (transformers, compiled)
+#   bash bench/h200_batch.sh bench-b  # lf-diffusion bench (diffusers, compile_repeated_blocks), DSA, FP8 GEMMs
+#   bash bench/h200_batch.sh embodied # lf-embodied bench --against-lerobot (needs lerobot and its imports in .whl/)
+#   bash bench/h200_batch.sh long     # train_0_5b at 32K and 128K tokens, with and without activation offload
+#
+# Each bench prints its baseline's settings, both sides' first-step losses and peak memory, and the
+# ratios; the tables in docs/benchmarks.md and the READMEs are copied from these logs.
 #
 # The machine has torch, triton and transformers but no PyPI: the missing wheels travel in .whl/
 # (megatron-core, omegaconf, hydra-core, antlr4, diffusers, pytest and its plugins, tensorboard and
 # its deps, and LoongForge's own wheels from `uv build --wheel --package loongforge-<name> -o .whl`).
 # Everything printed also goes to $OUT/<stage>.log.
 set -uo pipefail
-stage=${1:?usage: h200_batch.sh check}
+stage=${1:?usage: h200_batch.sh check|bench-a|bench-b|embodied|long}
 OUT=${OUT:-/tmp/lf-h200}
 mkdir -p "$OUT"
 exec > >(tee "$OUT/$stage.log") 2>&1
@@ -27,12 +34,23 @@ cli() {
   timeout 420 python3 -m "$@" >"$log" 2>&1; local rc=$?
   tail -n 8 "$log"; echo "exit code: $rc"
 }
+# a bench: everything it prints, under a time limit (seconds) so the stage fits its device call
+bench() {
+  local limit=$1; shift
+  section "$* (limit ${limit}s)"
+  local t0=$SECONDS
+  timeout "$limit" "$@"; echo "exit code: $? after $((SECONDS - t0)) s"
+}
+environment() {
+  section environment
+  nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.max.sm --format=csv,noheader
+  python3 -c 'import torch, triton, transformers, megatron.core, diffusers; print("torch", torch.__version__, "triton", triton.__version__, "transformers", transformers.__version__, "megatron-core", megatron.core.__version__, "diffusers", diffusers.__version__)'
+  python3 -m pip list 2>/dev/null >"$OUT/pip-list.txt"
+}
 
 case $stage in
 check)
-  section environment
-  nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
-  python3 -c 'import torch, triton, transformers, megatron.core, diffusers; print("torch", torch.__version__, "triton", triton.__version__, "transformers", transformers.__version__, "megatron-core", megatron.core.__version__, "diffusers", diffusers.__version__)'
+  environment
 
   section "GPU-marked tests (compiled kernels)"
   (cd "$repo" && timeout 300 python3 -m pytest -q -p no:cacheprovider -n 0 -m gpu -o addopts="--import-mode=importlib" \
@@ -46,6 +64,44 @@ check)
   cli loongforge.llm.cli train --config train_qwen3_moe_debug train.steps=10 checkpoint.save=false log.run_dir=llm-moe
   cli loongforge.diffusion.cli train train.steps=40 log.run_dir=diffusion-tiny
   cli loongforge.vlm.cli train train.steps=20 log.run_dir=vlm-debug
+  ;;
+bench-a)
+  environment
+  section "GPU-marked kernel tests (compiled kernels)"
+  (cd "$repo" && timeout 50 python3 -m pytest -q -p no:cacheprovider -n 0 -m gpu -o addopts="--import-mode=importlib" \
+      -W ignore -s packages/loongforge-kernels/tests packages/loongforge-core/tests/test_activation_offload.py 2>&1 | grep -E "peak [0-9]|passed|failed|FAILED|^E " | tail -n 25)
+  bench 250 python3 "$repo/bench/llm_throughput.py" --skip hf_eager
+  bench 170 python3 "$repo/bench/vlm_throughput.py" --skip hf_eager
+  ;;
+bench-b)
+  environment
+  bench 280 python3 -m loongforge.diffusion.cli bench --config wan2_1_t2v_1_3b --steps 10 --no-profile \
+      model.num_layers=4 sample.num_frames=33 sample.height=480 sample.width=832
+  bench 150 python3 "$repo/bench/dsa_throughput.py" --seqs 8192,32768,65536
+  bench 100 python3 "$repo/bench/fp8_gemm.py" --steps 50
+  ;;
+long)
+  environment
+  # one sequence per step; the metrics carry tokens/s, peak_memory_gib and offload_gib per step
+  for seq in 32768 131072; do
+    for offload in 0 4; do
+      run=llm-$seq-offload$offload
+      cli loongforge.llm.cli train --config train_0_5b train.seq_length=$seq model.max_position_embeddings=$seq \
+          train.global_batch_size=1 train.micro_batch_size=1 train.steps=6 train.offload_layers=$offload \
+          checkpoint.save=false log.progress=false log.run_dir=$run
+      python3 - "$run/metrics.jsonl" <<'PY'
+import json, sys
+rows = [json.loads(line) for line in open(sys.argv[1])][2:]
+if rows:
+    print("median tokens/s", sorted(r["tokens_per_s"] for r in rows)[len(rows) // 2],
+          "peak GiB", max(r["peak_memory_gib"] for r in rows), "offloaded GiB", rows[-1].get("offload_gib", 0))
+PY
+    done
+  done
+  ;;
+embodied)
+  environment
+  bench 500 python3 "$repo/bench/embodied_throughput.py"
   ;;
 *) echo "unknown stage $stage"; exit 2 ;;
 esac

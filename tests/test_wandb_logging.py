@@ -1,7 +1,8 @@
 """``log.wandb=true`` through a real ``lf-*`` CLI, W&B offline: the run's W&B file holds every
 logged step's loss (the same as metrics.jsonl), the whole config, the run dir's name and a clean
 exit; a resumed run continues the same W&B run; a run stopped by a non-finite loss finishes its
-W&B run as failed; and without the wandb package the run stops before it starts, naming the extra."""
+W&B run as failed; W&B's files go to RUN_DIR/wandb unless WANDB_DIR says otherwise; and without
+the wandb package the run stops before it starts, naming the extra, while the config still loads."""
 
 from __future__ import annotations
 
@@ -21,15 +22,13 @@ TINY = ["data.synthetic_clips=8", "train.global_batch_size=2", "train.warmup_ste
 
 @pytest.fixture
 def offline_wandb(tmp_path, monkeypatch):
-    """W&B offline, its files (and its settings, cache and staging) under tmp_path; the W&B root."""
-    root = tmp_path / "wandb-root"
+    """W&B offline, its settings, cache and staging under tmp_path, WANDB_DIR unset."""
     monkeypatch.setenv("WANDB_MODE", "offline")
-    monkeypatch.setenv("WANDB_DIR", str(root))
+    monkeypatch.delenv("WANDB_DIR", raising=False)
     for name in ("WANDB_CONFIG_DIR", "WANDB_CACHE_DIR", "WANDB_DATA_DIR", "WANDB_ARTIFACT_DIR"):
         monkeypatch.setenv(name, str(tmp_path / name.lower()))
     monkeypatch.delenv("WANDB_API_KEY", raising=False)
-    root.mkdir()
-    yield root
+    yield
     import wandb
 
     wandb.teardown()  # W&B reads its environment once per process: the next test starts afresh
@@ -44,11 +43,14 @@ def _wandb_files(root, run_id: str) -> list:
     return sorted(root.glob(f"wandb/offline-run-*-{run_id}/run-{run_id}.wandb"))
 
 
-def test_an_offline_run_logs_every_step_and_a_resumed_run_continues_it(tmp_path, offline_wandb):
+def test_an_offline_run_logs_every_step_and_a_resumed_run_continues_it(tmp_path, offline_wandb, monkeypatch):
+    root = tmp_path / "wandb-root"
+    root.mkdir()
+    monkeypatch.setenv("WANDB_DIR", str(root))
     run_dir = tmp_path / "my-run"
     assert lf_diffusion(["train", *TINY, "train.steps=2", f"log.run_dir={run_dir}"]) == 0
     run_id = (run_dir / "wandb_run_id").read_text().strip()
-    (first,) = _wandb_files(offline_wandb, run_id)
+    (first,) = _wandb_files(root, run_id)
     records = wandb_records.read_records(first)
     logged = _metrics(run_dir)
     history = wandb_records.history(records)
@@ -67,8 +69,8 @@ def test_an_offline_run_logs_every_step_and_a_resumed_run_continues_it(tmp_path,
     # the same command, two more steps: it resumes from step 2's checkpoint and the same W&B run
     assert lf_diffusion(["train", *TINY, "train.steps=4", f"log.run_dir={run_dir}"]) == 0
     assert (run_dir / "wandb_run_id").read_text().strip() == run_id
-    files = _wandb_files(offline_wandb, run_id)
-    assert len(files) == 2 and len(list(offline_wandb.glob("wandb/offline-run-*"))) == 2
+    files = _wandb_files(root, run_id)
+    assert len(files) == 2 and len(list(root.glob("wandb/offline-run-*"))) == 2
     resumed = wandb_records.read_records(files[1])
     assert [row["_step"] for row in wandb_records.history(resumed)] == [3, 4]
     assert [row["loss"] for row in wandb_records.history(resumed)] == pytest.approx(
@@ -83,7 +85,7 @@ def test_a_run_stopped_by_a_non_finite_loss_is_a_failed_wandb_run(tmp_path, offl
                          "checkpoint.save=false", f"log.run_dir={run_dir}"]) == 1
     assert "not finite" in capsys.readouterr().err
     run_id = (run_dir / "wandb_run_id").read_text().strip()
-    (path,) = _wandb_files(offline_wandb, run_id)
+    (path,) = _wandb_files(run_dir, run_id)  # no WANDB_DIR: under RUN_DIR/wandb
     records = wandb_records.read_records(path)
     history = wandb_records.history(records)
     assert [row["_step"] for row in history] == [r["step"] for r in _metrics(run_dir)]
@@ -98,5 +100,7 @@ def test_log_wandb_without_the_package_stops_before_any_process_group(tmp_path, 
     assert lf_diffusion(["train", *TINY, "train.steps=2", f"log.run_dir={tmp_path / 'run'}"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("error: log.wandb=true needs the wandb package"), err
-    assert "pip install 'loongforge-core[wandb]'" in err[0]
+    assert 'pip install "loongforge-core[wandb]"' in err[0]
     assert not dist.is_initialized() and not (tmp_path / "run").exists()
+    # the config itself is fine: what reads it without training (info, convert, sample) still works
+    assert lf_diffusion(["info", *TINY]) == 0

@@ -1,4 +1,4 @@
-"""The pieces of ``log.wandb=true`` (``loongforge.core.training.wandb_run``): the run id kept for
+"""The pieces of ``log.wandb=true`` (``loongforge.core.wandb_run``): the run id kept for
 resumption, the arguments handed to ``wandb.init``, the config checks, the records the metrics
 logger hands over, and W&B refusing to start. The run through a CLI, offline, is in
 tests/test_wandb_logging.py."""
@@ -13,7 +13,7 @@ from loongforge.core.config import ConfigError
 from loongforge.core.errors import UserError
 from loongforge.core.metrics import MetricsLogger, read_metrics
 from loongforge.core.training.schema import LogConfig
-from loongforge.core.training.wandb_run import (
+from loongforge.core.wandb_run import (
     INSTALL, RUN_ID_FILE, init_arguments, require_wandb, start_wandb_run, wandb_run_id,
 )
 
@@ -35,7 +35,7 @@ def test_init_arguments_default_to_the_run_dir_and_leave_the_mode_to_wandb(tmp_p
     args = init_arguments(LogConfig(wandb=True), tmp_path / "my-run", config, "abc", environ={})
     assert args == dict(project="loongforge", entity=None, name="my-run", id="abc", resume="allow", config=config,
                         mode=None, dir=str(tmp_path / "my-run"))
-    log = LogConfig(wandb=True, wandb_project="p", wandb_entity="team", wandb_run_name="n", wandb_mode="offline")
+    log = LogConfig(wandb=True, wandb_project="p", wandb_entity="team", wandb_name="n", wandb_mode="offline")
     args = init_arguments(log, tmp_path / "my-run", config, "abc", environ={"WANDB_DIR": "/elsewhere"})
     assert (args["project"], args["entity"], args["name"], args["mode"], args["dir"]) == (
         "p", "team", "n", "offline", "/elsewhere")
@@ -58,37 +58,37 @@ def test_require_wandb_names_the_extra_only_when_wandb_is_asked_for_and_missing(
 
 
 class _Recorded:
-    """What a W&B run is handed: ``(step, metrics)`` pairs and the exit code it is finished with."""
+    """What a ``WandbRun`` is handed: ``(step, metrics)`` pairs and how it is finished."""
 
     def __init__(self):
-        self.logged, self.exit_codes = [], []
+        self.logged, self.finished = [], []
 
     def log(self, step, metrics):
         self.logged.append((step, dict(metrics)))
 
-    def finish(self, exit_code=0):
-        self.exit_codes.append(exit_code)
+    def finish(self, failed=False):
+        self.finished.append(failed)
 
 
 def test_the_metrics_logger_hands_each_record_to_the_wandb_run_and_finishes_it_once(tmp_path):
     import torch
 
     run = _Recorded()
-    with MetricsLogger(tmp_path, tensorboard=False, wandb_run=run) as logger:
+    with MetricsLogger(tmp_path, tensorboard=False, wandb=run) as logger:
         logger.log(1, {"loss": torch.tensor(2.5), "lr": 1e-3})
         logger.log(2, {"loss": float("nan"), "lr": 1e-3})
     assert [step for step, _ in run.logged] == [r["step"] for r in read_metrics(tmp_path)] == [1, 2]
     assert run.logged[0][1] == {"loss": 2.5, "lr": 1e-3}  # plain floats, no wall-clock "time"
-    assert run.exit_codes == [0]
+    assert run.finished == [False]
     logger.close()
-    assert run.exit_codes == [0]
+    assert run.finished == [False]  # once
 
     failed = _Recorded()
-    with pytest.raises(RuntimeError), MetricsLogger(tmp_path / "failed", tensorboard=False, wandb_run=failed):
+    with pytest.raises(RuntimeError), MetricsLogger(tmp_path / "failed", tensorboard=False, wandb=failed):
         raise RuntimeError("the step failed")
-    assert failed.exit_codes == [1]
+    assert failed.finished == [True]
     other_rank = _Recorded()
-    MetricsLogger(tmp_path / "rank1", enabled=False, wandb_run=other_rank).log(1, {"loss": 1.0})
+    MetricsLogger(tmp_path / "rank1", enabled=False, wandb=other_rank).log(1, {"loss": 1.0})
     assert other_rank.logged == []
 
 

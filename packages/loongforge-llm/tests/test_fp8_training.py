@@ -220,15 +220,45 @@ def test_bad_fp8_modes_are_refused(megatron_world, tmp_path):
     with pytest.raises(ValueError, match=r"fp8='e4m3': one of none, blockwise, adaptive"):
         with fp8_linears("e4m3"):
             pass
-    # a family whose layers have no FP8 path says so instead of training in bf16
-    cfg = load_llm_config("train_qwen3_moe_debug", ["fp8=blockwise", f"data.cache_dir={tmp_path}"])
+    # a model whose layers have no FP8 path (DeepSeek-V3.2's DSA layers) says so instead of training in bf16
+    cfg = load_llm_config("train_deepseek_v3_2_debug", ["fp8=blockwise", f"data.cache_dir={tmp_path}"])
     task = LLMTask(cfg)
     from megatron.core.transformer import TransformerConfig
 
     config = TransformerConfig(**task.transformer_config_kwargs(), params_dtype=torch.float32,
                                use_cpu_initialization=True)
-    with pytest.raises(ValueError, match=r"fp8='blockwise': model.family='qwen3_moe' builds no FP8 linear"):
+    with pytest.raises(ValueError, match=r"fp8='blockwise': model.family='deepseek_v3' builds no FP8 linear"):
         task.build_model(megatron_world, config, True, True)
+
+
+@pytest.mark.parametrize("config", ["train_qwen3_moe_debug", "train_deepseek_v3_debug"])
+def test_moe_layers_train_in_fp8_like_fp32(config, megatron_world, data_cache, tmp_path, reference_kernels):
+    """fp8=blockwise on the MoE families: every routed expert's fc1/fc2, the shared experts, the dense
+    MLPs and the attention projections (MLA's up ones) are FP8 linears, the router is not;
+    a few steps train to fp32's loss within FP8 accuracy."""
+    from megatron.core.transformer.moe.router import TopKRouter
+
+    from loongforge.core.training.loop import Trainer
+    from loongforge.llm.layers.fp8_linear import count_fp8_linears
+
+    def run(mode):
+        cfg = load_llm_config(config, [*TRAIN, f"log.run_dir={tmp_path / mode}", f"data.cache_dir={data_cache}",
+                                       f"fp8={mode}"])
+        megatron_world.accelerator.manual_seed(cfg.train.seed)
+        trainer = Trainer(LLMTask(cfg), megatron_world, cfg)
+        return trainer, trainer.fit()
+
+    fp8_trainer, fp8 = run("blockwise")
+    model = fp8_trainer.engine.inner_model
+    cfg = fp8_trainer.task.cfg.model
+    experts = sum(1 for name, _ in model.named_modules() if ".experts.local_experts." in name and name.endswith("linear_fc1"))
+    assert experts == cfg.num_experts * (cfg.num_layers - cfg.first_k_dense)
+    assert count_fp8_linears(model) > 2 * experts  # the experts and the attention/dense/shared linears
+    assert not any(type(m).__name__.startswith("Fp8") for r in model.modules() if isinstance(r, TopKRouter)
+                   for m in r.modules())
+    _, fp32 = run("none")
+    assert fp8[-1].loss < fp8[0].loss and fp8[-1].loss == pytest.approx(fp32[-1].loss, rel=2e-2)
+    assert fp8[0].grad_norm != fp32[0].grad_norm  # FP8 really ran
 
 
 # -- fp8=adaptive: the run's plan ---------------------------------------------------------------

@@ -110,7 +110,8 @@ def test_convert_train_from_hf_and_export(tmp_path, vlm_cache):
     assert main(["convert", "hf-to-lf", str(tmp_path / "hf"), str(tmp_path / "lf"), "--no-progress"]) == 0
     run = tmp_path / "run"
     assert main(["train", "--config", str(tmp_path / "lf" / "train.yaml"), *FAST, "train.steps=2",
-                 "train.seq_length=512", f"data.cache_dir={vlm_cache}", f"log.run_dir={run}"]) == 0
+                 "train.seq_length=512", f"data.cache_dir={vlm_cache}", f"log.run_dir={run}",
+                 "--save-hf", str(tmp_path / "saved")]) == 0
     losses = [m["loss"] for m in metrics(run)]
     assert len(losses) == 2 and 5.0 < losses[0] < 9.0  # from the converted (random-init) weights: about ln(1280)
     assert main(["convert", "lf-to-hf", str(run / "checkpoints"), str(tmp_path / "out"), "--no-progress"]) == 0
@@ -118,3 +119,5 @@ def test_convert_train_from_hf_and_export(tmp_path, vlm_cache):
     before, after = hf.state_dict(), trained.state_dict()
     assert sorted(before) == sorted(after)
     assert any(not torch.equal(before[k], after[k]) for k in before)  # the exported weights are the trained ones
+    saved = Qwen2_5_VLForConditionalGeneration.from_pretrained(tmp_path / "saved").state_dict()  # train --save-hf
+    assert sorted(saved) == sorted(after) and all(torch.equal(saved[k], after[k]) for k in after)

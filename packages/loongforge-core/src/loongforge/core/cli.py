@@ -193,26 +193,66 @@ def _versions(packages: Sequence[str]) -> str:
     return ", ".join(f"{name} {package_version(name)}" for name in packages)
 
 
+def export_converter(app: ModalityCLI) -> Converter | None:
+    """The converter ``train --save-FORMAT OUT`` runs at the end of training: the modality's first
+    ``lf-to-FORMAT`` direction."""
+    return next((c for c in app.converters if c.direction.startswith("lf-to-")), None)
+
+
+def check_export_target(option: str, out: str, checkpoint_save: bool) -> Path:
+    """``--save-FORMAT OUT`` exports the final checkpoint: it must be saved and OUT must be new
+    (checked before any process group)."""
+    path = Path(out).expanduser().resolve()
+    if path.exists():
+        raise ConfigError(f"{option} {out}: {path} exists; the export writes a new directory")
+    if not checkpoint_save:
+        raise ConfigError(f"{option} {out} exports the final checkpoint; it needs checkpoint.save=true")
+    return path
+
+
 class _ModalityCommands:
     """The command bodies of one ``ModalityCLI``."""
 
     def __init__(self, app: ModalityCLI):
         self.app = app
+        self.convert_parser: argparse.ArgumentParser | None = None  # set by build_parser
+
+    def _export(self, trainer, converter: Converter, out: Path, progress: bool) -> None:
+        """Rank 0 runs ``convert lf-to-FORMAT LAST_CHECKPOINT OUT`` (with that command's defaults)
+        once every rank has finished saving."""
+        import torch.distributed as dist
+
+        if dist.is_initialized():
+            dist.barrier()
+        if trainer.ctx.is_main and trainer.last_checkpoint is not None:
+            argv = [converter.direction, str(trainer.last_checkpoint), str(out)] + ([] if progress else ["--no-progress"])
+            print(converter.run(str(trainer.last_checkpoint), str(out), self.convert_parser.parse_args(argv)),
+                  flush=True)
 
     def config(self, args) -> Any:
         return self.app.load_config(args.config, normalise_overrides(args.overrides))
 
     def train(self, args) -> int:
         from loongforge.core.training.run import run_training
-
-        from loongforge.core.training.wandb_run import require_wandb
+        from loongforge.core.wandb_run import require_wandb
 
         app = self.app
         cfg = self.config(args)  # fails here, before any process group, on a bad config
         require_wandb(cfg.log)  # and here when log.wandb=true has no wandb to log to
         state = app.before_train(args, cfg) if app.before_train is not None else None
+        converter = export_converter(app)
+        save_to = getattr(args, "save_export", None)
+        if save_to is not None:
+            option = "--save-" + converter.direction.removeprefix("lf-to-")
+            save_to = check_export_target(option, save_to, cfg.checkpoint.save)
         task = app.make_task(cfg)  # the family's task: its data and tokenizer checks come before any group too
-        after = (lambda trainer: app.after_train(args, cfg, state, trainer)) if app.after_train is not None else None
+
+        def after(trainer) -> None:
+            if app.after_train is not None:
+                app.after_train(args, cfg, state, trainer)
+            if save_to is not None:
+                self._export(trainer, converter, save_to, cfg.log.progress)
+
         summary = run_training(cfg, task, app.prog, after=after)
         export = next((c.direction for c in app.converters if c.direction.startswith("lf-to-")), None)
         if export and summary.last_checkpoint is not None and summary.is_main:
@@ -258,6 +298,12 @@ def build_parser(app: ModalityCLI) -> argparse.ArgumentParser:
     usage = "%(prog)s [--config NAME|PATH] [key=value | --key value | group=option ...]"
     train = command("train", f"train (no arguments: {app.default_config})", _keys_epilog(app), usage=usage)
     add_config_arguments(train, app.default_config)
+    converter = export_converter(app)
+    if converter is not None:
+        fmt = converter.direction.removeprefix("lf-to-")
+        train.add_argument(f"--save-{fmt}", dest="save_export", metavar="OUT", default=None,
+                           help=f"at the end, also write the final checkpoint to OUT as `{app.prog} convert "
+                                f"{converter.direction}` does")
     if app.train_options is not None:
         app.train_options(train)
     train.set_defaults(fn=commands.train)
@@ -280,6 +326,7 @@ def build_parser(app: ModalityCLI) -> argparse.ArgumentParser:
         if app.convert_options is not None:
             app.convert_options(conv)
         conv.set_defaults(fn=commands.convert)
+        commands.convert_parser = conv
 
     if app.bench is not None:
         from loongforge.core.bench_protocol import add_protocol_arguments

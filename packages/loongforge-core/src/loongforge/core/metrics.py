@@ -1,6 +1,5 @@
 """Run metrics: one JSON line per logged step in ``RUN_DIR/metrics.jsonl``, TensorBoard scalars,
-the same records to a Weights & Biases run when one is open (``loongforge.core.training.wandb_run``),
-and the tqdm progress bar long work shows."""
+Weights & Biases (``log.wandb``), and the tqdm progress bar long work shows."""
 
 from __future__ import annotations
 
@@ -14,19 +13,18 @@ from tqdm.auto import tqdm
 
 
 class MetricsLogger:
-    """Appends ``{"step": ..., "time": ..., **metrics}`` lines and TensorBoard scalars, and hands
-    each record to ``wandb_run`` (anything with ``log(step, metrics)`` and ``finish(exit_code)``)
-    when given; ``close`` finishes it.
+    """Appends ``{"step": ..., "time": ..., **metrics}`` lines and TensorBoard scalars.
 
     Only the process with ``enabled=True`` (normally global rank 0) writes anything.
     """
 
-    def __init__(self, run_dir: str | Path, enabled: bool = True, tensorboard: bool = True, wandb_run=None):
+    def __init__(self, run_dir: str | Path, enabled: bool = True, tensorboard: bool = True, wandb=None):
+        """``wandb``: a ``WandbRun`` to log to as well (rank 0's), or None."""
         self.run_dir = Path(run_dir)
         self.enabled = enabled
         self._writer = None
         self._file = None
-        self._wandb = wandb_run if enabled else None
+        self._wandb = wandb if enabled else None
         if enabled:
             self.run_dir.mkdir(parents=True, exist_ok=True)
             self._file = open(self.run_dir / "metrics.jsonl", "a", buffering=1)
@@ -47,7 +45,6 @@ class MetricsLogger:
             self._wandb.log(step, clean)
 
     def close(self, failed: bool = False) -> None:
-        """Close the files; finish the W&B run (``failed``: with exit code 1, a failed run in W&B)."""
         if self._file is not None:
             self._file.close()
             self._file = None
@@ -55,8 +52,8 @@ class MetricsLogger:
             self._writer.close()
             self._writer = None
         if self._wandb is not None:
-            run, self._wandb = self._wandb, None
-            run.finish(exit_code=1 if failed else 0)
+            self._wandb.finish(failed)
+            self._wandb = None
 
     def __enter__(self):
         return self

@@ -15,6 +15,7 @@ from pathlib import Path
 import torch.distributed as dist
 
 from loongforge.core.cli import add_config_arguments, normalise_overrides
+from loongforge.core.config import ConfigError
 
 CONFIG_DIR = Path(__file__).parent / "configs"
 DEFAULT_TRAIN = "tiny"
@@ -22,10 +23,44 @@ DEFAULT_PREPROCESS = "preprocess"
 
 
 def load_recipe(config: str | None, overrides: list[str]):
-    from loongforge.core.config import load_config
+    """Compose and validate a diffusion config. With ``model.pretrained=DIR`` the architecture keys
+    come from DIR's config.json (over the YAML's); one also given on the command line must agree
+    with it."""
+    from loongforge.core.config import load_config, read_section
     from loongforge.diffusion.schema import DiffusionRecipe
 
-    return load_config(DiffusionRecipe, config, list(overrides), config_dirs=[CONFIG_DIR])
+    from loongforge.core.hub import is_hub_id, resolve_local
+
+    overrides = list(overrides)
+    model = read_section(DiffusionRecipe, "model", config, overrides, [CONFIG_DIR])
+    if model.get("pretrained"):
+        pretrained = str(model["pretrained"])
+        if is_hub_id(pretrained):  # owner/name: its snapshot in the hub cache
+            pretrained = resolve_local(pretrained, key="model.pretrained")
+            overrides.append(f"model.pretrained={pretrained}")
+        overrides += pretrained_overrides(pretrained, model, overrides)
+    return load_config(DiffusionRecipe, config, overrides, config_dirs=[CONFIG_DIR])
+
+
+def pretrained_overrides(pretrained: str, model: dict, overrides: list[str]) -> list[str]:
+    """The architecture of ``model.pretrained`` as overrides; an explicit ``model.KEY=V`` that
+    differs from it is an error naming both."""
+    import json
+
+    from loongforge.diffusion.model.convert import pretrained_architecture
+
+    try:
+        arch, source = pretrained_architecture(pretrained)
+    except (FileNotFoundError, ValueError) as exc:
+        raise ConfigError(str(exc)) from exc
+    explicit = {o.split("=", 1)[0].strip().lstrip("+~").removeprefix("model.") for o in overrides
+                if o.split("=", 1)[0].strip().lstrip("+~").startswith("model.")}
+    for key in sorted(explicit & set(arch)):
+        given = list(model[key]) if isinstance(model.get(key), (list, tuple)) else model.get(key)
+        if given != arch[key]:
+            raise ConfigError(f"model.{key}={given!r} but {source} has {key}={arch[key]!r}; model.pretrained "
+                              f"sets the architecture (drop the override)")
+    return [f"model.{key}={json.dumps(value)}" for key, value in arch.items()]
 
 
 def make_task(recipe):

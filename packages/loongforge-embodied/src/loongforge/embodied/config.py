@@ -178,4 +178,18 @@ def load_train_config(name_or_path: str | None = "train", overrides: Sequence[st
     config class of its ``family``."""
     family = read_section(EmbodiedConfig, "policy", name_or_path, overrides, [CONFIG_DIR]).get("family", "pi05")
     schema = EmbodiedConfig(policy=policy_config_class(family)())
-    return load_config(schema, name_or_path, overrides, config_dirs=[CONFIG_DIR])
+    cfg = load_config(schema, name_or_path, overrides, config_dirs=[CONFIG_DIR])
+    return resolve_hub_ids(cfg)
+
+
+def resolve_hub_ids(cfg: EmbodiedConfig) -> EmbodiedConfig:
+    """``data.root=owner/dataset`` and ``policy.pretrained=owner/model`` as their local hub
+    snapshots (``loongforge.core.hub``); a model repository gives its ``model.safetensors``."""
+    from loongforge.core.hub import is_hub_id, resolve_local
+
+    if cfg.data.root and is_hub_id(cfg.data.root):
+        cfg.data.root = resolve_local(cfg.data.root, key="data.root", repo_type="dataset")
+    if cfg.policy.pretrained and is_hub_id(cfg.policy.pretrained):
+        cfg.policy.pretrained = str(Path(resolve_local(cfg.policy.pretrained, key="policy.pretrained"))
+                                    / "model.safetensors")
+    return cfg

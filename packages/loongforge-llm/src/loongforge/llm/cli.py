@@ -13,42 +13,17 @@ from __future__ import annotations
 
 import json
 import sys
-from pathlib import Path
 
 from loongforge.core.config import ConfigError
 from loongforge.llm import recipe
 from loongforge.llm.recipe import LLMConfig
 
 
-def check_save_hf(cfg: LLMConfig, out: str | None) -> Path | None:
-    """``--save-hf OUT``: the final checkpoint is exported there, so it must be saved, be a plain
-    model (adapters are merged first: ``lf-llm lora merge``) and OUT must be new."""
-    if out is None:
-        return None
-    path = Path(out).expanduser().resolve()
-    if path.exists():
-        raise ConfigError(f"--save-hf {out}: {path} exists; the export writes a new directory")
-    if not cfg.checkpoint.save:
-        raise ConfigError(f"--save-hf {out} exports the final checkpoint; it needs checkpoint.save=true")
-    if cfg.lora.enabled:
-        raise ConfigError(f"--save-hf {out}: a LoRA run's checkpoint holds adapters; merge them with `lf-llm lora merge "
-                          f"CHECKPOINT MERGED` and export with `lf-llm convert lf-to-hf MERGED OUT`")
-    return path
-
-
-def export_hf(ctx, checkpoints: Path, out: Path, progress: bool) -> None:
-    """Rank 0 writes the latest checkpoint in ``checkpoints`` to the HF directory ``out``, after
-    every rank has finished saving."""
-    import torch.distributed as dist
-
-    from loongforge.core.hf_mapping.convert import lf_to_hf
-
-    if dist.is_initialized():
-        dist.barrier()
-    if ctx.is_main:
-        done = lf_to_hf(checkpoints, out, progress=progress)
-        print(f"lf-llm: {done.family} ({done.tensors} tensors) -> {done.path}"
-              + ("" if done.tokenizer else " (no tokenizer found to copy)"), flush=True)
+def refuse_lora_export(args, cfg: LLMConfig) -> None:
+    """``--save-hf`` of a LoRA run: its checkpoint holds adapters, merged by ``lf-llm lora merge``."""
+    if args.save_export is not None and cfg.lora.enabled:
+        raise ConfigError(f"--save-hf {args.save_export}: a LoRA run's checkpoint holds adapters; merge them with "
+                          f"`lf-llm lora merge CHECKPOINT MERGED` and export with `lf-llm convert lf-to-hf MERGED OUT`")
 
 
 def cmd_info(args, cfg: LLMConfig) -> None:
@@ -62,8 +37,17 @@ def cmd_info(args, cfg: LLMConfig) -> None:
         sizes = size_report(m, layout, args.dp, precision=precision, distributed_optimizer=cfg.train.use_distributed_optimizer)
     except ValueError as exc:
         raise ConfigError(str(exc)) from exc
-    print(json.dumps({"family": m.family, "parameters": m.parameter_counts(), **sizes,
-                      "flops_per_token": m.flops_per_token(cfg.train.seq_length)}, indent=1))
+    report = {"family": m.family, "parameters": m.parameter_counts(), **sizes,
+              "flops_per_token": m.flops_per_token(cfg.train.seq_length)}
+    if args.activations:
+        from loongforge.llm import activation_memory
+
+        dp = sizes["layout"]["dp"]
+        mbs = cfg.train.micro_batch_size or max(1, cfg.train.global_batch_size // dp)
+        num_microbatches = max(1, cfg.train.global_batch_size // (mbs * dp))
+        profile = activation_memory.measure(cfg)
+        report["activations"] = activation_memory.per_gpu(profile, cfg, layout, mbs, num_microbatches)
+    print(json.dumps(report, indent=1))
 
 
 def cmd_preprocess(args) -> int:
@@ -80,19 +64,11 @@ def make_task(cfg: LLMConfig):
     return get_model_spec(cfg.model.family).make_task(cfg)
 
 
-def train_options(parser) -> None:
-    parser.add_argument("--save-hf", metavar="OUT", default=None,
-                        help="at the end, export the final checkpoint to OUT as a Hugging Face model directory")
-
-
-def after_train(args, cfg: LLMConfig, save_hf: Path | None, trainer) -> None:
-    if save_hf is not None:
-        export_hf(trainer.ctx, trainer.ckpt_dir, save_hf, progress=cfg.log.progress)
-
-
 def info_options(parser) -> None:
     parser.add_argument("--dp", type=int, default=None,
                         help="data-parallel size to size the layout for (default: the smallest parallel.ep allows)")
+    parser.add_argument("--no-activations", dest="activations", action="store_false",
+                        help="skip the activation memory (measured on a one-layer proxy of the model on the CPU)")
 
 
 def bench_options(parser) -> None:
@@ -136,8 +112,7 @@ def describe_cli():
         config_dirs=[recipe.CONFIG_DIR], default_config="train_debug", load_config=recipe.load_llm_config,
         make_task=make_task, info=cmd_info, info_options=info_options, example="train.steps=200 parallel.tp=2",
         converters=converters("lf-llm"), convert_options=convert_options,
-        train_options=train_options, before_train=lambda args, cfg: check_save_hf(cfg, args.save_hf),
-        after_train=after_train, bench_options=bench_options, bench=bench, default_bench_config="train_0_5b",
+        before_train=refuse_lora_export, bench_options=bench_options, bench=bench, default_bench_config="train_0_5b",
         commands=commands, packages=["loongforge-core", "loongforge-llm", "loongforge-kernels"],
         schema=recipe.LLMConfig,
     )

@@ -111,8 +111,9 @@ def _model_from_hf(hf_dir: str) -> GPTConfig:
     """``model.init_from_hf=DIR``: the model section of the HF model in DIR."""
     from loongforge.core.hf_mapping import MappingError
     from loongforge.core.hf_mapping.online import hf_model_config
+    from loongforge.core.hub import resolve_local
 
-    path = Path(hf_dir).expanduser().resolve()
+    path = Path(resolve_local(hf_dir, key="model.init_from_hf")).expanduser().resolve()
     try:
         family, model = hf_model_config(path)
     except (MappingError, ValueError) as exc:
@@ -250,7 +251,8 @@ class LLMTask:
         if self.cfg.fp8 != "none" and not count_fp8_linears(model):
             raise ValueError(
                 f"fp8={self.cfg.fp8!r}: model.family={self.family!r} builds no FP8 linear; FP8 runs in the "
-                "dense fast layer spec (the llama, qwen2 and qwen3 families without Transformer Engine installed)"
+                "dense fast layer spec (llama, qwen2, qwen3, mistral) and the MoE layers (qwen3_moe, deepseek_v3 "
+                "without DSA)"
             )
         if self.cfg.fp8 == "adaptive":
             self.fp8_plan = self._agreed_fp8_plan(ctx, model, transformer_config.params_dtype)

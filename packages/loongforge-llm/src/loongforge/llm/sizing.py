@@ -137,5 +137,5 @@ def size_report(cfg, layout: ParallelLayout, dp: int | None, *, precision: str, 
         "activated_parameters": round(total - experts + experts * activated_fraction(cfg)),
         "expert_parameters": experts,
         **per_gpu(params, cfg, layout, dp, precision=precision, distributed_optimizer=distributed_optimizer),
-        "memory_note": "weights + fp32 gradients + Adam state per GPU; activations not included",
+        "memory_note": "weights + fp32 gradients + Adam state per GPU (activations: lf-llm info's activations entry)",
     }

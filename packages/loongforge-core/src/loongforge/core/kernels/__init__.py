@@ -5,10 +5,10 @@ a ``loongforge.ops`` entry point), fused implementations from kernel wheels (see
 from loongforge.core.kernels.policy import KernelPolicy
 from loongforge.core.kernels.registry import (
     KernelImpl, KernelRegistryError, OpContract, OpWithBackward, get_kernel, get_kernel_with_backward, get_op,
-    installed_kernels, installed_ops, installed_providers,
+    installed_kernels, installed_ops,
 )
 
 __all__ = [
     "KernelImpl", "KernelPolicy", "KernelRegistryError", "OpContract", "OpWithBackward", "get_kernel",
-    "get_kernel_with_backward", "get_op", "installed_kernels", "installed_ops", "installed_providers",
+    "get_kernel_with_backward", "get_op", "installed_kernels", "installed_ops",
 ]

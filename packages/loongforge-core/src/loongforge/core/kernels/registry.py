@@ -146,6 +146,20 @@ class OpRegistry:
         return impl.fn if impl.supports(accelerator) else contract.reference
 
 
+def reference_kernels_notice(accelerator_name: str, providers: Iterable[str], distribution: str) -> str | None:
+    """The line a run prints when it trains on CUDA with only the torch references because no
+    kernel wheel is installed (``providers``: the installed ``loongforge.kernels`` entry points);
+    None where nothing is missing or no kernel wheel serves the accelerator."""
+    if accelerator_name != "cuda" or any(True for _ in providers):
+        return None
+    return (f"loongforge-kernels is not installed: the fused ops run their PyTorch references "
+            f"(pip install \"{distribution}[gpu]\" for the Triton kernels)")
+
+
+def installed_kernel_providers() -> list[str]:
+    return [ep.value for ep in entry_points(group=ENTRY_POINT_GROUP)]
+
+
 @cache
 def installed_registry() -> OpRegistry:
     """The registry of the installed packages' op definitions and kernel providers."""
@@ -160,12 +174,6 @@ def get_op(name: str) -> OpContract:
 def installed_ops() -> dict[str, OpContract]:
     """Every installed op's contract, by name (imports every package that defines one)."""
     return installed_registry().contracts()
-
-
-def installed_providers() -> list[str]:
-    """The installed kernel providers (``loongforge.kernels`` entry points), as
-    ``"distribution: module:attribute"``; read from the packages' metadata, nothing is imported."""
-    return sorted(_source(ep) for ep in entry_points(group=ENTRY_POINT_GROUP))
 
 
 def installed_kernels() -> dict[str, KernelImpl]:

@@ -37,6 +37,7 @@ class StepOutput:
     tokens: int | None = None  # input tokens of the global batch (None: not token data)
     flops: float | None = None  # training FLOPs of the global batch (None: unknown)
     compute_seconds: float = float("nan")  # this rank's forward+backward, up to the gradient reduction
+    offloaded_bytes: int | None = None  # activations this rank moved to host memory (train.offload_layers)
 
 
 @dataclass

@@ -2,8 +2,7 @@
 
 It owns the step accounting (steps, consumed samples, ``train.exit_interval``), the LR schedule
 (``schedule.lr_at``), the check that every step's loss and gradient norm are finite (a non-finite
-one's update is skipped, and ``train.nonfinite_patience`` of them in a row stop the run), metrics
-(progress bar, ``RUN_DIR/metrics.jsonl``, TensorBoard, W&B with ``log.wandb``: loss, grad norm, LR,
+one's update is skipped, and ``train.nonfinite_patience`` of them in a row stop the run), metrics (progress bar, ``RUN_DIR/metrics.jsonl``, TensorBoard: loss, grad norm, LR,
 step time, samples/s, tokens/s for token data, MFU where FLOPs are known, the task's own step
 metrics), the evaluation hook (``eval.interval``), checkpoint cadence and exact resume through the
 core format (``checkpointing``; a save is refused when the weights are not finite, so ``keep_last``
@@ -93,6 +92,9 @@ class Trainer:
         ``NonFiniteError``."""
         if not isinstance(step, StepBatch):
             step = StepBatch(micro_batches=list(step))
+        tracks_memory = self.ctx.device.type != "cpu"
+        if tracks_memory:
+            self.ctx.accelerator.reset_peak_memory_stats()
         t0 = time.perf_counter()
         out: StepOutput = self.engine.forward_backward(step, measuring=bool(getattr(self.data, "measuring", False)))
         lr = lr_at(self.step, self.train)
@@ -108,9 +110,14 @@ class Trainer:
         flops = out.flops
         if flops is None and out.tokens is not None and self._flops_per_token:
             flops = out.tokens * self._flops_per_token
+        metrics = dict(step.metrics)
+        if out.offloaded_bytes is not None:
+            metrics["offload_gib"] = out.offloaded_bytes / 2**30
+        if tracks_memory:  # this rank's device memory at its peak in the step (tensors allocated)
+            metrics["peak_memory_gib"] = self.ctx.accelerator.memory_stats().peak_allocated / 2**30
         result = StepResult(step=self.step, loss=out.loss, grad_norm=out.grad_norm, lr=lr,
                             samples=self.train.global_batch_size, seconds=seconds, tokens=out.tokens, flops=flops,
-                            metrics=dict(step.metrics), compute_seconds=out.compute_seconds)
+                            metrics=metrics, compute_seconds=out.compute_seconds)
         self.nonfinite_streak = self.nonfinite_streak + 1 if bad is not None else 0
         patience = self.train.nonfinite_patience
         if bad is not None and patience and self.nonfinite_streak >= patience:
@@ -180,16 +187,10 @@ class Trainer:
         if self.train.exit_interval:
             end = min(end, self.step + self.train.exit_interval)
         results: list[StepResult] = []
-        wandb_run = None
-        if self.ctx.is_main and self.log_cfg.wandb:
-            from loongforge.core.training.wandb_run import start_wandb_run
-
-            wandb_run = start_wandb_run(self.log_cfg, self.run_dir, self.config_record, resuming=self.resuming)
         logger = MetricsLogger(self.run_dir, enabled=self.ctx.is_main, tensorboard=self.log_cfg.tensorboard,
-                               wandb_run=wandb_run)
+                               wandb=self._wandb_run())
         samples_log = self._open_sample_log()
         bar = progress(self.train.steps, "train", enabled=self.ctx.is_main and self.log_cfg.progress, initial=self.step)
-        completed = False
         try:
             while self.step < end:
                 batch = next(self.data)
@@ -219,13 +220,23 @@ class Trainer:
                 interval = self.ckpt_cfg.interval
                 if self.ckpt_cfg.save and ((interval and self.step % interval == 0) or self.step == end):
                     self.save()
-            completed = True
+        except BaseException:
+            logger.close(failed=True)
+            raise
         finally:
             bar.close()
-            logger.close(failed=not completed)  # a run stopped by an error is a failed W&B run
+            logger.close()
             if samples_log is not None:
                 samples_log.close()
         return results
+
+    def _wandb_run(self):
+        """Rank 0's W&B run with the composed config (``log.wandb``), or None."""
+        if not (self.ctx.is_main and getattr(self.log_cfg, "wandb", False)):
+            return None
+        from loongforge.core.wandb_run import start_wandb_run
+
+        return start_wandb_run(self.log_cfg, self.run_dir, self.config_record, resuming=self.resuming)
 
     def _evaluate(self) -> dict[str, float]:
         interval = self.eval_cfg.interval if self.eval_cfg is not None else 0

@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 
 from loongforge.core.parallel import ParallelContext
+from loongforge.core.training.activation_offload import offload_first
 from loongforge.core.training.engine import EngineState, StepOutput, resolve_dtype
 from loongforge.core.training.schema import ParallelConfig, TrainConfig
 from loongforge.core.training.task import MegatronTask, StepBatch
@@ -46,6 +47,14 @@ def recompute_kwargs(recompute: str) -> dict:
     if recompute != "none":
         raise ValueError(f"recompute={recompute!r}: one of none, selective, full")
     return {}
+
+
+def transformer_layers(module: torch.nn.Module) -> list[torch.nn.Module]:
+    """megatron-core's transformer layers of a model (or pipeline stage), in forward order: the
+    repeated blocks ``train.offload_layers`` counts (a VLM's encoder layers come first)."""
+    from megatron.core.transformer.transformer_layer import BaseTransformerLayer
+
+    return [m for m in module.modules() if isinstance(m, BaseTransformerLayer)]
 
 
 def check_parallel_config(parallel: ParallelConfig) -> None:
@@ -108,6 +117,7 @@ class MegatronEngine:
         module = task.build_model(ctx, self.transformer_config, ctx.is_first_stage, ctx.is_last_stage,
                                   load_initial_weights=not resuming)
         module.to(ctx.device)
+        self.offload = offload_first(transformer_layers(module), train.offload_layers, ctx.device)
         if bf16:
             module = Float16Module(self.transformer_config, module)
         ddp_config = DistributedDataParallelConfig(
@@ -198,6 +208,7 @@ class MegatronEngine:
         )
         compute_seconds = (self._compute_end - t0) if self._compute_end is not None else float("nan")
         self._compute_end = None
+        offloaded = self.offload.reset_step() if self.offload is not None else None
         # loss sum, loss count, input tokens, FLOPs: counted once per DP replica
         totals = torch.zeros(4, dtype=torch.float64, device=self.ctx.device)
         if self.ctx.is_last_stage:
@@ -221,6 +232,7 @@ class MegatronEngine:
             tokens=int(totals[2].item()) if step.tokens is not None else None,
             flops=float(totals[3].item()) if step.flops is not None else None,
             compute_seconds=compute_seconds,
+            offloaded_bytes=offloaded,
         )
 
     def apply_update(self, lr: float) -> None:

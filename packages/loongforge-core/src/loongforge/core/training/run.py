@@ -43,8 +43,9 @@ def run_training(cfg, task, prog: str, after: Callable[[Trainer], None] | None =
     again)."""
     import torch.distributed as dist
 
+    from loongforge.core.kernels.registry import installed_kernel_providers, reference_kernels_notice
     from loongforge.core.parallel import destroy_parallel, init_parallel
-    from loongforge.core.training.wandb_run import require_wandb
+    from loongforge.core.wandb_run import require_wandb
 
     require_wandb(cfg.log)  # before any process group
     owned = not dist.is_initialized()
@@ -59,7 +60,10 @@ def run_training(cfg, task, prog: str, after: Callable[[Trainer], None] | None =
             what = task.describe() if hasattr(task, "describe") else task.family
             print(f"{prog}: {what} on {describe_layout(ctx)}, {trainer.engine.name} engine, {trainer.dtype}, "
                   f"run dir {cfg.log.run_dir}", flush=True)
-            print_kernels_notice(prog, ctx.accelerator.name)
+            notice = reference_kernels_notice(ctx.accelerator.name, installed_kernel_providers(),
+                                              prog.replace("lf-", "loongforge-"))
+            if notice:
+                print(f"{prog}: {notice}", flush=True)
         results = trainer.fit()
         if after is not None:
             after(trainer)
@@ -71,16 +75,6 @@ def run_training(cfg, task, prog: str, after: Callable[[Trainer], None] | None =
     finally:
         if owned:
             destroy_parallel()
-
-
-def print_kernels_notice(prog: str, accelerator: str) -> None:
-    """One line when ``accelerator`` would run fused kernels but no kernel wheel is installed."""
-    from loongforge.core.kernels import installed_providers
-    from loongforge.core.kernels.reference_notice import reference_kernels_notice
-
-    notice = reference_kernels_notice(prog, accelerator, installed_providers())
-    if notice is not None:
-        print(notice, flush=True)
 
 
 def print_summary(prog: str, summary: RunSummary) -> None:

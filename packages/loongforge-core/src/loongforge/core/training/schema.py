@@ -53,6 +53,9 @@ class TrainConfig:
     seed: int = 1234  # initial weights, data order and noise
     precision: str = "auto"  # auto (bf16 on accelerators, fp32 on CPU) | bf16 | fp32
     recompute: str = "none"  # activation recomputation: none | selective | full
+    # the activations the first N repeated blocks (of each model part or pipeline stage) save for
+    # the backward wait in pinned host memory (copied on side streams, prefetched one block ahead)
+    offload_layers: int = 0
     compile: bool | None = None  # torch.compile the model's blocks; null: on CUDA where the model supports it
     exit_interval: int = 0  # stop this run after N steps (it resumes from its checkpoint later); 0: run to steps
     # a step whose loss or grad norm is not finite skips its update; the run stops (exit 1) after
@@ -76,7 +79,10 @@ class TrainConfig:
         _one_of("train.recompute", self.recompute, RECOMPUTE)
         if not 0 <= self.min_lr <= self.lr:
             raise ValueError(f"train.min_lr={self.min_lr} must be in [0, train.lr={self.lr}]")
-        for key in ("warmup_steps", "exit_interval", "nonfinite_patience"):
+        if self.offload_layers and self.recompute == "full":
+            raise ValueError(f"train.offload_layers={self.offload_layers} with train.recompute=full: full "
+                             f"recomputation saves only each block's input; offload with none or selective")
+        for key in ("warmup_steps", "exit_interval", "nonfinite_patience", "offload_layers"):
             if getattr(self, key) < 0:
                 raise ValueError(f"train.{key}={getattr(self, key)}: must be >= 0")
         if self.clip_grad < 0 or self.weight_decay < 0:
@@ -143,11 +149,14 @@ class LogConfig:
     tensorboard: bool = True  # TensorBoard scalars in RUN_DIR/tensorboard
     progress: bool = True  # the console progress bar
     sample_ids: bool = False  # write the dataset indices each DP rank trains to RUN_DIR/sample_ids/dp_rank_<r>.jsonl
-    wandb: bool = False  # every metrics.jsonl record to Weights & Biases too (rank 0; needs loongforge-core[wandb])
+    # also log the run's config and every metric to Weights & Biases (rank 0; pip install
+    # "loongforge-core[wandb]"); a run resumed from its checkpoint continues the same W&B run (its id is
+    # kept in RUN_DIR/wandb_run_id)
+    wandb: bool = False
     wandb_project: str = "loongforge"  # the W&B project
-    wandb_entity: str | None = None  # the W&B team or user; null: your default entity
-    wandb_run_name: str | None = None  # the W&B run's display name; null: the run dir's name
-    wandb_mode: str | None = None  # online | offline | disabled; null: WANDB_MODE, else W&B's default (online)
+    wandb_entity: str | None = None  # the W&B team or user; null: wandb's default
+    wandb_name: str | None = None  # the W&B run name; null: the run dir's name
+    wandb_mode: str | None = None  # online | offline | disabled; null: wandb's default (WANDB_MODE, else online)
 
     def __post_init__(self):
         if self.interval < 1:
@@ -156,6 +165,8 @@ class LogConfig:
             _one_of("log.wandb_mode", self.wandb_mode, WANDB_MODES)
         if not self.wandb_project:
             raise ValueError("log.wandb_project: must not be empty")
+        # a missing wandb package is checked when a run starts (wandb_run.require_wandb), not here:
+        # a checkpoint's config with log.wandb=true must still load for info, convert and sampling
 
 
 @dataclass

@@ -1,5 +1,5 @@
 """The PyTorch-native engine: any ``nn.Module`` under DDP, FSDP2 or HSDP (``parallel.data_parallel``),
-with activation recomputation (``train.recompute``), regional ``torch.compile`` (``train.compile``),
+with activation recomputation (``train.recompute``) and offloading (``train.offload_layers``), regional ``torch.compile`` (``train.compile``),
 bf16 autocast (``train.precision``), AdamW (fused on CUDA) and an optional EMA of the weights
 (``ema.decay``). Context parallelism (``parallel.cp``) is the model's to implement (the task
 declares ``context_parallel = True`` and reads the CP group from ``ctx.pgs.cp``); tensor, pipeline
@@ -33,6 +33,7 @@ import torch
 import torch.distributed as dist
 
 from loongforge.core.training import torch_parallel
+from loongforge.core.training.activation_offload import offload_first
 from loongforge.core.training.ema import EMA
 from loongforge.core.training.engine import EngineState, StepOutput, resolve_dtype
 from loongforge.core.training.schema import ParallelConfig, TrainConfig
@@ -109,8 +110,10 @@ class TorchEngine:
         self._params_with_grad: list[torch.nn.Parameter] = []
 
     def _prepare_parts(self, train: TrainConfig) -> None:
-        """Activation recomputation, then regional compilation, per part (before wrapping, as torchtitan orders them)."""
+        """Activation recomputation and offloading, then regional compilation, per part (before
+        wrapping, as torchtitan orders them)."""
         compile_requested = train.compile
+        self.offloads = []
         for name, part in self.parts.items():
             modes = ("none", *getattr(part, "recompute_modes", ()))
             if train.recompute not in modes:
@@ -118,6 +121,9 @@ class TorchEngine:
                                  f"{', '.join(modes)}")
             if train.recompute != "none" or hasattr(part, "set_recompute"):
                 part.set_recompute(train.recompute)
+            offload = offload_first(part.repeated_blocks(), train.offload_layers, self.device)
+            if offload is not None:
+                self.offloads.append(offload)
         if self.compiles(compile_requested):
             for part in self.parts.values():
                 if hasattr(part, "compile_regions"):
@@ -165,6 +171,7 @@ class TorchEngine:
         if measuring:
             self.ctx.accelerator.synchronize()
         compute_seconds = time.perf_counter() - t0
+        offloaded = sum(offload.reset_step() for offload in self.offloads) if self.offloads else None
         if self.ctx.pgs.cp.rank() == 0:
             sums[2], sums[3] = float(step.tokens or 0), float(step.flops or 0)
         if self.world > 1:
@@ -185,6 +192,7 @@ class TorchEngine:
             tokens=int(sums[2]) if step.tokens is not None else None,
             flops=float(sums[3]) if step.flops is not None else None,
             compute_seconds=compute_seconds,
+            offloaded_bytes=offloaded,
         )
 
     def apply_update(self, lr: float) -> None:

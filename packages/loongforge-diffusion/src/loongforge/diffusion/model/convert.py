@@ -61,6 +61,35 @@ def read_diffusers_config(directory: Path) -> dict:
         raise ValueError(f"{path}: cannot read diffusers config ({exc})") from exc
 
 
+def pretrained_architecture(path: str | Path) -> tuple[dict, Path]:
+    """``model.pretrained=DIR``: the architecture keys of the model in DIR (``WanConfig`` names and
+    values) and the config.json they come from. A transformer directory gives one expert; a
+    pipeline with ``transformer/`` and ``transformer_2/`` gives two, with the boundary from its
+    ``boundary.json`` (our export) or ``model_index.json``."""
+    root = Path(path).expanduser()
+    if not root.is_dir():
+        raise FileNotFoundError(f"model.pretrained={str(path)!r}: not a directory")
+    source = root / "config.json" if (root / "config.json").is_file() else root / "transformer" / "config.json"
+    if not source.is_file():
+        raise FileNotFoundError(f"model.pretrained={str(path)!r}: no config.json or transformer/config.json "
+                                f"(a diffusers WanTransformer3DModel or Wan pipeline directory expected)")
+    cfg = WanConfig.from_diffusers(read_diffusers_config(source.parent), source=str(source))
+    arch = {k: getattr(cfg, k) for k in cfg.diffusers_kwargs()}
+    arch["patch_size"] = list(cfg.patch_size)
+    if source.parent.name == "transformer" and (root / "transformer_2" / "config.json").is_file():
+        ratio = None
+        for name in ("boundary.json", "model_index.json"):
+            if (root / name).is_file():
+                ratio = json.loads((root / name).read_text()).get("boundary_ratio", ratio)
+        if ratio is None:
+            raise FileNotFoundError(f"model.pretrained={str(path)!r}: two experts but no boundary_ratio in "
+                                    f"boundary.json or model_index.json")
+        arch["boundary_ratio"] = ratio
+    else:
+        arch["boundary_ratio"] = None
+    return arch, source
+
+
 def check_config(cfg: WanConfig, directory: Path) -> None:
     theirs = WanConfig.from_diffusers(read_diffusers_config(directory), source=str(directory / "config.json"))
     for key, value in cfg.diffusers_kwargs().items():

@@ -1,24 +1,24 @@
-"""Core attention for multi-latent attention on megatron-core's local (Transformer-Engine-free) backend.
+"""Core attention for multi-latent attention without Transformer Engine.
 
 MLA's queries and keys have ``qk_nope + qk_rope`` dims per head and its values ``v_head_dim``;
 megatron-core's MLA hands its core attention ``k_channels``/``v_channels``, which only the
-Transformer Engine implementation accepts. ``LatentDotProductAttention`` is megatron's local
-``DotProductAttention`` taking them: its matmuls already follow the tensors' own head dims,
-only the output width (heads x value dim) is set from ``v_channels``.
+Transformer Engine implementation accepts. ``LatentSDPAttention`` is the fast path's
+``SDPAttention`` taking them: SDPA already follows the tensors' own head dims (the value's may
+differ from the query's), so only the softmax scale (from the query/key dim, unless MLA gives
+its own, e.g. YaRN's) and the output width (heads x value dim) change.
 """
 
 from __future__ import annotations
 
-from megatron.core.transformer.dot_product_attention import DotProductAttention
+from loongforge.llm.layers.attention import SDPAttention
 
 
-class LatentDotProductAttention(DotProductAttention):
+class LatentSDPAttention(SDPAttention):
     def __init__(self, config, layer_number, attn_mask_type, attention_type, attention_dropout=None,
                  softmax_scale=None, k_channels=None, v_channels=None, cp_comm_type=None, pg_collection=None):
         super().__init__(config=config, layer_number=layer_number, attn_mask_type=attn_mask_type,
                          attention_type=attention_type, attention_dropout=attention_dropout,
-                         softmax_scale=softmax_scale, cp_comm_type=cp_comm_type, pg_collection=pg_collection)
-        if softmax_scale is None and k_channels is not None:
-            self.softmax_scale = k_channels**-0.5
+                         softmax_scale=softmax_scale if softmax_scale is not None or k_channels is None else k_channels**-0.5,
+                         cp_comm_type=cp_comm_type, pg_collection=pg_collection)
         if v_channels is not None:
-            self.hidden_size_per_partition = v_channels * self.num_attention_heads_per_partition
+            self.head_dim = v_channels  # the output is heads x value dim

@@ -6,8 +6,10 @@ experts, shared experts, alltoall token dispatch over the EP group) are megatron
 modules; nothing here re-implements them. The experts use the local backend's
 ``SequentialMLP`` (no Transformer Engine grouped GEMM), which runs anywhere megatron-core does.
 Two local-backend gaps are filled in the specs: the norms (``norm.RMSNorm``, usable under
-sequence parallelism, which megatron's MoE layer needs with TP) and MLA's core attention
-(``core_attention.LatentDotProductAttention``, different query/key and value head dims).
+sequence parallelism, which megatron's MoE layer needs with TP) and the core attention, the fast
+path's SDPA one (``layers.attention.SDPAttention``; for MLA ``core_attention.LatentSDPAttention``,
+different query/key and value head dims) instead of the local backend's, which materialises the
+scores.
 DeepSeek-V3.2's sparse attention (``attention_variant: dsa``) takes its layers from megatron's
 DSA specs instead (``dsa``).
 """
@@ -15,6 +17,7 @@ DSA specs instead (``dsa``).
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import torch
 
@@ -22,13 +25,16 @@ from loongforge.core.kernels import KernelPolicy
 from loongforge.llm.moe_config import MLAMoEConfig, MoEConfig
 
 
-def _local_layer(layer, cfg: MoEConfig):
+def _local_layer(layer, cfg: MoEConfig, kernels: KernelPolicy = KernelPolicy()):
     """``layer`` (a local-backend TransformerLayer spec) with our RMSNorm in place of megatron's
-    torch norm wrapper (see ``norm``) and, for MLA, a core attention taking MLA's head dims."""
+    torch norm wrapper (see ``norm``) and the fast path's SDPA core attention in place of megatron's
+    local one (which materialises the ``[b, heads, s, s]`` scores); for MLA, the SDPA attention
+    taking MLA's head dims."""
     from megatron.core.transformer.torch_norm import WrappedTorchNorm
 
-    from loongforge.llm.families.core_attention import LatentDotProductAttention
+    from loongforge.llm.families.core_attention import LatentSDPAttention
     from loongforge.llm.families.norm import RMSNorm
+    from loongforge.llm.layers.attention import SDPAttention
 
     def norms(submodules):
         changes = {f.name: RMSNorm for f in dataclasses.fields(submodules) if getattr(submodules, f.name) is WrappedTorchNorm}
@@ -36,10 +42,48 @@ def _local_layer(layer, cfg: MoEConfig):
 
     attention = layer.submodules.self_attention
     attention_sub = norms(attention.submodules)
-    if isinstance(cfg, MLAMoEConfig):
-        attention_sub = dataclasses.replace(attention_sub, core_attention=LatentDotProductAttention)
+    attention_sub = dataclasses.replace(
+        attention_sub, core_attention=LatentSDPAttention if isinstance(cfg, MLAMoEConfig) else SDPAttention)
     attention = dataclasses.replace(attention, submodules=attention_sub)
-    return dataclasses.replace(layer, submodules=dataclasses.replace(norms(layer.submodules), self_attention=attention))
+    layer = dataclasses.replace(layer, submodules=dataclasses.replace(norms(layer.submodules), self_attention=attention))
+    return _with_fp8_linears(layer, kernels)
+
+
+# megatron's MLA accepts only its own classes for the low-rank down projections (it sets their
+# gather_output by class): they stay bf16, the up projections and the output projection go FP8
+MLA_DOWN_PROJECTIONS = ("linear_q_down_proj", "linear_kv_down_proj")
+
+
+def _with_fp8_linears(spec, kernels: KernelPolicy):
+    """Inside an ``fp8_linears`` block (``fp8=blockwise|adaptive``), every column- and row-parallel
+    linear of the layer spec (attention projections, MLA's up projections, a dense MLP, the shared
+    experts and each routed expert's fc1/fc2) as an FP8 linear; the router and MLA's down
+    projections stay as they are."""
+    from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
+    from megatron.core.transformer.spec_utils import ModuleSpec
+
+    from loongforge.llm.layers.fp8_linear import Fp8ColumnParallelLinear, Fp8RowParallelLinear, active_fp8_mode
+
+    mode = active_fp8_mode()
+    if mode == "none":
+        return spec
+    params = {"adaptive": mode == "adaptive", "kernels": kernels}  # megatron builds ModuleSpecs, not partials
+    swap = {ColumnParallelLinear: ModuleSpec(module=Fp8ColumnParallelLinear, params=params),
+            RowParallelLinear: ModuleSpec(module=Fp8RowParallelLinear, params=params)}
+
+    def rewrite(node):
+        if isinstance(node, type) and node in swap:
+            return swap[node]
+        if isinstance(node, ModuleSpec):
+            return dataclasses.replace(node, submodules=rewrite(node.submodules))
+        if isinstance(node, functools.partial):  # e.g. MLP.as_mlp_submodule(submodules=...)
+            return functools.partial(node.func, *node.args, **{k: rewrite(v) for k, v in node.keywords.items()})
+        if dataclasses.is_dataclass(node) and not isinstance(node, type):
+            return dataclasses.replace(node, **{f.name: rewrite(getattr(node, f.name)) for f in dataclasses.fields(node)
+                                                if f.name not in MLA_DOWN_PROJECTIONS})
+        return node
+
+    return rewrite(spec)
 
 
 def layer_spec(cfg: MoEConfig):
@@ -72,7 +116,7 @@ def block_spec(cfg: MoEConfig, config, kernels: KernelPolicy = KernelPolicy()):
         return dsa.block_spec(config, kernels)
     block = get_gpt_decoder_block_spec(config, use_transformer_engine=False, normalization="RMSNorm")
     final_norm = RMSNorm if block.layer_norm is WrappedTorchNorm else block.layer_norm
-    return dataclasses.replace(block, layer_specs=[_local_layer(s, cfg) for s in block.layer_specs], layer_norm=final_norm)
+    return dataclasses.replace(block, layer_specs=[_local_layer(s, cfg, kernels) for s in block.layer_specs], layer_norm=final_norm)
 
 
 def model_transformer_config(cfg: MoEConfig, transformer_config):

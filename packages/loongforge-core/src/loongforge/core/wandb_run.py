@@ -26,7 +26,7 @@ from loongforge.core.config import ConfigError
 from loongforge.core.errors import UserError
 
 RUN_ID_FILE = "wandb_run_id"
-INSTALL = "pip install 'loongforge-core[wandb]'"
+INSTALL = 'pip install "loongforge-core[wandb]"'
 
 
 def wandb_installed() -> bool:
@@ -68,7 +68,7 @@ def init_arguments(log_cfg, run_dir: Path, config: dict, run_id: str, environ: M
     return dict(
         project=log_cfg.wandb_project,
         entity=log_cfg.wandb_entity,
-        name=log_cfg.wandb_run_name or run_dir.resolve().name,
+        name=log_cfg.wandb_name or run_dir.resolve().name,
         id=run_id,
         resume="allow",
         config=config,
@@ -79,19 +79,21 @@ def init_arguments(log_cfg, run_dir: Path, config: dict, run_id: str, environ: M
 
 
 class WandbRun:
-    """One open W&B run: ``log(step, metrics)``, then ``finish(exit_code)`` once."""
+    """One open W&B run, what ``MetricsLogger`` hands its records to: ``log(step, metrics)``, then
+    ``finish(failed)`` once (``failed``: exit code 1, a failed run in W&B)."""
 
-    def __init__(self, run):
+    def __init__(self, run, run_id: str):
         self._run = run
+        self.id = run_id
 
     def log(self, step: int, metrics: Mapping[str, object]) -> None:
         if self._run is not None:
-            self._run.log(dict(metrics), step=int(step))
+            self._run.log({k: v for k, v in metrics.items() if isinstance(v, (int, float))}, step=int(step))
 
-    def finish(self, exit_code: int = 0) -> None:
+    def finish(self, failed: bool = False) -> None:
         if self._run is not None:
             run, self._run = self._run, None
-            run.finish(exit_code=exit_code)
+            run.finish(exit_code=1 if failed else 0)
 
 
 def start_wandb_run(log_cfg, run_dir: Path, config: dict, resuming: bool) -> WandbRun:
@@ -99,11 +101,12 @@ def start_wandb_run(log_cfg, run_dir: Path, config: dict, resuming: bool) -> Wan
     logged in, an unknown entity, ...) is a ``UserError`` saying how to go on."""
     import wandb
 
-    kwargs = init_arguments(log_cfg, run_dir, config, wandb_run_id(run_dir, resuming), os.environ)
+    run_id = wandb_run_id(run_dir, resuming)
+    kwargs = init_arguments(log_cfg, run_dir, config, run_id, os.environ)
     try:
         run = wandb.init(**kwargs)
     except wandb.errors.Error as exc:
         reason = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
         raise UserError(f"log.wandb=true: W&B could not start the run ({reason}); log in with `wandb login`, "
                         f"or set log.wandb_mode=offline (sync later with `wandb sync`) or log.wandb=false") from exc
-    return WandbRun(run)
+    return WandbRun(run, run_id)
