@@ -1,6 +1,7 @@
 """The wheels as pip users get them: every package is built with ``uv build --wheel`` and its
 METADATA and contents checked (license, project URLs, classifiers, pinned siblings, the ``gpu``
-extras, tested upper bounds for torch and transformers, a README that reads on its own)."""
+extras, loongforge-core's optional ``plot``/``tensorboard``/``wandb`` extras, tested upper bounds
+for torch and transformers, a README that reads on its own)."""
 
 from __future__ import annotations
 
@@ -134,6 +135,7 @@ def test_wheel_requirements(wheels, name):
     if name in MODALITIES:
         (core,) = [r for r in siblings if r.name == "loongforge-core" and _extra_of(r) is None]
         assert {"plot", "tensorboard"} <= core.extras, core  # a training install logs and plots
+        assert "wandb" not in core.extras, core  # W&B is the user's choice: loongforge-core[wandb]
         assert "gpu" in (meta.get_all("Provides-Extra") or [])
         gpu = [r for r in requirements if _extra_of(r) == "gpu"]
         assert any(r.name == "loongforge-kernels" and str(r.specifier) == f"=={version}" for r in gpu), gpu

@@ -1,6 +1,7 @@
-"""loongforge-core without its ``plot`` and ``tensorboard`` extras: importing the core needs neither,
-a run without tensorboard logs to metrics.jsonl with a one-line notice, and ``lf-* plot`` without
-matplotlib is one ``error:`` line naming the extra."""
+"""loongforge-core without its ``plot``, ``tensorboard`` and ``wandb`` extras: importing the core needs
+none of them, a run without tensorboard logs to metrics.jsonl with a one-line notice, and ``lf-* plot``
+without matplotlib is one ``error:`` line naming the extra (``log.wandb=true`` without wandb:
+tests/test_wandb_logging.py)."""
 
 import argparse
 import ast
@@ -12,7 +13,7 @@ from loongforge.core.cli import add_run_commands, run_main
 from loongforge.core.metrics import MetricsLogger, read_metrics
 
 CORE_SRC = Path(__file__).resolve().parents[1] / "src" / "loongforge" / "core"
-EXTRAS = {"matplotlib", "tensorboard"}  # the top-level modules of loongforge-core[plot] / [tensorboard]
+EXTRAS = {"matplotlib", "tensorboard", "wandb"}  # the top-level modules of loongforge-core[plot] / [tensorboard] / [wandb]
 
 
 def _module_level_imports(tree: ast.Module) -> set[str]:

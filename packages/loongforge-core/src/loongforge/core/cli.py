@@ -234,9 +234,11 @@ class _ModalityCommands:
 
     def train(self, args) -> int:
         from loongforge.core.training.run import run_training
+        from loongforge.core.wandb_run import require_wandb
 
         app = self.app
         cfg = self.config(args)  # fails here, before any process group, on a bad config
+        require_wandb(cfg.log)  # and here when log.wandb=true has no wandb to log to
         state = app.before_train(args, cfg) if app.before_train is not None else None
         converter = export_converter(app)
         save_to = getattr(args, "save_export", None)

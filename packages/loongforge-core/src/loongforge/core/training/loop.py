@@ -234,10 +234,9 @@ class Trainer:
         """Rank 0's W&B run with the composed config (``log.wandb``), or None."""
         if not (self.ctx.is_main and getattr(self.log_cfg, "wandb", False)):
             return None
-        from loongforge.core.wandb_run import WandbRun
+        from loongforge.core.wandb_run import start_wandb_run
 
-        self.run_dir.mkdir(parents=True, exist_ok=True)
-        return WandbRun(self.run_dir, self.log_cfg, self.config_record)
+        return start_wandb_run(self.log_cfg, self.run_dir, self.config_record, resuming=self.resuming)
 
     def _evaluate(self) -> dict[str, float]:
         interval = self.eval_cfg.interval if self.eval_cfg is not None else 0

@@ -2,7 +2,8 @@
 the task, a summary line, and the groups torn down again (also when the run fails).
 
 Every ``lf-* train`` ends here; the config and the task are built first, so a bad config or bad
-data fails before any process group exists.
+data fails before any process group exists, and so does ``log.wandb=true`` without the wandb
+package. A CUDA run without a kernel wheel says so in one line (``reference_kernels_notice``).
 """
 
 from __future__ import annotations
@@ -44,7 +45,9 @@ def run_training(cfg, task, prog: str, after: Callable[[Trainer], None] | None =
 
     from loongforge.core.kernels.registry import installed_kernel_providers, reference_kernels_notice
     from loongforge.core.parallel import destroy_parallel, init_parallel
+    from loongforge.core.wandb_run import require_wandb
 
+    require_wandb(cfg.log)  # before any process group
     owned = not dist.is_initialized()
     p = cfg.parallel
     ctx = init_parallel(tp=p.tp, pp=p.pp, cp=p.cp, ep=p.ep, seed=cfg.train.seed, timeout_s=p.timeout_s)

@@ -22,15 +22,6 @@ DATA_PARALLEL = ("auto", "ddp", "fsdp", "hsdp")
 WANDB_MODES = ("online", "offline", "disabled")
 
 
-def _importable(name: str) -> bool:
-    from importlib.util import find_spec
-
-    try:
-        return find_spec(name) is not None
-    except ValueError:  # in sys.modules as None: imports of it are blocked
-        return False
-
-
 def _one_of(key: str, value, choices) -> None:
     if value not in choices:
         raise ValueError(f"{key}={value!r}: one of {', '.join(map(str, choices))}")
@@ -158,8 +149,9 @@ class LogConfig:
     tensorboard: bool = True  # TensorBoard scalars in RUN_DIR/tensorboard
     progress: bool = True  # the console progress bar
     sample_ids: bool = False  # write the dataset indices each DP rank trains to RUN_DIR/sample_ids/dp_rank_<r>.jsonl
-    # also log the run's config and every metric to Weights & Biases (pip install "loongforge-core[wandb]");
-    # a resumed run continues the same W&B run (its id is kept in RUN_DIR/wandb_run_id)
+    # also log the run's config and every metric to Weights & Biases (rank 0; pip install
+    # "loongforge-core[wandb]"); a run resumed from its checkpoint continues the same W&B run (its id is
+    # kept in RUN_DIR/wandb_run_id)
     wandb: bool = False
     wandb_project: str = "loongforge"  # the W&B project
     wandb_entity: str | None = None  # the W&B team or user; null: wandb's default
@@ -171,8 +163,10 @@ class LogConfig:
             raise ValueError(f"log.interval={self.interval}: must be >= 1")
         if self.wandb_mode is not None:
             _one_of("log.wandb_mode", self.wandb_mode, WANDB_MODES)
-        if self.wandb and not _importable("wandb"):
-            raise ValueError('log.wandb=true but wandb is not installed: pip install "loongforge-core[wandb]"')
+        if not self.wandb_project:
+            raise ValueError("log.wandb_project: must not be empty")
+        # a missing wandb package is checked when a run starts (wandb_run.require_wandb), not here:
+        # a checkpoint's config with log.wandb=true must still load for info, convert and sampling
 
 
 @dataclass
