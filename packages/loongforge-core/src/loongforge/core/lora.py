@@ -166,6 +166,8 @@ def apply_lora(model: nn.Module, lora: LoRAConfig, seed: int = 0) -> list[str]:
     """Wrap the targeted ``nn.Linear`` layers of ``model`` in place and freeze every other
     parameter; returns the adapted layers' names. On the meta device the adapters stay
     uninitialised (``init_adapters`` after materialising)."""
+    from loongforge.core.config import ConfigError
+
     linears, adapted, trainable = [], [], []
     for parent_name, parent in list(model.named_modules()):
         for child_name, child in list(parent.named_children()):
@@ -183,10 +185,10 @@ def apply_lora(model: nn.Module, lora: LoRAConfig, seed: int = 0) -> list[str]:
                 trainable.append(layer)
     if not adapted:
         suffixes = sorted({n.rsplit(".", 1)[-1] for n in linears})
-        raise ValueError(f"lora.target_modules={list(lora.target_modules)} match no linear layer; the model's are "
+        raise ConfigError(f"lora.target_modules={list(lora.target_modules)} match no linear layer; the model's are "
                          f"{suffixes} (e.g. {linears[:3]})")
     if not trainable:
-        raise ValueError(f"lora.target_modules={list(lora.target_modules)} adapt only layers this run keeps frozen "
+        raise ConfigError(f"lora.target_modules={list(lora.target_modules)} adapt only layers this run keeps frozen "
                          f"({adapted[:3]}...)")
     for p in model.parameters():
         p.requires_grad_(False)

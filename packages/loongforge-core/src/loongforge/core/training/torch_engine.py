@@ -219,8 +219,10 @@ class TorchEngine:
         mine = {id(p) for p in self.parts[part].parameters()}
         unused = [n for n, p in self.named_trainable.items() if id(p) in mine and p.grad is None]
         if unused:
+            from loongforge.core.config import ConfigError
+
             layers = sorted({n.rsplit(".", 2)[0] for n in unused})
-            raise ValueError(f"lora.target_modules={list(self.lora.target_modules)}: the forward of model family "
+            raise ConfigError(f"lora.target_modules={list(self.lora.target_modules)}: the forward of model family "
                              f"{self.task.family!r} never ran the adapters of {layers[:4]}"
                              f"{' ...' if len(layers) > 4 else ''} (it uses those layers' weights directly); "
                              "leave them out of the targets")
