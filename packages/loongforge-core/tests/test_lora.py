@@ -171,3 +171,65 @@ def test_peft_adapter_loads_with_peft_and_gives_the_lora_output(tmp_path):
         torch.testing.assert_close(peft_model(x), model(x), rtol=1e-5, atol=1e-6)
     with pytest.raises(FileExistsError):
         export_peft_adapter(state, state.__getitem__, record, tmp_path / "adapter", [layout])
+
+
+ENGINE_SCRIPT = """
+import torch
+import torch.nn as nn
+from loongforge.core.config import ConfigError
+from loongforge.core.lora import LoRAConfig
+from loongforge.core.parallel import destroy_parallel, init_parallel
+from loongforge.core.training.schema import ParallelConfig, TrainConfig
+from loongforge.core.training.task import StepBatch
+from loongforge.core.training.torch_engine import TorchEngine
+
+
+class Model(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.used = nn.Linear(4, 4)
+        self.fused = nn.Linear(4, 4)  # its weight is read directly, as a fused GEMM would
+
+    def repeated_blocks(self):
+        return []
+
+    def forward(self, x):
+        return nn.functional.linear(self.used(x), self.fused.weight, self.fused.bias)
+
+
+class Task:
+    family, engine, has_pretrained = "toy", "torch", False
+
+    def build_model(self, ctx):
+        return Model()
+
+    def forward(self, model, x):
+        out = model(x)
+        return out, lambda o: (o.pow(2).sum(), o.numel())
+
+
+ctx = init_parallel(seed=0)
+step = StepBatch(micro_batches=[torch.randn(3, 4)])
+train = TrainConfig(seed=0, compile=False)
+engine = TorchEngine(Task(), ctx, train, ParallelConfig(), lora=LoRAConfig(rank=2, target_modules=["used"]))
+engine.forward_backward(step)
+assert sorted(engine.named_trainable) == ["used.lora_A.weight", "used.lora_B.weight"]
+engine = TorchEngine(Task(), ctx, train, ParallelConfig(), lora=LoRAConfig(rank=2, target_modules=["used", "fused"]))
+try:
+    engine.forward_backward(step)
+except ConfigError as exc:
+    assert "never ran the adapters of ['fused']" in str(exc), exc
+else:
+    raise AssertionError("an adapter the forward skips must be refused")
+destroy_parallel()
+print("ok")
+"""
+
+
+def test_engine_refuses_adapters_the_forward_never_runs():
+    import subprocess
+    import sys
+
+    env = {"PATH": "/usr/bin:/bin", "LOONGFORGE_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run([sys.executable, "-c", ENGINE_SCRIPT], env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0 and proc.stdout.strip().endswith("ok"), proc.stdout + proc.stderr[-4000:]
