@@ -242,3 +242,34 @@ def test_fsdp2_two_processes_equal_one(tmp_path, pretrained, synthetic_overrides
             torch.testing.assert_close(tg[key], tw[key], atol=1e-4 * float(tw[key].abs().max()), rtol=0, msg=key)
         else:  # adapters (and their EMA) after three steps; Adam normalises tiny gradients: 5% of one lr step
             torch.testing.assert_close(tg[key], tw[key], atol=0.05 * lr, rtol=0, msg=key)
+
+
+def test_two_expert_adapters_export_per_expert(tmp_path):
+    """Wan 2.2: adapters of the trained expert only (``model.train_expert``), exported to
+    ``OUT/transformer_2`` in diffusers' names; diffusers loads them onto that expert."""
+    from loongforge.core.lora import export_peft_adapter
+    from loongforge.diffusion.cli import lora_layouts
+
+    cfg = WanConfig(boundary_ratio=0.9)
+    experts = WanExperts(cfg)
+    experts.transformer.requires_grad_(False)  # model.train_expert=transformer_2
+    apply_lora(experts, LoRAConfig(rank=RANK, alpha=ALPHA, target_modules=["attn1.to_q", "attn2.to_v"]))
+    assert not experts.transformer.blocks[0].attn1.to_q.lora_A.weight.requires_grad
+    for m in experts.transformer_2.modules():
+        if isinstance(m, LoRALinear):
+            torch.nn.init.normal_(m.lora_B.weight, std=0.2)
+    state = experts.state_dict()
+    names = list(state)
+    written = export_peft_adapter(names, state.__getitem__, {"rank": RANK, "alpha": ALPHA}, tmp_path / "adapter",
+                                  lora_layouts({"model_config": {"boundary_ratio": 0.9}}, names))
+    assert written == [tmp_path / "adapter" / "transformer", tmp_path / "adapter" / "transformer_2"]
+    config = json.loads((written[1] / "adapter_config.json").read_text())
+    assert config["target_modules"] == ["attn1.to_q", "attn2.to_v"]
+    ref = WanTransformer3DModel(**cfg.diffusers_kwargs())
+    ref.load_state_dict({k[len("transformer_2."):]: v for k, v in state.items()
+                         if k.startswith("transformer_2.") and ".lora_" not in k})
+    ref.load_lora_adapter(str(written[1]), use_safetensors=True)
+    x, t, text = _inputs(cfg)
+    with torch.no_grad():
+        torch.testing.assert_close(ref(x, t, text, return_dict=False)[0],
+                                   experts.transformer_2.eval().forward_video(x, t, text), **TOL)

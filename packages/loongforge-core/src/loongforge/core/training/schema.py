@@ -1,6 +1,7 @@
 """The config groups every ``lf-*`` CLI shares: ``train``, ``parallel``, ``checkpoint``, ``log``,
-``balance`` and ``eval`` (and ``lora``, in the CLIs that train adapters). A key here means the same thing in ``lf-llm``, ``lf-vlm``,
-``lf-diffusion`` and ``lf-embodied``; a modality adds groups of its own (``model``, ``data``,
+``balance`` and ``eval``, and ``lora`` in the CLIs that train adapters (lf-llm, lf-diffusion,
+lf-embodied). A key here means the same thing in ``lf-llm``, ``lf-vlm``, ``lf-diffusion`` and
+``lf-embodied``; a modality adds groups of its own (``model``, ``data``,
 ``objective``, ``ema``, ``policy``...) or extends one of these (``SequenceTrainConfig`` adds
 ``seq_length`` for token-sequence models, ``lf-vlm`` adds ``parallel.encoder``), but never renames
 a key. Each modality's recipe chooses its own defaults through the shipped YAML and the dataclass
