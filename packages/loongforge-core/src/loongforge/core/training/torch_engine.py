@@ -2,7 +2,8 @@
 with activation recomputation (``train.recompute``) and offloading (``train.offload_layers``), regional ``torch.compile`` (``train.compile``),
 bf16 autocast (``train.precision``), AdamW (fused on CUDA), an optional EMA of the weights
 (``ema.decay``) and LoRA (``lora.rank > 0``: ``loongforge.core.lora``, applied to the task's model
-after its pretrained weights are read and before anything else touches it; only the adapters train). Context parallelism (``parallel.cp``) is the model's to implement (the task
+after its pretrained weights are read and before anything else touches it; only the adapters
+train). Context parallelism (``parallel.cp``) is the model's to implement (the task
 declares ``context_parallel = True`` and reads the CP group from ``ctx.pgs.cp``); tensor, pipeline
 and expert parallelism belong to the megatron-core engine.
 
@@ -218,10 +219,13 @@ class TorchEngine:
         model's forward uses that layer's weight without its adapter (``lora_delta``)."""
         mine = {id(p) for p in self.parts[part].parameters()}
         unused = [n for n, p in self.named_trainable.items() if id(p) in mine and p.grad is None]
-        if unused:
+        anywhere = torch.tensor(float(len(unused)), device=self.device)
+        if self.world > 1:  # every rank decides alike
+            dist.all_reduce(anywhere, op=dist.ReduceOp.MAX, group=self.group)
+        if anywhere.item():
             from loongforge.core.config import ConfigError
 
-            layers = sorted({n.rsplit(".", 2)[0] for n in unused})
+            layers = sorted({n.rsplit(".", 2)[0] for n in unused}) or ["(on another rank)"]
             raise ConfigError(f"lora.target_modules={list(self.lora.target_modules)}: the forward of model family "
                              f"{self.task.family!r} never ran the adapters of {layers[:4]}"
                              f"{' ...' if len(layers) > 4 else ''} (it uses those layers' weights directly); "
