@@ -1,7 +1,7 @@
 """Run under ``torchrun --nproc-per-node 2``: the PyTorch-native engine's forward/backward under
-DDP, FSDP2, HSDP (and FSDP2 with activation recomputation, and in bf16) against one process on
-the whole batch, then a run checkpointed under FSDP2 and resumed under DDP. Rank 0 writes
-``results.json`` into the directory given as argv[1]."""
+DDP, FSDP2, HSDP (and FSDP2 with activation recomputation, in bf16, and with LoRA adapters) against
+one process on the whole batch, then a run checkpointed under FSDP2 and resumed under DDP (also
+with LoRA). Rank 0 writes ``results.json`` into the directory given as argv[1]."""
 
 from __future__ import annotations
 
@@ -15,6 +15,8 @@ import torch
 torch.set_num_threads(1)
 os.environ.setdefault("LOONGFORGE_ACCELERATOR", "cpu")
 
+from embodied_helpers import LORA_OVERRIDES  # noqa: E402
+from loongforge.core.lora import LoRAConfig, LoRALinear, apply_lora  # noqa: E402
 from loongforge.core.parallel import init_parallel  # noqa: E402
 from loongforge.core.training.run import run_training  # noqa: E402
 from loongforge.core.training.schema import ParallelConfig, TrainConfig  # noqa: E402
@@ -31,7 +33,9 @@ MODES = {  # (parallel, train) of the engine; seed 0 builds the reference's init
     "hsdp": (ParallelConfig(data_parallel="hsdp", dp_replicate=2), TrainConfig(seed=0)),
     "fsdp_ac": (ParallelConfig(data_parallel="fsdp"), TrainConfig(seed=0, recompute="full")),
     "fsdp_bf16": (ParallelConfig(data_parallel="fsdp"), TrainConfig(seed=0, precision="bf16")),
+    "fsdp_lora": (ParallelConfig(data_parallel="fsdp"), TrainConfig(seed=0, recompute="full")),
 }
+LORA = LoRAConfig(rank=4, alpha=8.0, target_modules=["q_proj", "v_proj", "o_proj", "fc1", "re:.*_attn\\.(q|out)"])
 
 
 def global_batch():
@@ -61,6 +65,19 @@ def full_grads(model):
     return out
 
 
+@torch.no_grad()
+def lora_b_init(model):
+    """B = 0.01 * (row + col) for every adapter: a gradient for A too, the same on any sharding."""
+    from loongforge.core.training.sharding import local, region
+
+    for m in model.modules():
+        if isinstance(m, LoRALinear):
+            b = m.lora_B.weight
+            whole = 0.01 * (torch.arange(m.out_features)[:, None] + torch.arange(m.rank)[None]).float()
+            offset, shape = region(b)
+            local(b).copy_(whole[offset[0]:offset[0] + shape[0]])
+
+
 def equivalence(ctx, name):
     """One forward/backward of the engine in each mode (this rank's rows of the global batch)
     against one process on the whole batch."""
@@ -76,25 +93,40 @@ def equivalence(ctx, name):
     rows = slice(ctx.rank * B // ctx.world_size, (ctx.rank + 1) * B // ctx.world_size)
     local = {k: v[rows] for k, v in batch.items()}
     local.update(noise=noise[rows], time=t[rows])
+    # the LoRA reference: the same weights and adapters (B = 0 gives A no gradient: B starts nonzero here)
+    torch.manual_seed(0)
+    lora_ref = build_policy(cfg)
+    apply_lora(lora_ref, LORA, seed=0)
+    lora_b_init(lora_ref)
+    per = lora_ref(batch, noise, t)
+    lora_loss = (per * mask).sum() / mask.sum()
+    lora_loss.backward()
+    lora_grads = full_grads(lora_ref)
     result = {}
     for mode, (parallel, train) in MODES.items():
         run = EmbodiedConfig(policy=cfg, parallel=parallel, train=train)
-        engine = TorchEngine(PolicyTask(run), ctx, train, parallel)  # builds after torch.manual_seed(train.seed=0), as ref
+        lora = LORA if mode.endswith("lora") else None
+        # builds after torch.manual_seed(train.seed=0), as ref
+        engine = TorchEngine(PolicyTask(run), ctx, train, parallel, lora=lora)
+        want_loss, want_grads = ref_loss, ref_grads
+        if lora is not None:
+            lora_b_init(engine.model)
+            want_loss, want_grads = lora_loss, lora_grads
         out = engine.forward_backward(StepBatch(micro_batches=[local]))
         grads = full_grads(engine.model)
-        assert set(grads) == set(ref_grads), (mode, set(grads) ^ set(ref_grads))
+        assert set(grads) == set(want_grads), (mode, set(grads) ^ set(want_grads))
         # |g - g_ref| <= atol + rtol * |g_ref| elementwise, i.e. torch.testing.assert_close(rtol=1e-4, atol=1e-7);
         # the atol covers gradients that are exactly zero in exact arithmetic (attention key biases)
-        flat = torch.cat([grads[k].flatten() - ref_grads[k].flatten() for k in grads])
-        rel_l2 = float(flat.norm() / torch.cat([ref_grads[k].flatten() for k in grads]).norm())
-        worst = max(float(((grads[k] - ref_grads[k]).abs() / (1e-7 + 1e-4 * ref_grads[k].abs())).max()) for k in grads)
-        result[mode] = {"loss": out.loss, "ref_loss": float(ref_loss.detach()), "grad_violation": worst,
+        flat = torch.cat([grads[k].flatten() - want_grads[k].flatten() for k in grads])
+        rel_l2 = float(flat.norm() / torch.cat([want_grads[k].flatten() for k in grads]).norm())
+        worst = max(float(((grads[k] - want_grads[k]).abs() / (1e-7 + 1e-4 * want_grads[k].abs())).max()) for k in grads)
+        result[mode] = {"loss": out.loss, "ref_loss": float(want_loss.detach()), "grad_violation": worst,
                         "grad_rel_l2": rel_l2, "num_grads": len(grads)}
     return result
 
 
-def resume_across_layouts(dataset_root, run_dir):
-    base = [f"data.root={dataset_root}", "data.repo_id=local/tiny", f"log.run_dir={run_dir}", "policy.image_size=16",
+def resume_across_layouts(dataset_root, run_dir, *extra):
+    base = [*extra, f"data.root={dataset_root}", "data.repo_id=local/tiny", f"log.run_dir={run_dir}", "policy.image_size=16",
             "policy.chunk_size=4", "policy.max_state_dim=4", "policy.max_action_dim=4", "train.global_batch_size=4",
             "log.progress=false", "log.tensorboard=false", "checkpoint.interval=2", "log.interval=1"]
 
@@ -113,6 +145,7 @@ def main():
     ctx = init_parallel(seed=1234)
     results = {name: equivalence(ctx, name) for name in ("pi05", "groot")}
     results["resume"] = resume_across_layouts(sys.argv[2], out / "run")
+    results["resume_lora"] = resume_across_layouts(sys.argv[2], out / "run_lora", *LORA_OVERRIDES)
     if ctx.is_main:
         (out / "results.json").write_text(json.dumps(results, indent=1))
     torch.distributed.destroy_process_group()

@@ -35,6 +35,9 @@ def write_tiny_dataset(root, seed: int = 0):
     return root
 
 
+LORA_OVERRIDES = ("lora.rank=4", "lora.alpha=16", "train.lr=0.02")  # a LoRA run's steps move the weights visibly
+
+
 def tiny_overrides(dataset_root, run_dir, *extra: str) -> list[str]:
     """Config overrides for a fast CPU run on the tiny dataset."""
     return [

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from embodied_helpers import tiny_overrides, train
+from embodied_helpers import LORA_OVERRIDES, tiny_overrides, train
 from loongforge.embodied.config import load_train_config
 
 HERE = Path(__file__).parent
@@ -56,5 +56,26 @@ def test_resume_across_layouts_follows_one_process(two_process_results, tiny_dat
     r = two_process_results["resume"]
     assert r["second_start"] == 2 and len(r["first"]) == 2 and len(r["second"]) == 2
     ref = train(load_train_config("train", tiny_overrides(tiny_dataset, tmp_path / "ref", "train.steps=4",
+                                                         "checkpoint.interval=0", "log.tensorboard=false")))
+    assert r["first"] + r["second"] == pytest.approx([s.loss for s in ref.results], rel=1e-4)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("policy", ["pi05", "groot"])
+def test_fsdp_lora_matches_one_process(two_process_results, policy):
+    """LoRA adapters under FSDP2 with activation recomputation: the adapters' gradients (A's too:
+    B starts nonzero here) equal one process's on the whole batch; nothing else has one."""
+    r = two_process_results[policy]["fsdp_lora"]
+    assert r["loss"] == pytest.approx(r["ref_loss"], rel=1e-4)
+    assert r["grad_violation"] <= 1.0, r
+    assert r["num_grads"] >= 2 * 12  # A and B of the adapted layers the loss reaches
+
+
+@pytest.mark.slow
+def test_lora_resume_across_layouts_follows_one_process(two_process_results, tiny_dataset, tmp_path):
+    """A LoRA run checkpointed under FSDP2 and resumed under DDP follows one process's LoRA run."""
+    r = two_process_results["resume_lora"]
+    assert r["second_start"] == 2 and len(r["first"]) == 2 and len(r["second"]) == 2
+    ref = train(load_train_config("train", tiny_overrides(tiny_dataset, tmp_path / "ref", *LORA_OVERRIDES, "train.steps=4",
                                                          "checkpoint.interval=0", "log.tensorboard=false")))
     assert r["first"] + r["second"] == pytest.approx([s.loss for s in ref.results], rel=1e-4)

@@ -7,6 +7,7 @@ A modality describes itself as a ``ModalityCLI`` (its configs, how a config beco
     lf-X train   [--config NAME|PATH] [key=value | --key value | group=option ...]
     lf-X info    [--config NAME|PATH] [key=value ...]
     lf-X convert DIRECTION SOURCE OUT [--dtype bf16|fp16|fp32] [--no-progress]
+    lf-X convert lora-to-peft CHECKPOINT OUT     # a LoRA run's adapters in PEFT's format (see below)
     lf-X bench   [--config NAME|PATH] [--steps N] [--warmup N] [--variant NAME=KEY=VALUE,...] [key=value ...]
     lf-X plot RUN_DIR | compare RUN_A RUN_B [--window N] [--tolerance F]
     lf-X configs                        # the shipped configs, one line each
@@ -16,7 +17,10 @@ A modality describes itself as a ``ModalityCLI`` (its configs, how a config beco
 ``train`` loads and validates the config (a bad key or value is one ``error:`` line naming it,
 exit 2, before any process group exists), builds the task the config's model family registers,
 and runs the shared loop (``loongforge.core.training.run``); ``train --help`` lists every key of
-the modality's schema (``config_docs``). Every command runs under the error contract of
+the modality's schema (``config_docs``). A modality that names its LoRA adapters in a target
+library (``lora_layouts``: ``loongforge.core.lora.AdapterLayout`` per model part) gets the
+``lora-to-peft`` direction of ``convert``, the one implementation in ``loongforge.core.lora``.
+Every command runs under the error contract of
 ``loongforge.core.errors`` (``run_main``), quiet unless ``--verbose``.
 """
 
@@ -92,6 +96,30 @@ class ModalityCLI:
     packages: Sequence[str] = field(default_factory=lambda: ["loongforge-core"])  # for --version and env
     schema: type | None = None  # the run config's dataclass: `train --help` lists its keys
     libraries: Sequence[str] = ("torch", "megatron-core", "transformers")  # more versions `env` reports
+    # (checkpoint manifest, state-dict names) -> loongforge.core.lora.AdapterLayout per model part: how
+    # the target library names a LoRA checkpoint's adapters; adds `convert lora-to-peft`
+    lora_layouts: Callable[[dict, list[str]], list] | None = None
+    lora_library: str = ""  # the target library of lora_layouts, for --help
+
+
+LORA_TO_PEFT = "lora-to-peft"
+
+
+def all_converters(app: ModalityCLI) -> list[Converter]:
+    """The modality's ``convert`` directions plus the shared ``lora-to-peft`` where it has ``lora_layouts``."""
+    converters = list(app.converters)
+    if app.lora_layouts is not None:
+        def run(source: str, out: str, args: argparse.Namespace) -> str:
+            from loongforge.core.lora import export_checkpoint_adapter
+
+            written = export_checkpoint_adapter(source, out, app.lora_layouts, ema=bool(getattr(args, "ema", False)),
+                                                dtype=convert_dtype(args.dtype))
+            return "\n".join(f"wrote {path}" for path in written)
+
+        converters.append(Converter(LORA_TO_PEFT, f"a LoRA checkpoint (or run dir) -> its adapters alone in PEFT's "
+                                    f"format (adapter_config.json + adapter_model.safetensors), "
+                                    f"{app.lora_library or 'target library'} names", run))
+    return converters
 
 
 def convert_dtype(name: str | None):
@@ -254,7 +282,7 @@ class _ModalityCommands:
                 self._export(trainer, converter, save_to, cfg.log.progress)
 
         summary = run_training(cfg, task, app.prog, after=after)
-        export = next((c.direction for c in app.converters if c.direction.startswith("lf-to-")), None)
+        export = next((c.direction for c in all_converters(app) if c.direction.startswith("lf-to-")), None)
         if export and summary.last_checkpoint is not None and summary.is_main:
             print(f"{app.prog}: export: {app.prog} convert {export} {summary.last_checkpoint} OUT", flush=True)
         return 0
@@ -264,7 +292,7 @@ class _ModalityCommands:
         return 0
 
     def convert(self, args) -> int:
-        converter = next(c for c in self.app.converters if c.direction == args.direction)
+        converter = next(c for c in all_converters(self.app) if c.direction == args.direction)
         try:
             print(converter.run(args.source, args.out, args))
         except (FileNotFoundError, FileExistsError) as exc:  # a missing source, an output that exists
@@ -314,11 +342,12 @@ def build_parser(app: ModalityCLI) -> argparse.ArgumentParser:
         app.info_options(info)
     info.set_defaults(fn=commands.info)
 
-    if app.converters:
-        conv = sub.add_parser("convert", help="convert checkpoints: " + ", ".join(c.direction for c in app.converters),
+    converters = all_converters(app)
+    if converters:
+        conv = sub.add_parser("convert", help="convert checkpoints: " + ", ".join(c.direction for c in converters),
                               allow_abbrev=False)
-        conv.add_argument("direction", choices=[c.direction for c in app.converters],
-                          help="; ".join(f"{c.direction}: {c.help}" for c in app.converters))
+        conv.add_argument("direction", choices=[c.direction for c in converters],
+                          help="; ".join(f"{c.direction}: {c.help}" for c in converters))
         conv.add_argument("source")
         conv.add_argument("out", help="output path (must not exist)")
         conv.add_argument("--dtype", choices=["bf16", "fp16", "fp32"], help="cast floating-point weights (default: keep)")

@@ -3,6 +3,7 @@ the Wan DiT, plus ``preprocess`` (videos and captions -> latent shards) and ``sa
 
     lf-diffusion train [--config NAME|PATH] [key=value ...]
     lf-diffusion convert lf-to-diffusers CHECKPOINT OUT [--ema]   # CHECKPOINT: a run dir, root or step dir
+    lf-diffusion convert lora-to-peft CHECKPOINT OUT [--ema]      # a LoRA run's adapters, for diffusers
     lf-diffusion sample [--run RUN_DIR] [--checkpoint CKPT] [--out DIR] [key=value ...]
     lf-diffusion preprocess [--config NAME|PATH] [key=value ...]
 """
@@ -111,6 +112,7 @@ def recipe_of(manifest: dict, overrides: list[str] = ()):
 def lf_to_diffusers_command(source: str, out: str, args) -> str:
     from loongforge.core.checkpoint import load_checkpoint
     from loongforge.core.config import ConfigError
+    from loongforge.core.lora import lora_record, merge_state
     from loongforge.diffusion.model.convert import export_diffusers
 
     tensors, manifest, _ = load_checkpoint(checkpoint_root(source))
@@ -122,12 +124,32 @@ def lf_to_diffusers_command(source: str, out: str, args) -> str:
         for k, v in tensors.items():
             if k.startswith("model.") and k[len("model."):] not in state:
                 state[k[len("model."):]] = v
+    lora = lora_record(manifest)
+    if lora:  # a LoRA run: W + (alpha / rank) B A, an ordinary diffusers model
+        state = merge_state(state, lora["alpha"] / lora["rank"])
     written = export_diffusers(state, recipe_of(manifest).model, out)
-    return "\n".join(f"wrote {path}" for path in written)
+    merged = f" (LoRA adapters merged, rank {lora['rank']})" if lora else ""
+    return "\n".join(f"wrote {path}{merged}" for path in written)
+
+
+def lora_layouts(manifest: dict, names: list[str]):
+    """``convert lora-to-peft``: each expert's adapters as diffusers names them
+    (``transformer.blocks.0.attn1.to_q.lora_A.weight``, the DiT's names being diffusers' own),
+    with the LoRA config in the file's header where ``WanTransformer3DModel.load_lora_adapter``
+    and ``WanPipeline.load_lora_weights`` read it; Wan 2.2's experts in ``transformer/`` and
+    ``transformer_2/`` (``load_lora_weights(..., load_into_transformer_2=True)`` for the second)."""
+    from loongforge.core.lora import AdapterLayout
+    from loongforge.diffusion.model import EXPERT_NAMES
+
+    two = (manifest.get("model_config") or {}).get("boundary_ratio") is not None
+    return [AdapterLayout(prefix=f"{name}.", rename=lambda weights: {w: w for w in weights},
+                          library="diffusers WanTransformer3DModel", directory=name if two else "",
+                          key_prefix="transformer.", metadata_prefix="transformer")
+            for name in EXPERT_NAMES if any(k.startswith(f"{name}.") for k in names)]
 
 
 def convert_options(parser) -> None:
-    parser.add_argument("--ema", action="store_true", help="lf-to-diffusers: export the EMA weights")
+    parser.add_argument("--ema", action="store_true", help="lf-to-diffusers, lora-to-peft: export the EMA weights")
 
 
 def bench_options(parser) -> None:
@@ -208,7 +230,8 @@ def describe_cli():
         config_dirs=[CONFIG_DIR], default_config=DEFAULT_TRAIN, load_config=load_recipe, make_task=make_task,
         info=cmd_info, example="train.steps=100 parallel.data_parallel=fsdp train.recompute=selective",
         converters=[Converter("lf-to-diffusers", "a LoongForge checkpoint (or run dir) -> diffusers "
-                              "WanTransformer3DModel directories", lf_to_diffusers_command)],
+                              "WanTransformer3DModel directories (a LoRA run's adapters merged)", lf_to_diffusers_command)],
+        lora_layouts=lora_layouts, lora_library="diffusers",
         convert_options=convert_options, bench_options=bench_options, bench=bench, commands=commands,
         packages=["loongforge-core", "loongforge-diffusion", "loongforge-kernels"], schema=DiffusionRecipe,
         libraries=("torch", "diffusers", "transformers"),

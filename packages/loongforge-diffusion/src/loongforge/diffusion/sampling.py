@@ -101,6 +101,7 @@ def sample_run(recipe, checkpoint: str | Path, out_dir: str | Path) -> list[Path
     """``lf-diffusion sample``: generate from a checkpoint of ``recipe``'s run and draw the result."""
     from loongforge.core.accelerators import get_accelerator
     from loongforge.core.checkpoint.format import Checkpoint
+    from loongforge.core.lora import LoRAConfig, apply_lora, lora_record
     from loongforge.core.training.torch_checkpoint import load_model
     from loongforge.diffusion.data.encoders import decode_latent, encode_prompts, load_text_encoder, load_vae
     from loongforge.diffusion.data.shards import LatentShards
@@ -111,10 +112,19 @@ def sample_run(recipe, checkpoint: str | Path, out_dir: str | Path) -> list[Path
     ckpt = Checkpoint(checkpoint)
     device = get_accelerator().device()
     experts = WanExperts(m)
+    lora = lora_record(ckpt.manifest)
+    if lora:  # a LoRA run: the same adapted layers, filled from the checkpoint
+        apply_lora(experts, LoRAConfig(rank=lora["rank"], alpha=lora["alpha"], target_modules=lora["target_modules"]))
     load_model(experts, ckpt, prefix="model.")
     if s.use_ema and ckpt.manifest.get("ema"):  # EMA covers the trained experts; others keep model weights
+        keys = ckpt.reader.keys()
         for name in experts.names:
-            if f"ema.{name}.proj_out.weight" in ckpt.reader.keys():
+            if lora:  # the EMA of the adapters (the base weights were not trained)
+                with torch.no_grad():
+                    for key, t in experts.expert(name).state_dict().items():
+                        if f"ema.{name}.{key}" in keys:
+                            t.copy_(ckpt.tensor(f"ema.{name}.{key}"))
+            elif f"ema.{name}.proj_out.weight" in keys:
                 load_model(experts.expert(name), ckpt, prefix=f"ema.{name}.")
     experts.to(device).eval()
 

@@ -5,9 +5,19 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from loongforge.core.training.ema import EmaConfig
-from loongforge.core.training.schema import BalanceConfig, CheckpointConfig, LogConfig, ParallelConfig, TrainConfig
+from loongforge.core.training.schema import (
+    BalanceConfig,
+    CheckpointConfig,
+    LoRAConfig,
+    LogConfig,
+    ParallelConfig,
+    TrainConfig,
+)
 from loongforge.diffusion.model.config import WanConfig
 from loongforge.diffusion.objective import ObjectiveConfig
+
+
+WAN_LORA_TARGETS = ("to_q", "to_k", "to_v", "to_out.0")  # self- and cross-attention of every block
 
 
 @dataclass
@@ -52,6 +62,8 @@ class DiffusionRecipe:
     train: TrainConfig = field(default_factory=lambda: TrainConfig(
         steps=60, warmup_steps=5, weight_decay=0.0, adam_beta2=0.999))
     ema: EmaConfig = field(default_factory=EmaConfig)
+    # rank > 0: train low-rank adapters of the DiT's attention projections only (diffusers' usual Wan targets)
+    lora: LoRAConfig = field(default_factory=lambda: LoRAConfig(target_modules=list(WAN_LORA_TARGETS)))
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     balance: BalanceConfig = field(default_factory=BalanceConfig)  # token_cap null: a rank's samples in one pack
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)

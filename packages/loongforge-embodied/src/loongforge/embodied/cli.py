@@ -4,6 +4,7 @@ VLA policies, plus ``eval``.
     lf-embodied train [--config NAME|PATH] [--policy pi05|groot] [--data.root PATH] [key=value ...]
     lf-embodied eval --checkpoint RUN_DIR|CKPT_DIR [--data.root PATH] [key=value ...]
     lf-embodied convert lf-to-lerobot CHECKPOINT OUT.safetensors | lerobot-to-lf LEROBOT.safetensors OUT.safetensors
+    lf-embodied convert lora-to-peft CHECKPOINT OUT    # a LoRA run's adapters, for PEFT on LeRobot's PI05Policy
     lf-embodied bench [--against-lerobot] [--batch-size B] [--steps N] [--rounds R] [--processes P]
                       [--variant NAME=KEY=VALUE,...] [key=value ...]
 
@@ -85,6 +86,12 @@ def lerobot_to_lf(source: str, out: str, args) -> str:
     return f"wrote {import_lerobot(source, out)}"
 
 
+def lora_layouts(manifest: dict, names: list[str]):
+    from loongforge.embodied.export import lora_layouts as layouts
+
+    return layouts(manifest, names)
+
+
 def commands(sub) -> None:
     p = sub.add_parser("eval", help="run the evaluation hook (eval.hook) on a checkpoint", allow_abbrev=False)
     p.add_argument("--checkpoint", required=True, help="a run directory or checkpoint directory")
@@ -100,11 +107,11 @@ def describe_cli():
         prog="lf-embodied", description="LoongForge embodied (VLA) policies",
         config_dirs=[CONFIG_DIR], default_config="train", load_config=load_train_config, make_task=make_task,
         info=cmd_info, example="--policy groot data.root=/data/lerobot_dataset train.steps=2000",
-        converters=[Converter("lf-to-lerobot", "a pi05 checkpoint (or run dir) -> LeRobot's PI05Policy model.safetensors",
-                              lf_to_lerobot),
+        converters=[Converter("lf-to-lerobot", "a pi05 checkpoint (or run dir) -> LeRobot's PI05Policy model.safetensors "
+                              "(a LoRA run's adapters merged)", lf_to_lerobot),
                     Converter("lerobot-to-lf", "LeRobot's pi05 model.safetensors -> the same weights in LoongForge "
                               "names (for policy.pretrained)", lerobot_to_lf)],
-        bench_options=bench_options, bench=bench, commands=commands,
+        bench_options=bench_options, bench=bench, commands=commands, lora_layouts=lora_layouts, lora_library="LeRobot",
         packages=["loongforge-core", "loongforge-embodied", "loongforge-kernels"], schema=EmbodiedConfig,
         libraries=("torch", "lerobot", "transformers"),
     )

@@ -1,5 +1,5 @@
 """The ``lf-embodied`` config: the shared groups of every ``lf-*`` CLI (``train``, ``parallel``,
-``checkpoint``, ``log``, ``eval``), ``data`` (a LeRobot dataset) and ``policy``, whose class is the
+``checkpoint``, ``log``, ``eval``, ``lora``), ``data`` (a LeRobot dataset) and ``policy``, whose class is the
 selected policy family's own (``Pi05Config``, ``GrootConfig``, registered with their policies
 through ``loongforge.models``).
 
@@ -16,10 +16,19 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from loongforge.core.config import load_config, read_section
-from loongforge.core.training.schema import CheckpointConfig, EvalConfig, LogConfig, ParallelConfig, TrainConfig
+from loongforge.core.training.schema import (
+    CheckpointConfig,
+    EvalConfig,
+    LoRAConfig,
+    LogConfig,
+    ParallelConfig,
+    TrainConfig,
+)
 
 CONFIG_DIR = Path(__file__).parent / "configs"
 
+# the attention projections of the Gemma stacks (q/k/v/o_proj) and of the SigLIP tower (q/k/v/out_proj)
+POLICY_LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "out_proj")
 NORM_MODES = ("mean_std", "min_max", "quantiles", "quantile10", "identity")
 
 
@@ -147,6 +156,8 @@ class EmbodiedConfig:
     data: DatasetConfig = field(default_factory=DatasetConfig)
     train: TrainConfig = field(default_factory=lambda: TrainConfig(
         steps=100, global_batch_size=8, lr=3e-3, min_lr=1e-4, warmup_steps=5, weight_decay=0.01, adam_beta2=0.95))
+    # rank > 0: train low-rank adapters of the policy's attention projections only
+    lora: LoRAConfig = field(default_factory=lambda: LoRAConfig(target_modules=list(POLICY_LORA_TARGETS)))
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     checkpoint: CheckpointConfig = field(default_factory=lambda: CheckpointConfig(interval=50))
     log: LogConfig = field(default_factory=lambda: LogConfig(run_dir="runs/embodied", interval=10))

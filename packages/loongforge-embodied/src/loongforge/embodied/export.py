@@ -1,8 +1,10 @@
 """``lf-embodied convert``: a trained policy's weights <-> LeRobot's Pi0.5 layout.
 
-``lf-to-lerobot`` writes a checkpoint's policy as LeRobot's ``PI05Policy`` ``model.safetensors``;
-``lerobot-to-lf`` rewrites such a file in LoongForge names, a file ``policy.pretrained`` reads (or
-read LeRobot's file directly with ``policy.pretrained_format=lerobot``).
+``lf-to-lerobot`` writes a checkpoint's policy as LeRobot's ``PI05Policy`` ``model.safetensors``
+(a LoRA run's adapters merged into the weights); ``lerobot-to-lf`` rewrites such a file in
+LoongForge names, a file ``policy.pretrained`` reads (or read LeRobot's file directly with
+``policy.pretrained_format=lerobot``). ``lora-to-peft`` (the shared direction of
+``loongforge.core.lora``) writes a LoRA run's adapters alone, named as ``lora_layouts`` says.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ from pathlib import Path
 from safetensors.torch import load_file, save_file
 
 from loongforge.core.errors import DataError, OutputExistsError
+from loongforge.core.lora import AdapterLayout, merge_lora, one_to_one_names
 from loongforge.embodied.convert.lerobot_pi05 import from_lerobot_pi05, to_lerobot_pi05
 from loongforge.embodied.restore import restore_policy
 
@@ -36,6 +39,7 @@ def export_lerobot(path: str | Path, out: str | Path) -> Path:
     policy, cfg, ckpt = restore_policy(checkpoint_path(path))
     if cfg.policy.family != "pi05":
         raise ValueError(f"lf-to-lerobot: only pi05 has a LeRobot layout mapping, this checkpoint is {cfg.policy.family!r}")
+    merge_lora(policy)  # a LoRA run: W + (alpha / rank) B A, an ordinary PI05Policy
     state = to_lerobot_pi05({k: v.contiguous() for k, v in policy.state_dict().items()}, cfg.policy)
     meta = {"format": "lerobot", "family": cfg.policy.family, "step": str(ckpt.step),
             "policy_config": json.dumps(ckpt.manifest["config"]["policy"]),
@@ -54,3 +58,21 @@ def import_lerobot(src: str | Path, out: str | Path) -> Path:
     out = _new_file(out)
     save_file({k: v.contiguous() for k, v in state.items()}, str(out), metadata={"format": "loongforge", "family": "pi05"})
     return out
+
+
+def lora_layouts(manifest: dict, names: list[str]) -> list[AdapterLayout]:
+    """``convert lora-to-peft``: pi05 adapters in LeRobot's names, as ``PeftModel.from_pretrained``
+    of LeRobot's ``PI05Policy`` loads them (``base_model.model.model.paligemma_with_expert...``,
+    LeRobot's own PEFT route, ``policy.use_peft``); other families have no LeRobot layout and keep
+    LoongForge's names (``base_model.model.<name>``: a ``PeftModel`` of the LoongForge policy)."""
+    from loongforge.embodied.convert.lerobot_pi05 import PI05_MAPPING, Pi05Layout
+
+    family = ((manifest.get("config") or {}).get("policy") or {}).get("family", "pi05")
+    if family != "pi05":
+        return [AdapterLayout(prefix="", rename=lambda weights: {w: w for w in weights},
+                              library=f"LoongForge {family}", key_prefix="base_model.model.")]
+    counts = PI05_MAPPING.counts_in([n for n in names if not n.endswith((".lora_A.weight", ".lora_B.weight"))], side="lf")
+    bound = PI05_MAPPING.bind(Pi05Layout(counts["layer"], counts["vision_layer"]))
+    renames = one_to_one_names(bound)
+    return [AdapterLayout(prefix="", rename=lambda weights: {w: renames[w] for w in weights if w in renames},
+                          library="LeRobot PI05Policy", key_prefix="base_model.model.model.")]

@@ -1,4 +1,4 @@
-"""Rebuild a trained policy (config + weights) from a checkpoint, on one process."""
+"""Rebuild a trained policy (config + weights, LoRA adapters included) from a checkpoint, on one process."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ from pathlib import Path
 import torch.nn as nn
 
 from loongforge.core.checkpoint import Checkpoint
+from loongforge.core.lora import LoRAConfig, apply_lora, lora_record
 from loongforge.core.models import get_model_spec
 from loongforge.core.training.torch_checkpoint import load_model
 from loongforge.embodied.config import EmbodiedConfig, load_train_config
@@ -28,5 +29,8 @@ def restore_policy(path: str | Path, overrides: Sequence[str] = ()) -> tuple[nn.
     ckpt = Checkpoint(path)
     cfg = config_from_checkpoint(ckpt, overrides)
     policy = get_model_spec(cfg.policy.family).build(cfg.policy)
+    lora = lora_record(ckpt.manifest)
+    if lora:  # a LoRA run: the same adapted layers (merge_lora folds them for an export)
+        apply_lora(policy, LoRAConfig(rank=lora["rank"], alpha=lora["alpha"], target_modules=lora["target_modules"]))
     load_model(policy, ckpt)
     return policy, cfg, ckpt

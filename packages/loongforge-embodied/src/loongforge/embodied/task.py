@@ -76,8 +76,11 @@ def read_pretrained(cfg) -> dict[str, torch.Tensor]:
 
 @torch.no_grad()
 def load_state_into(model: torch.nn.Module, state: dict[str, torch.Tensor], source: str) -> None:
-    """Copy full tensors into ``model``'s (whole or FSDP2-sharded) tensors; every key must match."""
-    ours = model.state_dict()
+    """Copy full tensors into ``model``'s (whole or FSDP2-sharded) tensors; every key must match
+    (LoRA adapters, ``loongforge.core.lora``, are not the pretrained weights' and stay as they are)."""
+    from loongforge.core.lora import strip_adapters
+
+    ours = strip_adapters(model.state_dict())
     missing, unexpected = sorted(set(ours) - set(state)), sorted(set(state) - set(ours))
     if missing or unexpected:
         raise KeyError(f"{source}: missing {missing[:5]}..., unexpected {unexpected[:5]}... "

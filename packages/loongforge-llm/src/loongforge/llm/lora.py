@@ -2,7 +2,8 @@
 
 ``apply_lora(model, LoRAConfig(rank=8, alpha=16, target_modules=[...]))`` wraps every
 ``ColumnParallelLinear``/``RowParallelLinear`` whose qualified name ends with a target
-(``linear_qkv``, ``self_attention.linear_proj``, ``mlp.linear_fc1`` ...) so that it computes
+(``linear_qkv``, ``self_attention.linear_proj``, ``mlp.linear_fc1`` ...; or matches ``re:REGEX``)
+so that it computes
 ``W x + (alpha / rank) * B A x`` (A ``[rank, in]`` random, B ``[out, rank]`` zero, so training
 starts from the base model), and freezes every other parameter.
 
@@ -30,44 +31,22 @@ Routed experts can be adapted when the expert tensor-parallel size is 1 (with EP
 
 from __future__ import annotations
 
-import math
 import re
-import zlib
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
+# the config group, the target matching, A's initialisation and the merge are the shared ones of
+# loongforge.core.lora (the PyTorch-native engine's LoRA); this module adds megatron's TP layers
+from loongforge.core.lora import initial_a as _initial_a
+from loongforge.core.lora import matches, merged_weight
+from loongforge.core.training.schema import LoRAConfig
+
 DEFAULT_TARGETS = ["linear_qkv", "linear_proj", "linear_fc1", "linear_fc2"]
 LORA_A, LORA_B = "lora_A", "lora_B"
-
-
-@dataclass
-class LoRAConfig:
-    rank: int = 0  # 0: no adapters (full-parameter training)
-    alpha: float = 16.0  # the update is scaled by alpha / rank
-    dropout: float = 0.0  # on the adapter's input
-    target_modules: list[str] = field(default_factory=lambda: list(DEFAULT_TARGETS))
-    base: str | None = None  # checkpoint of the base weights (loaded before the adapters are added)
-
-    def __post_init__(self):
-        if self.rank < 0:
-            raise ValueError(f"lora.rank={self.rank}: must be >= 0 (0 disables LoRA)")
-        if self.rank and self.alpha <= 0:
-            raise ValueError(f"lora.alpha={self.alpha}: must be positive")
-        if not 0.0 <= self.dropout < 1.0:
-            raise ValueError(f"lora.dropout={self.dropout}: must be in [0, 1)")
-        if self.rank and not self.target_modules:
-            raise ValueError("lora.target_modules is empty: name the linear layers to adapt")
-
-    @property
-    def enabled(self) -> bool:
-        return self.rank > 0
-
-    @property
-    def scale(self) -> float:
-        return self.alpha / self.rank
+__all__ = ["DEFAULT_TARGETS", "LoRAConfig", "LoRALinear", "adapter_checkpoint", "apply_lora", "is_adapter",
+           "load_base_weights", "matches", "merge_checkpoint", "merged_weight"]
 
 
 def _mark_tensor_parallel(param: torch.nn.Parameter, dim: int) -> None:
@@ -198,18 +177,6 @@ def _global_names(model: torch.nn.Module) -> dict[int, str]:
     return out
 
 
-def matches(name: str, targets: list[str]) -> bool:
-    return any(name == t or name.endswith("." + t) for t in targets)
-
-
-def _initial_a(name: str, rank: int, fan_in: int, seed: int) -> torch.Tensor:
-    """Kaiming-uniform A (a = sqrt(5), as torch's Linear and PEFT), whole, from a generator
-    seeded by the run seed and the layer's global name."""
-    g = torch.Generator().manual_seed((seed * 1_000_003 + zlib.crc32(name.encode())) % (1 << 63))
-    bound = 1.0 / math.sqrt(fan_in)
-    return (torch.rand(rank, fan_in, generator=g) * 2 - 1) * bound
-
-
 def apply_lora(model: torch.nn.Module, lora: LoRAConfig, seed: int = 0) -> list[str]:
     """Wrap the targeted linear layers of ``model`` in place and freeze everything else;
     returns the adapted layers' global names."""
@@ -269,11 +236,6 @@ def load_base_weights(model: torch.nn.Module, path: str | Path, model_config: di
 # -- export -----------------------------------------------------------------------------------
 def _adapted_layers(keys) -> list[str]:
     return sorted(k[: -len(LORA_A) - 1] for k in keys if k.endswith(f".{LORA_A}"))
-
-
-def merged_weight(weight: torch.Tensor, a: torch.Tensor, b: torch.Tensor, scale: float) -> torch.Tensor:
-    """``W + scale * B @ A`` (batched over leading expert axes), computed in fp32."""
-    return (weight.float() + scale * torch.matmul(b.float(), a.float())).to(weight.dtype)
 
 
 def _write(source, out: Path, tensors, extra_manifest: dict) -> Path:

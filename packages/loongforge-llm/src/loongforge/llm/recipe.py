@@ -24,7 +24,7 @@ from loongforge.core.training.schema import (
 )
 from loongforge.core.training.task import StepBatch
 from loongforge.llm.data.sft import SFTDataConfig
-from loongforge.llm.lora import LoRAConfig
+from loongforge.llm.lora import DEFAULT_TARGETS, LoRAConfig
 from loongforge.llm.model_config import GPTConfig
 from loongforge.llm.shipped_configs import CONFIG_DIR
 
@@ -69,7 +69,8 @@ class LLMConfig:
     sft: SFTDataConfig = field(default_factory=SFTDataConfig)
     balance: BalanceConfig = field(default_factory=BalanceConfig)  # used by recipe=sft
     kernels: KernelsConfig = field(default_factory=KernelsConfig)
-    lora: LoRAConfig = field(default_factory=LoRAConfig)  # rank > 0: train low-rank adapters only
+    # rank > 0: train low-rank adapters only
+    lora: LoRAConfig = field(default_factory=lambda: LoRAConfig(target_modules=list(DEFAULT_TARGETS)))
     # none | blockwise | adaptive: the dense layers' QKV, attention-output and MLP GEMMs in blockwise
     # FP8 (e4m3; adaptive: per linear shape, the GEMMs whose FP8 form measured faster at the start of
     # the run, agreed by all ranks and saved in the checkpoints); see layers.fp8_linear, layers.fp8_plan

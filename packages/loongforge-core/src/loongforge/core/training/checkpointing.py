@@ -69,14 +69,20 @@ def check_model_config(ckpt: Checkpoint, task) -> None:
         raise CheckpointReadError(f"{ckpt.directory / 'manifest.json'}: model config does not match ({detail})")
 
 
-def _open(trainer, path) -> Checkpoint:
+def open_for_task(task, path, what: str | None = None) -> Checkpoint:
+    """The checkpoint at ``path``, refused unless it holds ``task``'s family and model config."""
     ckpt = Checkpoint(path)
     family = ckpt.manifest.get("family")
-    if family != trainer.task.family:
-        raise CheckpointReadError(f"{ckpt.directory / 'manifest.json'}: a {family!r} checkpoint; this run trains "
-                                  f"{trainer.task.family!r}")
-    check_model_config(ckpt, trainer.task)
+    if family != task.family:
+        where = f"{what}: " if what else ""
+        raise CheckpointReadError(f"{where}{ckpt.directory / 'manifest.json'}: a {family!r} checkpoint; this run "
+                                  f"trains {task.family!r}")
+    check_model_config(ckpt, task)
     return ckpt
+
+
+def _open(trainer, path) -> Checkpoint:
+    return open_for_task(trainer.task, path)
 
 
 def resume(trainer, root: str | Path) -> None:

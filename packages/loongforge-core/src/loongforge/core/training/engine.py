@@ -92,5 +92,6 @@ def make_engine(task, ctx, cfg, resuming: bool) -> Engine:
     if task.engine == "torch":
         from loongforge.core.training.torch_engine import TorchEngine
 
-        return TorchEngine(task, ctx, cfg.train, cfg.parallel, resuming=resuming, ema=getattr(cfg, "ema", None))
+        return TorchEngine(task, ctx, cfg.train, cfg.parallel, resuming=resuming, ema=getattr(cfg, "ema", None),
+                           lora=getattr(cfg, "lora", None))
     raise ValueError(f"model family {task.family!r} names engine {task.engine!r}; one of {', '.join(ENGINES)}")

@@ -1,6 +1,7 @@
 """The config groups every ``lf-*`` CLI shares: ``train``, ``parallel``, ``checkpoint``, ``log``,
-``balance`` and ``eval``. A key here means the same thing in ``lf-llm``, ``lf-vlm``,
-``lf-diffusion`` and ``lf-embodied``; a modality adds groups of its own (``model``, ``data``,
+``balance`` and ``eval``, and ``lora`` in the CLIs that train adapters (lf-llm, lf-diffusion,
+lf-embodied). A key here means the same thing in ``lf-llm``, ``lf-vlm``, ``lf-diffusion`` and
+``lf-embodied``; a modality adds groups of its own (``model``, ``data``,
 ``objective``, ``ema``, ``policy``...) or extends one of these (``SequenceTrainConfig`` adds
 ``seq_length`` for token-sequence models, ``lf-vlm`` adds ``parallel.encoder``), but never renames
 a key. Each modality's recipe chooses its own defaults through the shipped YAML and the dataclass
@@ -13,7 +14,7 @@ group is made.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 PRECISIONS = ("auto", "bf16", "fp32")
 DECAY_STYLES = ("cosine", "linear", "constant")
@@ -209,3 +210,47 @@ class BalanceConfig:
             value = getattr(self, key)
             if value is not None and value < 1:
                 raise ValueError(f"balance.{key}={value}: must be >= 1 (or null)")
+
+
+@dataclass
+class LoRAConfig:
+    """Low-rank adapters (``lora``), the same keys in every ``lf-*`` CLI that trains them (lf-llm's
+    megatron layers, the PyTorch-native engine's ``nn.Linear`` layers: ``loongforge.core.lora``).
+    ``rank > 0`` adds ``(alpha / rank) * B A dropout(x)`` to every linear layer whose qualified name
+    matches ``target_modules`` (A ``[rank, in]`` Kaiming-uniform, B ``[out, rank]`` zero, so training
+    starts from the base model) and freezes every other parameter. An entry matches a layer whose
+    name is it or ends with ``.`` + it; an entry ``re:PATTERN`` matches names the regular expression
+    matches in full. Each CLI sets its own default targets."""
+
+    rank: int = 0  # 0: no adapters (full-parameter training)
+    alpha: float = 16.0  # the update is scaled by alpha / rank
+    dropout: float = 0.0  # on the adapter's input
+    # layers to adapt: name suffixes (`to_q`, `self_attn.q_proj`) or `re:REGEX` (matched in full)
+    target_modules: list[str] = field(default_factory=list)
+    base: str | None = None  # checkpoint of the base weights (loaded before the adapters are added)
+
+    def __post_init__(self):
+        import re
+
+        if self.rank < 0:
+            raise ValueError(f"lora.rank={self.rank}: must be >= 0 (0 disables LoRA)")
+        if self.rank and self.alpha <= 0:
+            raise ValueError(f"lora.alpha={self.alpha}: must be positive")
+        if not 0.0 <= self.dropout < 1.0:
+            raise ValueError(f"lora.dropout={self.dropout}: must be in [0, 1)")
+        if self.rank and not self.target_modules:
+            raise ValueError("lora.target_modules is empty: name the linear layers to adapt")
+        for target in self.target_modules:
+            if target.startswith("re:"):
+                try:
+                    re.compile(target[3:])
+                except re.error as exc:
+                    raise ValueError(f"lora.target_modules: {target!r} is not a regular expression ({exc})") from None
+
+    @property
+    def enabled(self) -> bool:
+        return self.rank > 0
+
+    @property
+    def scale(self) -> float:
+        return self.alpha / self.rank

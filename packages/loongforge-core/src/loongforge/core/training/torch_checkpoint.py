@@ -7,6 +7,11 @@ buffers), ``ema.<name>`` (EMA weights of the trained parameters) and ``optim.<na
 the global tensor (one replica group of an HSDP mesh writes); under DDP the main rank writes whole
 tensors. Pieces are read back by region, so any layout loads any other (DDP <-> FSDP2 <-> HSDP,
 any world size), and nothing is gathered on one rank.
+
+A LoRA run (``lora.rank > 0``) saves its base weights under their names and its adapters as
+``model.<layer>.lora_A.weight`` / ``lora_B.weight``, with the ``lora`` group in the manifest;
+its optimizer and EMA state cover the adapters only. A checkpoint without adapters loads into a
+LoRA model as its base weights (``checkpoint.load``, ``lora.base``), the adapters kept as they are.
 """
 
 from __future__ import annotations
@@ -43,7 +48,12 @@ def engine_state(engine) -> EngineState:
                     pieces += _piece(f"{OPTIM}{name}.{k}", p, local(value), is_main)
         if engine.ema is not None:
             pieces += _piece(EMA_PREFIX + name, p, engine.ema.shadow[name], is_main)
-    return EngineState(pieces=pieces, manifest={"adam_steps": steps, "ema": engine.ema is not None})
+    manifest = {"adam_steps": steps, "ema": engine.ema is not None}
+    lora = getattr(engine, "lora", None)
+    if lora is not None:
+        manifest["lora"] = {"rank": lora.rank, "alpha": lora.alpha, "dropout": lora.dropout,
+                            "target_modules": list(lora.target_modules), "layers": list(engine.adapted)}
+    return EngineState(pieces=pieces, manifest=manifest)
 
 
 @torch.no_grad()
@@ -58,9 +68,35 @@ def _read_into(buffer: torch.Tensor, like: torch.Tensor, ckpt: Checkpoint, key: 
 
 
 def load_model(model: torch.nn.Module, ckpt: Checkpoint, prefix: str = MODEL) -> None:
-    """Fill every tensor of ``model``'s state dict (whole or FSDP2 shard) from ``prefix<name>``."""
-    for key, t in model.state_dict().items():
+    """Fill every tensor of ``model``'s state dict (whole or FSDP2 shard) from ``prefix<name>``;
+    a model with LoRA adapters takes only its base weights from a checkpoint that has none."""
+    from loongforge.core.lora import is_adapter_key
+
+    keys = ckpt.reader.keys()
+    base_only = not any(is_adapter_key(k) for k in keys if k.startswith(prefix))
+    state = model.state_dict()
+    if not base_only and not any(is_adapter_key(k) for k in state):
+        raise CheckpointReadError(f"{ckpt.directory}: a checkpoint with LoRA adapters (lora.rank="
+                                  f"{(ckpt.manifest.get('lora') or {}).get('rank')}); this model has none (lora.rank=0)")
+    for key, t in state.items():
+        if base_only and is_adapter_key(key):
+            continue
         _read_into(local(t), t, ckpt, prefix + key)
+
+
+def load_base(engine, path) -> None:
+    """``lora.base``: the base weights of a checkpoint of the same family and model config (one
+    without adapters) into the LoRA model, before its first step."""
+    from loongforge.core.lora import is_adapter_key
+    from loongforge.core.training.checkpointing import open_for_task
+
+    ckpt = open_for_task(engine.task, path, what=f"lora.base={path}")
+    if any(is_adapter_key(k) for k in ckpt.reader.keys()):
+        raise CheckpointReadError(f"lora.base={path}: a checkpoint with LoRA adapters; merge them first "
+                                  "(the modality's `convert` of it) or continue it with checkpoint.load")
+    load_model(engine.model, ckpt)
+    if dist.is_available() and dist.is_initialized():
+        dist.barrier()
 
 
 def load(engine, ckpt: Checkpoint, with_optimizer: bool) -> None:

@@ -1,7 +1,9 @@
 """The PyTorch-native engine: any ``nn.Module`` under DDP, FSDP2 or HSDP (``parallel.data_parallel``),
 with activation recomputation (``train.recompute``) and offloading (``train.offload_layers``), regional ``torch.compile`` (``train.compile``),
-bf16 autocast (``train.precision``), AdamW (fused on CUDA) and an optional EMA of the weights
-(``ema.decay``). Context parallelism (``parallel.cp``) is the model's to implement (the task
+bf16 autocast (``train.precision``), AdamW (fused on CUDA), an optional EMA of the weights
+(``ema.decay``) and LoRA (``lora.rank > 0``: ``loongforge.core.lora``, applied to the task's model
+after its pretrained weights are read and before anything else touches it; only the adapters
+train). Context parallelism (``parallel.cp``) is the model's to implement (the task
 declares ``context_parallel = True`` and reads the CP group from ``ctx.pgs.cp``); tensor, pipeline
 and expert parallelism belong to the megatron-core engine.
 
@@ -65,7 +67,7 @@ class TorchEngine:
     name = "torch"
 
     def __init__(self, task: TorchTask, ctx, train: TrainConfig, parallel: ParallelConfig, resuming: bool = False,
-                 ema=None):
+                 ema=None, lora=None):
         check_parallel_config(parallel, bool(getattr(task, "context_parallel", False)))
         check_train_config(train)
         self.task, self.ctx, self.train, self.parallel = task, ctx, train, parallel
@@ -84,6 +86,12 @@ class TorchEngine:
             model = task.build_model(ctx)
         if pretrained and not sharded_init:
             task.load_pretrained(model)
+        self.lora = lora if lora is not None and lora.enabled else None
+        self.adapted: list[str] = []
+        if self.lora is not None:  # before compile, recomputation and wrapping see the model
+            from loongforge.core.lora import apply_lora
+
+            self.adapted = apply_lora(model, self.lora, seed=train.seed)
         if not sharded_init:
             model.to(self.device)
         self.model = model
@@ -94,7 +102,15 @@ class TorchEngine:
                         for name, part in self.parts.items()}
         if sharded_init:
             model.to_empty(device=self.device)
-            task.load_pretrained(model)
+            task.load_pretrained(model)  # the base weights; the loader leaves the adapters alone
+            if self.lora is not None:
+                from loongforge.core.lora import init_adapters
+
+                init_adapters(model, train.seed)
+        if self.lora is not None and self.lora.base and not resuming:
+            from loongforge.core.training.torch_checkpoint import load_base
+
+            load_base(self, self.lora.base)
         self.named_trainable = {n: p for n, p in model.named_parameters() if p.requires_grad}
         if not self.named_trainable:
             raise ValueError(f"model family {task.family!r}: no trainable parameter")
@@ -108,6 +124,7 @@ class TorchEngine:
         self.updates = 0  # applied updates (the EMA cadence); a resumed run restores it
         self._grad_norm = float("nan")
         self._params_with_grad: list[torch.nn.Parameter] = []
+        self._adapters_checked: set[str] = set()  # parts whose first step found a gradient on every adapter
 
     def _prepare_parts(self, train: TrainConfig) -> None:
         """Activation recomputation and offloading, then regional compilation, per part (before
@@ -168,6 +185,8 @@ class TorchEngine:
                     loss_sum.backward()
                 sums[0] += loss_sum.detach().double()
                 sums[1] += float(count)
+        if self.lora is not None and part not in self._adapters_checked:
+            self._check_adapters_used(part)
         if measuring:
             self.ctx.accelerator.synchronize()
         compute_seconds = time.perf_counter() - t0
@@ -194,6 +213,24 @@ class TorchEngine:
             compute_seconds=compute_seconds,
             offloaded_bytes=offloaded,
         )
+
+    def _check_adapters_used(self, part: str) -> None:
+        """A trainable adapter without a gradient after a step of its part was never called: the
+        model's forward uses that layer's weight without its adapter (``lora_delta``)."""
+        mine = {id(p) for p in self.parts[part].parameters()}
+        unused = [n for n, p in self.named_trainable.items() if id(p) in mine and p.grad is None]
+        anywhere = torch.tensor(float(len(unused)), device=self.device)
+        if self.world > 1:  # every rank decides alike
+            dist.all_reduce(anywhere, op=dist.ReduceOp.MAX, group=self.group)
+        if anywhere.item():
+            from loongforge.core.config import ConfigError
+
+            layers = sorted({n.rsplit(".", 2)[0] for n in unused}) or ["(on another rank)"]
+            raise ConfigError(f"lora.target_modules={list(self.lora.target_modules)}: the forward of model family "
+                             f"{self.task.family!r} never ran the adapters of {layers[:4]}"
+                             f"{' ...' if len(layers) > 4 else ''} (it uses those layers' weights directly); "
+                             "leave them out of the targets")
+        self._adapters_checked.add(part)
 
     def apply_update(self, lr: float) -> None:
         clip = self.train.clip_grad

@@ -14,9 +14,10 @@ from pathlib import Path
 
 import torch
 
+from loongforge.core.lora import strip_adapters
+from loongforge.core.training.sharding import local, region
 from loongforge.diffusion.model.config import WanConfig
 from loongforge.diffusion.model.experts import WanExperts
-from loongforge.core.training.sharding import local, region
 
 
 def check_layout(ours: dict[str, tuple], theirs: dict[str, tuple], source: str) -> None:
@@ -126,7 +127,8 @@ def load_pretrained(model: WanExperts, path: str | Path) -> None:
     """Copy diffusers ``WanTransformer3DModel`` weights from a local directory into ``model``.
 
     Tensor by tensor, and only the rows this rank holds: an FSDP2-sharded model (built on the
-    meta device, then ``to_empty``) loads its shards without ever materialising a full copy.
+    meta device, then ``to_empty``) loads its shards without ever materialising a full copy. LoRA
+    adapters (``loongforge.core.lora``) are left as they are.
     """
     from safetensors import safe_open
 
@@ -136,7 +138,7 @@ def load_pretrained(model: WanExperts, path: str | Path) -> None:
         where = {key: h for h in handles for key in h.keys()}
         theirs = {key: tuple(h.get_slice(key).get_shape()) for key, h in where.items()}
         expert = model.expert(name)
-        ours = expert.state_dict()
+        ours = strip_adapters(expert.state_dict())  # a LoRA model's adapters are not the checkpoint's
         check_layout(shapes_of(ours), theirs, str(directory))
         for key, target in ours.items():
             offset, shape = region(target)

@@ -20,6 +20,9 @@ variants), so ``load_state_dict`` of a diffusers checkpoint is the identity mapp
   reference a compiled block (``compile_regions``) uses instead, for inductor to fuse;
 - with a ``ContextParallel`` group each rank computes its slice of the tokens, exchanging heads for
   sequence around self-attention (Ulysses);
+- LoRA (``lora.rank > 0``, ``loongforge.core.lora``): the layers whose weights the blocks use
+  directly (the fused projections, the feed-forward) add their adapters' updates themselves;
+  a block with adapters on its feed-forward runs it as separate ops instead of the fused one;
 - per-block activation checkpointing: ``full`` recomputes the whole block in the backward,
   ``selective`` keeps the outputs of the attention kernels and of the GEMMs and recomputes only
   the elementwise work between them (norms, modulation, RoPE, GELU, gates): the backward then
@@ -54,6 +57,7 @@ from loongforge.core.kernels import get_kernel, get_kernel_with_backward
 from loongforge.core.kernels.feed_forward import feed_forward_kernels, gelu_feed_forward
 from loongforge.core.kernels.fp8_tensorwise import fp8_linear_tensorwise
 from loongforge.core.kernels.modulated_norm import normalize_and_modulate
+from loongforge.core.lora import LoRALinear, lora_delta
 from loongforge.diffusion.context_parallel import ContextParallel, heads_to_seq, seq_to_heads
 from loongforge.diffusion.model.attention import Segments, packed_attention
 from loongforge.diffusion.model.config import CHECKPOINTING, WanConfig
@@ -142,11 +146,23 @@ def _linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, fp
     return F.linear(x, weight, bias) if fp8_cast is None else fp8_linear_tensorwise(x, weight, bias, fp8_cast)
 
 
+def _with_adapter(out: torch.Tensor, layer: nn.Linear, x: torch.Tensor) -> torch.Tensor:
+    """``out`` (``layer``'s GEMM on ``x``) plus the layer's LoRA update, when it has an adapter."""
+    delta = lora_delta(layer, x)
+    return out if delta is None else out + delta.to(out.dtype)
+
+
 def _concat_linear(x: torch.Tensor, linears: tuple[nn.Linear, ...], fp8_cast=None) -> torch.Tensor:
-    """``torch.cat([l(x) for l in linears], -1)`` as one GEMM on the concatenated weights."""
+    """``torch.cat([l(x) for l in linears], -1)`` as one GEMM on the concatenated weights (plus
+    the layers' LoRA updates, concatenated likewise, where they have adapters)."""
     weight = torch.cat([lin.weight for lin in linears])
     bias = torch.cat([lin.bias for lin in linears])
-    return _linear(x, weight, bias, fp8_cast)
+    out = _linear(x, weight, bias, fp8_cast)
+    deltas = [lora_delta(lin, x) for lin in linears]
+    if all(d is None for d in deltas):
+        return out
+    deltas = [d if d is not None else x.new_zeros(*x.shape[:-1], lin.out_features) for d, lin in zip(deltas, linears)]
+    return out + torch.cat(deltas, -1).to(out.dtype)
 
 
 def _local_cross_bounds(bounds: list[int], lo: int, hi: int) -> tuple[list[int], int, int]:
@@ -196,13 +212,13 @@ class WanAttention(nn.Module):
             # cross-attention reads the prompts of the samples present in this rank's tokens
             if tc.cp is not None:
                 text = text[tc.first_sample : tc.last_sample + 1]
-            q = _linear(x, self.to_q.weight, self.to_q.bias, self.fp8_cast)
+            q = _with_adapter(_linear(x, self.to_q.weight, self.to_q.bias, self.fp8_cast), self.to_q, x)
             k, v = _concat_linear(text.flatten(0, 1), (self.to_k, self.to_v)).chunk(2, dim=-1)
             q = self._heads(self.rms_norm(q, self.norm_q.weight, self.eps))
             k = self._heads(self.rms_norm(k, self.norm_k.weight, self.eps))
             out = packed_attention(q, k, self._heads(v), tc.cross_q_segments, tc.cross_k_segments, tc.backend)
-        proj = self.to_out[0]
-        return _linear(out.flatten(1).type_as(x), proj.weight, proj.bias, self.fp8_cast)
+        proj, out = self.to_out[0], out.flatten(1).type_as(x)
+        return _with_adapter(_linear(out, proj.weight, proj.bias, self.fp8_cast), proj, out)
 
 
 class WanBlock(nn.Module):
@@ -254,6 +270,10 @@ class WanBlock(nn.Module):
     def _feed_forward(self, h: torch.Tensor) -> torch.Tensor:
         """diffusers' ``FeedForward`` (tanh-GELU, dropouts of 0) with a fused backward (and FP8 GEMMs)."""
         up, down = self.ffn.net[0].proj, self.ffn.net[2]
+        if isinstance(up, LoRALinear) or isinstance(down, LoRALinear):  # adapters: the unfused ops
+            fp8_cast = self.attn1.fp8_cast
+            hidden = F.gelu(_with_adapter(_linear(h, up.weight, up.bias, fp8_cast), up, h), approximate="tanh")
+            return _with_adapter(_linear(hidden, down.weight, down.bias, fp8_cast), down, hidden)
         return gelu_feed_forward(h, up.weight, up.bias, down.weight, down.bias, self.ffn_kernels)
 
 
