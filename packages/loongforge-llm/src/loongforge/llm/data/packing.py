@@ -84,9 +84,10 @@ def cp_share(row: dict, cp_size: int, cp_rank: int) -> dict:
     return {k: (v.index_select(1, index) if k in (*KEYS, "position_ids") else v) for k, v in row.items()}
 
 
-def pad_rows(samples: Sequence[dict], pad_id: int = 0) -> dict:
-    """``[k, max length]`` rows, one per sample, right-padded (pads: ``pad_id``, no loss)."""
-    width = max(len(s["tokens"]) for s in samples)
+def pad_rows(samples: Sequence[dict], pad_id: int = 0, pad_multiple: int = 1) -> dict:
+    """``[k, max length]`` rows, one per sample, right-padded (pads: ``pad_id``, no loss); the
+    width rounded up to a multiple of ``pad_multiple``."""
+    width = padded_length(max(len(s["tokens"]) for s in samples), pad_multiple)
     out = {k: torch.full((len(samples), width), pad_id if k != "loss_mask" else 0, dtype=torch.int64) for k in KEYS}
     for r, s in enumerate(samples):
         n = len(s["tokens"])
