@@ -131,3 +131,16 @@ def test_packed_cp_attention_matches_per_segment_sdpa():
     torch.testing.assert_close(out[real], ref_real.detach())
     for got, want in zip(grads, ref_grads):
         torch.testing.assert_close(got[real], want[real])
+
+
+@pytest.mark.parametrize("config, overrides, message", [
+    ("train_qwen3_moe_debug", [], "parallel.cp=2: model.family='qwen3_moe' builds megatron's local-backend attention"),
+    ("train_deepseek_v3_debug", [], "parallel.cp=2: model.family='deepseek_v3'"),
+    ("train_debug", ["train.seq_length=66"], "parallel.cp=2: train.seq_length=66 must be a multiple of 2*cp = 4"),
+])
+def test_unsupported_cp_configs_are_refused_before_any_process_group(config, overrides, message):
+    from loongforge.core.config import ConfigError
+    from loongforge.llm.recipe import load_llm_config
+
+    with pytest.raises(ConfigError, match=message.replace("*", "\\*")):
+        load_llm_config(config, ["parallel.cp=2", *overrides])
