@@ -167,14 +167,34 @@ def context_parallel_attention(sdpa: SDPA, query, key, value, cp_group, cu_seqle
     ``cu_seqlens_padded``, the whole row's padded segment bounds): ``[t_local, heads, d]``. Returns
     the attention output in the layout of ``query``."""
     cp_size, cp_rank = cp_group.size(), cp_group.rank()
-    n_local = key.shape[0]
-    if cu_seqlens_padded is None:
-        indices = [zigzag_index(n_local * cp_size, cp_size, r, key.device) for r in range(cp_size)]
-    else:
-        indices = [thd_zigzag_index(cu_seqlens_padded, cp_size, r).to(key.device) for r in range(cp_size)]
-    order = natural_order(indices)
+    order, bounds = _LAYOUT.get(key.shape[0], cp_size, key.device, cu_seqlens_padded)
     key_full = gather_kv(key, cp_group).index_select(0, order)
     value_full = gather_kv(value, cp_group).index_select(0, order)
     if cu_seqlens_padded is None:
         return dense_local_attention(sdpa, query, key_full, value_full, cp_size, cp_rank)
-    return packed_local_attention(sdpa, query, key_full, value_full, cu_seqlens_padded.tolist(), cp_size, cp_rank)
+    return packed_local_attention(sdpa, query, key_full, value_full, bounds, cp_size, cp_rank)
+
+
+class _GatheredLayout:
+    """One-entry cache of the gathered tokens' natural order (and the packed row's bounds as
+    numbers): every layer of a forward gathers the same layout."""
+
+    def __init__(self):
+        self._key = None
+        self._value = None
+
+    def get(self, n_local: int, cp_size: int, device, cu_seqlens_padded: torch.Tensor | None):
+        key = (n_local, cp_size, device, cu_seqlens_padded)
+        if self._key is not None and self._key[:3] == key[:3] and self._key[3] is key[3]:
+            return self._value
+        if cu_seqlens_padded is None:
+            indices = [zigzag_index(n_local * cp_size, cp_size, r, device) for r in range(cp_size)]
+            bounds = None
+        else:
+            indices = [thd_zigzag_index(cu_seqlens_padded, cp_size, r).to(device) for r in range(cp_size)]
+            bounds = cu_seqlens_padded.tolist()
+        self._key, self._value = key, (natural_order(indices), bounds)
+        return self._value
+
+
+_LAYOUT = _GatheredLayout()
