@@ -1,4 +1,4 @@
-"""TP=2, PP=2, DP=2 and the distributed optimizer give the losses of one process (gloo, cpu)."""
+"""TP=2, PP=2, CP=2, DP=2 and the distributed optimizer give the losses of one process (gloo, cpu)."""
 
 import json
 
@@ -30,8 +30,8 @@ def reference(tmp_path_factory, llm_data_cache):
     return run, ref
 
 
-@pytest.mark.parametrize("layout", [["parallel.tp=2"], ["train.use_distributed_optimizer=true"], []],
-                         ids=["tp2", "dp2-distopt", "dp2"])
+@pytest.mark.parametrize("layout", [["parallel.tp=2"], ["parallel.cp=2"], ["train.use_distributed_optimizer=true"], []],
+                         ids=["tp2", "cp2", "dp2-distopt", "dp2"])
 def test_layout_matches_one_process(layout, reference, tmp_path, llm_data_cache):
     _, ref = reference
     got = train(tmp_path, llm_data_cache, ["checkpoint.save=false", *layout], nproc=2)

@@ -93,7 +93,7 @@ def test_packed_thd_matches_each_sequence_alone(megatron_world, lengths):
         torch.testing.assert_close(got, leaf.grad, **TIGHT)
 
 
-def test_rejects_context_parallel_and_bad_cu_seqlens(megatron_world):
+def test_rejects_a_cp_size_without_its_cp_group_and_bad_cu_seqlens(megatron_world):
     from megatron.core.packed_seq_params import PackedSeqParams
     from megatron.core.transformer.enums import AttnMaskType
 

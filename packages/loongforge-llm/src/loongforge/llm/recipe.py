@@ -92,10 +92,30 @@ class LLMConfig:
             from loongforge.llm.layers.fp8_linear import check_fp8_mode
 
             check_fp8_mode(self.fp8)
+        if self.parallel.cp > 1:
+            check_context_parallel(self)
         if self.recipe == "sft":
             from loongforge.llm.sft_recipe import check_sft_config
 
             check_sft_config(self)
+
+
+def check_context_parallel(cfg: LLMConfig) -> None:
+    """What ``parallel.cp > 1`` needs (before any process group): the dense GPT families, whose
+    fast layer (``layers.context_parallel_attention``) attends over the CP group's whole
+    sequences, and sequences that split into ``2*cp`` equal chunks."""
+    from loongforge.llm.moe_config import MoEConfig
+
+    cp, seq = cfg.parallel.cp, cfg.train.seq_length
+    if isinstance(cfg.model, MoEConfig):
+        raise ValueError(
+            f"parallel.cp={cp}: model.family={cfg.model.family!r} builds megatron's local-backend attention "
+            f"(MoE, multi-latent and sparse attention), which has no context parallelism without Transformer "
+            f"Engine; context parallelism runs in the dense families' fast layer (llama, qwen2, qwen3, mistral)"
+        )
+    if seq % (2 * cp):
+        raise ValueError(f"parallel.cp={cp}: train.seq_length={seq} must be a multiple of 2*cp = {2 * cp} "
+                         f"(each sequence is cut into 2*cp chunks, two per CP rank)")
 
 
 def _config_class(family: str) -> type[GPTConfig]:
@@ -329,14 +349,26 @@ class LLMTask:
         data = self.dataset()
         step = start_step
         while True:
-            micro = [{k: v.to(ctx.device) for k, v in collate([data[i] for i in mb]).items()}
-                     for mb in sampler.step_indices(step)]
-            yield StepBatch(micro_batches=micro, tokens=sum(int(mb["tokens"].numel()) for mb in micro))
+            micro = [collate([data[i] for i in mb]) for mb in sampler.step_indices(step)]
+            tokens = sum(int(mb["tokens"].numel()) for mb in micro)  # the replica's, before the CP split
+            micro = [{k: v.to(ctx.device) for k, v in cp_share_of_rows(mb, ctx.pgs.cp).items()} for mb in micro]
+            yield StepBatch(micro_batches=micro, tokens=tokens)
             step += 1
 
     def forward(self, model, batch):
         output = model(batch["tokens"], batch["position_ids"], None, labels=batch["labels"])
         return output, partial(masked_token_loss, batch["loss_mask"])
+
+
+def cp_share_of_rows(batch: dict[str, torch.Tensor], cp_group) -> dict[str, torch.Tensor]:
+    """This CP rank's share of ``[b, s]`` rows (``tokens``, ``labels``, ``loss_mask``,
+    ``position_ids``): megatron-core's load-balanced split (``get_batch_on_this_cp_rank``: chunks
+    ``r`` and ``2*cp-1-r`` of ``2*cp``); the batch itself without context parallelism."""
+    if cp_group is None or cp_group.size() == 1:
+        return batch
+    from megatron.core.utils import get_batch_on_this_cp_rank
+
+    return get_batch_on_this_cp_rank(dict(batch), is_hybrid_cp=False, cp_group=cp_group)
 
 
 def masked_token_loss(loss_mask: torch.Tensor, per_token_loss: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

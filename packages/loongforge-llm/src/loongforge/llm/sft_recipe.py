@@ -10,6 +10,13 @@ rank reads only its own. A micro-batch is one packed row (``sft.packing``, THD w
 conversation. The loss is summed over assistant tokens and normalised by their count over the
 whole global batch, so the split across ranks and micro-batches changes neither the loss nor the
 gradients.
+
+With context parallelism (``parallel.cp > 1``) every CP rank of a DP replica collates the same
+micro-batches and keeps its share of each: packed, every conversation is padded to a multiple of
+``2*cp`` positions and split segment by segment (``data.packing.cp_share``); unpacked, the rows
+are padded to a multiple of ``2*cp`` and split as pre-training rows are. The balancer plans with
+the padded lengths (what is computed, and what must fit ``balance.token_cap``); its cost per CP
+rank is the replica's over ``cp`` for every replica alike, so the plan is the same.
 """
 
 from __future__ import annotations
@@ -28,8 +35,6 @@ def check_sft_config(cfg: LLMConfig) -> None:
             f"train.micro_batch_size={train.micro_batch_size}: recipe=sft plans its micro-batches by tokens "
             f"(balance.token_cap); set train.micro_batch_size=1"
         )
-    if parallel.cp != 1:
-        raise ValueError(f"parallel.cp={parallel.cp}: recipe=sft runs with parallel.cp=1")
     cap = cfg.balance.token_cap
     if cap is not None and cap < train.seq_length:
         raise ValueError(f"balance.token_cap={cap} is below train.seq_length={train.seq_length}: "
@@ -42,6 +47,17 @@ def check_sft_config(cfg: LLMConfig) -> None:
                              f"train.seq_length={train.seq_length}, so the cap must equal it")
     if cfg.data.prefixes:
         raise ValueError("data.prefixes are indexed pre-training data; recipe=sft reads sft.files")
+
+
+def _cp_collate(collate, cp_group, samples):
+    """``collate(samples)``, then this CP rank's share of it."""
+    from loongforge.llm.data.packing import cp_share
+    from loongforge.llm.recipe import cp_share_of_rows
+
+    batch = collate(samples)
+    if "cu_seqlens" in batch:
+        return cp_share(batch, cp_group.size(), cp_group.rank())
+    return cp_share_of_rows(batch, cp_group)
 
 
 class SFTTask(LLMTask):
@@ -104,13 +120,20 @@ class SFTTask(LLMTask):
 
         train, balance = self.cfg.train, self.cfg.balance
         data = self.dataset()
+        cp = ctx.layout.cp
+        multiple = 2 * cp if cp > 1 else 1
         if self.cfg.sft.packing:
             # a pipeline sends one tensor shape between stages: pad every packed row to seq_length
-            collate = partial(pack, pad_to=train.seq_length if ctx.layout.pp > 1 else None, pad_id=self.pad_id())
+            collate = partial(pack, pad_to=train.seq_length if ctx.layout.pp > 1 else None, pad_id=self.pad_id(),
+                              pad_multiple=multiple)
         else:
-            collate = partial(pad_rows, pad_id=self.pad_id())
+            collate = partial(pad_rows, pad_id=self.pad_id(), pad_multiple=multiple)
+        lengths = data.lengths
+        if cp > 1:
+            collate = partial(_cp_collate, collate, ctx.pgs.cp)
+            lengths = -(-lengths // multiple) * multiple  # the padded lengths: what each rank computes
         return BalancedSteps(
-            data, data.lengths, collate, balance,
+            data, lengths, collate, balance,
             samples_per_step=train.global_batch_size,
             token_cap=balance.token_cap or train.seq_length,
             dp_rank=ctx.dp_rank, dp_size=ctx.dp_size, seed=train.seed,

@@ -13,6 +13,12 @@ Layouts are megatron's: dense ``query`` is ``[sq, b, heads, head_dim]`` and the 
 ``[sq, b, heads * head_dim]``; packed ``query`` is ``[t, heads, head_dim]`` and the result
 ``[t, heads * head_dim]``. A given ``attention_mask`` follows megatron's convention (``True`` =
 masked out, broadcastable to ``[b, 1, sq, sk]``).
+
+With ``context_parallel_size > 1`` the inputs are this CP rank's share of every sequence (see
+``context_parallel_attention``: megatron's causal load-balanced split; packed rows split segment
+by segment, ``cu_seqlens_q_padded`` holding the whole row's padded bounds) and the attention runs
+over the whole sequences: K/V all-gathered over the CP group (megatron's ``cp_comm_type``
+``"all_gather"``; other comm types are refused), causal only, no explicit ``attention_mask``.
 """
 
 from __future__ import annotations
@@ -63,11 +69,6 @@ class SDPAttention(MegatronModule):
         pg_collection=None,
     ):
         super().__init__(config=config)
-        if config.context_parallel_size != 1:
-            raise ValueError(
-                f"SDPAttention: context_parallel_size={config.context_parallel_size} is not supported; "
-                "context parallelism needs Transformer Engine's attention"
-            )
         if config.window_size is not None:
             raise ValueError(f"SDPAttention: sliding-window attention (window_size={config.window_size}) is not supported")
         if config.softmax_type != "vanilla":
@@ -75,8 +76,23 @@ class SDPAttention(MegatronModule):
         if pg_collection is None:
             from megatron.core.process_groups_config import ProcessGroupCollection
 
-            pg_collection = ProcessGroupCollection.use_mpu_process_groups(required_pgs=["tp"])
+            pg_collection = ProcessGroupCollection.use_mpu_process_groups(required_pgs=["tp", "cp"])
         tp = pg_collection.tp.size()
+        self.cp_group = getattr(pg_collection, "cp", None)
+        cp = self.cp_group.size() if self.cp_group is not None else 1
+        if cp != config.context_parallel_size:
+            raise ValueError(f"SDPAttention: context_parallel_size={config.context_parallel_size} but the CP group "
+                             f"has {cp} ranks")
+        if cp > 1:
+            from loongforge.core.config import ConfigError
+
+            if attn_mask_type not in _CAUSAL:
+                raise ConfigError(f"parallel.cp={cp}: context parallelism in SDPAttention is causal only "
+                                  f"(attn_mask_type={attn_mask_type.name})")
+            if cp_comm_type not in (None, "all_gather"):
+                raise ConfigError(f"parallel.cp={cp}: SDPAttention implements cp_comm_type 'all_gather' only, "
+                                  f"not {cp_comm_type!r}")
+        self.cp = cp
         self.layer_number = max(1, layer_number)
         self.attn_mask_type = attn_mask_type
         self.num_heads = divide(config.num_attention_heads, tp)
@@ -104,6 +120,8 @@ class SDPAttention(MegatronModule):
         mask_type = attn_mask_type if attn_mask_type is not None else self.attn_mask_type
         causal = mask_type in _CAUSAL
         dropout_p = self.dropout_p if self.training else 0.0
+        if self.cp > 1:
+            return self._context_parallel(query, key, value, attention_mask, mask_type, packed_seq_params, dropout_p)
         if packed_seq_params is not None and packed_seq_params.qkv_format == "thd":
             return self._packed(query, key, value, packed_seq_params, causal, dropout_p)
         if packed_seq_params is not None and packed_seq_params.qkv_format not in (None, "sbhd"):
@@ -147,3 +165,28 @@ class SDPAttention(MegatronModule):
                              value[k0:k1].transpose(0, 1)[None], None, causal, dropout_p)
             pieces.append(seg[0].transpose(0, 1))
         return torch.cat(pieces, dim=0).reshape(t, self.num_heads * self.head_dim)
+
+    def _context_parallel(self, query, key, value, attention_mask, mask_type, params, dropout_p: float):
+        """Causal attention of this CP rank's tokens over the CP group's whole sequences."""
+        from loongforge.llm.layers.context_parallel_attention import context_parallel_attention
+
+        if attention_mask is not None:
+            raise ValueError("SDPAttention: an explicit attention_mask is not supported with context parallelism")
+        if mask_type not in _CAUSAL:
+            raise ValueError(f"SDPAttention: context parallelism is causal only (attn_mask_type={mask_type.name})")
+
+        def sdpa(q, k, v, mask, causal):
+            return self._sdpa(q, k, v, mask, causal, dropout_p)
+
+        if params is not None and params.qkv_format == "thd":
+            cu = params.cu_seqlens_q_padded if params.cu_seqlens_q_padded is not None else params.cu_seqlens_q
+            cu_kv = params.cu_seqlens_kv_padded if params.cu_seqlens_kv_padded is not None else params.cu_seqlens_kv
+            if cu is None or (cu_kv is not None and cu_kv is not cu and not torch.equal(cu, cu_kv)):
+                raise ValueError("SDPAttention: context parallelism needs the same padded cu_seqlens for queries "
+                                 "and keys in packed_seq_params")
+            out = context_parallel_attention(sdpa, query, key, value, self.cp_group, cu)
+            return out.reshape(out.shape[0], self.num_heads * self.head_dim)
+        if params is not None and params.qkv_format not in (None, "sbhd"):
+            raise ValueError(f"SDPAttention: qkv_format={params.qkv_format!r}; expected 'thd' or 'sbhd'")
+        out = context_parallel_attention(sdpa, query, key, value, self.cp_group)
+        return out.reshape(out.shape[0], out.shape[1], self.num_heads * self.head_dim)

@@ -6,6 +6,11 @@ cross-entropy) and then the per-token loss. ``FusedLossGPTModel`` hands megatron
 loss in token chunks (Triton where supported; the torch reference elsewhere), returning the same
 ``[b, s]`` fp32 per-token loss. Without labels, with a vocab split over tensor-parallel ranks,
 multi-token prediction or MuP logit scaling, megatron's own path runs.
+
+Under context parallelism with the fast layer (``FusedSelfAttention``) the rotary embedding hands
+the layers the angles of the whole sequence, not this CP rank's slice of them: the layers rotate
+each local token by its global position, which also covers packed (THD) rows, and megatron's own
+per-rank slice (``get_pos_emb_on_this_cp_rank``) builds its index in pinned CUDA memory.
 """
 
 from __future__ import annotations
@@ -21,6 +26,18 @@ class FusedLossGPTModel(GPTModel):
     def __init__(self, *args, kernels: KernelPolicy = KernelPolicy(), **kwargs):
         super().__init__(*args, **kwargs)
         self._linear_cross_entropy = kernels.get("linear_cross_entropy")
+        if self.config.context_parallel_size > 1 and self._fast_attention():
+            self.rotary_pos_emb.cp_group = None  # the whole sequence's angles (see the module docstring)
+
+    def _fast_attention(self) -> bool:
+        """Whether this stage's layers attend through ``FusedSelfAttention`` (its RoPE takes global positions)."""
+        from loongforge.llm.layers.self_attention import FusedSelfAttention
+
+        layers = getattr(getattr(self, "decoder", None), "layers", [])
+        fused = [isinstance(getattr(layer, "self_attention", None), FusedSelfAttention) for layer in layers]
+        if any(fused) and not all(fused):
+            raise ValueError("FusedLossGPTModel: context parallelism needs every layer on FusedSelfAttention or none")
+        return hasattr(self, "rotary_pos_emb") and all(fused) and bool(fused)
 
     def _fused_loss_applies(self) -> bool:
         cfg = self.config

@@ -5,7 +5,9 @@ megatron's ``RotaryEmbedding`` hands every layer the same ``[s, 1, 1, rot_dim]``
 token of ``x``'s leading dims; building those rows once per forward and sharing them across
 layers (and between queries and keys) keeps the expansion out of every layer. Packed (THD)
 batches gather each token's row at its position inside its own ``cu_seqlens`` segment, as
-megatron's THD rotary does.
+megatron's THD rotary does. Under context parallelism (``cp``: the CP group's size and this
+rank's index) the angle table is the whole sequence's and each local token takes the row of its
+global position (``context_parallel_attention.local_positions``).
 """
 
 from __future__ import annotations
@@ -29,12 +31,22 @@ class RopeTables:
         self._tables = None
 
     def get(self, angles: torch.Tensor, lead: tuple[int, ...], cu_seqlens: torch.Tensor | None = None,
-            mscale: float | None = None):
-        key = (angles, tuple(lead), cu_seqlens, mscale)
+            mscale: float | None = None, cp: tuple[int, int] = (1, 0)):
+        key = (angles, tuple(lead), cu_seqlens, mscale, tuple(cp))
         if self._key is not None and all(a is b if torch.is_tensor(a) else a == b for a, b in zip(self._key, key)):
             return self._tables
         table = angles.reshape(angles.shape[0], angles.shape[-1]).float()  # [s, rot_dim]
-        if cu_seqlens is None:
+        if cp[0] > 1:
+            from loongforge.llm.layers.context_parallel_attention import local_positions
+
+            if cu_seqlens is None and table.shape[0] != lead[0] * cp[0]:
+                raise ValueError(f"RoPE under context parallelism needs the angles of the whole sequence "
+                                 f"({lead[0] * cp[0]} rows), got {table.shape[0]}")
+            positions = local_positions(lead[0], cp[0], cp[1], cu_seqlens, device=table.device)
+            if positions.numel() != lead[0]:
+                raise ValueError(f"RoPE under context parallelism: {positions.numel()} positions for {lead[0]} tokens")
+            table = table[positions.to(table.device)]
+        elif cu_seqlens is None:
             table = table[: lead[0]]
         else:
             table = table[token_positions(cu_seqlens, lead[0])]

@@ -7,6 +7,11 @@ Here the fused ``rope`` op reads the queries and keys straight from the ``linear
 in the layout SDPA reads; the values get one contiguous copy, so nothing keeps the ``linear_qkv``
 output alive for the backward. Inference, cross attention, output gates, interleaved rotary and
 TP ranks holding partial query groups take megatron's own path.
+
+Under context parallelism (``context_parallel_size > 1``) only this class's own path runs (the
+others are refused): the model hands it the whole sequence's RoPE angles (``gpt_model``) and each
+local token is rotated by its global position (``rope_tables``); the core attention
+(``attention.SDPAttention``) attends over the whole sequence of the CP group.
 """
 
 from __future__ import annotations
@@ -25,6 +30,21 @@ class FusedSelfAttention(SelfAttention):
     def __init__(self, *args, kernels: KernelPolicy = KernelPolicy(), **kwargs):
         super().__init__(*args, **kwargs)
         self._rope = kernels.get("rope")
+        self._cp = (self.pg_collection.cp.size(), self.pg_collection.cp.rank())
+        if self._cp[0] > 1:
+            cfg = self.config
+            unsupported = [name for name, on in (
+                ("attention_output_gate", cfg.attention_output_gate),
+                ("rotary_interleaved", cfg.rotary_interleaved),
+                ("flash_decode", cfg.flash_decode),
+                (f"num_query_groups={cfg.num_query_groups} < tensor-parallel size {self.world_size}",
+                 cfg.num_query_groups < self.world_size),
+            ) if on]
+            if unsupported:
+                from loongforge.core.config import ConfigError
+
+                raise ConfigError(f"parallel.cp={self._cp[0]}: context parallelism in the fast layer does not "
+                                  f"support {', '.join(unsupported)}")
 
     def _own_path(self, key_value_states, inference_context, kwargs) -> bool:
         cfg = self.config
@@ -42,6 +62,9 @@ class FusedSelfAttention(SelfAttention):
     def forward(self, hidden_states, attention_mask, key_value_states=None, inference_context=None,
                 rotary_pos_emb=None, **kwargs):
         if not self._own_path(key_value_states, inference_context, kwargs):
+            if self._cp[0] > 1:
+                raise ValueError(f"FusedSelfAttention: context_parallel_size={self._cp[0]} trains only (no "
+                                 "inference, cross attention or precomputed rotary cos/sin)")
             return super().forward(hidden_states, attention_mask, key_value_states, inference_context,
                                    rotary_pos_emb, **kwargs)
         packed = kwargs.get("packed_seq_params")
@@ -63,8 +86,8 @@ class FusedSelfAttention(SelfAttention):
             if thd:
                 cu = packed.cu_seqlens_q_padded if packed.cu_seqlens_q_padded is not None else packed.cu_seqlens_q
             mscale = self._yarn_concentration_factor
-            query = self._rope(query, *_TABLES.get(q_emb, (s, b, groups), cu, mscale))
-            key = self._rope(key, *_TABLES.get(k_emb, (s, b, groups), cu, mscale))
+            query = self._rope(query, *_TABLES.get(q_emb, (s, b, groups), cu, mscale, self._cp))
+            key = self._rope(key, *_TABLES.get(k_emb, (s, b, groups), cu, mscale, self._cp))
         query = query.reshape(s, b, groups * per_group, d)
         key = key.reshape(s, b, groups, d)
         value = value.reshape(s, b, groups, d).contiguous()  # a copy: frees the qkv output

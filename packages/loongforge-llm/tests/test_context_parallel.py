@@ -1,0 +1,146 @@
+"""Context parallelism's pieces on one process: the load-balanced split and its inverse, the
+global RoPE positions, and the CP attention of every simulated rank against full-sequence SDPA."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from loongforge.llm.data.packing import cp_share, pack
+from loongforge.llm.layers.context_parallel_attention import (
+    dense_local_attention,
+    local_positions,
+    natural_order,
+    packed_local_attention,
+    thd_zigzag_index,
+    zigzag_index,
+)
+
+
+def sdpa(q, k, v, mask, causal):
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal and mask is None,
+                                          enable_gqa=q.shape[1] != k.shape[1])
+
+
+@pytest.mark.parametrize("cp", [1, 2, 3, 4])
+def test_dense_split_round_trip(cp):
+    s = 8 * cp
+    x = torch.arange(s)
+    indices = [zigzag_index(s, cp, r) for r in range(cp)]
+    c = s // (2 * cp)
+    for r, index in enumerate(indices):  # rank r keeps chunks r and 2cp-1-r
+        assert index.tolist() == list(range(r * c, (r + 1) * c)) + list(range((2 * cp - 1 - r) * c, (2 * cp - r) * c))
+        assert local_positions(s // cp, cp, r, None).tolist() == index.tolist()
+    gathered = torch.cat([x[i] for i in indices])
+    assert torch.equal(gathered[natural_order(indices)], x)
+
+
+def test_dense_split_needs_2cp_chunks():
+    with pytest.raises(ValueError, match="2\\*cp = 4"):
+        zigzag_index(10, 2, 0)
+
+
+def test_packed_split_per_segment_and_round_trip():
+    cu = torch.tensor([0, 8, 8, 20, 24], dtype=torch.int32)  # segments of 8, 0, 12, 4 (multiples of 4)
+    idx = [thd_zigzag_index(cu, 2, r) for r in range(2)]
+    assert idx[0].tolist() == [0, 1, 6, 7] + [8, 9, 10, 17, 18, 19] + [20, 23]
+    assert idx[1].tolist() == [2, 3, 4, 5] + [11, 12, 13, 14, 15, 16] + [21, 22]
+    x = torch.arange(24)
+    assert torch.equal(torch.cat([x[i] for i in idx])[natural_order(idx)], x)
+    # RoPE positions restart in every segment
+    assert local_positions(12, 2, 1, cu).tolist() == [2, 3, 4, 5] + [3, 4, 5, 6, 7, 8] + [1, 2]
+
+
+def test_pack_pads_segments_and_cp_share_splits_them():
+    samples = [{"tokens": [1, 2, 3], "labels": [2, 3, 4], "loss_mask": [1, 1, 1]},
+               {"tokens": [5, 6, 7, 8, 9], "labels": [6, 7, 8, 9, 10], "loss_mask": [0, 1, 1, 1, 1]}]
+    row = pack(samples, pad_to=16, pad_id=0, pad_multiple=4)
+    assert row["cu_seqlens"].tolist() == [0, 3, 8, 12]  # the samples' own lengths, as TE takes them
+    assert row["cu_seqlens_padded"].tolist() == [0, 4, 12, 16]
+    assert row["tokens"].tolist() == [[1, 2, 3, 0, 5, 6, 7, 8, 9, 0, 0, 0, 0, 0, 0, 0]]
+    assert row["loss_mask"].tolist() == [[1, 1, 1, 0, 0, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0]]
+    assert row["position_ids"].tolist() == [[0, 1, 2, 3, 0, 1, 2, 3, 4, 5, 6, 7, 0, 1, 2, 3]]
+    assert row["max_seqlen"] == 8
+    shares = [cp_share(row, 2, r) for r in range(2)]
+    assert shares[0]["tokens"].tolist() == [[1, 0, 5, 6, 0, 0, 0, 0]]
+    assert shares[1]["tokens"].tolist() == [[2, 3, 7, 8, 9, 0, 0, 0]]
+    for share in shares:  # the row's metadata stays whole
+        assert torch.equal(share["cu_seqlens_padded"], row["cu_seqlens_padded"])
+    # each rank's positions are its tokens' global positions, as local_positions computes them
+    for r, share in enumerate(shares):
+        assert share["position_ids"][0].tolist() == local_positions(8, 2, r, row["cu_seqlens_padded"]).tolist()
+
+
+def _qkv(lead_shape, heads=4, groups=2, d=8):
+    """Random fp64 queries, keys and values (GQA: ``groups`` K/V heads) that require grad."""
+    torch.manual_seed(0)
+    q = torch.randn(*lead_shape, heads, d, dtype=torch.float64, requires_grad=True)
+    k = torch.randn(*lead_shape, groups, d, dtype=torch.float64, requires_grad=True)
+    v = torch.randn(*lead_shape, groups, d, dtype=torch.float64, requires_grad=True)
+    return q, k, v
+
+
+@pytest.mark.parametrize("cp", [2, 3])
+def test_dense_cp_attention_matches_full_sdpa(cp):
+    s, b = 12 * cp, 2
+    q, k, v = _qkv((s, b))
+    w = torch.randn(s, b, 4, 8, dtype=torch.float64)
+    ref = sdpa(q.permute(1, 2, 0, 3), k.permute(1, 2, 0, 3), v.permute(1, 2, 0, 3), None, True).permute(2, 0, 1, 3)
+    ref_grads = torch.autograd.grad((ref * w).sum(), (q, k, v))
+
+    out = torch.zeros_like(ref)
+    grads = [torch.zeros_like(t) for t in (q, k, v)]
+    for r in range(cp):  # each rank: its queries against the whole K/V (the gathered, reordered ones)
+        index = zigzag_index(s, cp, r)
+        local = dense_local_attention(sdpa, q[index], k, v, cp, r)
+        # the sum of every rank's dK/dV is what the backward's reduce-scatter hands each rank
+        for acc, g in zip(grads, torch.autograd.grad((local * w[index]).sum(), (q, k, v))):
+            acc += g
+        out[index] = local.detach()
+    torch.testing.assert_close(out, ref.detach())
+    for got, want in zip(grads, ref_grads):
+        torch.testing.assert_close(got, want)
+
+
+def test_packed_cp_attention_matches_per_segment_sdpa():
+    cp, lengths = 2, [5, 11, 1, 8]  # uneven; padded to multiples of 4: 8, 12, 4, 8
+    padded = [-(-n // (2 * cp)) * 2 * cp for n in lengths]
+    cu = torch.tensor([0, *torch.tensor(padded).cumsum(0).tolist()])
+    t = int(cu[-1])
+    q, k, v = _qkv((t,))
+    real = torch.cat([torch.arange(int(a), int(a) + n) for a, n in zip(cu[:-1], lengths)])  # non-pad rows
+    w = torch.randn(t, 4, 8, dtype=torch.float64)
+    w[~torch.isin(torch.arange(t), real)] = 0  # pads carry no loss
+
+    ref = torch.zeros(t, 4, 8, dtype=torch.float64)
+    pieces = []
+    for a, n in zip(cu[:-1].tolist(), lengths):  # each real segment alone, causal, no pads
+        seg = sdpa(q[a:a + n].transpose(0, 1)[None], k[a:a + n].transpose(0, 1)[None],
+                   v[a:a + n].transpose(0, 1)[None], None, True)[0].transpose(0, 1)
+        pieces.append(seg)
+    ref_real = torch.cat(pieces)
+    ref_grads = torch.autograd.grad((ref_real * w[real]).sum(), (q, k, v))
+
+    out = torch.zeros_like(ref)
+    grads = [torch.zeros_like(x) for x in (q, k, v)]
+    for r in range(cp):
+        index = thd_zigzag_index(cu, cp, r)
+        local = packed_local_attention(sdpa, q[index], k, v, cu.tolist(), cp, r)
+        for acc, g in zip(grads, torch.autograd.grad((local * w[index]).sum(), (q, k, v))):
+            acc += g
+        out[index] = local.detach()
+    torch.testing.assert_close(out[real], ref_real.detach())
+    for got, want in zip(grads, ref_grads):
+        torch.testing.assert_close(got[real], want[real])
+
+
+@pytest.mark.parametrize("config, overrides, message", [
+    ("train_qwen3_moe_debug", [], "parallel.cp=2: model.family='qwen3_moe' builds megatron's local-backend attention"),
+    ("train_deepseek_v3_debug", [], "parallel.cp=2: model.family='deepseek_v3'"),
+    ("train_debug", ["train.seq_length=66"], "parallel.cp=2: train.seq_length=66 must be a multiple of 2*cp = 4"),
+])
+def test_unsupported_cp_configs_are_refused_before_any_process_group(config, overrides, message):
+    from loongforge.core.config import ConfigError
+    from loongforge.llm.recipe import load_llm_config
+
+    with pytest.raises(ConfigError, match=message.replace("*", "\\*")):
+        load_llm_config(config, ["parallel.cp=2", *overrides])
