@@ -58,7 +58,8 @@ def test_training_batches_follow_the_blend_weights(blend, dp):
     task = LLMTask(load_llm_config("train_qwen3_moe_debug", overrides(root, prefixes)))
     counts = [0] * len(prefixes)
     for rank in range(dp):
-        batches = task.steps(SimpleNamespace(dp_rank=rank, dp_size=dp, device=torch.device("cpu")), 0)
+        ctx = SimpleNamespace(dp_rank=rank, dp_size=dp, device=torch.device("cpu"), pgs=SimpleNamespace(cp=None))
+        batches = task.steps(ctx, 0)  # no context parallelism: pgs.cp None
         for _ in range(STEPS):
             for mb in next(batches).micro_batches:
                 for row in mb["tokens"]:
