@@ -26,6 +26,16 @@ def run_cli(args: list[str], nproc: int = 1, env: dict | None = None, timeout: i
     return proc
 
 
+def run_script(script: Path, args: list[str], nproc: int = 1, env: dict | None = None,
+               timeout: int = 600) -> subprocess.CompletedProcess:
+    """Run a Python script (a test's worker; under torchrun when ``nproc > 1``) and return the result."""
+    if nproc > 1:
+        cmd = [str(BINDIR / "torchrun"), "--standalone", f"--nproc-per-node={nproc}", str(script), *args]
+    else:
+        cmd = [sys.executable, str(script), *args]
+    return subprocess.run(cmd, env=cli_env(env), capture_output=True, text=True, timeout=timeout)
+
+
 class Job:
     """The ``nproc`` processes of one ``lf-*`` run, started like torchrun starts them (``RANK``,
     ``WORLD_SIZE``, ``MASTER_*`` in the environment) but all in one new process group, so that

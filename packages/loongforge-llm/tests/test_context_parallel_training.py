@@ -2,13 +2,11 @@
 the first step, the same gradient of every parameter (``cp_probe.py``), for pre-training rows and
 for packed SFT rows of conversations of uneven lengths."""
 
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
+from cli_runner import run_script
 
 PROBE = Path(__file__).with_name("cp_probe.py")
 COMMON = ["train.steps=2", "train.warmup_steps=1", "log.progress=false", "log.tensorboard=false",
@@ -19,13 +17,8 @@ SFT = ["train.global_batch_size=8", "train.seq_length=256"]
 
 
 def probe(out: Path, config: str, overrides: list[str], cache: Path, nproc: int = 1) -> dict:
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "LOONGFORGE_ACCELERATOR": "cpu"}
     args = [str(out), config, *COMMON, f"data.cache_dir={cache}", f"log.run_dir={out.parent / 'run'}", *overrides]
-    if nproc > 1:
-        cmd = [str(Path(sys.executable).parent / "torchrun"), "--standalone", f"--nproc-per-node={nproc}", str(PROBE), *args]
-    else:
-        cmd = [sys.executable, str(PROBE), *args]
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+    proc = run_script(PROBE, args, nproc=nproc, env={"LOONGFORGE_ACCELERATOR": "cpu"}, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
     return torch.load(out)
 

@@ -3,13 +3,11 @@ shared out across the foundation's TP group) or at TP=2 gives the losses and the
 one process on the same weights and data (2 gloo processes), and a checkpoint it saves resumes
 in one process."""
 
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
+from cli_runner import run_script
 
 PROBE = Path(__file__).with_name("grads_probe.py")
 COMMON = ["train.steps=2", "train.warmup_steps=1", "train.global_batch_size=6", "train.seq_length=384",
@@ -17,13 +15,8 @@ COMMON = ["train.steps=2", "train.warmup_steps=1", "train.global_batch_size=6", 
 
 
 def probe(out: Path, overrides: list[str], cache: Path, nproc: int = 1) -> dict:
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
     args = [str(out), *COMMON, f"data.cache_dir={cache}", f"log.run_dir={out.parent / 'run'}", *overrides]
-    if nproc > 1:
-        cmd = [str(Path(sys.executable).parent / "torchrun"), "--standalone", f"--nproc-per-node={nproc}", str(PROBE), *args]
-    else:
-        cmd = [sys.executable, str(PROBE), *args]
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
+    proc = run_script(PROBE, args, nproc=nproc, timeout=900)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
     return torch.load(out)
 
