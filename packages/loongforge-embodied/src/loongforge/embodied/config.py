@@ -198,9 +198,8 @@ def resolve_hub_ids(cfg: EmbodiedConfig) -> EmbodiedConfig:
     snapshots (``loongforge.core.hub``); a model repository gives its ``model.safetensors``."""
     from loongforge.core.hub import is_hub_id, resolve_local
 
-    if cfg.data.root and is_hub_id(cfg.data.root):
-        cfg.data.root = resolve_local(cfg.data.root, key="data.root", repo_type="dataset")
-    if cfg.policy.pretrained and is_hub_id(cfg.policy.pretrained):
+    cfg.data.root = resolve_local(cfg.data.root, key="data.root", repo_type="dataset")  # a path stays as it is
+    if cfg.policy.pretrained and is_hub_id(cfg.policy.pretrained):  # a repository: its weights file
         cfg.policy.pretrained = str(Path(resolve_local(cfg.policy.pretrained, key="policy.pretrained"))
                                     / "model.safetensors")
     return cfg
