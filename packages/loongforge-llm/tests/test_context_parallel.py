@@ -5,6 +5,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from loongforge.llm.layers.attention import causal_mask
 from loongforge.llm.data.packing import cp_share, pack
 from loongforge.llm.layers.context_parallel_attention import (
     dense_local_attention,
@@ -17,8 +18,8 @@ from loongforge.llm.layers.context_parallel_attention import (
 
 
 def sdpa(q, k, v, mask, causal):
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal and mask is None,
-                                          enable_gqa=q.shape[1] != k.shape[1])
+    mask, causal = causal_mask(mask, causal, q.shape[-2], k.shape[-2])
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal, enable_gqa=q.shape[1] != k.shape[1])
 
 
 @pytest.mark.parametrize("cp", [1, 2, 3, 4])

@@ -1,35 +1,12 @@
 """parallel.cp=2 (two processes, gloo, fp32) trains like one process: the same losses and, after
-the first step, the same gradient of every parameter (``cp_probe.py``), for pre-training rows and
+the first step, the same gradient of every parameter (``tests/llm_grad_probe.py``), for pre-training rows and
 for packed SFT rows of conversations of uneven lengths."""
 
-from pathlib import Path
-
 import pytest
-import torch
-from cli_runner import run_script
+from llm_grad_probe import PRETRAIN, assert_same_training, probe
 
-PROBE = Path(__file__).with_name("cp_probe.py")
-COMMON = ["train.steps=2", "train.warmup_steps=1", "log.progress=false", "log.tensorboard=false",
-          "checkpoint.save=false"]
-PRETRAIN = ["train.global_batch_size=4", "train.micro_batch_size=2", "train.seq_length=64"]
 # 8 conversations a step, packed into rows of up to 256 positions (several conversations each)
 SFT = ["train.global_batch_size=8", "train.seq_length=256"]
-
-
-def probe(out: Path, config: str, overrides: list[str], cache: Path, nproc: int = 1) -> dict:
-    args = [str(out), config, *COMMON, f"data.cache_dir={cache}", f"log.run_dir={out.parent / 'run'}", *overrides]
-    proc = run_script(PROBE, args, nproc=nproc, env={"LOONGFORGE_ACCELERATOR": "cpu"}, timeout=600)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
-    return torch.load(out)
-
-
-def assert_same_training(got: dict, want: dict) -> None:
-    assert got["losses"] == pytest.approx(want["losses"], rel=1e-4)
-    assert got["grad_norms"] == pytest.approx(want["grad_norms"], rel=1e-4)
-    assert sorted(got["grads"]) == sorted(want["grads"]) and want["grads"]
-    for name, ref in want["grads"].items():
-        torch.testing.assert_close(got["grads"][name], ref, rtol=1e-4, atol=1e-4 * float(ref.abs().max()),
-                                   msg=lambda m, name=name: f"{name}: {m}")
 
 
 @pytest.fixture(scope="module")

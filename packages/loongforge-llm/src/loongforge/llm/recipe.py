@@ -94,6 +94,11 @@ class LLMConfig:
             check_fp8_mode(self.fp8)
         if self.parallel.cp > 1:
             check_context_parallel(self)
+        if self.train.seq_chunks > 1:
+            from loongforge.llm.chunk_pipe import check_chunk_pipe
+
+            check_chunk_pipe(self.train.seq_chunks, family=self.model.family, seq_length=self.train.seq_length,
+                             parallel=self.parallel, recompute=self.train.recompute, packed=self.recipe == "sft")
         if self.recipe == "sft":
             from loongforge.llm.sft_recipe import check_sft_config
 
@@ -356,7 +361,13 @@ class LLMTask:
             step += 1
 
     def forward(self, model, batch):
-        output = model(batch["tokens"], batch["position_ids"], None, labels=batch["labels"])
+        chunks = self.cfg.train.seq_chunks
+        if chunks > 1:  # ChunkPipe
+            from loongforge.llm.chunk_pipe import chunked_forward
+
+            output = chunked_forward(model, batch, chunks)
+        else:
+            output = model(batch["tokens"], batch["position_ids"], None, labels=batch["labels"])
         return output, partial(masked_token_loss, batch["loss_mask"])
 
 

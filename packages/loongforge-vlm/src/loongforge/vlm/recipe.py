@@ -109,6 +109,9 @@ class VLMConfig:
         from loongforge.core.training.megatron_engine import check_train_config
 
         check_train_config(self.train)  # the parallel group checks itself (VLMParallelConfig)
+        if self.train.seq_chunks != 1:
+            raise ValueError(f"train.seq_chunks={self.train.seq_chunks}: ChunkPipe runs in lf-llm's pre-training, "
+                             f"not the VLM recipe (1)")
         unknown = [p for p in self.trainable if p not in PARTS]
         if unknown or not self.trainable or len(set(self.trainable)) != len(self.trainable):
             raise ValueError(f"trainable={list(self.trainable)}: a non-empty list of distinct parts among {', '.join(PARTS)}")

@@ -95,11 +95,17 @@ class SequenceTrainConfig(TrainConfig):
     """``train`` of token-sequence models (LLM, VLM): adds the sequence length."""
 
     seq_length: int = 128
+    # ChunkPipe: each sequence goes through the model in N equal chunks, each attending to the keys
+    # and values of the chunks before it; activation memory follows the chunk, not the sequence, for
+    # one more forward per chunk (exact gradients; lf-llm's dense families, see loongforge.llm.chunk_pipe)
+    seq_chunks: int = 1
 
     def __post_init__(self):
         super().__post_init__()
         if self.seq_length < 1:
             raise ValueError(f"train.seq_length={self.seq_length}: must be >= 1")
+        if self.seq_chunks < 1:
+            raise ValueError(f"train.seq_chunks={self.seq_chunks}: must be >= 1")
 
 
 @dataclass

@@ -45,6 +45,20 @@ def sdpa_backends(backend: AttnBackend):
     }.get(backend)
 
 
+def causal_mask(mask, causal: bool, sq: int, sk: int):
+    """SDPA's ``(attn_mask, is_causal)`` for ``mask`` (True = attend) or causal attention. Causal
+    attention of fewer queries than keys aligns the queries with the last keys (they are the end
+    of the sequence: a later chunk under context parallelism or ChunkPipe): torch's lower-right
+    causal bias, which the flash and memory-efficient kernels take without a materialised mask."""
+    if not causal or mask is not None:
+        return mask, False
+    if sq == sk:
+        return None, True
+    from torch.nn.attention.bias import causal_lower_right
+
+    return causal_lower_right(sq, sk), False
+
+
 def _varlen_attn():
     """torch's variable-length flash attention, where this torch has it."""
     try:
@@ -104,7 +118,8 @@ class SDPAttention(MegatronModule):
 
     def _sdpa(self, q, k, v, mask, causal: bool, dropout_p: float):
         """SDPA on ``[b, heads, s, d]`` views, under the configured backends."""
-        kwargs = dict(attn_mask=mask, dropout_p=dropout_p, is_causal=causal and mask is None,
+        mask, causal = causal_mask(mask, causal, q.shape[-2], k.shape[-2])
+        kwargs = dict(attn_mask=mask, dropout_p=dropout_p, is_causal=causal,
                       scale=self.softmax_scale, enable_gqa=self.num_heads != self.num_groups)
         if self.backends is None:
             return F.scaled_dot_product_attention(q, k, v, **kwargs)

@@ -16,8 +16,9 @@ rows of the whole sequence's angle table at those positions.
 values of the CP group (megatron's ``gather_from_sequence_parallel_region``: its backward
 reduce-scatters dK/dV, summing every rank's contribution), puts them back in natural order and
 computes each local query chunk ``j`` (global rows ``[j*c, (j+1)*c)`` of its sequence or segment)
-against keys ``[0, (j+1)*c)``, causal on the diagonal (``chunk_attention``: one SDPA call with a
-lower-right causal mask; chunk 0 is plain causal SDPA). Grouped-query attention gathers only the
+against keys ``[0, (j+1)*c)``, causal on the diagonal (``chunk_attention``: one causal SDPA call
+whose queries are the last ``c`` rows of the keys, which ``attention.SDPAttention`` hands SDPA as
+torch's lower-right causal bias, so the flash and cuDNN kernels still serve it). Grouped-query attention gathers only the
 ``num_query_groups`` K/V heads.
 
 Later optimisation, not done here: a ring exchange of K/V blocks (megatron's ``p2p``), overlapping
@@ -31,7 +32,8 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-# sdpa(q, k, v, mask, causal) on [b, heads, s, d] views; mask: True = attend
+# sdpa(q, k, v, mask, causal) on [b, heads, s, d] views; mask: True = attend; causal with fewer queries
+# than keys aligns the queries with the last keys (lower-right)
 SDPA = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None, bool], torch.Tensor]
 
 
@@ -108,10 +110,7 @@ def chunk_attention(sdpa: SDPA, query: torch.Tensor, key: torch.Tensor, value: t
     c = query.shape[-2]
     if key.shape[-2] != offset + c:
         raise ValueError(f"chunk at {offset} of {c} rows needs {offset + c} keys, got {key.shape[-2]}")
-    if offset == 0:
-        return sdpa(query, key, value, None, True)
-    mask = torch.ones(c, offset + c, dtype=torch.bool, device=query.device).tril(diagonal=offset)
-    return sdpa(query, key, value, mask, False)
+    return sdpa(query, key, value, None, True)  # causal with fewer queries than keys: aligned to the last key
 
 
 def dense_local_attention(sdpa: SDPA, query, key_full, value_full, cp_size: int, cp_rank: int):

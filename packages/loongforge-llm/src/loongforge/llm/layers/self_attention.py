@@ -12,6 +12,11 @@ Under context parallelism (``context_parallel_size > 1``) only this class's own 
 others are refused): the model hands it the whole sequence's RoPE angles (``gpt_model``) and each
 local token is rotated by its global position (``rope_tables``); the core attention
 (``attention.SDPAttention``) attends over the whole sequence of the CP group.
+
+Under ChunkPipe (``train.seq_chunks > 1``, ``chunk_pipe``) the runner sets ``chunk_state`` for the
+chunk it runs: the layer rotates its queries and keys by their positions in the whole sequence and
+attends over the keys and values of the chunks before it plus its own (causal, aligned to the
+last key), handing its own keys and values to the state for the chunks after it.
 """
 
 from __future__ import annotations
@@ -31,6 +36,7 @@ class FusedSelfAttention(SelfAttention):
         super().__init__(*args, **kwargs)
         self._rope = kernels.get("rope")
         self._cp = (self.pg_collection.cp.size(), self.pg_collection.cp.rank())
+        self.chunk_state = None  # ChunkPipe: the chunk running now (chunk_pipe.ChunkAttentionState)
         if self._cp[0] > 1:
             cfg = self.config
             unsupported = [name for name, on in (
@@ -69,6 +75,11 @@ class FusedSelfAttention(SelfAttention):
                                    rotary_pos_emb, **kwargs)
         packed = kwargs.get("packed_seq_params")
         thd = packed is not None and packed.qkv_format == "thd"
+        chunk = self.chunk_state
+        if chunk is not None:
+            if thd or self._cp[0] > 1:
+                raise ValueError("FusedSelfAttention: ChunkPipe runs unpacked sequences without context parallelism")
+            rotary_pos_emb = chunk.angles  # this chunk's rows of the whole sequence's angles
         qkv, _ = self.linear_qkv(hidden_states)  # [s, b, groups * (heads_per_group + 2) * d]
         s, b = qkv.shape[:2]
         groups = self.num_query_groups_per_partition
@@ -93,6 +104,8 @@ class FusedSelfAttention(SelfAttention):
         value = value.reshape(s, b, groups, d).contiguous()  # a copy: frees the qkv output
         if thd:
             query, key, value = query.squeeze(1), key.squeeze(1), value.squeeze(1)
+        if chunk is not None:
+            key, value = chunk.keys_values(self, key, value)  # the earlier chunks' and this one's
 
         attn_args = dict(attn_mask_type=self.attn_mask_type, attention_bias=kwargs.get("attention_bias"),
                          packed_seq_params=packed)

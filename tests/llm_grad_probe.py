@@ -1,7 +1,10 @@
 """Train an LLM config for ``train.steps`` and record the losses and the first step's gradients.
 
-    python cp_probe.py OUT.pt CONFIG [key=value ...]                      # one process
-    torchrun --nproc-per-node=2 cp_probe.py OUT.pt CONFIG [key=value ...]  # e.g. parallel.cp=2
+    python llm_grad_probe.py OUT.pt CONFIG [key=value ...]                      # one process
+    torchrun --nproc-per-node=2 llm_grad_probe.py OUT.pt CONFIG [key=value ...]  # e.g. parallel.cp=2
+
+Tests call ``probe`` (which runs this file as a script, on CPU) and compare two runs with
+``assert_same_training``.
 
 The gradients are every parameter's ``main_grad`` just before the first optimizer step (after
 megatron's reduction over the DP x CP group and the per-token scaling): whole on every rank when
@@ -10,8 +13,37 @@ the tokens of its first micro-batch (this rank's share under context parallelism
 """
 
 import sys
+from pathlib import Path
 
+import pytest
 import torch
+
+COMMON = ["train.steps=2", "train.warmup_steps=1", "log.progress=false", "log.tensorboard=false",
+          "checkpoint.save=false"]
+PRETRAIN = ["train.global_batch_size=4", "train.micro_batch_size=2", "train.seq_length=64"]
+
+
+def probe(out: Path, config: str, overrides: list[str], cache: Path, nproc: int = 1) -> dict:
+    """Run this probe on ``nproc`` CPU processes and return what rank 0 recorded."""
+    from cli_runner import run_script
+
+    args = [str(out), config, *COMMON, f"data.cache_dir={cache}", f"log.run_dir={out.parent / 'run'}", *overrides]
+    proc = run_script(Path(__file__), args, nproc=nproc, env={"LOONGFORGE_ACCELERATOR": "cpu"}, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+    return torch.load(out)
+
+
+def assert_same_training(got: dict, want: dict, grads: bool = True) -> None:
+    """The same losses, grad norms and first-step gradient of every parameter (rtol 1e-4);
+    ``grads=False`` where ``got`` holds tensor-parallel shards of them."""
+    assert got["losses"] == pytest.approx(want["losses"], rel=1e-4)
+    assert got["grad_norms"] == pytest.approx(want["grad_norms"], rel=1e-4)
+    if not grads:
+        return
+    assert sorted(got["grads"]) == sorted(want["grads"]) and want["grads"]
+    for name, ref in want["grads"].items():
+        torch.testing.assert_close(got["grads"][name], ref, rtol=1e-4, atol=1e-4 * float(ref.abs().max()),
+                                   msg=lambda m, name=name: f"{name}: {m}")
 
 
 def main(out: str, config: str, overrides: list[str]) -> None:

@@ -1,0 +1,107 @@
+"""ChunkPipe for the GPT families (``train.seq_chunks=N``): each micro-batch's sequences go through
+the model in ``N`` chunks (``loongforge.core.training.chunk_pipe``: the forward keeps only every
+attention layer's keys and values; the backward runs the chunks again, last to first).
+
+What a chunk carries to the chunks after it: every ``FusedSelfAttention`` layer's keys (after RoPE)
+and values. While chunk ``i`` runs, each layer gets a ``ChunkAttentionState``: the rows of the
+whole sequence's RoPE angles at the chunk's positions, and the keys and values of chunks
+``0 .. i-1``, which it puts before its own (the attention is causal, its queries aligned with the
+last keys). The model's own forward runs unchanged on the chunk's tokens and labels and returns the
+chunk's per-token losses.
+
+Where it runs: the dense fast layer spec (llama, qwen2, qwen3, mistral), unpacked sequences, no
+context or pipeline parallelism, no dropout, no other recomputation (each chunk is recomputed
+already); ``check_chunk_pipe`` refuses the rest before any process group is made.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from loongforge.core.config import ConfigError
+from loongforge.core.training.chunk_pipe import chunked_loss
+
+DENSE_FAMILIES = ("llama", "qwen2", "qwen3", "mistral")
+
+
+class ChunkAttentionState:
+    """What every attention layer reads and writes while one chunk runs."""
+
+    def __init__(self, angles: torch.Tensor, prefix: dict[int, list[tuple[torch.Tensor, torch.Tensor]]]):
+        self.angles = angles  # [chunk, 1, 1, rot_dim]: the chunk's rows of the sequence's angles
+        self.prefix = prefix  # layer -> the (keys, values) of each earlier chunk
+        self.produced: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def keys_values(self, layer, key: torch.Tensor, value: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The layer's keys and values over the earlier chunks and this one (``[s, b, groups, d]``)."""
+        self.produced[id(layer)] = (key, value)
+        earlier = self.prefix.get(id(layer), [])
+        if not earlier:
+            return key, value
+        return (torch.cat([k for k, _ in earlier] + [key], dim=0),
+                torch.cat([v for _, v in earlier] + [value], dim=0))
+
+
+class GPTChunks:
+    """One micro-batch of a GPT model as ``ChunkedModel`` chunks (``chunks`` equal pieces of the
+    sequence); ``model`` is the engine's wrapped model, called as the task calls it."""
+
+    def __init__(self, model, batch: dict[str, torch.Tensor], chunks: int):
+        from megatron.core.utils import unwrap_model
+
+        from loongforge.llm.layers.self_attention import FusedSelfAttention
+
+        self.model, self.batch, self.chunks = model, batch, chunks
+        inner = unwrap_model(model)
+        self.layers = [m for m in inner.modules() if isinstance(m, FusedSelfAttention)]
+        seq = batch["tokens"].shape[1]
+        if seq % chunks:
+            raise ValueError(f"ChunkPipe: a sequence of {seq} tokens does not split into {chunks} equal chunks")
+        if not self.layers or getattr(inner, "rotary_pos_emb", None) is None:
+            raise ValueError("ChunkPipe: the model has no FusedSelfAttention layer with rotary embeddings")
+        self.size = seq // chunks
+        with torch.no_grad():
+            self.angles = inner.rotary_pos_emb(seq)  # [seq, 1, 1, rot_dim], fp32
+
+    def run_chunk(self, index: int, carried: list[list[torch.Tensor]]):
+        rows = slice(index * self.size, (index + 1) * self.size)
+        prefix = {id(layer): [(chunk[2 * n], chunk[2 * n + 1]) for chunk in carried]
+                  for n, layer in enumerate(self.layers)}
+        state = ChunkAttentionState(self.angles[rows], prefix)
+        for layer in self.layers:
+            layer.chunk_state = state
+        try:
+            b = self.batch
+            loss = self.model(b["tokens"][:, rows], b["position_ids"][:, rows], None, labels=b["labels"][:, rows])
+        finally:
+            for layer in self.layers:
+                layer.chunk_state = None
+        own = [t for layer in self.layers for t in state.produced[id(layer)]]
+        return loss, own
+
+
+def chunked_forward(model, batch: dict[str, torch.Tensor], chunks: int) -> torch.Tensor:
+    """The micro-batch's ``[b, s]`` per-token losses, computed chunk by chunk (ChunkPipe)."""
+    return chunked_loss(GPTChunks(model, batch, chunks), list(model.parameters()))
+
+
+def check_chunk_pipe(chunks: int, *, family: str, seq_length: int, parallel, recompute: str,
+                     packed: bool = False) -> None:
+    """Refuse, naming the key, what ChunkPipe does not run with (see the module docstring)."""
+    if chunks == 1:
+        return
+    key = f"train.seq_chunks={chunks}"
+    if family not in DENSE_FAMILIES:
+        raise ConfigError(f"{key}: ChunkPipe runs the dense families ({', '.join(DENSE_FAMILIES)}), "
+                          f"not model.family={family}")
+    if seq_length % chunks:
+        raise ConfigError(f"{key}: train.seq_length={seq_length} is not a multiple of the chunk count")
+    for name in ("cp", "pp"):
+        if getattr(parallel, name) > 1:
+            raise ConfigError(f"{key} with parallel.{name}={getattr(parallel, name)}: ChunkPipe runs without "
+                              f"{'context' if name == 'cp' else 'pipeline'} parallelism")
+    if recompute != "none":
+        raise ConfigError(f"{key} with train.recompute={recompute}: ChunkPipe recomputes every chunk already; "
+                          "use train.recompute=none")
+    if packed:
+        raise ConfigError(f"{key}: ChunkPipe runs unpacked sequences (pre-training), not packed SFT rows")

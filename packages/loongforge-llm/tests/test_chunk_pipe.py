@@ -1,0 +1,48 @@
+"""ChunkPipe (``train.seq_chunks``): a pre-training run whose sequences go through the model in 4
+chunks trains like the run without chunks (fp32, gloo): the same losses, grad norms and every
+parameter's gradient after the first step (``tests/llm_grad_probe.py``), on one process, with activation
+offloading, and with tensor parallelism over two processes (losses and grad norms: each rank
+holds shards of the gradients); what it does not run with is refused
+before any process group, naming the keys."""
+
+import pytest
+from llm_grad_probe import PRETRAIN, assert_same_training, probe
+
+from loongforge.core.config import ConfigError
+from loongforge.llm.recipe import load_llm_config
+
+
+@pytest.fixture(scope="module")
+def baseline(tmp_path_factory):
+    """The unchunked run: cache and probe result shared by the tests of this file."""
+    root = tmp_path_factory.mktemp("chunk-pipe")
+    cache = root / "llm-data"
+    return cache, probe(root / "whole" / "grads.pt", "train_debug", PRETRAIN, cache)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("extra, nproc", [([], 1), (["train.offload_layers=1"], 1), (["parallel.tp=2"], 2)],
+                         ids=["chunks", "chunks+offload", "chunks+tp2"])
+def test_chunk_pipe_trains_like_the_whole_sequence(extra, nproc, tmp_path, baseline):
+    cache, want = baseline
+    got = probe(tmp_path / "grads.pt", "train_debug", [*PRETRAIN, "train.seq_chunks=4", *extra], cache, nproc=nproc)
+    assert_same_training(got, want, grads="parallel.tp=2" not in extra)  # TP ranks hold gradient shards
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["parallel.cp=2"], "parallel.cp=2"),
+    (["train.recompute=selective"], "train.recompute=selective"),
+    (["train.seq_length=102"], "train.seq_length=102"),
+    (["model.family=qwen3_moe"], "model.family=qwen3_moe"),
+])
+def test_chunk_pipe_refuses_what_it_does_not_run_with(overrides, message):
+    config = "train_qwen3_moe_debug" if "model.family=qwen3_moe" in overrides else "train_debug"
+    overrides = [o for o in overrides if not o.startswith("model.family")]
+    with pytest.raises((ConfigError, ValueError), match=message.replace(".", r"\.") if "family" not in message
+                       else "not model.family=qwen3_moe"):
+        load_llm_config(config, ["train.seq_chunks=4", *overrides])
+
+
+def test_sft_refuses_chunk_pipe():
+    with pytest.raises((ConfigError, ValueError), match="packed SFT"):
+        load_llm_config("sft_debug", ["train.seq_chunks=2", "train.seq_length=256"])
