@@ -6,7 +6,7 @@
 #   bash bench/h200_batch.sh bench-a  # lf-llm bench (HF + compile, + Liger) and lf-vlm bench (transformers, compiled)
 #   bash bench/h200_batch.sh bench-b  # lf-diffusion bench (diffusers, compile_repeated_blocks), DSA, FP8 GEMMs
 #   bash bench/h200_batch.sh embodied # lf-embodied bench --against-lerobot (needs lerobot and its imports in .whl/)
-#   bash bench/h200_batch.sh long     # train_0_5b at 32K and 128K tokens, with and without activation offload
+#   bash bench/h200_batch.sh long     # train_0_5b at 32K and 128K tokens: plain, activation offload, ChunkPipe
 #
 # Each bench prints its baseline's settings, both sides' first-step losses and peak memory, and the
 # ratios; the tables in docs/benchmarks.md and the READMEs are copied from these logs.
@@ -83,17 +83,20 @@ bench-b)
 long)
   environment
   # one sequence per step; the metrics carry tokens/s, peak_memory_gib and offload_gib per step
+  # (offload N = the first N of 8 layers; ChunkPipe in chunks of 4096 tokens)
   for seq in 32768 131072; do
-    for offload in 0 4; do
-      run=llm-$seq-offload$offload
+    for variant in "offload0 train.offload_layers=0" "offload4 train.offload_layers=4" \
+                   "chunks$((seq / 4096)) train.seq_chunks=$((seq / 4096))"; do
+      set -- $variant
+      run=llm-$seq-$1
       cli loongforge.llm.cli train --config train_0_5b train.seq_length=$seq model.max_position_embeddings=$seq \
-          train.global_batch_size=1 train.micro_batch_size=1 train.steps=6 train.offload_layers=$offload \
+          train.global_batch_size=1 train.micro_batch_size=1 train.steps=6 "$2" \
           checkpoint.save=false log.progress=false log.run_dir=$run
       python3 - "$run/metrics.jsonl" <<'PY'
 import json, sys
 rows = [json.loads(line) for line in open(sys.argv[1])][2:]
 if rows:
-    print("median tokens/s", sorted(r["tokens_per_s"] for r in rows)[len(rows) // 2],
+    print(sys.argv[1].split("/")[0], "median tokens/s", sorted(r["tokens_per_s"] for r in rows)[len(rows) // 2],
           "peak GiB", max(r["peak_memory_gib"] for r in rows), "offloaded GiB", rows[-1].get("offload_gib", 0))
 PY
     done

@@ -1,5 +1,5 @@
 """A small megatron-core training step on CPU: GPT with an alltoall-dispatched MoE layer,
-DDP, Adam with grad clipping, activation recompute (``SCENARIO_EP=2`` under torchrun: expert
+DDP, Adam with grad clipping, activation recompute, the RoPE slice of a context-parallel rank (``SCENARIO_EP=2`` under torchrun: expert
 parallel, so the alltoall dispatcher exchanges tokens over gloo). Exits 0 when the step ran; used by
 test_cpu_megatron.py with one adaptation left out at a time."""
 
@@ -47,5 +47,9 @@ get_forward_backward_func()(forward_step_func=step, data_iterator=iter([tokens])
                             seq_length=16, micro_batch_size=2, forward_only=False)
 ok, grad_norm, _ = opt.step()
 assert ok and grad_norm > 0, (ok, grad_norm)
+# RoPE angles of this context-parallel rank, as megatron's MLA and local attention take them under CP
+from megatron.core.models.common.embeddings.rope_utils import get_pos_emb_on_this_cp_rank  # noqa: E402
+
+assert get_pos_emb_on_this_cp_rank(torch.arange(8.0).view(8, 1, 1, 1), 0, ctx.pgs.cp).shape[0] == 8
 destroy_parallel()
 print("SCENARIO OK")

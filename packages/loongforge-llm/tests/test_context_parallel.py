@@ -135,8 +135,7 @@ def test_packed_cp_attention_matches_per_segment_sdpa():
 
 
 @pytest.mark.parametrize("config, overrides, message", [
-    ("train_qwen3_moe_debug", [], "parallel.cp=2: model.family='qwen3_moe' builds megatron's local-backend attention"),
-    ("train_deepseek_v3_debug", [], "parallel.cp=2: model.family='deepseek_v3'"),
+    ("train_deepseek_v3_2_debug", [], "parallel.cp=2: model.attention_variant=dsa"),
     ("train_debug", ["train.seq_length=66"], "parallel.cp=2: train.seq_length=66 must be a multiple of 2*cp = 4"),
 ])
 def test_unsupported_cp_configs_are_refused_before_any_process_group(config, overrides, message):

@@ -16,7 +16,12 @@ attention materialises its scores). The layout then scales it:
 - pipeline parallelism: a stage holds ``layers / pp`` layers, and 1F1B keeps up to ``pp``
   micro-batches in flight on the first stage (the heaviest);
 - ``train.offload_layers``: those layers' activations are in host memory at the peak (the end of
-  the forward), so they drop out.
+  the forward), so they drop out;
+- ChunkPipe (``train.seq_chunks=N``): a layer holds one chunk's activations (``seq_length / N``
+  tokens) at a time, plus the keys and values every chunk carries (``carried_kv_gib``: each
+  layer's K/V of the whole sequence, counted three times: the carried tensors, the
+  concatenation the chunk's attention saves, and their accumulated gradients), computed from the
+  K/V shapes rather than measured.
 
 The figure is the tensors autograd holds at the end of a micro-batch's forward; the GPU kernels
 can save slightly different tensors than the CPU references the proxy runs.
@@ -192,7 +197,8 @@ def per_gpu(profile: ActivationProfile, cfg, layout, micro_batch_size: int, num_
     and offloading, ``micro_batch_size`` sequences per micro-batch and ``num_microbatches`` per step,
     under ``layout``."""
     model, train = cfg.model, cfg.train
-    tokens = micro_batch_size * train.seq_length // layout.cp
+    chunks = getattr(train, "seq_chunks", 1)
+    tokens = micro_batch_size * train.seq_length // layout.cp // chunks
     pattern = getattr(model, "moe_layer_pattern", None) or [0] * model.num_layers
     per_stage = model.num_layers // layout.pp
     stage_layers = pattern[:per_stage]  # the first stage: the heaviest in flight
@@ -204,7 +210,13 @@ def per_gpu(profile: ActivationProfile, cfg, layout, micro_batch_size: int, num_
     offloaded = sum((profile.moe if kind else profile.dense).bytes(tokens, layout.tp)
                     for kind in stage_layers[:train.offload_layers]) * in_flight
     gib = 1024**3
-    return {"tokens_per_microbatch": tokens, "layers_on_stage": per_stage, "microbatches_in_flight": in_flight,
+    carried = 0.0
+    if chunks > 1:  # K/V of the whole sequence per layer, bf16, split over TP with the heads
+        kv_heads = getattr(model, "num_query_groups", model.num_attention_heads)
+        carried = 3 * 2 * kv_heads * model.head_dim * 2 * tokens * chunks * per_stage / layout.tp
+    extra = {"seq_chunks": chunks, "carried_kv_gib": round(carried / gib, 3)} if chunks > 1 else {}
+    return {"tokens_per_microbatch": tokens * chunks, **({"tokens_per_chunk": tokens} if chunks > 1 else {}),
+            **extra, "layers_on_stage": per_stage, "microbatches_in_flight": in_flight,
             "offloaded_layers": min(train.offload_layers, per_stage),
             "per_layer_gib": round(max(layer_bytes, default=0.0) / gib, 3),
             "layers_gib": round(layers / gib, 3), "embedding_and_loss_gib": round(outside / gib, 3),

@@ -109,14 +109,12 @@ def check_context_parallel(cfg: LLMConfig) -> None:
     """What ``parallel.cp > 1`` needs (before any process group): the dense GPT families, whose
     fast layer (``layers.context_parallel_attention``) attends over the CP group's whole
     sequences, and sequences that split into ``2*cp`` equal chunks."""
-    from loongforge.llm.moe_config import MoEConfig
-
     cp, seq = cfg.parallel.cp, cfg.train.seq_length
-    if isinstance(cfg.model, MoEConfig):
+    if getattr(cfg.model, "attention_variant", None) == "dsa":
         raise ValueError(
-            f"parallel.cp={cp}: model.family={cfg.model.family!r} builds megatron's local-backend attention "
-            f"(MoE, multi-latent and sparse attention), which has no context parallelism without Transformer "
-            f"Engine; context parallelism runs in the dense families' fast layer (llama, qwen2, qwen3, mistral)"
+            f"parallel.cp={cp}: model.attention_variant=dsa (DeepSeek-V3.2 sparse attention) selects each "
+            f"query's keys over the whole sequence, which is not split over context-parallel ranks; use "
+            f"attention_variant=mla or parallel.cp=1"
         )
     if seq % (2 * cp):
         raise ValueError(f"parallel.cp={cp}: train.seq_length={seq} must be a multiple of 2*cp = {2 * cp} "

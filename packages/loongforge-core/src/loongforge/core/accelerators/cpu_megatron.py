@@ -75,6 +75,29 @@ def cuda_device_strings() -> None:
     torch.Tensor.cuda = lambda self, *args, **kwargs: self
 
 
+def pinned_host_memory() -> None:
+    """megatron's RoPE under context parallelism (``get_pos_emb_on_this_cp_rank``: MLA, the
+    local-backend attention) builds its chunk index with ``torch.tensor(..., pin_memory=True)``;
+    pinning needs a CUDA driver. Without one, drop the request: the tensor is host memory anyway."""
+    if torch.cuda.is_available():
+        return
+
+    def unpinned(factory: Callable) -> Callable:
+        @functools.wraps(factory)
+        def host(*args, **kwargs):
+            kwargs.pop("pin_memory", None)
+            return factory(*args, **kwargs)
+
+        return host
+
+    from torch.utils._device import _device_constructors
+
+    _device_constructors()  # see cuda_device_strings: the device context keeps recognising the originals
+    for name in ("tensor", "zeros", "empty", "ones", "full", "arange", "empty_like", "zeros_like", "ones_like",
+                 "full_like", "empty_strided"):
+        setattr(torch, name, unpinned(getattr(torch, name)))
+
+
 def cuda_tensor_type_names() -> None:
     """The optimizers and clip_grads check ``param.type() == 'torch.cuda.FloatTensor'`` to find
     fp32 params; on CPU the name is ``torch.FloatTensor``. Report CPU dense tensors under the
@@ -201,6 +224,7 @@ def moe_split_sizes() -> None:
 ADAPTATIONS: dict[str, Callable[[], None]] = {
     "current_device": current_device,
     "cuda_device_strings": cuda_device_strings,
+    "pinned_host_memory": pinned_host_memory,
     "cuda_tensor_type_names": cuda_tensor_type_names,
     "synchronize_and_streams": synchronize_and_streams,
     "rng_tracker": rng_tracker,

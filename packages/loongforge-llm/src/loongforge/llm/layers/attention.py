@@ -11,7 +11,8 @@ segment.
 
 Layouts are megatron's: dense ``query`` is ``[sq, b, heads, head_dim]`` and the result
 ``[sq, b, heads * head_dim]``; packed ``query`` is ``[t, heads, head_dim]`` and the result
-``[t, heads * head_dim]``. A given ``attention_mask`` follows megatron's convention (``True`` =
+``[t, heads * head_dim]``, ``head_dim`` being the values' (MLA pads its values to the query
+head dim for packed batches, and cuts the output back itself). A given ``attention_mask`` follows megatron's convention (``True`` =
 masked out, broadcastable to ``[b, 1, sq, sk]``).
 
 With ``context_parallel_size > 1`` the inputs are this CP rank's share of every sequence (see
@@ -150,7 +151,7 @@ class SDPAttention(MegatronModule):
                 mask = mask & torch.ones(sq, key.shape[0], dtype=torch.bool, device=mask.device).tril()
         out = self._sdpa(query.permute(1, 2, 0, 3), key.permute(1, 2, 0, 3), value.permute(1, 2, 0, 3),
                          mask, causal, dropout_p)
-        return out.permute(2, 0, 1, 3).reshape(sq, b, self.num_heads * self.head_dim)
+        return out.permute(2, 0, 1, 3).reshape(sq, b, -1)
 
     def _packed(self, query, key, value, params, causal: bool, dropout_p: float):
         """Attention over THD-packed sequences: each ``cu_seqlens`` segment attends only to itself."""
@@ -168,7 +169,7 @@ class SDPAttention(MegatronModule):
             max_kv = params.max_seqlen_kv or int((cu_kv[1:] - cu_kv[:-1]).max())
             out = varlen(query, key, value, cu_q.to(torch.int32), cu_kv.to(torch.int32), int(max_q), int(max_kv),
                          scale=self.softmax_scale, window_size=(-1, 0) if causal else (-1, -1))
-            return out.reshape(t, self.num_heads * self.head_dim)
+            return out.reshape(t, -1)
         bounds_q, bounds_kv = cu_q.tolist(), cu_kv.tolist()
         if bounds_q[0] != 0 or bounds_q[-1] != t:
             raise ValueError(f"SDPAttention: cu_seqlens_q {bounds_q} must run from 0 to the {t} packed tokens")
@@ -179,7 +180,7 @@ class SDPAttention(MegatronModule):
             seg = self._sdpa(query[q0:q1].transpose(0, 1)[None], key[k0:k1].transpose(0, 1)[None],
                              value[k0:k1].transpose(0, 1)[None], None, causal, dropout_p)
             pieces.append(seg[0].transpose(0, 1))
-        return torch.cat(pieces, dim=0).reshape(t, self.num_heads * self.head_dim)
+        return torch.cat(pieces, dim=0).reshape(t, -1)
 
     def _context_parallel(self, query, key, value, attention_mask, mask_type, params, dropout_p: float):
         """Causal attention of this CP rank's tokens over the CP group's whole sequences."""
@@ -200,8 +201,8 @@ class SDPAttention(MegatronModule):
                 raise ValueError("SDPAttention: context parallelism needs the same padded cu_seqlens for queries "
                                  "and keys in packed_seq_params")
             out = context_parallel_attention(sdpa, query, key, value, self.cp_group, cu)
-            return out.reshape(out.shape[0], self.num_heads * self.head_dim)
+            return out.reshape(out.shape[0], -1)
         if params is not None and params.qkv_format not in (None, "sbhd"):
             raise ValueError(f"SDPAttention: qkv_format={params.qkv_format!r}; expected 'thd' or 'sbhd'")
         out = context_parallel_attention(sdpa, query, key, value, self.cp_group)
-        return out.reshape(out.shape[0], out.shape[1], self.num_heads * self.head_dim)
+        return out.reshape(out.shape[0], out.shape[1], -1)
