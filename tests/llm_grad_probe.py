@@ -9,7 +9,8 @@ Tests call ``probe`` (which runs this file as a script, on CPU) and compare two 
 The gradients are every parameter's ``main_grad`` just before the first optimizer step (after
 megatron's reduction over the DP x CP group and the per-token scaling): whole on every rank when
 TP and PP are 1. Rank 0 writes them with the per-step losses and grad norms, and the shape of
-the tokens of its first micro-batch (this rank's share under context parallelism).
+the tokens of its first micro-batch (this rank's share under context parallelism) and how many
+micro-batches ran through a schedule plan (megatron's combined 1F1B schedule: MoE A2A overlap).
 """
 
 import sys
@@ -74,15 +75,19 @@ def main(out: str, config: str, overrides: list[str]) -> None:
     shapes = []
     forward = task.forward
 
-    def recording_forward(model, batch):
+    plans = []
+
+    def recording_forward(model, batch, **kwargs):
         shapes.append(tuple(batch["tokens"].shape))
-        return forward(model, batch)
+        plans.append(bool(kwargs.get("schedule_plan")))  # megatron's combined 1F1B schedule asked for a plan
+        return forward(model, batch, **kwargs)
 
     task.forward = recording_forward
     results = trainer.fit()
     if ctx.rank == 0:
         torch.save({"losses": [r.loss for r in results], "grad_norms": [r.grad_norm for r in results],
-                    "grads": captured, "first_tokens_shape": shapes[0]}, out)
+                    "grads": captured, "first_tokens_shape": shapes[0],
+                    "schedule_plans": sum(plans)}, out)
     destroy_parallel()
 
 

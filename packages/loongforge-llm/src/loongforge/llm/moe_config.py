@@ -40,6 +40,9 @@ class MoEConfig(GPTConfig):
     moe_aux_loss_coeff: float = 1e-3
     moe_z_loss_coeff: float = 0.0  # 0: no router z-loss
     moe_token_dispatcher: str = "alltoall"
+    # overlap the expert-parallel all-to-all of one micro-batch with the computation of another
+    # (megatron-core's combined 1F1B schedule; needs parallel.ep > 1, bf16, no recomputation)
+    moe_a2a_overlap: bool = False
 
     def __post_init__(self):
         super().__post_init__()
@@ -108,6 +111,7 @@ class MoEConfig(GPTConfig):
             moe_grouped_gemm=False,
             moe_permute_fusion=False,
             moe_router_fusion=False,
+            overlap_moe_expert_parallel_comm=self.moe_a2a_overlap,
         )
         return kwargs
 

@@ -94,6 +94,8 @@ class LLMConfig:
             check_fp8_mode(self.fp8)
         if self.parallel.cp > 1:
             check_context_parallel(self)
+        if getattr(self.model, "moe_a2a_overlap", False):
+            check_moe_a2a_overlap(self)
         if self.train.seq_chunks > 1:
             from loongforge.llm.chunk_pipe import check_chunk_pipe
 
@@ -119,6 +121,23 @@ def check_context_parallel(cfg: LLMConfig) -> None:
     if seq % (2 * cp):
         raise ValueError(f"parallel.cp={cp}: train.seq_length={seq} must be a multiple of 2*cp = {2 * cp} "
                          f"(each sequence is cut into 2*cp chunks, two per CP rank)")
+
+
+def check_moe_a2a_overlap(cfg: LLMConfig) -> None:
+    """What ``model.moe_a2a_overlap`` (megatron's combined 1F1B schedule) needs, before any process
+    group: expert parallelism to overlap, one pipeline stage (megatron needs virtual pipeline stages
+    otherwise), no full recomputation or ChunkPipe, and not fp32 (megatron runs it in bf16 or fp16;
+    ``train.precision=auto`` is checked when it resolves, by the engine)."""
+    key = "model.moe_a2a_overlap=true"
+    train, parallel = cfg.train, cfg.parallel
+    for bad, why in ((parallel.ep == 1, "needs parallel.ep > 1 (there is no expert all-to-all to overlap)"),
+                     (parallel.pp > 1, f"with parallel.pp={parallel.pp}: megatron overlaps it across "
+                                       "virtual pipeline stages only; use parallel.pp=1"),
+                     (train.recompute == "full", "with train.recompute=full: megatron overlaps without it"),
+                     (train.seq_chunks > 1, f"with train.seq_chunks={train.seq_chunks}: ChunkPipe runs the dense families"),
+                     (train.precision == "fp32", "with train.precision=fp32: megatron overlaps in bf16")):
+        if bad:
+            raise ValueError(f"{key} {why}")
 
 
 def _config_class(family: str) -> type[GPTConfig]:
@@ -358,7 +377,10 @@ class LLMTask:
             yield StepBatch(micro_batches=micro, tokens=tokens)
             step += 1
 
-    def forward(self, model, batch):
+    def forward(self, model, batch, schedule_plan: bool = False):
+        if schedule_plan:  # megatron's combined 1F1B schedule (model.moe_a2a_overlap): the model's plan
+            output = model.build_schedule_plan(batch["tokens"], batch["position_ids"], None, labels=batch["labels"])
+            return output, partial(masked_token_loss, batch["loss_mask"])
         chunks = self.cfg.train.seq_chunks
         if chunks > 1:  # ChunkPipe
             from loongforge.llm.chunk_pipe import chunked_forward

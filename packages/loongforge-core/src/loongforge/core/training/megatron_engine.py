@@ -108,6 +108,11 @@ class MegatronEngine:
             self.num_microbatches = train.global_batch_size // (self.micro_batch_size * dp)
         self.dtype = resolve_dtype(train.precision, ctx.device)
         bf16 = self.dtype == torch.bfloat16
+        if task.transformer_config_kwargs().get("overlap_moe_expert_parallel_comm") and not bf16:
+            from loongforge.core.config import ConfigError
+
+            raise ConfigError(f"model.moe_a2a_overlap=true: train.precision={train.precision} runs in {self.dtype} "
+                              f"here; megatron overlaps the MoE all-to-all in bf16 (train.precision=bf16)")
         self.transformer_config = TransformerConfig(
             **recompute_kwargs(train.recompute),
             **task.transformer_config_kwargs(),
@@ -183,9 +188,16 @@ class MegatronEngine:
 
         return unwrap_model(self.model)
 
-    def _forward_step(self, data_iterator, model):
-        """megatron's forward-step contract over the task's ``forward`` / ``loss_fn``."""
-        output, loss_fn = self.task.forward(model, next(data_iterator))
+    def _forward_step(self, data_iterator, model, return_schedule_plan: bool = False):
+        """megatron's forward-step contract over the task's ``forward`` / ``loss_fn``; with
+        ``return_schedule_plan`` (megatron's combined 1F1B schedule, which overlaps one
+        micro-batch's MoE all-to-all with another's computation) the task returns the model's
+        schedule plan in place of its output (``forward(..., schedule_plan=True)``)."""
+        batch = next(data_iterator)
+        if return_schedule_plan:
+            output, loss_fn = self.task.forward(model, batch, schedule_plan=True)
+        else:
+            output, loss_fn = self.task.forward(model, batch)
 
         def loss_func(out):
             loss_sum, count = loss_fn(out)
