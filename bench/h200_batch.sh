@@ -31,7 +31,7 @@ section() { printf '\n===== %s =====\n' "$*"; }
 cli() {
   section "$*"
   local log; log=$(mktemp)
-  timeout 420 python3 -m "$@" >"$log" 2>&1; local rc=$?
+  timeout 200 python3 -m "$@" >"$log" 2>&1; local rc=$?
   tail -n 8 "$log"; echo "exit code: $rc"
 }
 # a bench: everything it prints, under a time limit (seconds) so the stage fits its device call
@@ -83,6 +83,7 @@ bench-b)
 long)
   environment
   # one sequence per step; the metrics carry tokens/s, peak_memory_gib and offload_gib per step
+  bench 60 python3 "$repo/bench/chunk_attention.py" --seq 32768 --chunk 4096
   # (offload N = the first N of 8 layers; ChunkPipe in chunks of 4096 tokens)
   for seq in 32768 131072; do
     for variant in "offload0 train.offload_layers=0" "offload4 train.offload_layers=4" \
@@ -91,7 +92,7 @@ long)
       run=llm-$seq-$1
       cli loongforge.llm.cli train --config train_0_5b train.seq_length=$seq model.max_position_embeddings=$seq \
           train.global_batch_size=1 train.micro_batch_size=1 train.steps=6 "$2" \
-          checkpoint.save=false log.progress=false log.run_dir=$run
+          checkpoint.save=false log.progress=false log.interval=1 log.run_dir=$run
       python3 - "$run/metrics.jsonl" <<'PY'
 import json, sys
 rows = [json.loads(line) for line in open(sys.argv[1])][2:]
