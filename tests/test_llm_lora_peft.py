@@ -1,8 +1,9 @@
 """`lf-llm convert lora-to-peft` end to end: a LoRA run from the CLI on a tiny transformers Qwen2.5
 (GQA 4/2, q/k/v biases, tied embeddings) changes only the adapters; its PEFT export, loaded by
 ``peft.PeftModel.from_pretrained`` onto the transformers model it started from, gives the logits
-of the merged model (``lf-llm lora merge`` -> ``lf-llm convert lf-to-hf`` -> transformers); routed
-MoE experts, which transformers fuses, are refused."""
+of the merged model (``lf-llm lora merge`` -> ``lf-llm convert lf-to-hf`` -> transformers, the same
+files as ``lf-to-hf`` of the LoRA checkpoint itself); routed MoE experts, which transformers fuses,
+are refused."""
 
 import json
 
@@ -70,9 +71,12 @@ def test_peft_adapter_on_transformers_equals_merged_model(tmp_path, llm_data_cac
     for x in "qkv":
         assert torch.equal(tensors[f"base_model.model.model.layers.1.self_attn.{x}_proj.lora_A.weight"], a)
 
-    merged, hf_merged = tmp_path / "merged", tmp_path / "hf_merged"
+    merged, hf_merged, hf_direct = tmp_path / "merged", tmp_path / "hf_merged", tmp_path / "hf_direct"
     cli("lora", "merge", str(run / "checkpoints"), str(merged))
     cli("convert", "lf-to-hf", str(merged), str(hf_merged), "--no-progress")
+    cli("convert", "lf-to-hf", str(run / "checkpoints"), str(hf_direct), "--no-progress")  # merges as it converts
+    direct, via_merge = load_file(hf_direct / "model.safetensors"), load_file(hf_merged / "model.safetensors")
+    assert sorted(direct) == sorted(via_merge) and all(torch.equal(direct[k], via_merge[k]) for k in direct)
 
     tokens = torch.randint(0, 1280, (2, 24), generator=torch.Generator().manual_seed(0))
     original = AutoModelForCausalLM.from_pretrained(hf_base, dtype=torch.float32).eval()

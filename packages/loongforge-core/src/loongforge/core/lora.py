@@ -66,6 +66,7 @@ __all__ = [
     "matches",
     "merge_lora",
     "merge_state",
+    "megatron_adapters",
     "merged_weight",
     "one_to_one_names",
     "strip_adapters",
@@ -459,27 +460,40 @@ def export_checkpoint_adapter(source: str | Path, out: str | Path,
 
 def _megatron_state(ckpt) -> tuple[list[str], Callable[[str], torch.Tensor]]:
     """A megatron-engine LoRA checkpoint as per-layer state-dict names (the family's HF mapping's
-    LoongForge names, global layer and expert indices) and their reader: its keys are megatron's
-    sharded ones (layers and experts stacked, ``decoder.layers.mlp.linear_fc1.weight``), the
-    adapters of the megatron LoRA layers beside their weights (``...linear_fc1.lora_A``); they are
-    named ``<layer>.lora_A.weight`` here, as everywhere else."""
+    LoongForge names, global layer and expert indices, adapters as ``<layer>.lora_A.weight``) and
+    their reader."""
     from loongforge.core.hf_mapping.convert import OPTIMIZER_PREFIX, bind_checkpoint, read_at
+
+    _, _, _, bound = bind_checkpoint(ckpt.manifest, ckpt.directory / "manifest.json")
+    keys = {k for k in ckpt.reader.keys() if not k.startswith(OPTIMIZER_PREFIX)}
+    where = {name: bound.location(name) for name in bound.lf_names}
+    for name, pair in megatron_adapters(bound, keys, ckpt.directory).items():
+        for factor, loc in zip((LORA_A, LORA_B), pair):
+            where[f"{name[: -len('weight')]}{factor}.weight"] = loc
+    return sorted(where), lambda name: read_at(ckpt, where[name])
+
+
+def megatron_adapters(bound, keys: Iterable[str], source) -> dict:
+    """``{LoongForge weight name: (Location of A, Location of B)}`` of the adapters among a
+    megatron checkpoint's sharded ``keys`` (``bound``: its family's bound HF mapping). The
+    megatron LoRA layers keep them beside the weight (``decoder.layers.mlp.linear_fc1.lora_A``,
+    layers and experts stacked as the weight is); one beside no weight the mapping holds is a
+    ``MappingError`` naming it (``source``: the checkpoint, for the message)."""
     from loongforge.core.hf_mapping.table import Location
     from loongforge.core.hf_mapping.transforms import MappingError
 
-    family, _, _, bound = bind_checkpoint(ckpt.manifest, ckpt.directory / "manifest.json")
-    keys = {k for k in ckpt.reader.keys() if not k.startswith(OPTIMIZER_PREFIX)}
-    where: dict[str, Location] = {}
+    keys = set(keys)
+    out, placed = {}, set()
     for name in bound.lf_names:
-        loc = where[name] = bound.location(name)
-        if name.endswith(".weight") and loc.key.endswith(".weight"):
-            for factor in (LORA_A, LORA_B):
-                key = f"{loc.key[: -len('weight')]}{factor}"
-                if key in keys:
-                    where[f"{name[: -len('weight')]}{factor}.weight"] = Location(key, loc.offsets, loc.sizes)
-    placed = {loc.key for loc in where.values()}
+        loc = bound.location(name)
+        if not (name.endswith(".weight") and loc.key.endswith(".weight")):
+            continue
+        pair = tuple(Location(f"{loc.key[: -len('weight')]}{factor}", loc.offsets, loc.sizes) for factor in (LORA_A, LORA_B))
+        if pair[0].key in keys or pair[1].key in keys:
+            out[name] = pair
+            placed.update(p.key for p in pair)
     stray = sorted(k for k in keys if k.endswith((f".{LORA_A}", f".{LORA_B}")) and k not in placed)
     if stray:
-        raise MappingError(f"{ckpt.directory}: adapter tensors {stray[:3]} adapt layers the {family} family's "
-                           "Hugging Face mapping does not hold")
-    return sorted(where), lambda name: read_at(ckpt, where[name])
+        raise MappingError(f"{source}: adapter tensors {stray[:3]} adapt layers the family's Hugging Face mapping does "
+                           "not hold")
+    return out

@@ -20,13 +20,6 @@ from loongforge.llm import recipe
 from loongforge.llm.recipe import LLMConfig
 
 
-def refuse_lora_export(args, cfg: LLMConfig) -> None:
-    """``--save-hf`` of a LoRA run: its checkpoint holds adapters, merged by ``lf-llm lora merge``."""
-    if args.save_export is not None and cfg.lora.enabled:
-        raise ConfigError(f"--save-hf {args.save_export}: a LoRA run's checkpoint holds adapters; merge them with "
-                          f"`lf-llm lora merge CHECKPOINT MERGED` and export with `lf-llm convert lf-to-hf MERGED OUT`")
-
-
 def cmd_info(args, cfg: LLMConfig) -> None:
     from loongforge.core.parallel import ParallelLayout
     from loongforge.llm.sizing import size_report
@@ -115,7 +108,7 @@ def describe_cli():
         make_task=make_task, info=cmd_info, info_options=info_options, example="train.steps=200 parallel.tp=2",
         converters=converters("lf-llm"), convert_options=convert_options,
         lora_layouts=lora_layouts, lora_library="transformers",
-        before_train=refuse_lora_export, bench_options=bench_options, bench=bench, default_bench_config="train_0_5b",
+        bench_options=bench_options, bench=bench, default_bench_config="train_0_5b",
         commands=commands, packages=["loongforge-core", "loongforge-llm", "loongforge-kernels"],
         schema=recipe.LLMConfig,
     )

@@ -3,8 +3,9 @@
     lf-llm lora merge CKPT OUT             # OUT/step_00000000: the base weights with W + (alpha/r) B A
     lf-llm convert lora-to-peft CKPT OUT   # OUT/adapter_config.json + adapter_model.safetensors
 
-A merged checkpoint is a plain checkpoint of the family: ``lf-llm convert lf-to-hf OUT HF_DIR``
-exports it to Hugging Face, ``checkpoint.load=OUT`` trains on from it. ``lora-to-peft`` is the
+A merged checkpoint is a plain checkpoint of the family (``checkpoint.load=OUT`` or
+``lora.base=OUT`` trains on from it); ``lf-llm convert lf-to-hf`` (and ``train --save-hf``)
+exports a LoRA checkpoint to Hugging Face merged, by the same fold. ``lora-to-peft`` is the
 shared direction of every CLI (``loongforge.core.lora.export_checkpoint_adapter``): the adapters
 alone under transformers' module names, which ``peft.PeftModel.from_pretrained`` loads onto the
 ``lf-to-hf`` export of the base model.

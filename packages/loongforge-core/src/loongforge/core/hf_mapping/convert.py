@@ -7,7 +7,8 @@ any TP/PP layout by the weights-only load path (``checkpoint.load=OUT``). The to
 of the HF directory are copied into ``tokenizer/`` and named in the manifest. ``lf_to_hf``
 reads a checkpoint of a megatron family (converted or saved by training; optimizer state is
 skipped; a torch-engine family's checkpoint is refused, its modality converts it) and writes a
-directory ``transformers`` loads with ``from_pretrained``.
+directory ``transformers`` loads with ``from_pretrained``; a LoRA checkpoint's adapters are merged
+into the weights they adapt (``W + (alpha / rank) * B @ A``, in fp32, stored in ``W``'s dtype).
 """
 
 from __future__ import annotations
@@ -129,10 +130,17 @@ def _checkpoint_tokenizer(ckpt: Checkpoint) -> list[Path]:
 
 
 def _read_lf(ckpt: Checkpoint, bound: BoundMapping):
-    """``get(lf_name)`` over the checkpoint, after checking its model tensors are the mapping's."""
+    """``get(lf_name)`` over the checkpoint, after checking its model tensors are the mapping's.
+    A LoRA checkpoint's adapted weights are read merged, ``W + (alpha / rank) * B @ A``."""
+    from loongforge.core.lora import lora_record, megatron_adapters, merged_weight
+
     reader = ckpt.reader
-    expected = {bound.location(n).key for n in bound.lf_names}
     present = {k for k in reader.keys() if not k.startswith(OPTIMIZER_PREFIX)}
+    adapters = megatron_adapters(bound, present, ckpt.directory)
+    lora = lora_record(ckpt.manifest)
+    if adapters and lora is None:
+        raise MappingError(f"{ckpt.directory}: adapter tensors but no lora group (rank, alpha) in the manifest")
+    expected = {bound.location(n).key for n in bound.lf_names} | {loc.key for pair in adapters.values() for loc in pair}
     missing, unexpected = sorted(expected - present), sorted(present - expected)
     if missing or unexpected:
         problems = ([f"missing {len(missing)} tensor(s): {summarize_names(missing)}"] if missing else []) + (
@@ -140,7 +148,11 @@ def _read_lf(ckpt: Checkpoint, bound: BoundMapping):
         raise MappingError(f"{ckpt.directory}: model tensors do not match the family's mapping: " + "; ".join(problems))
 
     def get(name: str) -> torch.Tensor:
-        return read_at(ckpt, bound.location(name))
+        weight = read_at(ckpt, bound.location(name))
+        if name not in adapters:
+            return weight
+        a, b = (read_at(ckpt, loc) for loc in adapters[name])
+        return merged_weight(weight, a, b, lora["alpha"] / lora["rank"])
 
     return get
 
