@@ -337,15 +337,22 @@ def _minimal_targets(adapted: list[str], universe: Iterable[str]) -> list[str]:
 
 
 def transformers_layout(manifest: Mapping, *, leave_out: Callable[[str], bool] | None = None,
-                        unnamed: str = "fused or transformed there") -> AdapterLayout:
+                        unnamed: str = "fused or transformed there",
+                        module_name: Callable[[str], str] | None = None) -> AdapterLayout:
     """The adapters of a megatron family's checkpoint (``manifest``: its manifest) under the
     names of its transformers model (the family's HF mapping, fused layers split by
     ``adapter_renames``), for ``PeftModel.from_pretrained`` of that model; ``leave_out(name)``:
-    layers (LoongForge weight names) transformers has no module for, ``unnamed`` says why."""
+    layers (LoongForge weight names) transformers has no module for, ``unnamed`` says why;
+    ``module_name(name)``: the model's module path of an HF checkpoint name where the two differ
+    (transformers' Qwen2.5-VL saves ``model.layers.0...`` from ``model.language_model.layers.0...``)."""
     from loongforge.core.hf_mapping.convert import bind_checkpoint
 
     _, adapter, _, bound = bind_checkpoint(dict(manifest), "the checkpoint's manifest.json")
     renames = {ours: theirs for ours, theirs in adapter_renames(bound).items() if not (leave_out and leave_out(ours))}
+    if module_name is not None:
+        renames = {ours: module_name(theirs) if isinstance(theirs, str)
+                   else RowSplit(tuple(module_name(n) for n in theirs.names), theirs.split)
+                   for ours, theirs in renames.items()}
     return AdapterLayout(prefix="", rename=lambda weights: {w: renames[w] for w in weights if w in renames},
                          library=f"transformers {adapter.architectures[0]}", key_prefix="base_model.model.",
                          unnamed=unnamed)
