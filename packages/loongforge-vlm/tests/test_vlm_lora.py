@@ -111,3 +111,4 @@ def test_lora_targets_name_parts(capsys):
         "re:x.*"]
     assert main(["train", "lora.rank=-2"]) == 2
     assert "lora.rank=-2" in capsys.readouterr().err
+
