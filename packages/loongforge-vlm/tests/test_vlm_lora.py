@@ -112,3 +112,28 @@ def test_lora_targets_name_parts(capsys):
     assert main(["train", "lora.rank=-2"]) == 2
     assert "lora.rank=-2" in capsys.readouterr().err
 
+
+
+def test_adapters_train_in_the_trainable_parts_only(megatron_world):
+    from megatron.core.transformer import TransformerConfig
+
+    from loongforge.core.config import ConfigError
+    from loongforge.vlm.cli import load_vlm_config
+    from loongforge.vlm.recipe import VLMTask
+
+    def build(*overrides):
+        task = VLMTask(load_vlm_config("vlm_debug", ["lora.rank=2", *overrides]))
+        tc = TransformerConfig(**task.transformer_config_kwargs(), use_cpu_initialization=True)
+        return task.build_model(megatron_world, tc, True, True)
+
+    model = build("lora.target_modules=[linear_qkv,projector.linear_fc2]", "trainable=[foundation,projector]")
+    adapters = {n for n, _ in model.named_parameters() if n.endswith(("lora_A", "lora_B"))}
+    # a plain entry adapts the layer in every part, a part-prefixed one in its part only
+    assert {n.split(".")[0] for n in adapters} == {"encoder", "projector", "language_model"}
+    assert not any("linear_fc1" in n for n in adapters)
+    trainable = {n for n, p in model.named_parameters() if p.requires_grad}
+    assert trainable == {n for n in adapters if not n.startswith("encoder.")}  # the encoder is not trainable
+    with pytest.raises(ConfigError, match=r"adapt no layer of the trainable parts \(trainable=\['foundation'\]\)"):
+        build("lora.target_modules=[encoder.linear_qkv]", "trainable=[foundation]")
+    with pytest.raises(ConfigError, match=r"lora.target_modules=\['foundation.q_proj'\]: .* match no linear layer"):
+        build("lora.target_modules=[foundation.q_proj]")

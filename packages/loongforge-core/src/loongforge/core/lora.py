@@ -78,6 +78,7 @@ ADAPTER_SUFFIXES = (f".{LORA_A}.weight", f".{LORA_B}.weight")
 PEFT_CONFIG = "adapter_config.json"
 PEFT_WEIGHTS = "adapter_model.safetensors"
 DIFFUSERS_METADATA_KEY = "lora_adapter_metadata"  # diffusers reads the LoRA config from this header entry
+UNNAMED = "fused or transformed there"  # why an AdapterLayout names no layer, unless it says
 
 
 # -- matching and initialisation ---------------------------------------------------------------
@@ -316,7 +317,7 @@ class AdapterLayout:
     key_prefix: str = ""
     metadata_prefix: str | None = None
     base_model: str | None = None
-    unnamed: str = "fused or transformed there"
+    unnamed: str = UNNAMED
 
 
 def _minimal_targets(adapted: list[str], universe: Iterable[str]) -> list[str]:
@@ -336,8 +337,7 @@ def _minimal_targets(adapted: list[str], universe: Iterable[str]) -> list[str]:
     return sorted(out)
 
 
-def transformers_layout(manifest: Mapping, *, leave_out: Callable[[str], bool] | None = None,
-                        unnamed: str = "fused or transformed there",
+def transformers_layout(manifest: Mapping, *, leave_out: Callable[[str], bool] | None = None, unnamed: str = UNNAMED,
                         module_name: Callable[[str], str] | None = None) -> AdapterLayout:
     """The adapters of a megatron family's checkpoint (``manifest``: its manifest) under the
     names of its transformers model (the family's HF mapping, fused layers split by

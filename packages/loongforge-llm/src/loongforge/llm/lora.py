@@ -23,8 +23,9 @@ gradients:
 same adapters. Checkpoints keep the base weights under their own names (a LoRA checkpoint is a
 base checkpoint plus ``<layer>.lora_A``/``lora_B``; SwiGLU ``linear_fc1`` adapters are stored in
 its ``[gate; up]`` layout), so ``merge_checkpoint`` can fold ``W + scale * B @ A`` into a
-plain checkpoint (then ``lf-llm convert lf-to-hf``) from the stored global tensors without
-building a model; ``lf-llm convert lora-to-peft`` writes the adapters alone in PEFT's format
+plain checkpoint (to train on from) from the stored global tensors without building a model;
+``lf-llm convert lf-to-hf`` reads a LoRA checkpoint merged by the same fold, and
+``lf-llm convert lora-to-peft`` writes the adapters alone in PEFT's format
 (``loongforge.core.lora.export_checkpoint_adapter``, transformers' names).
 
 Routed experts can be adapted when the expert tensor-parallel size is 1 (with EP any size).

@@ -21,10 +21,11 @@ import re
 from dataclasses import replace
 
 from loongforge.core.config import ConfigError
+from loongforge.llm.api import LORA_DEFAULT_TARGETS
 
 # the part names of the config (and of `trainable`) -> the model's module of that part
 PART_MODULES = {"encoder": "encoder", "projector": "projector", "foundation": "language_model"}
-DEFAULT_TARGETS = [f"foundation.{name}" for name in ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2")]
+DEFAULT_TARGETS = [f"foundation.{name}" for name in LORA_DEFAULT_TARGETS]  # lf-llm's, on the foundation
 
 
 def model_targets(targets: list[str]) -> list[str]:
