@@ -137,3 +137,14 @@ def test_adapters_train_in_the_trainable_parts_only(megatron_world):
         build("lora.target_modules=[encoder.linear_qkv]", "trainable=[foundation]")
     with pytest.raises(ConfigError, match=r"lora.target_modules=\['foundation.q_proj'\]: .* match no linear layer"):
         build("lora.target_modules=[foundation.q_proj]")
+
+
+def test_peft_export_refuses_a_composition_transformers_cannot_express():
+    from loongforge.core.config import to_dict
+    from loongforge.core.hf_mapping import MappingError
+    from loongforge.vlm.cli import load_vlm_config
+    from loongforge.vlm.lora import lora_layouts
+
+    cfg = load_vlm_config("vlm_debug", ["encoder=siglip_vit_debug", "projector=mlp_2x"])
+    with pytest.raises(MappingError, match="encoder.family='siglip_vit'"):
+        lora_layouts({"family": "vlm", "model_config": to_dict(cfg.model())}, [])

@@ -347,14 +347,15 @@ def transformers_layout(manifest: Mapping, *, leave_out: Callable[[str], bool] |
     (transformers' Qwen2.5-VL saves ``model.layers.0...`` from ``model.language_model.layers.0...``)."""
     from loongforge.core.hf_mapping.convert import bind_checkpoint
 
-    _, adapter, _, bound = bind_checkpoint(dict(manifest), "the checkpoint's manifest.json")
+    _, adapter, cfg, bound = bind_checkpoint(dict(manifest), "the checkpoint's manifest.json")
+    architecture = adapter.config_to_hf(cfg)["architectures"][0]  # refuses a model transformers cannot express
     renames = {ours: theirs for ours, theirs in adapter_renames(bound).items() if not (leave_out and leave_out(ours))}
     if module_name is not None:
         renames = {ours: module_name(theirs) if isinstance(theirs, str)
                    else RowSplit(tuple(module_name(n) for n in theirs.names), theirs.split)
                    for ours, theirs in renames.items()}
     return AdapterLayout(prefix="", rename=lambda weights: {w: renames[w] for w in weights if w in renames},
-                         library=f"transformers {adapter.architectures[0]}", key_prefix="base_model.model.",
+                         library=f"transformers {architecture}", key_prefix="base_model.model.",
                          unnamed=unnamed)
 
 
