@@ -1,6 +1,6 @@
 """`lf-llm convert lora-to-peft` end to end: a LoRA run from the CLI on a tiny transformers Qwen2.5
 (GQA 4/2, q/k/v biases, tied embeddings) changes only the adapters; its PEFT export, loaded by
-``peft.PeftModel.from_pretrained`` onto the transformers model it started from, gives the logits
+``peft.PeftModel.from_pretrained`` onto the base's ``lf-llm convert lf-to-hf`` export, gives the logits
 of the merged model (``lf-llm lora merge`` -> ``lf-llm convert lf-to-hf`` -> transformers, the same
 files as ``lf-to-hf`` of the LoRA checkpoint itself); routed MoE experts, which transformers fuses,
 are refused."""
@@ -78,8 +78,10 @@ def test_peft_adapter_on_transformers_equals_merged_model(tmp_path, llm_data_cac
     direct, via_merge = load_file(hf_direct / "model.safetensors"), load_file(hf_merged / "model.safetensors")
     assert sorted(direct) == sorted(via_merge) and all(torch.equal(direct[k], via_merge[k]) for k in direct)
 
+    exported_base = tmp_path / "hf_base"  # the base as lf-llm exports it (the weights of lora.base)
+    cli("convert", "lf-to-hf", str(base), str(exported_base), "--no-progress")
     tokens = torch.randint(0, 1280, (2, 24), generator=torch.Generator().manual_seed(0))
-    original = AutoModelForCausalLM.from_pretrained(hf_base, dtype=torch.float32).eval()
+    original = AutoModelForCausalLM.from_pretrained(exported_base, dtype=torch.float32).eval()
     base_logits = logits_of(original, tokens)
     with_adapter = PeftModel.from_pretrained(original, str(peft_dir)).eval()
     reference = logits_of(AutoModelForCausalLM.from_pretrained(hf_merged, dtype=torch.float32).eval(), tokens)
