@@ -135,7 +135,7 @@ def describe_cli():
         example="foundation=qwen3_debug encoder=siglip_vit_debug parallel.tp=2 parallel.encoder.tp=1",
         converters=[Converter("hf-to-lf", "a Qwen2.5-VL Hugging Face directory -> a LoongForge checkpoint",
                               hf_to_lf_command),
-                    Converter("lf-to-hf", "a LoongForge VLM checkpoint -> a Qwen2.5-VL Hugging Face directory",
+                    Converter("lf-to-hf", "a LoongForge VLM checkpoint (a LoRA one merged) -> a Qwen2.5-VL Hugging Face directory",
                               lf_to_hf_command)],
         bench_options=add_bench_arguments, bench=bench, lora_layouts=lora_layouts, lora_library="transformers",
         packages=["loongforge-core", "loongforge-llm", "loongforge-vlm", "loongforge-kernels"], schema=VLMConfig,
