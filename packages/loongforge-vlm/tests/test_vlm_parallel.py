@@ -1,7 +1,7 @@
 """Heterogeneous parallelism: the foundation at TP=2 with the vision tower at TP=1 (its images
 shared out across the foundation's TP group) or at TP=2 gives the losses and the gradients of
 one process on the same weights and data (2 gloo processes), and a checkpoint it saves resumes
-in one process."""
+in one process; LoRA adapters in all three parts get one process's gradients there too."""
 
 from pathlib import Path
 
@@ -48,3 +48,29 @@ def test_foundation_tp2_matches_one_process(encoder_tp, reference, tmp_path, vlm
     again = probe(resumed / "grads.pt", [], vlm_cache)
     assert again["losses"] == pytest.approx(reference["losses"][1:], rel=1e-5)
     assert again["grad_norms"] == pytest.approx(reference["grad_norms"][1:], rel=1e-4)
+
+
+LORA = ["lora.rank=4", "lora.alpha=8", "lora.target_modules=[foundation.linear_qkv,foundation.linear_proj,"
+        "foundation.linear_fc1,foundation.linear_fc2,encoder.linear_qkv,encoder.linear_fc1,encoder.linear_fc2,"
+        "projector.linear_fc1,projector.linear_fc2]"]
+
+
+@pytest.fixture(scope="module")
+def lora_reference(tmp_path_factory, vlm_cache):
+    return probe(tmp_path_factory.mktemp("lora-ref") / "grads.pt", LORA, vlm_cache)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("encoder_tp", [1, 2], ids=["encoder-tp1-split", "encoder-tp2"])
+def test_lora_at_foundation_tp2_matches_one_process(encoder_tp, lora_reference, tmp_path, vlm_cache):
+    """Adapters on every linear layer of the three parts (loongforge-llm's tensor-parallel LoRA)
+    under the foundation at TP=2: the losses and adapter gradients of one process."""
+    got = probe(tmp_path / "grads.pt", [*LORA, "parallel.tp=2", f"parallel.encoder.tp={encoder_tp}"], vlm_cache,
+                nproc=2)
+    ref = lora_reference["grads"]
+    assert {n.split(".")[0] for n in ref} == {"encoder", "projector", "language_model"}
+    assert all(n.endswith(("lora_A", "lora_B")) for n in ref) and sorted(got["grads"]) == sorted(ref)
+    assert got["losses"] == pytest.approx(lora_reference["losses"], rel=1e-5)
+    assert got["grad_norms"] == pytest.approx(lora_reference["grad_norms"], rel=1e-4)
+    for name, grad in ref.items():
+        torch.testing.assert_close(got["grads"][name], grad, rtol=1e-4, atol=1e-7, msg=name)

@@ -24,7 +24,11 @@ manifest), so resuming is exact and exports need no model:
   converters then write an ordinary model); ``merge_lora`` does the same to a module in place;
 - ``export_peft_adapter`` writes the adapters alone in PEFT's format (``adapter_config.json`` +
   ``adapter_model.safetensors``) under the target library's module names, given the modality's
-  ``AdapterLayout`` (its name mapping, the key prefix the library loads, diffusers' metadata).
+  ``AdapterLayout`` (its name mapping, the key prefix the library loads, diffusers' metadata);
+  a layer fused here and split there (a ``RowSplit``: megatron's ``linear_qkv`` is q/k/v_proj)
+  becomes one adapter per part, ``A`` shared and ``B``'s rows split as the weight's.
+  ``export_checkpoint_adapter`` reads the checkpoints of both engines (the megatron engine's
+  through its family's HF mapping, ``transformers_layout`` naming them as transformers does).
 """
 
 from __future__ import annotations
@@ -47,7 +51,9 @@ __all__ = [
     "AdapterLayout",
     "LoRAConfig",
     "LoRALinear",
+    "RowSplit",
     "adapter_modules",
+    "adapter_renames",
     "apply_lora",
     "checkpoint_of",
     "export_checkpoint_adapter",
@@ -60,9 +66,11 @@ __all__ = [
     "matches",
     "merge_lora",
     "merge_state",
+    "megatron_adapters",
     "merged_weight",
     "one_to_one_names",
     "strip_adapters",
+    "transformers_layout",
 ]
 
 LORA_A, LORA_B = "lora_A", "lora_B"
@@ -70,6 +78,7 @@ ADAPTER_SUFFIXES = (f".{LORA_A}.weight", f".{LORA_B}.weight")
 PEFT_CONFIG = "adapter_config.json"
 PEFT_WEIGHTS = "adapter_model.safetensors"
 DIFFUSERS_METADATA_KEY = "lora_adapter_metadata"  # diffusers reads the LoRA config from this header entry
+UNNAMED = "fused or transformed there"  # why an AdapterLayout names no layer, unless it says
 
 
 # -- matching and initialisation ---------------------------------------------------------------
@@ -252,13 +261,39 @@ def lora_record(manifest: Mapping) -> dict | None:
 
 
 # -- export in PEFT's format ------------------------------------------------------------------
+@dataclass(frozen=True)
+class RowSplit:
+    """One layer of ours that is several of the target library's (megatron's fused ``linear_qkv``
+    is q/k/v_proj, its SwiGLU ``linear_fc1`` gate/up_proj): their weight names, and ``split(t)``,
+    which splits a tensor with the fused layer's rows into theirs, in ``names`` order. Every
+    output row reads the same input, so the adapter is one per name with ``A`` shared and
+    ``B``'s rows split as the weight's are."""
+
+    names: tuple[str, ...]
+    split: Callable[[torch.Tensor], list[torch.Tensor]]
+
+
+def adapter_renames(bound) -> dict[str, str | RowSplit]:
+    """``{LoongForge weight name: target-library weight name or RowSplit}`` of a bound HF mapping:
+    its one-to-one renames, and its fused layers whose transform only splits rows
+    (``Transform.splits_rows``, e.g. ``fuse_qkv``, ``fuse_gate_up``), split by that transform."""
+    from loongforge.core.hf_mapping.transforms import Identity
+
+    out: dict[str, str | RowSplit] = {}
+    for c in bound.conversions:
+        if len(c.lf) != 1:
+            continue
+        if isinstance(c.transform, Identity) and len(c.hf) == 1:
+            out[c.lf[0]] = c.hf[0]
+        elif c.transform.splits_rows:
+            out[c.lf[0]] = RowSplit(tuple(c.hf), lambda t, c=c: c.to_hf([t]))
+    return out
+
+
 def one_to_one_names(bound) -> dict[str, str]:
     """``{LoongForge name: target-library name}`` of a bound HF mapping's renames (identity
     conversions of one tensor each: what an adapter's layer can be named through)."""
-    from loongforge.core.hf_mapping.transforms import Identity
-
-    return {c.lf[0]: c.hf[0] for c in bound.conversions
-            if isinstance(c.transform, Identity) and len(c.lf) == 1 and len(c.hf) == 1}
+    return {ours: theirs for ours, theirs in adapter_renames(bound).items() if isinstance(theirs, str)}
 
 
 @dataclass(frozen=True)
@@ -266,8 +301,10 @@ class AdapterLayout:
     """Where the adapters of one model (or one part of it) go, for one target library.
 
     ``prefix``: the part's prefix in the checkpoint's names (``transformer.`` for Wan's first
-    expert); ``rename(names)``: ``{our weight name: library weight name}`` for the part's weight
-    names (without the prefix); ``directory``: under the export's OUT (``""``: OUT itself);
+    expert); ``rename(names)``: ``{our weight name: library weight name}`` (or a ``RowSplit`` of a
+    layer that is several there) for the part's weight names (without the prefix); a layer it
+    leaves out cannot be exported, ``unnamed`` says why; ``directory``: under the export's OUT
+    (``""``: OUT itself);
     ``key_prefix``: what the library's loader expects in front of its module names in
     ``adapter_model.safetensors`` (``transformer.`` for diffusers, ``base_model.model.`` for a
     ``PeftModel``); ``metadata_prefix``: diffusers' loaders read the LoRA config from the file's
@@ -280,6 +317,7 @@ class AdapterLayout:
     key_prefix: str = ""
     metadata_prefix: str | None = None
     base_model: str | None = None
+    unnamed: str = UNNAMED
 
 
 def _minimal_targets(adapted: list[str], universe: Iterable[str]) -> list[str]:
@@ -297,6 +335,32 @@ def _minimal_targets(adapted: list[str], universe: Iterable[str]) -> list[str]:
                 out.add(suffix)
                 break
     return sorted(out)
+
+
+def transformers_layout(manifest: Mapping, *, leave_out: Callable[[str], bool] | None = None, unnamed: str = UNNAMED,
+                        module_name: Callable[[str], str] | None = None) -> AdapterLayout:
+    """The adapters of a megatron family's checkpoint (``manifest``: its manifest) under the
+    names of its transformers model (the family's HF mapping, fused layers split by
+    ``adapter_renames``), for ``PeftModel.from_pretrained`` of that model; ``leave_out(name)``:
+    layers (LoongForge weight names) transformers has no module for, ``unnamed`` says why;
+    ``module_name(name)``: the model's module path of an HF checkpoint name where the two differ
+    (transformers' Qwen2.5-VL saves ``model.layers.0...`` from ``model.language_model.layers.0...``)."""
+    from loongforge.core.hf_mapping.convert import bind_checkpoint
+
+    _, adapter, cfg, bound = bind_checkpoint(dict(manifest), "the checkpoint's manifest.json")
+    architecture = adapter.config_to_hf(cfg)["architectures"][0]  # refuses a model transformers cannot express
+    renames = {ours: theirs for ours, theirs in adapter_renames(bound).items() if not (leave_out and leave_out(ours))}
+    if module_name is not None:
+        renames = {ours: module_name(theirs) if isinstance(theirs, str)
+                   else RowSplit(tuple(module_name(n) for n in theirs.names), theirs.split)
+                   for ours, theirs in renames.items()}
+    return AdapterLayout(prefix="", rename=lambda weights: {w: renames[w] for w in weights if w in renames},
+                         library=f"transformers {architecture}", key_prefix="base_model.model.",
+                         unnamed=unnamed)
+
+
+def _weight_names(target: str | RowSplit) -> tuple[str, ...]:
+    return (target,) if isinstance(target, str) else target.names
 
 
 def _peft_config(record: Mapping, targets: list[str], base_model: str | None) -> dict:
@@ -335,16 +399,21 @@ def export_peft_adapter(names: Iterable[str], get: Callable[[str], torch.Tensor]
         renamed = layout.rename([k for k in part if k.endswith(".weight") and not is_adapter_key(k)])
         missing = [layer for layer in layers if f"{layer}.weight" not in renamed]
         if missing:
-            raise MappingError(f"adapters on {missing[:3]}: the {layout.library} layout has no one-to-one name for "
-                             f"these layers' weights (fused or transformed there); export the merged model instead")
-        theirs = {layer: renamed[f"{layer}.weight"][: -len(".weight")] for layer in layers}
-        universe = [n[: -len(".weight")] for n in renamed.values() if n.endswith(".weight")]
-        tensors = {}
-        for layer, name in theirs.items():
-            for factor in (LORA_A, LORA_B):
-                t = get(f"{layout.prefix}{layer}.{factor}.weight")
-                tensors[f"{layout.key_prefix}{name}.{factor}.weight"] = (t.to(dtype) if dtype else t).contiguous()
-        jobs.append((layout, _minimal_targets(sorted(theirs.values()), universe), tensors))
+            raise MappingError(f"adapters on {missing[:3]}: the {layout.library} layout has no name for these "
+                               f"layers ({layout.unnamed}); export the merged model instead")
+        universe = [n[: -len(".weight")] for target in renamed.values() for n in _weight_names(target)
+                    if n.endswith(".weight")]
+        tensors, adapted = {}, []
+        for layer in layers:
+            target = renamed[f"{layer}.weight"]
+            a, b = (get(f"{layout.prefix}{layer}.{factor}.weight") for factor in (LORA_A, LORA_B))
+            parts = [b] if isinstance(target, str) else target.split(b)
+            for name, b_part in zip(_weight_names(target), parts, strict=True):
+                name = name[: -len(".weight")]
+                adapted.append(name)
+                for factor, t in ((LORA_A, a), (LORA_B, b_part)):  # (A is cloned: one storage per entry)
+                    tensors[f"{layout.key_prefix}{name}.{factor}.weight"] = (t.to(dtype) if dtype else t).clone()
+        jobs.append((layout, _minimal_targets(sorted(adapted), universe), tensors))
     if not jobs:
         raise MappingError("no adapter tensors to export (a LoRA checkpoint is saved by a run with lora.rank > 0)")
     written = []
@@ -385,10 +454,54 @@ def export_checkpoint_adapter(source: str | Path, out: str | Path,
                                   "export the whole model instead")
     if ema and not ckpt.manifest.get("ema"):
         raise CheckpointReadError(f"{ckpt.directory}: the checkpoint has no EMA weights (trained with ema.decay=0)")
-    keys = set(ckpt.reader.keys())
-    names = sorted(k[len("model."):] for k in keys if k.startswith("model."))
+    if ckpt.manifest.get("engine") == "megatron":
+        names, get = _megatron_state(ckpt)
+    else:
+        keys = set(ckpt.reader.keys())
+        names = sorted(k[len("model."):] for k in keys if k.startswith("model."))
 
-    def get(name: str) -> torch.Tensor:
-        return ckpt.tensor(f"ema.{name}" if ema and f"ema.{name}" in keys else f"model.{name}")
+        def get(name: str) -> torch.Tensor:
+            return ckpt.tensor(f"ema.{name}" if ema and f"ema.{name}" in keys else f"model.{name}")
 
     return export_peft_adapter(names, get, record, out, layouts(ckpt.manifest, names), dtype)
+
+
+def _megatron_state(ckpt) -> tuple[list[str], Callable[[str], torch.Tensor]]:
+    """A megatron-engine LoRA checkpoint as per-layer state-dict names (the family's HF mapping's
+    LoongForge names, global layer and expert indices, adapters as ``<layer>.lora_A.weight``) and
+    their reader."""
+    from loongforge.core.hf_mapping.convert import OPTIMIZER_PREFIX, bind_checkpoint, read_at
+
+    _, _, _, bound = bind_checkpoint(ckpt.manifest, ckpt.directory / "manifest.json")
+    keys = {k for k in ckpt.reader.keys() if not k.startswith(OPTIMIZER_PREFIX)}
+    where = {name: bound.location(name) for name in bound.lf_names}
+    for name, pair in megatron_adapters(bound, keys, ckpt.directory).items():
+        for factor, loc in zip((LORA_A, LORA_B), pair):
+            where[f"{name[: -len('weight')]}{factor}.weight"] = loc
+    return sorted(where), lambda name: read_at(ckpt, where[name])
+
+
+def megatron_adapters(bound, keys: Iterable[str], source) -> dict:
+    """``{LoongForge weight name: (Location of A, Location of B)}`` of the adapters among a
+    megatron checkpoint's sharded ``keys`` (``bound``: its family's bound HF mapping). The
+    megatron LoRA layers keep them beside the weight (``decoder.layers.mlp.linear_fc1.lora_A``,
+    layers and experts stacked as the weight is); one beside no weight the mapping holds is a
+    ``MappingError`` naming it (``source``: the checkpoint, for the message)."""
+    from loongforge.core.hf_mapping.table import Location
+    from loongforge.core.hf_mapping.transforms import MappingError
+
+    keys = set(keys)
+    out, placed = {}, set()
+    for name in bound.lf_names:
+        loc = bound.location(name)
+        if not (name.endswith(".weight") and loc.key.endswith(".weight")):
+            continue
+        pair = tuple(Location(f"{loc.key[: -len('weight')]}{factor}", loc.offsets, loc.sizes) for factor in (LORA_A, LORA_B))
+        if pair[0].key in keys or pair[1].key in keys:
+            out[name] = pair
+            placed.update(p.key for p in pair)
+    stray = sorted(k for k in keys if k.endswith((f".{LORA_A}", f".{LORA_B}")) and k not in placed)
+    if stray:
+        raise MappingError(f"{source}: adapter tensors {stray[:3]} adapt layers the family's Hugging Face mapping does "
+                           "not hold")
+    return out

@@ -30,6 +30,18 @@ _EXPORTS: dict[str, tuple[str, str, str]] = {
         "loongforge.llm.shipped_configs", "CONFIG_DIR",
         "The directory of the shipped configs, a config search path: its ``model/`` group holds the model "
         "YAMLs (``defaults: [/model@_here_: qwen2_debug]`` composes one)."),
+    # LoRA on megatron-core's tensor-parallel linear layers
+    "apply_lora": (
+        "loongforge.llm.lora", "apply_lora",
+        "Wraps the Column/RowParallelLinear layers of a megatron module that ``lora.target_modules`` names in "
+        "TP-aware ``W x + (alpha / rank) B A x`` adapters and freezes every other parameter."),
+    "LORA_DEFAULT_TARGETS": (
+        "loongforge.llm.lora", "DEFAULT_TARGETS",
+        "The layers ``lf-llm`` adapts by default: ``linear_qkv``, ``linear_proj``, ``linear_fc1``, ``linear_fc2``."),
+    "load_base_weights": (
+        "loongforge.llm.lora", "load_base_weights",
+        "Loads a checkpoint's weights (same model config, no adapters) into a megatron module before "
+        "``apply_lora`` (``lora.base``)."),
     # chat data
     "ChatRenderer": (
         "loongforge.llm.data.chat", "ChatRenderer",

@@ -4,7 +4,8 @@
     lf-llm preprocess --input F [F ...] --output-prefix P [--tokenizer DIR] [--json-key text]
     lf-llm info [--config NAME_OR_PATH] [--dp N] [key=value ...]
     lf-llm convert hf-to-lf HF_DIR OUT [--dtype bf16|fp16|fp32] | lf-to-hf CHECKPOINT OUT
-    lf-llm lora merge|export-adapter CHECKPOINT OUT
+    lf-llm convert lora-to-peft CHECKPOINT OUT   (a LoRA run's adapters in PEFT's format, transformers names)
+    lf-llm lora merge CHECKPOINT OUT
     lf-llm bench [--config train_0_5b] [--steps N] [--fp8 MODE] [--variant NAME=K=V,...] [key=value ...]
     lf-llm plot RUN_DIR | compare RUN_A RUN_B [--window N] [--tolerance F]
 """
@@ -17,13 +18,6 @@ import sys
 from loongforge.core.config import ConfigError
 from loongforge.llm import recipe
 from loongforge.llm.recipe import LLMConfig
-
-
-def refuse_lora_export(args, cfg: LLMConfig) -> None:
-    """``--save-hf`` of a LoRA run: its checkpoint holds adapters, merged by ``lf-llm lora merge``."""
-    if args.save_export is not None and cfg.lora.enabled:
-        raise ConfigError(f"--save-hf {args.save_export}: a LoRA run's checkpoint holds adapters; merge them with "
-                          f"`lf-llm lora merge CHECKPOINT MERGED` and export with `lf-llm convert lf-to-hf MERGED OUT`")
 
 
 def cmd_info(args, cfg: LLMConfig) -> None:
@@ -106,13 +100,15 @@ def describe_cli():
     """This package's ``ModalityCLI`` (``loongforge.core.cli``)."""
     from loongforge.core.cli import ModalityCLI
     from loongforge.llm.convert import convert_options, converters
+    from loongforge.llm.lora_command import lora_layouts
 
     return ModalityCLI(
         prog="lf-llm", description="LoongForge LLM training on megatron-core",
         config_dirs=[recipe.CONFIG_DIR], default_config="train_debug", load_config=recipe.load_llm_config,
         make_task=make_task, info=cmd_info, info_options=info_options, example="train.steps=200 parallel.tp=2",
         converters=converters("lf-llm"), convert_options=convert_options,
-        before_train=refuse_lora_export, bench_options=bench_options, bench=bench, default_bench_config="train_0_5b",
+        lora_layouts=lora_layouts, lora_library="transformers",
+        bench_options=bench_options, bench=bench, default_bench_config="train_0_5b",
         commands=commands, packages=["loongforge-core", "loongforge-llm", "loongforge-kernels"],
         schema=recipe.LLMConfig,
     )

@@ -67,7 +67,7 @@ def converters(prog: str = "lf-llm"):
 
     return [Converter("hf-to-lf", "a Hugging Face model directory -> a LoongForge checkpoint (+ OUT/train.yaml)",
                       hf_to_lf_command),
-            Converter("lf-to-hf", "a LoongForge checkpoint (step directory or root) -> a Hugging Face directory",
+            Converter("lf-to-hf", "a LoongForge checkpoint (step directory or root; a LoRA one merged) -> a Hugging Face directory",
                       lf_to_hf_command)]
 
 

@@ -23,8 +23,10 @@ gradients:
 same adapters. Checkpoints keep the base weights under their own names (a LoRA checkpoint is a
 base checkpoint plus ``<layer>.lora_A``/``lora_B``; SwiGLU ``linear_fc1`` adapters are stored in
 its ``[gate; up]`` layout), so ``merge_checkpoint`` can fold ``W + scale * B @ A`` into a
-plain checkpoint (then ``lf-llm convert lf-to-hf``) and ``adapter_checkpoint`` can write the
-adapters alone, both from the stored global tensors without building a model.
+plain checkpoint (to train on from) from the stored global tensors without building a model;
+``lf-llm convert lf-to-hf`` reads a LoRA checkpoint merged by the same fold, and
+``lf-llm convert lora-to-peft`` writes the adapters alone in PEFT's format
+(``loongforge.core.lora.export_checkpoint_adapter``, transformers' names).
 
 Routed experts can be adapted when the expert tensor-parallel size is 1 (with EP any size).
 """
@@ -45,7 +47,7 @@ from loongforge.core.training.schema import LoRAConfig
 
 DEFAULT_TARGETS = ["linear_qkv", "linear_proj", "linear_fc1", "linear_fc2"]
 LORA_A, LORA_B = "lora_A", "lora_B"
-__all__ = ["DEFAULT_TARGETS", "LoRAConfig", "LoRALinear", "adapter_checkpoint", "apply_lora", "is_adapter",
+__all__ = ["DEFAULT_TARGETS", "LoRAConfig", "LoRALinear", "apply_lora", "is_adapter",
            "load_base_weights", "matches", "merge_checkpoint", "merged_weight"]
 
 
@@ -286,14 +288,3 @@ def merge_checkpoint(checkpoint: str | Path, out: str | Path) -> Path:
                 yield key, ckpt.tensor(key)
 
     return _write(ckpt, Path(out), tensors(), {"merged_lora": lora})
-
-
-def adapter_checkpoint(checkpoint: str | Path, out: str | Path) -> Path:
-    """The adapters of ``checkpoint`` alone (global ``<layer>.lora_A``/``lora_B`` tensors and
-    the LoRA config in the manifest), for the base model named by its family and config."""
-    from loongforge.core.checkpoint import Checkpoint
-
-    ckpt = Checkpoint(checkpoint)
-    lora = _lora_record(ckpt)
-    keys = [k for k in ckpt.reader.keys() if is_adapter(k) and not k.startswith("optimizer.")]
-    return _write(ckpt, Path(out), ((k, ckpt.tensor(k)) for k in keys), {"lora": lora})

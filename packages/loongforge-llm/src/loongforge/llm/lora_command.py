@@ -1,35 +1,53 @@
-"""``lf-llm lora``: export a LoRA training checkpoint.
+"""``lf-llm lora merge`` and the LLM's naming of ``lf-llm convert lora-to-peft``.
 
-    lf-llm lora merge CKPT OUT           # OUT/step_00000000: the base weights with W + (alpha/r) B A
-    lf-llm lora export-adapter CKPT OUT  # OUT/step_00000000: the adapter tensors alone
+    lf-llm lora merge CKPT OUT             # OUT/step_00000000: the base weights with W + (alpha/r) B A
+    lf-llm convert lora-to-peft CKPT OUT   # OUT/adapter_config.json + adapter_model.safetensors
 
-A merged checkpoint is a plain checkpoint of the family: ``lf-llm convert lf-to-hf OUT HF_DIR``
-exports it to Hugging Face, ``checkpoint.load=OUT`` trains on from it.
+A merged checkpoint is a plain checkpoint of the family (``checkpoint.load=OUT`` or
+``lora.base=OUT`` trains on from it); ``lf-llm convert lf-to-hf`` (and ``train --save-hf``)
+exports a LoRA checkpoint to Hugging Face merged, by the same fold. ``lora-to-peft`` is the
+shared direction of every CLI (``loongforge.core.lora.export_checkpoint_adapter``): the adapters
+alone under transformers' module names, which ``peft.PeftModel.from_pretrained`` loads onto the
+``lf-to-hf`` export of the base model.
 """
 
 from __future__ import annotations
 
 import sys
 
+ROUTED_EXPERTS = ".mlp.experts.local_experts."
+ROUTED_EXPERTS_UNNAMED = ("routed MoE experts: transformers holds them as fused 3-D parameters, which PEFT's LoRA "
+                          "does not adapt; leave them out of lora.target_modules, e.g. "
+                          "'lora.target_modules=[linear_qkv,linear_proj,shared_experts.linear_fc1,shared_experts.linear_fc2]'")
+
+
+def lora_layouts(manifest: dict, names: list[str]):
+    """``convert lora-to-peft``: the adapters under the family's transformers names
+    (``base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight``); megatron's fused
+    ``linear_qkv`` and SwiGLU ``linear_fc1`` become q/k/v_proj and gate/up_proj adapters sharing
+    ``A``, ``B`` split as the HF mapping splits the weight. Routed experts are refused."""
+    from loongforge.core.lora import transformers_layout
+
+    return [transformers_layout(manifest, leave_out=lambda name: ROUTED_EXPERTS in name, unnamed=ROUTED_EXPERTS_UNNAMED)]
+
 
 def cmd_lora(args) -> int:
     from loongforge.core.checkpoint import CheckpointReadError
-    from loongforge.llm.lora import adapter_checkpoint, merge_checkpoint
+    from loongforge.llm.lora import merge_checkpoint
 
-    export = merge_checkpoint if args.action == "merge" else adapter_checkpoint
     try:
-        path = export(args.checkpoint, args.out)
+        path = merge_checkpoint(args.checkpoint, args.out)
     except (CheckpointReadError, FileExistsError, FileNotFoundError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    what = "merged weights" if args.action == "merge" else "adapters"
-    print(f"lf-llm: {what} of {args.checkpoint} -> {path}")
+    print(f"lf-llm: merged weights of {args.checkpoint} -> {path}")
     return 0
 
 
 def add_lora_command(sub) -> None:
-    lora = sub.add_parser("lora", help="export a LoRA checkpoint: merged into the base weights, or the adapters alone")
-    lora.add_argument("action", choices=["merge", "export-adapter"])
+    lora = sub.add_parser("lora", help="merge a LoRA checkpoint's adapters into its base weights (a plain checkpoint); "
+                                       "the adapters alone: `convert lora-to-peft`")
+    lora.add_argument("action", choices=["merge"])
     lora.add_argument("checkpoint", help="LoRA training checkpoint (a step directory or a checkpoint root)")
     lora.add_argument("out", help="output checkpoint root (must not hold a step_00000000 yet)")
     lora.set_defaults(fn=cmd_lora)

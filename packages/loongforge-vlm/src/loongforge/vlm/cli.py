@@ -2,7 +2,8 @@
 
     lf-vlm train [--config NAME_OR_PATH] [key=value ...]
     lf-vlm info [--config NAME_OR_PATH] [key=value ...]
-    lf-vlm convert hf-to-lf HF_DIR OUT [--dtype bf16|fp16|fp32] | lf-to-hf CHECKPOINT OUT
+    lf-vlm convert hf-to-lf HF_DIR OUT [--dtype bf16|fp16|fp32] | lf-to-hf CHECKPOINT OUT (LoRA: merged)
+    lf-vlm convert lora-to-peft CHECKPOINT OUT   (a LoRA run's adapters in PEFT's format, transformers names)
     lf-vlm bench [--tiny] [--samples N] [--image-size PX] [--variant NAME=K=V,...]  (vs transformers' Qwen2.5-VL)
     lf-vlm plot RUN_DIR | compare RUN_A RUN_B
 
@@ -124,6 +125,7 @@ def describe_cli():
     """This package's ``ModalityCLI`` (``loongforge.core.cli``)."""
     from loongforge.core.cli import Converter, ModalityCLI
     from loongforge.vlm.bench import add_bench_arguments
+    from loongforge.vlm.lora import lora_layouts
     from loongforge.vlm.recipe import VLMConfig
 
     return ModalityCLI(
@@ -133,9 +135,9 @@ def describe_cli():
         example="foundation=qwen3_debug encoder=siglip_vit_debug parallel.tp=2 parallel.encoder.tp=1",
         converters=[Converter("hf-to-lf", "a Qwen2.5-VL Hugging Face directory -> a LoongForge checkpoint",
                               hf_to_lf_command),
-                    Converter("lf-to-hf", "a LoongForge VLM checkpoint -> a Qwen2.5-VL Hugging Face directory",
+                    Converter("lf-to-hf", "a LoongForge VLM checkpoint (a LoRA one merged) -> a Qwen2.5-VL Hugging Face directory",
                               lf_to_hf_command)],
-        bench_options=add_bench_arguments, bench=bench,
+        bench_options=add_bench_arguments, bench=bench, lora_layouts=lora_layouts, lora_library="transformers",
         packages=["loongforge-core", "loongforge-llm", "loongforge-vlm", "loongforge-kernels"], schema=VLMConfig,
     )
 

@@ -29,6 +29,7 @@ class FusedQKV(Transform):
     """HF ``[q; k; v]`` (all heads of each, stacked) <-> megatron's per-head ``[q_h, k_h, v_h]``."""
 
     n_hf, n_lf = 1, 1
+    splits_rows = True  # a row permutation: a LoRA B of linear_qkv becomes qkv's
     per_head = FuseQKV(heads="num_attention_heads", groups="num_attention_heads", head_dim="head_dim")
 
     def to_lf(self, tensors, ctx):
@@ -84,6 +85,17 @@ PATCH_MERGER_MAPPING = HFMapping(
         *(Rule(f"mlp.{i}.{p}", f"mlp.encoder.linear_fc{n}.{p}") for i, n in ((0, 1), (2, 2)) for p in ("weight", "bias")),
     ),
 )
+
+
+def module_name(hf_name: str) -> str:
+    """The module path in transformers' ``Qwen2_5_VLForConditionalGeneration`` of a checkpoint
+    name, which keeps the older layout (``visual.*`` is ``model.visual.*``, ``model.*`` of the
+    language model is ``model.language_model.*``; ``lm_head`` is itself)."""
+    if hf_name.startswith("visual."):
+        return "model." + hf_name
+    if hf_name.startswith("model."):
+        return "model.language_model." + hf_name.removeprefix("model.")
+    return hf_name
 
 
 def foundation_mapping():

@@ -158,9 +158,12 @@ class VisionLanguageModel(MegatronModule):
         if mine:
             pixels = torch.cat([pixel_values[starts[i]:starts[i + 1]] for i in mine])
             local = self._tower(pixels, grid_thw[mine])
-        else:
+        else:  # requiring grad when the tower trains, as the other ranks' shares do, so that every rank of
+            # the group runs the same backward (the foundation's TP collectives on the input's gradient)
+            tower = (*self.encoder.parameters(), *self.projector.parameters())
+            trains = torch.is_grad_enabled() and any(p.requires_grad for p in tower)
             local = torch.zeros((0, self.cfg.foundation.hidden_size), dtype=self.config.params_dtype,
-                                device=pixel_values.device)
+                                device=pixel_values.device, requires_grad=trains)
         counts = [sum(sizes[i] for i in share) // merge for share in shares]
         gathered = gather_rows(local, counts, groups.split, grad_scale=float(groups.split_size))
         # rows of item i in the gathered (share-ordered) tensor, items back in their own order

@@ -24,9 +24,17 @@ from pathlib import Path
 import numpy as np
 
 from loongforge.core.config import to_dict
-from loongforge.core.training.schema import BalanceConfig, CheckpointConfig, LogConfig, ParallelConfig, SequenceTrainConfig
+from loongforge.core.training.schema import (
+    BalanceConfig,
+    CheckpointConfig,
+    LogConfig,
+    LoRAConfig,
+    ParallelConfig,
+    SequenceTrainConfig,
+)
 from loongforge.llm.api import GPTConfig
 from loongforge.vlm.data.media import MediaConfig
+from loongforge.vlm.lora import DEFAULT_TARGETS as DEFAULT_LORA_TARGETS
 from loongforge.vlm.model import VLMModelConfig
 from loongforge.vlm.encoders.qwen2_5_vit import QwenViTConfig
 from loongforge.vlm.model_config import EncoderConfig, ProjectorConfig, VisionTokensConfig
@@ -104,6 +112,9 @@ class VLMConfig:
     balance: BalanceConfig = field(default_factory=BalanceConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     log: LogConfig = field(default_factory=LogConfig)
+    # rank > 0: train adapters only; a target `PART.NAME` (encoder., projector., foundation.) selects in
+    # that part, a plain `NAME` in every part (loongforge.vlm.lora)
+    lora: LoRAConfig = field(default_factory=lambda: LoRAConfig(target_modules=list(DEFAULT_LORA_TARGETS)))
 
     def __post_init__(self):
         from loongforge.core.training.megatron_engine import check_train_config
@@ -186,6 +197,10 @@ class VLMTask:
             parts.update(encoder=model.encoder, projector=model.projector)
         for name, part in parts.items():
             part.requires_grad_(name in self.cfg.trainable)
+        if self.cfg.lora.enabled:
+            from loongforge.vlm.lora import add_adapters
+
+            add_adapters(model, self.cfg, self.model_config_dict(), load_initial_weights)
         return model
 
     def flops_per_token(self, seq_length: int) -> float:

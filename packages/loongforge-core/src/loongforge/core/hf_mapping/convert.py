@@ -7,7 +7,8 @@ any TP/PP layout by the weights-only load path (``checkpoint.load=OUT``). The to
 of the HF directory are copied into ``tokenizer/`` and named in the manifest. ``lf_to_hf``
 reads a checkpoint of a megatron family (converted or saved by training; optimizer state is
 skipped; a torch-engine family's checkpoint is refused, its modality converts it) and writes a
-directory ``transformers`` loads with ``from_pretrained``.
+directory ``transformers`` loads with ``from_pretrained``; a LoRA checkpoint's adapters are merged
+into the weights they adapt (``W + (alpha / rank) * B @ A``, in fp32, stored in ``W``'s dtype).
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from loongforge.core.checkpoint import Checkpoint, Piece
 from loongforge.core.hf_mapping.adapter import HFAdapter, family_for_architectures
 from loongforge.core.hf_mapping.hf_dir import CONFIG, HFReader, HFWriter, has_tokenizer, tokenizer_files
 from loongforge.core.hf_mapping.lf_writer import StreamingCheckpointWriter
-from loongforge.core.hf_mapping.table import BoundMapping, summarize_names
+from loongforge.core.hf_mapping.table import BoundMapping, Location, summarize_names
 from loongforge.core.hf_mapping.transforms import MappingError
 
 OPTIMIZER_PREFIX = "optimizer."
@@ -129,10 +130,17 @@ def _checkpoint_tokenizer(ckpt: Checkpoint) -> list[Path]:
 
 
 def _read_lf(ckpt: Checkpoint, bound: BoundMapping):
-    """``get(lf_name)`` over the checkpoint, after checking its model tensors are the mapping's."""
+    """``get(lf_name)`` over the checkpoint, after checking its model tensors are the mapping's.
+    A LoRA checkpoint's adapted weights are read merged, ``W + (alpha / rank) * B @ A``."""
+    from loongforge.core.lora import lora_record, megatron_adapters, merged_weight
+
     reader = ckpt.reader
-    expected = {bound.location(n).key for n in bound.lf_names}
     present = {k for k in reader.keys() if not k.startswith(OPTIMIZER_PREFIX)}
+    adapters = megatron_adapters(bound, present, ckpt.directory)
+    lora = lora_record(ckpt.manifest)
+    if adapters and lora is None:
+        raise MappingError(f"{ckpt.directory}: adapter tensors but no lora group (rank, alpha) in the manifest")
+    expected = {bound.location(n).key for n in bound.lf_names} | {loc.key for pair in adapters.values() for loc in pair}
     missing, unexpected = sorted(expected - present), sorted(present - expected)
     if missing or unexpected:
         problems = ([f"missing {len(missing)} tensor(s): {summarize_names(missing)}"] if missing else []) + (
@@ -140,15 +148,23 @@ def _read_lf(ckpt: Checkpoint, bound: BoundMapping):
         raise MappingError(f"{ckpt.directory}: model tensors do not match the family's mapping: " + "; ".join(problems))
 
     def get(name: str) -> torch.Tensor:
-        loc = bound.location(name)
-        shape = reader.global_shape(loc.key)
-        k = len(loc.sizes)
-        if tuple(shape[:k]) != loc.sizes:
-            raise MappingError(f"{ckpt.directory}: tensor {loc.key!r} has leading shape {list(shape[:k])}, the model "
-                               f"config implies {list(loc.sizes)}")
-        return reader.read(loc.key, loc.offsets + (0,) * (len(shape) - k), (1,) * k + tuple(shape[k:])).reshape(shape[k:])
+        weight = read_at(ckpt, bound.location(name))
+        if name not in adapters:
+            return weight
+        a, b = (read_at(ckpt, loc) for loc in adapters[name])
+        return merged_weight(weight, a, b, lora["alpha"] / lora["rank"])
 
     return get
+
+
+def read_at(ckpt: Checkpoint, loc: Location) -> torch.Tensor:
+    """The tensor at ``loc`` of a checkpoint: one index of a stacked (per-layer, per-expert) key."""
+    shape = ckpt.reader.global_shape(loc.key)
+    k = len(loc.sizes)
+    if tuple(shape[:k]) != loc.sizes:
+        raise MappingError(f"{ckpt.directory}: tensor {loc.key!r} has leading shape {list(shape[:k])}, the model "
+                           f"config implies {list(loc.sizes)}")
+    return ckpt.reader.read(loc.key, loc.offsets + (0,) * (len(shape) - k), (1,) * k + tuple(shape[k:])).reshape(shape[k:])
 
 
 def _stream_to_hf(ckpt: Checkpoint, bound: BoundMapping, get, writer: HFWriter, adapter: HFAdapter, family: str, cfg,
@@ -173,21 +189,26 @@ def _stream_to_hf(ckpt: Checkpoint, bound: BoundMapping, get, writer: HFWriter, 
     return writer.finish(config, tokenizer), tokenizer
 
 
+def bind_checkpoint(manifest: dict, source: Path | str) -> tuple[str, HFAdapter, Any, BoundMapping]:
+    """``(family, HF adapter, model config, bound mapping)`` of the megatron family a checkpoint's
+    manifest (``source``, for errors) names, bound to its recorded model config."""
+    family = manifest.get("family")
+    if not family:
+        raise MappingError(f"{source}: no model family recorded")
+    adapter, spec = _adapter_of(family, Path(source))
+    try:
+        cfg = spec.config_class(**manifest.get("model_config", {}))
+    except (TypeError, ValueError) as exc:
+        raise MappingError(f"{source}: model_config does not fit {spec.config_class.__name__} ({exc})") from exc
+    return family, adapter, cfg, adapter.bind(cfg)
+
+
 def lf_to_hf(checkpoint: str | Path, out: str | Path, *, dtype: torch.dtype | None = None, progress: bool = True,
              max_shard_bytes: int = 2 << 30) -> Converted:
     """Convert a LoongForge checkpoint (a step directory or a root with ``latest``) into the HF
     model directory ``out``."""
     ckpt = Checkpoint(checkpoint)
-    source = ckpt.directory / "manifest.json"
-    family = ckpt.manifest.get("family")
-    if not family:
-        raise MappingError(f"{source}: no model family recorded")
-    adapter, spec = _adapter_of(family, source)
-    try:
-        cfg = spec.config_class(**ckpt.manifest.get("model_config", {}))
-    except (TypeError, ValueError) as exc:
-        raise MappingError(f"{source}: model_config does not fit {spec.config_class.__name__} ({exc})") from exc
-    bound = adapter.bind(cfg)
+    family, adapter, cfg, bound = bind_checkpoint(ckpt.manifest, ckpt.directory / "manifest.json")
     get = _read_lf(ckpt, bound)
     writer = HFWriter(out, max_shard_bytes=max_shard_bytes)
     try:

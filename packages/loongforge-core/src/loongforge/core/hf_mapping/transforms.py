@@ -50,10 +50,15 @@ def _independent(t: torch.Tensor) -> torch.Tensor:
 
 
 class Transform(abc.ABC):
-    """Base class of transforms. ``n_hf``/``n_lf`` (None: any) are checked before each call."""
+    """Base class of transforms. ``n_hf``/``n_lf`` (None: any) are checked before each call.
+
+    ``splits_rows``: ``to_hf`` of one LF tensor only reorders and splits its rows (dim 0), so it
+    applies to any tensor with the same rows, e.g. the LoRA ``B`` (``[out, rank]``) of a fused
+    layer: a fused q/k/v or gate/up adapter becomes one adapter per HF layer (``A`` shared)."""
 
     n_hf: int | None = None
     n_lf: int | None = None
+    splits_rows: bool = False
 
     @abc.abstractmethod
     def to_lf(self, tensors: list[torch.Tensor], ctx: TransformContext) -> list[torch.Tensor]:
@@ -89,6 +94,7 @@ class FuseQKV(Transform):
     """
 
     n_hf, n_lf = 3, 1
+    splits_rows = True
 
     def __init__(self, heads: str = "num_attention_heads", groups: str = "num_query_groups", head_dim: str = "head_dim"):
         self.heads, self.groups, self.head_dim = heads, groups, head_dim
@@ -134,6 +140,7 @@ class Concat(Transform):
 
     def __init__(self, dim: int = 0):
         self.dim = dim
+        self.splits_rows = dim == 0
 
     def to_lf(self, tensors, ctx):
         shapes = {tuple(t.shape) for t in tensors}

@@ -220,13 +220,14 @@ class BalanceConfig:
 
 @dataclass
 class LoRAConfig:
-    """Low-rank adapters (``lora``), the same keys in every ``lf-*`` CLI that trains them (lf-llm's
-    megatron layers, the PyTorch-native engine's ``nn.Linear`` layers: ``loongforge.core.lora``).
+    """Low-rank adapters (``lora``), the same keys in every ``lf-*`` CLI that trains them (lf-llm's and
+    lf-vlm's megatron layers, the PyTorch-native engine's ``nn.Linear`` layers: ``loongforge.core.lora``).
     ``rank > 0`` adds ``(alpha / rank) * B A dropout(x)`` to every linear layer whose qualified name
     matches ``target_modules`` (A ``[rank, in]`` Kaiming-uniform, B ``[out, rank]`` zero, so training
     starts from the base model) and freezes every other parameter. An entry matches a layer whose
     name is it or ends with ``.`` + it; an entry ``re:PATTERN`` matches names the regular expression
-    matches in full. Each CLI sets its own default targets."""
+    matches in full. Each CLI sets its own default targets (``lf-vlm``: an entry may start with the
+    part it selects in, ``foundation.``, ``encoder.`` or ``projector.``)."""
 
     rank: int = 0  # 0: no adapters (full-parameter training)
     alpha: float = 16.0  # the update is scaled by alpha / rank
