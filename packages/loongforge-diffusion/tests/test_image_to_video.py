@@ -100,3 +100,81 @@ def test_image_conditioned_pack_equals_each_sample_alone(overrides):
             img = image[i : i + 1] if image is not None else None
             expected = ref(x[None], ti, text[i : i + 1], encoder_hidden_states_image=img, return_dict=False)[0][0]
             torch.testing.assert_close(outs[i], expected, **TOL)
+
+
+@pytest.mark.parametrize("overrides", [I2V, TI2V], ids=["i2v", "ti2v"])
+def test_import_export_roundtrip_bitwise(tmp_path, overrides):
+    """A diffusers I2V/TI2V checkpoint loads into our model (same forward), exports bit for bit,
+    and the export is one diffusers' from_pretrained loads."""
+    import json
+
+    from loongforge.diffusion.model import WanExperts
+    from loongforge.diffusion.model.convert import export_diffusers, load_pretrained, read_diffusers_weights
+
+    cfg = WanConfig(**overrides)
+    torch.manual_seed(3)
+    ref = WanTransformer3DModel(**cfg.diffusers_kwargs()).eval()
+    ref.save_pretrained(str(tmp_path / "src"))
+    model = WanExperts(cfg)
+    load_pretrained(model, tmp_path / "src")
+    x, text = torch.randn(1, cfg.in_channels, 2, 4, 4), torch.randn(1, cfg.text_len, cfg.text_dim)
+    t = torch.tensor([400.0]) if cfg.condition == "i2v" else _first_frame_timesteps(torch.tensor([400.0]), (2, 2, 2))
+    image = torch.randn(1, IMAGE_TOKENS, cfg.image_dim) if cfg.image_dim else None
+    with torch.no_grad():
+        torch.testing.assert_close(model.transformer.eval().forward_video(x, t, text, image),
+                                   ref(x, t, text, encoder_hidden_states_image=image, return_dict=False)[0], **TOL)
+    state = {f"transformer.{k}": v for k, v in model.transformer.state_dict().items()}
+    (out,) = export_diffusers(state, cfg, tmp_path / "out")
+    back = read_diffusers_weights(out)
+    assert json.loads((out / "config.json").read_text())["image_dim"] == cfg.image_dim
+    assert set(back) == set(ref.state_dict())
+    for k, v in ref.state_dict().items():
+        assert torch.equal(back[k], v), k
+    loaded = WanTransformer3DModel.from_pretrained(str(out)).eval()
+    for k, v in ref.state_dict().items():
+        assert torch.equal(loaded.state_dict()[k], v), k
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(x, t, text, encoder_hidden_states_image=image, return_dict=False)[0],
+                                   ref(x, t, text, encoder_hidden_states_image=image, return_dict=False)[0])
+
+
+def test_import_drops_what_diffusers_drops_and_refuses_unknown_keys_by_name(tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    from loongforge.diffusion.model import WanExperts
+    from loongforge.diffusion.model.convert import WEIGHTS, load_pretrained
+
+    cfg = WanConfig(**I2V)
+    WanTransformer3DModel(**cfg.diffusers_kwargs()).save_pretrained(str(tmp_path / "src"))
+    path = tmp_path / "src" / WEIGHTS
+    state = load_file(str(path))
+    state["blocks.0.attn2.norm_added_q.weight"] = torch.ones(cfg.hidden_size)  # diffusers skips it on load
+    save_file(state, str(path))
+    load_pretrained(WanExperts(cfg), tmp_path / "src")
+    state["blocks.0.attn2.add_q_proj.weight"] = torch.ones(cfg.hidden_size, cfg.hidden_size)
+    save_file(state, str(path))
+    with pytest.raises(ValueError, match=r"unexpected \['blocks.0.attn2.add_q_proj.weight'\]"):
+        load_pretrained(WanExperts(cfg), tmp_path / "src")
+    # a T2V model refuses the I2V checkpoint by its config
+    with pytest.raises(ValueError, match="in_channels=12 but model.in_channels=4"):
+        load_pretrained(WanExperts(WanConfig()), tmp_path / "src")
+
+
+def test_pretrained_reads_the_image_conditioning_from_the_checkpoint(tmp_path):
+    """``model.pretrained=DIR``: an I2V transformer's config.json gives condition=i2v, image_dim
+    and the channels; a TI2V pipeline's model_index.json (``expand_timesteps``) gives ti2v."""
+    import json
+
+    from loongforge.diffusion.cli import load_recipe
+
+    WanTransformer3DModel(**WanConfig(**(I2V | dict(num_layers=3))).diffusers_kwargs()).save_pretrained(
+        str(tmp_path / "i2v"))
+    m = load_recipe(None, [f"model.pretrained={tmp_path / 'i2v'}"]).model
+    assert (m.condition, m.in_channels, m.out_channels, m.image_dim, m.added_kv_proj_dim, m.num_layers) == (
+        "i2v", 12, 4, 24, 64, 3)
+    WanTransformer3DModel(**WanConfig(in_channels=6, out_channels=6).diffusers_kwargs()).save_pretrained(
+        str(tmp_path / "ti2v" / "transformer"))
+    (tmp_path / "ti2v" / "model_index.json").write_text(json.dumps({"expand_timesteps": True}))
+    for directory in (tmp_path / "ti2v", tmp_path / "ti2v" / "transformer"):
+        m = load_recipe(None, [f"model.pretrained={directory}"]).model
+        assert (m.condition, m.in_channels, m.image_dim) == ("ti2v", 6, None)
