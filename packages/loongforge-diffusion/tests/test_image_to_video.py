@@ -178,3 +178,73 @@ def test_pretrained_reads_the_image_conditioning_from_the_checkpoint(tmp_path):
     for directory in (tmp_path / "ti2v", tmp_path / "ti2v" / "transformer"):
         m = load_recipe(None, [f"model.pretrained={directory}"]).model
         assert (m.condition, m.in_channels, m.image_dim) == ("ti2v", 6, None)
+
+
+@pytest.mark.parametrize("overrides", [I2V, TI2V], ids=["i2v", "ti2v"])
+def test_image_to_video_sampling_follows_wan_pipeline(overrides):
+    """Euler sampling from an image equals WanImageToVideoPipeline's loop on the same weights:
+    I2V concatenates the mask and condition latents and passes the CLIP tokens at every step; TI2V
+    (expand_timesteps) puts the condition frame in at timestep 0 and back into the result."""
+    from diffusers import FlowMatchEulerDiscreteScheduler
+
+    from loongforge.diffusion.conditioning import ImageCondition, first_frame_mask
+    from loongforge.diffusion.model import WanExperts
+    from loongforge.diffusion.sampling import generate
+
+    cfg = WanConfig(**overrides)
+    torch.manual_seed(1)
+    experts = WanExperts(cfg).eval()
+    ref = WanTransformer3DModel(**cfg.diffusers_kwargs()).eval()
+    ref.load_state_dict(experts.transformer.state_dict())
+    shape = (cfg.out_channels, 3, 4, 6)
+    text = torch.randn(2, cfg.text_len, cfg.text_dim)
+    if cfg.condition == "i2v":
+        conds = [ImageCondition(torch.randn(shape), torch.randn(IMAGE_TOKENS, cfg.image_dim)) for _ in range(2)]
+    else:
+        conds = [ImageCondition(torch.randn(cfg.out_channels, 1, 4, 6)) for _ in range(2)]
+    got = generate(experts, text, [shape, shape], num_steps=5, shift=3.0, seed=3, image_conditions=conds)
+
+    g = torch.Generator().manual_seed(3)
+    latents = torch.stack([torch.randn(shape, generator=g), torch.randn(shape, generator=g)])
+    condition = torch.stack([c.latent for c in conds])
+    image = torch.stack([c.image for c in conds]) if cfg.image_dim else None
+    mask = torch.ones(1, 1, *shape[1:])
+    mask[:, :, 0] = 0  # the pipeline's TI2V first_frame_mask
+    scheduler = FlowMatchEulerDiscreteScheduler(shift=3.0)
+    scheduler.set_timesteps(5)
+    with torch.no_grad():
+        for t in scheduler.timesteps:
+            if cfg.condition == "i2v":
+                i2v_mask = first_frame_mask(cfg.mask_channels, shape)[None].expand(2, -1, -1, -1, -1)
+                inputs, timestep = torch.cat([latents, i2v_mask, condition], dim=1), t.expand(2)
+            else:
+                inputs = (1 - mask) * condition + mask * latents
+                timestep = (mask[0][0][:, ::2, ::2] * t).flatten()[None].expand(2, -1)
+            v = ref(inputs, timestep, text, encoder_hidden_states_image=image, return_dict=False)[0]
+            latents = scheduler.step(v, t, latents, return_dict=False)[0]
+    if cfg.condition == "ti2v":
+        latents = (1 - mask) * condition + mask * latents
+    torch.testing.assert_close(torch.stack(got), latents, atol=1e-4, rtol=1e-4)
+
+
+def test_ti2v_loss_leaves_the_given_first_frame_out():
+    from loongforge.diffusion.objective import token_weights
+
+    w = token_weights([6, 4], 2, "token", 8, given=[2, 0])
+    assert w.tolist() == [0, 0, 1, 1, 1, 1, 1, 1, 1, 1, 0, 0]
+    w = token_weights([6, 4], 0, "sample", 8, given=[2, 4])
+    assert w.tolist() == [0, 0] + [1 / 32] * 4 + [0] * 4
+
+
+@pytest.mark.parametrize("overrides, match", [
+    (dict(image_dim=8), "set both"),
+    (dict(image_dim=8, added_kv_proj_dim=32, condition="i2v", in_channels=12), "must be the hidden size"),
+    (dict(image_dim=8, added_kv_proj_dim=64, in_channels=12), "needs model.condition='i2v'"),
+    (dict(condition="i2v"), r"in_channels \(4\) = 2 x model.out_channels \(4\)"),
+    (dict(in_channels=12), "needs model.condition='i2v'"),
+    (dict(condition="ti2v", patch_size=[2, 2, 2]), "temporal patch of 1"),
+    (dict(condition="flf2v"), "one of none, i2v, ti2v"),
+])
+def test_condition_config_errors(overrides, match):
+    with pytest.raises(ValueError, match=match):
+        WanConfig(**overrides)

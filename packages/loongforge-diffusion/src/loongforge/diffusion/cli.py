@@ -4,7 +4,7 @@ the Wan DiT, plus ``preprocess`` (videos and captions -> latent shards) and ``sa
     lf-diffusion train [--config NAME|PATH] [key=value ...]
     lf-diffusion convert lf-to-diffusers CHECKPOINT OUT [--ema]   # CHECKPOINT: a run dir, root or step dir
     lf-diffusion convert lora-to-peft CHECKPOINT OUT [--ema]      # a LoRA run's adapters, for diffusers
-    lf-diffusion sample [--run RUN_DIR] [--checkpoint CKPT] [--out DIR] [key=value ...]
+    lf-diffusion sample [--run RUN_DIR] [--checkpoint CKPT] [--out DIR] [--image PATH] [key=value ...]
     lf-diffusion preprocess [--config NAME|PATH] [key=value ...]
 """
 
@@ -202,7 +202,8 @@ def cmd_sample(args) -> int:
 
     run_dir = Path(args.run)
     checkpoint = Checkpoint(args.checkpoint or checkpoint_root(run_dir))
-    recipe = recipe_of(checkpoint.manifest, normalise_overrides(args.overrides))
+    overrides = normalise_overrides(args.overrides) + ([f"sample.image={args.image}"] if args.image else [])
+    recipe = recipe_of(checkpoint.manifest, overrides)
     for path in sample_run(recipe, checkpoint.directory, args.out or run_dir / "samples"):
         print(f"wrote {path}")
     return 0
@@ -217,6 +218,7 @@ def commands(sub) -> None:
     p.add_argument("--run", default="runs/diffusion-tiny", help="run directory of `lf-diffusion train`")
     p.add_argument("--checkpoint", default=None, help="checkpoint dir or root (default: the run's latest)")
     p.add_argument("--out", default=None, help="output directory (default: RUN/samples)")
+    p.add_argument("--image", default=None, help="image-to-video models: the image that starts every video (sample.image)")
     p.set_defaults(fn=cmd_sample, takes_overrides=True)
 
 
