@@ -163,6 +163,9 @@ def bench(args, config: str, overrides: list[str]) -> None:
     from loongforge.diffusion.bench import run_bench, step_seconds_from_config, variant_recipe
 
     recipe = load_recipe(config, overrides)
+    if recipe.model.condition != "none":
+        raise ConfigError(f"model.condition={recipe.model.condition!r}: lf-diffusion bench measures text-to-video "
+                          f"configs (image-conditioned inputs are not benchmarked)")
     variants: list[tuple[str, list[str]]] = []
     for spec in args.variant:
         variants.append(parse_variant(spec, ["diffusers", "loongforge", "loongforge_preset", *(n for n, _ in variants)]))
