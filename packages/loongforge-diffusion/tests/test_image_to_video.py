@@ -248,3 +248,24 @@ def test_ti2v_loss_leaves_the_given_first_frame_out():
 def test_condition_config_errors(overrides, match):
     with pytest.raises(ValueError, match=match):
         WanConfig(**overrides)
+
+
+def test_released_image_to_video_flavours_match_diffusers_on_meta(capsys):
+    """The shipped Wan 2.1 I2V 14B and Wan 2.2 TI2V 5B configs build (on the meta device) with
+    exactly the parameters of diffusers' model of the same config; `info` reports the size."""
+    from loongforge.core.models import get_model_spec
+    from loongforge.diffusion.cli import main
+    from loongforge.diffusion.model.spec import load_flavour
+
+    spec = get_model_spec("wan")
+    for flavour, condition in (("wan2.1-i2v-14b", "i2v"), ("wan2.2-ti2v-5b", "ti2v"),
+                               ("debug-i2v", "i2v"), ("debug-ti2v", "ti2v")):
+        cfg = load_flavour(flavour)
+        assert cfg.condition == condition
+        with torch.device("meta"):
+            ours = spec.build(cfg)
+            ref = WanTransformer3DModel(**cfg.diffusers_kwargs())
+        assert {k: tuple(v.shape) for k, v in ours.transformer.state_dict().items()} == {
+            k: tuple(v.shape) for k, v in ref.state_dict().items()}, flavour
+    assert main(["info", "model=wan2_1_i2v_14b"]) == 0
+    assert "parameters per expert: 16394.88M" in capsys.readouterr().out
