@@ -178,6 +178,10 @@ def test_pretrained_reads_the_image_conditioning_from_the_checkpoint(tmp_path):
     for directory in (tmp_path / "ti2v", tmp_path / "ti2v" / "transformer"):
         m = load_recipe(None, [f"model.pretrained={directory}"]).model
         assert (m.condition, m.in_channels, m.image_dim) == ("ti2v", 6, None)
+    # TI2V's transformer may train text-to-video; an I2V one cannot drop its condition channels
+    assert load_recipe(None, [f"model.pretrained={tmp_path / 'ti2v'}", "model.condition=none"]).model.condition == "none"
+    with pytest.raises(ValueError, match="model.condition='ti2v' but .* has condition='i2v'"):
+        load_recipe(None, [f"model.pretrained={tmp_path / 'i2v'}", "model.condition=ti2v"])
 
 
 @pytest.mark.parametrize("overrides", [I2V, TI2V], ids=["i2v", "ti2v"])

@@ -43,6 +43,11 @@ def load_recipe(config: str | None, overrides: list[str]):
     return load_config(DiffusionRecipe, config, overrides, config_dirs=[CONFIG_DIR])
 
 
+# model.condition values a pretrained model's pipeline suggests but a command-line override may
+# change: Wan 2.2 TI2V 5B's transformer trains with (ti2v) or without (none) a given first frame
+TRAINING_MODES = ("none", "ti2v")
+
+
 def pretrained_overrides(pretrained: str, model: dict, overrides: list[str]) -> list[str]:
     """The architecture of ``model.pretrained`` as overrides; an explicit ``model.KEY=V`` that
     differs from it is an error naming both."""
@@ -56,6 +61,8 @@ def pretrained_overrides(pretrained: str, model: dict, overrides: list[str]) -> 
         raise ConfigError(str(exc)) from exc
     explicit = {o.split("=", 1)[0].strip().lstrip("+~").removeprefix("model.") for o in overrides
                 if o.split("=", 1)[0].strip().lstrip("+~").startswith("model.")}
+    if "condition" in explicit and arch.get("condition") in TRAINING_MODES:
+        del arch["condition"]  # TI2V or not is how its transformer is trained, not its weights
     for key in sorted(explicit & set(arch)):
         given = list(model[key]) if isinstance(model.get(key), (list, tuple)) else model.get(key)
         if given != arch[key]:
