@@ -60,14 +60,18 @@ class WanConfig:
     qk_norm: str = "rms_norm_across_heads"
     eps: float = 1e-6
     rope_max_seq_len: int = 1024
-    # Wan 2.1 I2V: width of the CLIP image tokens (1280) and of their key/value projections (the
-    # hidden size); both null for every other variant
+    # Wan 2.1 I2V: width of the CLIP image tokens (1280; the image embedder maps them to the hidden
+    # size); null for every other variant
     image_dim: int | None = None
+    # Wan 2.1 I2V: input width of the cross-attention's key/value projections of the image tokens
+    # (the hidden size); null exactly when image_dim is
     added_kv_proj_dim: int | None = None
     # prompt embeddings are zero-padded to this many tokens (Wan: 512), as WanPipeline does
     text_len: int = 16
-    # image conditioning (CONDITIONS above): i2v needs in_channels = 2 * out_channels + the VAE's
-    # temporal factor (mask channels); ti2v in_channels = out_channels and a temporal patch of 1
+    # none | i2v | ti2v: how videos are conditioned on an image (their first frame). i2v (Wan 2.1/2.2
+    # I2V): first-frame mask and condition latents concatenated on channels, in_channels =
+    # 2 * out_channels + the VAE's temporal factor; ti2v (Wan 2.2 TI2V): the first latent frame given
+    # at timestep 0 and left out of the loss, in_channels = out_channels, a temporal patch of 1
     condition: str = "none"
     # Wan 2.2 two experts: timesteps >= boundary_ratio * 1000 go to the high-noise expert
     boundary_ratio: float | None = None
