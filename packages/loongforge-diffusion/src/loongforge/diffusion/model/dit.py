@@ -87,7 +87,6 @@ class TokenContext:
     image_k_segments: Segments | None  # their image tokens in image[first_sample:last_sample + 1] (I2V)
     first_sample: int
     last_sample: int
-    single_sample: bool
     backend: str
     cp: ContextParallel | None
 
@@ -395,7 +394,6 @@ class WanDiT(nn.Module):
             image_k_segments=segments[3] if batch.image is not None else None,
             first_sample=first,
             last_sample=last,
-            single_sample=batch.num_samples == 1,
             backend=self.config.attention_backend,
             cp=cp,
         )
