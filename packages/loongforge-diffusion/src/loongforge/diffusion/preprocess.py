@@ -109,6 +109,9 @@ def settings_of(cfg: PreprocessConfig, rows: list[dict]) -> dict:
     for key in ("input", "vae", "text_encoder", "tokenizer", "image_encoder"):
         if keep[key]:
             keep[key] = str(Path(keep[key]).expanduser().resolve())
+    for key in ("image_condition", "image_encoder"):  # recorded when used: text-to-video outputs stay resumable
+        if not keep[key]:
+            del keep[key]
     keep["files"] = [r["file_name"] for r in rows]
     return keep
 
