@@ -335,3 +335,50 @@ def test_image_conditioned_pack_backends_equal_split_on_gpu(overrides, backend):
         ours.config.attention_backend = "split"
         split = ours(batch)
     torch.testing.assert_close(got.float(), split.float(), atol=3e-2, rtol=3e-2)
+
+
+@pytest.mark.parametrize("flavour", ["i2v", "ti2v"])
+def test_sampling_from_an_image_file_equals_wan_image_to_video_pipeline(builtin_latents, tmp_path, flavour):
+    """`sample.image` end to end against diffusers' own WanImageToVideoPipeline with the same tiny
+    VAE, CLIP encoder, weights, prompt embedding and noise: our image encoding (resize, the I2V
+    condition video and mask, CLIP's penultimate tokens, latent normalisation; TI2V's image latent)
+    and sampling loop give the pipeline's latents."""
+    import numpy as np
+    from diffusers import FlowMatchEulerDiscreteScheduler, WanImageToVideoPipeline
+    from PIL import Image
+
+    from loongforge.diffusion.cli import load_recipe
+    from loongforge.diffusion.data.encoders import load_image_encoder, load_text_encoder, load_vae
+    from loongforge.diffusion.data.shards import LatentShards
+    from loongforge.diffusion.model import WanExperts
+    from loongforge.diffusion.sampling import encode_sample_image, generate
+
+    png = tmp_path / "start.png"
+    rng = np.random.default_rng(0)
+    Image.fromarray(rng.integers(0, 256, (32, 48, 3), dtype=np.uint8)).save(png)
+    # diffusers' I2V attention takes the last 512 context tokens as the prompt
+    recipe = load_recipe(f"tiny_{flavour}", [f"sample.image={png}", "sample.num_frames=5", "sample.height=32",
+                                             "sample.width=48", "model.text_len=512"])
+    cfg, encoders = recipe.model, builtin_latents.parent / "encoders"
+    facts = LatentShards(builtin_latents).manifest
+    vae = load_vae(encoders, "cpu")
+    cond = encode_sample_image(recipe, facts, vae, "cpu")
+    torch.manual_seed(5)
+    experts = WanExperts(cfg).eval()
+    text = torch.randn(1, cfg.text_len, cfg.text_dim)
+    shape = (cfg.out_channels, 2, 4, 6)  # 5 frames of 32 x 48 through the 4x / 8x VAE
+    got = generate(experts, text, [shape], num_steps=3, shift=3.0, seed=7, image_conditions=[cond])[0]
+
+    ref = WanTransformer3DModel(**cfg.diffusers_kwargs()).eval()
+    ref.load_state_dict(experts.transformer.state_dict())
+    tokenizer, text_encoder = load_text_encoder(encoders, None, "cpu")
+    processor, clip = load_image_encoder(encoders, "cpu") if cfg.image_dim else (None, None)
+    pipe = WanImageToVideoPipeline(tokenizer=tokenizer, text_encoder=text_encoder, vae=vae, transformer=ref,
+                                   scheduler=FlowMatchEulerDiscreteScheduler(shift=3.0), image_processor=processor,
+                                   image_encoder=clip, expand_timesteps=cfg.condition == "ti2v")
+    noise = torch.randn(shape, generator=torch.Generator().manual_seed(7))[None]
+    with Image.open(png) as image:
+        want = pipe(image=image.convert("RGB"), prompt_embeds=text, height=32, width=48, num_frames=5,
+                    num_inference_steps=3, guidance_scale=1.0, latents=noise, output_type="latent",
+                    return_dict=False)[0][0]
+    torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
