@@ -77,11 +77,9 @@ def test_image_conditioned_gradients_equal_diffusers(overrides):
         torch.testing.assert_close(p.grad, want[name].grad, atol=1e-6, rtol=1e-4, msg=name)
 
 
-@pytest.mark.parametrize("overrides", [I2V, TI2V], ids=["i2v", "ti2v"])
-def test_image_conditioned_pack_equals_each_sample_alone(overrides):
-    """Three image-conditioned videos of different sizes in one padded pack: each sample's output
-    equals diffusers on that sample alone (its own image tokens, its own per-token timesteps)."""
-    cfg, ref, ours = _pair(**overrides, attention_backend="split")
+def _conditioned_inputs(cfg):
+    """Three image-conditioned videos of different sizes: latents, timesteps, prompts, I2V image
+    tokens (or None) and TI2V per-token timesteps (or None)."""
     xs = [torch.randn(cfg.in_channels, 3, 8, 6), torch.randn(cfg.in_channels, 1, 4, 4),
           torch.randn(cfg.in_channels, 2, 6, 10)]
     t = torch.tensor([10.0, 500.0, 999.0])
@@ -91,6 +89,20 @@ def test_image_conditioned_pack_equals_each_sample_alone(overrides):
     if cfg.condition == "ti2v":
         steps = [_first_frame_timesteps(t[i : i + 1], (x.shape[1], x.shape[2] // 2, x.shape[3] // 2))[0]
                  for i, x in enumerate(xs)]
+    return xs, t, text, image, steps
+
+
+def _conditioned_pack(cfg, device="cpu"):
+    xs, t, text, image, steps = _conditioned_inputs(cfg)
+    return pack(xs, t, text, cfg.patch_size, image=image, token_timesteps=steps).to(device)
+
+
+@pytest.mark.parametrize("overrides", [I2V, TI2V], ids=["i2v", "ti2v"])
+def test_image_conditioned_pack_equals_each_sample_alone(overrides):
+    """Three image-conditioned videos of different sizes in one padded pack: each sample's output
+    equals diffusers on that sample alone (its own image tokens, its own per-token timesteps)."""
+    cfg, ref, ours = _pair(**overrides, attention_backend="split")
+    xs, t, text, image, steps = _conditioned_inputs(cfg)
     batch = pack(xs, t, text, cfg.patch_size, pad_to_multiple=4, image=image, token_timesteps=steps)
     assert batch.num_pad > 0
     with torch.no_grad():
@@ -278,20 +290,6 @@ def test_released_image_to_video_flavours_match_diffusers_on_meta(capsys):
     for config, condition in (("tiny_i2v", "i2v"), ("tiny_ti2v", "ti2v"), ("wan2_1_i2v_14b", "i2v"),
                               ("wan2_2_ti2v_5b", "ti2v")):  # the shipped train configs compose
         assert load_recipe(config, []).model.condition == condition
-
-
-def _conditioned_pack(cfg, device="cpu"):
-    """Three image-conditioned videos of different sizes (I2V image tokens or TI2V per-token timesteps)."""
-    xs = [torch.randn(cfg.in_channels, 3, 8, 6), torch.randn(cfg.in_channels, 1, 4, 4),
-          torch.randn(cfg.in_channels, 2, 6, 10)]
-    t = torch.tensor([10.0, 500.0, 999.0])
-    image = torch.randn(3, IMAGE_TOKENS, cfg.image_dim) if cfg.image_dim else None
-    steps = None
-    if cfg.condition == "ti2v":
-        steps = [_first_frame_timesteps(t[i : i + 1], (x.shape[1], x.shape[2] // 2, x.shape[3] // 2))[0]
-                 for i, x in enumerate(xs)]
-    return pack(xs, t, torch.randn(3, cfg.text_len, cfg.text_dim), cfg.patch_size, image=image,
-                token_timesteps=steps).to(device)
 
 
 @pytest.mark.slow
