@@ -177,6 +177,8 @@ def test_image_to_video_debug_configs_train_sample_from_an_image_and_export(tmp_
     assert main(["sample", "--run", str(run), "--image", str(tmp_path / "missing.png")]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "missing.png" in err[0] and "no such file" in err[0]
+    assert main(["sample", "--run", str(run), "--image", str(image), "sample.height=40"]) == 2
+    assert "sample.height=40 and sample.width=32 must be multiples of 16" in capsys.readouterr().err
 
     hf = tmp_path / "hf"
     assert main(["convert", "lf-to-diffusers", str(run), str(hf)]) == 0

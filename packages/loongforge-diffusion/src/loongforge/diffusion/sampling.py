@@ -195,6 +195,12 @@ def sample_run(recipe, checkpoint: str | Path, out_dir: str | Path) -> list[Path
         tokenizer, encoder = load_text_encoder(facts["text_encoder"], facts["tokenizer"], device)
         embeddings = encode_prompts(tokenizer, encoder, prompts, facts["max_sequence_length"])
         t_factor, s_factor = facts["vae_factors"]
+        multiple = s_factor * max(m.patch_size[1:])
+        if s.height % multiple or s.width % multiple:
+            from loongforge.core.config import ConfigError
+
+            raise ConfigError(f"sample.height={s.height} and sample.width={s.width} must be multiples of {multiple} "
+                              f"(the VAE's {s_factor}x times the DiT's patch)")
         shape = [facts["latent_channels"], 1 + (s.num_frames - 1) // t_factor, s.height // s_factor, s.width // s_factor]
         shapes = [shape] * len(embeddings)
         if s.image:
