@@ -4,7 +4,9 @@
 - ``dp2_fsdp2``: DP=2 on FSDP2 with packed micro-batches (uneven counts per rank), the pretrained
   weights loaded shard by shard onto a meta-initialised model, stopped after 2 steps and resumed.
 
-Usage: distributed_worker.py OUT_DIR OVERRIDE...
+With ``--cp2-config=NAME`` (repeatable) it runs only ``cp2_NAME``: config NAME on CP=2.
+
+Usage: distributed_worker.py OUT_DIR [--cp2-config=NAME ...] OVERRIDE...
 """
 
 import sys
@@ -16,16 +18,23 @@ from loongforge.diffusion.cli import CONFIG_DIR, DEFAULT_TRAIN
 from loongforge.diffusion.schema import DiffusionRecipe
 from loongforge.diffusion.task import WanTask
 
-out, common = sys.argv[1], sys.argv[2:]
+FLAG = "--cp2-config="
+out = sys.argv[1]
+configs = [a.removeprefix(FLAG) for a in sys.argv[2:] if a.startswith(FLAG)]
+common = [a for a in sys.argv[2:] if not a.startswith(FLAG)]
 
 
-def run(name: str, *extra: str) -> None:
-    recipe = load_config(DiffusionRecipe, DEFAULT_TRAIN, [f"log.run_dir={out}/{name}", *extra, *common], [CONFIG_DIR])
+def run(name: str, *extra: str, config: str = DEFAULT_TRAIN) -> None:
+    recipe = load_config(DiffusionRecipe, config, [f"log.run_dir={out}/{name}", *extra, *common], [CONFIG_DIR])
     run_training(recipe, WanTask(recipe), "worker")
 
 
-init_distributed(group_for_world_of_one=True)  # one group for the three runs (run_training keeps it)
-run("cp2", "parallel.cp=2")
-fsdp = ("parallel.data_parallel=fsdp", "balance.token_cap=20")
-run("dp2_fsdp2", *fsdp, "train.exit_interval=2")
-run("dp2_fsdp2", *fsdp)
+init_distributed(group_for_world_of_one=True)  # one group for all runs (run_training keeps it)
+if configs:
+    for config in configs:
+        run(f"cp2_{config}", "parallel.cp=2", config=config)
+else:
+    run("cp2", "parallel.cp=2")
+    fsdp = ("parallel.data_parallel=fsdp", "balance.token_cap=20")
+    run("dp2_fsdp2", *fsdp, "train.exit_interval=2")
+    run("dp2_fsdp2", *fsdp)

@@ -142,3 +142,67 @@ def test_bench_baseline_recipe_is_diffusers_gpu_training_with_our_checkpointing(
 def test_bench_refuses_a_variant_named_as_a_headline_run(capsys):
     assert main(["bench", "--variant", "loongforge_preset=train.recompute=none"]) == 2
     assert "give it a name of its own" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("flavour", ["i2v", "ti2v"])
+def test_image_to_video_debug_configs_train_sample_from_an_image_and_export(tmp_path, synthetic_overrides,
+                                                                            builtin_latents, flavour, capsys):
+    """`--config tiny_i2v` / `tiny_ti2v` train on the built-in set (I2V reads its stored condition
+    latents and CLIP tokens, TI2V the clips' first latent frames), sample from an image file, and
+    export a diffusers checkpoint of the image-conditioned architecture."""
+    run = tmp_path / "run"
+    assert main(["train", "--config", f"tiny_{flavour}", f"log.run_dir={run}", "train.steps=3",
+                 "train.global_batch_size=4", *synthetic_overrides]) == 0
+    records = read_metrics(run)
+    assert [r["step"] for r in records] == [1, 2, 3]
+    assert all(np.isfinite(r["loss"]) and np.isfinite(r["grad_norm"]) for r in records)
+
+    image = tmp_path / "start.png"
+    Image.fromarray(np.tile(np.linspace(0, 255, 48, dtype=np.uint8)[None, :, None], (40, 1, 3))).save(image)
+    out = tmp_path / "from_image"
+    assert main(["sample", "--run", str(run), "--out", str(out), "--image", str(image), "sample.num_steps=2",
+                 "sample.num_frames=5", "sample.height=32", "sample.width=48",
+                 "sample.prompts=[a red circle moving left on a black background, a blue square]"]) == 0
+    sheet = np.asarray(Image.open(out / "step_00000003.png"))
+    assert sheet.shape == (2 * (32 + 2), 5 * (48 + 2), 3)  # two videos of 5 frames, no reference row
+    with Image.open(out / "step_00000003.gif") as anim:
+        assert anim.n_frames == 5
+    # without an image: the dataset samples' own first frames, their decoded latents as reference
+    assert main(["sample", "--run", str(run), "--out", str(tmp_path / "own"), "sample.num_steps=2",
+                 "sample.num_samples=2"]) == 0
+    assert (tmp_path / "own" / "step_00000003.png").is_file()
+    capsys.readouterr()
+    assert main(["sample", "--run", str(run), "sample.prompts=[a]"]) == 2
+    assert "need sample.image=PATH" in capsys.readouterr().err
+    assert main(["sample", "--run", str(run), "--image", str(tmp_path / "missing.png")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "missing.png" in err[0] and "no such file" in err[0]
+    assert main(["sample", "--run", str(run), "--image", str(image), "sample.height=40"]) == 2
+    assert "sample.height=40 and sample.width=32 must be multiples of 16" in capsys.readouterr().err
+
+    hf = tmp_path / "hf"
+    assert main(["convert", "lf-to-diffusers", str(run), str(hf)]) == 0
+    loaded = WanTransformer3DModel.from_pretrained(str(hf))
+    tensors, _, _ = load_checkpoint(run / "checkpoints")
+    assert loaded.config.image_dim == (32 if flavour == "i2v" else None)
+    for key, value in loaded.state_dict().items():
+        assert torch.equal(value, tensors[f"model.transformer.{key}"]), key
+
+
+def test_image_to_video_data_mismatches_are_one_error_line(tmp_path, builtin_latents, capsys):
+    """An I2V model on data without condition latents, or with CLIP tokens of another width, stops
+    before training with one line naming the manifest and the key."""
+    import shutil
+
+    data = tmp_path / "latents"
+    shutil.copytree(builtin_latents, data)
+    common = ["train", "--config", "tiny_i2v", f"log.run_dir={tmp_path / 'run'}", "log.progress=false"]
+    capsys.readouterr()
+    assert main([*common, f"data.root={data}", "model.image_dim=16"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "manifest.json: image_dim=32" in err[0] and "model.image_dim=16" in err[0]
+    manifest = json.loads((data / "manifest.json").read_text())
+    (data / "manifest.json").write_text(json.dumps({**manifest, "image_condition": False}))
+    assert main([*common, f"data.root={data}"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "manifest.json: no I2V condition latents" in err[0] and "image_condition=true" in err[0]

@@ -36,6 +36,21 @@ def _compare(run: Path, ref: Path) -> None:
     return mg
 
 
+def _launch_worker(tmp_path: Path, args: list[str]) -> subprocess.Popen:
+    """``distributed_worker.py`` on 2 gloo processes (it writes its runs under ``tmp_path``)."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "LOONGFORGE_ACCELERATOR": "cpu"}
+    return subprocess.Popen(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", str(WORKER),
+         str(tmp_path), *args],
+        env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    )
+
+
+def _wait(proc: subprocess.Popen) -> None:
+    output, _ = proc.communicate(timeout=400)
+    assert proc.returncode == 0, output[-4000:]
+
+
 @pytest.mark.slow
 def test_cp2_and_fsdp2_dp2_equal_one_process(tmp_path, synthetic_overrides, cache_dir):
     from diffusers import WanTransformer3DModel
@@ -47,19 +62,29 @@ def test_cp2_and_fsdp2_dp2_equal_one_process(tmp_path, synthetic_overrides, cach
     common = ["train.steps=3", "train.global_batch_size=6", "train.warmup_steps=0", f"train.lr={LR}",
               "train.lr_decay_style=constant", "checkpoint.interval=2", f"model.pretrained={tmp_path / 'pretrained'}",
               *synthetic_overrides]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "LOONGFORGE_ACCELERATOR": "cpu"}
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", str(WORKER),
-         str(tmp_path), *common],
-        env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-    )
+    proc = _launch_worker(tmp_path, common)
     ref = tmp_path / "ref"
     assert main(["train", f"log.run_dir={ref}", *common]) == 0  # meanwhile, the 1-process reference
-    output, _ = proc.communicate(timeout=400)
-    assert proc.returncode == 0, output[-4000:]
+    _wait(proc)
 
     manifest = _compare(tmp_path / "cp2", ref)
     assert manifest["layout"] == {"dp": 1, "cp": 2, "data_parallel": "ddp", "dp_replicate": 1, "world_size": 2}
     manifest = _compare(tmp_path / "dp2_fsdp2", ref)
     assert manifest["layout"] == {"dp": 2, "cp": 1, "data_parallel": "fsdp", "dp_replicate": 1, "world_size": 2}
     assert max(r["micro_batches"] for r in read_metrics(tmp_path / "dp2_fsdp2")) > 1
+
+
+@pytest.mark.slow
+def test_cp2_equals_one_process_for_image_to_video(tmp_path, synthetic_overrides, cache_dir):
+    """Ulysses CP=2 with I2V (each rank's cross-attention reads the image tokens of its samples)
+    and TI2V (each rank embeds the distinct timesteps of its own tokens) gives the 1-process run."""
+    configs = ["tiny_i2v", "tiny_ti2v"]
+    common = ["train.steps=3", "train.global_batch_size=6", "train.warmup_steps=0", f"train.lr={LR}",
+              "train.lr_decay_style=constant", "checkpoint.interval=2", *synthetic_overrides]
+    proc = _launch_worker(tmp_path, [f"--cp2-config={c}" for c in configs] + common)
+    for config in configs:  # meanwhile, the 1-process references
+        assert main(["train", "--config", config, f"log.run_dir={tmp_path / f'ref_{config}'}", *common]) == 0
+    _wait(proc)
+    for config in configs:
+        manifest = _compare(tmp_path / f"cp2_{config}", tmp_path / f"ref_{config}")
+        assert manifest["layout"]["cp"] == 2

@@ -123,3 +123,33 @@ def test_a_rank_without_a_process_group_is_refused(setup, monkeypatch):
     monkeypatch.setenv("WORLD_SIZE", "2")
     with pytest.raises(RuntimeError, match="WORLD_SIZE=2 but this process has joined no process group"):
         preprocess(cfg)
+
+
+@pytest.mark.slow
+def test_image_condition_and_clip_tokens_reload_to_encoder_outputs(setup, tmp_path):
+    """``image_condition=true`` stores each sample's I2V condition latents (its first frame then
+    blank frames, VAE-encoded) and ``image_encoder=DIR`` its first frame's CLIP tokens; and the
+    causal VAE's first latent frame of a clip is its first frame encoded alone (what TI2V trains on)."""
+    from loongforge.diffusion.conditioning import blank_after_first
+    from loongforge.diffusion.data.encoders import encode_images, load_image_encoder
+
+    cfg, clips, encoders = setup
+    cfg.output, cfg.image_condition, cfg.image_encoder = str(tmp_path / "i2v"), True, str(encoders)
+    preprocess(cfg)
+    data = LatentShards(cfg.output)
+    assert data.manifest["image_condition"] is True and data.manifest["image_dim"] == 32
+    rows = [json.loads(line) for line in (clips / "metadata.jsonl").read_text().splitlines()]
+    vae = load_vae(encoders, "cpu")
+    processor, clip = load_image_encoder(encoders, "cpu")
+    for i, row in enumerate(rows[:3]):  # an image and two videos
+        latents, _ = data.load(i)
+        stored = data.load_condition(i)
+        video = to_model_input(read_frames(clips / row["file_name"], 9), 48 * 48, 16, 4)
+        condition = encode_video(vae, blank_after_first(video))
+        torch.testing.assert_close(stored["condition"], condition)
+        assert stored["condition"].shape == latents.shape
+        (tokens,) = encode_images(processor, clip, [video[:, 0]])
+        torch.testing.assert_close(stored["image"], tokens)
+        assert stored["image"].shape == (5, 32)
+        torch.testing.assert_close(latents[:, :1], encode_video(vae, video[:, :1]), atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(condition[:, :1], latents[:, :1], atol=1e-5, rtol=1e-5)

@@ -4,7 +4,7 @@ the Wan DiT, plus ``preprocess`` (videos and captions -> latent shards) and ``sa
     lf-diffusion train [--config NAME|PATH] [key=value ...]
     lf-diffusion convert lf-to-diffusers CHECKPOINT OUT [--ema]   # CHECKPOINT: a run dir, root or step dir
     lf-diffusion convert lora-to-peft CHECKPOINT OUT [--ema]      # a LoRA run's adapters, for diffusers
-    lf-diffusion sample [--run RUN_DIR] [--checkpoint CKPT] [--out DIR] [key=value ...]
+    lf-diffusion sample [--run RUN_DIR] [--checkpoint CKPT] [--out DIR] [--image PATH] [key=value ...]
     lf-diffusion preprocess [--config NAME|PATH] [key=value ...]
 """
 
@@ -43,6 +43,11 @@ def load_recipe(config: str | None, overrides: list[str]):
     return load_config(DiffusionRecipe, config, overrides, config_dirs=[CONFIG_DIR])
 
 
+# model.condition values a pretrained model's pipeline suggests but a command-line override may
+# change: Wan 2.2 TI2V 5B's transformer trains with (ti2v) or without (none) a given first frame
+TRAINING_MODES = ("none", "ti2v")
+
+
 def pretrained_overrides(pretrained: str, model: dict, overrides: list[str]) -> list[str]:
     """The architecture of ``model.pretrained`` as overrides; an explicit ``model.KEY=V`` that
     differs from it is an error naming both."""
@@ -56,6 +61,8 @@ def pretrained_overrides(pretrained: str, model: dict, overrides: list[str]) -> 
         raise ConfigError(str(exc)) from exc
     explicit = {o.split("=", 1)[0].strip().lstrip("+~").removeprefix("model.") for o in overrides
                 if o.split("=", 1)[0].strip().lstrip("+~").startswith("model.")}
+    if "condition" in explicit and arch.get("condition") in TRAINING_MODES:
+        del arch["condition"]  # TI2V or not is how its transformer is trained, not its weights
     for key in sorted(explicit & set(arch)):
         given = list(model[key]) if isinstance(model.get(key), (list, tuple)) else model.get(key)
         if given != arch[key]:
@@ -163,6 +170,9 @@ def bench(args, config: str, overrides: list[str]) -> None:
     from loongforge.diffusion.bench import run_bench, step_seconds_from_config, variant_recipe
 
     recipe = load_recipe(config, overrides)
+    if recipe.model.condition != "none":
+        raise ConfigError(f"model.condition={recipe.model.condition!r}: lf-diffusion bench measures text-to-video "
+                          f"configs (image-conditioned inputs are not benchmarked)")
     variants: list[tuple[str, list[str]]] = []
     for spec in args.variant:
         variants.append(parse_variant(spec, ["diffusers", "loongforge", "loongforge_preset", *(n for n, _ in variants)]))
@@ -202,7 +212,8 @@ def cmd_sample(args) -> int:
 
     run_dir = Path(args.run)
     checkpoint = Checkpoint(args.checkpoint or checkpoint_root(run_dir))
-    recipe = recipe_of(checkpoint.manifest, normalise_overrides(args.overrides))
+    overrides = normalise_overrides(args.overrides) + ([f"sample.image={args.image}"] if args.image else [])
+    recipe = recipe_of(checkpoint.manifest, overrides)
     for path in sample_run(recipe, checkpoint.directory, args.out or run_dir / "samples"):
         print(f"wrote {path}")
     return 0
@@ -217,6 +228,7 @@ def commands(sub) -> None:
     p.add_argument("--run", default="runs/diffusion-tiny", help="run directory of `lf-diffusion train`")
     p.add_argument("--checkpoint", default=None, help="checkpoint dir or root (default: the run's latest)")
     p.add_argument("--out", default=None, help="output directory (default: RUN/samples)")
+    p.add_argument("--image", default=None, help="image-to-video models: the image that starts every video (sample.image)")
     p.set_defaults(fn=cmd_sample, takes_overrides=True)
 
 

@@ -117,15 +117,19 @@ def noisy_and_target(x0: torch.Tensor, noise: torch.Tensor, sigma: float | torch
     return (1.0 - sigma) * x0 + sigma * noise, noise - x0
 
 
-def token_weights(token_counts: list[int], num_pad: int, reduction: str, features: int) -> torch.Tensor:
+def token_weights(token_counts: list[int], num_pad: int, reduction: str, features: int,
+                  given: list[int] | None = None) -> torch.Tensor:
     """Per-token loss weights ``w`` of a pack (padding weighs 0): the pack's loss sum is
     ``sum_t w_t * sum_f (pred - target)^2`` and its count ``features * sum_t w_t``, so that summed
     over every pack of the global batch their ratio is the mean over latent elements (``token``)
     or the mean over samples of each sample's mean (``sample``: ``w_t = 1 / (n * features)`` for the
-    ``n`` tokens of a sample, whose count then adds up to 1)."""
+    ``n`` tokens of a sample, whose count then adds up to 1). ``given``: per sample, how many of
+    its leading tokens are given rather than denoised (TI2V's clean first frame); they weigh 0."""
     rows = []
-    for n in token_counts:
-        rows.append(torch.full((n,), 1.0 if reduction == "token" else 1.0 / (n * features)))
+    for n, skip in zip(token_counts, given or [0] * len(token_counts)):
+        loss_tokens = n - skip
+        value = 1.0 if reduction == "token" else 1.0 / (max(loss_tokens, 1) * features)
+        rows += [torch.zeros(skip), torch.full((loss_tokens,), value)]
     if num_pad:
         rows.append(torch.zeros(num_pad))
     return torch.cat(rows)

@@ -5,7 +5,9 @@ Each latent ``[C, F, H, W]`` becomes ``f*h*w`` patch tokens (``f = F/pt`` ...), 
 tokens of its samples and remembers, per token, the sample it belongs to and its grid position
 (for 3D RoPE), and per sample its boundaries (attention never crosses them), timestep and prompt.
 Optional padding makes the length divisible by the context-parallel size; padded tokens form a
-segment of their own in self-attention and carry zero loss weight.
+segment of their own in self-attention and carry zero loss weight. Image-conditioned packs carry
+per-sample image tokens (Wan 2.1 I2V's CLIP embeddings) and may give every token its own timestep
+(Wan 2.2 TI2V: 0 on the clean first frame).
 
 Input patches are flattened in ``Conv3d`` weight order ``(C, pt, ph, pw)``; outputs and targets in
 ``proj_out`` order ``(pt, ph, pw, C)``, as diffusers unpatchifies them.
@@ -77,6 +79,8 @@ class PackedBatch:
     timesteps: torch.Tensor  # [B] model timesteps (sigma * num_train_timesteps)
     text: torch.Tensor  # [B, L, text_dim] prompt embeddings, zero-padded to L
     num_pad: int = 0
+    image: torch.Tensor | None = None  # [B, L_img, image_dim] image tokens (I2V), or None
+    token_timesteps: torch.Tensor | None = None  # [N] per-token timesteps (TI2V), or None: the sample's
 
     @property
     def num_samples(self) -> int:
@@ -116,6 +120,8 @@ class PackedBatch:
             timesteps=self.timesteps.to(device),
             text=self.text.to(device),
             num_pad=self.num_pad,
+            image=None if self.image is None else self.image.to(device),
+            token_timesteps=None if self.token_timesteps is None else self.token_timesteps.to(device),
         )
 
 
@@ -135,10 +141,16 @@ def pack(
     text: torch.Tensor,
     patch: Sequence[int],
     pad_to_multiple: int = 1,
+    image: torch.Tensor | None = None,
+    token_timesteps: Sequence[torch.Tensor] | None = None,
 ) -> PackedBatch:
-    """Pack ``B`` latents ``[C, F_i, H_i, W_i]`` with their timesteps ``[B]`` and prompts ``[B, L, D]``."""
+    """Pack ``B`` latents ``[C, F_i, H_i, W_i]`` with their timesteps ``[B]`` and prompts ``[B, L, D]``;
+    optionally image tokens ``[B, L_img, D_img]`` and per-token timesteps (one ``[f_i*h_i*w_i]``
+    tensor per sample, in token order; padding takes the last sample's timestep)."""
     if len(latents) == 0:
         raise ValueError("cannot pack an empty list of latents")
+    if image is not None and image.shape[0] != len(latents):
+        raise ValueError(f"{len(latents)} latents need image tokens [{len(latents)}, L, D]; got {list(image.shape)}")
     if timesteps.shape != (len(latents),) or text.shape[0] != len(latents):
         raise ValueError(
             f"{len(latents)} latents need timesteps [{len(latents)}] and text [{len(latents)}, L, D]; "
@@ -154,6 +166,12 @@ def pack(
         patches.append(patches[0].new_zeros(num_pad, patches[0].shape[1]))
         positions.append(positions[0].new_zeros(num_pad, 3))
         index.append(torch.full((num_pad,), len(latents) - 1, dtype=torch.long, device=latents[0].device))
+    per_token = None
+    if token_timesteps is not None:
+        if [t.numel() for t in token_timesteps] != [p.shape[0] for p in patches[: len(latents)]]:
+            raise ValueError(f"token timesteps of {[t.numel() for t in token_timesteps]} tokens for samples of "
+                             f"{[p.shape[0] for p in patches[: len(latents)]]}")
+        per_token = torch.cat([t.flatten().to(timesteps) for t in token_timesteps] + [timesteps[-1:].expand(num_pad)])
     return PackedBatch(
         patches=torch.cat(patches),
         positions=torch.cat(positions),
@@ -162,6 +180,8 @@ def pack(
         timesteps=timesteps,
         text=text,
         num_pad=num_pad,
+        image=image,
+        token_timesteps=per_token,
     )
 
 

@@ -7,6 +7,11 @@ to ``1 + 4k`` frames (at most ``max_frames``, every ``frame_stride``-th), resize
 spatial factor times the DiT patch, encoded with the VAE, and its caption with the text encoder.
 Samples keep their own size: mixed resolutions and durations are packed at training time.
 
+For Wan 2.1 I2V training, ``image_condition=true`` also encodes each sample's condition video (its
+first frame followed by blank frames) and ``image_encoder=DIR`` the first frame's CLIP tokens
+(``loongforge.diffusion.conditioning``); Wan 2.2 TI2V needs neither (a clip's first latent frame
+is its image latent).
+
 Shards are planned from the sorted metadata, so a rerun resumes by skipping finished shards; under
 ``torchrun`` rank ``r`` encodes shards ``r, r + world, ...`` and rank 0 writes the manifest.
 """
@@ -24,9 +29,13 @@ from loongforge.core.accelerators import get_accelerator
 from loongforge.core.distributed import world_size_from_env
 from loongforge.core.metrics import progress
 from loongforge.diffusion.data import shards
+from loongforge.diffusion.conditioning import blank_after_first
 from loongforge.diffusion.data.encoders import (
+    encode_images,
     encode_prompts,
     encode_video,
+    image_encoder_width,
+    load_image_encoder,
     load_text_encoder,
     load_vae,
     read_component_config,
@@ -44,6 +53,12 @@ class PreprocessConfig:
     vae: str = ""  # local AutoencoderKLWan directory (or a pipeline directory with vae/)
     text_encoder: str = ""  # local T5/UMT5 encoder directory (or a pipeline directory with text_encoder/)
     tokenizer: str | None = None  # default: the text_encoder path (or its pipeline's tokenizer/)
+    # Wan 2.1 I2V: also store each sample's condition latents (its first frame followed by blank
+    # frames, VAE-encoded: a second VAE pass per sample)
+    image_condition: bool = False
+    # Wan 2.1 I2V: a local CLIP vision encoder (or a pipeline directory with image_encoder/ and
+    # image_processor/) whose tokens of each sample's first frame are stored; null: none
+    image_encoder: str | None = None
     max_sequence_length: int = 512
     max_frames: int = 81
     frame_stride: int = 1
@@ -91,9 +106,12 @@ def read_metadata(input_dir: Path) -> list[dict]:
 
 def settings_of(cfg: PreprocessConfig, rows: list[dict]) -> dict:
     keep = {k: v for k, v in asdict(cfg).items() if k not in ("output", "progress")}
-    for key in ("input", "vae", "text_encoder", "tokenizer"):
+    for key in ("input", "vae", "text_encoder", "tokenizer", "image_encoder"):
         if keep[key]:
             keep[key] = str(Path(keep[key]).expanduser().resolve())
+    for key in ("image_condition", "image_encoder"):  # recorded when used: text-to-video outputs stay resumable
+        if not keep[key]:
+            del keep[key]
     keep["files"] = [r["file_name"] for r in rows]
     return keep
 
@@ -134,6 +152,8 @@ def preprocess(cfg: PreprocessConfig, rank: int | None = None, world: int | None
         device = get_accelerator().device()
         vae = load_vae(cfg.vae, device, DTYPES[cfg.encoder_dtype])
         tokenizer, encoder = load_text_encoder(cfg.text_encoder, cfg.tokenizer, device, DTYPES[cfg.encoder_dtype])
+        if cfg.image_encoder:
+            image_processor, image_encoder = load_image_encoder(cfg.image_encoder, device, DTYPES[cfg.encoder_dtype])
     done = sum(len(plan[i]) for i in mine if i not in todo)
     bar = progress(sum(len(plan[i]) for i in mine), "preprocess", enabled=cfg.progress, initial=done)
     try:
@@ -150,7 +170,12 @@ def preprocess(cfg: PreprocessConfig, rank: int | None = None, world: int | None
                 latents = encode_video(vae, video)
                 record = {"source": row["file_name"], "text": row["text"], "latent_shape": list(latents.shape),
                           "video_shape": list(video.shape), "text_tokens": int(text.shape[0])}
-                samples.append({"latents": latents, "text": text, "record": record})
+                sample = {"latents": latents, "text": text, "record": record}
+                if cfg.image_condition:
+                    sample["condition"] = encode_video(vae, blank_after_first(video))
+                if cfg.image_encoder:
+                    (sample["image"],) = encode_images(image_processor, image_encoder, [video[:, 0]])
+                samples.append(sample)
                 bar.update(1)
             shards.write_shard(out_dir, i, samples, DTYPES[cfg.storage_dtype])
     finally:
@@ -167,5 +192,8 @@ def preprocess(cfg: PreprocessConfig, rank: int | None = None, world: int | None
         "text_encoder": str(Path(cfg.text_encoder).expanduser().resolve()),
         "tokenizer": str(Path(cfg.tokenizer or cfg.text_encoder).expanduser().resolve()),
         "max_sequence_length": cfg.max_sequence_length,
+        "image_condition": cfg.image_condition,
+        "image_encoder": str(Path(cfg.image_encoder).expanduser().resolve()) if cfg.image_encoder else None,
+        "image_dim": image_encoder_width(cfg.image_encoder) if cfg.image_encoder else None,
     }
     return shards.write_manifest(out_dir, len(plan), facts)

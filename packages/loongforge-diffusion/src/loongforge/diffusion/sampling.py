@@ -1,5 +1,7 @@
 """Euler flow sampling with diffusers' ``FlowMatchEulerDiscreteScheduler`` (the Wan 2.2 rule picks
-the expert per step by the timestep boundary), then VAE decoding and a PNG grid / GIF."""
+the expert per step by the timestep boundary), then VAE decoding and a PNG grid / GIF. Image-
+conditioned models (``model.condition``) start every video from an image: ``sample.image``, or
+the dataset samples' own first frames."""
 
 from __future__ import annotations
 
@@ -9,8 +11,16 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from loongforge.diffusion.conditioning import (
+    ImageCondition,
+    blank_after_first,
+    dataset_condition,
+    model_input,
+    token_timesteps,
+    with_given_first_frame,
+)
 from loongforge.diffusion.model.experts import WanExperts
-from loongforge.diffusion.packing import pack, unpack_outputs
+from loongforge.diffusion.packing import grid_of, pack, unpack_outputs
 
 
 @torch.no_grad()
@@ -24,8 +34,12 @@ def generate(
     guidance_scale: float = 1.0,
     seed: int = 0,
     num_train_timesteps: int = 1000,
+    image_conditions: Sequence[ImageCondition | None] | None = None,
 ) -> list[torch.Tensor]:
-    """Latents ``[C, F, H, W]`` for prompts ``text`` ``[B, L, D]`` (one per shape), from noise."""
+    """Latents ``[C, F, H, W]`` for prompts ``text`` ``[B, L, D]`` (one per shape), from noise;
+    image-conditioned models take one ``ImageCondition`` per shape (as WanImageToVideoPipeline:
+    I2V's mask and condition latents on channels and CLIP tokens at every step, TI2V's clean first
+    frame at timestep 0, put back into the result)."""
     from diffusers import FlowMatchEulerDiscreteScheduler
 
     scheduler = FlowMatchEulerDiscreteScheduler(num_train_timesteps=num_train_timesteps, shift=shift)
@@ -37,9 +51,15 @@ def generate(
     sizes = [x.numel() for x in latents]
     flat = torch.cat([x.flatten() for x in latents])
     negative = torch.zeros_like(text)
+    cfg = experts.config
+    conds = list(image_conditions) if image_conditions is not None else [None] * len(latents)
+    images = torch.stack([c.image for c in conds]) if cfg.image_dim else None
 
     def velocity(model, xs, t, prompts):
-        batch = pack(xs, t.expand(len(xs)).float(), prompts, patch).to(device)
+        inputs = [model_input(cfg, x, c) for x, c in zip(xs, conds)]
+        steps = ([token_timesteps(cfg, t, grid_of(x.shape, patch), c) for x, c in zip(xs, conds)]
+                 if cfg.condition == "ti2v" else None)
+        batch = pack(inputs, t.expand(len(xs)).float(), prompts, patch, image=images, token_timesteps=steps).to(device)
         return torch.cat([v.flatten().float().cpu() for v in unpack_outputs(model(batch), batch, patch)])
 
     for t in scheduler.timesteps:
@@ -50,7 +70,8 @@ def generate(
             v_neg = velocity(model, xs, t, negative)
             v = v_neg + guidance_scale * (v - v_neg)
         flat = scheduler.step(v, t, flat, return_dict=False)[0]
-    return [c.view(x.shape).clone() for c, x in zip(flat.split(sizes), latents)]
+    return [with_given_first_frame(cfg, c.view(x.shape).clone(), cond)
+            for c, x, cond in zip(flat.split(sizes), latents, conds)]
 
 
 def _to_uint8(video: torch.Tensor) -> np.ndarray:
@@ -97,6 +118,42 @@ def write_grid(rows: Sequence[Sequence[torch.Tensor]], png: str | Path, gif: str
     return out
 
 
+def check_sample_image(recipe) -> None:
+    """``sample.image`` exists where it is needed (before anything is loaded)."""
+    from loongforge.core.config import ConfigError
+
+    s, m = recipe.sample, recipe.model
+    if s.prompts and m.condition != "none" and s.image is None:
+        raise ConfigError(f"sample.prompts with model.condition={m.condition!r} need sample.image=PATH "
+                          f"(or --image PATH): the image that starts the videos")
+    if s.image is not None and not Path(s.image).expanduser().is_file():
+        raise ConfigError(f"sample.image={s.image!r}: no such file")
+
+
+def encode_sample_image(recipe, facts: dict, vae, device) -> ImageCondition:
+    """``sample.image`` as the condition of a ``sample.num_frames x height x width`` video: the image
+    resized and center-cropped, VAE-encoded alone (TI2V) or followed by blank frames (I2V), and its
+    CLIP tokens from the dataset's image encoder (I2V with ``model.image_dim``)."""
+    from loongforge.core.config import ConfigError
+    from loongforge.diffusion.data.encoders import encode_images, encode_video, load_image_encoder
+    from loongforge.diffusion.data.video_io import fit_frames, read_frames, usable_frames
+
+    s, m = recipe.sample, recipe.model
+    image = fit_frames(read_frames(Path(s.image).expanduser(), 1)[:1], s.height, s.width)  # [3, 1, H, W]
+    if m.condition == "ti2v":
+        latent = encode_video(vae, image)
+    else:
+        latent = encode_video(vae, blank_after_first(image, usable_frames(s.num_frames, facts["vae_factors"][0])))
+    tokens = None
+    if m.image_dim:
+        if not facts.get("image_encoder"):
+            raise ConfigError(f"sample.image with model.image_dim={m.image_dim} needs the dataset's CLIP image "
+                              f"encoder, but its manifest names none (preprocess with image_encoder=DIR)")
+        processor, encoder = load_image_encoder(facts["image_encoder"], device)
+        (tokens,) = encode_images(processor, encoder, [image[:, 0]])
+    return ImageCondition(latent=latent, image=tokens)
+
+
 def sample_run(recipe, checkpoint: str | Path, out_dir: str | Path) -> list[Path]:
     """``lf-diffusion sample``: generate from a checkpoint of ``recipe``'s run and draw the result."""
     from loongforge.core.accelerators import get_accelerator
@@ -108,6 +165,7 @@ def sample_run(recipe, checkpoint: str | Path, out_dir: str | Path) -> list[Path
     from loongforge.diffusion.packing import pad_text
 
     s, m = recipe.sample, recipe.model
+    check_sample_image(recipe)
     m.check_device(get_accelerator().device_type)  # e.g. a run trained in FP8, sampled on an older GPU
     ckpt = Checkpoint(checkpoint)
     device = get_accelerator().device()
@@ -131,22 +189,33 @@ def sample_run(recipe, checkpoint: str | Path, out_dir: str | Path) -> list[Path
     dataset = LatentShards(ckpt.manifest["data_root"])
     facts = dataset.manifest
     vae = load_vae(facts["vae"], device)
-    reference = None
-    if s.prompts:
+    reference, conds = None, None
+    if s.prompts or s.image:
+        prompts = list(s.prompts) or [""]  # an image alone: one video, empty prompt
         tokenizer, encoder = load_text_encoder(facts["text_encoder"], facts["tokenizer"], device)
-        embeddings = encode_prompts(tokenizer, encoder, list(s.prompts), facts["max_sequence_length"])
+        embeddings = encode_prompts(tokenizer, encoder, prompts, facts["max_sequence_length"])
         t_factor, s_factor = facts["vae_factors"]
+        multiple = s_factor * max(m.patch_size[1:])
+        if s.height % multiple or s.width % multiple:
+            from loongforge.core.config import ConfigError
+
+            raise ConfigError(f"sample.height={s.height} and sample.width={s.width} must be multiples of {multiple} "
+                              f"(the VAE's {s_factor}x times the DiT's patch)")
         shape = [facts["latent_channels"], 1 + (s.num_frames - 1) // t_factor, s.height // s_factor, s.width // s_factor]
         shapes = [shape] * len(embeddings)
+        if s.image:
+            conds = [encode_sample_image(recipe, facts, vae, device)] * len(embeddings)
     else:
         picks = list(range(min(s.num_samples, len(dataset))))
         loaded = [dataset.load(i) for i in picks]
         embeddings = [t for _, t in loaded]
         shapes = [list(x.shape) for x, _ in loaded]
         reference = [decode_latent(vae, x) for x, _ in loaded]
+        if m.condition != "none":  # the samples' own first frames
+            conds = [dataset_condition(m, dataset, i, x) for i, (x, _) in zip(picks, loaded)]
     latents = generate(experts, pad_text(embeddings, m.text_len), shapes, num_steps=s.num_steps, shift=s.shift,
                        guidance_scale=s.guidance_scale, seed=s.seed,
-                       num_train_timesteps=recipe.objective.num_train_timesteps)
+                       num_train_timesteps=recipe.objective.num_train_timesteps, image_conditions=conds)
     videos = [decode_latent(vae, x) for x in latents]
     rows = [videos] + ([reference] if reference is not None else [])
     out_dir = Path(out_dir)

@@ -43,7 +43,11 @@ class SampleConfig:
     # prompts to encode with the dataset's text encoder; empty: the first dataset samples' prompts
     # and sizes (their decoded latents are drawn as a reference row)
     prompts: list[str] = field(default_factory=list)
-    num_frames: int = 9  # video size for `prompts`
+    # image-conditioned models (model.condition i2v/ti2v): an image file that starts every video
+    # (resized and center-cropped to height x width; prompts default to one empty prompt); null:
+    # the dataset samples' own first frames (stored conditions)
+    image: str | None = None
+    num_frames: int = 9  # video size for `prompts` and `image`
     height: int = 32
     width: int = 32
     fps: int = 4
@@ -94,5 +98,8 @@ class DiffusionRecipe:
             if value != default:
                 raise ValueError(f"{key}={value}: not supported by lf-diffusion (its step order is a seeded "
                                  f"permutation per epoch and its plans are made from the FLOPs model)")
+        if self.sample.image is not None and self.model.condition == "none":
+            raise ValueError(f"sample.image={self.sample.image!r} needs an image-conditioned model "
+                             f"(model.condition i2v or ti2v; this one is text-to-video)")
         if self.model.train_expert != "all" and self.model.boundary_ratio is None:
             raise ValueError(f"model.train_expert={self.model.train_expert!r} needs two experts (set model.boundary_ratio)")

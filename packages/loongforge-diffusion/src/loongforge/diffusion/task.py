@@ -6,7 +6,10 @@ planned over DP ranks by compute cost (core balancer; ``balance.*``); each rank 
 tokens), adds noise online (per sample, seeded by (seed, step, position), so the result does not
 depend on the layout) and regresses the flow-matching velocity. Wan 2.2 trains one expert per step
 (``StepBatch.part``), chosen with the probability of its timestep range unless
-``model.train_expert`` names one; the other expert is frozen.
+``model.train_expert`` names one; the other expert is frozen. Image-conditioned models
+(``model.condition``) build each sample's input from its first frame
+(``loongforge.diffusion.conditioning``): I2V from the condition latents and CLIP tokens stored by
+``lf-diffusion preprocess``, TI2V from the clip's own first latent frame.
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ import torch.distributed as dist
 from loongforge.core.balance import CostModel
 from loongforge.core.errors import DataError
 from loongforge.core.training.task import StepBatch
+from loongforge.diffusion.conditioning import dataset_condition, given_tokens, model_input, token_timesteps
 from loongforge.diffusion.context_parallel import ContextParallel
 from loongforge.diffusion.data.batching import generator, plan, step_samples
 from loongforge.diffusion.data.shards import LatentShards
@@ -31,7 +35,7 @@ from loongforge.diffusion.objective import (
     pick_expert,
     token_weights,
 )
-from loongforge.diffusion.packing import num_tokens, pack, pack_targets, pad_text
+from loongforge.diffusion.packing import grid_of, num_tokens, pack, pack_targets, pad_text
 from loongforge.diffusion.schema import DiffusionRecipe
 
 FAMILY = "wan"
@@ -87,13 +91,30 @@ class WanTask:
         self.data_root = resolve_data_root(r, ctx.is_main, r.log.progress)
         self.dataset = LatentShards(self.data_root)
         facts = self.dataset.manifest
-        for key, field in (("latent_channels", "in_channels"), ("text_dim", "text_dim")):
+        for key, field in (("latent_channels", "out_channels"), ("text_dim", "text_dim")):
             if facts.get(key) is not None and facts[key] != getattr(m, field):
                 raise DataError(f"{self.data_root}/manifest.json: {key}={facts[key]} but model.{field}={getattr(m, field)}")
+        self.check_image_condition(facts)
         longest = max(rec["text_tokens"] for rec in self.dataset.records)
         if longest > m.text_len:
             raise DataError(f"{self.data_root}/manifest.json: prompts of up to {longest} tokens but model.text_len={m.text_len}")
         self.tokens = [num_tokens(self.dataset.latent_shape(i), m.patch_size) for i in range(len(self.dataset))]
+
+    def check_image_condition(self, facts: dict) -> None:
+        """An I2V model needs the dataset's condition latents (and CLIP tokens of its width)."""
+        m, where = self.recipe.model, f"{self.data_root}/manifest.json"
+        if m.condition != "i2v":
+            return
+        if not facts.get("image_condition"):
+            raise DataError(f"{where}: no I2V condition latents, which model.condition='i2v' trains on; "
+                            f"preprocess with image_condition=true")
+        t_factor = (facts.get("vae_factors") or [m.mask_channels])[0]
+        if t_factor != m.mask_channels:
+            raise DataError(f"{where}: the VAE's temporal factor is {t_factor} but model.in_channels - 2 x "
+                            f"model.out_channels = {m.mask_channels} mask channels")
+        if m.image_dim is not None and facts.get("image_dim") != m.image_dim:
+            raise DataError(f"{where}: image_dim={facts.get('image_dim')} (CLIP tokens; preprocess with "
+                            f"image_encoder=DIR) but model.image_dim={m.image_dim}")
 
     def manifest_fields(self) -> dict:
         return {"data_root": str(self.data_root.resolve()) if self.data_root else None, "experts": self.names}
@@ -101,7 +122,7 @@ class WanTask:
     def model_config_dict(self) -> dict:
         m = self.recipe.model
         return {**m.diffusers_kwargs(), "patch_size": list(m.patch_size), "text_len": m.text_len,
-                "boundary_ratio": m.boundary_ratio}
+                "boundary_ratio": m.boundary_ratio, "condition": m.condition}
 
     def choose_expert(self, step: int) -> str:
         """The expert trained at ``step`` (the same on every rank)."""
@@ -136,23 +157,30 @@ class WanTask:
         """Noisy packed inputs, targets and per-token loss weights of some of the step's samples
         (this CP rank's token range of the targets and weights)."""
         r, m = self.recipe, self.recipe.model
-        latents, texts, targets, timesteps = [], [], [], []
+        latents, texts, targets, timesteps, images, steps, given = [], [], [], [], [], [], []
         for j in positions:
             x0, text = self.dataset.load(indices[j])
+            cond = dataset_condition(m, self.dataset, indices[j], x0)
             g = generator(r.train.seed, step, j)
             sigma, t = self.sampler.sample(1, g, index_range)
             noise = torch.randn(x0.shape, generator=g)
             if r.objective.text_dropout and torch.rand(1, generator=g).item() < r.objective.text_dropout:
                 text = torch.zeros_like(text)
             xt, target = noisy_and_target(x0, noise, sigma.item())
-            latents.append(xt)
+            grid = grid_of(x0.shape, m.patch_size)
+            latents.append(model_input(m, xt, cond))
             targets.append(target)
             texts.append(text)
             timesteps.append(t)
+            images.append(cond.image if cond is not None else None)
+            steps.append(token_timesteps(m, t, grid, cond))
+            given.append(given_tokens(m, grid, cond))
         batch = pack(latents, torch.cat(timesteps), pad_text(texts, m.text_len), m.patch_size,
-                     pad_to_multiple=cp.size if cp else 1)
+                     pad_to_multiple=cp.size if cp else 1, image=torch.stack(images) if m.image_dim else None,
+                     token_timesteps=steps if m.condition == "ti2v" else None)
         target = pack_targets(targets, m.patch_size, batch.num_pad)
-        weights = token_weights([tokens[j] for j in positions], batch.num_pad, r.objective.loss_reduction, self.features)
+        weights = token_weights([tokens[j] for j in positions], batch.num_pad, r.objective.loss_reduction,
+                                self.features, given)
         lo, hi = cp.local_range(batch.num_tokens) if cp else (0, batch.num_tokens)
         return {"batch": batch.to(device), "target": target[lo:hi].to(device), "weights": weights[lo:hi].to(device),
                 "cp": cp}

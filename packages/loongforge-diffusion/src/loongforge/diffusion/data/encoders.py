@@ -1,5 +1,6 @@
-"""The frozen encoders of preprocessing: diffusers' ``AutoencoderKLWan`` for videos and a
-T5/UMT5 encoder (transformers) for prompts, loaded from local directories (never downloaded).
+"""The frozen encoders of preprocessing: diffusers' ``AutoencoderKLWan`` for videos, a
+T5/UMT5 encoder (transformers) for prompts and, for Wan 2.1 I2V, a CLIP vision encoder for the
+first frame, loaded from local directories (never downloaded).
 
 Latents are stored normalised as WanPipeline expects them (``(mean - latents_mean) / latents_std``
 of the VAE posterior); prompts as the encoder's last hidden state trimmed to the prompt's length
@@ -105,3 +106,32 @@ def encode_prompts(tokenizer, encoder, prompts: list[str], max_sequence_length: 
     hidden = encoder(inputs.input_ids.to(device), mask).last_hidden_state
     lengths = mask.gt(0).sum(dim=1).tolist()
     return [h[:n].float().cpu() for h, n in zip(hidden, lengths)]
+
+
+def load_image_encoder(path: str | Path, device, dtype=torch.float32):
+    """``(processor, encoder)``: a CLIP vision encoder (``image_encoder/``) and its image processor
+    (``image_processor/``), as in a Wan 2.1 I2V pipeline directory."""
+    from transformers import CLIPImageProcessor, CLIPVisionModel
+
+    enc_dir = _component_dir(path, "image_encoder")
+    proc_dir = _component_dir(path, "image_processor", marker="preprocessor_config.json")
+    processor = CLIPImageProcessor.from_pretrained(str(proc_dir), local_files_only=True)
+    encoder = CLIPVisionModel.from_pretrained(str(enc_dir), local_files_only=True, torch_dtype=dtype)
+    return processor, encoder.to(device).eval().requires_grad_(False)
+
+
+def image_encoder_width(path: str | Path) -> int:
+    """The width of a CLIP vision encoder's tokens (``model.image_dim``)."""
+    config = read_component_config(path, "image_encoder")
+    return int(config.get("vision_config", config)["hidden_size"])
+
+
+@torch.no_grad()
+def encode_images(processor, encoder, frames: list[torch.Tensor]) -> list[torch.Tensor]:
+    """CLIP tokens ``[L, D]`` of frames ``[3, H, W]`` in [-1, 1]: the encoder's penultimate hidden
+    states, as WanImageToVideoPipeline computes them."""
+    pixels = [((f.clamp(-1, 1) + 1) * 127.5).round().byte().permute(1, 2, 0).numpy() for f in frames]
+    param = next(encoder.parameters())
+    inputs = processor(images=pixels, return_tensors="pt").to(param.device)
+    hidden = encoder(pixel_values=inputs.pixel_values.to(param.dtype), output_hidden_states=True).hidden_states[-2]
+    return [h.float().cpu() for h in hidden]

@@ -4,7 +4,9 @@ A preprocessed dataset directory holds
 
 - ``preprocess.json``: the settings that produced it (re-running with other settings is refused);
 - ``shard-NNNNN.safetensors``: tensors ``{j}.latents`` ``[z, f, h, w]`` and ``{j}.text`` ``[L_j, D]``
-  for the shard's samples ``j``;
+  for the shard's samples ``j``; for image-to-video training also ``{j}.condition`` (the I2V
+  condition latents: the first frame followed by blank frames, ``[z, f, h, w]``) and ``{j}.image``
+  (the first frame's CLIP tokens ``[L_img, D_img]``), see ``loongforge.diffusion.conditioning``;
 - ``shard-NNNNN.json``: the shard's sample records, file size and sha256, written after the shard
   file has been renamed into place, so its presence means the shard is finished;
 - ``manifest.json``: every shard record plus dataset facts, written once all shards are done.
@@ -29,6 +31,7 @@ from loongforge.core.errors import DataError
 FORMAT = "loongforge-diffusion-latents"
 VERSION = 1
 MANIFEST = "manifest.json"
+CONDITION_KEYS = ("condition", "image")  # optional per-sample tensors of image-to-video data
 SETTINGS = "preprocess.json"
 
 
@@ -58,11 +61,13 @@ def _sha256(path: Path) -> str:
 
 
 def write_shard(out_dir: Path, index: int, samples: list[dict], dtype: torch.dtype) -> dict:
-    """Write one shard; ``samples`` have ``latents``, ``text`` tensors and a ``record`` dict."""
+    """Write one shard; ``samples`` have ``latents``, ``text`` tensors (optionally ``condition``,
+    ``image``) and a ``record`` dict."""
     tensors = {}
     for j, s in enumerate(samples):
-        tensors[f"{j}.latents"] = s["latents"].to(dtype).contiguous()
-        tensors[f"{j}.text"] = s["text"].to(dtype).contiguous()
+        for key in ("latents", "text", *CONDITION_KEYS):
+            if s.get(key) is not None:
+                tensors[f"{j}.{key}"] = s[key].to(dtype).contiguous()
     path = out_dir / shard_name(index)
     tmp = out_dir / f".{path.name}.tmp"
     save_file(tensors, str(tmp))
@@ -152,10 +157,20 @@ class LatentShards:
     def latent_shape(self, i: int) -> list[int]:
         return self.records[i]["latent_shape"]
 
-    def load(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(latents [z, f, h, w], text [L, D])`` of sample ``i`` in fp32."""
+    def _handle(self, i: int):
+        """The open shard of sample ``i`` and the sample's index in it."""
         file, j = self.index[i]
         if file not in self._handles:
             self._handles[file] = safe_open(str(self.root / file), framework="pt")
-        h = self._handles[file]
+        return self._handles[file], j
+
+    def load(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(latents [z, f, h, w], text [L, D])`` of sample ``i`` in fp32."""
+        h, j = self._handle(i)
         return h.get_tensor(f"{j}.latents").float(), h.get_tensor(f"{j}.text").float()
+
+    def load_condition(self, i: int) -> dict[str, torch.Tensor]:
+        """The stored image-condition tensors of sample ``i`` (``condition``, ``image``: those present), fp32."""
+        h, j = self._handle(i)
+        keys = set(h.keys())
+        return {key: h.get_tensor(f"{j}.{key}").float() for key in CONDITION_KEYS if f"{j}.{key}" in keys}

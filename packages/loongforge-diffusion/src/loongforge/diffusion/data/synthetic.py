@@ -1,8 +1,10 @@
 """The built-in dataset: short clips of a coloured shape moving over a plain background, in mixed
 resolutions and durations (single-frame clips are PNG images), each with a caption naming its
-colour, shape, direction and background. Everything here (clips, the tiny random VAE and text
-encoder used to preprocess them) is generated deterministically from a seed on first use and
-cached, so ``lf-diffusion train`` with no arguments needs no download.
+colour, shape, direction and background. Everything here (clips, the tiny random VAE, text
+encoder and CLIP vision encoder used to preprocess them) is generated deterministically from a
+seed on first use and cached, so ``lf-diffusion train`` with no arguments needs no download. The
+shards hold what image-to-video training reads too (I2V condition latents and CLIP tokens of the
+first frame), so every debug config trains on the same set.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ SHAPES = ("circle", "square")
 DIRECTIONS = {"left": (0, -1), "right": (0, 1), "up": (-1, 0), "down": (1, 0)}
 SIZES = ((32, 32), (32, 48), (48, 32))  # (height, width) in pixels
 LENGTHS = (1, 5, 9)  # frames (1 + 4k: the Wan VAE's temporal grid)
-VERSION = "moving_shapes_v1"
+VERSION = "moving_shapes_v2"  # v2: + I2V condition latents and CLIP tokens
 
 
 def cache_root() -> Path:
@@ -90,6 +92,9 @@ def generate_clips(out_dir: Path, num_clips: int = 48, seed: int = 0) -> Path:
 
 TINY_VAE = dict(base_dim=8, z_dim=4, dim_mult=[1, 2, 2, 2], num_res_blocks=1, attn_scales=[],
                 temperal_downsample=[False, True, True])
+# 32x32 input, 16x16 patches: 5 tokens of width 32 (the tiny I2V config's model.image_dim)
+TINY_CLIP = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, image_size=32,
+                 patch_size=16, projection_dim=32)
 TINY_TEXT = dict(d_model=32, d_kv=8, d_ff=64, num_layers=2, num_heads=4, relative_attention_num_buckets=8,
                  relative_attention_max_distance=16, dropout_rate=0.0)
 
@@ -110,11 +115,12 @@ def build_tiny_tokenizer(out_dir: Path) -> None:
 
 @torch.no_grad()
 def build_tiny_encoders(out_dir: Path, clips_dir: Path, seed: int = 0) -> Path:
-    """A random tiny UMT5 encoder + word-level tokenizer and a random tiny Wan VAE, saved in the
-    diffusers pipeline layout (``vae/``, ``text_encoder/``, ``tokenizer/``). The VAE's
+    """A random tiny UMT5 encoder + word-level tokenizer, a random tiny Wan VAE and a random tiny
+    CLIP vision encoder, saved in the diffusers pipeline layout (``vae/``, ``text_encoder/``,
+    ``tokenizer/``, ``image_encoder/``, ``image_processor/``). The VAE's
     ``latents_mean``/``latents_std`` are measured on the clips so stored latents are ~unit scale."""
     from diffusers import AutoencoderKLWan
-    from transformers import UMT5Config, UMT5EncoderModel
+    from transformers import CLIPImageProcessor, CLIPVisionConfig, CLIPVisionModel, UMT5Config, UMT5EncoderModel
 
     from loongforge.diffusion.data.video_io import read_frames, to_model_input
 
@@ -136,6 +142,11 @@ def build_tiny_encoders(out_dir: Path, clips_dir: Path, seed: int = 0) -> Path:
     mu = torch.cat(mus, dim=1)
     vae.register_to_config(latents_mean=mu.mean(1).tolist(), latents_std=mu.std(1).tolist())
     vae.save_pretrained(str(out_dir / "vae"))
+    torch.manual_seed(seed + 2)
+    CLIPVisionModel(CLIPVisionConfig(**TINY_CLIP)).save_pretrained(str(out_dir / "image_encoder"))
+    side = TINY_CLIP["image_size"]
+    CLIPImageProcessor(size={"shortest_edge": side}, crop_size={"height": side, "width": side}).save_pretrained(
+        str(out_dir / "image_processor"))
     marker.write_text("ok\n")
     return out_dir
 
@@ -152,6 +163,6 @@ def builtin_dataset(num_clips: int = 48, show_progress: bool = True) -> Path:
     encoders = build_tiny_encoders(root / "encoders", clips)
     cfg = PreprocessConfig(input=str(clips), output=str(latents), vae=str(encoders), text_encoder=str(encoders),
                            max_sequence_length=16, max_frames=9, max_area=48 * 48, patch_size=2, shard_size=16,
-                           progress=show_progress)
+                           image_condition=True, image_encoder=str(encoders), progress=show_progress)
     preprocess(cfg, rank=0, world=1)
     return latents

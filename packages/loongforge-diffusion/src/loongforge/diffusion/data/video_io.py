@@ -58,9 +58,14 @@ def to_model_input(frames: np.ndarray, max_area: int, multiple: int, temporal_fa
     """``[F, H, W, 3]`` uint8 -> ``[3, F', H', W']`` float in [-1, 1]: frames cut to ``1 + k*t``,
     resized (antialiased) to cover the target then center-cropped to it."""
     frames = frames[: usable_frames(frames.shape[0], temporal_factor)]
+    return fit_frames(frames, *target_size(*frames.shape[1:3], max_area, multiple))
+
+
+def fit_frames(frames: np.ndarray, h: int, w: int) -> torch.Tensor:
+    """``[F, H, W, 3]`` uint8 -> ``[3, F, h, w]`` float in [-1, 1], resized (antialiased) to cover
+    ``h x w`` then center-cropped to it."""
     x = torch.from_numpy(np.ascontiguousarray(frames)).permute(0, 3, 1, 2).float() / 127.5 - 1.0  # [F, 3, H, W]
     h0, w0 = x.shape[-2:]
-    h, w = target_size(h0, w0, max_area, multiple)
     scale = max(h / h0, w / w0)
     rh, rw = max(h, round(h0 * scale)), max(w, round(w0 * scale))
     if (rh, rw) != (h0, w0):

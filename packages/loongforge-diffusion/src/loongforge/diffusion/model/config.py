@@ -24,9 +24,18 @@ DIFFUSERS_FIELDS = (
     "qk_norm",
     "eps",
     "rope_max_seq_len",
+    "image_dim",
+    "added_kv_proj_dim",
 )
-# diffusers fields of image-conditioned variants (Wan 2.1 I2V); they must be unset
-UNSUPPORTED_FIELDS = ("image_dim", "added_kv_proj_dim", "pos_embed_seq_len")
+# diffusers fields of variants this implementation does not reproduce (Wan 2.1 FLF2V's image
+# position embedding); they must be unset
+UNSUPPORTED_FIELDS = ("pos_embed_seq_len",)
+# how a video is conditioned on an image (its first frame): none (text-to-video); i2v (Wan 2.1 /
+# 2.2 I2V: a first-frame mask and the VAE latents of the image followed by blank frames are
+# concatenated to the noisy latent on channels, plus, with image_dim, CLIP image tokens read by
+# the cross-attention); ti2v (Wan 2.2 TI2V: the first latent frame is the clean image latent,
+# with timestep 0 for its tokens)
+CONDITIONS = ("none", "i2v", "ti2v")
 # per-block activation recomputation (train.recompute): nothing, the whole block, or the
 # elementwise work between the kept attention and GEMM outputs
 CHECKPOINTING = ("none", "full", "selective")
@@ -51,8 +60,19 @@ class WanConfig:
     qk_norm: str = "rms_norm_across_heads"
     eps: float = 1e-6
     rope_max_seq_len: int = 1024
+    # Wan 2.1 I2V: width of the CLIP image tokens (1280; the image embedder maps them to the hidden
+    # size); null for every other variant
+    image_dim: int | None = None
+    # Wan 2.1 I2V: input width of the cross-attention's key/value projections of the image tokens
+    # (the hidden size); null exactly when image_dim is
+    added_kv_proj_dim: int | None = None
     # prompt embeddings are zero-padded to this many tokens (Wan: 512), as WanPipeline does
     text_len: int = 16
+    # none | i2v | ti2v: how videos are conditioned on an image (their first frame). i2v (Wan 2.1/2.2
+    # I2V): first-frame mask and condition latents concatenated on channels, in_channels =
+    # 2 * out_channels + the VAE's temporal factor; ti2v (Wan 2.2 TI2V): the first latent frame given
+    # at timestep 0 and left out of the loss, in_channels = out_channels, a temporal patch of 1
+    condition: str = "none"
     # Wan 2.2 two experts: timesteps >= boundary_ratio * 1000 go to the high-noise expert
     boundary_ratio: float | None = None
     # how it runs
@@ -80,6 +100,7 @@ class WanConfig:
             raise ValueError(f"model.qk_norm={self.qk_norm!r}: only 'rms_norm_across_heads' (Wan) is supported")
         if self.boundary_ratio is not None and not 0.0 < self.boundary_ratio < 1.0:
             raise ValueError(f"model.boundary_ratio={self.boundary_ratio}: must be in (0, 1) or null")
+        self._check_condition()
         if self.attention_backend not in BACKENDS:
             raise ValueError(f"model.attention_backend={self.attention_backend!r}: one of {', '.join(BACKENDS)}")
         if self.train_expert not in EXPERT_CHOICES:
@@ -91,6 +112,38 @@ class WanConfig:
                 f"model.fp8={self.fp8!r} needs model.num_attention_heads x model.attention_head_dim "
                 f"({self.hidden_size}) and model.ffn_dim ({self.ffn_dim}) to be multiples of 16 (FP8 GEMM shapes)"
             )
+
+    def _check_condition(self) -> None:
+        if self.condition not in CONDITIONS:
+            raise ValueError(f"model.condition={self.condition!r}: one of {', '.join(CONDITIONS)}")
+        if (self.image_dim is None) != (self.added_kv_proj_dim is None):
+            raise ValueError(f"model.image_dim={self.image_dim} and model.added_kv_proj_dim={self.added_kv_proj_dim}: "
+                             f"set both (Wan 2.1 I2V image tokens) or neither")
+        if self.image_dim is not None:
+            if self.image_dim < 1:
+                raise ValueError(f"model.image_dim={self.image_dim}: must be >= 1")
+            if self.added_kv_proj_dim != self.hidden_size:
+                raise ValueError(f"model.added_kv_proj_dim={self.added_kv_proj_dim}: must be the hidden size "
+                                 f"model.num_attention_heads x model.attention_head_dim ({self.hidden_size})")
+            if self.condition != "i2v":
+                raise ValueError(f"model.image_dim={self.image_dim} needs model.condition='i2v' "
+                                 f"(got {self.condition!r})")
+        if self.condition == "i2v":
+            if self.mask_channels < 1:
+                raise ValueError(f"model.condition='i2v' needs model.in_channels ({self.in_channels}) = 2 x "
+                                 f"model.out_channels ({self.out_channels}) + the mask channels (the VAE's "
+                                 f"temporal factor, 4 for Wan)")
+        elif self.in_channels != self.out_channels:
+            raise ValueError(f"model.in_channels={self.in_channels} != model.out_channels={self.out_channels} "
+                             f"needs model.condition='i2v' (got {self.condition!r})")
+        if self.condition == "ti2v" and self.patch_size[0] != 1:
+            raise ValueError(f"model.condition='ti2v' needs a temporal patch of 1 (model.patch_size="
+                             f"{list(self.patch_size)}): the first latent frame is whole tokens")
+
+    @property
+    def mask_channels(self) -> int:
+        """I2V: channels of the first-frame mask between the noisy and the condition latents."""
+        return self.in_channels - 2 * self.out_channels if self.condition == "i2v" else 0
 
     def check_device(self, device_type: str) -> None:
         """Settings the device cannot run, as a config error (call before any process group)."""
@@ -122,10 +175,14 @@ class WanConfig:
         """A WanConfig from a ``WanTransformer3DModel`` config dict (e.g. its config.json)."""
         for key in UNSUPPORTED_FIELDS:
             if config.get(key) is not None:
-                raise ValueError(f"{source}: {key}={config[key]!r} (image-conditioned Wan) is not supported")
+                raise ValueError(f"{source}: {key}={config[key]!r} (Wan first-last-frame image positions) is not supported")
         values = {k: config[k] for k in DIFFUSERS_FIELDS if k in config}
         if "patch_size" in values:
             values["patch_size"] = list(values["patch_size"])
         if values.get("qk_norm") is None:
             values.pop("qk_norm", None)
-        return cls(**values, **overrides)
+        if values.get("out_channels") is None and "in_channels" in values:  # diffusers: out_channels or in_channels
+            values["out_channels"] = values["in_channels"]
+        if values.get("in_channels", cls.in_channels) != values.get("out_channels", cls.out_channels):
+            values["condition"] = "i2v"  # noisy + mask + condition latents on channels
+        return cls(**{**values, **overrides})

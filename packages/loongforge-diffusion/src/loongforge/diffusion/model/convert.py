@@ -1,15 +1,22 @@
 """diffusers <-> LoongForge weights for the Wan DiT.
 
 The mapping is the identity: ``WanDiT`` has ``WanTransformer3DModel``'s parameter names and
-shapes. ``check_layout`` verifies that (both directions, shapes included) before any copy, so a
-mismatching checkpoint fails with the offending keys instead of loading half a model.
-Two-expert checkpoints are diffusers pipeline directories with ``transformer/`` (high noise) and
-``transformer_2/`` (low noise).
+shapes, image-to-video variants included (Wan 2.1 I2V's ``condition_embedder.image_embedder.*`` and
+``blocks.N.attn2.add_k_proj/add_v_proj/norm_added_k``). ``check_layout`` verifies that (both
+directions, shapes included) before any copy, so a mismatching checkpoint fails with the
+offending keys instead of loading half a model. The only keys read and not kept are those
+diffusers itself drops on load (``IGNORED_KEYS``). Two-expert checkpoints are diffusers pipeline
+directories with ``transformer/`` (high noise) and ``transformer_2/`` (low noise).
+
+The image conditioning (``model.condition``) is an architecture key too: ``i2v`` wherever
+``in_channels`` differs from ``out_channels`` (noisy, mask and condition latents on channels),
+``ti2v`` where the pipeline's ``model_index.json`` says ``expand_timesteps: true`` (Wan 2.2 TI2V).
 """
 
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import torch
@@ -18,6 +25,16 @@ from loongforge.core.lora import strip_adapters
 from loongforge.core.training.sharding import local, region
 from loongforge.diffusion.model.config import WanConfig
 from loongforge.diffusion.model.experts import WanExperts
+
+
+# checkpoint keys diffusers' WanTransformer3DModel skips on load (its
+# ``_keys_to_ignore_on_load_unexpected``: an unused query norm of early I2V checkpoints)
+IGNORED_KEYS = (re.compile(r"(^|\.)norm_added_q\."),)
+
+
+def kept_keys(keys) -> list[str]:
+    """The checkpoint keys that map to parameters (all but ``IGNORED_KEYS``)."""
+    return [k for k in keys if not any(p.search(k) for p in IGNORED_KEYS)]
 
 
 def check_layout(ours: dict[str, tuple], theirs: dict[str, tuple], source: str) -> None:
@@ -54,6 +71,15 @@ def transformer_dirs(path: str | Path, names: list[str]) -> dict[str, Path]:
     return dirs
 
 
+def pipeline_condition(transformer_dir: Path) -> str | None:
+    """``ti2v`` or ``none`` from the ``expand_timesteps`` of the pipeline's ``model_index.json``
+    (in the directory or, for a pipeline's ``transformer/``, above it); None without one."""
+    for index in (transformer_dir / "model_index.json", transformer_dir.parent / "model_index.json"):
+        if index.is_file():
+            return "ti2v" if json.loads(index.read_text()).get("expand_timesteps") else "none"
+    return None
+
+
 def read_diffusers_config(directory: Path) -> dict:
     path = directory / "config.json"
     try:
@@ -77,6 +103,9 @@ def pretrained_architecture(path: str | Path) -> tuple[dict, Path]:
     cfg = WanConfig.from_diffusers(read_diffusers_config(source.parent), source=str(source))
     arch = {k: getattr(cfg, k) for k in cfg.diffusers_kwargs()}
     arch["patch_size"] = list(cfg.patch_size)
+    condition = "i2v" if cfg.condition == "i2v" else pipeline_condition(root)
+    if condition is not None:
+        arch["condition"] = condition
     if source.parent.name == "transformer" and (root / "transformer_2" / "config.json").is_file():
         ratio = None
         for name in ("boundary.json", "model_index.json"):
@@ -136,7 +165,7 @@ def load_pretrained(model: WanExperts, path: str | Path) -> None:
         check_config(model.config, directory)
         handles = [safe_open(str(p), framework="pt") for p in weight_files(directory)]
         where = {key: h for h in handles for key in h.keys()}
-        theirs = {key: tuple(h.get_slice(key).get_shape()) for key, h in where.items()}
+        theirs = {key: tuple(where[key].get_slice(key).get_shape()) for key in kept_keys(where)}
         expert = model.expert(name)
         ours = strip_adapters(expert.state_dict())  # a LoRA model's adapters are not the checkpoint's
         check_layout(shapes_of(ours), theirs, str(directory))

@@ -1,12 +1,19 @@
 """The Wan 2.x DiT over packed token sequences.
 
 Parameters carry exactly the names and shapes of diffusers' ``WanTransformer3DModel`` (text-to-video
-variants), so ``load_state_dict`` of a diffusers checkpoint is the identity mapping (see
-``model/convert.py``). The forward differs where training needs it:
+and image-to-video variants), so ``load_state_dict`` of a diffusers checkpoint is the identity
+mapping (see ``model/convert.py``). The forward differs where training needs it:
 
 - inputs are a ``PackedBatch``: several videos of different sizes in one sequence; self-attention
   and cross-attention respect per-sample boundaries, each sample has its own timestep, prompt and
   3D RoPE grid;
+- image conditioning (``model.condition``): Wan 2.1 I2V's mask and condition latents are input
+  channels like the noisy latent's, and its CLIP image tokens (``image_dim``) go through diffusers'
+  image embedder and a second attention of the cross-attention's queries over them (diffusers'
+  ``add_k_proj``/``add_v_proj``/``norm_added_k``; the two outputs are summed before ``to_out``);
+  Wan 2.2 TI2V's per-token timesteps (``PackedBatch.token_timesteps``) are embedded once per
+  distinct value of the pack and every token looks its row of the modulation up, as tokens of
+  per-sample timesteps look up their sample's;
 - patch embedding is one GEMM over the packed patches (the Conv3d's kernel equals its stride);
 - query/key/value projections of self-attention are one GEMM (key/value of cross-attention
   another), on the concatenated diffusers weights;
@@ -71,29 +78,26 @@ class TokenContext:
     """What every block needs about this rank's tokens (built once per forward)."""
 
     sample_index: torch.Tensor  # [n] sample of each local token
+    modulation_index: torch.Tensor | None  # [n] row of the timestep modulation of each token; None: one row
     rope_cos: torch.Tensor  # [n, head_dim / 2]: angle of each channel pair of a head
     rope_sin: torch.Tensor
     self_segments: Segments  # samples (and padding) of the full sequence (after the Ulysses all-to-all)
     cross_q_segments: Segments  # local token segments, one per locally present sample
     cross_k_segments: Segments  # their prompt rows in text[first_sample:last_sample + 1]
+    image_k_segments: Segments | None  # their image tokens in image[first_sample:last_sample + 1] (I2V)
     first_sample: int
     last_sample: int
-    single_sample: bool
     backend: str
     cp: ContextParallel | None
 
-    @property
-    def pack_index(self) -> torch.Tensor | None:
-        """The sample of each local token, or None for a pack of one sample."""
-        return None if self.single_sample else self.sample_index
-
-    def per_token(self, per_sample: torch.Tensor) -> torch.Tensor:
-        return per_token(per_sample, self.pack_index)
+    def per_token(self, per_row: torch.Tensor) -> torch.Tensor:
+        """A modulation ``[rows, ...]`` (per sample, or per distinct timestep) per token."""
+        return per_token(per_row, self.modulation_index)
 
 
-def per_token(per_sample: torch.Tensor, sample_index: torch.Tensor | None) -> torch.Tensor:
-    """``[B, ...]`` -> broadcastable per-token ``[n or 1, ...]`` (``sample_index`` None: one sample)."""
-    return per_sample[:1] if sample_index is None else per_sample[sample_index]
+def per_token(per_row: torch.Tensor, row_index: torch.Tensor | None) -> torch.Tensor:
+    """``[rows, ...]`` -> broadcastable per-token ``[n or 1, ...]`` (``row_index`` None: one row)."""
+    return per_row[:1] if row_index is None else per_row[row_index]
 
 
 @cache
@@ -175,9 +179,10 @@ def _local_cross_bounds(bounds: list[int], lo: int, hi: int) -> tuple[list[int],
 
 class WanAttention(nn.Module):
     """Self- or cross-attention with diffusers' ``WanAttention`` parameters (to_q/k/v, to_out.0,
-    norm_q/norm_k RMSNorm across heads). ``fp8``: the projections of video tokens run in FP8."""
+    norm_q/norm_k RMSNorm across heads; with ``added_kv_proj_dim``, I2V's add_k_proj/add_v_proj/
+    norm_added_k over image tokens). ``fp8``: the projections of video tokens run in FP8."""
 
-    def __init__(self, dim: int, heads: int, eps: float, fp8: bool = False):
+    def __init__(self, dim: int, heads: int, eps: float, fp8: bool = False, added_kv_proj_dim: int | None = None):
         super().__init__()
         self.heads, self.head_dim, self.eps, self.fp8_cast = heads, dim // heads, eps, _fp8_cast(fp8)
         self.to_q = nn.Linear(dim, dim)
@@ -186,6 +191,10 @@ class WanAttention(nn.Module):
         self.to_out = nn.ModuleList([nn.Linear(dim, dim), nn.Dropout(0.0)])
         self.norm_q = nn.RMSNorm(dim, eps=eps)
         self.norm_k = nn.RMSNorm(dim, eps=eps)
+        if added_kv_proj_dim is not None:
+            self.add_k_proj = nn.Linear(added_kv_proj_dim, dim)
+            self.add_v_proj = nn.Linear(added_kv_proj_dim, dim)
+            self.norm_added_k = nn.RMSNorm(dim, eps=eps)
         self.qk_kernels = get_kernel_with_backward("qk_norm_rope")
         self.use_kernels(reference=False)
 
@@ -198,7 +207,13 @@ class WanAttention(nn.Module):
     def _heads(self, x: torch.Tensor) -> torch.Tensor:
         return x.unflatten(-1, (self.heads, self.head_dim))
 
-    def forward(self, x: torch.Tensor, tc: TokenContext, text: torch.Tensor | None = None) -> torch.Tensor:
+    def _keys_values(self, context: torch.Tensor, k_proj: nn.Linear, v_proj: nn.Linear, norm: nn.RMSNorm):
+        """Normed keys and values of prompt or image tokens ``[rows, L, D]``, as heads."""
+        k, v = _concat_linear(context.flatten(0, 1), (k_proj, v_proj)).chunk(2, dim=-1)
+        return self._heads(self.rms_norm(k, norm.weight, self.eps)), self._heads(v)
+
+    def forward(self, x: torch.Tensor, tc: TokenContext, text: torch.Tensor | None = None,
+                image: torch.Tensor | None = None) -> torch.Tensor:
         if text is None:
             qkv = _concat_linear(x, (self.to_q, self.to_k, self.to_v), self.fp8_cast)
             q, k, v = (self._heads(t) for t in normed_rotated_qkv(
@@ -209,14 +224,19 @@ class WanAttention(nn.Module):
             if tc.cp is not None:
                 out = heads_to_seq(out, tc.cp)
         else:
-            # cross-attention reads the prompts of the samples present in this rank's tokens
+            # cross-attention reads the prompts (and images) of the samples present in this rank's tokens
             if tc.cp is not None:
                 text = text[tc.first_sample : tc.last_sample + 1]
             q = _with_adapter(_linear(x, self.to_q.weight, self.to_q.bias, self.fp8_cast), self.to_q, x)
-            k, v = _concat_linear(text.flatten(0, 1), (self.to_k, self.to_v)).chunk(2, dim=-1)
             q = self._heads(self.rms_norm(q, self.norm_q.weight, self.eps))
-            k = self._heads(self.rms_norm(k, self.norm_k.weight, self.eps))
-            out = packed_attention(q, k, self._heads(v), tc.cross_q_segments, tc.cross_k_segments, tc.backend)
+            k, v = self._keys_values(text, self.to_k, self.to_v, self.norm_k)
+            out = packed_attention(q, k, v, tc.cross_q_segments, tc.cross_k_segments, tc.backend)
+            if image is not None:  # I2V: a second attention over the image tokens, summed (diffusers' order)
+                if tc.cp is not None:
+                    image = image[tc.first_sample : tc.last_sample + 1]
+                k, v = self._keys_values(image, self.add_k_proj, self.add_v_proj, self.norm_added_k)
+                out_image = packed_attention(q, k, v, tc.cross_q_segments, tc.image_k_segments, tc.backend)
+                out = out.flatten(1).type_as(q) + out_image.flatten(1).type_as(q)
         proj, out = self.to_out[0], out.flatten(1).type_as(x)
         return _with_adapter(_linear(out, proj.weight, proj.bias, self.fp8_cast), proj, out)
 
@@ -229,7 +249,7 @@ class WanBlock(nn.Module):
         dim = cfg.hidden_size
         fp8 = cfg.fp8 != "none"
         self.attn1 = WanAttention(dim, cfg.num_attention_heads, cfg.eps, fp8)
-        self.attn2 = WanAttention(dim, cfg.num_attention_heads, cfg.eps, fp8)
+        self.attn2 = WanAttention(dim, cfg.num_attention_heads, cfg.eps, fp8, cfg.added_kv_proj_dim)
         self.norm2 = FP32LayerNorm(dim, cfg.eps, elementwise_affine=True) if cfg.cross_attn_norm else nn.Identity()
         self.ffn = FeedForward(dim, inner_dim=cfg.ffn_dim, activation_fn="gelu-approximate")
         self.scale_shift_table = nn.Parameter(torch.randn(1, 6, dim) / dim**0.5)
@@ -237,33 +257,36 @@ class WanBlock(nn.Module):
         # norm1/norm3 of diffusers' block have no parameters: their LayerNorm is ``_layer_norm``
         self.eps, self.norm_kernels = cfg.eps, get_kernel_with_backward("modulated_layer_norm")
 
-    def forward(self, x: torch.Tensor, text: torch.Tensor, temb: torch.Tensor, tc: TokenContext) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, text: torch.Tensor, temb: torch.Tensor, tc: TokenContext,
+                image: torch.Tensor | None = None) -> torch.Tensor:
         if self.checkpointing == "none" or not torch.is_grad_enabled():
-            return self._forward(x, text, temb, tc)
+            return self._forward(x, text, temb, tc, image)
         extra = {"context_fn": _selective_contexts} if self.checkpointing == "selective" else {}
-        return checkpoint(self._forward, x, text, temb, tc, use_reentrant=False, **extra)
+        return checkpoint(self._forward, x, text, temb, tc, image, use_reentrant=False, **extra)
 
-    def _forward(self, x: torch.Tensor, text: torch.Tensor, temb: torch.Tensor, tc: TokenContext) -> torch.Tensor:
-        # temb: [B, 6, dim] per sample; the norms look each token's sample up (no per-token copy
-        # of the modulation), the gates are gathered per token where inductor fuses the gather
+    def _forward(self, x: torch.Tensor, text: torch.Tensor, temb: torch.Tensor, tc: TokenContext,
+                 image: torch.Tensor | None = None) -> torch.Tensor:
+        # temb: [rows, 6, dim] per sample (or per distinct timestep); the norms look each token's
+        # row up (no per-token copy of the modulation), the gates are gathered per token where
+        # inductor fuses the gather
         mod = self.scale_shift_table + temb.float()
         shift_msa, scale_msa, gate_msa, c_shift, c_scale, c_gate = mod.unbind(1)
 
-        h = self._layer_norm(x, 1 + scale_msa, shift_msa, tc.pack_index)
+        h = self._layer_norm(x, 1 + scale_msa, shift_msa, tc.modulation_index)
         x = (x.float() + self.attn1(h, tc) * tc.per_token(gate_msa)).type_as(x)
 
         affine = not isinstance(self.norm2, nn.Identity)
         h = self._layer_norm(x, self.norm2.weight[None], self.norm2.bias[None], None) if affine else x
-        x = x + self.attn2(h, tc, text)
+        x = x + self.attn2(h, tc, text, image)
 
-        h = self._layer_norm(x, 1 + c_scale, c_shift, tc.pack_index)
+        h = self._layer_norm(x, 1 + c_scale, c_shift, tc.modulation_index)
         return (x.float() + self._feed_forward(h).float() * tc.per_token(c_gate)).type_as(x)
 
     def _layer_norm(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor,
                     index: torch.Tensor | None) -> torch.Tensor:
         """diffusers' ``(FP32LayerNorm(x.float()) * weight + bias).type_as(x)`` as one registry op,
         one pass forward and one backward; ``weight``/``bias``: the adaLN modulation ``1 + scale``/
-        ``shift`` per sample (``index``: the sample of each token, None for one sample), or the
+        ``shift`` per row (``index``: the row of each token, None for one row), or the
         norm's own affine parameters."""
         return normalize_and_modulate(x, weight, bias, self.eps, self.norm_kernels, index)
 
@@ -292,7 +315,8 @@ class WanDiT(nn.Module):
         dim = cfg.hidden_size
         self.patch_embedding = nn.Conv3d(cfg.in_channels, dim, kernel_size=tuple(cfg.patch_size), stride=tuple(cfg.patch_size))
         self.condition_embedder = WanTimeTextImageEmbedding(
-            dim=dim, time_freq_dim=cfg.freq_dim, time_proj_dim=dim * 6, text_embed_dim=cfg.text_dim
+            dim=dim, time_freq_dim=cfg.freq_dim, time_proj_dim=dim * 6, text_embed_dim=cfg.text_dim,
+            image_embed_dim=cfg.image_dim,
         )
         self.blocks = nn.ModuleList([WanBlock(cfg) for _ in range(cfg.num_layers)])
         self.norm_out = FP32LayerNorm(dim, cfg.eps, elementwise_affine=False)
@@ -334,7 +358,10 @@ class WanDiT(nn.Module):
         """Whether ``compile_regions`` ran."""
         return self._compiled_head is not None
 
-    def token_context(self, batch: PackedBatch, cp: ContextParallel | None, device) -> tuple[TokenContext, int, int]:
+    def token_context(self, batch: PackedBatch, cp: ContextParallel | None,
+                      device) -> tuple[TokenContext, torch.Tensor, int, int]:
+        """What the blocks need about this rank's tokens ``[lo, hi)``, and the timestep of each
+        modulation row."""
         n = batch.num_tokens
         lo, hi = cp.local_range(n) if cp is not None else (0, n)
         cross_q, first, last = _local_cross_bounds(batch.cross_attention_bounds, lo, hi)
@@ -342,50 +369,70 @@ class WanDiT(nn.Module):
         positions = batch.positions[lo:hi].to(device)
         cos, sin = rope_tables(positions, self.config.attention_head_dim)
         exact = not self.compiled
-        segments = (Segments(batch.self_attention_bounds, exact), Segments(cross_q, exact),
-                    Segments([i * L for i in range(last - first + 2)], exact))
+        segments = [Segments(batch.self_attention_bounds, exact), Segments(cross_q, exact),
+                    Segments([i * L for i in range(last - first + 2)], exact)]
+        if batch.image is not None:
+            L_img = batch.image.shape[1]
+            segments.append(Segments([i * L_img for i in range(last - first + 2)], exact))
         if torch.device(device).type == "cuda":  # what the CUDA backends read, built outside compiled code
             for seg in segments:
                 seg.prepare(device)
+        sample_index = batch.sample_index[lo:hi].to(device)
+        if batch.token_timesteps is None:  # one modulation row per sample
+            rows, row_index = batch.timesteps, None if batch.num_samples == 1 else sample_index
+        else:  # one row per distinct timestep of the local tokens
+            rows, row_index = torch.unique(batch.token_timesteps[lo:hi].to(device), return_inverse=True)
+            row_index = None if rows.numel() == 1 else row_index
         tc = TokenContext(
-            sample_index=batch.sample_index[lo:hi].to(device),
+            sample_index=sample_index,
+            modulation_index=row_index,
             rope_cos=cos,
             rope_sin=sin,
             self_segments=segments[0],
             cross_q_segments=segments[1],
             cross_k_segments=segments[2],
+            image_k_segments=segments[3] if batch.image is not None else None,
             first_sample=first,
             last_sample=last,
-            single_sample=batch.num_samples == 1,
             backend=self.config.attention_backend,
             cp=cp,
         )
-        return tc, lo, hi
+        return tc, rows, lo, hi
 
     def forward(self, batch: PackedBatch, cp: ContextParallel | None = None) -> torch.Tensor:
         """Predicted velocity for this rank's tokens: ``[n, pt*ph*pw*out_channels]``."""
         weight = self.patch_embedding.weight
-        tc, lo, hi = self.token_context(batch, cp, weight.device)
+        if (batch.image is None) != (self.config.image_dim is None):
+            raise ValueError(f"model.image_dim={self.config.image_dim} but the pack has "
+                             f"{'no' if batch.image is None else 'some'} image tokens")
+        tc, rows, lo, hi = self.token_context(batch, cp, weight.device)
         x = F.linear(batch.patches[lo:hi].to(weight.device, weight.dtype), weight.flatten(1), self.patch_embedding.bias)
 
-        temb, timestep_proj, text, _ = self.condition_embedder(batch.timesteps.to(weight.device), batch.text.to(weight.device, weight.dtype))
+        image = None if batch.image is None else batch.image.to(weight.device, weight.dtype)
+        temb, timestep_proj, text, image = self.condition_embedder(
+            rows.to(weight.device), batch.text.to(weight.device, weight.dtype), image)
         timestep_proj = timestep_proj.unflatten(1, (6, -1))
 
         for block in self.blocks:
-            x = block(x, text, timestep_proj, tc)
+            x = block(x, text, timestep_proj, tc, image)
 
         head = self._compiled_head or self._output_head
-        return head(x, self.scale_shift_table + temb.unsqueeze(1), tc.pack_index)
+        return head(x, self.scale_shift_table + temb.unsqueeze(1), tc.modulation_index)
 
-    def _output_head(self, x: torch.Tensor, modulation: torch.Tensor, sample_index: torch.Tensor | None) -> torch.Tensor:
-        # per sample -> per token in here, so that a compiled head fuses the gather and its
+    def _output_head(self, x: torch.Tensor, modulation: torch.Tensor, row_index: torch.Tensor | None) -> torch.Tensor:
+        # per row -> per token in here, so that a compiled head fuses the gather and its
         # backward's reduction (eager, a pack of 2 x 14040 tokens spent 10 ms a step scattering back)
-        shift, scale = per_token(modulation, sample_index).unbind(1)
+        shift, scale = per_token(modulation, row_index).unbind(1)
         x = (self.norm_out(x.float()) * (1 + scale) + shift).type_as(x)
         return self.proj_out(x)
 
-    def forward_video(self, hidden_states: torch.Tensor, timestep: torch.Tensor, encoder_hidden_states: torch.Tensor) -> torch.Tensor:
-        """diffusers' calling convention: ``[B, C, F, H, W]`` latents -> ``[B, C_out, F, H, W]``."""
-        batch = pack(list(hidden_states), timestep, encoder_hidden_states, self.config.patch_size)
+    def forward_video(self, hidden_states: torch.Tensor, timestep: torch.Tensor, encoder_hidden_states: torch.Tensor,
+                      encoder_hidden_states_image: torch.Tensor | None = None) -> torch.Tensor:
+        """diffusers' calling convention: ``[B, C, F, H, W]`` latents -> ``[B, C_out, F, H, W]``;
+        ``timestep`` ``[B]``, or ``[B, tokens]`` per token (Wan 2.2 TI2V)."""
+        per_token_steps = list(timestep) if timestep.ndim == 2 else None
+        per_sample = timestep.amax(1) if timestep.ndim == 2 else timestep  # (pads nothing here)
+        batch = pack(list(hidden_states), per_sample, encoder_hidden_states, self.config.patch_size,
+                     image=encoder_hidden_states_image, token_timesteps=per_token_steps)
         out = self.forward(batch)
         return torch.stack(unpack_outputs(out, batch, self.config.patch_size))
