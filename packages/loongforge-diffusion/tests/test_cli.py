@@ -187,6 +187,14 @@ def test_image_to_video_debug_configs_train_sample_from_an_image_and_export(tmp_
     assert loaded.config.image_dim == (32 if flavour == "i2v" else None)
     for key, value in loaded.state_dict().items():
         assert torch.equal(value, tensors[f"model.transformer.{key}"]), key
+    half = tmp_path / "hf-bf16"  # --dtype casts the exported weights
+    assert main(["convert", "lf-to-diffusers", str(run), str(half), "--dtype", "bf16"]) == 0
+    from safetensors.torch import load_file
+
+    written = {k: v for f in sorted(half.glob("*.safetensors")) for k, v in load_file(f).items()}
+    assert sorted(written) == sorted(loaded.state_dict())
+    for key, value in written.items():
+        assert value.dtype == torch.bfloat16 and torch.equal(value, tensors[f"model.transformer.{key}"].bfloat16()), key
 
 
 def test_image_to_video_data_mismatches_are_one_error_line(tmp_path, builtin_latents, capsys):

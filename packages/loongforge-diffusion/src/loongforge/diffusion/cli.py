@@ -118,6 +118,7 @@ def recipe_of(manifest: dict, overrides: list[str] = ()):
 
 def lf_to_diffusers_command(source: str, out: str, args) -> str:
     from loongforge.core.checkpoint import load_checkpoint
+    from loongforge.core.cli import convert_dtype
     from loongforge.core.config import ConfigError
     from loongforge.core.lora import lora_record, merge_state
     from loongforge.diffusion.model.convert import export_diffusers
@@ -134,7 +135,7 @@ def lf_to_diffusers_command(source: str, out: str, args) -> str:
     lora = lora_record(manifest)
     if lora:  # a LoRA run: W + (alpha / rank) B A, an ordinary diffusers model
         state = merge_state(state, lora["alpha"] / lora["rank"])
-    written = export_diffusers(state, recipe_of(manifest).model, out)
+    written = export_diffusers(state, recipe_of(manifest).model, out, dtype=convert_dtype(args.dtype))
     merged = f" (LoRA adapters merged, rank {lora['rank']})" if lora else ""
     return "\n".join(f"wrote {path}{merged}" for path in written)
 

@@ -179,9 +179,10 @@ def load_pretrained(model: WanExperts, path: str | Path) -> None:
 
 
 @torch.no_grad()
-def export_diffusers(state: dict[str, torch.Tensor], cfg: WanConfig, out_dir: str | Path) -> list[Path]:
+def export_diffusers(state: dict[str, torch.Tensor], cfg: WanConfig, out_dir: str | Path,
+                     dtype: torch.dtype | None = None) -> list[Path]:
     """Write ``WanExperts`` weights (``transformer.*`` / ``transformer_2.*`` keys) as diffusers
-    ``WanTransformer3DModel`` directories; returns them."""
+    ``WanTransformer3DModel`` directories (every tensor cast to ``dtype`` when given); returns them."""
     from diffusers import WanTransformer3DModel
 
     out = Path(out_dir)
@@ -195,6 +196,8 @@ def export_diffusers(state: dict[str, torch.Tensor], cfg: WanConfig, out_dir: st
         reference = WanTransformer3DModel(**cfg.diffusers_kwargs())
         check_layout(shapes_of(reference.state_dict()), shapes_of(weights), f"export of {name}")
         reference.load_state_dict(weights, strict=True)
+        if dtype is not None:
+            reference.to(dtype)
         directory = out / name if cfg.boundary_ratio is not None else out
         reference.save_pretrained(str(directory))
         written.append(directory)
