@@ -28,7 +28,7 @@ from loongforge.embodied.data.synthetic import ensure_synthetic_dataset
 from loongforge.embodied.policies.flow_matching import draw_noise_and_time
 
 # policy fields that do not change the model (where its first weights came from)
-NOT_ARCHITECTURE = ("pretrained", "pretrained_format")
+NOT_ARCHITECTURE = ("pretrained", "pretrained_format", "tokenizer")
 # data fields that do not change what a step trains on
 NOT_DATA = ("root", "num_workers", "video_backend")
 
