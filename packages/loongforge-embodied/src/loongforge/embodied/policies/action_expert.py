@@ -82,9 +82,10 @@ class ActionExpertPolicy(nn.Module):
         self.action_out_proj = nn.Linear(expert.width, cfg.max_action_dim)
         self.activation_checkpointing = False
 
-    def finish_init(self) -> None:
-        """Initialise the weights (every module registered) and freeze the unreachable ones."""
-        init_linear_weights(self, skip=(self.prefix.vision_tower,))
+    def finish_init(self, keep_init: tuple[nn.Module, ...] = ()) -> None:
+        """Initialise the weights (every module registered; the vision tower and ``keep_init``
+        keep their own initialisation) and freeze the unreachable ones."""
+        init_linear_weights(self, skip=(self.prefix.vision_tower, *keep_init))
         for p in self.unreachable_parameters():
             p.requires_grad_(False)
 

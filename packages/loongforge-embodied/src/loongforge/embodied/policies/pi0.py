@@ -49,7 +49,11 @@ class Pi0Policy(ActionExpertPolicy):
         self.state_proj = nn.Linear(cfg.max_state_dim, width)
         self.action_time_mlp_in = nn.Linear(2 * width, width)
         self.action_time_mlp_out = nn.Linear(width, width)
-        self.finish_init()
+        # the heads keep PyTorch's default Linear initialisation, as in LeRobot's PI0Pytorch: at
+        # Normal(0, 0.02) the action-time MLP shrinks the noisy actions ~1000-fold and the expert's
+        # residual stream barely sees them (the debug policy then hardly learns)
+        self.finish_init(keep_init=(self.state_proj, self.action_in_proj, self.action_time_mlp_in,
+                                    self.action_time_mlp_out, self.action_out_proj))
 
     def embed_suffix(self, batch: dict[str, torch.Tensor], x_t: torch.Tensor, t: torch.Tensor):
         """The state token, then the chunk's action-time tokens: two blocks; no expert condition."""
