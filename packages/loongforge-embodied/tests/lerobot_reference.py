@@ -116,3 +116,22 @@ def build_lerobot_pi0_policy(cfg: PolicyConfig, cameras: int, state_dim: int, ac
     policy.model = build_lerobot_pi0(cfg, config)
     policy.reset()
     return policy
+
+
+def perturb_norms(model: nn.Module, scale: float = 0.2) -> None:
+    """Random offsets on every norm parameter: zero-initialised norms (and adaRMS projections)
+    would hide mistakes."""
+    import torch
+
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.add_(torch.randn_like(p) * scale)
+
+
+def lerobot_loss(model, batch, noise, t):
+    """LeRobot's per-element loss (``PI0Pytorch`` / ``PI05Pytorch.forward``) of one of our batches
+    (cameras as lists; the state only for Pi0, Pi0.5 has it in the prompt)."""
+    state = (batch["state"],) if isinstance(model, modeling_pi0.PI0Pytorch) else ()
+    return model.forward(list(batch["images"].unbind(1)), list(batch["image_mask"].unbind(1)), batch["tokens"],
+                         batch["token_mask"], *state, batch["actions"], noise, t)

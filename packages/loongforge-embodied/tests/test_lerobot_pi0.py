@@ -7,7 +7,8 @@ import json
 import pytest
 import torch
 
-from lerobot_reference import build_lerobot_pi0, build_lerobot_pi0_policy
+from embodied_helpers import policy_batch as make_batch
+from lerobot_reference import build_lerobot_pi0, build_lerobot_pi0_policy, lerobot_loss, perturb_norms
 from loongforge.core.hf_mapping import MappingError
 from loongforge.embodied.convert.lerobot_pi0 import from_lerobot_pi0, to_lerobot_pi0
 from loongforge.embodied.policies import build_policy, policy_config
@@ -24,31 +25,10 @@ def pair():
     cfg = policy_config("pi0", image_size=IMAGE)
     torch.manual_seed(0)
     ref = build_lerobot_pi0(cfg)
-    with torch.no_grad():  # zero-initialised norms would hide mistakes
-        for name, p in ref.named_parameters():
-            if "norm" in name:
-                p.add_(torch.randn_like(p) * 0.2)
+    perturb_norms(ref)
     ours = build_policy(cfg)
     ours.load_state_dict(from_lerobot_pi0(ref.state_dict()), strict=True)
     return cfg, ref, ours
-
-
-def make_batch(cfg, b=3, seed=1):
-    g = torch.Generator().manual_seed(seed)
-    length = 20
-    return {
-        "images": torch.rand(b, 2, 3, IMAGE, IMAGE, generator=g) * 2 - 1,
-        "image_mask": torch.tensor([[True, True], [True, False], [True, True]])[:b],
-        "tokens": torch.randint(0, cfg.vocab_size, (b, length), generator=g),
-        "token_mask": torch.arange(length)[None] < torch.tensor([[20], [11], [4]])[:b],
-        "state": torch.randn(b, cfg.max_state_dim, generator=g),
-        "actions": torch.randn(b, cfg.chunk_size, cfg.max_action_dim, generator=g),
-    }, torch.randn(b, cfg.chunk_size, cfg.max_action_dim, generator=g), torch.rand(b, generator=g)
-
-
-def lerobot_loss(model, batch, noise, t):
-    return model.forward(list(batch["images"].unbind(1)), list(batch["image_mask"].unbind(1)), batch["tokens"],
-                         batch["token_mask"], batch["state"], batch["actions"], noise, t)
 
 
 def test_same_loss_and_gradients_as_lerobot(pair):
@@ -153,7 +133,6 @@ def test_cached_sampling_matches_full_recompute(pair):
     assert cached.abs().mean() > 0.1
 
 
-@pytest.mark.slow
 def test_released_size_preset_has_lerobot_pi0_shapes():
     """``policy=pi0_base`` against LeRobot's own ``PI0Pytorch(PI0Config())`` on the meta device."""
     from lerobot.policies.pi0.configuration_pi0 import PI0Config

@@ -12,9 +12,8 @@ import torch
 import torch.nn as nn
 from safetensors.torch import load_file
 
-from embodied_helpers import tiny_overrides
-from lerobot.policies.pi0.modeling_pi0 import PI0Pytorch
-from lerobot_reference import build_lerobot_pi0, build_lerobot_pi05
+from embodied_helpers import policy_batch, tiny_overrides
+from lerobot_reference import build_lerobot_pi0, build_lerobot_pi05, lerobot_loss
 from loongforge.core.checkpoint import Checkpoint
 from loongforge.core.lora import LoRALinear, merge_state, strip_adapters
 from loongforge.embodied.cli import main
@@ -29,23 +28,8 @@ SCALE = ALPHA / RANK
 LEROBOT = {"pi05": (build_lerobot_pi05, to_lerobot_pi05), "pi0": (build_lerobot_pi0, to_lerobot_pi0)}
 
 
-def _batch(cfg, b=2, seed=1):
-    g = torch.Generator().manual_seed(seed)
-    size, length = cfg.image_size, 12
-    return {
-        "images": torch.rand(b, 2, 3, size, size, generator=g) * 2 - 1,
-        "image_mask": torch.tensor([[True, True], [True, False]])[:b],
-        "tokens": torch.randint(0, cfg.vocab_size, (b, length), generator=g),
-        "token_mask": torch.arange(length)[None] < torch.tensor([[12], [7]])[:b],
-        "state": torch.randn(b, cfg.max_state_dim, generator=g),
-        "actions": torch.randn(b, cfg.chunk_size, cfg.max_action_dim, generator=g),
-    }, torch.randn(b, cfg.chunk_size, cfg.max_action_dim, generator=g), torch.rand(b, generator=g)
-
-
-def _lerobot_loss(model, batch, noise, t):
-    state = (batch["state"],) if isinstance(model, PI0Pytorch) else ()  # Pi0 reads the state, Pi0.5 does not
-    return model.forward(list(batch["images"].unbind(1)), list(batch["image_mask"].unbind(1)), batch["tokens"],
-                         batch["token_mask"], *state, batch["actions"], noise, t)
+def _batch(cfg):
+    return policy_batch(cfg, b=2, length=12)
 
 
 def _train(tiny_dataset, run, *extra):
@@ -101,7 +85,7 @@ def test_lora_trains_adapters_and_exports_for_lerobot(tiny_dataset, tmp_path, fa
     lerobot = build_lerobot(cfg.policy)
     lerobot.load_state_dict({k[len("model."):]: v for k, v in exported.items()}, strict=True)
     with torch.no_grad():
-        torch.testing.assert_close(_lerobot_loss(lerobot.eval(), batch, noise, t), want, rtol=1e-4, atol=1e-5)
+        torch.testing.assert_close(lerobot_loss(lerobot.eval(), batch, noise, t), want, rtol=1e-4, atol=1e-5)
 
     # the adapters alone, in LeRobot's names: PEFT loads them onto LeRobot's policy (inside a
     # PI0Policy / PI05Policy-like holder: its `model`) with the base weights, and the loss is ours
@@ -121,7 +105,7 @@ def test_lora_trains_adapters_and_exports_for_lerobot(tiny_dataset, tmp_path, fa
     holder.model = lerobot
     PeftModel.from_pretrained(holder, str(adapter))
     with torch.no_grad():
-        torch.testing.assert_close(_lerobot_loss(lerobot.eval(), batch, noise, t), want, rtol=1e-4, atol=1e-5)
+        torch.testing.assert_close(lerobot_loss(lerobot.eval(), batch, noise, t), want, rtol=1e-4, atol=1e-5)
 
 
 def test_groot_lora_adapter_loads_with_peft_in_our_names(tiny_dataset, tmp_path):
