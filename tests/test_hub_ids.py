@@ -79,3 +79,6 @@ def test_embodied_dataset_and_policy_ids(hub):
     assert cfg.policy.pretrained == str(policy / "model.safetensors")
     local = load_train_config("train", [f"data.root={dataset}"])  # a path stays a path
     assert local.data.root == str(dataset)
+    tokenizer = snapshot(hub, "model", "google/paligemma-3b-pt-224")  # policy.tokenizer: a model repository
+    (tokenizer / "tokenizer.json").write_text("{}")
+    assert load_train_config("train", ["policy.tokenizer=google/paligemma-3b-pt-224"]).policy.tokenizer == str(tokenizer)

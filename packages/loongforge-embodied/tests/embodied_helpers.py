@@ -60,3 +60,21 @@ def train(cfg):
     from loongforge.core.training.run import run_training
 
     return run_training(cfg, get_model_spec(cfg.policy.family).make_task(cfg), "lf-embodied")
+
+
+def policy_batch(cfg, b: int = 3, seed: int = 1, length: int = 20):
+    """A random policy batch of ``b`` <= 3 samples (two cameras, the second missing in sample 1;
+    ``length`` prompt tokens of which ``length``, ``length // 2 + 1`` and 4 are valid), with its
+    noise and times: ``(batch, noise, t)``."""
+    import torch
+
+    g = torch.Generator().manual_seed(seed)
+    size = cfg.image_size
+    return {
+        "images": torch.rand(b, 2, 3, size, size, generator=g) * 2 - 1,
+        "image_mask": torch.tensor([[True, True], [True, False], [True, True]])[:b],
+        "tokens": torch.randint(0, cfg.vocab_size, (b, length), generator=g),
+        "token_mask": torch.arange(length)[None] < torch.tensor([[length], [length // 2 + 1], [4]])[:b],
+        "state": torch.randn(b, cfg.max_state_dim, generator=g),
+        "actions": torch.randn(b, cfg.chunk_size, cfg.max_action_dim, generator=g),
+    }, torch.randn(b, cfg.chunk_size, cfg.max_action_dim, generator=g), torch.rand(b, generator=g)

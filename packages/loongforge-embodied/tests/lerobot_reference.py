@@ -1,24 +1,31 @@
-"""LeRobot's own Pi0.5 modules (``lerobot.policies.pi05``) at a tiny size, for equivalence tests.
+"""LeRobot's own Pi0 / Pi0.5 modules (``lerobot.policies.pi0`` / ``pi05``) at a tiny size, for
+equivalence tests.
 
-LeRobot's constructors only build the released sizes: ``PI05Pytorch.__init__`` looks up the
-``gemma_2b`` / ``gemma_300m`` variants and ``PaliGemmaWithExpertModel.__init__`` fixes the
-SigLIP-so400m vision tower (27 layers, width 1152, projection 2048). Here the same LeRobot classes
-are assembled with tiny configs, setting exactly the attributes those constructors set (see
-lerobot/policies/pi05/modeling_pi05.py); every forward method that runs is LeRobot's.
+LeRobot's constructors only build the released sizes: ``PI0Pytorch.__init__`` /
+``PI05Pytorch.__init__`` look up the ``gemma_2b`` / ``gemma_300m`` variants and
+``PaliGemmaWithExpertModel.__init__`` fixes the SigLIP-so400m vision tower (27 layers, width 1152,
+projection 2048). Here the same LeRobot classes are assembled with tiny configs, setting exactly
+the attributes those constructors set (see lerobot/policies/pi0/modeling_pi0.py and
+pi05/modeling_pi05.py); every forward method that runs is LeRobot's.
 """
 
 from __future__ import annotations
 
 import torch.nn as nn
+from lerobot.configs import FeatureType, PolicyFeature
+from lerobot.policies.pi0 import modeling_pi0
+from lerobot.policies.pi0.configuration_pi0 import PI0Config
+from lerobot.policies.pi05 import modeling_pi05
 from lerobot.policies.pi05.configuration_pi05 import PI05Config
-from lerobot.policies.pi05.modeling_pi05 import PaliGemmaWithExpertModel, PI05Pytorch
 from lerobot.policies.pi_gemma import PaliGemmaForConditionalGenerationWithPiGemma, PiGemmaForCausalLM
+from lerobot.utils.constants import ACTION, OBS_IMAGES, OBS_STATE
 from transformers.models.auto import CONFIG_MAPPING
 
 from loongforge.embodied.config import PolicyConfig
 
 
-def build_lerobot_pi05(cfg: PolicyConfig) -> PI05Pytorch:
+def _paligemma_with_expert(module, cfg: PolicyConfig, expert_adarms: bool):
+    """``module.PaliGemmaWithExpertModel`` (pi0's or pi05's) with tiny backbone and expert."""
     vlm, expert, vis = cfg.vlm, cfg.expert, cfg.vision
     vlm_hf = CONFIG_MAPPING["paligemma"]()
     vlm_hf._vocab_size = cfg.vocab_size
@@ -42,10 +49,10 @@ def build_lerobot_pi05(cfg: PolicyConfig) -> PI05Pytorch:
         vocab_size=cfg.vocab_size,
         hidden_activation="gelu_pytorch_tanh",
         dtype="float32",
-        use_adarms=True,
-        adarms_cond_dim=expert.width,
+        use_adarms=expert_adarms,
+        adarms_cond_dim=expert.width if expert_adarms else None,
     )
-    pwe = PaliGemmaWithExpertModel.__new__(PaliGemmaWithExpertModel)
+    pwe = module.PaliGemmaWithExpertModel.__new__(module.PaliGemmaWithExpertModel)
     nn.Module.__init__(pwe)
     pwe.freeze_vision_encoder = False
     pwe.train_expert_only = False
@@ -53,23 +60,78 @@ def build_lerobot_pi05(cfg: PolicyConfig) -> PI05Pytorch:
     pwe.gemma_expert = PiGemmaForCausalLM(config=expert_hf)
     pwe.gemma_expert.model.embed_tokens = None
     pwe.to_bfloat16_for_selected_params("float32")
+    return pwe
 
-    model = PI05Pytorch.__new__(PI05Pytorch)
+
+def _lerobot_config(config_class, cfg: PolicyConfig, **extra):
+    return config_class(chunk_size=cfg.chunk_size, n_action_steps=cfg.chunk_size, max_state_dim=cfg.max_state_dim,
+                        max_action_dim=cfg.max_action_dim, image_resolution=(cfg.image_size, cfg.image_size),
+                        min_period=cfg.min_period, max_period=cfg.max_period, **extra)
+
+
+def _core(module_class, config, pwe, cfg: PolicyConfig):
+    model = module_class.__new__(module_class)
     nn.Module.__init__(model)
-    model.config = PI05Config(
-        chunk_size=cfg.chunk_size,
-        n_action_steps=cfg.chunk_size,
-        max_state_dim=cfg.max_state_dim,
-        max_action_dim=cfg.max_action_dim,
-        image_resolution=(cfg.image_size, cfg.image_size),
-        min_period=cfg.min_period,
-        max_period=cfg.max_period,
-    )
+    model.config = config
     model.rtc_processor = None
     model.paligemma_with_expert = pwe
-    model.action_in_proj = nn.Linear(cfg.max_action_dim, expert.width)
-    model.action_out_proj = nn.Linear(expert.width, cfg.max_action_dim)
-    model.time_mlp_in = nn.Linear(expert.width, expert.width)
-    model.time_mlp_out = nn.Linear(expert.width, expert.width)
+    model.action_in_proj = nn.Linear(cfg.max_action_dim, cfg.expert.width)
+    model.action_out_proj = nn.Linear(cfg.expert.width, cfg.max_action_dim)
     model.gradient_checkpointing_enabled = False
     return model
+
+
+def build_lerobot_pi05(cfg: PolicyConfig) -> modeling_pi05.PI05Pytorch:
+    model = _core(modeling_pi05.PI05Pytorch, _lerobot_config(PI05Config, cfg),
+                  _paligemma_with_expert(modeling_pi05, cfg, expert_adarms=True), cfg)
+    model.time_mlp_in = nn.Linear(cfg.expert.width, cfg.expert.width)
+    model.time_mlp_out = nn.Linear(cfg.expert.width, cfg.expert.width)
+    return model
+
+
+def build_lerobot_pi0(cfg: PolicyConfig, config: PI0Config | None = None) -> modeling_pi0.PI0Pytorch:
+    width = cfg.expert.width
+    model = _core(modeling_pi0.PI0Pytorch, config or _lerobot_config(PI0Config, cfg),
+                  _paligemma_with_expert(modeling_pi0, cfg, expert_adarms=False), cfg)
+    model.state_proj = nn.Linear(cfg.max_state_dim, width)
+    model.action_time_mlp_in = nn.Linear(2 * width, width)
+    model.action_time_mlp_out = nn.Linear(width, width)
+    return model
+
+
+def build_lerobot_pi0_policy(cfg: PolicyConfig, cameras: int, state_dim: int, action_dim: int) -> modeling_pi0.PI0Policy:
+    """LeRobot's ``PI0Policy`` (its preprocessing, padding, noise/time sampling and loss reduction)
+    around a tiny ``PI0Pytorch``, for a dataset of ``cameras`` cameras and the given state/action
+    sizes (``observation.images.camI``, ``observation.state``, ``action``)."""
+    size = cfg.image_size
+    config = _lerobot_config(
+        PI0Config, cfg, device="cpu",
+        input_features={**{f"{OBS_IMAGES}.cam{i}": PolicyFeature(FeatureType.VISUAL, (3, size, size)) for i in range(cameras)},
+                        OBS_STATE: PolicyFeature(FeatureType.STATE, (state_dim,))},
+        output_features={ACTION: PolicyFeature(FeatureType.ACTION, (action_dim,))})
+    policy = modeling_pi0.PI0Policy.__new__(modeling_pi0.PI0Policy)
+    nn.Module.__init__(policy)
+    policy.config = config
+    policy.rtc_processor = None
+    policy.model = build_lerobot_pi0(cfg, config)
+    policy.reset()
+    return policy
+
+
+def perturb_norms(model: nn.Module, scale: float = 0.2) -> None:
+    """Random offsets on every norm parameter: zero-initialised norms (and adaRMS projections)
+    would hide mistakes."""
+    import torch
+
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.add_(torch.randn_like(p) * scale)
+
+
+def lerobot_loss(model, batch, noise, t):
+    """LeRobot's per-element loss (``PI0Pytorch`` / ``PI05Pytorch.forward``) of one of our batches
+    (cameras as lists; the state only for Pi0, Pi0.5 has it in the prompt)."""
+    state = (batch["state"],) if isinstance(model, modeling_pi0.PI0Pytorch) else ()
+    return model.forward(list(batch["images"].unbind(1)), list(batch["image_mask"].unbind(1)), batch["tokens"],
+                         batch["token_mask"], *state, batch["actions"], noise, t)

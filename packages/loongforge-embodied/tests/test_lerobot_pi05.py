@@ -8,7 +8,8 @@ from dataclasses import replace
 import pytest
 import torch
 
-from lerobot_reference import build_lerobot_pi05
+from embodied_helpers import policy_batch as make_batch
+from lerobot_reference import build_lerobot_pi05, lerobot_loss, perturb_norms
 from loongforge.core.hf_mapping import MappingError
 from loongforge.embodied.convert.lerobot_pi05 import from_lerobot_pi05, to_lerobot_pi05
 from loongforge.embodied.policies.flow_matching import euler_integrate
@@ -24,34 +25,17 @@ def pair():
     cfg = policy_config("pi05", image_size=IMAGE)
     torch.manual_seed(0)
     ref = build_lerobot_pi05(cfg)
-    with torch.no_grad():  # zero-initialised norms and adaRMS projections would hide mistakes
-        for name, p in ref.named_parameters():
-            if "norm" in name:
-                p.add_(torch.randn_like(p) * 0.2)
+    perturb_norms(ref)
     ours = build_policy(cfg)
     ours.load_state_dict(from_lerobot_pi05(ref.state_dict()), strict=True)
     return cfg, ref, ours
 
 
-def make_batch(cfg, b=3, seed=1):
-    g = torch.Generator().manual_seed(seed)
-    length = 20
-    return {
-        "images": torch.rand(b, 2, 3, IMAGE, IMAGE, generator=g) * 2 - 1,
-        "image_mask": torch.tensor([[True, True], [True, False], [True, True]])[:b],
-        "tokens": torch.randint(0, cfg.vocab_size, (b, length), generator=g),
-        "token_mask": torch.arange(length)[None] < torch.tensor([[20], [11], [4]])[:b],
-        "actions": torch.randn(b, cfg.chunk_size, cfg.max_action_dim, generator=g),
-    }, torch.randn(b, cfg.chunk_size, cfg.max_action_dim, generator=g), torch.rand(b, generator=g)
-
-
 def test_same_loss_and_gradients_as_lerobot(pair):
     cfg, ref, ours = pair
     batch, noise, t = make_batch(cfg)
-    images = list(batch["images"].unbind(1))
-    masks = list(batch["image_mask"].unbind(1))
     ref.zero_grad(), ours.zero_grad()
-    ref_loss = ref.forward(images, masks, batch["tokens"], batch["token_mask"], batch["actions"], noise, t)
+    ref_loss = lerobot_loss(ref, batch, noise, t)
     our_loss = ours(batch, noise, t)
     torch.testing.assert_close(our_loss, ref_loss, rtol=1e-4, atol=1e-5)
     ref_loss.mean().backward()
@@ -95,9 +79,7 @@ def test_lerobot_loads_our_export_and_gives_the_same_loss(pair):
     other.load_state_dict(to_lerobot_pi05(ours.state_dict(), cfg, policy_prefix=False), strict=True)
     batch, noise, t = make_batch(cfg, seed=2)
     with torch.no_grad():
-        loss = other.forward(list(batch["images"].unbind(1)), list(batch["image_mask"].unbind(1)), batch["tokens"],
-                             batch["token_mask"], batch["actions"], noise, t)
-        torch.testing.assert_close(loss, ours(batch, noise, t), rtol=1e-4, atol=1e-5)
+        torch.testing.assert_close(lerobot_loss(other, batch, noise, t), ours(batch, noise, t), rtol=1e-4, atol=1e-5)
 
 
 def test_missing_and_mismatched_tensors_are_named(pair):

@@ -1,7 +1,7 @@
 """LoRA on the policies (``lf-embodied train lora.rank=N``, loongforge.core.lora): only the adapters
-train; ``lf-to-lerobot`` exports the merged policy, which LeRobot's own Pi0.5 runs like the LoRA
-policy; ``lora-to-peft`` exports the adapters in LeRobot's names, which PEFT loads onto LeRobot's
-Pi0.5 (GR00T: onto ours) with the LoRA policy's loss."""
+train; ``lf-to-lerobot`` exports the merged policy, which LeRobot's own Pi0 / Pi0.5 runs like the
+LoRA policy; ``lora-to-peft`` exports the adapters in LeRobot's names, which PEFT loads onto
+LeRobot's Pi0 / Pi0.5 (GR00T: onto ours) with the LoRA policy's loss."""
 
 from __future__ import annotations
 
@@ -12,35 +12,24 @@ import torch
 import torch.nn as nn
 from safetensors.torch import load_file
 
-from embodied_helpers import tiny_overrides
-from lerobot_reference import build_lerobot_pi05
+from embodied_helpers import policy_batch, tiny_overrides
+from lerobot_reference import build_lerobot_pi0, build_lerobot_pi05, lerobot_loss
 from loongforge.core.checkpoint import Checkpoint
 from loongforge.core.lora import LoRALinear, merge_state, strip_adapters
 from loongforge.embodied.cli import main
 from loongforge.embodied.config import load_train_config
+from loongforge.embodied.convert.lerobot_pi0 import to_lerobot_pi0
 from loongforge.embodied.convert.lerobot_pi05 import to_lerobot_pi05
 from loongforge.embodied.policies import build_policy
 from loongforge.embodied.restore import restore_policy
 
 RANK, ALPHA = 4, 8.0
 SCALE = ALPHA / RANK
+LEROBOT = {"pi05": (build_lerobot_pi05, to_lerobot_pi05), "pi0": (build_lerobot_pi0, to_lerobot_pi0)}
 
 
-def _batch(cfg, b=2, seed=1):
-    g = torch.Generator().manual_seed(seed)
-    size, length = cfg.image_size, 12
-    return {
-        "images": torch.rand(b, 2, 3, size, size, generator=g) * 2 - 1,
-        "image_mask": torch.tensor([[True, True], [True, False]])[:b],
-        "tokens": torch.randint(0, cfg.vocab_size, (b, length), generator=g),
-        "token_mask": torch.arange(length)[None] < torch.tensor([[12], [7]])[:b],
-        "actions": torch.randn(b, cfg.chunk_size, cfg.max_action_dim, generator=g),
-    }, torch.randn(b, cfg.chunk_size, cfg.max_action_dim, generator=g), torch.rand(b, generator=g)
-
-
-def _lerobot_loss(model, batch, noise, t):
-    return model.forward(list(batch["images"].unbind(1)), list(batch["image_mask"].unbind(1)), batch["tokens"],
-                         batch["token_mask"], batch["actions"], noise, t)
+def _batch(cfg):
+    return policy_batch(cfg, b=2, length=12)
 
 
 def _train(tiny_dataset, run, *extra):
@@ -50,9 +39,14 @@ def _train(tiny_dataset, run, *extra):
     return load_train_config("train", args)
 
 
-def test_pi05_lora_trains_adapters_and_exports_for_lerobot(tiny_dataset, tmp_path):
+@pytest.mark.parametrize("family", ["pi05", "pi0"])
+def test_lora_trains_adapters_and_exports_for_lerobot(tiny_dataset, tmp_path, family):
+    """The default targets (``q/k/v/o_proj``, ``out_proj``) adapt the SigLIP, backbone and expert
+    attention of Pi0 and Pi0.5 alike."""
+    build_lerobot, to_lerobot = LEROBOT[family]
     run = tmp_path / "run"
-    cfg = _train(tiny_dataset, run)
+    cfg = _train(tiny_dataset, run, f"policy={family}")
+    assert cfg.policy.family == family
     first = Checkpoint(run / "checkpoints" / "step_00000001").tensors("model.")
     last = Checkpoint(run / "checkpoints" / "step_00000002")
     state = {k[len("model."):]: v for k, v in last.tensors("model.").items()}
@@ -80,21 +74,21 @@ def test_pi05_lora_trains_adapters_and_exports_for_lerobot(tiny_dataset, tmp_pat
         base.load_state_dict(fresh)
         assert (want - base(batch, noise, t)).abs().max() > 1e-3  # the adapters matter
 
-    # merged: W + (alpha / r) B A in LeRobot's PI05Policy layout; LeRobot's Pi0.5 gives our loss
+    # merged: W + (alpha / r) B A in LeRobot's PI0Policy / PI05Policy layout; LeRobot's gives our loss
     out = tmp_path / "lerobot" / "model.safetensors"
     assert main(["convert", "lf-to-lerobot", str(run), str(out)]) == 0
     exported = load_file(str(out))
-    expected = to_lerobot_pi05(merge_state(state, SCALE), cfg.policy)
+    expected = to_lerobot(merge_state(state, SCALE), cfg.policy)
     assert set(exported) == set(expected)
     for key, value in expected.items():
         torch.testing.assert_close(exported[key], value, rtol=0, atol=1e-7, msg=key)
-    lerobot = build_lerobot_pi05(cfg.policy)
+    lerobot = build_lerobot(cfg.policy)
     lerobot.load_state_dict({k[len("model."):]: v for k, v in exported.items()}, strict=True)
     with torch.no_grad():
-        torch.testing.assert_close(_lerobot_loss(lerobot.eval(), batch, noise, t), want, rtol=1e-4, atol=1e-5)
+        torch.testing.assert_close(lerobot_loss(lerobot.eval(), batch, noise, t), want, rtol=1e-4, atol=1e-5)
 
-    # the adapters alone, in LeRobot's names: PEFT loads them onto LeRobot's Pi0.5 (inside a
-    # PI05Policy-like holder: its `model`) with the base weights, and the loss is ours
+    # the adapters alone, in LeRobot's names: PEFT loads them onto LeRobot's policy (inside a
+    # PI0Policy / PI05Policy-like holder: its `model`) with the base weights, and the loss is ours
     from peft import PeftModel
 
     adapter = tmp_path / "adapter"
@@ -105,13 +99,13 @@ def test_pi05_lora_trains_adapters_and_exports_for_lerobot(tiny_dataset, tmp_pat
     keys = load_file(str(adapter / "adapter_model.safetensors"))
     assert ("base_model.model.model.paligemma_with_expert.gemma_expert.model.layers.0.self_attn.q_proj.lora_A.weight"
             in keys)
-    lerobot = build_lerobot_pi05(cfg.policy)
-    lerobot.load_state_dict(to_lerobot_pi05(fresh, cfg.policy, policy_prefix=False), strict=True)
+    lerobot = build_lerobot(cfg.policy)
+    lerobot.load_state_dict(to_lerobot(fresh, cfg.policy, policy_prefix=False), strict=True)
     holder = nn.Module()
     holder.model = lerobot
     PeftModel.from_pretrained(holder, str(adapter))
     with torch.no_grad():
-        torch.testing.assert_close(_lerobot_loss(lerobot.eval(), batch, noise, t), want, rtol=1e-4, atol=1e-5)
+        torch.testing.assert_close(lerobot_loss(lerobot.eval(), batch, noise, t), want, rtol=1e-4, atol=1e-5)
 
 
 def test_groot_lora_adapter_loads_with_peft_in_our_names(tiny_dataset, tmp_path):
@@ -124,7 +118,6 @@ def test_groot_lora_adapter_loads_with_peft_in_our_names(tiny_dataset, tmp_path)
     ours, _, _ = restore_policy(run / "checkpoints")
     ours.eval()
     batch, noise, t = _batch(cfg.policy)
-    batch["state"] = torch.randn(2, cfg.policy.max_state_dim)
     with torch.no_grad():
         want = ours(batch, noise, t)
     adapter = tmp_path / "adapter"
@@ -136,7 +129,7 @@ def test_groot_lora_adapter_loads_with_peft_in_our_names(tiny_dataset, tmp_path)
     peft = PeftModel.from_pretrained(base, str(adapter))
     with torch.no_grad():
         torch.testing.assert_close(peft.base_model.model(batch, noise, t), want, rtol=1e-5, atol=1e-6)
-    with pytest.raises(ValueError, match="only pi05 has a LeRobot layout"):
+    with pytest.raises(ValueError, match="only pi0 and pi05 have a LeRobot layout"):
         main(["convert", "lf-to-lerobot", str(run), str(tmp_path / "x.safetensors")])
 
 

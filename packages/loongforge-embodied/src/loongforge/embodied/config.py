@@ -1,6 +1,6 @@
 """The ``lf-embodied`` config: the shared groups of every ``lf-*`` CLI (``train``, ``parallel``,
 ``checkpoint``, ``log``, ``eval``, ``lora``), ``data`` (a LeRobot dataset) and ``policy``, whose class is the
-selected policy family's own (``Pi05Config``, ``GrootConfig``, registered with their policies
+selected policy family's own (``Pi0Config``, ``Pi05Config``, ``GrootConfig``, registered with their policies
 through ``loongforge.models``).
 
 ``load_train_config(name, overrides)`` composes ``configs/<name>.yaml`` (default ``train``) with
@@ -100,7 +100,7 @@ class GemmaConfig:
 class PolicyConfig:
     """What every flow-matching policy shares: the action chunk, padding, cameras, prompt, the
     SigLIP + Gemma backbone and the flow-matching time distribution. A policy family extends it
-    with its own fields (``Pi05Config``, ``GrootConfig``)."""
+    with its own fields (``Pi0Config``, ``Pi05Config``, ``GrootConfig``)."""
 
     family: str = "pi05"  # the registered policy family (loongforge.models)
     chunk_size: int = 8  # action horizon predicted per observation
@@ -109,7 +109,7 @@ class PolicyConfig:
     num_cameras: int = 2  # image slots; absent cameras are filled with masked -1 images
     image_size: int = 32  # square input side; camera frames are resized (with padding) to it
     max_token_len: int = 48  # language tokens (instruction + discretised state), padded
-    vocab_size: int = 520  # >= the tokenizer's vocabulary (ByteTokenizer.vocab_size)
+    vocab_size: int = 520  # >= the tokenizer's vocabulary (the byte tokenizer's: 516)
     discrete_state: bool = True  # the normalised state enters as 256-bin tokens in the prompt
     vision: VisionConfig = field(default_factory=VisionConfig)
     vlm: GemmaConfig = field(default_factory=GemmaConfig)
@@ -123,7 +123,10 @@ class PolicyConfig:
     max_period: float = 4.0
     num_inference_steps: int = 10
     pretrained: str | None = None  # weights to start from: a safetensors file
-    pretrained_format: str = "loongforge"  # loongforge | lerobot (lerobot's pi05 state-dict names)
+    pretrained_format: str = "loongforge"  # loongforge | lerobot (LeRobot's pi0 / pi05 state-dict names)
+    # a tokenizer directory (PaliGemma's tokenizer.json / tokenizer.model / tokenizer_config.json), loaded
+    # with transformers' AutoTokenizer; null: policy.pretrained's directory when it holds one, else byte tokens
+    tokenizer: str | None = None
 
     def __post_init__(self):
         positive("policy", self, "chunk_size", "max_state_dim", "max_action_dim", "num_cameras", "vocab_size",
@@ -194,12 +197,14 @@ def load_train_config(name_or_path: str | None = "train", overrides: Sequence[st
 
 
 def resolve_hub_ids(cfg: EmbodiedConfig) -> EmbodiedConfig:
-    """``data.root=owner/dataset`` and ``policy.pretrained=owner/model`` as their local hub
-    snapshots (``loongforge.core.hub``); a model repository gives its ``model.safetensors``."""
+    """``data.root=owner/dataset``, ``policy.pretrained=owner/model`` and ``policy.tokenizer=owner/model``
+    as their local hub snapshots (``loongforge.core.hub``); a model repository gives its
+    ``model.safetensors`` (and its tokenizer files stay beside it)."""
     from loongforge.core.hub import is_hub_id, resolve_local
 
     cfg.data.root = resolve_local(cfg.data.root, key="data.root", repo_type="dataset")  # a path stays as it is
     if cfg.policy.pretrained and is_hub_id(cfg.policy.pretrained):  # a repository: its weights file
         cfg.policy.pretrained = str(Path(resolve_local(cfg.policy.pretrained, key="policy.pretrained"))
                                     / "model.safetensors")
+    cfg.policy.tokenizer = resolve_local(cfg.policy.tokenizer, key="policy.tokenizer")
     return cfg

@@ -1,9 +1,10 @@
-"""``lf-embodied convert``: a trained policy's weights <-> LeRobot's Pi0.5 layout.
+"""``lf-embodied convert``: a trained policy's weights <-> LeRobot's Pi0 / Pi0.5 layouts.
 
-``lf-to-lerobot`` writes a checkpoint's policy as LeRobot's ``PI05Policy`` ``model.safetensors``
-(a LoRA run's adapters merged into the weights); ``lerobot-to-lf`` rewrites such a file in
-LoongForge names, a file ``policy.pretrained`` reads (or read LeRobot's file directly with
-``policy.pretrained_format=lerobot``). ``lora-to-peft`` (the shared direction of
+``lf-to-lerobot`` writes a checkpoint's pi0 or pi05 policy as LeRobot's ``PI0Policy`` /
+``PI05Policy`` ``model.safetensors`` (a LoRA run's adapters merged into the weights);
+``lerobot-to-lf`` rewrites such a file in LoongForge names (the family read off the file's
+tensors: Pi0 has ``state_proj`` and the action-time MLP), a file ``policy.pretrained`` reads (or
+read LeRobot's file directly with ``policy.pretrained_format=lerobot``). ``lora-to-peft`` (the shared direction of
 ``loongforge.core.lora``) writes a LoRA run's adapters alone, named as ``lora_layouts`` says.
 """
 
@@ -16,7 +17,13 @@ from safetensors.torch import load_file, save_file
 
 from loongforge.core.errors import DataError, OutputExistsError
 from loongforge.core.lora import AdapterLayout, merge_lora, one_to_one_names
-from loongforge.embodied.convert.lerobot_pi05 import from_lerobot_pi05, to_lerobot_pi05
+from loongforge.embodied.convert.lerobot_layout import (
+    LEROBOT_POLICY_PREFIX,
+    LeRobotLayout,
+    from_lerobot,
+    lerobot_adapter,
+    to_lerobot,
+)
 from loongforge.embodied.restore import restore_policy
 
 
@@ -34,13 +41,25 @@ def _new_file(out: str | Path) -> Path:
     return out
 
 
+LEROBOT_FAMILIES = ("pi0", "pi05")  # the families with a LeRobot layout (their hf_adapter)
+PI0_ONLY_HEADS = ("state_proj.", "action_time_mlp_")  # Pi0's heads; Pi0.5 has time_mlp_* instead
+
+
+def lerobot_family(names) -> str:
+    """``pi0`` or ``pi05``: which LeRobot policy a state dict's names are of."""
+    bare = (n.removeprefix(LEROBOT_POLICY_PREFIX) for n in names)
+    return "pi0" if any(n.startswith(PI0_ONLY_HEADS) for n in bare) else "pi05"
+
+
 def export_lerobot(path: str | Path, out: str | Path) -> Path:
-    """The Pi0.5 policy of checkpoint ``path`` as LeRobot's ``model.safetensors`` at ``out``."""
+    """The Pi0 / Pi0.5 policy of checkpoint ``path`` as LeRobot's ``model.safetensors`` at ``out``."""
     policy, cfg, ckpt = restore_policy(checkpoint_path(path))
-    if cfg.policy.family != "pi05":
-        raise ValueError(f"lf-to-lerobot: only pi05 has a LeRobot layout mapping, this checkpoint is {cfg.policy.family!r}")
-    merge_lora(policy)  # a LoRA run: W + (alpha / rank) B A, an ordinary PI05Policy
-    state = to_lerobot_pi05({k: v.contiguous() for k, v in policy.state_dict().items()}, cfg.policy)
+    adapter = lerobot_adapter(cfg.policy.family)
+    if adapter is None:
+        raise ValueError(f"lf-to-lerobot: only {' and '.join(LEROBOT_FAMILIES)} have a LeRobot layout mapping, "
+                         f"this checkpoint is {cfg.policy.family!r}")
+    merge_lora(policy)  # a LoRA run: W + (alpha / rank) B A, an ordinary LeRobot policy
+    state = to_lerobot(adapter.mapping, {k: v.contiguous() for k, v in policy.state_dict().items()}, cfg.policy)
     meta = {"format": "lerobot", "family": cfg.policy.family, "step": str(ckpt.step),
             "policy_config": json.dumps(ckpt.manifest["config"]["policy"]),
             "dataset": json.dumps(ckpt.manifest.get("dataset", {}))}
@@ -50,29 +69,32 @@ def export_lerobot(path: str | Path, out: str | Path) -> Path:
 
 
 def import_lerobot(src: str | Path, out: str | Path) -> Path:
-    """A LeRobot ``PI05Policy`` ``model.safetensors`` rewritten in ``Pi05Policy`` names."""
+    """A LeRobot ``PI0Policy`` / ``PI05Policy`` ``model.safetensors`` rewritten in ``Pi0Policy`` /
+    ``Pi05Policy`` names."""
     src = Path(src)
     if not src.is_file():
-        raise DataError(f"{src}: no such file (a LeRobot pi05 model.safetensors)")
-    state = from_lerobot_pi05(load_file(str(src)))
+        raise DataError(f"{src}: no such file (a LeRobot pi0 or pi05 model.safetensors)")
+    theirs = load_file(str(src))
+    family = lerobot_family(theirs)
+    state = from_lerobot(lerobot_adapter(family).mapping, theirs, source=f"{src} (LeRobot {family})")
     out = _new_file(out)
-    save_file({k: v.contiguous() for k, v in state.items()}, str(out), metadata={"format": "loongforge", "family": "pi05"})
+    save_file({k: v.contiguous() for k, v in state.items()}, str(out), metadata={"format": "loongforge", "family": family})
     return out
 
 
 def lora_layouts(manifest: dict, names: list[str]) -> list[AdapterLayout]:
-    """``convert lora-to-peft``: pi05 adapters in LeRobot's names, as ``PeftModel.from_pretrained``
-    of LeRobot's ``PI05Policy`` loads them (``base_model.model.model.paligemma_with_expert...``,
+    """``convert lora-to-peft``: pi0 / pi05 adapters in LeRobot's names, as ``PeftModel.from_pretrained``
+    of LeRobot's ``PI0Policy`` / ``PI05Policy`` loads them (``base_model.model.model.paligemma_with_expert...``,
     LeRobot's own PEFT route, ``policy.use_peft``); other families have no LeRobot layout and keep
     LoongForge's names (``base_model.model.<name>``: a ``PeftModel`` of the LoongForge policy)."""
-    from loongforge.embodied.convert.lerobot_pi05 import PI05_MAPPING, Pi05Layout
-
     family = ((manifest.get("config") or {}).get("policy") or {}).get("family", "pi05")
-    if family != "pi05":
+    adapter = lerobot_adapter(family)
+    if adapter is None:
         return [AdapterLayout(prefix="", rename=lambda weights: {w: w for w in weights},
                               library=f"LoongForge {family}", key_prefix="base_model.model.")]
-    counts = PI05_MAPPING.counts_in([n for n in names if not n.endswith((".lora_A.weight", ".lora_B.weight"))], side="lf")
-    bound = PI05_MAPPING.bind(Pi05Layout(counts["layer"], counts["vision_layer"]))
+    mapping = adapter.mapping
+    counts = mapping.counts_in([n for n in names if not n.endswith((".lora_A.weight", ".lora_B.weight"))], side="lf")
+    bound = mapping.bind(LeRobotLayout(counts["layer"], counts["vision_layer"]))
     renames = one_to_one_names(bound)
     return [AdapterLayout(prefix="", rename=lambda weights: {w: renames[w] for w in weights if w in renames},
-                          library="LeRobot PI05Policy", key_prefix="base_model.model.model.")]
+                          library=f"LeRobot {family.upper()}Policy", key_prefix="base_model.model.model.")]

@@ -6,7 +6,7 @@ micro-batches of ``train.micro_batch_size`` samples (null: one), with the noise 
 global batch ``s`` (``draw_noise_and_time``: a function of (seed, step), so any split and any
 resume see the same values). The loss is the per-element flow-matching error masked to real
 action dimensions and in-episode chunk steps; the loop normalises it by the global number of
-valid elements. Every policy family (``Pi05Config``, ``GrootConfig``...) trains through this task.
+valid elements. Every policy family (``Pi0Config``, ``Pi05Config``, ``GrootConfig``...) trains through this task.
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ from loongforge.embodied.data.synthetic import ensure_synthetic_dataset
 from loongforge.embodied.policies.flow_matching import draw_noise_and_time
 
 # policy fields that do not change the model (where its first weights came from)
-NOT_ARCHITECTURE = ("pretrained", "pretrained_format")
+NOT_ARCHITECTURE = ("pretrained", "pretrained_format", "tokenizer")
 # data fields that do not change what a step trains on
 NOT_DATA = ("root", "num_workers", "video_backend")
 
@@ -60,17 +60,18 @@ def to_device(batch: dict, device: torch.device) -> dict:
 
 
 def read_pretrained(cfg) -> dict[str, torch.Tensor]:
-    """``policy.pretrained`` in LoongForge names (LeRobot's Pi0.5 layout mapped when asked)."""
+    """``policy.pretrained`` in LoongForge names (the family's LeRobot layout mapped when asked)."""
     path = Path(cfg.pretrained)
     if not path.is_file():
         raise FileNotFoundError(f"policy.pretrained={str(path)!r}: no such file")
     state = load_file(str(path))
     if cfg.pretrained_format == "lerobot":
-        if cfg.family != "pi05":
-            raise ValueError(f"policy.pretrained_format=lerobot: only the pi05 layout is mapped, not {cfg.family!r}")
-        from loongforge.embodied.convert.lerobot_pi05 import from_lerobot_pi05
+        from loongforge.embodied.convert.lerobot_layout import from_lerobot, lerobot_adapter
 
-        state = from_lerobot_pi05(state, cfg)
+        adapter = lerobot_adapter(cfg.family)
+        if adapter is None:
+            raise ValueError(f"policy.pretrained_format=lerobot: the {cfg.family!r} family has no LeRobot layout mapping")
+        state = from_lerobot(adapter.mapping, state, cfg, source=f"policy.pretrained={str(path)!r}")
     return state
 
 

@@ -4,7 +4,8 @@ Each item is one frame with its action chunk: the next ``chunk_size`` actions of
 episode (LeRobot ``delta_timestamps`` windows; steps past the episode end are repeated and
 flagged in ``action_is_pad``), the normalised and zero-padded state, every camera slot resized
 to the policy's image size in [-1, 1] with a presence mask, and the language instruction as
-tokens (with the discretised state for Pi0.5-style prompts).
+tokens (with the discretised state for Pi0.5-style prompts; ``data.tokenizer.make_tokenizer`` picks
+the tokenizer).
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from loongforge.embodied.data.lerobot_source import (
     split_episodes,
 )
 from loongforge.embodied.data.normalize import Normalizer
-from loongforge.embodied.data.tokenizer import ByteTokenizer
+from loongforge.embodied.data.tokenizer import make_tokenizer
 
 
 @dataclass(frozen=True)
@@ -90,7 +91,7 @@ class EmbodiedDataset(Dataset):
         self.normalizer = Normalizer(
             self.meta.stats, {data_cfg.state_key: data_cfg.state_norm, data_cfg.action_key: data_cfg.action_norm}
         )
-        self.tokenizer = ByteTokenizer(policy_cfg.max_token_len, policy_cfg.discrete_state)
+        self.tokenizer = make_tokenizer(policy_cfg)
         if self.tokenizer.vocab_size > policy_cfg.vocab_size:
             raise ConfigError(f"policy.vocab_size={policy_cfg.vocab_size} < tokenizer vocabulary {self.tokenizer.vocab_size}")
         self.data_cfg = data_cfg

@@ -1,6 +1,7 @@
-"""LeRobot's ``PI05Config`` (a saved policy's ``config.json``) <-> ``Pi05Config``.
+"""LeRobot's ``PI0Config`` / ``PI05Config`` (a saved policy's ``config.json``) <-> ``Pi0Config`` /
+``Pi05Config``: ``family`` (``pi0`` or ``pi05``, LeRobot's ``type``) says which.
 
-LeRobot builds Pi0.5 only at the released sizes: a PaliGemma backbone and an action expert, each
+LeRobot builds Pi0 and Pi0.5 only at the released sizes: a PaliGemma backbone and an action expert, each
 a named Gemma variant (``gemma_2b`` / ``gemma_300m``), with the SigLIP-so400m tower and
 PaliGemma's vocabulary. The translation covers what fixes the weights and the flow-matching
 schedule; the dataset's features and normalisation stay LeRobot's (not written; cameras are
@@ -15,71 +16,74 @@ from dataclasses import asdict
 from loongforge.core.hf_mapping import MappingError
 from loongforge.embodied.config import GemmaConfig, VisionConfig
 
-SOURCE = "LeRobot pi05 config"
 GEMMA_VARIANTS = {  # LeRobot's get_gemma_config (openpi's gemma.get_config)
     "gemma_2b": GemmaConfig(width=2048, depth=18, mlp_dim=16384, num_heads=8, num_kv_heads=1, head_dim=256),
     "gemma_300m": GemmaConfig(width=1024, depth=18, mlp_dim=4096, num_heads=8, num_kv_heads=1, head_dim=256),
 }
 SIGLIP_SO400M = VisionConfig(hidden_size=1152, num_layers=27, num_heads=16, intermediate_size=4304, patch_size=14)
 PALIGEMMA_VOCAB_SIZE = 257152
-# LeRobot PI05Config key -> Pi05Config field, the same value on both sides
+# LeRobot PI0Config / PI05Config key -> Pi0Config / Pi05Config field, the same value on both sides
 SAME = {"chunk_size": "chunk_size", "max_state_dim": "max_state_dim", "max_action_dim": "max_action_dim",
         "num_inference_steps": "num_inference_steps", "time_sampling_beta_alpha": "time_beta_alpha",
         "time_sampling_beta_beta": "time_beta_beta", "time_sampling_scale": "time_scale",
         "time_sampling_offset": "time_offset", "min_period": "min_period", "max_period": "max_period",
         "tokenizer_max_length": "max_token_len"}
 VARIANT_KEYS = {"paligemma_variant": "vlm", "action_expert_variant": "expert"}
+DISCRETE_STATE = {"pi0": False, "pi05": True}  # Pi0.5 puts the 256-bin state in the prompt, Pi0 does not
 
 
-def _required(raw: dict, key: str):
+def _required(raw: dict, key: str, source: str):
     if key not in raw:
-        raise MappingError(f"{SOURCE}: no {key!r}")
+        raise MappingError(f"{source}: no {key!r}")
     return raw[key]
 
 
-def config_from_lerobot(raw: dict):
-    """A LeRobot ``PI05Config`` as a dict (its ``config.json``) -> ``Pi05Config``."""
-    from loongforge.embodied.policies.pi05 import Pi05Config
+def config_from_lerobot(raw: dict, family: str = "pi05"):
+    """A LeRobot ``PI0Config`` / ``PI05Config`` as a dict (its ``config.json``) -> the config of ``family``."""
+    from loongforge.embodied.config import policy_config_class
 
-    if raw.get("type", "pi05") != "pi05":
-        raise MappingError(f"{SOURCE}: type={raw['type']!r}; only pi05 maps onto the pi05 family")
+    source = f"LeRobot {family} config"
+    if raw.get("type", family) != family:
+        raise MappingError(f"{source}: type={raw['type']!r}; only {family} maps onto the {family} family")
     gemma = {}
     for key, part in VARIANT_KEYS.items():
-        variant = _required(raw, key)
+        variant = _required(raw, key, source)
         if variant not in GEMMA_VARIANTS:
-            raise MappingError(f"{SOURCE}: {key}={variant!r}; one of {', '.join(GEMMA_VARIANTS)}")
+            raise MappingError(f"{source}: {key}={variant!r}; one of {', '.join(GEMMA_VARIANTS)}")
         gemma[part] = GemmaConfig(**asdict(GEMMA_VARIANTS[variant]))
-    height, width = _required(raw, "image_resolution")
+    height, width = _required(raw, "image_resolution", source)
     if height != width:
-        raise MappingError(f"{SOURCE}: image_resolution={[height, width]}; the pi05 family takes square images")
+        raise MappingError(f"{source}: image_resolution={[height, width]}; the {family} family takes square images")
     features = raw.get("input_features") or {}
     cameras = sum(1 for f in features.values() if isinstance(f, dict) and f.get("type") == "VISUAL")
     cameras += int(raw.get("empty_cameras", 0))
-    return Pi05Config(
-        **{ours: _required(raw, key) for key, ours in SAME.items()},
+    return policy_config_class(family)(
+        **{ours: _required(raw, key, source) for key, ours in SAME.items()},
         **gemma,
         **({"num_cameras": cameras} if cameras else {}),
         image_size=int(height),
         vocab_size=PALIGEMMA_VOCAB_SIZE,
-        discrete_state=True,
+        discrete_state=DISCRETE_STATE[family],
         time_sampling="beta",
         vision=VisionConfig(**asdict(SIGLIP_SO400M)),
     )
 
 
-def config_to_lerobot(cfg) -> dict:
-    """``Pi05Config`` -> the fields of LeRobot's ``PI05Config`` it fixes (``type`` included)."""
+def config_to_lerobot(cfg, family: str = "pi05") -> dict:
+    """``Pi0Config`` / ``Pi05Config`` -> the fields of LeRobot's ``PI0Config`` / ``PI05Config`` it
+    fixes (``type`` included)."""
+    theirs = f"LeRobot's {family.upper()}Config"
     variants = {}
     for key, part in VARIANT_KEYS.items():
         ours = getattr(cfg, part)
         variants[key] = next((name for name, v in GEMMA_VARIANTS.items() if v == ours), None)
         if variants[key] is None:
-            raise MappingError(f"policy.{part}={ours}: LeRobot's PI05Config builds only the Gemma variants "
+            raise MappingError(f"policy.{part}={ours}: {theirs} builds only the Gemma variants "
                                f"{', '.join(GEMMA_VARIANTS)}")
     fixed = {"vision": (cfg.vision, SIGLIP_SO400M), "vocab_size": (cfg.vocab_size, PALIGEMMA_VOCAB_SIZE),
-             "discrete_state": (cfg.discrete_state, True), "time_sampling": (cfg.time_sampling, "beta")}
+             "discrete_state": (cfg.discrete_state, DISCRETE_STATE[family]), "time_sampling": (cfg.time_sampling, "beta")}
     for key, (value, needed) in fixed.items():
         if value != needed:
-            raise MappingError(f"policy.{key}={value!r}: LeRobot's PI05Config has {needed!r}")
-    return {"type": "pi05", **variants, **{key: getattr(cfg, ours) for key, ours in SAME.items()},
+            raise MappingError(f"policy.{key}={value!r}: {theirs} has {needed!r}")
+    return {"type": family, **variants, **{key: getattr(cfg, ours) for key, ours in SAME.items()},
             "n_action_steps": cfg.chunk_size, "image_resolution": [cfg.image_size, cfg.image_size]}

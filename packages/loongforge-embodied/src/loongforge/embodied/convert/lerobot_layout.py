@@ -1,0 +1,143 @@
+"""LeRobot's PaliGemma-with-expert layout (``lerobot.policies.pi0`` and ``pi05``) as tables of the
+core mapping engine (``loongforge.core.hf_mapping``).
+
+HF-side names are ``PI0Pytorch``'s / ``PI05Pytorch``'s state-dict names; a saved ``PI0Policy`` /
+``PI05Policy`` prefixes every key with ``model.`` (its ``model`` is the ``*Pytorch``), and both
+spellings are accepted. LF-side names are ``Pi0Policy``'s / ``Pi05Policy``'s. The two policies share
+the backbone (SigLIP tower, projector, Gemma decoder) and the expert's attention and MLP; they differ
+in the expert's norms and in their heads, which each family's table adds (``lerobot_mapping``).
+Apart from the renames, LeRobot's PaliGemma ``lm_head`` is tied to the token embedding (``Tied``:
+read only when a checkpoint lacks the embedding, written as its copy) and its action expert's
+``lm_head`` is never used (``Unused``: dropped, written as zeros ``[vocab_size, expert width]``).
+A name a table does not know, or a tensor it needs that is missing, is a ``MappingError`` naming it.
+
+A table binds to a ``LeRobotLayout``: the numbers that fix the names (Gemma and SigLIP depths) and
+the shapes export writes. ``layout_of(policy config)`` gives it for a configured policy; without a
+config it is read off the state dict's own names (``HFMapping.counts_in``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+import torch
+
+from loongforge.core.hf_mapping import BoundMapping, HFAdapter, HFMapping, Rule, Tied, Unused
+
+LEROBOT_POLICY_PREFIX = "model."
+PG = "paligemma_with_expert.paligemma."
+LM = PG + "model.language_model."
+VIT = PG + "model.vision_tower."
+EXPERT = "paligemma_with_expert.gemma_expert."
+
+WB = ("weight", "bias")
+_ATTENTION = tuple(f"self_attn.{p}_proj.weight" for p in "qkvo")
+_MLP = tuple(f"mlp.{p}_proj.weight" for p in ("gate", "up", "down"))
+# the state-dict names under one layer / module, the same on both sides
+_VISION_LAYER = (*(f"layer_norm{i}.{p}" for i in (1, 2) for p in WB), *(f"mlp.fc{i}.{p}" for i in (1, 2) for p in WB),
+                 *(f"self_attn.{x}_proj.{p}" for x in ("q", "k", "v", "out") for p in WB))
+_VISION_TOP = ("embeddings.patch_embedding.weight", "embeddings.patch_embedding.bias",
+               "embeddings.position_embedding.weight", "post_layernorm.weight", "post_layernorm.bias")
+GEMMA_NORMS = ("input_layernorm.weight", "post_attention_layernorm.weight")  # plain (1 + w) RMSNorms
+GEMMA_LAYER = (*GEMMA_NORMS, *_ATTENTION, *_MLP)
+EXPERT_ATTENTION_MLP = (*_ATTENTION, *_MLP)
+
+
+def same_names(*modules: str) -> tuple[str, ...]:
+    """The weight and bias of each head module, named alike on both sides."""
+    return tuple(f"{m}.{p}" for m in modules for p in WB)
+
+
+def lerobot_mapping(expert_layer: tuple[str, ...], expert_norm: tuple[str, ...], heads: tuple[str, ...]) -> HFMapping:
+    """The table of one LeRobot PaliGemma-with-expert policy: the shared backbone plus the names
+    under each expert layer (``expert_layer``), under the expert's final norm (``expert_norm``) and
+    of the heads (``heads``, the same on both sides)."""
+    return HFMapping(
+        rules=(
+            *(Rule(VIT + n, "prefix.vision_tower." + n) for n in _VISION_TOP),
+            *(Rule(VIT + "encoder.layers.{vision_layer}." + n, "prefix.vision_tower.encoder.layers.{vision_layer}." + n)
+              for n in _VISION_LAYER),
+            *(Rule(PG + "model.multi_modal_projector.linear." + p, "prefix.multi_modal_projector." + p) for p in WB),
+            Rule(LM + "embed_tokens.weight", "prefix.embed_tokens.weight"),
+            *(Rule(LM + "layers.{layer}." + n, "layers.{layer}.vlm." + n) for n in GEMMA_LAYER),
+            Rule(LM + "norm.weight", "norm.weight"),
+            *(Rule(EXPERT + "model.layers.{layer}." + n, "layers.{layer}.expert." + n) for n in expert_layer),
+            *(Rule(EXPERT + "model.norm." + n, "expert_norm." + n) for n in expert_norm),
+            *(Rule(n, n) for n in heads),
+        ),
+        ranges={"layer": "layers", "vision_layer": "vision_layers"},
+        tied=(Tied(PG + "lm_head.weight", of=LM + "embed_tokens.weight"),),
+        unused=(Unused(EXPERT + "lm_head.weight", shape=("vocab_size", "expert_width"), like="action_in_proj.weight"),),
+    )
+
+
+@dataclass(frozen=True)
+class LeRobotLayout:
+    """What a table binds to: the joint Gemma depth (backbone and expert), the SigLIP depth
+    and, for export's zero ``lm_head`` only, the vocabulary size and the expert width."""
+
+    layers: int
+    vision_layers: int
+    vocab_size: int | None = None
+    expert_width: int | None = None
+
+
+def layout_of(cfg) -> LeRobotLayout:
+    """The layout of a ``Pi0Config`` / ``Pi05Config``."""
+    return LeRobotLayout(cfg.vlm.depth, cfg.vision.num_layers, cfg.vocab_size, cfg.expert.width)
+
+
+def _rows(state: Mapping[str, torch.Tensor], name: str) -> int | None:
+    return int(state[name].shape[0]) if name in state else None
+
+
+@dataclass(frozen=True)
+class LeRobotAdapter(HFAdapter):
+    """The adapter of a policy family with a LeRobot layout: ``bind(policy config)`` binds the
+    table to the policy's layout. ``architectures`` is empty: LeRobot's ``config.json`` names a
+    policy ``type``, not a transformers architecture, so ``hf_to_lf`` never picks this family."""
+
+    def bind(self, cfg) -> BoundMapping:
+        return self.mapping.bind(cfg if isinstance(cfg, LeRobotLayout) else layout_of(cfg))
+
+
+def from_lerobot(mapping: HFMapping, state_dict: Mapping[str, torch.Tensor], cfg=None, *, partial: bool = False,
+                 source: str = "LeRobot state dict") -> dict[str, torch.Tensor]:
+    """A LeRobot policy state dict (``model.``-prefixed or bare) in LoongForge names, for the
+    policy config ``cfg`` (default: the layout its names show). ``partial`` converts the tensors
+    that are there (gradients of a subset of parameters) instead of requiring all of them."""
+    bare = {k.removeprefix(LEROBOT_POLICY_PREFIX): v for k, v in state_dict.items()}
+    if cfg is not None:
+        layout = layout_of(cfg)
+    else:
+        counts = mapping.counts_in(bare, side="hf")
+        layout = LeRobotLayout(counts["layer"], counts["vision_layer"])
+    bound = mapping.bind(layout)
+    bound.check_hf(bare, source=source, partial=partial)
+    return dict(bound.to_lf(bare.__getitem__, bare, partial=partial))
+
+
+def to_lerobot(mapping: HFMapping, state_dict: Mapping[str, torch.Tensor], cfg=None, policy_prefix: bool = True,
+               source: str = "LoongForge policy state dict") -> dict[str, torch.Tensor]:
+    """Policy weights in LeRobot's names (``model.``-prefixed like a saved LeRobot policy, bare
+    like its ``*Pytorch`` module with ``policy_prefix=False``), for the policy config ``cfg``
+    (default: the layout its names and shapes show)."""
+    if cfg is not None:
+        layout = layout_of(cfg)
+    else:
+        counts = mapping.counts_in(state_dict, side="lf")
+        layout = LeRobotLayout(counts["layer"], counts["vision_layer"], _rows(state_dict, "prefix.embed_tokens.weight"),
+                               _rows(state_dict, "action_in_proj.weight"))
+    bound = mapping.bind(layout)
+    bound.check_lf(state_dict, source=source)
+    prefix = LEROBOT_POLICY_PREFIX if policy_prefix else ""
+    return {prefix + name: tensor for name, tensor in bound.to_hf(state_dict.__getitem__)}
+
+
+def lerobot_adapter(family: str) -> LeRobotAdapter | None:
+    """The LeRobot adapter the policy family registers (its ``ModelSpec.hf_adapter``), else None."""
+    from loongforge.core.models import get_model_spec
+
+    adapter = get_model_spec(family).hf_adapter
+    return adapter if isinstance(adapter, LeRobotAdapter) else None
