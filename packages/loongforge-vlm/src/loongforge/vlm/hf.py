@@ -1,4 +1,7 @@
-"""The Hugging Face layout of a Qwen2.5-VL composition (``Qwen2_5_VLForConditionalGeneration``).
+"""The Hugging Face layouts of the ``vlm`` family: one per HF architecture (``LAYOUTS``), each its
+own mapping tables and ``config.json`` translation; the family's adapter reads the layout of a
+checkpoint's ``architectures`` and writes the one of a model's encoder family. Qwen2.5-VL's
+(``Qwen2_5_VLForConditionalGeneration``) is here; Qwen3-VL's is ``hf_qwen3_vl``.
 
 The checkpoint is three parts, each a declarative table of the core mapping engine bound to its
 own config and prefixed: the vision transformer (``visual.*`` <-> ``encoder.*``), its patch
@@ -12,6 +15,7 @@ linear map of flattened patches (a reshape).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -19,6 +23,7 @@ import torch
 from loongforge.core.hf_mapping import FuseQKV, HFAdapter, HFMapping, MappingError, Rule, Transform, register_transform
 from loongforge.core.hf_mapping.transforms import config_value
 from loongforge.vlm.encoders.qwen2_5_vit import QwenViTConfig
+from loongforge.vlm.hf_qwen3_vl import ARCHITECTURE as QWEN3_VL_ARCHITECTURE
 from loongforge.vlm.model_config import VisionTokensConfig
 from loongforge.vlm.projectors.patch_merge_mlp import PatchMergeMLPConfig
 
@@ -92,15 +97,11 @@ def foundation_mapping():
     return GPT_HF_MAPPING
 
 
-@dataclass(frozen=True)
-class VLMHFAdapter(HFAdapter):
-    """An adapter binding each part's table to its own config (``mapping`` is the vision
-    transformer's table; the merger's and the foundation's are fixed by the layout)."""
-
-    def bind(self, cfg):
-        return (self.mapping.bind(cfg.encoder).prefixed(hf="visual.", lf="encoder.")
-                + PATCH_MERGER_MAPPING.bind(cfg.projector).prefixed(hf="visual.merger.", lf="projector.")
-                + foundation_mapping().bind(cfg.foundation).prefixed(lf="language_model."))
+def qwen2_5_bind(cfg):
+    """The whole checkpoint's mapping: each part's table bound to its own config."""
+    return (QWEN_VIT_MAPPING.bind(cfg.encoder).prefixed(hf="visual.", lf="encoder.")
+            + PATCH_MERGER_MAPPING.bind(cfg.projector).prefixed(hf="visual.merger.", lf="projector.")
+            + foundation_mapping().bind(cfg.foundation).prefixed(lf="language_model."))
 
 
 def _qwen2_adapter():
@@ -109,7 +110,7 @@ def _qwen2_adapter():
     return get_model_spec("qwen2").hf_adapter
 
 
-def config_from_hf(raw: dict):
+def qwen2_5_config_from_hf(raw: dict):
     """``config.json`` of Qwen2.5-VL -> ``VLMModelConfig`` (a qwen2 foundation with mrope)."""
     from transformers import Qwen2_5_VLConfig
 
@@ -142,7 +143,7 @@ def config_from_hf(raw: dict):
     return VLMModelConfig(encoder=encoder, projector=projector, foundation=foundation, vision=vision)
 
 
-def config_to_hf(cfg) -> dict:
+def qwen2_5_config_to_hf(cfg) -> dict:
     """``VLMModelConfig`` -> Qwen2.5-VL ``config.json``; a composition Qwen2.5-VL cannot express is an error."""
     from transformers import Qwen2_5_VLConfig
 
@@ -175,5 +176,57 @@ def config_to_hf(cfg) -> dict:
     return hf.to_dict()
 
 
-QWEN2_5_VL_ADAPTER = VLMHFAdapter(architectures=(ARCHITECTURE,), mapping=QWEN_VIT_MAPPING,
-                                  config_from_hf=config_from_hf, config_to_hf=config_to_hf)
+@dataclass(frozen=True)
+class Layout:
+    """One HF architecture of VLM compositions with ``encoder_family``: its whole-checkpoint
+    mapping (``bind(cfg)``) and its ``config.json`` translation."""
+
+    architecture: str
+    encoder_family: str
+    bind: Callable
+    config_from_hf: Callable[[dict], object]
+    config_to_hf: Callable[[object], dict]
+
+
+def layouts() -> tuple[Layout, ...]:
+    from loongforge.vlm import hf_qwen3_vl as q3
+
+    return (Layout(ARCHITECTURE, "qwen2_5_vit", qwen2_5_bind, qwen2_5_config_from_hf, qwen2_5_config_to_hf),
+            Layout(q3.ARCHITECTURE, "qwen3_vit", q3.bind, q3.config_from_hf, q3.config_to_hf))
+
+
+def layout_of(cfg) -> Layout:
+    """The layout that writes a composition: the one of its encoder family."""
+    family = cfg.encoder.family
+    for layout in layouts():
+        if layout.encoder_family == family:
+            return layout
+    known = ", ".join(f"{lay.encoder_family} ({lay.architecture})" for lay in layouts())
+    raise MappingError(f"encoder.family={family!r}: no Hugging Face layout has this encoder; layouts: {known}")
+
+
+def config_from_hf(raw: dict):
+    """``config.json`` -> ``VLMModelConfig``, by the layout of its ``architectures``."""
+    archs = raw.get("architectures") or []
+    for layout in layouts():
+        if layout.architecture in archs:
+            return layout.config_from_hf(raw)
+    raise MappingError(f"config.json: architectures {archs!r}: none of {', '.join(VLM_ARCHITECTURES)}")
+
+
+def config_to_hf(cfg) -> dict:
+    """``VLMModelConfig`` -> ``config.json`` of its layout."""
+    return layout_of(cfg).config_to_hf(cfg)
+
+
+@dataclass(frozen=True)
+class VLMHFAdapter(HFAdapter):
+    """The ``vlm`` family's adapter: each layout binds its own tables (``mapping`` is unused)."""
+
+    def bind(self, cfg):
+        return layout_of(cfg).bind(cfg)
+
+
+VLM_ARCHITECTURES = (ARCHITECTURE, QWEN3_VL_ARCHITECTURE)
+VLM_HF_ADAPTER = VLMHFAdapter(architectures=VLM_ARCHITECTURES, mapping=QWEN_VIT_MAPPING,
+                              config_from_hf=config_from_hf, config_to_hf=config_to_hf)

@@ -167,8 +167,8 @@ class VLMTask:
 
     def transformer_config_kwargs(self) -> dict:
         kwargs = self.cfg.foundation.transformer_config_kwargs()
-        if self.model_cfg.mrope_section is not None:
-            kwargs["mrope_section"] = self.model_cfg.mrope_section
+        if self.model_cfg.rotary_chunks is not None:
+            kwargs["mrope_section"] = self.model_cfg.rotary_chunks
         return kwargs
 
     def build_model(self, ctx, transformer_config, pre_process, post_process, load_initial_weights=True):
@@ -181,8 +181,10 @@ class VLMTask:
         parts = {"foundation": model.language_model}
         if pre_process:
             parts.update(encoder=model.encoder, projector=model.projector)
+        if pre_process and model.deepstack is not None:
+            parts["deepstack"] = model.deepstack  # DeepStack's mergers learn with the projector
         for name, part in parts.items():
-            part.requires_grad_(name in self.cfg.trainable)
+            part.requires_grad_(("projector" if name == "deepstack" else name) in self.cfg.trainable)
         return model
 
     def flops_per_token(self, seq_length: int) -> float:

@@ -185,10 +185,10 @@ class VLMDataset:
             patches.append(x)
             grids.append(grid)
         tokens = ids[:-1]
-        if self.rope == "mrope":
+        if self.rope != "rope":
             items = [VisionItem(p.grid, p.kind == "video", p.seconds_per_grid_t) for p in plans]
             positions = mrope_positions(tokens, items, (self.ids.image, self.ids.video), self.geo.merge,
-                                        self.tokens_per_second)
+                                        self.tokens_per_second, frames_as_images=self.rope == "mrope_interleaved")
         else:
             positions = np.arange(len(tokens), dtype=np.int64)
         patch_dim = 3 * self.geo.temporal_patch_size * self.geo.patch_size ** 2

@@ -1,0 +1,116 @@
+"""Qwen3-VL import/export against transformers' ``Qwen3VLForConditionalGeneration``.
+
+A tiny random transformers model (ViT: 3 layers, 32 wide, a learned 4x4 position grid, DeepStack
+from layers 0 and 2; LM: 3 layers, 64 wide, head dim 16, GQA 4/2, q/k norms, interleaved
+multimodal RoPE) is saved with ``save_pretrained`` and converted by the core converter through
+the ``vlm`` family's Qwen3-VL tables. The converted megatron model gives transformers' logits
+(fp32, atol 1e-5) for images (grids larger, smaller and equal to the position grid), a video whose frames
+are separated by timestamp text, and both together; exporting gives a directory transformers
+loads with bitwise the same weights.
+"""
+
+import dataclasses
+
+import pytest
+import torch
+from transformers import Qwen3VLConfig, Qwen3VLForConditionalGeneration
+
+from loongforge.core.hf_mapping import MappingError
+from loongforge.core.hf_mapping.convert import lf_to_hf
+from vlm_hf_cases import converted_model, make_sample, randomize_
+
+IDS = dict(image_token_id=300, video_token_id=301, vision_start_token_id=302, vision_end_token_id=303)
+TEXT = dict(vocab_size=320, hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=4,
+            num_key_value_heads=2, head_dim=16, rms_norm_eps=1e-6, max_position_embeddings=512,
+            rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3],
+                             "mrope_interleaved": True})
+VISION = dict(depth=3, hidden_size=32, intermediate_size=64, num_heads=2, patch_size=8, temporal_patch_size=2,
+              spatial_merge_size=2, out_hidden_size=64, num_position_embeddings=16, deepstack_visual_indexes=[0, 2])
+PATCH_DIM = 3 * 2 * 8 * 8
+
+
+def tiny_hf():
+    return randomize_(Qwen3VLForConditionalGeneration(Qwen3VLConfig(text_config=TEXT, vision_config=VISION, **IDS)))
+
+
+@pytest.fixture(scope="module")
+def converted(tmp_path_factory, megatron_world):
+    root = tmp_path_factory.mktemp("qwen3_vl")
+    hf = tiny_hf()
+    ours, done = converted_model(hf, root, megatron_world)
+    return hf, ours, done, root
+
+
+CASES = {
+    "images": [5, ("image", (1, 8, 8)), 4, ("image", (1, 6, 10)), 3, ("image", (1, 4, 4)), 6],
+    "video": [3, ("video", (3, 6, 8)), 7],
+    "mixed": [2, ("video", (2, 4, 6)), 3, ("image", (1, 10, 6)), 5],
+}
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_logits_match_transformers(converted, case):
+    from loongforge.vlm.positions import mrope_positions
+
+    hf, ours, _, _ = converted
+    sample = make_sample(CASES[case], IDS, PATCH_DIM, frame_text=3)
+    pixels, grid_thw = sample.ours()
+    positions = mrope_positions(sample.tokens[0].numpy(), [item for _, item in sample.items],
+                                (IDS["image_token_id"], IDS["video_token_id"]), 2, 2.0, frames_as_images=True)
+    with torch.no_grad():
+        expected = hf(input_ids=sample.tokens, **sample.hf_inputs(IDS)).logits
+        got = ours(sample.tokens, torch.from_numpy(positions)[:, None, :], None, pixel_values=pixels, grid_thw=grid_thw)
+    assert got.shape == expected.shape
+    torch.testing.assert_close(got, expected, atol=1e-5, rtol=0)
+
+
+def test_deepstack_changes_the_logits(converted):
+    """The DeepStack additions are live: zeroing one merger's output layer changes the logits."""
+    _, ours, _, _ = converted
+    sample = make_sample(CASES["images"], IDS, PATCH_DIM)
+    pixels, grid_thw = sample.ours()
+    positions = torch.arange(sample.tokens.shape[1])[None, None].expand(3, 1, -1)
+    fc2 = ours.deepstack[1].mlp.encoder.linear_fc2
+    with torch.no_grad():
+        before = ours(sample.tokens, positions, None, pixel_values=pixels, grid_thw=grid_thw)
+        saved = fc2.weight.clone(), fc2.bias.clone()
+        fc2.weight.zero_(), fc2.bias.zero_()
+        after = ours(sample.tokens, positions, None, pixel_values=pixels, grid_thw=grid_thw)
+        fc2.weight.copy_(saved[0]), fc2.bias.copy_(saved[1])
+    assert not torch.allclose(before, after, atol=1e-6)
+
+
+def test_export_loads_in_transformers_bitwise(converted):
+    from safetensors.torch import load_file
+
+    hf, _, done, root = converted
+    lf_to_hf(done.path, root / "exported", progress=False)
+    back = Qwen3VLForConditionalGeneration.from_pretrained(root / "exported").eval()
+    original, exported = hf.state_dict(), back.state_dict()
+    assert sorted(original) == sorted(exported)
+    for name, tensor in original.items():
+        assert torch.equal(tensor, exported[name]), name
+    on_disk = load_file(root / "hf" / "model.safetensors")
+    written = load_file(root / "exported" / "model.safetensors")
+    assert sorted(on_disk) == sorted(written)
+    assert all(torch.equal(on_disk[k], written[k]) for k in on_disk)
+
+
+def test_unmapped_tensors_and_compositions_are_refused(converted, tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    from loongforge.core.hf_mapping.convert import hf_to_lf
+    from loongforge.vlm.hf import config_to_hf
+
+    _, _, done, root = converted
+    stray = tmp_path / "stray"
+    stray.mkdir()
+    (stray / "config.json").write_bytes((root / "hf" / "config.json").read_bytes())
+    tensors = load_file(root / "hf" / "model.safetensors")
+    save_file({**tensors, "model.visual.extra.weight": torch.zeros(2)}, stray / "model.safetensors")
+    with pytest.raises(MappingError, match="model.visual.extra.weight"):
+        hf_to_lf(stray, tmp_path / "lf", progress=False)
+    rmsnorm = dataclasses.replace(done.model_config, projector=dataclasses.replace(done.model_config.projector,
+                                                                                   norm="rmsnorm"))
+    with pytest.raises(MappingError, match="projector.norm='rmsnorm'"):
+        config_to_hf(rmsnorm)
