@@ -121,3 +121,27 @@ def test_convert_train_from_hf_and_export(tmp_path, vlm_cache):
     assert any(not torch.equal(before[k], after[k]) for k in before)  # the exported weights are the trained ones
     saved = Qwen2_5_VLForConditionalGeneration.from_pretrained(tmp_path / "saved").state_dict()  # train --save-hf
     assert sorted(saved) == sorted(after) and all(torch.equal(saved[k], after[k]) for k in after)
+
+
+@pytest.mark.slow
+def test_qwen3_vl_debug_trains_and_exports(tmp_path, vlm_cache):
+    """``lf-vlm train --config qwen3_vl_debug`` (DeepStack, interleaved mRoPE) on the shipped set,
+    then ``lf-vlm convert lf-to-hf``: transformers' Qwen3-VL loads the trained weights."""
+    import math
+
+    import torch
+    from transformers import Qwen3VLForConditionalGeneration
+
+    from loongforge.vlm.cli import main
+
+    run = tmp_path / "run"
+    assert main(["train", "--config", "qwen3_vl_debug", *FAST, "train.steps=3", f"data.cache_dir={vlm_cache}",
+                 f"log.run_dir={run}"]) == 0
+    losses = [m["loss"] for m in metrics(run)]
+    assert len(losses) == 3 and all(math.isfinite(x) for x in losses) and losses[-1] < losses[0]
+    parts = manifest(run)["model_config"]
+    assert parts["encoder"]["family"] == "qwen3_vit" and parts["vision"]["rope"] == "mrope_interleaved"
+    assert main(["convert", "lf-to-hf", str(run / "checkpoints"), str(tmp_path / "out"), "--no-progress"]) == 0
+    exported = Qwen3VLForConditionalGeneration.from_pretrained(tmp_path / "out").state_dict()
+    deepstack = [k for k in exported if k.startswith("model.visual.deepstack_merger_list.")]
+    assert len(deepstack) == 2 * 6 and all(torch.isfinite(exported[k]).all() for k in exported)

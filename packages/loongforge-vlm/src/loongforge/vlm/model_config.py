@@ -149,7 +149,7 @@ class VisionTokensConfig:
     foundation's 1D positions.
     """
 
-    rope: str = "mrope"
+    rope: str = "mrope"  # mrope (Qwen2/2.5-VL) | mrope_interleaved (Qwen3-VL) | rope
     mrope_section: list[int] | None = None  # default: head_dim/2 split 1/4, 3/8, 3/8 (Qwen2.5-VL's 16/24/24 of 64)
     tokens_per_second: float = 2.0
     image_token_id: int | None = None  # default: from the tokenizer

@@ -24,7 +24,7 @@ from loongforge.vlm.model_config import EncoderConfig
 class Qwen3ViTConfig(EncoderConfig):
     family: str = "qwen3_vit"
     num_position_embeddings: int = 16  # a square number: the learned grid is its root on a side
-    deepstack_layers: list[int] = field(default_factory=lambda: [0])  # 0-based, increasing
+    deepstack_layers: list[int] = field(default_factory=lambda: [0])  # 0-based, increasing; DeepStack feature k joins after foundation layer k
     rope_theta: float = 10000.0
 
     normalization = "LayerNorm"
