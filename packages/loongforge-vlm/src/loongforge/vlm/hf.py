@@ -22,6 +22,7 @@ import torch
 
 from loongforge.core.hf_mapping import FuseQKV, HFAdapter, HFMapping, MappingError, Rule, Transform, register_transform
 from loongforge.core.hf_mapping.transforms import config_value
+from loongforge.vlm import hf_config_parts as parts
 from loongforge.vlm.encoders.qwen2_5_vit import QwenViTConfig
 from loongforge.vlm.hf_qwen3_vl import ARCHITECTURE as QWEN3_VL_ARCHITECTURE
 from loongforge.vlm.model_config import VisionTokensConfig
@@ -104,29 +105,15 @@ def qwen2_5_bind(cfg):
             + foundation_mapping().bind(cfg.foundation).prefixed(lf="language_model."))
 
 
-def _qwen2_adapter():
-    from loongforge.core.models import get_model_spec
-
-    return get_model_spec("qwen2").hf_adapter
-
-
 def qwen2_5_config_from_hf(raw: dict):
     """``config.json`` of Qwen2.5-VL -> ``VLMModelConfig`` (a qwen2 foundation with mrope)."""
     from transformers import Qwen2_5_VLConfig
 
     from loongforge.vlm.model import VLMModelConfig
 
-    source = f"config.json of {ARCHITECTURE}"
     hf = Qwen2_5_VLConfig.from_dict(raw)
-    v, t = hf.vision_config, hf.text_config
-    if v.hidden_act != "silu":
-        raise MappingError(f"{source}: vision_config.hidden_act={v.hidden_act!r}: the Qwen2.5 ViT uses silu")
-    if v.out_hidden_size != t.hidden_size:
-        raise MappingError(f"{source}: vision_config.out_hidden_size={v.out_hidden_size} != text_config.hidden_size={t.hidden_size}")
-    text = t.to_dict()
-    text["tie_word_embeddings"] = bool(hf.tie_word_embeddings)
-    foundation = _qwen2_adapter().config_from_hf(text)
-    rope = dict(getattr(t, "rope_parameters", None) or {})
+    v, t = parts.checked_parts(hf, f"config.json of {ARCHITECTURE}", "silu", "Qwen2.5 ViT")
+    foundation, section = parts.foundation_from_hf("qwen2", hf, t)
     vision_rope = dict(getattr(v, "rope_parameters", None) or {})
     encoder = QwenViTConfig(
         num_layers=v.depth, hidden_size=v.hidden_size, num_attention_heads=v.num_heads,
@@ -136,10 +123,8 @@ def qwen2_5_config_from_hf(raw: dict):
         norm_epsilon=1e-6, init_method_std=float(v.initializer_range),
     )
     projector = PatchMergeMLPConfig(norm="rmsnorm", norm_epsilon=1e-6)
-    vision = VisionTokensConfig(rope="mrope", mrope_section=list(rope["mrope_section"]) if "mrope_section" in rope else None,
-                                tokens_per_second=float(v.tokens_per_second), image_token_id=hf.image_token_id,
-                                video_token_id=hf.video_token_id, vision_start_token_id=hf.vision_start_token_id,
-                                vision_end_token_id=hf.vision_end_token_id)
+    vision = VisionTokensConfig(rope="mrope", mrope_section=section, tokens_per_second=float(v.tokens_per_second),
+                                **parts.token_ids_from_hf(hf))
     return VLMModelConfig(encoder=encoder, projector=projector, foundation=foundation, vision=vision)
 
 
@@ -148,20 +133,13 @@ def qwen2_5_config_to_hf(cfg) -> dict:
     from transformers import Qwen2_5_VLConfig
 
     e, p, vis = cfg.encoder, cfg.projector, cfg.vision
-    checks = {"encoder.family": (e.family, "qwen2_5_vit"), "projector.family": (p.family, "patch_merge_mlp"),
-              "projector.norm": (getattr(p, "norm", None), "rmsnorm"), "vision.rope": (vis.rope, "mrope"),
-              "projector.ffn_hidden_size": (p.ffn_hidden_size or e.hidden_size * e.spatial_merge_size ** 2,
-                                            e.hidden_size * e.spatial_merge_size ** 2)}
-    for key, (value, needed) in checks.items():
-        if value != needed:
-            raise MappingError(f"{key}={value!r}: {ARCHITECTURE} needs {needed!r}")
+    merged = e.hidden_size * e.spatial_merge_size ** 2
+    parts.require({"encoder.family": (e.family, "qwen2_5_vit"), "projector.family": (p.family, "patch_merge_mlp"),
+                   "projector.norm": (getattr(p, "norm", None), "rmsnorm"), "vision.rope": (vis.rope, "mrope"),
+                   "projector.ffn_hidden_size": (p.ffn_hidden_size or merged, merged)}, ARCHITECTURE)
     if not float(vis.tokens_per_second).is_integer():
         raise MappingError(f"vision.tokens_per_second={vis.tokens_per_second}: {ARCHITECTURE} needs a whole number")
-    text = _qwen2_adapter().config_to_hf(cfg.foundation)
-    for key in ("architectures", "model_type", "transformers_version", "tie_word_embeddings"):
-        text.pop(key, None)
-    text["rope_parameters"] = {"rope_type": "default", "rope_theta": cfg.foundation.rotary_base,
-                               "mrope_section": cfg.mrope_section}
+    text = parts.text_config_to_hf("qwen2", cfg.foundation, {"mrope_section": cfg.mrope_section})
     vision = dict(depth=e.num_layers, hidden_size=e.hidden_size, num_heads=e.num_attention_heads,
                   intermediate_size=e.ffn_hidden_size, in_channels=e.in_channels, patch_size=e.patch_size,
                   temporal_patch_size=e.temporal_patch_size, spatial_merge_size=e.spatial_merge_size,
@@ -169,10 +147,8 @@ def qwen2_5_config_to_hf(cfg) -> dict:
                   out_hidden_size=cfg.foundation.hidden_size, tokens_per_second=int(vis.tokens_per_second),
                   hidden_act="silu", initializer_range=e.init_method_std,
                   rope_parameters={"rope_type": "axial", "rope_theta": e.rope_theta})
-    ids = {k: getattr(vis, k) for k in ("image_token_id", "video_token_id", "vision_start_token_id", "vision_end_token_id")
-           if getattr(vis, k) is not None}
     hf = Qwen2_5_VLConfig(text_config=text, vision_config=vision, tie_word_embeddings=cfg.foundation.tie_embeddings,
-                          architectures=[ARCHITECTURE], **ids)
+                          architectures=[ARCHITECTURE], **parts.token_ids_to_hf(vis))
     return hf.to_dict()
 
 

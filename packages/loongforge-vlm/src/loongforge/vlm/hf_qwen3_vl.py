@@ -13,7 +13,8 @@ naming it, in both directions.
 
 from __future__ import annotations
 
-from loongforge.core.hf_mapping import HFMapping, MappingError, Rule
+from loongforge.core.hf_mapping import HFMapping, Rule
+from loongforge.vlm import hf_config_parts as parts
 
 ARCHITECTURE = "Qwen3VLForConditionalGeneration"
 EPS = 1e-6  # transformers' Qwen3-VL hard-codes the epsilon of its vision norms
@@ -57,12 +58,6 @@ def bind(cfg):
     return out + foundation.prefixed(lf="language_model.")
 
 
-def _qwen3_adapter():
-    from loongforge.core.models import get_model_spec
-
-    return get_model_spec("qwen3").hf_adapter
-
-
 def config_from_hf(raw: dict):
     """``config.json`` of Qwen3-VL -> ``VLMModelConfig`` (a qwen3 foundation, interleaved mrope)."""
     from transformers import Qwen3VLConfig
@@ -72,20 +67,9 @@ def config_from_hf(raw: dict):
     from loongforge.vlm.model_config import VisionTokensConfig
     from loongforge.vlm.projectors.patch_merge_mlp import PatchMergeMLPConfig
 
-    source = f"config.json of {ARCHITECTURE}"
     hf = Qwen3VLConfig.from_dict(raw)
-    v, t = hf.vision_config, hf.text_config
-    if v.hidden_act != "gelu_pytorch_tanh":
-        raise MappingError(f"{source}: vision_config.hidden_act={v.hidden_act!r}: the Qwen3 ViT uses gelu_pytorch_tanh")
-    if v.out_hidden_size != t.hidden_size:
-        raise MappingError(f"{source}: vision_config.out_hidden_size={v.out_hidden_size} != text_config.hidden_size={t.hidden_size}")
-    text = t.to_dict()
-    text["tie_word_embeddings"] = bool(hf.tie_word_embeddings)
-    rope = dict(text.pop("rope_parameters", None) or {})
-    section = rope.pop("mrope_section", None)
-    rope.pop("mrope_interleaved", None)  # transformers' Qwen3-VL always interleaves
-    text["rope_parameters"] = rope
-    foundation = _qwen3_adapter().config_from_hf(text)
+    v, t = parts.checked_parts(hf, f"config.json of {ARCHITECTURE}", "gelu_pytorch_tanh", "Qwen3 ViT")
+    foundation, section = parts.foundation_from_hf("qwen3", hf, t)  # transformers' Qwen3-VL always interleaves
     vision_rope = dict(getattr(v, "rope_parameters", None) or {})
     encoder = Qwen3ViTConfig(
         num_layers=v.depth, hidden_size=v.hidden_size, num_attention_heads=v.num_heads,
@@ -96,9 +80,7 @@ def config_from_hf(raw: dict):
         init_method_std=float(v.initializer_range),
     )
     projector = PatchMergeMLPConfig(norm="layernorm", norm_epsilon=EPS)
-    vision = VisionTokensConfig(rope="mrope_interleaved", mrope_section=list(section) if section else None,
-                                image_token_id=hf.image_token_id, video_token_id=hf.video_token_id,
-                                vision_start_token_id=hf.vision_start_token_id, vision_end_token_id=hf.vision_end_token_id)
+    vision = VisionTokensConfig(rope="mrope_interleaved", mrope_section=section, **parts.token_ids_from_hf(hf))
     return VLMModelConfig(encoder=encoder, projector=projector, foundation=foundation, vision=vision)
 
 
@@ -108,27 +90,20 @@ def config_to_hf(cfg) -> dict:
 
     e, p, f, vis = cfg.encoder, cfg.projector, cfg.foundation, cfg.vision
     merged = e.hidden_size * e.spatial_merge_size ** 2
-    checks = {"projector.family": (p.family, "patch_merge_mlp"), "projector.norm": (getattr(p, "norm", None), "layernorm"),
-              "projector.merged_norm": (getattr(p, "merged_norm", None), False),
-              "projector.ffn_hidden_size": (p.ffn_hidden_size or merged, merged),
-              "projector.norm_epsilon": (p.norm_epsilon, EPS), "encoder.norm_epsilon": (e.norm_epsilon, EPS),
-              "vision.rope": (vis.rope, "mrope_interleaved"), "foundation.family": (f.family, "qwen3")}
-    for key, (value, needed) in checks.items():
-        if value != needed:
-            raise MappingError(f"{key}={value!r}: {ARCHITECTURE} needs {needed!r}")
-    text = _qwen3_adapter().config_to_hf(f)
-    for key in ("architectures", "model_type", "transformers_version", "tie_word_embeddings"):
-        text.pop(key, None)
-    text["rope_parameters"] = {"rope_type": "default", "rope_theta": f.rotary_base, "mrope_section": cfg.mrope_section,
-                               "mrope_interleaved": True}
+    parts.require({"projector.family": (p.family, "patch_merge_mlp"),
+                   "projector.norm": (getattr(p, "norm", None), "layernorm"),
+                   "projector.merged_norm": (getattr(p, "merged_norm", None), False),
+                   "projector.ffn_hidden_size": (p.ffn_hidden_size or merged, merged),
+                   "projector.norm_epsilon": (p.norm_epsilon, EPS), "encoder.norm_epsilon": (e.norm_epsilon, EPS),
+                   "vision.rope": (vis.rope, "mrope_interleaved"), "foundation.family": (f.family, "qwen3")},
+                  ARCHITECTURE)
+    text = parts.text_config_to_hf("qwen3", f, {"mrope_section": cfg.mrope_section, "mrope_interleaved": True})
     vision = dict(depth=e.num_layers, hidden_size=e.hidden_size, num_heads=e.num_attention_heads,
                   intermediate_size=e.ffn_hidden_size, in_channels=e.in_channels, patch_size=e.patch_size,
                   temporal_patch_size=e.temporal_patch_size, spatial_merge_size=e.spatial_merge_size,
                   num_position_embeddings=e.num_position_embeddings, deepstack_visual_indexes=list(e.deepstack_layers),
                   out_hidden_size=f.hidden_size, hidden_act="gelu_pytorch_tanh", initializer_range=e.init_method_std,
                   rope_parameters={"rope_type": "axial", "rope_theta": e.rope_theta})
-    ids = {k: getattr(vis, k) for k in ("image_token_id", "video_token_id", "vision_start_token_id", "vision_end_token_id")
-           if getattr(vis, k) is not None}
     hf = Qwen3VLConfig(text_config=text, vision_config=vision, tie_word_embeddings=f.tie_embeddings,
-                       architectures=[ARCHITECTURE], **ids)
+                       architectures=[ARCHITECTURE], **parts.token_ids_to_hf(vis))
     return hf.to_dict()
