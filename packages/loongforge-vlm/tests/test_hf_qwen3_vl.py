@@ -1,9 +1,11 @@
-"""Qwen3-VL import/export against transformers' ``Qwen3VLForConditionalGeneration``.
+"""Qwen3-VL import/export against transformers' ``Qwen3VLForConditionalGeneration`` and
+``Qwen3VLMoeForConditionalGeneration``.
 
 A tiny random transformers model (ViT: 3 layers, 32 wide, a learned 4x4 position grid, DeepStack
 from layers 0 and 2; LM: 3 layers, 64 wide, head dim 16, GQA 4/2, q/k norms, interleaved
-multimodal RoPE) is saved with ``save_pretrained`` and converted by the core converter through
-the ``vlm`` family's Qwen3-VL tables. The converted megatron model gives transformers' logits
+multimodal RoPE; the MoE one with 4 experts, top-2, in every layer) is saved with
+``save_pretrained`` and converted by the core converter through the ``vlm`` family's Qwen3-VL
+tables. The converted megatron model gives transformers' logits
 (fp32, atol 1e-5) for images (grids larger, smaller and equal to the position grid), a video whose frames
 are separated by timestamp text, and both together; exporting gives a directory transformers
 loads with bitwise the same weights.
@@ -13,7 +15,7 @@ import dataclasses
 
 import pytest
 import torch
-from transformers import Qwen3VLConfig, Qwen3VLForConditionalGeneration
+from transformers import Qwen3VLConfig, Qwen3VLForConditionalGeneration, Qwen3VLMoeConfig, Qwen3VLMoeForConditionalGeneration
 
 from loongforge.core.hf_mapping import MappingError
 from loongforge.core.hf_mapping.convert import lf_to_hf
@@ -26,17 +28,22 @@ TEXT = dict(vocab_size=320, hidden_size=64, intermediate_size=128, num_hidden_la
                              "mrope_interleaved": True})
 VISION = dict(depth=3, hidden_size=32, intermediate_size=64, num_heads=2, patch_size=8, temporal_patch_size=2,
               spatial_merge_size=2, out_hidden_size=64, num_position_embeddings=16, deepstack_visual_indexes=[0, 2])
+MOE = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16)  # 2 x 16 != 64: the layouts differ
 PATCH_DIM = 3 * 2 * 8 * 8
+MODELS = {"dense": (Qwen3VLConfig, Qwen3VLForConditionalGeneration, {}),
+          "moe": (Qwen3VLMoeConfig, Qwen3VLMoeForConditionalGeneration, MOE)}
+FUSED_EXPERTS = (".mlp.experts.gate_up_proj", ".mlp.experts.down_proj")
 
 
-def tiny_hf():
-    return randomize_(Qwen3VLForConditionalGeneration(Qwen3VLConfig(text_config=TEXT, vision_config=VISION, **IDS)))
+def tiny_hf(kind):
+    config, model, extra = MODELS[kind]
+    return randomize_(model(config(text_config={**TEXT, **extra}, vision_config=VISION, **IDS)))
 
 
-@pytest.fixture(scope="module")
-def converted(tmp_path_factory, megatron_world):
-    root = tmp_path_factory.mktemp("qwen3_vl")
-    hf = tiny_hf()
+@pytest.fixture(scope="module", params=sorted(MODELS))
+def converted(request, tmp_path_factory, megatron_world):
+    root = tmp_path_factory.mktemp(f"qwen3_vl_{request.param}")
+    hf = tiny_hf(request.param)
     ours, done = converted_model(hf, root, megatron_world)
     return hf, ours, done, root
 
@@ -81,11 +88,14 @@ def test_deepstack_changes_the_logits(converted):
 
 
 def test_export_loads_in_transformers_bitwise(converted):
+    """Export, then transformers' load: bitwise the original weights. On disk too, except that
+    MoE experts are written in the released checkpoints' layout (transformers saves its in-memory
+    one, each fused tensor transposed)."""
     from safetensors.torch import load_file
 
     hf, _, done, root = converted
     lf_to_hf(done.path, root / "exported", progress=False)
-    back = Qwen3VLForConditionalGeneration.from_pretrained(root / "exported").eval()
+    back = type(hf).from_pretrained(root / "exported").eval()
     original, exported = hf.state_dict(), back.state_dict()
     assert sorted(original) == sorted(exported)
     for name, tensor in original.items():
@@ -93,7 +103,17 @@ def test_export_loads_in_transformers_bitwise(converted):
     on_disk = load_file(root / "hf" / "model.safetensors")
     written = load_file(root / "exported" / "model.safetensors")
     assert sorted(on_disk) == sorted(written)
-    assert all(torch.equal(on_disk[k], written[k]) for k in on_disk)
+    for k in on_disk:
+        expected = on_disk[k].transpose(1, 2) if k.endswith(FUSED_EXPERTS) else on_disk[k]
+        assert torch.equal(expected, written[k]), k
+    assert any(k.endswith(FUSED_EXPERTS) for k in on_disk) == (done.model_config.foundation.family == "qwen3_moe")
+    # the exported directory (released expert layout) imports and exports again, bit for bit
+    from loongforge.core.hf_mapping.convert import hf_to_lf
+
+    again = hf_to_lf(root / "exported", root / "reimported", progress=False)
+    lf_to_hf(again.path, root / "exported_again", progress=False)
+    rewritten = load_file(root / "exported_again" / "model.safetensors")
+    assert sorted(rewritten) == sorted(written) and all(torch.equal(rewritten[k], written[k]) for k in written)
 
 
 def test_unmapped_tensors_and_compositions_are_refused(converted, tmp_path):

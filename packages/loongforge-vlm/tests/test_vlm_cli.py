@@ -124,24 +124,30 @@ def test_convert_train_from_hf_and_export(tmp_path, vlm_cache):
 
 
 @pytest.mark.slow
-def test_qwen3_vl_debug_trains_and_exports(tmp_path, vlm_cache):
-    """``lf-vlm train --config qwen3_vl_debug`` (DeepStack, interleaved mRoPE) on the shipped set,
-    then ``lf-vlm convert lf-to-hf``: transformers' Qwen3-VL loads the trained weights."""
+@pytest.mark.parametrize("foundation", ["qwen3_debug", "qwen3_moe_debug"])
+def test_qwen3_vl_debug_trains_and_exports(foundation, tmp_path, vlm_cache):
+    """``lf-vlm train --config qwen3_vl_debug`` (DeepStack, interleaved mRoPE; a dense or MoE
+    foundation) on the shipped set, then ``lf-vlm convert lf-to-hf``: transformers' Qwen3-VL
+    (Qwen3-VL-MoE) loads the trained weights."""
     import math
 
     import torch
-    from transformers import Qwen3VLForConditionalGeneration
+    from transformers import Qwen3VLForConditionalGeneration, Qwen3VLMoeForConditionalGeneration
 
     from loongforge.vlm.cli import main
 
     run = tmp_path / "run"
-    assert main(["train", "--config", "qwen3_vl_debug", *FAST, "train.steps=3", f"data.cache_dir={vlm_cache}",
-                 f"log.run_dir={run}"]) == 0
+    assert main(["train", "--config", "qwen3_vl_debug", f"foundation={foundation}", *FAST, "train.steps=3",
+                 f"data.cache_dir={vlm_cache}", f"log.run_dir={run}"]) == 0
     losses = [m["loss"] for m in metrics(run)]
     assert len(losses) == 3 and all(math.isfinite(x) for x in losses) and losses[-1] < losses[0]
     parts = manifest(run)["model_config"]
     assert parts["encoder"]["family"] == "qwen3_vit" and parts["vision"]["rope"] == "mrope_interleaved"
+    assert parts["foundation"]["family"] == foundation.removesuffix("_debug")
     assert main(["convert", "lf-to-hf", str(run / "checkpoints"), str(tmp_path / "out"), "--no-progress"]) == 0
-    exported = Qwen3VLForConditionalGeneration.from_pretrained(tmp_path / "out").state_dict()
+    config = json.loads((tmp_path / "out" / "config.json").read_text())
+    assert config["architectures"] == [f"Qwen3VL{'Moe' if 'moe' in foundation else ''}ForConditionalGeneration"]
+    model = Qwen3VLMoeForConditionalGeneration if foundation == "qwen3_moe_debug" else Qwen3VLForConditionalGeneration
+    exported = model.from_pretrained(tmp_path / "out").state_dict()
     deepstack = [k for k in exported if k.startswith("model.visual.deepstack_merger_list.")]
     assert len(deepstack) == 2 * 6 and all(torch.isfinite(exported[k]).all() for k in exported)

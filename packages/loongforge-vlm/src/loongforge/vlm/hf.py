@@ -25,6 +25,7 @@ from loongforge.core.hf_mapping.transforms import config_value
 from loongforge.vlm import hf_config_parts as parts
 from loongforge.vlm.encoders.qwen2_5_vit import QwenViTConfig
 from loongforge.vlm.hf_qwen3_vl import ARCHITECTURE as QWEN3_VL_ARCHITECTURE
+from loongforge.vlm.hf_qwen3_vl_moe import ARCHITECTURE as QWEN3_VL_MOE_ARCHITECTURE
 from loongforge.vlm.model_config import VisionTokensConfig
 from loongforge.vlm.projectors.patch_merge_mlp import PatchMergeMLPConfig
 
@@ -113,7 +114,7 @@ def qwen2_5_config_from_hf(raw: dict):
 
     hf = Qwen2_5_VLConfig.from_dict(raw)
     v, t = parts.checked_parts(hf, f"config.json of {ARCHITECTURE}", "silu", "Qwen2.5 ViT")
-    foundation, section = parts.foundation_from_hf("qwen2", hf, t)
+    foundation, section = parts.foundation_from_hf("qwen2", hf, t.to_dict())
     vision_rope = dict(getattr(v, "rope_parameters", None) or {})
     encoder = QwenViTConfig(
         num_layers=v.depth, hidden_size=v.hidden_size, num_attention_heads=v.num_heads,
@@ -154,31 +155,41 @@ def qwen2_5_config_to_hf(cfg) -> dict:
 
 @dataclass(frozen=True)
 class Layout:
-    """One HF architecture of VLM compositions with ``encoder_family``: its whole-checkpoint
-    mapping (``bind(cfg)``) and its ``config.json`` translation."""
+    """One HF architecture of VLM compositions with ``encoder_family`` (and a foundation of one of
+    ``foundation_families``; None: any): its whole-checkpoint mapping (``bind(cfg)``) and its
+    ``config.json`` translation."""
 
     architecture: str
     encoder_family: str
+    foundation_families: tuple[str, ...] | None
     bind: Callable
     config_from_hf: Callable[[dict], object]
     config_to_hf: Callable[[object], dict]
 
+    def writes(self, cfg) -> bool:
+        return cfg.encoder.family == self.encoder_family and (
+            self.foundation_families is None or cfg.foundation.family in self.foundation_families)
+
 
 def layouts() -> tuple[Layout, ...]:
     from loongforge.vlm import hf_qwen3_vl as q3
+    from loongforge.vlm import hf_qwen3_vl_moe as q3moe
 
-    return (Layout(ARCHITECTURE, "qwen2_5_vit", qwen2_5_bind, qwen2_5_config_from_hf, qwen2_5_config_to_hf),
-            Layout(q3.ARCHITECTURE, "qwen3_vit", q3.bind, q3.config_from_hf, q3.config_to_hf))
+    return (Layout(ARCHITECTURE, "qwen2_5_vit", None, qwen2_5_bind, qwen2_5_config_from_hf, qwen2_5_config_to_hf),
+            Layout(q3.ARCHITECTURE, "qwen3_vit", ("qwen3",), q3.bind, q3.config_from_hf, q3.config_to_hf),
+            Layout(q3moe.ARCHITECTURE, "qwen3_vit", ("qwen3_moe",), q3moe.bind, q3moe.config_from_hf,
+                   q3moe.config_to_hf))
 
 
 def layout_of(cfg) -> Layout:
-    """The layout that writes a composition: the one of its encoder family."""
-    family = cfg.encoder.family
+    """The layout that writes a composition: the one of its encoder (and foundation) family."""
     for layout in layouts():
-        if layout.encoder_family == family:
+        if layout.writes(cfg):
             return layout
-    known = ", ".join(f"{lay.encoder_family} ({lay.architecture})" for lay in layouts())
-    raise MappingError(f"encoder.family={family!r}: no Hugging Face layout has this encoder; layouts: {known}")
+    known = ", ".join(f"{lay.encoder_family} + {'/'.join(lay.foundation_families or ('any',))} ({lay.architecture})"
+                      for lay in layouts())
+    raise MappingError(f"encoder.family={cfg.encoder.family!r}, foundation.family={cfg.foundation.family!r}: no "
+                       f"Hugging Face layout writes this composition; layouts: {known}")
 
 
 def config_from_hf(raw: dict):
@@ -203,6 +214,6 @@ class VLMHFAdapter(HFAdapter):
         return layout_of(cfg).bind(cfg)
 
 
-VLM_ARCHITECTURES = (ARCHITECTURE, QWEN3_VL_ARCHITECTURE)
+VLM_ARCHITECTURES = (ARCHITECTURE, QWEN3_VL_ARCHITECTURE, QWEN3_VL_MOE_ARCHITECTURE)
 VLM_HF_ADAPTER = VLMHFAdapter(architectures=VLM_ARCHITECTURES, mapping=QWEN_VIT_MAPPING,
                               config_from_hf=config_from_hf, config_to_hf=config_to_hf)

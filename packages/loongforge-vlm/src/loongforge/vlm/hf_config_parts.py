@@ -28,10 +28,10 @@ def checked_parts(hf, source: str, vision_act: str, encoder: str):
     return v, t
 
 
-def foundation_from_hf(family: str, hf, text) -> tuple[object, list[int] | None]:
-    """``(foundation config, mrope_section)`` from a VLM's ``text_config`` through the ``family``
-    adapter (the multimodal RoPE keys taken out of its ``rope_parameters``)."""
-    raw = text.to_dict()
+def foundation_from_hf(family: str, hf, raw: dict) -> tuple[object, list[int] | None]:
+    """``(foundation config, mrope_section)`` from a VLM's ``text_config`` (as a dict) through the
+    ``family`` adapter (the multimodal RoPE keys taken out of its ``rope_parameters``)."""
+    raw = dict(raw)
     raw["tie_word_embeddings"] = bool(hf.tie_word_embeddings)
     rope = dict(raw.pop("rope_parameters", None) or {})
     section = rope.pop("mrope_section", None)

@@ -45,31 +45,32 @@ MERGER_MAPPING = HFMapping(
 )
 
 
-def bind(cfg):
-    """The whole checkpoint's mapping for a ``VLMModelConfig`` of this layout."""
-    from loongforge.llm.api import GPT_HF_MAPPING
-
+def vision_mapping(cfg):
+    """The vision tower's part of the checkpoint (ViT, merger, DeepStack mergers), bound."""
     out = (QWEN3_VIT_MAPPING.bind(cfg.encoder).prefixed(hf="model.visual.", lf="encoder.")
            + MERGER_MAPPING.bind(cfg.projector).prefixed(hf="model.visual.merger.", lf="projector."))
     for i in range(len(cfg.encoder.deepstack_layers)):
         out = out + MERGER_MAPPING.bind(cfg.projector).prefixed(hf=f"model.visual.deepstack_merger_list.{i}.",
                                                                 lf=f"deepstack.{i}.")
+    return out
+
+
+def bind(cfg):
+    """The whole checkpoint's mapping for a ``VLMModelConfig`` of this layout."""
+    from loongforge.llm.api import GPT_HF_MAPPING
+
     foundation = GPT_HF_MAPPING.bind(cfg.foundation).hf_prefix_replaced("model.", "model.language_model.")
-    return out + foundation.prefixed(lf="language_model.")
+    return vision_mapping(cfg) + foundation.prefixed(lf="language_model.")
 
 
-def config_from_hf(raw: dict):
-    """``config.json`` of Qwen3-VL -> ``VLMModelConfig`` (a qwen3 foundation, interleaved mrope)."""
-    from transformers import Qwen3VLConfig
-
+def composition(v, hf, foundation, section):
+    """The ``VLMModelConfig`` of a Qwen3-VL(-MoE) checkpoint: its ``vision_config`` ``v`` and
+    token ids (``hf``), the converted foundation and the mrope section."""
     from loongforge.vlm.encoders.qwen3_vit import Qwen3ViTConfig
     from loongforge.vlm.model import VLMModelConfig
     from loongforge.vlm.model_config import VisionTokensConfig
     from loongforge.vlm.projectors.patch_merge_mlp import PatchMergeMLPConfig
 
-    hf = Qwen3VLConfig.from_dict(raw)
-    v, t = parts.checked_parts(hf, f"config.json of {ARCHITECTURE}", "gelu_pytorch_tanh", "Qwen3 ViT")
-    foundation, section = parts.foundation_from_hf("qwen3", hf, t)  # transformers' Qwen3-VL always interleaves
     vision_rope = dict(getattr(v, "rope_parameters", None) or {})
     encoder = Qwen3ViTConfig(
         num_layers=v.depth, hidden_size=v.hidden_size, num_attention_heads=v.num_heads,
@@ -84,26 +85,44 @@ def config_from_hf(raw: dict):
     return VLMModelConfig(encoder=encoder, projector=projector, foundation=foundation, vision=vision)
 
 
-def config_to_hf(cfg) -> dict:
-    """``VLMModelConfig`` -> Qwen3-VL ``config.json``; a composition Qwen3-VL cannot express is an error."""
+def config_from_hf(raw: dict):
+    """``config.json`` of Qwen3-VL -> ``VLMModelConfig`` (a qwen3 foundation, interleaved mrope)."""
     from transformers import Qwen3VLConfig
 
-    e, p, f, vis = cfg.encoder, cfg.projector, cfg.foundation, cfg.vision
+    hf = Qwen3VLConfig.from_dict(raw)
+    v, t = parts.checked_parts(hf, f"config.json of {ARCHITECTURE}", "gelu_pytorch_tanh", "Qwen3 ViT")
+    foundation, section = parts.foundation_from_hf("qwen3", hf, t.to_dict())  # transformers' Qwen3-VL always interleaves
+    return composition(v, hf, foundation, section)
+
+
+def vision_to_hf(cfg, architecture: str = ARCHITECTURE) -> tuple[dict, dict]:
+    """``(vision_config, token ids)`` of a Qwen3-VL(-MoE) ``config.json``, after checking the
+    vision side of the composition."""
+    e, p, vis = cfg.encoder, cfg.projector, cfg.vision
     merged = e.hidden_size * e.spatial_merge_size ** 2
     parts.require({"projector.family": (p.family, "patch_merge_mlp"),
                    "projector.norm": (getattr(p, "norm", None), "layernorm"),
                    "projector.merged_norm": (getattr(p, "merged_norm", None), False),
                    "projector.ffn_hidden_size": (p.ffn_hidden_size or merged, merged),
                    "projector.norm_epsilon": (p.norm_epsilon, EPS), "encoder.norm_epsilon": (e.norm_epsilon, EPS),
-                   "vision.rope": (vis.rope, "mrope_interleaved"), "foundation.family": (f.family, "qwen3")},
-                  ARCHITECTURE)
-    text = parts.text_config_to_hf("qwen3", f, {"mrope_section": cfg.mrope_section, "mrope_interleaved": True})
+                   "vision.rope": (vis.rope, "mrope_interleaved")}, architecture)
     vision = dict(depth=e.num_layers, hidden_size=e.hidden_size, num_heads=e.num_attention_heads,
                   intermediate_size=e.ffn_hidden_size, in_channels=e.in_channels, patch_size=e.patch_size,
                   temporal_patch_size=e.temporal_patch_size, spatial_merge_size=e.spatial_merge_size,
                   num_position_embeddings=e.num_position_embeddings, deepstack_visual_indexes=list(e.deepstack_layers),
-                  out_hidden_size=f.hidden_size, hidden_act="gelu_pytorch_tanh", initializer_range=e.init_method_std,
-                  rope_parameters={"rope_type": "axial", "rope_theta": e.rope_theta})
+                  out_hidden_size=cfg.foundation.hidden_size, hidden_act="gelu_pytorch_tanh",
+                  initializer_range=e.init_method_std, rope_parameters={"rope_type": "axial", "rope_theta": e.rope_theta})
+    return vision, parts.token_ids_to_hf(vis)
+
+
+def config_to_hf(cfg) -> dict:
+    """``VLMModelConfig`` -> Qwen3-VL ``config.json``; a composition Qwen3-VL cannot express is an error."""
+    from transformers import Qwen3VLConfig
+
+    f = cfg.foundation
+    vision, ids = vision_to_hf(cfg)
+    parts.require({"foundation.family": (f.family, "qwen3")}, ARCHITECTURE)
+    text = parts.text_config_to_hf("qwen3", f, {"mrope_section": cfg.mrope_section, "mrope_interleaved": True})
     hf = Qwen3VLConfig(text_config=text, vision_config=vision, tie_word_embeddings=f.tie_embeddings,
-                       architectures=[ARCHITECTURE], **parts.token_ids_to_hf(vis))
+                       architectures=[ARCHITECTURE], **ids)
     return hf.to_dict()

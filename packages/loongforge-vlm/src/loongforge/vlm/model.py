@@ -38,6 +38,13 @@ def component_config(section: str, value, role: str):
     return get_component(family, role).config_class(**value)
 
 
+def foundation_config(value: dict) -> GPTConfig:
+    """A foundation config from a plain dict (a checkpoint manifest): its LLM family's config class."""
+    from loongforge.core.models import get_model_spec
+
+    return get_model_spec(value.get("family", "llama")).config_class(**value)
+
+
 @dataclass
 class VLMModelConfig:
     """The model a VLM config composes: ``encoder``, ``projector`` and ``foundation`` come from
@@ -53,9 +60,10 @@ class VLMModelConfig:
     def __post_init__(self):
         self.encoder = component_config("encoder", self.encoder, "vision_encoder")
         self.projector = component_config("projector", self.projector, "projector")
-        for name, cls in {"foundation": GPTConfig, "vision": VisionTokensConfig}.items():  # from a manifest's dicts
-            if isinstance(getattr(self, name), dict):
-                setattr(self, name, cls(**getattr(self, name)))
+        if isinstance(self.foundation, dict):  # from a manifest: its family's config class (MoEConfig ...)
+            self.foundation = foundation_config(self.foundation)
+        if isinstance(self.vision, dict):
+            self.vision = VisionTokensConfig(**self.vision)
         if self.vision.multimodal:
             self.vision.section_for(self.foundation.head_dim)  # raises on a section that does not fit
         deepstack = self.encoder.deepstack_layers
