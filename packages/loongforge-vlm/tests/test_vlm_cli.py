@@ -87,6 +87,17 @@ def test_bad_config_is_one_clear_error(capsys):
     assert "trainable=['projector', 'decoder']" in capsys.readouterr().err
 
 
+def test_bad_qwen3_vl_config_is_one_clear_error(capsys):
+    from loongforge.vlm.cli import main
+
+    assert main(["train", "--config", "qwen3_vl_debug", "train.recompute=full"]) == 2
+    assert "train.recompute=full with encoder.deepstack_layers=[0, 1]" in capsys.readouterr().err
+    assert main(["info", "--config", "qwen3_vl_debug", "encoder.deepstack_layers=[1,0]"]) == 2
+    assert "encoder.deepstack_layers=[1, 0]: increasing layer indices in 0..1" in capsys.readouterr().err
+    assert main(["info", "--config", "qwen3_vl_debug", "encoder.num_position_embeddings=15"]) == 2
+    assert "encoder.num_position_embeddings=15: must be a square number" in capsys.readouterr().err
+
+
 @pytest.mark.slow
 def test_convert_train_from_hf_and_export(tmp_path, vlm_cache):
     """HF Qwen2.5-VL dir -> ``lf-vlm convert`` -> train from it with the written config ->

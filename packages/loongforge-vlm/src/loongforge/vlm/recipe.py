@@ -120,6 +120,9 @@ class VLMConfig:
                              f"directories online; convert the model (lf-vlm convert) and set checkpoint.load")
         if self.encoder.in_channels != 3:
             raise ValueError(f"encoder.in_channels={self.encoder.in_channels}: the data pipeline reads RGB (3)")
+        if self.encoder.deepstack_layers and self.train.recompute == "full":
+            raise ValueError(f"train.recompute=full with encoder.deepstack_layers={list(self.encoder.deepstack_layers)}: "
+                             f"full recompute of the foundation would drop DeepStack's gradients; use selective or none")
         self.model()  # cross-part checks (mrope section vs the foundation's head dim)
 
     def model(self) -> VLMModelConfig:
