@@ -225,7 +225,8 @@ class VLMTask:
             cache = data.cache_dir or str(cache_dir("vlm-data"))
             path = data.path or shipped_dataset(cache)
             index = build_index(path, self.tokenizer, self.tokenizer_dir, cache, data.media, self.geometry(),
-                                template=read_chat_template(data.chat_template), media_root=data.media_root)
+                                template=read_chat_template(data.chat_template), media_root=data.media_root,
+                                video_timestamps=self.cfg.vision.frames_as_images)
             dataset = VLMDataset(index, self.vision_ids, data.media, self.geometry(), rope=self.cfg.vision.rope,
                                  tokens_per_second=self.cfg.vision.tokens_per_second)
             cost = self.sample_costs(dataset)
