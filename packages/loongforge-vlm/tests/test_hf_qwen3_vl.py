@@ -134,3 +134,21 @@ def test_unmapped_tensors_and_compositions_are_refused(converted, tmp_path):
                                                                                    norm="rmsnorm"))
     with pytest.raises(MappingError, match="projector.norm='rmsnorm'"):
         config_to_hf(rmsnorm)
+
+
+@pytest.mark.parametrize("section", [[24, 20, 20], [16, 24, 24], [2, 3, 3], [8, 0, 0]])
+def test_interleaved_rotary_chunks_match_transformers(section, megatron_world):
+    """megatron's multimodal RoPE with ``rotary_chunks`` gives transformers' Qwen3-VL angles."""
+    from megatron.core.models.common.embeddings.rotary_pos_embedding import MultimodalRotaryEmbedding
+    from transformers.models.qwen3_vl.modeling_qwen3_vl import Qwen3VLTextRotaryEmbedding
+
+    from loongforge.vlm.model_config import VisionTokensConfig
+
+    head_dim = 2 * sum(section)
+    text = Qwen3VLConfig(text_config={**TEXT, "head_dim": head_dim, "rope_parameters": {
+        **TEXT["rope_parameters"], "mrope_section": section}}).text_config
+    positions = torch.randint(0, 50, (3, 2, 7), generator=torch.Generator().manual_seed(0))
+    cos, _ = Qwen3VLTextRotaryEmbedding(text)(torch.zeros(1, dtype=torch.float32), positions)
+    chunks = VisionTokensConfig(rope="mrope_interleaved", mrope_section=section).rotary_chunks(head_dim)
+    angles = MultimodalRotaryEmbedding(head_dim, 1.0, rotary_base=10000)(positions, chunks)  # [s, b, 1, head_dim]
+    torch.testing.assert_close(angles[:, :, 0].transpose(0, 1).cos(), cos, atol=1e-6, rtol=0)
