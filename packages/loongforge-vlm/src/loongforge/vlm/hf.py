@@ -1,7 +1,8 @@
-"""The Hugging Face layouts of the ``vlm`` family: one per HF architecture (``LAYOUTS``), each its
-own mapping tables and ``config.json`` translation; the family's adapter reads the layout of a
-checkpoint's ``architectures`` and writes the one of a model's encoder family. Qwen2.5-VL's
-(``Qwen2_5_VLForConditionalGeneration``) is here; Qwen3-VL's is ``hf_qwen3_vl``.
+"""The Hugging Face layouts of the ``vlm`` family: one per HF architecture (``layouts()``), each
+its own mapping tables and ``config.json`` translation; the family's adapter reads the layout of
+a checkpoint's ``architectures`` and writes the one of a model's encoder and foundation families.
+Qwen2.5-VL's (``Qwen2_5_VLForConditionalGeneration``) is here; Qwen3-VL's is ``hf_qwen3_vl``,
+Qwen3-VL-MoE's ``hf_qwen3_vl_moe``.
 
 The checkpoint is three parts, each a declarative table of the core mapping engine bound to its
 own config and prefixed: the vision transformer (``visual.*`` <-> ``encoder.*``), its patch

@@ -66,9 +66,9 @@ class VLMModelConfig:
             self.vision = VisionTokensConfig(**self.vision)
         if self.vision.multimodal:
             self.vision.section_for(self.foundation.head_dim)  # raises on a section that does not fit
-        deepstack = self.encoder.deepstack_layers
-        if len(deepstack) > self.foundation.num_layers:
-            raise ValueError(f"encoder.deepstack_layers={list(deepstack)}: {len(deepstack)} DeepStack features for a "
+        layers = self.encoder.deepstack_layers
+        if len(layers) > self.foundation.num_layers:
+            raise ValueError(f"encoder.deepstack_layers={list(layers)}: {len(layers)} DeepStack features for a "
                              f"foundation of {self.foundation.num_layers} layers (one per layer, from the first)")
 
     @property
@@ -86,8 +86,8 @@ class VLMModelConfig:
         e, f = self.encoder, self.foundation
         merged = e.hidden_size * e.spatial_merge_size ** 2
         projector = self.projector.parameter_count(e.hidden_size, merged, f.hidden_size)
-        projector += len(e.deepstack_layers) * deepstack.merger_config(self.projector).parameter_count(e.hidden_size, merged,
-                                                                                             f.hidden_size)
+        merger = deepstack.merger_config(self.projector)
+        projector += len(e.deepstack_layers) * merger.parameter_count(e.hidden_size, merged, f.hidden_size)
         return {"encoder": e.parameter_count(), "projector": projector, "foundation": sum(f.parameter_counts().values())}
 
     @property
@@ -184,9 +184,9 @@ class VisionLanguageModel(MegatronModule):
 
     def encode_vision(self, pixel_values: torch.Tensor, grid_thw: torch.Tensor) -> torch.Tensor:
         """One row per vision token of the items, in item order: its foundation embedding, then its
-        DeepStack features (``vision_width`` wide). With the tower
-        split across the foundation's TP group, each rank encodes its share and the shares are
-        all-gathered (see ``loongforge.vlm.parallel``)."""
+        DeepStack features (``vision_width`` wide). With the tower split across the foundation's
+        TP group, each rank encodes its share and the shares are all-gathered (see
+        ``loongforge.vlm.parallel``)."""
         groups = self.groups
         if groups.split is None:
             return self._tower(pixel_values, grid_thw)
