@@ -152,3 +152,17 @@ def test_interleaved_rotary_chunks_match_transformers(section, megatron_world):
     chunks = VisionTokensConfig(rope="mrope_interleaved", mrope_section=section).rotary_chunks(head_dim)
     angles = MultimodalRotaryEmbedding(head_dim, 1.0, rotary_base=10000)(positions, chunks)  # [s, b, 1, head_dim]
     torch.testing.assert_close(angles[:, :, 0].transpose(0, 1).cos(), cos, atol=1e-6, rtol=0)
+
+
+@pytest.mark.parametrize("name", ["qwen3_vl_8b", "qwen3_vl_30b_a3b"])
+def test_released_configs_count_what_transformers_builds(name):
+    """``lf-vlm info``'s parameter count of a shipped released config equals transformers' model
+    of its exported ``config.json`` (built on the meta device)."""
+    from loongforge.vlm.cli import load_vlm_config
+    from loongforge.vlm.hf import config_to_hf
+
+    cfg = load_vlm_config(name, ["vision.image_token_id=151655", "vision.video_token_id=151656"]).model()
+    config, model = MODELS["moe" if cfg.foundation.family == "qwen3_moe" else "dense"][:2]
+    with torch.device("meta"):
+        hf = model(config.from_dict(config_to_hf(cfg)))
+    assert sum(cfg.parameter_counts().values()) == sum(p.numel() for p in hf.parameters())
