@@ -162,3 +162,31 @@ def test_qwen3_vl_debug_trains_and_exports(foundation, tmp_path, vlm_cache):
     exported = model.from_pretrained(tmp_path / "out").state_dict()
     deepstack = [k for k in exported if k.startswith("model.visual.deepstack_merger_list.")]
     assert len(deepstack) == 6 and all(torch.isfinite(exported[k]).all() for k in exported)
+
+
+@pytest.mark.slow
+def test_convert_qwen3_vl_then_train_from_the_written_config(tmp_path, vlm_cache):
+    """HF Qwen3-VL dir -> ``lf-vlm convert hf-to-lf`` -> ``lf-vlm train --config OUT/train.yaml``."""
+    from transformers import Qwen3VLConfig, Qwen3VLForConditionalGeneration
+
+    from loongforge.vlm.cli import main
+    from loongforge.vlm.data.tokenizer import load_vlm_tokenizer
+
+    _, ids = load_vlm_tokenizer()
+    text = dict(vocab_size=1280, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                num_key_value_heads=2, head_dim=16, max_position_embeddings=1024,
+                rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3],
+                                 "mrope_interleaved": True})
+    vision = dict(depth=2, hidden_size=32, intermediate_size=64, num_heads=2, patch_size=8, out_hidden_size=64,
+                  num_position_embeddings=16, deepstack_visual_indexes=[0])
+    Qwen3VLForConditionalGeneration(Qwen3VLConfig(
+        text_config=text, vision_config=vision, image_token_id=ids.image, video_token_id=ids.video,
+        vision_start_token_id=ids.start, vision_end_token_id=ids.end)).save_pretrained(tmp_path / "hf")
+    assert main(["convert", "hf-to-lf", str(tmp_path / "hf"), str(tmp_path / "lf"), "--no-progress"]) == 0
+    run = tmp_path / "run"
+    assert main(["train", "--config", str(tmp_path / "lf" / "train.yaml"), *FAST, "train.steps=2",
+                 "train.seq_length=512", f"data.cache_dir={vlm_cache}", f"log.run_dir={run}"]) == 0
+    losses = [m["loss"] for m in metrics(run)]
+    assert len(losses) == 2 and 5.0 < losses[0] < 9.0  # from the converted (random-init) weights: about ln(1280)
+    parts = manifest(run)["model_config"]
+    assert parts["encoder"]["deepstack_layers"] == [0] and parts["vision"]["rope"] == "mrope_interleaved"
