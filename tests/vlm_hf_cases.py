@@ -101,3 +101,30 @@ def make_sample(parts, ids: dict, patch_dim: int, merge: int = 2, text_vocab: in
         out.pixels[kind].append(torch.randn(t * h * w, patch_dim, generator=g))
     out.tokens = torch.tensor([ids_list])
     return out
+
+
+def logits_pair(hf, ours, sample: Sample, ids: dict, positions, **hf_kw):
+    """``(transformers' logits, ours)`` for ``sample``; ``positions`` ``[3, s]`` are ours."""
+    pixels, grid_thw = sample.ours()
+    with torch.no_grad():
+        expected = hf(input_ids=sample.tokens, **sample.hf_inputs(ids), **hf_kw).logits
+        got = ours(sample.tokens, torch.as_tensor(positions)[:, None, :], None, pixel_values=pixels, grid_thw=grid_thw)
+    return expected, got
+
+
+def exported_files(hf, checkpoint, root):
+    """Export ``checkpoint`` to ``root/exported`` and check transformers loads bitwise the weights
+    of ``hf``; returns ``(the original safetensors, the exported ones)`` (single-file checkpoints)."""
+    from safetensors.torch import load_file
+
+    from loongforge.core.hf_mapping.convert import lf_to_hf
+
+    lf_to_hf(checkpoint, root / "exported", progress=False)
+    back = type(hf).from_pretrained(root / "exported").eval()
+    original, exported = hf.state_dict(), back.state_dict()
+    assert sorted(original) == sorted(exported)
+    for name, tensor in original.items():
+        assert torch.equal(tensor, exported[name]), name
+    on_disk, written = load_file(root / "hf" / "model.safetensors"), load_file(root / "exported" / "model.safetensors")
+    assert sorted(on_disk) == sorted(written)
+    return on_disk, written

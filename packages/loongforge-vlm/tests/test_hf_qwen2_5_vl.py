@@ -13,8 +13,7 @@ import torch
 from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
 
 from loongforge.core.hf_mapping import MappingError
-from loongforge.core.hf_mapping.convert import lf_to_hf
-from vlm_hf_cases import converted_model, make_sample, randomize_
+from vlm_hf_cases import converted_model, exported_files, logits_pair, make_sample, randomize_
 
 IDS = dict(image_token_id=300, video_token_id=301, vision_start_token_id=302, vision_end_token_id=303)
 TEXT = dict(vocab_size=320, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
@@ -50,32 +49,19 @@ def test_logits_match_transformers(converted, case):
 
     hf, ours, _, _ = converted
     sample = make_sample(CASES[case], IDS, PATCH_DIM)
-    kw = sample.hf_inputs(IDS)
-    if "video_grid_thw" in kw:
+    kw = {}
+    if any(k == "video" for k, _ in sample.items):
         kw["second_per_grid_ts"] = torch.tensor([item.seconds_per_grid_t for k, item in sample.items if k == "video"])
-    pixels, grid_thw = sample.ours()
     positions = mrope_positions(sample.tokens[0].numpy(), [item for _, item in sample.items],
                                 (IDS["image_token_id"], IDS["video_token_id"]), 2, VISION["tokens_per_second"])
-    with torch.no_grad():
-        expected = hf(input_ids=sample.tokens, **kw).logits
-        got = ours(sample.tokens, torch.from_numpy(positions)[:, None, :], None, pixel_values=pixels, grid_thw=grid_thw)
+    expected, got = logits_pair(hf, ours, sample, IDS, positions, **kw)
     assert got.shape == expected.shape
     torch.testing.assert_close(got, expected, atol=1e-5, rtol=0)
 
 
 def test_export_loads_in_transformers_bitwise(converted):
-    from safetensors.torch import load_file
-
     hf, _, done, root = converted
-    lf_to_hf(done.path, root / "exported", progress=False)
-    back = Qwen2_5_VLForConditionalGeneration.from_pretrained(root / "exported").eval()
-    original, exported = hf.state_dict(), back.state_dict()
-    assert sorted(original) == sorted(exported)
-    for name, tensor in original.items():
-        assert torch.equal(tensor, exported[name]), name
-    on_disk = {**load_file(root / "hf" / "model.safetensors")}
-    written = {**load_file(root / "exported" / "model.safetensors")}
-    assert sorted(on_disk) == sorted(written)
+    on_disk, written = exported_files(hf, done.path, root)
     assert all(torch.equal(on_disk[k], written[k]) for k in on_disk)
 
 

@@ -19,7 +19,7 @@ from transformers import Qwen3VLConfig, Qwen3VLForConditionalGeneration, Qwen3VL
 
 from loongforge.core.hf_mapping import MappingError
 from loongforge.core.hf_mapping.convert import lf_to_hf
-from vlm_hf_cases import converted_model, make_sample, randomize_
+from vlm_hf_cases import converted_model, exported_files, logits_pair, make_sample, randomize_
 
 IDS = dict(image_token_id=300, video_token_id=301, vision_start_token_id=302, vision_end_token_id=303)
 TEXT = dict(vocab_size=320, hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=4,
@@ -61,12 +61,9 @@ def test_logits_match_transformers(converted, case):
 
     hf, ours, _, _ = converted
     sample = make_sample(CASES[case], IDS, PATCH_DIM, frame_text=3)
-    pixels, grid_thw = sample.ours()
     positions = mrope_positions(sample.tokens[0].numpy(), [item for _, item in sample.items],
                                 (IDS["image_token_id"], IDS["video_token_id"]), 2, 2.0, frames_as_images=True)
-    with torch.no_grad():
-        expected = hf(input_ids=sample.tokens, **sample.hf_inputs(IDS)).logits
-        got = ours(sample.tokens, torch.from_numpy(positions)[:, None, :], None, pixel_values=pixels, grid_thw=grid_thw)
+    expected, got = logits_pair(hf, ours, sample, IDS, positions)
     assert got.shape == expected.shape
     torch.testing.assert_close(got, expected, atol=1e-5, rtol=0)
 
@@ -93,23 +90,15 @@ def test_export_loads_in_transformers_bitwise(converted):
     one, each fused tensor transposed)."""
     from safetensors.torch import load_file
 
+    from loongforge.core.hf_mapping.convert import hf_to_lf
+
     hf, _, done, root = converted
-    lf_to_hf(done.path, root / "exported", progress=False)
-    back = type(hf).from_pretrained(root / "exported").eval()
-    original, exported = hf.state_dict(), back.state_dict()
-    assert sorted(original) == sorted(exported)
-    for name, tensor in original.items():
-        assert torch.equal(tensor, exported[name]), name
-    on_disk = load_file(root / "hf" / "model.safetensors")
-    written = load_file(root / "exported" / "model.safetensors")
-    assert sorted(on_disk) == sorted(written)
+    on_disk, written = exported_files(hf, done.path, root)
     for k in on_disk:
         expected = on_disk[k].transpose(1, 2) if k.endswith(FUSED_EXPERTS) else on_disk[k]
         assert torch.equal(expected, written[k]), k
     assert any(k.endswith(FUSED_EXPERTS) for k in on_disk) == (done.model_config.foundation.family == "qwen3_moe")
     # the exported directory (released expert layout) imports and exports again, bit for bit
-    from loongforge.core.hf_mapping.convert import hf_to_lf
-
     again = hf_to_lf(root / "exported", root / "reimported", progress=False)
     lf_to_hf(again.path, root / "exported_again", progress=False)
     rewritten = load_file(root / "exported_again" / "model.safetensors")
