@@ -182,6 +182,17 @@ def test_prefixed_and_combined_parts():
         _ = text + text
 
 
+def test_hf_prefix_replaced_renames_only_matching_names():
+    text = TABLE.bind(Cfg(num_layers=1))
+    nested = text.hf_prefix_replaced("model.", "model.language_model.")
+    renamed = {n for n in nested.hf_names if n.startswith("model.language_model.")}
+    assert renamed == {"model.language_model." + n[len("model."):] for n in text.hf_names if n.startswith("model.")}
+    assert [n for n in nested.hf_names if not n.startswith("model.")] == [n for n in text.hf_names if not n.startswith("model.")]
+    assert nested.lf_names == text.lf_names
+    assert nested.is_ignored("model.language_model.layers.0.attn.rotary.inv_freq")
+    assert not nested.is_ignored("model.layers.0.attn.rotary.inv_freq")
+
+
 def test_transform_registry_errors():
     with pytest.raises(MappingError, match="unknown transform 'nope'; registered: .*fuse_qkv"):
         get_transform("nope")

@@ -87,6 +87,17 @@ def test_bad_config_is_one_clear_error(capsys):
     assert "trainable=['projector', 'decoder']" in capsys.readouterr().err
 
 
+def test_bad_qwen3_vl_config_is_one_clear_error(capsys):
+    from loongforge.vlm.cli import main
+
+    assert main(["train", "--config", "qwen3_vl_debug", "train.recompute=full"]) == 2
+    assert "train.recompute=full with encoder.deepstack_layers=[0]" in capsys.readouterr().err
+    assert main(["info", "--config", "qwen3_vl_debug", "encoder.deepstack_layers=[1,0]"]) == 2
+    assert "encoder.deepstack_layers=[1, 0]: increasing layer indices in 0..1" in capsys.readouterr().err
+    assert main(["info", "--config", "qwen3_vl_debug", "encoder.num_position_embeddings=15"]) == 2
+    assert "encoder.num_position_embeddings=15: must be a square number" in capsys.readouterr().err
+
+
 @pytest.mark.slow
 def test_convert_train_from_hf_and_export(tmp_path, vlm_cache):
     """HF Qwen2.5-VL dir -> ``lf-vlm convert`` -> train from it with the written config ->
@@ -121,3 +132,61 @@ def test_convert_train_from_hf_and_export(tmp_path, vlm_cache):
     assert any(not torch.equal(before[k], after[k]) for k in before)  # the exported weights are the trained ones
     saved = Qwen2_5_VLForConditionalGeneration.from_pretrained(tmp_path / "saved").state_dict()  # train --save-hf
     assert sorted(saved) == sorted(after) and all(torch.equal(saved[k], after[k]) for k in after)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("foundation", ["qwen3_debug", "qwen3_moe_debug"])
+def test_qwen3_vl_debug_trains_and_exports(foundation, tmp_path, vlm_cache):
+    """``lf-vlm train --config qwen3_vl_debug`` (DeepStack, interleaved mRoPE; a dense or MoE
+    foundation) on the shipped set, then ``lf-vlm convert lf-to-hf``: transformers' Qwen3-VL
+    (Qwen3-VL-MoE) loads the trained weights."""
+    import math
+
+    import torch
+    from transformers import Qwen3VLForConditionalGeneration, Qwen3VLMoeForConditionalGeneration
+
+    from loongforge.vlm.cli import main
+
+    run = tmp_path / "run"
+    assert main(["train", "--config", "qwen3_vl_debug", f"foundation={foundation}", *FAST, "train.steps=3",
+                 f"data.cache_dir={vlm_cache}", f"log.run_dir={run}"]) == 0
+    losses = [m["loss"] for m in metrics(run)]
+    assert len(losses) == 3 and all(math.isfinite(x) for x in losses) and losses[-1] < losses[0]
+    parts = manifest(run)["model_config"]
+    assert parts["encoder"]["family"] == "qwen3_vit" and parts["vision"]["rope"] == "mrope_interleaved"
+    assert parts["foundation"]["family"] == foundation.removesuffix("_debug")
+    assert main(["convert", "lf-to-hf", str(run / "checkpoints"), str(tmp_path / "out"), "--no-progress"]) == 0
+    config = json.loads((tmp_path / "out" / "config.json").read_text())
+    assert config["architectures"] == [f"Qwen3VL{'Moe' if 'moe' in foundation else ''}ForConditionalGeneration"]
+    model = Qwen3VLMoeForConditionalGeneration if foundation == "qwen3_moe_debug" else Qwen3VLForConditionalGeneration
+    exported = model.from_pretrained(tmp_path / "out").state_dict()
+    deepstack = [k for k in exported if k.startswith("model.visual.deepstack_merger_list.")]
+    assert len(deepstack) == 6 and all(torch.isfinite(exported[k]).all() for k in exported)
+
+
+@pytest.mark.slow
+def test_convert_qwen3_vl_then_train_from_the_written_config(tmp_path, vlm_cache):
+    """HF Qwen3-VL dir -> ``lf-vlm convert hf-to-lf`` -> ``lf-vlm train --config OUT/train.yaml``."""
+    from transformers import Qwen3VLConfig, Qwen3VLForConditionalGeneration
+
+    from loongforge.vlm.cli import main
+    from loongforge.vlm.data.tokenizer import load_vlm_tokenizer
+
+    _, ids = load_vlm_tokenizer()
+    text = dict(vocab_size=1280, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                num_key_value_heads=2, head_dim=16, max_position_embeddings=1024,
+                rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3],
+                                 "mrope_interleaved": True})
+    vision = dict(depth=2, hidden_size=32, intermediate_size=64, num_heads=2, patch_size=8, out_hidden_size=64,
+                  num_position_embeddings=16, deepstack_visual_indexes=[0])
+    Qwen3VLForConditionalGeneration(Qwen3VLConfig(
+        text_config=text, vision_config=vision, image_token_id=ids.image, video_token_id=ids.video,
+        vision_start_token_id=ids.start, vision_end_token_id=ids.end)).save_pretrained(tmp_path / "hf")
+    assert main(["convert", "hf-to-lf", str(tmp_path / "hf"), str(tmp_path / "lf"), "--no-progress"]) == 0
+    run = tmp_path / "run"
+    assert main(["train", "--config", str(tmp_path / "lf" / "train.yaml"), *FAST, "train.steps=2",
+                 "train.seq_length=512", f"data.cache_dir={vlm_cache}", f"log.run_dir={run}"]) == 0
+    losses = [m["loss"] for m in metrics(run)]
+    assert len(losses) == 2 and 5.0 < losses[0] < 9.0  # from the converted (random-init) weights: about ln(1280)
+    parts = manifest(run)["model_config"]
+    assert parts["encoder"]["deepstack_layers"] == [0] and parts["vision"]["rope"] == "mrope_interleaved"

@@ -95,3 +95,32 @@ def test_packing_keeps_samples_apart():
     assert row["position_ids"][0, 0].tolist() == [0, 1, 0, 1, 2]
     assert row["pixel_values"].shape == (12, 4) and row["grid_thw"].tolist() == [[1, 1, 4], [1, 1, 8]]
     assert pack([sample(2, 4)])["attention_mask"] is None  # one sample: plain causal attention
+
+
+def test_qwen3_vl_video_layout_stamps_each_frame_group(vlm_cache):
+    """With ``vision.rope: mrope_interleaved`` (Qwen3-VL) a video is one run of tokens per temporal
+    patch group after its ``<t seconds>`` text, stamped as transformers' Qwen3-VL processor stamps
+    it; the sample's positions place each group as an image of its own."""
+    from transformers.models.qwen3_vl.processing_qwen3_vl import Qwen3VLProcessor
+
+    from loongforge.vlm.cli import load_vlm_config
+    from loongforge.vlm.data.dataset import frame_seconds
+    from loongforge.vlm.positions import VisionItem, mrope_positions
+    from loongforge.vlm.recipe import VLMTask
+
+    task = VLMTask(load_vlm_config("qwen3_vl_debug", [f"data.cache_dir={vlm_cache}"]))
+    data = task.dataset()
+    j = next(i for i in range(len(data)) if [p.kind for p in data.index.media[int(data.keep[i])]] == ["video"])
+    (plan,) = data.index.media[int(data.keep[j])]
+    seconds = frame_seconds(plan)
+    assert seconds == pytest.approx(Qwen3VLProcessor._calculate_timestamps(None, list(plan.frames), plan.fps, 2))
+    sample = data[j]
+    text = task.tokenizer.decode(sample["tokens"])
+    stamps = [f"<{t:.1f} seconds><|vision_start|>" for t in seconds]
+    assert all(s in text for s in stamps) and text.count("<|vision_start|>") == plan.grid[0]
+    t, h, w = plan.grid
+    is_video = sample["tokens"] == data.ids.video
+    runs = np.flatnonzero(np.diff(np.concatenate([[0], is_video.astype(int), [0]])) == 1)
+    assert len(runs) == t and is_video.sum() == t * h * w // 4
+    frames = mrope_positions(sample["tokens"], [VisionItem((1, h, w), True)] * t, (data.ids.image, data.ids.video), 2, 2.0)
+    np.testing.assert_array_equal(sample["position_ids"], frames)

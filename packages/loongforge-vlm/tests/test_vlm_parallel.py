@@ -74,3 +74,24 @@ def test_lora_at_foundation_tp2_matches_one_process(encoder_tp, lora_reference, 
     assert got["grad_norms"] == pytest.approx(lora_reference["grad_norms"], rel=1e-4)
     for name, grad in ref.items():
         torch.testing.assert_close(got["grads"][name], grad, rtol=1e-4, atol=1e-7, msg=name)
+
+
+QWEN3_VL = ["encoder=qwen3_vit_debug", "projector=qwen3_vl_merger", "foundation=qwen3_debug", "vision.rope=mrope_interleaved"]
+
+
+@pytest.mark.slow
+def test_qwen3_vl_deepstack_with_split_tower_matches_one_process(tmp_path, vlm_cache):
+    """Qwen3-VL (DeepStack) with the foundation at TP=2 and the tower at TP=1, its images shared
+    out across the TP group: the gathered rows carry the DeepStack features too; losses and every
+    gradient (the DeepStack mergers' included) are one process's."""
+    (tmp_path / "ref").mkdir()
+    (tmp_path / "tp2").mkdir()
+    reference = probe(tmp_path / "ref" / "grads.pt", QWEN3_VL, vlm_cache)
+    got = probe(tmp_path / "tp2" / "grads.pt", [*QWEN3_VL, "parallel.tp=2", "parallel.encoder.tp=1"], vlm_cache, nproc=2)
+    assert got["losses"] == pytest.approx(reference["losses"], rel=1e-5)
+    assert got["grad_norms"] == pytest.approx(reference["grad_norms"], rel=1e-4)
+    assert sorted(got["grads"]) == sorted(reference["grads"])
+    deepstack = [n for n in reference["grads"] if n.startswith("deepstack.")]
+    assert deepstack and all(reference["grads"][n].abs().sum() > 0 for n in deepstack)  # DeepStack did learn
+    for name, ref in reference["grads"].items():
+        torch.testing.assert_close(got["grads"][name], ref, rtol=1e-4, atol=1e-7, msg=name)

@@ -216,13 +216,13 @@ def our_step(cfg, hf_dir: Path, batch: Batch, case: Case, pack_size: int):
     from loongforge.core.parallel import init_parallel
     from loongforge.core.training.loop import Trainer
     from loongforge.vlm.data.packing import pack
-    from loongforge.vlm.hf import QWEN2_5_VL_ADAPTER
+    from loongforge.vlm.hf import VLM_HF_ADAPTER
     from loongforge.vlm.recipe import VLMTask
 
     task = VLMTask(cfg)
     ctx = init_parallel(seed=cfg.train.seed)
     trainer = Trainer(task, ctx, cfg)
-    load_hf_weights(trainer.inner_model, hf_dir, QWEN2_5_VL_ADAPTER, task.model_cfg)
+    load_hf_weights(trainer.inner_model, hf_dir, VLM_HF_ADAPTER, task.model_cfg)
     trainer.engine.optimizer.reload_model_params()  # the fp32 main weights from the loaded ones
     groups = [batch.samples[i:i + pack_size] for i in range(0, len(batch.samples), pack_size)]
     micro_batches = [{k: v.to(case.device) if isinstance(v, torch.Tensor) else v for k, v in pack(g).items()}

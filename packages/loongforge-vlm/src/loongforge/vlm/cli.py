@@ -133,9 +133,10 @@ def describe_cli():
         config_dirs=config_dirs()[:1], default_config=DEFAULT_CONFIG, load_config=load_vlm_config,
         make_task=make_task, info=cmd_info,
         example="foundation=qwen3_debug encoder=siglip_vit_debug parallel.tp=2 parallel.encoder.tp=1",
-        converters=[Converter("hf-to-lf", "a Qwen2.5-VL Hugging Face directory -> a LoongForge checkpoint",
+        converters=[Converter("hf-to-lf", "a Qwen2.5-VL or Qwen3-VL Hugging Face directory -> a LoongForge checkpoint",
                               hf_to_lf_command),
-                    Converter("lf-to-hf", "a LoongForge VLM checkpoint (a LoRA one merged) -> a Qwen2.5-VL Hugging Face directory",
+                    Converter("lf-to-hf", "a LoongForge VLM checkpoint (a LoRA one merged) -> a Qwen2.5-VL or "
+                              "Qwen3-VL Hugging Face directory (by its encoder)",
                               lf_to_hf_command)],
         bench_options=add_bench_arguments, bench=bench, lora_layouts=lora_layouts, lora_library="transformers",
         packages=["loongforge-core", "loongforge-llm", "loongforge-vlm", "loongforge-kernels"], schema=VLMConfig,

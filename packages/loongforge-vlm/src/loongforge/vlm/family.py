@@ -1,10 +1,10 @@
 """The ``vlm`` model family: an encoder + projector + foundation composition
-(``loongforge.models`` entry point), with the Qwen2.5-VL Hugging Face layout."""
+(``loongforge.models`` entry point), with the Qwen2.5-VL and Qwen3-VL Hugging Face layouts."""
 
 from __future__ import annotations
 
 from loongforge.core.models import ModelSpec
-from loongforge.vlm.hf import QWEN2_5_VL_ADAPTER
+from loongforge.vlm.hf import VLM_HF_ADAPTER
 from loongforge.vlm.model import VisionLanguageModel, VLMModelConfig
 from loongforge.vlm.parallel import build_vision_groups
 
@@ -36,5 +36,5 @@ VLM_SPEC = ModelSpec(
     engine="megatron",
     task=make_task,
     flops_per_token=flops_per_token,
-    hf_adapter=QWEN2_5_VL_ADAPTER,
+    hf_adapter=VLM_HF_ADAPTER,
 )

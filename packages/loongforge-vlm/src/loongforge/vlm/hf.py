@@ -1,4 +1,8 @@
-"""The Hugging Face layout of a Qwen2.5-VL composition (``Qwen2_5_VLForConditionalGeneration``).
+"""The Hugging Face layouts of the ``vlm`` family: one per HF architecture (``layouts()``), each
+its own mapping tables and ``config.json`` translation; the family's adapter reads the layout of
+a checkpoint's ``architectures`` and writes the one of a model's encoder and foundation families.
+Qwen2.5-VL's (``Qwen2_5_VLForConditionalGeneration``) is here; Qwen3-VL's is ``hf_qwen3_vl``,
+Qwen3-VL-MoE's ``hf_qwen3_vl_moe``.
 
 The checkpoint is three parts, each a declarative table of the core mapping engine bound to its
 own config and prefixed: the vision transformer (``visual.*`` <-> ``encoder.*``), its patch
@@ -12,13 +16,17 @@ linear map of flattened patches (a reshape).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
 from loongforge.core.hf_mapping import FuseQKV, HFAdapter, HFMapping, MappingError, Rule, Transform, register_transform
 from loongforge.core.hf_mapping.transforms import config_value
+from loongforge.vlm import hf_config_parts as parts
 from loongforge.vlm.encoders.qwen2_5_vit import QwenViTConfig
+from loongforge.vlm.hf_qwen3_vl import ARCHITECTURE as QWEN3_VL_ARCHITECTURE
+from loongforge.vlm.hf_qwen3_vl_moe import ARCHITECTURE as QWEN3_VL_MOE_ARCHITECTURE
 from loongforge.vlm.model_config import VisionTokensConfig
 from loongforge.vlm.projectors.patch_merge_mlp import PatchMergeMLPConfig
 
@@ -104,40 +112,22 @@ def foundation_mapping():
     return GPT_HF_MAPPING
 
 
-@dataclass(frozen=True)
-class VLMHFAdapter(HFAdapter):
-    """An adapter binding each part's table to its own config (``mapping`` is the vision
-    transformer's table; the merger's and the foundation's are fixed by the layout)."""
-
-    def bind(self, cfg):
-        return (self.mapping.bind(cfg.encoder).prefixed(hf="visual.", lf="encoder.")
-                + PATCH_MERGER_MAPPING.bind(cfg.projector).prefixed(hf="visual.merger.", lf="projector.")
-                + foundation_mapping().bind(cfg.foundation).prefixed(lf="language_model."))
+def qwen2_5_bind(cfg):
+    """The whole checkpoint's mapping: each part's table bound to its own config."""
+    return (QWEN_VIT_MAPPING.bind(cfg.encoder).prefixed(hf="visual.", lf="encoder.")
+            + PATCH_MERGER_MAPPING.bind(cfg.projector).prefixed(hf="visual.merger.", lf="projector.")
+            + foundation_mapping().bind(cfg.foundation).prefixed(lf="language_model."))
 
 
-def _qwen2_adapter():
-    from loongforge.core.models import get_model_spec
-
-    return get_model_spec("qwen2").hf_adapter
-
-
-def config_from_hf(raw: dict):
+def qwen2_5_config_from_hf(raw: dict):
     """``config.json`` of Qwen2.5-VL -> ``VLMModelConfig`` (a qwen2 foundation with mrope)."""
     from transformers import Qwen2_5_VLConfig
 
     from loongforge.vlm.model import VLMModelConfig
 
-    source = f"config.json of {ARCHITECTURE}"
     hf = Qwen2_5_VLConfig.from_dict(raw)
-    v, t = hf.vision_config, hf.text_config
-    if v.hidden_act != "silu":
-        raise MappingError(f"{source}: vision_config.hidden_act={v.hidden_act!r}: the Qwen2.5 ViT uses silu")
-    if v.out_hidden_size != t.hidden_size:
-        raise MappingError(f"{source}: vision_config.out_hidden_size={v.out_hidden_size} != text_config.hidden_size={t.hidden_size}")
-    text = t.to_dict()
-    text["tie_word_embeddings"] = bool(hf.tie_word_embeddings)
-    foundation = _qwen2_adapter().config_from_hf(text)
-    rope = dict(getattr(t, "rope_parameters", None) or {})
+    v, t = parts.checked_parts(hf, f"config.json of {ARCHITECTURE}", "silu", "Qwen2.5 ViT")
+    foundation, section = parts.foundation_from_hf("qwen2", hf, t.to_dict())
     vision_rope = dict(getattr(v, "rope_parameters", None) or {})
     encoder = QwenViTConfig(
         num_layers=v.depth, hidden_size=v.hidden_size, num_attention_heads=v.num_heads,
@@ -147,32 +137,23 @@ def config_from_hf(raw: dict):
         norm_epsilon=1e-6, init_method_std=float(v.initializer_range),
     )
     projector = PatchMergeMLPConfig(norm="rmsnorm", norm_epsilon=1e-6)
-    vision = VisionTokensConfig(rope="mrope", mrope_section=list(rope["mrope_section"]) if "mrope_section" in rope else None,
-                                tokens_per_second=float(v.tokens_per_second), image_token_id=hf.image_token_id,
-                                video_token_id=hf.video_token_id, vision_start_token_id=hf.vision_start_token_id,
-                                vision_end_token_id=hf.vision_end_token_id)
+    vision = VisionTokensConfig(rope="mrope", mrope_section=section, tokens_per_second=float(v.tokens_per_second),
+                                **parts.token_ids_from_hf(hf))
     return VLMModelConfig(encoder=encoder, projector=projector, foundation=foundation, vision=vision)
 
 
-def config_to_hf(cfg) -> dict:
+def qwen2_5_config_to_hf(cfg) -> dict:
     """``VLMModelConfig`` -> Qwen2.5-VL ``config.json``; a composition Qwen2.5-VL cannot express is an error."""
     from transformers import Qwen2_5_VLConfig
 
     e, p, vis = cfg.encoder, cfg.projector, cfg.vision
-    checks = {"encoder.family": (e.family, "qwen2_5_vit"), "projector.family": (p.family, "patch_merge_mlp"),
-              "projector.norm": (getattr(p, "norm", None), "rmsnorm"), "vision.rope": (vis.rope, "mrope"),
-              "projector.ffn_hidden_size": (p.ffn_hidden_size or e.hidden_size * e.spatial_merge_size ** 2,
-                                            e.hidden_size * e.spatial_merge_size ** 2)}
-    for key, (value, needed) in checks.items():
-        if value != needed:
-            raise MappingError(f"{key}={value!r}: {ARCHITECTURE} needs {needed!r}")
+    merged = e.hidden_size * e.spatial_merge_size ** 2
+    parts.require({"encoder.family": (e.family, "qwen2_5_vit"), "projector.family": (p.family, "patch_merge_mlp"),
+                   "projector.norm": (getattr(p, "norm", None), "rmsnorm"), "vision.rope": (vis.rope, "mrope"),
+                   "projector.ffn_hidden_size": (p.ffn_hidden_size or merged, merged)}, ARCHITECTURE)
     if not float(vis.tokens_per_second).is_integer():
         raise MappingError(f"vision.tokens_per_second={vis.tokens_per_second}: {ARCHITECTURE} needs a whole number")
-    text = _qwen2_adapter().config_to_hf(cfg.foundation)
-    for key in ("architectures", "model_type", "transformers_version", "tie_word_embeddings"):
-        text.pop(key, None)
-    text["rope_parameters"] = {"rope_type": "default", "rope_theta": cfg.foundation.rotary_base,
-                               "mrope_section": cfg.mrope_section}
+    text = parts.text_config_to_hf("qwen2", cfg.foundation, {"mrope_section": cfg.mrope_section})
     vision = dict(depth=e.num_layers, hidden_size=e.hidden_size, num_heads=e.num_attention_heads,
                   intermediate_size=e.ffn_hidden_size, in_channels=e.in_channels, patch_size=e.patch_size,
                   temporal_patch_size=e.temporal_patch_size, spatial_merge_size=e.spatial_merge_size,
@@ -180,12 +161,72 @@ def config_to_hf(cfg) -> dict:
                   out_hidden_size=cfg.foundation.hidden_size, tokens_per_second=int(vis.tokens_per_second),
                   hidden_act="silu", initializer_range=e.init_method_std,
                   rope_parameters={"rope_type": "axial", "rope_theta": e.rope_theta})
-    ids = {k: getattr(vis, k) for k in ("image_token_id", "video_token_id", "vision_start_token_id", "vision_end_token_id")
-           if getattr(vis, k) is not None}
     hf = Qwen2_5_VLConfig(text_config=text, vision_config=vision, tie_word_embeddings=cfg.foundation.tie_embeddings,
-                          architectures=[ARCHITECTURE], **ids)
+                          architectures=[ARCHITECTURE], **parts.token_ids_to_hf(vis))
     return hf.to_dict()
 
 
-QWEN2_5_VL_ADAPTER = VLMHFAdapter(architectures=(ARCHITECTURE,), mapping=QWEN_VIT_MAPPING,
-                                  config_from_hf=config_from_hf, config_to_hf=config_to_hf)
+@dataclass(frozen=True)
+class Layout:
+    """One HF architecture of VLM compositions with ``encoder_family`` (and a foundation of one of
+    ``foundation_families``; None: any): its whole-checkpoint mapping (``bind(cfg)``) and its
+    ``config.json`` translation."""
+
+    architecture: str
+    encoder_family: str
+    foundation_families: tuple[str, ...] | None
+    bind: Callable
+    config_from_hf: Callable[[dict], object]
+    config_to_hf: Callable[[object], dict]
+
+    def writes(self, cfg) -> bool:
+        return cfg.encoder.family == self.encoder_family and (
+            self.foundation_families is None or cfg.foundation.family in self.foundation_families)
+
+
+def layouts() -> tuple[Layout, ...]:
+    from loongforge.vlm import hf_qwen3_vl as q3
+    from loongforge.vlm import hf_qwen3_vl_moe as q3moe
+
+    return (Layout(ARCHITECTURE, "qwen2_5_vit", None, qwen2_5_bind, qwen2_5_config_from_hf, qwen2_5_config_to_hf),
+            Layout(q3.ARCHITECTURE, "qwen3_vit", ("qwen3",), q3.bind, q3.config_from_hf, q3.config_to_hf),
+            Layout(q3moe.ARCHITECTURE, "qwen3_vit", ("qwen3_moe",), q3moe.bind, q3moe.config_from_hf,
+                   q3moe.config_to_hf))
+
+
+def layout_of(cfg) -> Layout:
+    """The layout that writes a composition: the one of its encoder (and foundation) family."""
+    for layout in layouts():
+        if layout.writes(cfg):
+            return layout
+    known = ", ".join(f"{lay.encoder_family} + {'/'.join(lay.foundation_families or ('any',))} ({lay.architecture})"
+                      for lay in layouts())
+    raise MappingError(f"encoder.family={cfg.encoder.family!r}, foundation.family={cfg.foundation.family!r}: no "
+                       f"Hugging Face layout writes this composition; layouts: {known}")
+
+
+def config_from_hf(raw: dict):
+    """``config.json`` -> ``VLMModelConfig``, by the layout of its ``architectures``."""
+    archs = raw.get("architectures") or []
+    for layout in layouts():
+        if layout.architecture in archs:
+            return layout.config_from_hf(raw)
+    raise MappingError(f"config.json: architectures {archs!r}: none of {', '.join(VLM_ARCHITECTURES)}")
+
+
+def config_to_hf(cfg) -> dict:
+    """``VLMModelConfig`` -> ``config.json`` of its layout."""
+    return layout_of(cfg).config_to_hf(cfg)
+
+
+@dataclass(frozen=True)
+class VLMHFAdapter(HFAdapter):
+    """The ``vlm`` family's adapter: each layout binds its own tables (``mapping`` is unused)."""
+
+    def bind(self, cfg):
+        return layout_of(cfg).bind(cfg)
+
+
+VLM_ARCHITECTURES = (ARCHITECTURE, QWEN3_VL_ARCHITECTURE, QWEN3_VL_MOE_ARCHITECTURE)
+VLM_HF_ADAPTER = VLMHFAdapter(architectures=VLM_ARCHITECTURES, mapping=QWEN_VIT_MAPPING,
+                              config_from_hf=config_from_hf, config_to_hf=config_to_hf)

@@ -3,7 +3,10 @@
 The foundation is a megatron ``GPTModel`` built from a loongforge-llm family's layer spec and
 architecture config, with multimodal RoPE (``position_embedding_type="mrope"``) when the VLM
 asks for it. Vision features replace the embeddings of the image/video placeholder tokens, in
-order, before the foundation's first layer; the tower lives on the first pipeline stage.
+order, before the foundation's first layer; with DeepStack (an encoder with ``deepstack_layers``,
+Qwen3-VL) features of intermediate encoder layers are also added to the outputs of the
+foundation's first layers (``loongforge.vlm.deepstack``). The tower lives on the first pipeline
+stage.
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ import torch
 from megatron.core.transformer.module import MegatronModule
 
 from loongforge.llm.api import GPTConfig
+from loongforge.vlm import deepstack
 from loongforge.vlm.encoders import build_encoder
 from loongforge.vlm.encoders.geometry import patch_counts
 from loongforge.vlm.encoders.layers import encoder_transformer_config
@@ -34,6 +38,13 @@ def component_config(section: str, value, role: str):
     return get_component(family, role).config_class(**value)
 
 
+def foundation_config(value: dict) -> GPTConfig:
+    """A foundation config from a plain dict (a checkpoint manifest): its LLM family's config class."""
+    from loongforge.core.models import get_model_spec
+
+    return get_model_spec(value.get("family", "llama")).config_class(**value)
+
+
 @dataclass
 class VLMModelConfig:
     """The model a VLM config composes: ``encoder``, ``projector`` and ``foundation`` come from
@@ -49,20 +60,34 @@ class VLMModelConfig:
     def __post_init__(self):
         self.encoder = component_config("encoder", self.encoder, "vision_encoder")
         self.projector = component_config("projector", self.projector, "projector")
-        for name, cls in {"foundation": GPTConfig, "vision": VisionTokensConfig}.items():  # from a manifest's dicts
-            if isinstance(getattr(self, name), dict):
-                setattr(self, name, cls(**getattr(self, name)))
-        if self.vision.rope == "mrope":
+        if isinstance(self.foundation, dict):  # from a manifest: its family's config class (MoEConfig ...)
+            self.foundation = foundation_config(self.foundation)
+        if isinstance(self.vision, dict):
+            self.vision = VisionTokensConfig(**self.vision)
+        if self.vision.multimodal:
             self.vision.section_for(self.foundation.head_dim)  # raises on a section that does not fit
+        layers = self.encoder.deepstack_layers
+        if len(layers) > self.foundation.num_layers:
+            raise ValueError(f"encoder.deepstack_layers={list(layers)}: {len(layers)} DeepStack features for a "
+                             f"foundation of {self.foundation.num_layers} layers (one per layer, from the first)")
 
     @property
     def mrope_section(self) -> list[int] | None:
-        return self.vision.section_for(self.foundation.head_dim) if self.vision.rope == "mrope" else None
+        """The (t, h, w) frequency pairs of multimodal RoPE (None for 1D RoPE)."""
+        return self.vision.section_for(self.foundation.head_dim) if self.vision.multimodal else None
+
+    @property
+    def rotary_chunks(self) -> list[int] | None:
+        """The ``mrope_section`` of megatron's TransformerConfig (``VisionTokensConfig.rotary_chunks``)."""
+        return self.vision.rotary_chunks(self.foundation.head_dim) if self.vision.multimodal else None
 
     def parameter_counts(self) -> dict[str, int]:
-        """Parameters of the encoder, the projector and the foundation."""
+        """Parameters of the encoder, the projector (DeepStack's mergers included) and the foundation."""
         e, f = self.encoder, self.foundation
-        projector = self.projector.parameter_count(e.hidden_size, e.hidden_size * e.spatial_merge_size ** 2, f.hidden_size)
+        merged = e.hidden_size * e.spatial_merge_size ** 2
+        projector = self.projector.parameter_count(e.hidden_size, merged, f.hidden_size)
+        merger = deepstack.merger_config(self.projector)
+        projector += len(e.deepstack_layers) * merger.parameter_count(e.hidden_size, merged, f.hidden_size)
         return {"encoder": e.parameter_count(), "projector": projector, "foundation": sum(f.parameter_counts().values())}
 
     @property
@@ -92,7 +117,7 @@ def build_foundation(cfg: VLMModelConfig, transformer_config, pgs, pre_process: 
         pre_process=pre_process,
         post_process=post_process,
         share_embeddings_and_output_weights=f.tie_embeddings,
-        position_embedding_type="mrope" if cfg.vision.rope == "mrope" else "rope",
+        position_embedding_type="mrope" if cfg.vision.multimodal else "rope",
         rotary_percent=f.rotary_percent,
         rotary_base=int(f.rotary_base),
         pg_collection=pgs,
@@ -122,6 +147,7 @@ class VisionLanguageModel(MegatronModule):
         self.pre_process, self.post_process = pre_process, post_process
         self.image_token_id, self.video_token_id = cfg.vision.image_token_id, cfg.vision.video_token_id
         self.language_model = build_foundation(cfg, transformer_config, pgs, pre_process, post_process)
+        self.deepstack = None  # DeepStack's patch mergers (torch.nn.ModuleList), with an encoder that has them
         if pre_process:
             enc_config = encoder_transformer_config(cfg.encoder, groups.tp_size, encoder_recompute, transformer_config)
             self.encoder = build_encoder(cfg.encoder, enc_config, groups.pgs)
@@ -129,22 +155,38 @@ class VisionLanguageModel(MegatronModule):
                                              transformer_config, groups.pgs)
             mark_replicated_parameters(self.encoder, groups)
             mark_replicated_parameters(self.projector, groups)
+            if cfg.encoder.deepstack_layers:
+                if transformer_config.recompute_granularity == "full":
+                    raise ValueError("full activation recompute of the foundation cannot be combined with DeepStack "
+                                     "(encoder.deepstack_layers): use selective recompute or none")
+                self.deepstack = deepstack.build_mergers(cfg.encoder, cfg.projector, cfg.foundation.hidden_size,
+                                                         transformer_config, groups.pgs)
+                mark_replicated_parameters(self.deepstack, groups)
 
     # -- pipeline plumbing ------------------------------------------------------------------
     def set_input_tensor(self, input_tensor) -> None:
         self.language_model.set_input_tensor(input_tensor)
 
     # -- vision -----------------------------------------------------------------------------
+    @property
+    def vision_width(self) -> int:
+        """Width of the tower's rows: the foundation embedding, then one per DeepStack feature."""
+        return self.cfg.foundation.hidden_size * (1 + len(self.cfg.encoder.deepstack_layers))
+
     def _tower(self, pixel_values: torch.Tensor, grid_thw: torch.Tensor) -> torch.Tensor:
         train_encoder = any(p.requires_grad for p in self.encoder.parameters())
+        layers = tuple(self.cfg.encoder.deepstack_layers)
         with torch.set_grad_enabled(torch.is_grad_enabled() and train_encoder):
-            features = self.encoder(pixel_values, grid_thw)
-        return self.projector(features)
+            features, intermediate = self.encoder.features(pixel_values, grid_thw, layers)
+        if not layers:
+            return self.projector(features)
+        return torch.cat([self.projector(features), *(m(x) for m, x in zip(self.deepstack, intermediate))], dim=-1)
 
     def encode_vision(self, pixel_values: torch.Tensor, grid_thw: torch.Tensor) -> torch.Tensor:
-        """One foundation embedding per vision token of the items, in item order. With the tower
-        split across the foundation's TP group, each rank encodes its share and the shares are
-        all-gathered (see ``loongforge.vlm.parallel``)."""
+        """One row per vision token of the items, in item order: its foundation embedding, then its
+        DeepStack features (``vision_width`` wide). With the tower split across the foundation's
+        TP group, each rank encodes its share and the shares are all-gathered (see
+        ``loongforge.vlm.parallel``)."""
         groups = self.groups
         if groups.split is None:
             return self._tower(pixel_values, grid_thw)
@@ -160,9 +202,10 @@ class VisionLanguageModel(MegatronModule):
             local = self._tower(pixels, grid_thw[mine])
         else:  # requiring grad when the tower trains, as the other ranks' shares do, so that every rank of
             # the group runs the same backward (the foundation's TP collectives on the input's gradient)
-            tower = (*self.encoder.parameters(), *self.projector.parameters())
+            tower = (*self.encoder.parameters(), *self.projector.parameters(),
+                     *(self.deepstack.parameters() if self.deepstack is not None else ()))
             trains = torch.is_grad_enabled() and any(p.requires_grad for p in tower)
-            local = torch.zeros((0, self.cfg.foundation.hidden_size), dtype=self.config.params_dtype,
+            local = torch.zeros((0, self.vision_width), dtype=self.config.params_dtype,
                                 device=pixel_values.device, requires_grad=trains)
         counts = [sum(sizes[i] for i in share) // merge for share in shares]
         gathered = gather_rows(local, counts, groups.split, grad_scale=float(groups.split_size))
@@ -176,25 +219,36 @@ class VisionLanguageModel(MegatronModule):
         return gathered[index.to(gathered.device)]
 
     def embed(self, tokens: torch.Tensor, pixel_values: torch.Tensor | None, grid_thw: torch.Tensor | None):
-        """Token embeddings ``[s, b, h]`` with vision features at the placeholder tokens."""
+        """Token embeddings ``[s, b, h]`` with vision features at the placeholder tokens, and the
+        DeepStack additions to the first layers' outputs (``[s, b, h]`` each; none without
+        DeepStack or vision tokens)."""
         embeddings = self.language_model.embedding(input_ids=tokens, position_ids=None)
         placeholders = (tokens == self.image_token_id) | (tokens == self.video_token_id)
         n = int(placeholders.sum())
         if grid_thw is None or grid_thw.numel() == 0:
             if n:
                 raise ValueError(f"the micro-batch has {n} image/video placeholder tokens but no images or videos")
-            return embeddings
+            return embeddings, []
         vision = self.encode_vision(pixel_values, grid_thw)
         if vision.shape[0] != n:
             raise ValueError(f"the micro-batch has {n} image/video placeholder tokens for {vision.shape[0]} vision "
                              f"tokens of its {grid_thw.shape[0]} images/videos")
-        batch_major = embeddings.transpose(0, 1).masked_scatter(placeholders[..., None], vision.to(embeddings.dtype))
-        return batch_major.transpose(0, 1).contiguous()
+        main, *deep = vision.split(self.cfg.foundation.hidden_size, dim=-1)
+        batch_major = embeddings.transpose(0, 1).masked_scatter(placeholders[..., None], main.to(embeddings.dtype))
+        additions = deepstack.dense_additions(deep, placeholders, embeddings.dtype)
+        if self.config.sequence_parallel:
+            from megatron.core.tensor_parallel import scatter_to_sequence_parallel_region
+
+            additions = [scatter_to_sequence_parallel_region(a, group=self.language_model.pg_collection.tp)
+                         for a in additions]
+        return batch_major.transpose(0, 1).contiguous(), additions
 
     # -- forward ----------------------------------------------------------------------------
     def forward(self, tokens, position_ids, attention_mask=None, labels=None, pixel_values=None, grid_thw=None):
-        decoder_input = self.embed(tokens, pixel_values, grid_thw) if self.pre_process else None
-        return self.language_model(tokens, position_ids, attention_mask, decoder_input=decoder_input, labels=labels)
+        decoder_input, additions = self.embed(tokens, pixel_values, grid_thw) if self.pre_process else (None, [])
+        with deepstack.added_to_layer_outputs(self.language_model.decoder.layers, additions):
+            return self.language_model(tokens, position_ids, attention_mask, decoder_input=decoder_input,
+                                       labels=labels)
 
     # -- checkpoints ------------------------------------------------------------------------
     def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (), metadata: dict | None = None):
@@ -209,4 +263,6 @@ class VisionLanguageModel(MegatronModule):
             tower = {**metadata, "dp_cp_group": self.groups.replica}
             out.update(self.encoder.sharded_state_dict(f"{prefix}encoder.", (), tower))
             out.update(self.projector.sharded_state_dict(f"{prefix}projector.", (), tower))
+            for i, merger in enumerate(self.deepstack or ()):
+                out.update(merger.sharded_state_dict(f"{prefix}deepstack.{i}.", (), tower))
         return out

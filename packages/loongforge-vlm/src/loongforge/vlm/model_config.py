@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import ClassVar
 
 NORM_PARAMETERS = {"RMSNorm": 1, "LayerNorm": 2}  # parameters per channel of a norm
+ROPES = ("mrope", "mrope_interleaved", "rope")
 
 
 @dataclass
@@ -43,6 +44,10 @@ class EncoderConfig:
     activation: ClassVar[str] = "gelu_tanh"  # silu | gelu_tanh
     patch_bias: ClassVar[bool] = True  # the patch embedding has a bias
     post_norm: ClassVar[bool] = False  # a norm after the last layer
+    # 0-based layers whose outputs feed DeepStack (Qwen3-VL: merged by their own patch mergers and
+    # added to the hidden states of the foundation's first layers at the vision tokens); a family
+    # with DeepStack makes it a field
+    deepstack_layers: ClassVar[tuple[int, ...]] = ()
 
     def __post_init__(self):
         for key in ("num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_size", "in_channels",
@@ -111,6 +116,11 @@ class ProjectorConfig:
         """The norm of each patch before merging (RMSNorm | LayerNorm), or None."""
         return None
 
+    def norm_after_merge(self) -> bool:
+        """Whether ``patch_norm`` normalises the merged patches (one token's ``merge²`` patches
+        together, Qwen3-VL's DeepStack mergers) rather than each patch."""
+        return False
+
     def default_ffn(self, merged: int, foundation_hidden: int) -> int:
         return foundation_hidden
 
@@ -120,7 +130,7 @@ class ProjectorConfig:
     def parameter_count(self, encoder_hidden: int, merged: int, foundation_hidden: int) -> int:
         norm = self.patch_norm()
         f = self.ffn(merged, foundation_hidden)
-        norm_params = NORM_PARAMETERS[norm] * encoder_hidden if norm else 0
+        norm_params = NORM_PARAMETERS[norm] * (merged if self.norm_after_merge() else encoder_hidden) if norm else 0
         return norm_params + merged * f + f + f * foundation_hidden + foundation_hidden
 
 
@@ -130,12 +140,16 @@ class VisionTokensConfig:
 
     ``rope: mrope`` gives every token a (temporal, height, width) position (Qwen2-VL's
     multimodal RoPE: text tokens have three equal components, a vision token its frame, row
-    and column), rotating ``mrope_section`` frequency pairs by each component; ``rope: rope``
-    keeps the foundation's 1D positions. ``tokens_per_second``: temporal positions of a video
-    advance by this many per second of video.
+    and column), rotating ``mrope_section`` frequency pairs by each component, in three
+    contiguous runs; ``tokens_per_second``: temporal positions of a video advance by this many
+    per second of video. ``rope: mrope_interleaved`` is Qwen3-VL's: the pairs cycle t, h, w
+    (``mrope_section`` says how many each component gets; the pairs past ``3 * h`` / ``3 * w``
+    rotate by t), and every temporal patch group of a video is positioned as an image of its own
+    (time is told by the timestamps between frames, not by positions). ``rope: rope`` keeps the
+    foundation's 1D positions.
     """
 
-    rope: str = "mrope"
+    rope: str = "mrope"  # mrope (Qwen2/2.5-VL) | mrope_interleaved (Qwen3-VL) | rope
     mrope_section: list[int] | None = None  # default: head_dim/2 split 1/4, 3/8, 3/8 (Qwen2.5-VL's 16/24/24 of 64)
     tokens_per_second: float = 2.0
     image_token_id: int | None = None  # default: from the tokenizer
@@ -144,10 +158,41 @@ class VisionTokensConfig:
     vision_end_token_id: int | None = None
 
     def __post_init__(self):
-        if self.rope not in ("mrope", "rope"):
-            raise ValueError(f"vision.rope={self.rope!r}: one of mrope, rope")
+        if self.rope not in ROPES:
+            raise ValueError(f"vision.rope={self.rope!r}: one of {', '.join(ROPES)}")
         if self.mrope_section is not None and (len(self.mrope_section) != 3 or min(self.mrope_section) < 0):
             raise ValueError(f"vision.mrope_section={self.mrope_section}: three non-negative sizes (t, h, w)")
+
+    @property
+    def multimodal(self) -> bool:
+        """Whether tokens get (t, h, w) positions (``[3, b, s]`` position ids)."""
+        return self.rope != "rope"
+
+    @property
+    def frames_as_images(self) -> bool:
+        """Whether each temporal patch group of a video is positioned as an image of its own."""
+        return self.rope == "mrope_interleaved"
+
+    def rotary_chunks(self, head_dim: int) -> list[int]:
+        """The ``mrope_section`` megatron-core's ``MultimodalRotaryEmbedding`` takes: it splits the
+        frequency pairs into consecutive chunks of these sizes and rotates chunk ``k`` by
+        component ``k % 3`` (t, h, w). For ``mrope`` that is the section itself; for
+        ``mrope_interleaved`` one chunk per pair while the components alternate, then one chunk
+        of the remaining t pairs (empty h/w chunks keep the cycle)."""
+        section = self.section_for(head_dim)
+        if self.rope != "mrope_interleaved":
+            return section
+        t, h, w = section
+        axes = [1 if i % 3 == 1 and i < 3 * h else 2 if i % 3 == 2 and i < 3 * w else 0 for i in range(t + h + w)]
+        chunks: list[int] = []
+        for axis in axes:
+            if chunks and len(chunks) % 3 == axis + 1:  # the chunk being filled rotates by this axis
+                chunks[-1] += 1
+                continue
+            while len(chunks) % 3 != axis:
+                chunks.append(0)
+            chunks.append(1)
+        return chunks + [0] * (-len(chunks) % 3)
 
     def section_for(self, head_dim: int) -> list[int]:
         """The mrope section for a foundation with this head dim (checked to cover it)."""

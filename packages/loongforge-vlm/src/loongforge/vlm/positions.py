@@ -5,6 +5,10 @@ a video (``h, w`` in LLM tokens, i.e. patches / merge) starting at position ``s`
 ``(s + floor(frame * interval), s + row, s + column)``, where ``interval`` is 1 for an image and
 ``tokens_per_second * seconds_per_frame_group`` for a video; the text after it continues at
 ``s + max(h, w)``.
+
+With ``frames_as_images`` (Qwen3-VL) every temporal patch group of a video is positioned as an
+image of its own: the ``t`` frames of a video are ``t`` items of grid ``(1, h, w)``, in order
+(each run of ``h*w/merge²`` tokens, adjacent or separated by timestamp text).
 """
 
 from __future__ import annotations
@@ -24,10 +28,21 @@ class VisionItem:
     seconds_per_grid_t: float = 1.0  # seconds one temporal patch spans (videos)
 
 
+def frames_of(items: Sequence[VisionItem]) -> list[VisionItem]:
+    """``items`` with every video split into its frames (items of grid ``(1, h, w)``)."""
+    out = []
+    for item in items:
+        t, h, w = item.grid
+        out += [VisionItem((1, h, w), True, item.seconds_per_grid_t)] * t if item.video else [item]
+    return out
+
+
 def mrope_positions(tokens: np.ndarray, items: Sequence[VisionItem], vision_token_ids: Sequence[int], merge: int,
-                    tokens_per_second: float) -> np.ndarray:
+                    tokens_per_second: float, frames_as_images: bool = False) -> np.ndarray:
     """``[3, len(tokens)]`` positions; ``items`` are the sample's images/videos in token order,
-    each a run of ``t*h*w/merge²`` consecutive vision tokens."""
+    each a run of ``t*h*w/merge²`` consecutive vision tokens (``frames_as_images``: see above)."""
+    if frames_as_images:
+        items = frames_of(items)
     is_vision = np.isin(tokens, np.asarray(list(vision_token_ids)))
     out = np.empty((3, len(tokens)), dtype=np.int64)
     pos, i = 0, 0

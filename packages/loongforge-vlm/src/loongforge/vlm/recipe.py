@@ -134,6 +134,9 @@ class VLMConfig:
                              f"directories online; convert the model (lf-vlm convert) and set checkpoint.load")
         if self.encoder.in_channels != 3:
             raise ValueError(f"encoder.in_channels={self.encoder.in_channels}: the data pipeline reads RGB (3)")
+        if self.encoder.deepstack_layers and self.train.recompute == "full":
+            raise ValueError(f"train.recompute=full with encoder.deepstack_layers={list(self.encoder.deepstack_layers)}: "
+                             f"full recompute of the foundation would drop DeepStack's gradients; use selective or none")
         self.model()  # cross-part checks (mrope section vs the foundation's head dim)
 
     def model(self) -> VLMModelConfig:
@@ -181,8 +184,8 @@ class VLMTask:
 
     def transformer_config_kwargs(self) -> dict:
         kwargs = self.cfg.foundation.transformer_config_kwargs()
-        if self.model_cfg.mrope_section is not None:
-            kwargs["mrope_section"] = self.model_cfg.mrope_section
+        if self.model_cfg.rotary_chunks is not None:
+            kwargs["mrope_section"] = self.model_cfg.rotary_chunks
         return kwargs
 
     def build_model(self, ctx, transformer_config, pre_process, post_process, load_initial_weights=True):
@@ -195,8 +198,10 @@ class VLMTask:
         parts = {"foundation": model.language_model}
         if pre_process:
             parts.update(encoder=model.encoder, projector=model.projector)
+        if pre_process and model.deepstack is not None:
+            parts["deepstack"] = model.deepstack  # DeepStack's mergers learn with the projector
         for name, part in parts.items():
-            part.requires_grad_(name in self.cfg.trainable)
+            part.requires_grad_(("projector" if name == "deepstack" else name) in self.cfg.trainable)
         if self.cfg.lora.enabled:
             from loongforge.vlm.lora import add_adapters
 
@@ -238,7 +243,8 @@ class VLMTask:
             cache = data.cache_dir or str(cache_dir("vlm-data"))
             path = data.path or shipped_dataset(cache)
             index = build_index(path, self.tokenizer, self.tokenizer_dir, cache, data.media, self.geometry(),
-                                template=read_chat_template(data.chat_template), media_root=data.media_root)
+                                template=read_chat_template(data.chat_template), media_root=data.media_root,
+                                video_timestamps=self.cfg.vision.frames_as_images)
             dataset = VLMDataset(index, self.vision_ids, data.media, self.geometry(), rope=self.cfg.vision.rope,
                                  tokens_per_second=self.cfg.vision.tokens_per_second)
             cost = self.sample_costs(dataset)

@@ -364,12 +364,30 @@ class BoundMapping:
     def prefixed(self, hf: str = "", lf: str = "") -> BoundMapping:
         """The same mapping with every HF name prefixed by ``hf`` and every LF name (and
         sharded key) by ``lf``."""
-        convs = [Conversion(tuple(hf + n for n in c.hf), tuple(lf + n for n in c.lf), c.transform, c.bindings, c.cfg)
+        return self._renamed(lambda n: hf + n, lambda r: re.compile(re.escape(hf) + r.pattern), lf)
+
+    def hf_prefix_replaced(self, old: str, new: str) -> BoundMapping:
+        """The same mapping with the HF names that start with ``old`` starting with ``new``
+        instead (a language model nested in a multimodal checkpoint: ``model.`` ->
+        ``model.language_model.``); other names are kept."""
+        escaped_old, escaped_new = re.escape(old), re.escape(new)
+
+        def name(n: str) -> str:
+            return new + n[len(old):] if n.startswith(old) else n
+
+        def regex(r: re.Pattern) -> re.Pattern:
+            p = r.pattern
+            return re.compile(escaped_new + p[len(escaped_old):]) if p.startswith(escaped_old) else r
+
+        return self._renamed(name, regex, "")
+
+    def _renamed(self, hf: Callable[[str], str], hf_regex: Callable[[re.Pattern], re.Pattern], lf: str) -> BoundMapping:
+        convs = [Conversion(tuple(hf(n) for n in c.hf), tuple(lf + n for n in c.lf), c.transform, c.bindings, c.cfg)
                  for c in self.conversions]
         locs = {lf + n: Location(lf + loc.key, loc.offsets, loc.sizes) for n, loc in self.locations.items()}
-        ignore = tuple(re.compile(re.escape(hf) + r.pattern) for r in self.ignore)
-        tied = {hf + alias: hf + of for alias, of in self.tied.items()}
-        zeros = [ZerosOnExport(hf + z.hf, lf + z.like, z.sizes, z.cfg) for z in self.zeros]
+        ignore = tuple(hf_regex(r) for r in self.ignore)
+        tied = {hf(alias): hf(of) for alias, of in self.tied.items()}
+        zeros = [ZerosOnExport(hf(z.hf), lf + z.like, z.sizes, z.cfg) for z in self.zeros]
         return BoundMapping(convs, locs, ignore, tied=tied, zeros=zeros)
 
     def is_ignored(self, hf_name: str) -> bool:

@@ -2,10 +2,11 @@
 
 ``build_index`` reads the JSONL records once, sizes every image/video from its header (the
 pixel budget fixes its grid, so its number of vision tokens), expands each ``<image>`` /
-``<video>`` tag into that many placeholder tokens, renders the conversation with the
+``<video>`` tag into that many placeholder tokens (with ``video_timestamps``, Qwen3-VL's layout:
+one run per temporal patch group after its ``<t seconds>`` text), renders the conversation with the
 tokenizer's chat template and stores token ids, the assistant-token mask and the media plan in
 ``CACHE_DIR/vlm-<hash>/``. The hash covers the data file, the tokenizer, the template, the media
-settings and the patch geometry, so a change of any rebuilds it.
+settings, the patch geometry and the video layout, so a change of any rebuilds it.
 
 ``VLMDataset[i]`` is one sample: next-token ``tokens``/``labels``, ``loss_mask`` (assistant
 tokens only), ``position_ids`` (``[3, L]`` multimodal RoPE, or ``[L]``), and its media as
@@ -28,7 +29,7 @@ from loongforge.vlm.data.records import IMAGE_TAG, VIDEO_TAG, Record, read_recor
 from loongforge.vlm.data.tokenizer import VisionTokenIds, vision_text
 from loongforge.vlm.positions import VisionItem, mrope_positions
 
-INDEX_VERSION = 1
+INDEX_VERSION = 2
 _TAGS = re.compile(f"{re.escape(IMAGE_TAG)}|{re.escape(VIDEO_TAG)}")
 _CHUNK = 256
 
@@ -42,6 +43,7 @@ class MediaPlan:
     grid: tuple[int, int, int]  # (t, h, w) in patches
     frames: tuple[int, ...] = ()  # videos: the frame indices read
     seconds_per_grid_t: float = 1.0
+    fps: float = 0.0  # videos: the file's frame rate (the frames' times)
 
     @property
     def patches(self) -> int:
@@ -53,15 +55,26 @@ def _plan(kind: str, path: Path, cfg: M.MediaConfig, geo: M.PatchGeometry, where
     if kind == "image":
         return MediaPlan("image", str(path), M.image_grid(path, cfg, geo))
     sampling = M.video_sampling(M.probe_video(path), cfg, geo, f"{where}: {path}")
-    return MediaPlan("video", str(path), sampling.grid, sampling.indices, sampling.seconds_per_grid_t)
+    info = M.probe_video(path)
+    sampling = M.video_sampling(info, cfg, geo, f"{where}: {path}")
+    return MediaPlan("video", str(path), sampling.grid, sampling.indices, sampling.seconds_per_grid_t, info.fps)
 
 
-def _expanded(record: Record, plans: list[MediaPlan], merge: int) -> list[dict]:
+def frame_seconds(plan: MediaPlan) -> list[float]:
+    """The time of each temporal patch group of a video: the mean of its first and last frame's
+    (as transformers' Qwen3-VL processor stamps them)."""
+    group = len(plan.frames) // plan.grid[0]
+    times = [i / plan.fps for i in plan.frames]
+    return [(times[k] + times[k + group - 1]) / 2 for k in range(0, len(times), group)]
+
+
+def _expanded(record: Record, plans: list[MediaPlan], merge: int, video_timestamps: bool) -> list[dict]:
     pending = iter(plans)
 
     def expand(match):
         plan = next(pending)
-        return vision_text(plan.kind, plan.patches // (merge * merge))
+        seconds = frame_seconds(plan) if video_timestamps and plan.kind == "video" else None
+        return vision_text(plan.kind, plan.patches // (merge * merge), seconds)
 
     return [{**m, "content": _TAGS.sub(expand, m["content"])} for m in record.messages]
 
@@ -81,26 +94,27 @@ class VLMIndex:
     @classmethod
     def load(cls, directory: Path) -> VLMIndex:
         plans = json.loads((directory / "media.json").read_text())
-        media = [[MediaPlan(p["kind"], p["path"], tuple(p["grid"]), tuple(p["frames"]), p["seconds_per_grid_t"])
-                  for p in sample] for sample in plans["media"]]
+        media = [[MediaPlan(p["kind"], p["path"], tuple(p["grid"]), tuple(p["frames"]), p["seconds_per_grid_t"],
+                            p["fps"]) for p in sample] for sample in plans["media"]]
         return cls(directory, np.load(directory / "tokens.npy", mmap_mode="r"),
                    np.load(directory / "assistant.npy", mmap_mode="r"), np.load(directory / "offsets.npy"),
                    media, plans["where"])
 
 
 def _index_key(path: Path, tokenizer_dir: Path, template: str | None, cfg: M.MediaConfig, geo: M.PatchGeometry,
-               media_root: Path | None) -> str:
+               media_root: Path | None, video_timestamps: bool) -> str:
     digest = hashlib.sha256(f"vlm-index-v{INDEX_VERSION}".encode())
     digest.update(hashlib.sha256(path.read_bytes()).digest())
     for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja"):
         file = tokenizer_dir / name
         digest.update(name.encode() + (hashlib.sha256(file.read_bytes()).digest() if file.is_file() else b"-"))
-    digest.update(json.dumps([template, asdict(cfg), asdict(geo), str(media_root)], sort_keys=True).encode())
+    digest.update(json.dumps([template, asdict(cfg), asdict(geo), str(media_root), video_timestamps],
+                             sort_keys=True).encode())
     return digest.hexdigest()[:16]
 
 
 def _write_index(directory: Path, path: Path, tokenizer, template: str | None, cfg: M.MediaConfig,
-                 geo: M.PatchGeometry, media_root: Path | None, name: str) -> None:
+                 geo: M.PatchGeometry, media_root: Path | None, name: str, video_timestamps: bool) -> None:
     from loongforge.llm.api import ChatRenderer
 
     renderer = ChatRenderer(tokenizer, template, name=name)
@@ -116,7 +130,7 @@ def _write_index(directory: Path, path: Path, tokenizer, template: str | None, c
 
     for record in read_records(path, media_root):
         plans = [_plan(kind, p, cfg, geo, record.where) for kind, p in record.media]
-        pending.append(_expanded(record, plans, geo.merge))
+        pending.append(_expanded(record, plans, geo.merge, video_timestamps))
         pending_where.append(record.where)
         media.append(plans)
         wheres.append(record.where)
@@ -131,17 +145,20 @@ def _write_index(directory: Path, path: Path, tokenizer, template: str | None, c
 
 
 def build_index(path: str | Path, tokenizer, tokenizer_dir: Path, cache_dir: str | Path, cfg: M.MediaConfig,
-                geo: M.PatchGeometry, template: str | None = None, media_root: str | Path | None = None) -> VLMIndex:
+                geo: M.PatchGeometry, template: str | None = None, media_root: str | Path | None = None,
+                video_timestamps: bool = False) -> VLMIndex:
     """Index ``path`` into ``cache_dir`` unless an index of the same inputs is there. With
-    torch.distributed initialised every rank calls this; local rank 0 of each node builds."""
+    torch.distributed initialised every rank calls this; local rank 0 of each node builds.
+    ``video_timestamps``: Qwen3-VL's video layout (see the module docstring)."""
 
     path = Path(path).expanduser().resolve()
     if not path.is_file():
         raise DataError(f"data.path: file not found: {path}")
     root = Path(media_root).expanduser().resolve() if media_root is not None else None
-    directory = Path(cache_dir) / f"vlm-{_index_key(path, Path(tokenizer_dir), template, cfg, geo, root)}"
-    build_once(directory, lambda tmp: _write_index(tmp, path, tokenizer, template, cfg, geo, root, str(tokenizer_dir)),
-               "VLM index")
+    key = _index_key(path, Path(tokenizer_dir), template, cfg, geo, root, video_timestamps)
+    directory = Path(cache_dir) / f"vlm-{key}"
+    build_once(directory, lambda tmp: _write_index(tmp, path, tokenizer, template, cfg, geo, root, str(tokenizer_dir),
+                                                   video_timestamps), "VLM index")
     return VLMIndex.load(directory)
 
 
@@ -185,10 +202,10 @@ class VLMDataset:
             patches.append(x)
             grids.append(grid)
         tokens = ids[:-1]
-        if self.rope == "mrope":
+        if self.rope != "rope":
             items = [VisionItem(p.grid, p.kind == "video", p.seconds_per_grid_t) for p in plans]
             positions = mrope_positions(tokens, items, (self.ids.image, self.ids.video), self.geo.merge,
-                                        self.tokens_per_second)
+                                        self.tokens_per_second, frames_as_images=self.rope == "mrope_interleaved")
         else:
             positions = np.arange(len(tokens), dtype=np.int64)
         patch_dim = 3 * self.geo.temporal_patch_size * self.geo.patch_size ** 2

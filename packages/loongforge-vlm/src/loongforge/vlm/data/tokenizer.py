@@ -47,6 +47,12 @@ def load_vlm_tokenizer(path: str | Path | None = None):
     return tokenizer, ids
 
 
-def vision_text(kind: str, tokens: int) -> str:
-    """The text that stands for one image/video of ``tokens`` vision tokens."""
-    return VISION_START + (IMAGE_PAD if kind == "image" else VIDEO_PAD) * tokens + VISION_END
+def vision_text(kind: str, tokens: int, frame_seconds: list[float] | None = None) -> str:
+    """The text that stands for one image/video of ``tokens`` vision tokens. With
+    ``frame_seconds`` (a video's time of each temporal patch group, Qwen3-VL's layout) every group
+    is its own run after its timestamp: ``<1.5 seconds><|vision_start|>...<|vision_end|>``."""
+    pad = IMAGE_PAD if kind == "image" else VIDEO_PAD
+    if kind == "image" or frame_seconds is None:
+        return VISION_START + pad * tokens + VISION_END
+    per_frame = tokens // len(frame_seconds)
+    return "".join(f"<{t:.1f} seconds>" + VISION_START + pad * per_frame + VISION_END for t in frame_seconds)

@@ -69,3 +69,19 @@ def expand_units(unit_order: torch.Tensor, merge: int) -> torch.Tensor:
     """A unit permutation as a patch permutation (each unit is ``merge²`` consecutive patches)."""
     k = merge * merge
     return (unit_order[:, None] * k + torch.arange(k, device=unit_order.device)).flatten()
+
+
+def axial_inv_freq(head_dim: int, theta: float) -> torch.Tensor:
+    """Inverse frequencies of 2D (row, column) rotary positions: ``head_dim / 4`` of them, shared
+    by the two axes."""
+    half = head_dim // 2
+    return 1.0 / (theta ** (torch.arange(0, half, 2, dtype=torch.float32) / half))
+
+
+def axial_rotary(grid_thw: torch.Tensor, merge: int, inv_freq: torch.Tensor) -> torch.Tensor:
+    """``[patches, head_dim]`` rotary angles of every patch: row angles then column angles, twice
+    (megatron's rotate-half layout over the whole head dim)."""
+    rows, cols = patch_rows_cols(grid_thw, merge)
+    inv = inv_freq.to(grid_thw.device, torch.float32)
+    angles = torch.cat([rows[:, None].float() * inv, cols[:, None].float() * inv], dim=-1)
+    return torch.cat([angles, angles], dim=-1)

@@ -7,8 +7,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-import torch
-
 from loongforge.core.models import ComponentSpec
 from loongforge.vlm.encoders import geometry
 from loongforge.vlm.encoders.vit import VisionEncoder
@@ -58,15 +56,10 @@ class QwenViT(VisionEncoder):
 
     def __init__(self, cfg: QwenViTConfig, config, pg_collection):
         super().__init__(cfg, config, pg_collection)
-        quarter = cfg.head_dim // 2
-        inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, quarter, 2, dtype=torch.float32) / quarter))
-        self.register_buffer("inv_freq", inv_freq, persistent=False)
+        self.register_buffer("inv_freq", geometry.axial_inv_freq(cfg.head_dim, cfg.rope_theta), persistent=False)
 
     def rotary(self, grid_thw):
-        rows, cols = geometry.patch_rows_cols(grid_thw, self.cfg.spatial_merge_size)
-        inv = self.inv_freq.to(grid_thw.device, torch.float32)
-        angles = torch.cat([rows[:, None].float() * inv, cols[:, None].float() * inv], dim=-1)
-        return torch.cat([angles, angles], dim=-1)  # rotate-half layout over the whole head dim
+        return geometry.axial_rotary(grid_thw, self.cfg.spatial_merge_size, self.inv_freq)
 
 
 QWEN2_5_VIT = ComponentSpec(name="qwen2_5_vit", role="vision_encoder", config_class=QwenViTConfig, build=QwenViT)

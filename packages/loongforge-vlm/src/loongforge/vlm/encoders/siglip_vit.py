@@ -6,11 +6,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import torch
-import torch.nn.functional as F
-
 from loongforge.core.models import ComponentSpec
-from loongforge.vlm.encoders import geometry
+from loongforge.vlm.encoders.position_table import new_position_table, packed_positions
 from loongforge.vlm.encoders.vit import VisionEncoder
 from loongforge.vlm.model_config import EncoderConfig
 
@@ -50,24 +47,13 @@ class SigLIPViT(VisionEncoder):
 
     def __init__(self, cfg: SigLIPViTConfig, config, pg_collection):
         super().__init__(cfg, config, pg_collection)
-        self.position_embedding = torch.nn.Parameter(
-            torch.empty(cfg.position_grid ** 2, cfg.hidden_size, dtype=config.params_dtype))
-        torch.nn.init.normal_(self.position_embedding, std=cfg.init_method_std)
-
-    def positions(self, h: int, w: int) -> torch.Tensor:
-        g = self.cfg.position_grid
-        table = self.position_embedding
-        if (h, w) != (g, g):
-            grid = table.reshape(g, g, -1).permute(2, 0, 1)[None].float()
-            table = F.interpolate(grid, size=(h, w), mode="bicubic", align_corners=False)[0]
-            table = table.permute(1, 2, 0).reshape(h * w, -1).to(self.position_embedding.dtype)
-        rows, cols = geometry.block_major_hw(h, w, self.cfg.spatial_merge_size, table.device)
-        return table[rows * w + cols]
+        self.position_embedding = new_position_table(cfg.position_grid ** 2, cfg.hidden_size, cfg.init_method_std,
+                                                     config.params_dtype)
 
     def embed(self, pixel_values, grid_thw):
         x = super().embed(pixel_values, grid_thw)
-        pos = torch.cat([self.positions(h, w).repeat(t, 1) for t, h, w in grid_thw.tolist()])
-        return x + pos
+        return x + packed_positions(self.position_embedding, self.cfg.position_grid, grid_thw,
+                                    self.cfg.spatial_merge_size, "bicubic", align_corners=False)
 
 
 SIGLIP_VIT = ComponentSpec(name="siglip_vit", role="vision_encoder", config_class=SigLIPViTConfig, build=SigLIPViT)

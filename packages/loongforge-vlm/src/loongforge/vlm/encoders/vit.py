@@ -44,6 +44,12 @@ class VisionEncoder(MegatronModule):
     def forward(self, pixel_values: torch.Tensor, grid_thw: torch.Tensor) -> torch.Tensor:
         """``pixel_values [patches, patch_dim]`` of items with grids ``grid_thw [n, 3]`` ->
         ``[patches, hidden]``."""
+        return self.features(pixel_values, grid_thw)[0]
+
+    def features(self, pixel_values: torch.Tensor, grid_thw: torch.Tensor,
+                 layers: tuple[int, ...] = ()) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """The final features ``[patches, hidden]`` and the outputs of the 0-based ``layers``
+        (DeepStack), each ``[patches, hidden]``, patches in input order."""
         total = pixel_values.shape[0]
         if sum(geometry.patch_counts(grid_thw)) != total:
             raise ValueError(f"grid_thw {grid_thw.tolist()} describes {sum(geometry.patch_counts(grid_thw))} "
@@ -63,7 +69,11 @@ class VisionEncoder(MegatronModule):
             windows = frames
         segments = torch.stack([frames, windows])
         out = self.decoder(x[:, None, :], attention_mask=segments,
-                           rotary_pos_emb=rot[:, None, None, :] if rot is not None else None)[:, 0]
+                           rotary_pos_emb=rot[:, None, None, :] if rot is not None else None,
+                           extract_layer_indices=set(layers))
+        out, extracted = out if layers else (out, [])
+        outputs = [t[:, 0] for t in (out, *extracted)]
         if perm is not None:
-            out = out[torch.argsort(perm)]
-        return out
+            inverse = torch.argsort(perm)
+            outputs = [t[inverse] for t in outputs]
+        return outputs[0], outputs[1:]

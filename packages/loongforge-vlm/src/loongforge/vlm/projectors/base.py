@@ -1,6 +1,7 @@
 """What every projector shares: per-patch encoder features -> one foundation embedding per LLM
 token. It concatenates the ``merge²`` consecutive patches of a token (the encoder keeps them
-consecutive), optionally after a norm of each patch (the family's ``patch_norm``), and runs
+consecutive), optionally after a norm of each patch (the family's ``patch_norm``; of the merged
+patches with ``norm_after_merge``), and runs
 megatron-core's ``MultimodalProjector`` (an MLP of a column- and a row-parallel linear,
 tensor-parallel in the vision tower's TP group)."""
 
@@ -33,7 +34,8 @@ class Projector(MegatronModule):
         self.norm = None
         if cfg.patch_norm() is not None:
             norm = {"RMSNorm": torch.nn.RMSNorm, "LayerNorm": torch.nn.LayerNorm}[cfg.patch_norm()]
-            self.norm = norm(encoder.hidden_size, eps=cfg.norm_epsilon, dtype=config.params_dtype)
+            width = merged if cfg.norm_after_merge() else encoder.hidden_size
+            self.norm = norm(width, eps=cfg.norm_epsilon, dtype=config.params_dtype)
         backend = LocalSpecProvider()
         self.mlp = MultimodalProjector(
             config, MLPSubmodules(linear_fc1=backend.column_parallel_linear(), linear_fc2=backend.row_parallel_linear()),
@@ -41,7 +43,10 @@ class Projector(MegatronModule):
 
     def forward(self, features: torch.Tensor) -> torch.Tensor:
         """``[patches, encoder hidden] -> [tokens, foundation hidden]``."""
-        if self.norm is not None:
+        merged_first = self.cfg.norm_after_merge()
+        if self.norm is not None and not merged_first:
             features = self.norm(features)
         merged = features.reshape(-1, self.merged)
+        if self.norm is not None and merged_first:
+            merged = self.norm(merged)
         return self.mlp(merged[:, None, :])[:, 0]

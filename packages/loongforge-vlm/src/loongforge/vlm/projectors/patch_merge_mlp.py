@@ -1,5 +1,6 @@
-"""Qwen2.5-VL's patch merger as a VLM component (``patch_merge_mlp``): a norm of each patch,
-the merged patches, Linear (to the merged width by default), GELU, Linear."""
+"""Qwen2.5-VL's and Qwen3-VL's patch merger as a VLM component (``patch_merge_mlp``): a norm of
+each patch (``merged_norm``: of the merged patches, as Qwen3-VL's DeepStack mergers), the merged
+patches, Linear (to the merged width by default), GELU, Linear."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ NORMS = {"rmsnorm": "RMSNorm", "layernorm": "LayerNorm"}
 class PatchMergeMLPConfig(ProjectorConfig):
     family: str = "patch_merge_mlp"
     norm: str = "rmsnorm"  # rmsnorm | layernorm
+    merged_norm: bool = False  # the norm over the merge² patches of a token together
 
     def __post_init__(self):
         super().__post_init__()
@@ -24,6 +26,9 @@ class PatchMergeMLPConfig(ProjectorConfig):
 
     def patch_norm(self) -> str:
         return NORMS[self.norm]
+
+    def norm_after_merge(self) -> bool:
+        return self.merged_norm
 
     def default_ffn(self, merged: int, foundation_hidden: int) -> int:
         return merged
