@@ -5,8 +5,8 @@ Smoke run on CPU (tiny parts, fp32, under a minute):  LOONGFORGE_ACCELERATOR=cpu
 
 The model is a Qwen2.5-VL composition of lf-vlm's config groups: by default the real Qwen2.5-VL
 vision transformer (``encoder=qwen2_5_vit``: 32 layers, width 1280, window attention), its patch
-merger and the ``qwen2_5_0_5b`` foundation (``--tiny``: the ``*_debug`` parts; ``--encoder`` /
-``--foundation`` pick others). A step trains on a fixed batch of ``--samples`` samples, each one
+merger and the ``qwen2_5_0_5b`` foundation (``--tiny``: the ``*_debug`` parts; ``encoder=NAME`` /
+``foundation=NAME`` overrides pick other config groups for both sides). A step trains on a fixed batch of ``--samples`` samples, each one
 image of ``--image-size`` pixels square between ``--text-tokens`` random text tokens; the loss is
 on the text tokens. In one process, on the same device, one after the other:
 

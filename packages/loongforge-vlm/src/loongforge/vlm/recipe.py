@@ -1,8 +1,8 @@
 """The VLM SFT recipe: config schema and the megatron task the shared trainer runs.
 
-A config composes ``encoder``, ``projector`` and ``foundation`` from their YAML groups; each
-part has its own parallel settings (``parallel.foundation``: tp/pp/recompute,
-``parallel.encoder``: tp/recompute for the vision tower). ``trainable`` names the parts that
+A config composes ``encoder``, ``projector`` and ``foundation`` from their YAML groups. The
+shared ``parallel`` group (``tp``...) is the layout the foundation runs on; ``parallel.encoder``
+(tp 1 or the foundation's, recompute) is the vision tower's own. ``trainable`` names the parts that
 learn (pre-training the projector alone, projector + foundation, or everything).
 
 Each step takes ``train.global_batch_size`` conversations; the DP load balancer
