@@ -57,8 +57,6 @@ def test_bad_save_hf_fails_before_training(hf_dir, tmp_path, capsys):
     assert f"--save-hf {path}" in err and "exists" in err
     assert lf_llm(["train", "--save-hf", str(tmp_path / "out"), "checkpoint.save=false"]) == 2
     assert "checkpoint.save=true" in capsys.readouterr().err
-    assert lf_llm(["train", "--save-hf", str(tmp_path / "out"), "lora.rank=4"]) == 2
-    assert "lf-llm lora merge" in capsys.readouterr().err
     assert not (tmp_path / "out").exists()
 
 

@@ -47,6 +47,12 @@ def test_train_with_no_arguments_then_export_convert_eval(tmp_path, capsys):
     lerobot = load_file(str(lerobot_file))
     assert all(k.startswith("model.paligemma_with_expert.") or k.startswith("model.") for k in lerobot)
     torch.testing.assert_close(lerobot["model.action_out_proj.weight"], ours["action_out_proj.weight"])
+    half = tmp_path / "lerobot-bf16" / "model.safetensors"  # --dtype casts the floating-point weights
+    assert main(["convert", "lf-to-lerobot", str(run_dir), str(half), "--dtype", "bf16"]) == 0
+    cast = load_file(str(half))
+    assert sorted(cast) == sorted(lerobot)
+    assert all(cast[k].dtype == (torch.bfloat16 if v.is_floating_point() else v.dtype) and torch.equal(
+        cast[k], v.to(cast[k].dtype)) for k, v in lerobot.items())
     back = tmp_path / "back.safetensors"
     assert main(["convert", "lerobot-to-lf", str(lerobot_file), str(back)]) == 0
     converted = load_file(str(back))

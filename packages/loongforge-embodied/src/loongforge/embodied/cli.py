@@ -75,9 +75,10 @@ def bench(args, config: str, overrides: list[str]) -> None:
 
 
 def lf_to_lerobot(source: str, out: str, args) -> str:
+    from loongforge.core.cli import convert_dtype
     from loongforge.embodied.export import export_lerobot
 
-    return f"wrote {export_lerobot(source, out)}"
+    return f"wrote {export_lerobot(source, out, dtype=convert_dtype(args.dtype))}"
 
 
 def lerobot_to_lf(source: str, out: str, args) -> str:

@@ -51,15 +51,21 @@ def lerobot_family(names) -> str:
     return "pi0" if any(n.startswith(PI0_ONLY_HEADS) for n in bare) else "pi05"
 
 
-def export_lerobot(path: str | Path, out: str | Path) -> Path:
-    """The Pi0 / Pi0.5 policy of checkpoint ``path`` as LeRobot's ``model.safetensors`` at ``out``."""
+def export_lerobot(path: str | Path, out: str | Path, dtype=None) -> Path:
+    """The Pi0 / Pi0.5 policy of checkpoint ``path`` as LeRobot's ``model.safetensors`` at ``out``
+    (floating-point tensors cast to ``dtype`` when given)."""
+    from loongforge.core.config import ConfigError
+
     policy, cfg, ckpt = restore_policy(checkpoint_path(path))
     adapter = lerobot_adapter(cfg.policy.family)
     if adapter is None:
-        raise ValueError(f"lf-to-lerobot: only {' and '.join(LEROBOT_FAMILIES)} have a LeRobot layout mapping, "
-                         f"this checkpoint is {cfg.policy.family!r}")
+        raise ConfigError(f"lf-to-lerobot: {path} is a policy.family={cfg.policy.family} checkpoint; only "
+                          f"{' and '.join(LEROBOT_FAMILIES)} have a LeRobot layout (the checkpoint itself is "
+                          f"what `checkpoint.load` and `lf-embodied eval` read)")
     merge_lora(policy)  # a LoRA run: W + (alpha / rank) B A, an ordinary LeRobot policy
-    state = to_lerobot(adapter.mapping, {k: v.contiguous() for k, v in policy.state_dict().items()}, cfg.policy)
+    state = {k: v.contiguous() if dtype is None or not v.is_floating_point() else v.to(dtype).contiguous()
+             for k, v in policy.state_dict().items()}
+    state = to_lerobot(adapter.mapping, state, cfg.policy)
     meta = {"format": "lerobot", "family": cfg.policy.family, "step": str(ckpt.step),
             "policy_config": json.dumps(ckpt.manifest["config"]["policy"]),
             "dataset": json.dumps(ckpt.manifest.get("dataset", {}))}
