@@ -95,3 +95,25 @@ def test_qwen3_vl_deepstack_with_split_tower_matches_one_process(tmp_path, vlm_c
     assert deepstack and all(reference["grads"][n].abs().sum() > 0 for n in deepstack)  # DeepStack did learn
     for name, ref in reference["grads"].items():
         torch.testing.assert_close(got["grads"][name], ref, rtol=1e-4, atol=1e-7, msg=name)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("model", [[], QWEN3_VL], ids=["qwen2.5-vl", "qwen3-vl-deepstack"])
+def test_context_parallel_cp2_matches_one_process(model, tmp_path, vlm_cache):
+    """parallel.cp=2: each conversation of the packed (THD) rows padded to a multiple of 2*cp and
+    split in megatron's load-balanced chunks after the vision features (and DeepStack's) are
+    scattered in; each CP rank rotates its tokens by their own multimodal RoPE positions and attends
+    over the whole row. The losses, grad norms and every gradient are one process's."""
+    (tmp_path / "ref").mkdir()
+    (tmp_path / "cp2").mkdir()
+    reference = probe(tmp_path / "ref" / "grads.pt", model, vlm_cache)
+    got = probe(tmp_path / "cp2" / "grads.pt", [*model, "parallel.cp=2"], vlm_cache, nproc=2)
+    (_, whole), (_, local) = got["first_row"]
+    assert whole % 4 == 0 and local == whole // 2  # each CP rank holds half of the padded row
+    assert got["losses"] == pytest.approx(reference["losses"], rel=1e-5)
+    assert got["grad_norms"] == pytest.approx(reference["grad_norms"], rel=1e-4)
+    assert sorted(got["grads"]) == sorted(reference["grads"])
+    vision = [n for n in reference["grads"] if n.startswith(("encoder.", "projector.", "deepstack."))]
+    assert vision and all(reference["grads"][n].abs().sum() > 0 for n in vision)  # the tower did learn
+    for name, ref in reference["grads"].items():
+        torch.testing.assert_close(got["grads"][name], ref, rtol=1e-4, atol=1e-7, msg=name)

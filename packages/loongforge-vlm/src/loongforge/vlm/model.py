@@ -109,7 +109,7 @@ def build_foundation(cfg: VLMModelConfig, transformer_config, pgs, pre_process: 
     f = cfg.foundation
     if f.vocab_size % pgs.tp.size():
         raise ValueError(f"foundation.vocab_size={f.vocab_size} must be divisible by parallel.tp={pgs.tp.size()}")
-    return GPTModel(
+    model = GPTModel(
         config=transformer_config,
         transformer_layer_spec=spec.layer_spec(f),
         vocab_size=f.vocab_size,
@@ -122,6 +122,24 @@ def build_foundation(cfg: VLMModelConfig, transformer_config, pgs, pre_process: 
         rotary_base=int(f.rotary_base),
         pg_collection=pgs,
     )
+    if pgs.cp.size() > 1:
+        check_context_parallel_layers(model)
+        # the layers rotate each token by the angles of its own position (this rank's positions: see
+        # loongforge.vlm.context_parallel), so the rotary embedding must not slice them per CP rank again
+        model.rotary_pos_emb.cp_group = None
+    return model
+
+
+def check_context_parallel_layers(model) -> None:
+    """Context parallelism needs the foundation's layers on loongforge-llm's fast attention
+    (``FusedSelfAttention``: RoPE angles per local token, K/V gathered over the CP group)."""
+    from loongforge.llm.layers.self_attention import FusedSelfAttention
+
+    other = {type(layer.self_attention).__name__ for layer in model.decoder.layers
+             if not isinstance(layer.self_attention, FusedSelfAttention)}
+    if other:
+        raise ValueError(f"parallel.cp={model.config.context_parallel_size}: the VLM's context parallelism runs on "
+                         f"loongforge-llm's fast layer (FusedSelfAttention), not {', '.join(sorted(other))}")
 
 
 class VisionLanguageModel(MegatronModule):
@@ -244,11 +262,24 @@ class VisionLanguageModel(MegatronModule):
         return batch_major.transpose(0, 1).contiguous(), additions
 
     # -- forward ----------------------------------------------------------------------------
-    def forward(self, tokens, position_ids, attention_mask=None, labels=None, pixel_values=None, grid_thw=None):
-        decoder_input, additions = self.embed(tokens, pixel_values, grid_thw) if self.pre_process else (None, [])
+    def forward(self, tokens, position_ids, attention_mask=None, labels=None, pixel_values=None, grid_thw=None,
+                packed_seq_params=None, cp_index=None):
+        """``packed_seq_params``: a THD row's (no ``attention_mask`` then). ``cp_index``: under
+        context parallelism, the row positions of this CP rank's tokens (``loongforge.vlm.context_parallel``):
+        ``tokens``, ``pixel_values`` and ``grid_thw`` are the whole row's, ``position_ids`` and
+        ``labels`` this rank's."""
+        from loongforge.vlm.context_parallel import local_rows
+
+        decoder_input, additions = None, []
+        if self.pre_process:
+            embeddings, additions = self.embed(tokens, pixel_values, grid_thw)
+            decoder_input = local_rows(embeddings, cp_index)
+            additions = [local_rows(a, cp_index) for a in additions]
+        if cp_index is not None:
+            tokens = tokens.index_select(1, cp_index.to(tokens.device))
         with deepstack.added_to_layer_outputs(self.language_model.decoder.layers, additions):
             return self.language_model(tokens, position_ids, attention_mask, decoder_input=decoder_input,
-                                       labels=labels)
+                                       labels=labels, packed_seq_params=packed_seq_params)
 
     # -- checkpoints ------------------------------------------------------------------------
     def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (), metadata: dict | None = None):
