@@ -87,6 +87,9 @@ def test_bad_config_is_one_clear_error(capsys):
     assert "trainable=['projector', 'decoder']" in capsys.readouterr().err
     assert main(["train", "parallel.cp=2", "parallel.pp=2"]) == 2  # context parallelism alone is supported
     assert "parallel.pp=2: the VLM recipe runs the foundation with tensor, context and data" in capsys.readouterr().err
+    assert main(["train", "foundation=qwen3_moe_debug", "parallel.cp=2"]) == 2
+    assert "parallel.cp=2: the VLM's context parallelism needs the foundation on loongforge-llm's fast layer" \
+        in capsys.readouterr().err
 
 
 def test_bad_qwen3_vl_config_is_one_clear_error(capsys):

@@ -46,3 +46,20 @@ def collate_cp_share(cp_size: int, cp_rank: int, samples) -> dict:
 def local_rows(hidden: torch.Tensor, cp_index: torch.Tensor | None) -> torch.Tensor:
     """This rank's rows (dim 0, ``[s, b, h]``) of a whole row's tensor; all of it without CP."""
     return hidden if cp_index is None else hidden.index_select(0, cp_index.to(hidden.device))
+
+
+def check_foundation_layers(foundation, cp: int) -> None:
+    """Refuse (before any process group) a foundation whose layer spec does not attend through
+    loongforge-llm's ``FusedSelfAttention``, the layer that takes per-token multimodal RoPE angles
+    and the THD rows' CP split (megatron's own ``SelfAttention``, as the MoE families and Transformer
+    Engine's layer use, re-slices the angles per segment or per CP rank)."""
+    from loongforge.core.models import get_model_spec
+    from loongforge.llm.layers.self_attention import FusedSelfAttention
+
+    spec = get_model_spec(foundation.family).layer_spec(foundation)
+    attention = getattr(getattr(getattr(spec, "submodules", None), "self_attention", None), "module", None)
+    if not (isinstance(attention, type) and issubclass(attention, FusedSelfAttention)):
+        name = getattr(attention, "__name__", type(spec).__name__)
+        raise ValueError(f"parallel.cp={cp}: the VLM's context parallelism needs the foundation on loongforge-llm's "
+                         f"fast layer (FusedSelfAttention); foundation.family={foundation.family!r} attends through "
+                         f"{name} here")

@@ -122,24 +122,11 @@ def build_foundation(cfg: VLMModelConfig, transformer_config, pgs, pre_process: 
         rotary_base=int(f.rotary_base),
         pg_collection=pgs,
     )
-    if pgs.cp.size() > 1:
-        check_context_parallel_layers(model)
+    if pgs.cp.size() > 1:  # on the fast layer (VLMConfig refuses others: context_parallel.check_foundation_layers)
         # the layers rotate each token by the angles of its own position (this rank's positions: see
         # loongforge.vlm.context_parallel), so the rotary embedding must not slice them per CP rank again
         model.rotary_pos_emb.cp_group = None
     return model
-
-
-def check_context_parallel_layers(model) -> None:
-    """Context parallelism needs the foundation's layers on loongforge-llm's fast attention
-    (``FusedSelfAttention``: RoPE angles per local token, K/V gathered over the CP group)."""
-    from loongforge.llm.layers.self_attention import FusedSelfAttention
-
-    other = {type(layer.self_attention).__name__ for layer in model.decoder.layers
-             if not isinstance(layer.self_attention, FusedSelfAttention)}
-    if other:
-        raise ValueError(f"parallel.cp={model.config.context_parallel_size}: the VLM's context parallelism runs on "
-                         f"loongforge-llm's fast layer (FusedSelfAttention), not {', '.join(sorted(other))}")
 
 
 class VisionLanguageModel(MegatronModule):

@@ -137,6 +137,10 @@ class VLMConfig:
         if self.encoder.deepstack_layers and self.train.recompute == "full":
             raise ValueError(f"train.recompute=full with encoder.deepstack_layers={list(self.encoder.deepstack_layers)}: "
                              f"full recompute of the foundation would drop DeepStack's gradients; use selective or none")
+        if self.parallel.cp > 1:
+            from loongforge.vlm.context_parallel import check_foundation_layers
+
+            check_foundation_layers(self.foundation, self.parallel.cp)
         self.model()  # cross-part checks (mrope section vs the foundation's head dim)
 
     def model(self) -> VLMModelConfig:
