@@ -25,7 +25,7 @@ def cp_row_share(row: dict, cp_size: int, cp_rank: int) -> dict:
     ``cp_index`` (the row positions of its tokens), and ``labels``, ``loss_mask`` and
     ``position_ids`` at those positions; ``tokens`` and the media stay whole (the model embeds the
     whole row, then keeps its share)."""
-    from loongforge.llm.layers.context_parallel_attention import thd_zigzag_index
+    from loongforge.llm.api import thd_zigzag_index
 
     if "cu_seqlens_padded" not in row:
         raise ValueError("cp_row_share: the row has no cu_seqlens_padded (pack_thd with pad_multiple=2*cp)")
@@ -49,17 +49,14 @@ def local_rows(hidden: torch.Tensor, cp_index: torch.Tensor | None) -> torch.Ten
 
 
 def check_foundation_layers(foundation, cp: int) -> None:
-    """Refuse (before any process group) a foundation whose layer spec does not attend through
-    loongforge-llm's ``FusedSelfAttention``, the layer that takes per-token multimodal RoPE angles
-    and the THD rows' CP split (megatron's own ``SelfAttention``, as the MoE families and Transformer
-    Engine's layer use, re-slices the angles per segment or per CP rank)."""
-    from loongforge.core.models import get_model_spec
-    from loongforge.llm.layers.self_attention import FusedSelfAttention
+    """Refuse (before any process group) a foundation whose layers do not attend through
+    loongforge-llm's ``FusedSelfAttention`` (``model.foundation_attention``), the layer that takes
+    per-token multimodal RoPE angles and the THD rows' CP split (megatron's own ``SelfAttention``,
+    as the MoE families and Transformer Engine's layer use, re-slices the angles per segment or
+    per CP rank)."""
+    from loongforge.vlm.model import foundation_attention, on_fast_layer
 
-    spec = get_model_spec(foundation.family).layer_spec(foundation)
-    attention = getattr(getattr(getattr(spec, "submodules", None), "self_attention", None), "module", None)
-    if not (isinstance(attention, type) and issubclass(attention, FusedSelfAttention)):
-        name = getattr(attention, "__name__", type(spec).__name__)
+    if not on_fast_layer(foundation):
         raise ValueError(f"parallel.cp={cp}: the VLM's context parallelism needs the foundation on loongforge-llm's "
                          f"fast layer (FusedSelfAttention); foundation.family={foundation.family!r} attends through "
-                         f"{name} here")
+                         f"{getattr(foundation_attention(foundation), '__name__', None)} here")

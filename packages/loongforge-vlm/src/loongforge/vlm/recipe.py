@@ -278,12 +278,16 @@ class VLMTask:
     def steps(self, ctx, start_step: int):
         from loongforge.core.training.balanced import BalancedSteps
         from loongforge.vlm.context_parallel import collate_cp_share
-        from loongforge.vlm.data.packing import pack
+        from loongforge.vlm.data.packing import pack, pack_thd
+        from loongforge.vlm.model import on_fast_layer
 
         train = self.cfg.train
         data = self.dataset()
         cp = ctx.pgs.cp
-        collate = partial(collate_cp_share, cp.size(), cp.rank()) if cp.size() > 1 else pack
+        if cp.size() > 1:
+            collate = partial(collate_cp_share, cp.size(), cp.rank())
+        else:  # THD rows on the fast layer (no T x T mask); megatron's own attention takes the dense mask
+            collate = pack_thd if on_fast_layer(self.cfg.foundation) else pack
         return BalancedSteps(
             data, self.sample_costs(data), collate, self.cfg.balance,
             samples_per_step=train.global_batch_size, token_cap=self.token_cap(),
@@ -295,7 +299,7 @@ class VLMTask:
     # -- the step -----------------------------------------------------------------------------
     def forward(self, model, batch):
         from loongforge.llm.api import masked_token_loss
-        from loongforge.llm.data.packing import packed_seq_params
+        from loongforge.llm.api import packed_seq_params
 
         output = model(batch["tokens"], batch["position_ids"], batch["attention_mask"], labels=batch["labels"],
                        pixel_values=batch["pixel_values"], grid_thw=batch["grid_thw"],

@@ -62,9 +62,9 @@ def pack(samples: Sequence[dict]) -> dict:
 def pack_thd(samples: Sequence[dict], pad_multiple: int = 1) -> dict:
     """The packed micro-batch of ``samples`` as a THD row (``cu_seqlens``, ``max_seqlen``, and with
     ``pad_multiple > 1`` ``cu_seqlens_padded``); no ``attention_mask``."""
-    from loongforge.llm.data.packing import pack as pack_segments, padded_length
+    from loongforge.llm.api import pack_sequences, padded_length
 
-    row = pack_segments(samples, pad_multiple=pad_multiple)
+    row = pack_sequences(samples, pad_multiple=pad_multiple)
     row["position_ids"] = _positions(samples, [padded_length(len(s["tokens"]), pad_multiple) for s in samples])
     row["attention_mask"] = None
     return {**row, **_media(samples)}
