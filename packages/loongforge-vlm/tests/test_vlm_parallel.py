@@ -98,12 +98,14 @@ def test_qwen3_vl_deepstack_with_split_tower_matches_one_process(tmp_path, vlm_c
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("model", [[], QWEN3_VL], ids=["qwen2.5-vl", "qwen3-vl-deepstack"])
+@pytest.mark.parametrize("model", [[], QWEN3_VL, ["encoder=siglip_vit_debug", "projector=mlp_2x", "foundation=llama_debug"]],
+                         ids=["qwen2.5-vl", "qwen3-vl-deepstack", "siglip-llama-1d-rope"])
 def test_context_parallel_cp2_matches_one_process(model, tmp_path, vlm_cache):
     """parallel.cp=2: each conversation of the packed (THD) rows padded to a multiple of 2*cp and
     split in megatron's load-balanced chunks after the vision features (and DeepStack's) are
     scattered in; each CP rank rotates its tokens by their own multimodal RoPE positions and attends
-    over the whole row. The losses, grad norms and every gradient are one process's."""
+    over the whole row (1-D RoPE: by its position in its sample). The losses, grad norms and every
+    gradient are one process's."""
     (tmp_path / "ref").mkdir()
     (tmp_path / "cp2").mkdir()
     reference = probe(tmp_path / "ref" / "grads.pt", model, vlm_cache)

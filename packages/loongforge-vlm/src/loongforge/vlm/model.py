@@ -148,7 +148,8 @@ def on_fast_layer(foundation: GPTConfig) -> bool:
 
 
 class VisionLanguageModel(MegatronModule):
-    """``forward(tokens, position_ids, attention_mask, labels, pixel_values, grid_thw)``.
+    """``forward(tokens, position_ids, attention_mask, labels, pixel_values, grid_thw, packed_seq_params,
+    cp_index)`` (the last two for THD rows and context parallelism: see ``forward``).
 
     ``tokens [b, s]``; ``position_ids [3, b, s]`` (mrope) or ``[b, s]``; ``pixel_values
     [patches, patch_dim]`` and ``grid_thw [items, 3]``: the micro-batch's images and videos in

@@ -298,8 +298,7 @@ class VLMTask:
 
     # -- the step -----------------------------------------------------------------------------
     def forward(self, model, batch):
-        from loongforge.llm.api import masked_token_loss
-        from loongforge.llm.api import packed_seq_params
+        from loongforge.llm.api import masked_token_loss, packed_seq_params
 
         output = model(batch["tokens"], batch["position_ids"], batch["attention_mask"], labels=batch["labels"],
                        pixel_values=batch["pixel_values"], grid_thw=batch["grid_thw"],
