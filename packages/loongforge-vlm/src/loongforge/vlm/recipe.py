@@ -275,21 +275,27 @@ class VLMTask:
         return (f"{c.encoder.family} + {c.projector.family} + {c.foundation.family} (encoder tp={c.parallel.encoder.tp}), "
                 f"trainable {'+'.join(c.trainable)}")
 
-    def steps(self, ctx, start_step: int):
-        from loongforge.core.training.balanced import BalancedSteps
+    def collate(self, ctx):
+        """How one micro-batch's samples become its packed row on this rank: under context parallelism
+        a THD row padded to ``2*cp`` multiples and this CP rank's share of it
+        (``loongforge.vlm.context_parallel``); else a THD row on the fast layer (no ``T x T`` mask),
+        a row with the dense document-causal mask on megatron's own attention."""
         from loongforge.vlm.context_parallel import collate_cp_share
         from loongforge.vlm.data.packing import pack, pack_thd
         from loongforge.vlm.model import on_fast_layer
 
-        train = self.cfg.train
-        data = self.dataset()
         cp = ctx.pgs.cp
         if cp.size() > 1:
-            collate = partial(collate_cp_share, cp.size(), cp.rank())
-        else:  # THD rows on the fast layer (no T x T mask); megatron's own attention takes the dense mask
-            collate = pack_thd if on_fast_layer(self.cfg.foundation) else pack
+            return partial(collate_cp_share, cp.size(), cp.rank())
+        return pack_thd if on_fast_layer(self.cfg.foundation) else pack
+
+    def steps(self, ctx, start_step: int):
+        from loongforge.core.training.balanced import BalancedSteps
+
+        train = self.cfg.train
+        data = self.dataset()
         return BalancedSteps(
-            data, self.sample_costs(data), collate, self.cfg.balance,
+            data, self.sample_costs(data), self.collate(ctx), self.cfg.balance,
             samples_per_step=train.global_batch_size, token_cap=self.token_cap(),
             dp_rank=ctx.dp_rank, dp_size=ctx.dp_size, seed=train.seed,
             flops_per_token=self.flops_per_token, consumed_samples=start_step * train.global_batch_size,
