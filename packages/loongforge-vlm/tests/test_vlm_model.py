@@ -47,10 +47,12 @@ def test_images_are_shared_out_by_patches():
     assert split_items([10], 2) == [[0], []]  # a rank may get none; it still joins the gather
 
 
-QWEN3_VL = ["encoder=qwen3_vit_debug", "projector=qwen3_vl_merger", "foundation=qwen3_debug", "vision.rope=mrope_interleaved"]
+QWEN3_VL = ["encoder=qwen3_vit_debug", "projector=qwen3_vl_merger", "foundation=qwen3_debug",
+            "vision.rope=mrope_interleaved"]
+SIGLIP_LLAMA = ["encoder=siglip_vit_debug", "projector=mlp_2x", "foundation=llama_debug"]
 
 
-@pytest.mark.parametrize("parts", [[], QWEN3_VL, ["encoder=siglip_vit_debug", "projector=mlp_2x", "foundation=llama_debug"]],
+@pytest.mark.parametrize("parts", [[], QWEN3_VL, SIGLIP_LLAMA],
                          ids=["qwen2_5_vl", "qwen3_vl-deepstack", "siglip-llama-1d-rope"])
 def test_thd_rows_match_the_dense_document_mask(parts, megatron_world, tmp_path, vlm_cache):
     """Three samples packed as a THD row (cu_seqlens, per-token multimodal RoPE angles) give the
