@@ -144,3 +144,20 @@ def test_unsupported_cp_configs_are_refused_before_any_process_group(config, ove
 
     with pytest.raises(ConfigError, match=message.replace("*", "\\*")):
         load_llm_config(config, ["parallel.cp=2", *overrides])
+
+
+def test_per_token_rope_angles_are_used_as_given():
+    """Multimodal RoPE angles (one row per token of the layer's input, from each token's own
+    position) are neither re-indexed per packed segment nor per CP rank."""
+    from loongforge.llm.layers.rope_tables import RopeTables
+
+    angles = torch.randn(8, 1, 1, 4)
+    cu = torch.tensor([0, 4, 8], dtype=torch.int32)
+    for cp in [(1, 0), (2, 1)]:
+        cos, sin = RopeTables().get(angles, (8, 1, 2), cu, None, cp, per_token=True)
+        torch.testing.assert_close(cos[:, 0, 0], angles[:, 0, 0].cos())
+        torch.testing.assert_close(sin[:, 0, 1], angles[:, 0, 0].sin())
+    segment_wise, _ = RopeTables().get(angles, (8, 1, 2), cu)  # 1-D RoPE: by position in the segment
+    torch.testing.assert_close(segment_wise[4:, 0, 0], angles[:4, 0, 0].cos())
+    with pytest.raises(ValueError, match="8 rows for 4 tokens"):
+        RopeTables().get(angles, (4, 1, 2), None, None, (2, 0), per_token=True)

@@ -5,7 +5,9 @@
 
 The gradients are read just before the first optimizer step (after megatron's reduction and
 per-token scaling), gathered across the foundation's TP group into full tensors in the
-one-process layout, and written by rank 0 with the per-step losses and grad norms.
+one-process layout, and written by rank 0 with the per-step losses and grad norms (and the
+shapes of its first micro-batch's tokens and labels: under context parallelism the labels are
+the rank's share of the row).
 """
 
 import sys
@@ -50,7 +52,7 @@ def main(out: str, overrides: list[str]) -> None:
 
     cfg = load_vlm_config("vlm_debug", overrides)
     task = VLMTask(cfg)
-    ctx = init_parallel(tp=cfg.parallel.tp, seed=cfg.train.seed)
+    ctx = init_parallel(tp=cfg.parallel.tp, cp=cfg.parallel.cp, seed=cfg.train.seed)
     trainer = Trainer(task, ctx, cfg, config_record=to_dict(cfg))
     module = trainer.model.module
     captured = {}
@@ -62,10 +64,20 @@ def main(out: str, overrides: list[str]) -> None:
         return step()
 
     trainer.engine.optimizer.step_with_ready_grads = capture_then_step
+    forward = task.forward
+    shapes = {}
+
+    def record_shapes_then_forward(model, batch):
+        # the first micro-batch's row (whole, as collated) and this rank's labels (its CP share)
+        shapes.setdefault("first_row", (tuple(batch["tokens"].shape), tuple(batch["labels"].shape)))
+        return forward(model, batch)
+
+    task.forward = record_shapes_then_forward
     results = trainer.fit()
     if ctx.rank == 0:
         torch.save({"losses": [r.loss for r in results], "grad_norms": [r.grad_norm for r in results],
-                    "grads": captured}, out)
+                    "grads": captured,
+                    "first_row": shapes.get("first_row")}, out)
     destroy_parallel()
 
 

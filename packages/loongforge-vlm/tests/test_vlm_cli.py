@@ -85,6 +85,11 @@ def test_bad_config_is_one_clear_error(capsys):
     assert "parallel.encoder.tp=4: must be 1 or parallel.tp=2" in capsys.readouterr().err
     assert main(["train", "trainable=[projector,decoder]"]) == 2
     assert "trainable=['projector', 'decoder']" in capsys.readouterr().err
+    assert main(["train", "parallel.cp=2", "parallel.pp=2"]) == 2  # context parallelism alone is supported
+    assert "parallel.pp=2: the VLM recipe runs the foundation with tensor, context and data" in capsys.readouterr().err
+    assert main(["train", "foundation=qwen3_moe_debug", "parallel.cp=2"]) == 2
+    assert "parallel.cp=2: the VLM's context parallelism needs the foundation on loongforge-llm's fast layer" \
+        in capsys.readouterr().err
 
 
 def test_bad_qwen3_vl_config_is_one_clear_error(capsys):

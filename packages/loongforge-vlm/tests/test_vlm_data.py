@@ -10,7 +10,7 @@ from PIL import Image
 
 from loongforge.llm.api import DataError
 from loongforge.vlm.data import media as M
-from loongforge.vlm.data.packing import document_causal_mask, pack
+from loongforge.vlm.data.packing import document_causal_mask, pack, pack_thd
 from loongforge.vlm.data.records import read_records
 from loongforge.vlm.encoders import geometry
 
@@ -95,6 +95,45 @@ def test_packing_keeps_samples_apart():
     assert row["position_ids"][0, 0].tolist() == [0, 1, 0, 1, 2]
     assert row["pixel_values"].shape == (12, 4) and row["grid_thw"].tolist() == [[1, 1, 4], [1, 1, 8]]
     assert pack([sample(2, 4)])["attention_mask"] is None  # one sample: plain causal attention
+
+
+def packing_sample(n, p):
+    return {"tokens": np.arange(1, n + 1), "labels": np.arange(n) + 10, "loss_mask": np.ones(n, dtype=np.int64),
+            "position_ids": np.stack([np.arange(n), np.arange(n) + 100, np.arange(n) + 200]),
+            "pixel_values": np.ones((p, 4), np.float32), "grid_thw": np.asarray([[1, 1, p]])}
+
+
+def test_thd_packing_pads_samples_for_context_parallelism():
+    """THD rows: cu_seqlens instead of the T x T mask; with pad_multiple=2*cp each sample padded
+    (pad tokens without loss, position 0), and the 3-D positions laid out like the tokens."""
+    row = pack_thd([packing_sample(2, 4), packing_sample(3, 8)])
+    assert row["attention_mask"] is None and row["cu_seqlens"].tolist() == [0, 2, 5]
+    assert row["position_ids"].shape == (3, 1, 5) and row["position_ids"][1, 0].tolist() == [100, 101, 100, 101, 102]
+    row = pack_thd([packing_sample(2, 4), packing_sample(3, 8)], pad_multiple=4)
+    assert row["cu_seqlens"].tolist() == [0, 2, 5] and row["cu_seqlens_padded"].tolist() == [0, 4, 8]
+    assert row["tokens"][0].tolist() == [1, 2, 0, 0, 1, 2, 3, 0]
+    assert row["loss_mask"][0].tolist() == [1, 1, 0, 0, 1, 1, 1, 0]
+    assert row["position_ids"][2, 0].tolist() == [200, 201, 0, 0, 200, 201, 202, 0]
+    assert row["pixel_values"].shape == (12, 4) and row["grid_thw"].tolist() == [[1, 1, 4], [1, 1, 8]]
+
+
+def test_cp_share_splits_labels_and_positions_and_keeps_the_whole_row():
+    """Each CP rank keeps chunks r and 2*cp-1-r of every padded sample of the labels, loss mask and
+    3-D positions; the tokens and media stay whole (the model embeds the whole row first)."""
+    from loongforge.vlm.context_parallel import collate_cp_share, local_rows
+
+    samples = [packing_sample(2, 4), packing_sample(3, 8)]
+    whole = pack_thd(samples, pad_multiple=4)
+    shares = [collate_cp_share(2, r, samples) for r in range(2)]
+    assert [s["cp_index"].tolist() for s in shares] == [[0, 3, 4, 7], [1, 2, 5, 6]]
+    for share in shares:
+        index = share["cp_index"]
+        assert torch.equal(share["tokens"], whole["tokens"]) and torch.equal(share["grid_thw"], whole["grid_thw"])
+        assert torch.equal(share["labels"], whole["labels"][:, index])
+        assert torch.equal(share["loss_mask"], whole["loss_mask"][:, index])
+        assert torch.equal(share["position_ids"], whole["position_ids"][..., index])
+        hidden = torch.arange(8.0)[:, None, None].expand(8, 1, 3)
+        assert local_rows(hidden, index)[:, 0, 0].tolist() == index.float().tolist()
 
 
 def test_qwen3_vl_video_layout_stamps_each_frame_group(vlm_cache):

@@ -45,3 +45,33 @@ def test_only_trainable_parts_change(trainable, megatron_world, tmp_path, vlm_ca
 def test_images_are_shared_out_by_patches():
     assert split_items([64, 16, 48, 16], 2) == [[0, 3], [1, 2]]  # largest first to the lighter rank: 80 and 64
     assert split_items([10], 2) == [[0], []]  # a rank may get none; it still joins the gather
+
+
+QWEN3_VL = ["encoder=qwen3_vit_debug", "projector=qwen3_vl_merger", "foundation=qwen3_debug",
+            "vision.rope=mrope_interleaved"]
+SIGLIP_LLAMA = ["encoder=siglip_vit_debug", "projector=mlp_2x", "foundation=llama_debug"]
+
+
+@pytest.mark.parametrize("parts", [[], QWEN3_VL, SIGLIP_LLAMA],
+                         ids=["qwen2_5_vl", "qwen3_vl-deepstack", "siglip-llama-1d-rope"])
+def test_thd_rows_match_the_dense_document_mask(parts, megatron_world, tmp_path, vlm_cache):
+    """Three samples packed as a THD row (cu_seqlens, per-token multimodal RoPE angles) give the
+    per-token losses and the gradients of the same row under the dense document-causal mask."""
+    from loongforge.vlm.data.packing import pack, pack_thd
+
+    _, trainer = trainer_for(parts, megatron_world, tmp_path, vlm_cache)
+    task, model = trainer.task, trainer.model.module
+    samples = [task.dataset()[i] for i in range(3)]
+    params = [p for p in model.parameters() if p.requires_grad]
+    runs = []
+    for batch in (pack(samples), pack_thd(samples)):
+        output, loss_fn = task.forward(model, batch)
+        runs.append((output.detach(), torch.autograd.grad(loss_fn(output)[0], params, allow_unused=True)))
+    (dense, dense_grads), (thd, thd_grads) = runs
+    assert pack(samples)["attention_mask"] is not None
+    torch.testing.assert_close(thd, dense, rtol=1e-5, atol=1e-6)
+    assert [g is None for g in thd_grads] == [g is None for g in dense_grads]
+    assert sum(g is not None for g in dense_grads) > len(params) // 2
+    for a, b in zip(thd_grads, dense_grads):
+        if a is not None:
+            torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)

@@ -95,3 +95,36 @@ def test_qwen3_vl_deepstack_with_split_tower_matches_one_process(tmp_path, vlm_c
     assert deepstack and all(reference["grads"][n].abs().sum() > 0 for n in deepstack)  # DeepStack did learn
     for name, ref in reference["grads"].items():
         torch.testing.assert_close(got["grads"][name], ref, rtol=1e-4, atol=1e-7, msg=name)
+
+
+SIGLIP_LLAMA = ["encoder=siglip_vit_debug", "projector=mlp_2x", "foundation=llama_debug"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("model, layout", [
+    ([], ["parallel.cp=2"]),
+    (QWEN3_VL, ["parallel.cp=2"]),
+    (SIGLIP_LLAMA, ["parallel.cp=2"]),
+    ([], ["parallel.cp=2", "parallel.tp=2", "parallel.encoder.tp=1"]),
+], ids=["qwen2.5-vl", "qwen3-vl-deepstack", "siglip-llama-1d-rope", "qwen2.5-vl-tp2-cp2"])
+def test_context_parallel_cp2_matches_one_process(model, layout, tmp_path, vlm_cache):
+    """parallel.cp=2: each conversation of the packed (THD) rows padded to a multiple of 2*cp and
+    split in megatron's load-balanced chunks after the vision features (and DeepStack's) are
+    scattered in; each CP rank rotates its tokens by their own multimodal RoPE positions and attends
+    over the whole row (1-D RoPE: by its position in its sample); also with the foundation at TP=2
+    (4 processes, the tower split across TP). The losses, grad norms and every gradient are one
+    process's."""
+    (tmp_path / "ref").mkdir()
+    (tmp_path / "cp2").mkdir()
+    reference = probe(tmp_path / "ref" / "grads.pt", model, vlm_cache)
+    nproc = 4 if "parallel.tp=2" in layout else 2
+    got = probe(tmp_path / "cp2" / "grads.pt", [*model, *layout], vlm_cache, nproc=nproc)
+    (_, whole), (_, local) = got["first_row"]
+    assert whole % 4 == 0 and local == whole // 2  # each CP rank holds half of the padded row
+    assert got["losses"] == pytest.approx(reference["losses"], rel=1e-5)
+    assert got["grad_norms"] == pytest.approx(reference["grad_norms"], rel=1e-4)
+    assert sorted(got["grads"]) == sorted(reference["grads"])
+    vision = [n for n in reference["grads"] if n.startswith(("encoder.", "projector.", "deepstack."))]
+    assert vision and all(reference["grads"][n].abs().sum() > 0 for n in vision)  # the tower did learn
+    for name, ref in reference["grads"].items():
+        torch.testing.assert_close(got["grads"][name], ref, rtol=1e-4, atol=1e-7, msg=name)

@@ -30,6 +30,25 @@ _EXPORTS: dict[str, tuple[str, str, str]] = {
         "loongforge.llm.shipped_configs", "CONFIG_DIR",
         "The directory of the shipped configs, a config search path: its ``model/`` group holds the model "
         "YAMLs (``defaults: [/model@_here_: qwen2_debug]`` composes one)."),
+    "FusedSelfAttention": (
+        "loongforge.llm.layers.self_attention", "FusedSelfAttention",
+        "The fast layer's self-attention (fused RoPE from the qkv projection, SDPA core attention): THD packed "
+        "rows, context parallelism, and per-token multimodal RoPE angles when ``config.mrope_section`` is set."),
+    # packed (THD) rows and context parallelism
+    "pack_sequences": (
+        "loongforge.llm.data.packing", "pack",
+        "One THD row ``[1, T]`` of samples (``tokens``, ``labels``, ``loss_mask``) with ``cu_seqlens``, "
+        "``max_seqlen`` and, with ``pad_multiple > 1`` (``2*cp``), each sample padded and ``cu_seqlens_padded``."),
+    "padded_length": (
+        "loongforge.llm.data.packing", "padded_length",
+        "A length rounded up to a multiple (a sample's positions in a row padded for context parallelism)."),
+    "packed_seq_params": (
+        "loongforge.llm.data.packing", "packed_seq_params",
+        "megatron-core ``PackedSeqParams`` (THD) of a ``pack_sequences`` row (None for a row without ``cu_seqlens``)."),
+    "thd_zigzag_index": (
+        "loongforge.llm.layers.context_parallel_attention", "thd_zigzag_index",
+        "The row positions of one CP rank's tokens of a packed row (per segment its chunks ``r`` and "
+        "``2*cp-1-r``: megatron's load-balanced split)."),
     # LoRA on megatron-core's tensor-parallel linear layers
     "apply_lora": (
         "loongforge.llm.lora", "apply_lora",

@@ -18,7 +18,7 @@ on the text tokens. In one process, on the same device, one after the other:
   ``torch.optim.AdamW`` and TF32 on CUDA; on the whole batch at once;
 - ``ours``: ``VLMTask``'s model and ``Trainer.train_step`` (megatron DDP, fp32 main
   weights and grads, AdamW, grad clipping) on the same samples, all of them packed into one
-  micro-batch with a document-causal mask, as transformers gets them in one forward (``--pack K``:
+  micro-batch as training packs it (``VLMTask.collate``), as transformers gets them in one forward (``--pack K``:
   K per packed micro-batch, ``--pack 1`` one sample each); ``--variant NAME=KEY=VALUE,...`` adds more of ours with config
   overrides (``parallel.encoder.recompute=full``, ``train.recompute=selective``;
   commas inside brackets or quotes stay in the value) or the bench's own knob ``pack=K``.
@@ -113,7 +113,7 @@ def load_config(case: Case, extra: list[str], run_dir: str, seq_length: int):
 class Batch:
     """The step's samples for both models: per-sample arrays (ours) and batched tensors (transformers)."""
 
-    samples: list[dict]  # items of the shape ``VLMDataset`` yields, for ``loongforge.vlm.data.packing.pack``
+    samples: list[dict]  # items of the shape ``VLMDataset`` yields, for ``VLMTask.collate``
     hf_inputs: dict  # keyword arguments of ``Qwen2_5_VLForConditionalGeneration.forward``
     tokens: int  # foundation tokens per step
     patches: int  # vision patches per step
@@ -215,7 +215,6 @@ def our_step(cfg, hf_dir: Path, batch: Batch, case: Case, pack_size: int):
     from loongforge.core.hf_mapping.online import load_hf_weights
     from loongforge.core.parallel import init_parallel
     from loongforge.core.training.loop import Trainer
-    from loongforge.vlm.data.packing import pack
     from loongforge.vlm.hf import VLM_HF_ADAPTER
     from loongforge.vlm.recipe import VLMTask
 
@@ -225,7 +224,8 @@ def our_step(cfg, hf_dir: Path, batch: Batch, case: Case, pack_size: int):
     load_hf_weights(trainer.inner_model, hf_dir, VLM_HF_ADAPTER, task.model_cfg)
     trainer.engine.optimizer.reload_model_params()  # the fp32 main weights from the loaded ones
     groups = [batch.samples[i:i + pack_size] for i in range(0, len(batch.samples), pack_size)]
-    micro_batches = [{k: v.to(case.device) if isinstance(v, torch.Tensor) else v for k, v in pack(g).items()}
+    collate = task.collate(ctx)  # the rows training packs
+    micro_batches = [{k: v.to(case.device) if isinstance(v, torch.Tensor) else v for k, v in collate(g).items()}
                      for g in groups]
     def step():
         return trainer.train_step(micro_batches).loss

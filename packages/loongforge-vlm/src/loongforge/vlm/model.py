@@ -109,7 +109,7 @@ def build_foundation(cfg: VLMModelConfig, transformer_config, pgs, pre_process: 
     f = cfg.foundation
     if f.vocab_size % pgs.tp.size():
         raise ValueError(f"foundation.vocab_size={f.vocab_size} must be divisible by parallel.tp={pgs.tp.size()}")
-    return GPTModel(
+    model = GPTModel(
         config=transformer_config,
         transformer_layer_spec=spec.layer_spec(f),
         vocab_size=f.vocab_size,
@@ -122,10 +122,34 @@ def build_foundation(cfg: VLMModelConfig, transformer_config, pgs, pre_process: 
         rotary_base=int(f.rotary_base),
         pg_collection=pgs,
     )
+    if pgs.cp.size() > 1:  # on the fast layer (VLMConfig refuses others: context_parallel.check_foundation_layers)
+        # the layers rotate each token by the angles of its own position (this rank's positions: see
+        # loongforge.vlm.context_parallel), so the rotary embedding must not slice them per CP rank again
+        model.rotary_pos_emb.cp_group = None
+    return model
+
+
+def foundation_attention(foundation: GPTConfig):
+    """The self-attention module the foundation's layer spec builds (a class; None where the spec
+    has no self-attention slot)."""
+    from loongforge.core.models import get_model_spec
+
+    spec = get_model_spec(foundation.family).layer_spec(foundation)
+    return getattr(getattr(getattr(spec, "submodules", None), "self_attention", None), "module", None)
+
+
+def on_fast_layer(foundation: GPTConfig) -> bool:
+    """Whether the foundation's layers attend through loongforge-llm's ``FusedSelfAttention`` (per-token
+    multimodal RoPE angles, THD rows, context parallelism)."""
+    from loongforge.llm.api import FusedSelfAttention
+
+    attention = foundation_attention(foundation)
+    return isinstance(attention, type) and issubclass(attention, FusedSelfAttention)
 
 
 class VisionLanguageModel(MegatronModule):
-    """``forward(tokens, position_ids, attention_mask, labels, pixel_values, grid_thw)``.
+    """``forward(tokens, position_ids, attention_mask, labels, pixel_values, grid_thw, packed_seq_params,
+    cp_index)`` (the last two for THD rows and context parallelism: see ``forward``).
 
     ``tokens [b, s]``; ``position_ids [3, b, s]`` (mrope) or ``[b, s]``; ``pixel_values
     [patches, patch_dim]`` and ``grid_thw [items, 3]``: the micro-batch's images and videos in
@@ -244,11 +268,24 @@ class VisionLanguageModel(MegatronModule):
         return batch_major.transpose(0, 1).contiguous(), additions
 
     # -- forward ----------------------------------------------------------------------------
-    def forward(self, tokens, position_ids, attention_mask=None, labels=None, pixel_values=None, grid_thw=None):
-        decoder_input, additions = self.embed(tokens, pixel_values, grid_thw) if self.pre_process else (None, [])
+    def forward(self, tokens, position_ids, attention_mask=None, labels=None, pixel_values=None, grid_thw=None,
+                packed_seq_params=None, cp_index=None):
+        """``packed_seq_params``: a THD row's (no ``attention_mask`` then). ``cp_index``: under
+        context parallelism, the row positions of this CP rank's tokens (``loongforge.vlm.context_parallel``):
+        ``tokens``, ``pixel_values`` and ``grid_thw`` are the whole row's, ``position_ids`` and
+        ``labels`` this rank's."""
+        from loongforge.vlm.context_parallel import local_rows
+
+        decoder_input, additions = None, []
+        if self.pre_process:
+            embeddings, additions = self.embed(tokens, pixel_values, grid_thw)
+            decoder_input = local_rows(embeddings, cp_index)
+            additions = [local_rows(a, cp_index) for a in additions]
+        if cp_index is not None:
+            tokens = tokens.index_select(1, cp_index.to(tokens.device))
         with deepstack.added_to_layer_outputs(self.language_model.decoder.layers, additions):
             return self.language_model(tokens, position_ids, attention_mask, decoder_input=decoder_input,
-                                       labels=labels)
+                                       labels=labels, packed_seq_params=packed_seq_params)
 
     # -- checkpoints ------------------------------------------------------------------------
     def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (), metadata: dict | None = None):

@@ -72,10 +72,10 @@ class VLMParallelConfig(ParallelConfig):
         super().__post_init__()
         if self.encoder.tp not in (1, self.tp):
             raise ValueError(f"parallel.encoder.tp={self.encoder.tp}: must be 1 or parallel.tp={self.tp}")
-        for key in ("pp", "cp", "ep"):
+        for key in ("pp", "ep"):
             if getattr(self, key) != 1:
                 raise ValueError(f"parallel.{key}={getattr(self, key)}: the VLM recipe runs the foundation with "
-                                 f"tensor and data parallelism only ({key}=1)")
+                                 f"tensor, context and data parallelism only ({key}=1)")
         if self.data_parallel not in ("auto", "ddp"):
             raise ValueError(f"parallel.data_parallel={self.data_parallel!r}: the VLM runs on the megatron-core "
                              f"engine (auto/ddp)")
@@ -137,6 +137,10 @@ class VLMConfig:
         if self.encoder.deepstack_layers and self.train.recompute == "full":
             raise ValueError(f"train.recompute=full with encoder.deepstack_layers={list(self.encoder.deepstack_layers)}: "
                              f"full recompute of the foundation would drop DeepStack's gradients; use selective or none")
+        if self.parallel.cp > 1:
+            from loongforge.vlm.context_parallel import check_foundation_layers
+
+            check_foundation_layers(self.foundation, self.parallel.cp)
         self.model()  # cross-part checks (mrope section vs the foundation's head dim)
 
     def model(self) -> VLMModelConfig:
@@ -225,7 +229,13 @@ class VLMTask:
         """Each sample's length in foundation-token equivalents: its tokens plus the vision
         tower's FLOPs on its patches divided by the foundation's FLOPs per token."""
         per_patch = self.cfg.encoder.flops_per_patch() / self.flops_per_token(self.cfg.train.seq_length)
-        return dataset.lengths + np.ceil(dataset.patches * per_patch).astype(np.int64)
+        return self.padded_lengths(dataset.lengths) + np.ceil(dataset.patches * per_patch).astype(np.int64)
+
+    def padded_lengths(self, lengths: np.ndarray) -> np.ndarray:
+        """Each sample's positions in a packed row: under context parallelism padded to a multiple of
+        ``2*cp`` (``loongforge.vlm.context_parallel``)."""
+        multiple = 2 * self.cfg.parallel.cp if self.cfg.parallel.cp > 1 else 1
+        return -(-lengths // multiple) * multiple
 
     def token_cap(self) -> int:
         return self.cfg.balance.token_cap or self.cfg.train.seq_length
@@ -265,14 +275,27 @@ class VLMTask:
         return (f"{c.encoder.family} + {c.projector.family} + {c.foundation.family} (encoder tp={c.parallel.encoder.tp}), "
                 f"trainable {'+'.join(c.trainable)}")
 
+    def collate(self, ctx):
+        """How one micro-batch's samples become its packed row on this rank: under context parallelism
+        a THD row padded to ``2*cp`` multiples and this CP rank's share of it
+        (``loongforge.vlm.context_parallel``); else a THD row on the fast layer (no ``T x T`` mask),
+        a row with the dense document-causal mask on megatron's own attention."""
+        from loongforge.vlm.context_parallel import collate_cp_share
+        from loongforge.vlm.data.packing import pack, pack_thd
+        from loongforge.vlm.model import on_fast_layer
+
+        cp = ctx.pgs.cp
+        if cp.size() > 1:
+            return partial(collate_cp_share, cp.size(), cp.rank())
+        return pack_thd if on_fast_layer(self.cfg.foundation) else pack
+
     def steps(self, ctx, start_step: int):
         from loongforge.core.training.balanced import BalancedSteps
-        from loongforge.vlm.data.packing import pack
 
         train = self.cfg.train
         data = self.dataset()
         return BalancedSteps(
-            data, self.sample_costs(data), pack, self.cfg.balance,
+            data, self.sample_costs(data), self.collate(ctx), self.cfg.balance,
             samples_per_step=train.global_batch_size, token_cap=self.token_cap(),
             dp_rank=ctx.dp_rank, dp_size=ctx.dp_size, seed=train.seed,
             flops_per_token=self.flops_per_token, consumed_samples=start_step * train.global_batch_size,
@@ -281,8 +304,9 @@ class VLMTask:
 
     # -- the step -----------------------------------------------------------------------------
     def forward(self, model, batch):
-        from loongforge.llm.api import masked_token_loss
+        from loongforge.llm.api import masked_token_loss, packed_seq_params
 
         output = model(batch["tokens"], batch["position_ids"], batch["attention_mask"], labels=batch["labels"],
-                       pixel_values=batch["pixel_values"], grid_thw=batch["grid_thw"])
+                       pixel_values=batch["pixel_values"], grid_thw=batch["grid_thw"],
+                       packed_seq_params=packed_seq_params(batch), cp_index=batch.get("cp_index"))
         return output, partial(masked_token_loss, batch["loss_mask"])

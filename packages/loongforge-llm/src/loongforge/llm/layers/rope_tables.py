@@ -8,6 +8,11 @@ batches gather each token's row at its position inside its own ``cu_seqlens`` se
 megatron's THD rotary does. Under context parallelism (``cp``: the CP group's size and this
 rank's index) the angle table is the whole sequence's and each local token takes the row of its
 global position (``context_parallel_attention.local_positions``).
+
+Multimodal RoPE (megatron's ``MultimodalRotaryEmbedding``, ``per_token=True``) computes one angle
+row per token from that token's own (3-D) position, for exactly the tokens the layer holds (under
+context parallelism the caller hands it this rank's tokens' positions): the rows are used as they
+are, never re-indexed by position within a packed segment or by CP rank.
 """
 
 from __future__ import annotations
@@ -31,12 +36,15 @@ class RopeTables:
         self._tables = None
 
     def get(self, angles: torch.Tensor, lead: tuple[int, ...], cu_seqlens: torch.Tensor | None = None,
-            mscale: float | None = None, cp: tuple[int, int] = (1, 0)):
-        key = (angles, tuple(lead), cu_seqlens, mscale, tuple(cp))
+            mscale: float | None = None, cp: tuple[int, int] = (1, 0), per_token: bool = False):
+        key = (angles, tuple(lead), cu_seqlens, mscale, tuple(cp), per_token)
         if self._key is not None and all(a is b if torch.is_tensor(a) else a == b for a, b in zip(self._key, key)):
             return self._tables
         table = angles.reshape(angles.shape[0], angles.shape[-1]).float()  # [s, rot_dim]
-        if cp[0] > 1:
+        if per_token:
+            if table.shape[0] != lead[0]:
+                raise ValueError(f"per-token RoPE angles: {table.shape[0]} rows for {lead[0]} tokens")
+        elif cp[0] > 1:
             from loongforge.llm.layers.context_parallel_attention import local_positions
 
             if cu_seqlens is None and table.shape[0] != lead[0] * cp[0]:

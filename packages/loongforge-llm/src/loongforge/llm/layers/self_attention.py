@@ -17,6 +17,10 @@ Under ChunkPipe (``train.seq_chunks > 1``, ``chunk_pipe``) the runner sets ``chu
 chunk it runs: the layer rotates its queries and keys by their positions in the whole sequence and
 attends over the keys and values of the chunks before it plus its own (causal, aligned to the
 last key), handing its own keys and values to the state for the chunks after it.
+
+With multimodal RoPE (``config.mrope_section`` set: megatron's ``MultimodalRotaryEmbedding``) the
+angles hold one row per token of this layer's input, computed from each token's own position
+(packed or split across CP ranks by the caller), and are used as they are (``rope_tables``).
 """
 
 from __future__ import annotations
@@ -97,8 +101,9 @@ class FusedSelfAttention(SelfAttention):
             if thd:
                 cu = packed.cu_seqlens_q_padded if packed.cu_seqlens_q_padded is not None else packed.cu_seqlens_q
             mscale = self._yarn_concentration_factor
-            query = self._rope(query, *_TABLES.get(q_emb, (s, b, groups), cu, mscale, self._cp))
-            key = self._rope(key, *_TABLES.get(k_emb, (s, b, groups), cu, mscale, self._cp))
+            per_token = self.config.mrope_section is not None
+            query = self._rope(query, *_TABLES.get(q_emb, (s, b, groups), cu, mscale, self._cp, per_token))
+            key = self._rope(key, *_TABLES.get(k_emb, (s, b, groups), cu, mscale, self._cp, per_token))
         query = query.reshape(s, b, groups * per_group, d)
         key = key.reshape(s, b, groups, d)
         value = value.reshape(s, b, groups, d).contiguous()  # a copy: frees the qkv output
