@@ -2,7 +2,7 @@
 its own mapping tables and ``config.json`` translation; the family's adapter reads the layout of
 a checkpoint's ``architectures`` and writes the one of a model's encoder and foundation families.
 Qwen2.5-VL's (``Qwen2_5_VLForConditionalGeneration``) is here; Qwen3-VL's is ``hf_qwen3_vl``,
-Qwen3-VL-MoE's ``hf_qwen3_vl_moe``.
+Qwen3-VL-MoE's ``hf_qwen3_vl_moe``, InternVL's ``hf_internvl``.
 
 The checkpoint is three parts, each a declarative table of the core mapping engine bound to its
 own config and prefixed: the vision transformer (``visual.*`` <-> ``encoder.*``), its patch
@@ -25,6 +25,7 @@ from loongforge.core.hf_mapping import FuseQKV, HFAdapter, HFMapping, MappingErr
 from loongforge.core.hf_mapping.transforms import config_value
 from loongforge.vlm import hf_config_parts as parts
 from loongforge.vlm.encoders.qwen2_5_vit import QwenViTConfig
+from loongforge.vlm.hf_internvl import ARCHITECTURE as INTERNVL_ARCHITECTURE
 from loongforge.vlm.hf_qwen3_vl import ARCHITECTURE as QWEN3_VL_ARCHITECTURE
 from loongforge.vlm.hf_qwen3_vl_moe import ARCHITECTURE as QWEN3_VL_MOE_ARCHITECTURE
 from loongforge.vlm.model_config import VisionTokensConfig
@@ -185,13 +186,16 @@ class Layout:
 
 
 def layouts() -> tuple[Layout, ...]:
+    from loongforge.vlm import hf_internvl as internvl
     from loongforge.vlm import hf_qwen3_vl as q3
     from loongforge.vlm import hf_qwen3_vl_moe as q3moe
 
     return (Layout(ARCHITECTURE, "qwen2_5_vit", None, qwen2_5_bind, qwen2_5_config_from_hf, qwen2_5_config_to_hf),
             Layout(q3.ARCHITECTURE, "qwen3_vit", ("qwen3",), q3.bind, q3.config_from_hf, q3.config_to_hf),
             Layout(q3moe.ARCHITECTURE, "qwen3_vit", ("qwen3_moe",), q3moe.bind, q3moe.config_from_hf,
-                   q3moe.config_to_hf))
+                   q3moe.config_to_hf),
+            Layout(internvl.ARCHITECTURE, "internvit", ("qwen3",), internvl.bind, internvl.config_from_hf,
+                   internvl.config_to_hf))
 
 
 def layout_of(cfg) -> Layout:
@@ -227,6 +231,6 @@ class VLMHFAdapter(HFAdapter):
         return layout_of(cfg).bind(cfg)
 
 
-VLM_ARCHITECTURES = (ARCHITECTURE, QWEN3_VL_ARCHITECTURE, QWEN3_VL_MOE_ARCHITECTURE)
+VLM_ARCHITECTURES = (ARCHITECTURE, QWEN3_VL_ARCHITECTURE, QWEN3_VL_MOE_ARCHITECTURE, INTERNVL_ARCHITECTURE)
 VLM_HF_ADAPTER = VLMHFAdapter(architectures=VLM_ARCHITECTURES, mapping=QWEN_VIT_MAPPING,
                               config_from_hf=config_from_hf, config_to_hf=config_to_hf)
