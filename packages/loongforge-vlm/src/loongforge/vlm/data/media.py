@@ -38,8 +38,8 @@ class MediaConfig:
     video_fps: float = 2.0
     video_max_frames: int = 8
     tile_size: int = 0  # > 0: images become tiles of this side (InternVL's dynamic tiling); 0: one resized frame
-    min_tiles: int = 1
-    max_tiles: int = 12
+    min_tiles: int = 1  # the fewest tiles of an image (with tile_size)
+    max_tiles: int = 12  # the most tiles of an image, the thumbnail not counted
     tile_thumbnail: bool = True  # a whole-image tile after the tiles of a multi-tile image
     mean: list[float] = field(default_factory=lambda: list(CLIP_MEAN))
     std: list[float] = field(default_factory=lambda: list(CLIP_STD))

@@ -37,7 +37,7 @@ class InternViTConfig(EncoderConfig):
     norm: str = "layernorm"  # layernorm | rmsnorm (the layers' norms)
     qkv_bias: bool = True
     qk_norm: bool = False
-    layer_scale_init: float = 0.1
+    layer_scale_init: float = 0.1  # the initial value of the layer-scale factors (lambda_1, lambda_2)
     post_norm: bool = False  # a final LayerNorm after the last layer
 
     gated_mlp = False
