@@ -18,7 +18,8 @@ import torch
 from transformers import InternVLConfig, InternVLForConditionalGeneration
 
 from loongforge.core.hf_mapping import MappingError
-from vlm_hf_cases import converted_model, exported_files, randomize_
+from vlm_hf_cases import (assert_reexport_bitwise, assert_stray_tensor_refused, converted_model, exported_files,
+                           randomize_)
 
 IMAGE = 300
 TEXT = dict(model_type="qwen3", vocab_size=320, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
@@ -76,33 +77,17 @@ def test_logits_match_transformers(converted, tiles, side):
 def test_export_loads_in_transformers_bitwise(converted):
     """Export, then transformers' load: bitwise the original weights, on disk too; importing the
     export and exporting again writes the same bytes."""
-    from safetensors.torch import load_file
-
-    from loongforge.core.hf_mapping.convert import hf_to_lf, lf_to_hf
-
     hf, _, done, root = converted
     on_disk, written = exported_files(hf, done.path, root)
     assert all(torch.equal(on_disk[k], written[k]) for k in on_disk)
-    again = hf_to_lf(root / "exported", root / "reimported", progress=False)
-    lf_to_hf(again.path, root / "exported_again", progress=False)
-    rewritten = load_file(root / "exported_again" / "model.safetensors")
-    assert sorted(rewritten) == sorted(written) and all(torch.equal(rewritten[k], written[k]) for k in written)
+    assert_reexport_bitwise(root, written)
 
 
 def test_unmapped_tensors_and_compositions_are_refused(converted, tmp_path):
-    from safetensors.torch import load_file, save_file
-
-    from loongforge.core.hf_mapping.convert import hf_to_lf
     from loongforge.vlm.hf import config_to_hf
 
     _, _, done, root = converted
-    stray = tmp_path / "stray"
-    stray.mkdir()
-    (stray / "config.json").write_bytes((root / "hf" / "config.json").read_bytes())
-    tensors = load_file(root / "hf" / "model.safetensors")
-    save_file({**tensors, "vision_tower.extra.weight": torch.zeros(2)}, stray / "model.safetensors")
-    with pytest.raises(MappingError, match="vision_tower.extra.weight"):
-        hf_to_lf(stray, tmp_path / "lf", progress=False)
+    assert_stray_tensor_refused(root, tmp_path, "vision_tower.extra.weight")
     mrope = dataclasses.replace(done.model_config, vision=dataclasses.replace(done.model_config.vision, rope="mrope"))
     with pytest.raises(MappingError, match="vision.rope='mrope'"):
         config_to_hf(mrope)
