@@ -57,3 +57,30 @@ def test_bad_internvl_config_is_one_clear_error(capsys):
     assert "encoder.image_size=36: must be a multiple of" in capsys.readouterr().err
     assert main(["info", "--config", "internvl3_5_debug", "data.media.max_tiles=0"]) == 2
     assert "data.media: tile_size=32, min_tiles=1, max_tiles=0" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_convert_internvl_then_train_from_the_written_config(tmp_path, vlm_cache):
+    """HF InternVL dir -> ``lf-vlm convert hf-to-lf`` -> ``lf-vlm train --config OUT/train.yaml``:
+    the written config tiles images and writes InternVL's placeholders."""
+    from transformers import InternVLConfig, InternVLForConditionalGeneration
+
+    from loongforge.vlm.cli import main
+    from loongforge.vlm.data.tokenizer import load_vlm_tokenizer
+
+    tokenizer, ids = load_vlm_tokenizer(placeholders="internvl")
+    assert ids.image == ids.video == tokenizer.convert_tokens_to_ids("<IMG_CONTEXT>")
+    text = dict(model_type="qwen3", vocab_size=1280, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=1024)
+    vision = dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64, image_size=32,
+                  patch_size=8, attention_bias=True)
+    InternVLForConditionalGeneration(InternVLConfig(text_config=text, vision_config=vision, image_token_id=ids.image,
+                                                    tie_word_embeddings=False)).save_pretrained(tmp_path / "hf")
+    assert main(["convert", "hf-to-lf", str(tmp_path / "hf"), str(tmp_path / "lf"), "--no-progress"]) == 0
+    run = tmp_path / "run"
+    assert main(["train", "--config", str(tmp_path / "lf" / "train.yaml"), *FAST, "train.steps=2",
+                 "train.seq_length=512", f"data.cache_dir={vlm_cache}", f"log.run_dir={run}"]) == 0
+    losses = [json.loads(line)["loss"] for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert len(losses) == 2 and 5.0 < losses[0] < 9.0  # from the converted (random-init) weights: about ln(1280)
+    written = (tmp_path / "lf" / "train.yaml").read_text()
+    assert "tile_size: 32" in written and "placeholders: internvl" in written

@@ -179,6 +179,7 @@ class Layout:
     bind: Callable
     config_from_hf: Callable[[dict], object]
     config_to_hf: Callable[[object], dict]
+    train_data: Callable[[object], dict] | None = None  # the ``data`` settings a converted model trains with
 
     def writes(self, cfg) -> bool:
         return cfg.encoder.family == self.encoder_family and (
@@ -195,7 +196,7 @@ def layouts() -> tuple[Layout, ...]:
             Layout(q3moe.ARCHITECTURE, "qwen3_vit", ("qwen3_moe",), q3moe.bind, q3moe.config_from_hf,
                    q3moe.config_to_hf),
             Layout(internvl.ARCHITECTURE, "internvit", ("qwen3",), internvl.bind, internvl.config_from_hf,
-                   internvl.config_to_hf))
+                   internvl.config_to_hf, internvl.train_data))
 
 
 def layout_of(cfg) -> Layout:
@@ -221,6 +222,13 @@ def config_from_hf(raw: dict):
 def config_to_hf(cfg) -> dict:
     """``VLMModelConfig`` -> ``config.json`` of its layout."""
     return layout_of(cfg).config_to_hf(cfg)
+
+
+def train_data(cfg) -> dict:
+    """The ``data`` settings a model converted from its layout trains with (tiling, placeholders);
+    empty where the defaults fit."""
+    layout = layout_of(cfg)
+    return layout.train_data(cfg) if layout.train_data is not None else {}
 
 
 @dataclass(frozen=True)

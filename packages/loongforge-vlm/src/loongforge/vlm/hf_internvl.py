@@ -19,6 +19,7 @@ from loongforge.vlm import hf_config_parts as parts
 ARCHITECTURE = "InternVLForConditionalGeneration"
 NORM_TYPES = {"layer_norm": "layernorm", "rms_norm": "rmsnorm"}
 PROJECTOR_EPS = 1e-5  # transformers' projector LayerNorm keeps nn.LayerNorm's default
+IMAGENET_MEAN, IMAGENET_STD = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)  # InternVL's preprocessor_config.json
 
 
 class Conv2dPatchEmbedding(Transform):
@@ -134,6 +135,13 @@ def config_from_hf(raw: dict):
     # InternVL marks video frames with the image's <IMG_CONTEXT> token too
     vision = VisionTokensConfig(rope="rope", image_token_id=hf.image_token_id, video_token_id=hf.image_token_id)
     return VLMModelConfig(encoder=encoder, projector=projector, foundation=foundation, vision=vision)
+
+
+def train_data(cfg) -> dict:
+    """The ``data`` settings a converted InternVL trains with: its tiles, ImageNet normalisation
+    and ``<img><IMG_CONTEXT>...</img>`` placeholders."""
+    return {"media": {"tile_size": cfg.encoder.image_size, "min_tiles": 1, "max_tiles": 12, "placeholders": "internvl",
+                      "mean": list(IMAGENET_MEAN), "std": list(IMAGENET_STD)}}
 
 
 def config_to_hf(cfg) -> dict:

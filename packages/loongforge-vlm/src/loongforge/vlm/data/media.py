@@ -41,6 +41,7 @@ class MediaConfig:
     min_tiles: int = 1  # the fewest tiles of an image (with tile_size)
     max_tiles: int = 12  # the most tiles of an image, the thumbnail not counted
     tile_thumbnail: bool = True  # a whole-image tile after the tiles of a multi-tile image
+    placeholders: str = "qwen"  # media tokens: qwen (<|vision_start|><|image_pad|>...) | internvl (<img><IMG_CONTEXT>...)
     mean: list[float] = field(default_factory=lambda: list(CLIP_MEAN))
     std: list[float] = field(default_factory=lambda: list(CLIP_STD))
 
@@ -53,6 +54,8 @@ class MediaConfig:
         if self.tile_size < 0 or not 1 <= self.min_tiles <= self.max_tiles:
             raise ValueError(f"data.media: tile_size={self.tile_size}, min_tiles={self.min_tiles}, max_tiles="
                              f"{self.max_tiles}: tile_size >= 0 and 1 <= min_tiles <= max_tiles")
+        if self.placeholders not in ("qwen", "internvl"):
+            raise ValueError(f"data.media.placeholders={self.placeholders!r}: one of qwen, internvl")
         if self.video_fps <= 0:
             raise ValueError(f"data.media.video_fps={self.video_fps}: must be > 0")
         if len(self.mean) != 3 or len(self.std) != 3 or min(self.std) <= 0:
