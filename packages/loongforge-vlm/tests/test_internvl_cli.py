@@ -84,3 +84,16 @@ def test_convert_internvl_then_train_from_the_written_config(tmp_path, vlm_cache
     assert len(losses) == 2 and 5.0 < losses[0] < 9.0  # from the converted (random-init) weights: about ln(1280)
     written = (tmp_path / "lf" / "train.yaml").read_text()
     assert "tile_size: 32" in written and "placeholders: internvl" in written
+
+
+@pytest.mark.slow
+def test_lora_on_layer_scaled_linears_is_refused(tmp_path, vlm_cache, capsys):
+    from loongforge.vlm.cli import main
+
+    assert main(["train", "--config", "internvl3_5_debug", *FAST, "train.steps=1", "lora.rank=4",
+                 "lora.target_modules=[encoder.linear_proj]", f"data.cache_dir={vlm_cache}",
+                 f"log.run_dir={tmp_path / 'run'}"]) == 2
+    assert "a layer-scaled output linear whose adapter would add after the scale" in capsys.readouterr().err
+    assert main(["train", "--config", "internvl3_5_debug", *FAST, "train.steps=1", "lora.rank=4",
+                 "lora.target_modules=[encoder.linear_qkv,foundation.linear_qkv]", f"data.cache_dir={vlm_cache}",
+                 f"log.run_dir={tmp_path / 'run2'}"]) == 0
