@@ -92,6 +92,20 @@ def bind(cfg):
             + GPT_HF_MAPPING.bind(cfg.foundation).prefixed(hf="language_model.", lf="language_model."))
 
 
+# checkpoint name prefixes -> module paths of transformers' InternVLForConditionalGeneration (which saves the older
+# llava-style layout)
+MODULE_PREFIXES = (("vision_tower.", "model.vision_tower."), ("multi_modal_projector.", "model.multi_modal_projector."),
+                   ("language_model.model.", "model.language_model."), ("language_model.lm_head.", "lm_head."))
+
+
+def module_name(hf_name: str) -> str | None:
+    """The module path of an InternVL checkpoint name, or None for a name of another layout."""
+    for saved, module in MODULE_PREFIXES:
+        if hf_name.startswith(saved):
+            return module + hf_name.removeprefix(saved)
+    return None
+
+
 def _square(value, key: str) -> int:
     sides = list(value) if isinstance(value, (list, tuple)) else [value, value]
     if len(sides) != 2 or sides[0] != sides[1]:
