@@ -128,3 +128,31 @@ def exported_files(hf, checkpoint, root):
     on_disk, written = load_file(root / "hf" / "model.safetensors"), load_file(root / "exported" / "model.safetensors")
     assert sorted(on_disk) == sorted(written)
     return on_disk, written
+
+
+def assert_reexport_bitwise(root, written) -> None:
+    """Importing ``root/exported`` and exporting it again writes ``written`` bit for bit."""
+    from safetensors.torch import load_file
+
+    from loongforge.core.hf_mapping.convert import hf_to_lf, lf_to_hf
+
+    again = hf_to_lf(root / "exported", root / "reimported", progress=False)
+    lf_to_hf(again.path, root / "exported_again", progress=False)
+    rewritten = load_file(root / "exported_again" / "model.safetensors")
+    assert sorted(rewritten) == sorted(written) and all(torch.equal(rewritten[k], written[k]) for k in written)
+
+
+def assert_stray_tensor_refused(root, tmp_path, name: str) -> None:
+    """The checkpoint of ``root/hf`` plus a tensor ``name`` no table maps: import names it."""
+    import pytest
+    from safetensors.torch import load_file, save_file
+
+    from loongforge.core.hf_mapping import MappingError
+    from loongforge.core.hf_mapping.convert import hf_to_lf
+
+    stray = tmp_path / "stray"
+    stray.mkdir()
+    (stray / "config.json").write_bytes((root / "hf" / "config.json").read_bytes())
+    save_file({**load_file(root / "hf" / "model.safetensors"), name: torch.zeros(2)}, stray / "model.safetensors")
+    with pytest.raises(MappingError, match=name.replace(".", r"\.")):
+        hf_to_lf(stray, tmp_path / "lf", progress=False)

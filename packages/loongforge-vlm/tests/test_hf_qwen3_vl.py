@@ -18,8 +18,8 @@ import torch
 from transformers import Qwen3VLConfig, Qwen3VLForConditionalGeneration, Qwen3VLMoeConfig, Qwen3VLMoeForConditionalGeneration
 
 from loongforge.core.hf_mapping import MappingError
-from loongforge.core.hf_mapping.convert import lf_to_hf
-from vlm_hf_cases import converted_model, exported_files, logits_pair, make_sample, randomize_
+from vlm_hf_cases import (assert_reexport_bitwise, assert_stray_tensor_refused, converted_model, exported_files,
+                           logits_pair, make_sample, randomize_)
 
 IDS = dict(image_token_id=300, video_token_id=301, vision_start_token_id=302, vision_end_token_id=303)
 TEXT = dict(vocab_size=320, hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=4,
@@ -88,37 +88,20 @@ def test_export_loads_in_transformers_bitwise(converted):
     """Export, then transformers' load: bitwise the original weights. On disk too, except that
     MoE experts are written in the released checkpoints' layout (transformers saves its in-memory
     one, each fused tensor transposed)."""
-    from safetensors.torch import load_file
-
-    from loongforge.core.hf_mapping.convert import hf_to_lf
-
     hf, _, done, root = converted
     on_disk, written = exported_files(hf, done.path, root)
     for k in on_disk:
         expected = on_disk[k].transpose(1, 2) if k.endswith(FUSED_EXPERTS) else on_disk[k]
         assert torch.equal(expected, written[k]), k
     assert any(k.endswith(FUSED_EXPERTS) for k in on_disk) == (done.model_config.foundation.family == "qwen3_moe")
-    # the exported directory (released expert layout) imports and exports again, bit for bit
-    again = hf_to_lf(root / "exported", root / "reimported", progress=False)
-    lf_to_hf(again.path, root / "exported_again", progress=False)
-    rewritten = load_file(root / "exported_again" / "model.safetensors")
-    assert sorted(rewritten) == sorted(written) and all(torch.equal(rewritten[k], written[k]) for k in written)
+    assert_reexport_bitwise(root, written)  # the exported directory (released expert layout), bit for bit
 
 
 def test_unmapped_tensors_and_compositions_are_refused(converted, tmp_path):
-    from safetensors.torch import load_file, save_file
-
-    from loongforge.core.hf_mapping.convert import hf_to_lf
     from loongforge.vlm.hf import config_to_hf
 
     _, _, done, root = converted
-    stray = tmp_path / "stray"
-    stray.mkdir()
-    (stray / "config.json").write_bytes((root / "hf" / "config.json").read_bytes())
-    tensors = load_file(root / "hf" / "model.safetensors")
-    save_file({**tensors, "model.visual.extra.weight": torch.zeros(2)}, stray / "model.safetensors")
-    with pytest.raises(MappingError, match="model.visual.extra.weight"):
-        hf_to_lf(stray, tmp_path / "lf", progress=False)
+    assert_stray_tensor_refused(root, tmp_path, "model.visual.extra.weight")
     rmsnorm = dataclasses.replace(done.model_config, projector=dataclasses.replace(done.model_config.projector,
                                                                                    norm="rmsnorm"))
     with pytest.raises(MappingError, match="projector.norm='rmsnorm'"):

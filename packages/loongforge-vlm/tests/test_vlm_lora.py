@@ -1,4 +1,5 @@
-"""LoRA for ``lf-vlm`` against transformers + PEFT: a LoRA run from a tiny converted Qwen2.5-VL, with
+"""LoRA for ``lf-vlm`` against transformers + PEFT: a LoRA run from a tiny converted Qwen2.5-VL (and
+InternVL), with
 adapters chosen per part (the foundation's attention and MLP, the ViT's qkv and MLP output, the
 merger's first linear), changes only the adapters; ``lf-vlm convert lora-to-peft`` loaded by
 ``peft.PeftModel.from_pretrained`` onto the transformers model the run started from gives, for an
@@ -35,6 +36,27 @@ def tiny_qwen2_5_vl(ids):
     return model
 
 
+def tiny_internvl(ids):
+    from transformers import InternVLConfig, InternVLForConditionalGeneration
+
+    from vlm_hf_cases import randomize_
+
+    text = dict(model_type="qwen3", vocab_size=1280, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=1024)
+    vision = dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64, image_size=32,
+                  patch_size=8, attention_bias=True)
+    return randomize_(InternVLForConditionalGeneration(InternVLConfig(
+        text_config=text, vision_config=vision, image_token_id=ids.image, tie_word_embeddings=False)))
+
+
+def internvl_image_and_text(ids):
+    """One sequence: text, one 32x32 tile (4 LLM tokens), text."""
+    g = torch.Generator().manual_seed(1)
+    tokens = (torch.randint(0, 1000, (5,), generator=g).tolist() + [ids.start] + [ids.image] * 4 + [ids.end]
+              + torch.randint(0, 1000, (6,), generator=g).tolist())
+    return dict(input_ids=torch.tensor([tokens]), pixel_values=torch.randn(1, 3, 32, 32, generator=g))
+
+
 def image_and_text(ids):
     """One sequence: text, an image of 4x4 patches (4 LLM tokens), text."""
     g = torch.Generator().manual_seed(1)
@@ -44,23 +66,41 @@ def image_and_text(ids):
                 image_grid_thw=torch.tensor([[1, 4, 4]]))
 
 
+# model, its placeholders, LoRA targets, inputs, the encoder's layers left out, modules PEFT must adapt
+CASES = {
+    "qwen2_5_vl": (tiny_qwen2_5_vl, "qwen", TARGETS, image_and_text, "linear_fc1",
+                   {"base_model.model.model.visual.blocks.0.attn.qkv", "base_model.model.model.visual.merger.mlp.0",
+                    "base_model.model.model.language_model.layers.1.self_attn.v_proj"}),
+    # InternViT's linear_fc2 is layer-scaled (refused as a target): its MLP input instead
+    "internvl": (tiny_internvl, "internvl", TARGETS.replace("encoder.linear_fc2", "encoder.linear_fc1"),
+                 internvl_image_and_text, "linear_fc2",
+                 {"base_model.model.model.vision_tower.encoder.layer.0.attention.k_proj",
+                  "base_model.model.model.vision_tower.encoder.layer.1.mlp.fc1",
+                  "base_model.model.model.multi_modal_projector.linear_1",
+                  "base_model.model.model.language_model.layers.1.self_attn.v_proj"}),
+}
+
+
 @pytest.mark.slow
-def test_lora_per_part_trains_adapters_and_peft_matches_merged(tmp_path, vlm_cache):
+@pytest.mark.parametrize("kind", sorted(CASES))
+def test_lora_per_part_trains_adapters_and_peft_matches_merged(kind, tmp_path, vlm_cache):
     from peft import PeftModel
     from peft.tuners.lora import LoraLayer
     from safetensors.torch import load_file
-    from transformers import Qwen2_5_VLForConditionalGeneration
 
     from loongforge.vlm.cli import main
     from loongforge.vlm.data.tokenizer import load_vlm_tokenizer
 
-    _, ids = load_vlm_tokenizer()
-    tiny_qwen2_5_vl(ids).save_pretrained(tmp_path / "hf")
+    build, placeholders, targets, make_inputs, untargeted, adapted = CASES[kind]
+    _, ids = load_vlm_tokenizer(placeholders=placeholders)
+    hf = build(ids)
+    hf.save_pretrained(tmp_path / "hf")
+    model_class = type(hf)
     base = tmp_path / "lf"
     assert main(["convert", "hf-to-lf", str(tmp_path / "hf"), str(base), "--no-progress"]) == 0
     run = tmp_path / "run"
     assert main(["train", "--config", str(base / "train.yaml"), "checkpoint.load=null", f"lora.base={base}",
-                 f"lora.rank={RANK}", f"lora.alpha={ALPHA}", f"lora.target_modules={TARGETS}", "train.steps=2",
+                 f"lora.rank={RANK}", f"lora.alpha={ALPHA}", f"lora.target_modules={targets}", "train.steps=2",
                  "train.global_batch_size=4", "train.warmup_steps=0", "train.lr=0.01", "train.seq_length=512",
                  "log.progress=false", "log.tensorboard=false", f"data.cache_dir={vlm_cache}", f"log.run_dir={run}",
                  "--save-hf", str(tmp_path / "merged")]) == 0
@@ -73,7 +113,7 @@ def test_lora_per_part_trains_adapters_and_peft_matches_merged(tmp_path, vlm_cac
     for key in keys - adapters:
         assert torch.equal(trained.tensor(key), start.tensor(key)), key
     assert {k.split(".")[0] for k in adapters} == {"encoder", "projector", "language_model"}
-    assert not any("linear_fc1" in k for k in adapters if k.startswith("encoder."))  # encoder: qkv and fc2 only
+    assert not any(untargeted in k for k in adapters if k.startswith("encoder."))  # the encoder's targets only
     assert all(trained.tensor(k).abs().max() > 0 for k in adapters if k.endswith(".lora_B"))
 
     peft_dir = tmp_path / "adapter"
@@ -82,9 +122,9 @@ def test_lora_per_part_trains_adapters_and_peft_matches_merged(tmp_path, vlm_cac
     assert (config["r"], config["lora_alpha"]) == (RANK, ALPHA)
     assert main(["convert", "lf-to-hf", str(run / "checkpoints"), str(tmp_path / "exported"), "--no-progress"]) == 0
 
-    inputs = image_and_text(ids)
+    inputs = make_inputs(ids)
     with torch.no_grad():
-        original = Qwen2_5_VLForConditionalGeneration.from_pretrained(tmp_path / "hf").eval()
+        original = model_class.from_pretrained(tmp_path / "hf").eval()
         base_logits = original(**inputs).logits
         with_adapter = PeftModel.from_pretrained(original, str(peft_dir)).eval()
         peft_logits = with_adapter(**inputs).logits
@@ -92,10 +132,9 @@ def test_lora_per_part_trains_adapters_and_peft_matches_merged(tmp_path, vlm_cac
     exported = {k.removesuffix(".lora_A.weight") for k in load_file(peft_dir / "adapter_model.safetensors")
                 if k.endswith(".lora_A.weight")}
     assert {n for n, m in with_adapter.named_modules() if isinstance(m, LoraLayer)} == exported
-    assert {"base_model.model.model.visual.blocks.0.attn.qkv", "base_model.model.model.visual.merger.mlp.0",
-            "base_model.model.model.language_model.layers.1.self_attn.v_proj"} <= exported
+    assert adapted <= exported
     with torch.no_grad():
-        merged = [Qwen2_5_VLForConditionalGeneration.from_pretrained(tmp_path / d).eval()(**inputs).logits
+        merged = [model_class.from_pretrained(tmp_path / d).eval()(**inputs).logits
                   for d in ("merged", "exported")]
     assert torch.equal(merged[0], merged[1])  # train --save-hf and convert lf-to-hf: the same merged model
     assert (merged[0] - base_logits).abs().max() > 1e-3  # the adapters matter

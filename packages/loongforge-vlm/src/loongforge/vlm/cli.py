@@ -75,8 +75,13 @@ def write_train_config(converted, root: Path) -> Path:
     model = to_dict(converted.model_config)
     doc = {**model, "train": {"seq_length": 2048, "lr": 1.0e-5, "min_lr": 1.0e-6},
            "checkpoint": {"load": str(root.resolve())}, "log": {"run_dir": "runs/vlm-from-hf"}}
+    from loongforge.vlm.hf import train_data
+
+    data = train_data(converted.model_config)
     if converted.tokenizer is not None and (converted.tokenizer / "tokenizer.json").is_file():
-        doc["data"] = {"tokenizer": str(converted.tokenizer)}
+        data["tokenizer"] = str(converted.tokenizer)
+    if data:
+        doc["data"] = data
     path = root / TRAIN_CONFIG
     header = (f"# Train from the weights converted into {root.resolve()}:\n"
               f"#   lf-vlm train --config {path.resolve()} data.path=CONVERSATIONS.jsonl [key=value ...]\n")

@@ -2,7 +2,7 @@
 its own mapping tables and ``config.json`` translation; the family's adapter reads the layout of
 a checkpoint's ``architectures`` and writes the one of a model's encoder and foundation families.
 Qwen2.5-VL's (``Qwen2_5_VLForConditionalGeneration``) is here; Qwen3-VL's is ``hf_qwen3_vl``,
-Qwen3-VL-MoE's ``hf_qwen3_vl_moe``.
+Qwen3-VL-MoE's ``hf_qwen3_vl_moe``, InternVL's ``hf_internvl``.
 
 The checkpoint is three parts, each a declarative table of the core mapping engine bound to its
 own config and prefixed: the vision transformer (``visual.*`` <-> ``encoder.*``), its patch
@@ -25,6 +25,7 @@ from loongforge.core.hf_mapping import FuseQKV, HFAdapter, HFMapping, MappingErr
 from loongforge.core.hf_mapping.transforms import config_value
 from loongforge.vlm import hf_config_parts as parts
 from loongforge.vlm.encoders.qwen2_5_vit import QwenViTConfig
+from loongforge.vlm.hf_internvl import ARCHITECTURE as INTERNVL_ARCHITECTURE
 from loongforge.vlm.hf_qwen3_vl import ARCHITECTURE as QWEN3_VL_ARCHITECTURE
 from loongforge.vlm.hf_qwen3_vl_moe import ARCHITECTURE as QWEN3_VL_MOE_ARCHITECTURE
 from loongforge.vlm.model_config import VisionTokensConfig
@@ -98,7 +99,13 @@ PATCH_MERGER_MAPPING = HFMapping(
 def module_name(hf_name: str) -> str:
     """The module path in transformers' ``Qwen2_5_VLForConditionalGeneration`` of a checkpoint
     name, which keeps the older layout (``visual.*`` is ``model.visual.*``, ``model.*`` of the
-    language model is ``model.language_model.*``; ``lm_head`` is itself)."""
+    language model is ``model.language_model.*``; ``lm_head`` is itself); InternVL's names
+    (``vision_tower.*``, ``language_model.model.*`` ...) as ``hf_internvl.module_name`` says."""
+    from loongforge.vlm.hf_internvl import module_name as internvl_module_name
+
+    internvl = internvl_module_name(hf_name)
+    if internvl is not None:
+        return internvl
     if hf_name.startswith("visual."):
         return "model." + hf_name
     if hf_name.startswith("model."):
@@ -178,6 +185,7 @@ class Layout:
     bind: Callable
     config_from_hf: Callable[[dict], object]
     config_to_hf: Callable[[object], dict]
+    train_data: Callable[[object], dict] | None = None  # the ``data`` settings a converted model trains with
 
     def writes(self, cfg) -> bool:
         return cfg.encoder.family == self.encoder_family and (
@@ -185,13 +193,16 @@ class Layout:
 
 
 def layouts() -> tuple[Layout, ...]:
+    from loongforge.vlm import hf_internvl as internvl
     from loongforge.vlm import hf_qwen3_vl as q3
     from loongforge.vlm import hf_qwen3_vl_moe as q3moe
 
     return (Layout(ARCHITECTURE, "qwen2_5_vit", None, qwen2_5_bind, qwen2_5_config_from_hf, qwen2_5_config_to_hf),
             Layout(q3.ARCHITECTURE, "qwen3_vit", ("qwen3",), q3.bind, q3.config_from_hf, q3.config_to_hf),
             Layout(q3moe.ARCHITECTURE, "qwen3_vit", ("qwen3_moe",), q3moe.bind, q3moe.config_from_hf,
-                   q3moe.config_to_hf))
+                   q3moe.config_to_hf),
+            Layout(internvl.ARCHITECTURE, "internvit", ("qwen3",), internvl.bind, internvl.config_from_hf,
+                   internvl.config_to_hf, internvl.train_data))
 
 
 def layout_of(cfg) -> Layout:
@@ -219,6 +230,13 @@ def config_to_hf(cfg) -> dict:
     return layout_of(cfg).config_to_hf(cfg)
 
 
+def train_data(cfg) -> dict:
+    """The ``data`` settings a model converted from its layout trains with (tiling, placeholders);
+    empty where the defaults fit."""
+    layout = layout_of(cfg)
+    return layout.train_data(cfg) if layout.train_data is not None else {}
+
+
 @dataclass(frozen=True)
 class VLMHFAdapter(HFAdapter):
     """The ``vlm`` family's adapter: each layout binds its own tables (``mapping`` is unused)."""
@@ -227,6 +245,6 @@ class VLMHFAdapter(HFAdapter):
         return layout_of(cfg).bind(cfg)
 
 
-VLM_ARCHITECTURES = (ARCHITECTURE, QWEN3_VL_ARCHITECTURE, QWEN3_VL_MOE_ARCHITECTURE)
+VLM_ARCHITECTURES = (ARCHITECTURE, QWEN3_VL_ARCHITECTURE, QWEN3_VL_MOE_ARCHITECTURE, INTERNVL_ARCHITECTURE)
 VLM_HF_ADAPTER = VLMHFAdapter(architectures=VLM_ARCHITECTURES, mapping=QWEN_VIT_MAPPING,
                               config_from_hf=config_from_hf, config_to_hf=config_to_hf)

@@ -54,6 +54,7 @@ def add_adapters(model, cfg, model_config: dict, load_initial_weights: bool) -> 
         apply_lora(model, replace(lora, target_modules=model_targets(lora.target_modules)), seed=cfg.train.seed)
     except ValueError as exc:  # no layer matched, or routed experts split over TP
         raise ConfigError(f"lora.target_modules={list(lora.target_modules)}: {exc}") from exc
+    refuse_layer_scaled(model, lora.target_modules)
     parts = {"foundation": model.language_model}
     if model.pre_process:
         parts.update(encoder=model.encoder, projector=model.projector)
@@ -65,6 +66,18 @@ def add_adapters(model, cfg, model_config: dict, load_initial_weights: bool) -> 
     if not any(p.requires_grad for p in model.parameters()):
         raise ConfigError(f"lora.target_modules={list(lora.target_modules)} adapt no layer of the trainable parts "
                           f"(trainable={list(cfg.trainable)})")
+
+
+def refuse_layer_scaled(model, targets: list[str]) -> None:
+    """An adapter on a layer-scaled linear (InternViT's ``linear_proj``/``linear_fc2``) would add its
+    update after the scale, which transformers' model (and PEFT) cannot express: a config error."""
+    from loongforge.vlm.encoders.layer_scale import LayerScaledRowParallelLinear
+
+    scaled = [name for name, module in model.named_modules()
+              if isinstance(module.__dict__.get("base"), LayerScaledRowParallelLinear)]
+    if scaled:
+        raise ConfigError(f"lora.target_modules={list(targets)} adapt {scaled[0]}, a layer-scaled output linear whose "
+                          f"adapter would add after the scale; target encoder.linear_qkv or encoder.linear_fc1 instead")
 
 
 def lora_layouts(manifest: dict, names: list[str]):

@@ -44,6 +44,10 @@ class EncoderConfig:
     activation: ClassVar[str] = "gelu_tanh"  # silu | gelu_tanh
     patch_bias: ClassVar[bool] = True  # the patch embedding has a bias
     post_norm: ClassVar[bool] = False  # a norm after the last layer
+    qkv_bias: ClassVar[bool] = True  # the query/key/value projections have biases
+    qk_norm: ClassVar[bool] = False  # an RMSNorm of queries and keys over all heads together (InternViT-6B)
+    layer_scale: ClassVar[bool] = False  # learned per-channel factors on both residual branches (InternViT)
+    layer_scale_init: ClassVar[float] = 1.0
     # 0-based layers whose outputs feed DeepStack (Qwen3-VL: merged by their own patch mergers and
     # added to the hidden states of the foundation's first layers at the vision tokens); a family
     # with DeepStack makes it a field
@@ -83,8 +87,10 @@ class EncoderConfig:
     def parameter_count(self) -> int:
         h, f = self.hidden_size, self.ffn_hidden_size
         norm = NORM_PARAMETERS[self.normalization] * h
-        attn = 4 * h * h + 4 * h
+        attn = 4 * h * h + (4 if self.qkv_bias else 1) * h + (2 * h if self.qk_norm else 0)
+        attn += h if self.layer_scale else 0
         mlp = (3 if self.gated_mlp else 2) * h * f + (2 * f if self.gated_mlp else f) + h
+        mlp += h if self.layer_scale else 0
         embed = self.patch_dim * h + (h if self.patch_bias else 0)
         final = norm if self.post_norm else 0
         return self.num_layers * (attn + mlp + 2 * norm) + embed + final + self.extra_parameters()

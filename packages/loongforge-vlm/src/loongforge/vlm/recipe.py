@@ -161,7 +161,7 @@ class VLMTask:
 
         self.cfg = cfg
         self.tokenizer_dir = Path(cfg.data.tokenizer).expanduser() if cfg.data.tokenizer else default_tokenizer_dir()
-        self.tokenizer, self.vision_ids = load_vlm_tokenizer(self.tokenizer_dir)
+        self.tokenizer, self.vision_ids = load_vlm_tokenizer(self.tokenizer_dir, cfg.data.media.placeholders)
         if len(self.tokenizer) > cfg.foundation.vocab_size:
             from loongforge.llm.api import DataError
 
@@ -172,10 +172,11 @@ class VLMTask:
             vision.image_token_id = self.vision_ids.image
         if vision.video_token_id is None:
             vision.video_token_id = self.vision_ids.video
-        if vision.vision_start_token_id is None:
-            vision.vision_start_token_id = self.vision_ids.start
-        if vision.vision_end_token_id is None:
-            vision.vision_end_token_id = self.vision_ids.end
+        if cfg.data.media.placeholders == "qwen":  # recorded for Qwen-VL's config.json (InternVL's has no such ids)
+            if vision.vision_start_token_id is None:
+                vision.vision_start_token_id = self.vision_ids.start
+            if vision.vision_end_token_id is None:
+                vision.vision_end_token_id = self.vision_ids.end
         if (vision.image_token_id, vision.video_token_id) != (self.vision_ids.image, self.vision_ids.video):
             raise ValueError(f"vision.image_token_id/video_token_id={vision.image_token_id}/{vision.video_token_id} "
                              f"differ from the tokenizer's {self.vision_ids.image}/{self.vision_ids.video}")

@@ -68,13 +68,14 @@ def frame_seconds(plan: MediaPlan) -> list[float]:
     return [(times[k] + times[k + group - 1]) / 2 for k in range(0, len(times), group)]
 
 
-def _expanded(record: Record, plans: list[MediaPlan], merge: int, video_timestamps: bool) -> list[dict]:
+def _expanded(record: Record, plans: list[MediaPlan], merge: int, video_timestamps: bool,
+              placeholders: str = "qwen") -> list[dict]:
     pending = iter(plans)
 
     def expand(match):
         plan = next(pending)
         seconds = frame_seconds(plan) if video_timestamps and plan.kind == "video" else None
-        return vision_text(plan.kind, plan.patches // (merge * merge), seconds)
+        return vision_text(plan.kind, plan.patches // (merge * merge), seconds, placeholders)
 
     return [{**m, "content": _TAGS.sub(expand, m["content"])} for m in record.messages]
 
@@ -130,7 +131,7 @@ def _write_index(directory: Path, path: Path, tokenizer, template: str | None, c
 
     for record in read_records(path, media_root):
         plans = [_plan(kind, p, cfg, geo, record.where) for kind, p in record.media]
-        pending.append(_expanded(record, plans, geo.merge, video_timestamps))
+        pending.append(_expanded(record, plans, geo.merge, video_timestamps, cfg.placeholders))
         pending_where.append(record.where)
         media.append(plans)
         wheres.append(record.where)

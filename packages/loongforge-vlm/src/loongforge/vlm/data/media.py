@@ -3,7 +3,9 @@
 An image is resized so that both sides are multiples of ``patch_size * spatial_merge_size``
 and its area is within ``[min_pixels, max_pixels]`` (aspect ratio kept as well as rounding
 allows), normalised, repeated to ``temporal_patch_size`` frames and cut into patches laid out
-block-major (see ``loongforge.vlm.encoders.geometry``). A video is decoded with PyAV, sampled to
+block-major (see ``loongforge.vlm.encoders.geometry``). With ``tile_size`` (InternVL) an image is
+instead cut into square tiles plus a thumbnail (``loongforge.vlm.data.tiles``), each tile one
+frame of the item's grid. A video is decoded with PyAV, sampled to
 ``fps`` frames per second (at most ``max_frames``, a multiple of ``temporal_patch_size``) and
 patchified the same way, every ``temporal_patch_size`` frames forming one temporal patch.
 
@@ -35,6 +37,11 @@ class MediaConfig:
     video_max_pixels: int = 64 * 64
     video_fps: float = 2.0
     video_max_frames: int = 8
+    tile_size: int = 0  # > 0: images become tiles of this side (InternVL's dynamic tiling); 0: one resized frame
+    min_tiles: int = 1  # the fewest tiles of an image (with tile_size)
+    max_tiles: int = 12  # the most tiles of an image, the thumbnail not counted
+    tile_thumbnail: bool = True  # a whole-image tile after the tiles of a multi-tile image
+    placeholders: str = "qwen"  # media tokens: qwen (<|vision_start|><|image_pad|>...) | internvl (<img><IMG_CONTEXT>...)
     mean: list[float] = field(default_factory=lambda: list(CLIP_MEAN))
     std: list[float] = field(default_factory=lambda: list(CLIP_STD))
 
@@ -44,6 +51,11 @@ class MediaConfig:
                 raise ValueError(f"data.media.{key}={getattr(self, key)}: must be >= 1")
         if self.min_pixels > self.max_pixels or self.video_min_pixels > self.video_max_pixels:
             raise ValueError("data.media: min_pixels must not exceed max_pixels (images and videos)")
+        if self.tile_size < 0 or not 1 <= self.min_tiles <= self.max_tiles:
+            raise ValueError(f"data.media: tile_size={self.tile_size}, min_tiles={self.min_tiles}, max_tiles="
+                             f"{self.max_tiles}: tile_size >= 0 and 1 <= min_tiles <= max_tiles")
+        if self.placeholders not in ("qwen", "internvl"):
+            raise ValueError(f"data.media.placeholders={self.placeholders!r}: one of qwen, internvl")
         if self.video_fps <= 0:
             raise ValueError(f"data.media.video_fps={self.video_fps}: must be > 0")
         if len(self.mean) != 3 or len(self.std) != 3 or min(self.std) <= 0:
@@ -115,8 +127,21 @@ def image_size(path: Path) -> tuple[int, int]:
         raise DataError(f"{path}: cannot read the image ({err})") from err
 
 
+def check_tiles(cfg: MediaConfig, geo: PatchGeometry) -> None:
+    """Tiles fit the encoder: single-frame patches, a side of whole merged patches."""
+    if geo.temporal_patch_size != 1 or cfg.tile_size % geo.factor:
+        raise ValueError(f"data.media.tile_size={cfg.tile_size}: needs an encoder of temporal_patch_size 1 (it has "
+                         f"{geo.temporal_patch_size}) and a multiple of patch_size x spatial_merge_size ({geo.factor})")
+
+
 def image_grid(path: Path, cfg: MediaConfig, geo: PatchGeometry) -> tuple[int, int, int]:
     width, height = image_size(path)
+    if cfg.tile_size:
+        from loongforge.vlm.data.tiles import tile_count
+
+        check_tiles(cfg, geo)
+        side = cfg.tile_size // geo.patch_size
+        return tile_count(height, width, cfg.tile_size, cfg.min_tiles, cfg.max_tiles, cfg.tile_thumbnail), side, side
     h, w = fit_size(height, width, geo.factor, cfg.min_pixels, cfg.max_pixels)
     return 1, h // geo.patch_size, w // geo.patch_size
 
@@ -125,6 +150,12 @@ def load_image(path: Path, cfg: MediaConfig, geo: PatchGeometry) -> tuple[np.nda
     from PIL import Image
 
     _, gh, gw = image_grid(path, cfg, geo)
+    if cfg.tile_size:
+        from loongforge.vlm.data.tiles import tile_image
+
+        with Image.open(path) as img:
+            tiles = tile_image(img.convert("RGB"), cfg.tile_size, cfg.min_tiles, cfg.max_tiles, cfg.tile_thumbnail)
+        return patchify(_normalise(tiles, cfg), geo)
     with Image.open(path) as img:
         rgb = np.asarray(img.convert("RGB").resize((gw * geo.patch_size, gh * geo.patch_size), Image.BICUBIC))
     frame = _normalise(rgb, cfg)[None]

@@ -1,9 +1,11 @@
-"""The tokenizer of a VLM: a ``transformers`` tokenizer with Qwen2-VL's vision special tokens.
+"""The tokenizer of a VLM: a ``transformers`` tokenizer with the vision special tokens of a
+placeholder layout (``data.media.placeholders``).
 
-An image becomes ``<|vision_start|>`` + one ``<|image_pad|>`` per vision token +
-``<|vision_end|>`` (``<|video_pad|>`` for a video). A tokenizer that lacks these tokens (the
-bundled text tokenizer of loongforge-llm, the default) gets them appended, so their ids follow
-its vocabulary.
+``qwen`` (Qwen2-VL's): an image becomes ``<|vision_start|>`` + one ``<|image_pad|>`` per vision
+token + ``<|vision_end|>`` (``<|video_pad|>`` for a video). ``internvl``: ``<img>`` + one
+``<IMG_CONTEXT>`` per vision token + ``</img>``, for videos too. A tokenizer that lacks these
+tokens (the bundled text tokenizer of loongforge-llm, the default) gets them appended, so their
+ids follow its vocabulary.
 """
 
 from __future__ import annotations
@@ -16,6 +18,24 @@ from loongforge.llm.api import DataError
 VISION_START, VISION_END = "<|vision_start|>", "<|vision_end|>"
 IMAGE_PAD, VIDEO_PAD = "<|image_pad|>", "<|video_pad|>"
 VISION_TOKENS = (VISION_START, VISION_END, IMAGE_PAD, VIDEO_PAD)
+
+
+@dataclass(frozen=True)
+class PlaceholderLayout:
+    """The special tokens that stand for an image or a video."""
+
+    start: str
+    end: str
+    image: str
+    video: str
+
+    @property
+    def tokens(self) -> tuple[str, ...]:
+        return tuple(dict.fromkeys((self.start, self.end, self.image, self.video)))
+
+
+PLACEHOLDERS = {"qwen": PlaceholderLayout(VISION_START, VISION_END, IMAGE_PAD, VIDEO_PAD),
+                "internvl": PlaceholderLayout("<img>", "</img>", "<IMG_CONTEXT>", "<IMG_CONTEXT>")}
 
 
 def default_tokenizer_dir() -> Path:
@@ -32,27 +52,32 @@ class VisionTokenIds:
     end: int
 
 
-def load_vlm_tokenizer(path: str | Path | None = None):
-    """``(tokenizer, VisionTokenIds)`` of a local tokenizer directory (default: the bundled one)."""
+def load_vlm_tokenizer(path: str | Path | None = None, placeholders: str = "qwen"):
+    """``(tokenizer, VisionTokenIds)`` of a local tokenizer directory (default: the bundled one)
+    with the tokens of the ``placeholders`` layout."""
     from loongforge.llm.api import load_chat_tokenizer
 
+    layout = PLACEHOLDERS[placeholders]
     tokenizer = load_chat_tokenizer(Path(path) if path is not None else default_tokenizer_dir())
     vocab = tokenizer.get_vocab()
-    missing = [t for t in VISION_TOKENS if t not in vocab]
+    missing = [t for t in layout.tokens if t not in vocab]
     if missing:
         tokenizer.add_special_tokens({"additional_special_tokens": missing}, replace_extra_special_tokens=False)
-    ids = VisionTokenIds(*(tokenizer.convert_tokens_to_ids(t) for t in (IMAGE_PAD, VIDEO_PAD, VISION_START, VISION_END)))
-    if len({ids.image, ids.video, ids.start, ids.end}) != 4 or None in (ids.image, ids.video, ids.start, ids.end):
-        raise DataError(f"tokenizer {path or default_tokenizer_dir()}: {VISION_TOKENS} do not have distinct ids ({ids})")
+    ids = VisionTokenIds(*(tokenizer.convert_tokens_to_ids(t) for t in (layout.image, layout.video, layout.start,
+                                                                          layout.end)))
+    by_token = {t: tokenizer.convert_tokens_to_ids(t) for t in layout.tokens}
+    if len(set(by_token.values())) != len(by_token) or None in by_token.values():
+        raise DataError(f"tokenizer {path or default_tokenizer_dir()}: {layout.tokens} do not have distinct ids ({ids})")
     return tokenizer, ids
 
 
-def vision_text(kind: str, tokens: int, frame_seconds: list[float] | None = None) -> str:
+def vision_text(kind: str, tokens: int, frame_seconds: list[float] | None = None, placeholders: str = "qwen") -> str:
     """The text that stands for one image/video of ``tokens`` vision tokens. With
     ``frame_seconds`` (a video's time of each temporal patch group, Qwen3-VL's layout) every group
     is its own run after its timestamp: ``<1.5 seconds><|vision_start|>...<|vision_end|>``."""
-    pad = IMAGE_PAD if kind == "image" else VIDEO_PAD
+    layout = PLACEHOLDERS[placeholders]
+    pad = layout.image if kind == "image" else layout.video
     if kind == "image" or frame_seconds is None:
-        return VISION_START + pad * tokens + VISION_END
+        return layout.start + pad * tokens + layout.end
     per_frame = tokens // len(frame_seconds)
-    return "".join(f"<{t:.1f} seconds>" + VISION_START + pad * per_frame + VISION_END for t in frame_seconds)
+    return "".join(f"<{t:.1f} seconds>" + layout.start + pad * per_frame + layout.end for t in frame_seconds)

@@ -1,6 +1,7 @@
 """Vision encoders on megatron-core. Each family is one module (its config class, its
 ``VisionEncoder`` and its ``ComponentSpec``) registered under ``loongforge.components``:
-``qwen2_5_vit`` (Qwen2.5-VL's ViT), ``siglip_vit`` (SigLIP)."""
+``qwen2_5_vit`` (Qwen2.5-VL's ViT), ``qwen3_vit`` (Qwen3-VL's), ``siglip_vit`` (SigLIP), ``internvit``
+(InternVL's InternViT)."""
 
 from __future__ import annotations
 

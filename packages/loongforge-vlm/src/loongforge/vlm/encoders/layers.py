@@ -21,7 +21,7 @@ from loongforge.vlm.model_config import EncoderConfig
 SHARED_RUNTIME_FIELDS = ("params_dtype", "bf16", "fp16", "use_cpu_initialization", "perform_initialization",
                          "pipeline_dtype", "deterministic_mode")
 
-ACTIVATIONS = {"silu": F.silu, "gelu_tanh": partial(F.gelu, approximate="tanh")}
+ACTIVATIONS = {"silu": F.silu, "gelu_tanh": partial(F.gelu, approximate="tanh"), "gelu": F.gelu}
 
 _FUSIONS_OFF = dict(bias_activation_fusion=False, masked_softmax_fusion=False, persist_layer_norm=False,
                     bias_dropout_fusion=False, apply_rope_fusion=False, gradient_accumulation_fusion=False)
@@ -49,7 +49,8 @@ def encoder_transformer_config(cfg: EncoderConfig, tp: int, recompute: str, foun
         gated_linear_unit=cfg.gated_mlp,
         activation_func=ACTIVATIONS[cfg.activation],
         add_bias_linear=True,
-        add_qkv_bias=True,
+        add_qkv_bias=cfg.qkv_bias,
+        qk_layernorm=cfg.qk_norm,
         hidden_dropout=0.0,
         attention_dropout=0.0,
         init_method_std=cfg.init_method_std,
@@ -85,9 +86,12 @@ def projector_transformer_config(hidden_in: int, ffn_hidden_size: int, hidden_ou
     )
 
 
-def vit_layer_spec(segment_row: int):
+def vit_layer_spec(segment_row: int, cfg: EncoderConfig | None = None):
     """One ViT layer: pre-norm self-attention within segments (``segment_row``) and an MLP;
-    norm type, gating and activation come from the encoder's TransformerConfig."""
+    norm type, gating and activation come from the encoder's TransformerConfig. The encoder's
+    config may add layer scale on both branches (``layer_scale``) and a query/key RMSNorm over
+    all heads together (``qk_norm``)."""
+    import dataclasses
     from megatron.core.models.backends import LocalSpecProvider
     from megatron.core.models.gpt.gpt_layer_specs import get_mlp_module_spec_for_backend
     from megatron.core.fusions.fused_bias_dropout import get_bias_dropout_add
@@ -98,6 +102,19 @@ def vit_layer_spec(segment_row: int):
 
     backend = LocalSpecProvider()
     norm = backend.layer_norm(rms_norm=False, for_qk=False, has_residual=True)  # follows config.normalization
+    out_linear = backend.row_parallel_linear()
+    mlp = get_mlp_module_spec_for_backend(backend=backend)
+    if cfg is not None and cfg.layer_scale:
+        from loongforge.vlm.encoders.layer_scale import LayerScaledRowParallelLinear
+
+        out_linear = partial(LayerScaledRowParallelLinear, layer_scale_init=cfg.layer_scale_init)
+        mlp = partial(mlp.func, *mlp.args, **{**mlp.keywords, "submodules": dataclasses.replace(
+            mlp.keywords["submodules"], linear_fc2=out_linear)})
+    qk_norm = None
+    if cfg is not None and cfg.qk_norm:
+        from loongforge.vlm.encoders.qk_norm import WholeWidthRMSNorm
+
+        qk_norm = WholeWidthRMSNorm
     return ModuleSpec(
         module=TransformerLayer,
         submodules=TransformerLayerSubmodules(
@@ -108,12 +125,14 @@ def vit_layer_spec(segment_row: int):
                 submodules=SelfAttentionSubmodules(
                     linear_qkv=backend.column_parallel_linear(),
                     core_attention=ModuleSpec(module=SegmentAttention, params={"segment_row": segment_row}),
-                    linear_proj=backend.row_parallel_linear(),
+                    linear_proj=out_linear,
+                    q_layernorm=qk_norm,
+                    k_layernorm=qk_norm,
                 ),
             ),
             self_attn_bda=get_bias_dropout_add,
             pre_mlp_layernorm=norm,
-            mlp=get_mlp_module_spec_for_backend(backend=backend),
+            mlp=mlp,
             mlp_bda=get_bias_dropout_add,
             # checkpoint names of the fused-norm (Transformer Engine) layout, as megatron's GPT specs use
             sharded_state_dict_keys_map={
@@ -130,7 +149,7 @@ def vit_block_spec(cfg: EncoderConfig):
     from megatron.core.models.backends import LocalSpecProvider
     from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
 
-    specs = [vit_layer_spec(FULL if cfg.full_attention(i) else WINDOW) for i in range(cfg.num_layers)]
+    specs = [vit_layer_spec(FULL if cfg.full_attention(i) else WINDOW, cfg) for i in range(cfg.num_layers)]
     return TransformerBlockSubmodules(layer_specs=specs, layer_norm=LocalSpecProvider().layer_norm())
 
 

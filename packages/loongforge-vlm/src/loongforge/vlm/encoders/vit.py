@@ -35,6 +35,25 @@ class VisionEncoder(MegatronModule):
         self.decoder = TransformerBlock(config=config, spec=vit_block_spec(cfg), post_layer_norm=cfg.post_norm,
                                         pg_collection=pg_collection)
 
+    @staticmethod
+    def check_patches(pixel_values: torch.Tensor, grid_thw: torch.Tensor) -> int:
+        """The number of patches, checked against what the grids describe."""
+        total = pixel_values.shape[0]
+        if sum(geometry.patch_counts(grid_thw)) != total:
+            raise ValueError(f"grid_thw {grid_thw.tolist()} describes {sum(geometry.patch_counts(grid_thw))} "
+                             f"patches, pixel_values has {total}")
+        return total
+
+    def run_block(self, x: torch.Tensor, segments: torch.Tensor, rot: torch.Tensor | None,
+                  layers: tuple[int, ...]) -> list[torch.Tensor]:
+        """The block over ``x [s, hidden]`` with segment ids ``segments [2, s]`` and rotary angles
+        ``rot [s, head_dim]`` (or None): the final output, then those of the 0-based ``layers``."""
+        out = self.decoder(x[:, None, :], attention_mask=segments,
+                           rotary_pos_emb=rot[:, None, None, :] if rot is not None else None,
+                           extract_layer_indices=set(layers))
+        out, extracted = out if layers else (out, [])
+        return [t[:, 0] for t in (out, *extracted)]
+
     def embed(self, pixel_values: torch.Tensor, grid_thw: torch.Tensor) -> torch.Tensor:
         return self.patch_embed(pixel_values.to(self.patch_embed.weight.dtype))
 
@@ -50,10 +69,7 @@ class VisionEncoder(MegatronModule):
                  layers: tuple[int, ...] = ()) -> tuple[torch.Tensor, list[torch.Tensor]]:
         """The final features ``[patches, hidden]`` and the outputs of the 0-based ``layers``
         (DeepStack), each ``[patches, hidden]``, patches in input order."""
-        total = pixel_values.shape[0]
-        if sum(geometry.patch_counts(grid_thw)) != total:
-            raise ValueError(f"grid_thw {grid_thw.tolist()} describes {sum(geometry.patch_counts(grid_thw))} "
-                             f"patches, pixel_values has {total}")
+        total = self.check_patches(pixel_values, grid_thw)
         x = self.embed(pixel_values, grid_thw)
         rot = self.rotary(grid_thw)
         frames = segment_ids(geometry.frame_cu_seqlens(grid_thw), total)
@@ -67,12 +83,7 @@ class VisionEncoder(MegatronModule):
             windows = segment_ids(torch.nn.functional.pad(lengths.cumsum(0), (1, 0)), total)
         else:
             windows = frames
-        segments = torch.stack([frames, windows])
-        out = self.decoder(x[:, None, :], attention_mask=segments,
-                           rotary_pos_emb=rot[:, None, None, :] if rot is not None else None,
-                           extract_layer_indices=set(layers))
-        out, extracted = out if layers else (out, [])
-        outputs = [t[:, 0] for t in (out, *extracted)]
+        outputs = self.run_block(x, torch.stack([frames, windows]), rot, layers)
         if perm is not None:
             inverse = torch.argsort(perm)
             outputs = [t[inverse] for t in outputs]

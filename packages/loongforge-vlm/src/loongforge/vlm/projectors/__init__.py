@@ -1,6 +1,7 @@
 """Projectors (vision features -> foundation embeddings). Each family is one module (its config
 class and its ``ComponentSpec``; the module is ``base.Projector``) registered under
-``loongforge.components``: ``patch_merge_mlp`` (Qwen2.5-VL's merger), ``mlp`` (LLaVA's)."""
+``loongforge.components``: ``patch_merge_mlp`` (Qwen2.5-VL's merger), ``mlp`` (LLaVA's),
+``internvl_pixel_shuffle_mlp`` (InternVL's)."""
 
 from __future__ import annotations
 
