@@ -104,8 +104,8 @@ SIGLIP_LLAMA = ["encoder=siglip_vit_debug", "projector=mlp_2x", "foundation=llam
 @pytest.mark.parametrize("model, layout", [
     ([], ["parallel.cp=2"]),
     (QWEN3_VL, ["parallel.cp=2"]),
-    (SIGLIP_LLAMA, ["parallel.cp=2"]),
-    ([], ["parallel.cp=2", "parallel.tp=2", "parallel.encoder.tp=1"]),
+    pytest.param(SIGLIP_LLAMA, ["parallel.cp=2"], marks=pytest.mark.long),
+    pytest.param([], ["parallel.cp=2", "parallel.tp=2", "parallel.encoder.tp=1"], marks=pytest.mark.long),  # 4 processes
 ], ids=["qwen2.5-vl", "qwen3-vl-deepstack", "siglip-llama-1d-rope", "qwen2.5-vl-tp2-cp2"])
 def test_context_parallel_cp2_matches_one_process(model, layout, tmp_path, vlm_cache):
     """parallel.cp=2: each conversation of the packed (THD) rows padded to a multiple of 2*cp and
