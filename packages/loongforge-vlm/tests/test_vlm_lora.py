@@ -49,6 +49,22 @@ def tiny_internvl(ids):
         text_config=text, vision_config=vision, image_token_id=ids.image, tie_word_embeddings=False)))
 
 
+def tiny_qwen3_vl(ids):
+    from transformers import Qwen3VLConfig, Qwen3VLForConditionalGeneration
+
+    from vlm_hf_cases import randomize_
+
+    text = dict(vocab_size=1280, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                num_key_value_heads=2, head_dim=16, rms_norm_eps=1e-6, max_position_embeddings=1024,
+                rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3],
+                                 "mrope_interleaved": True})
+    vision = dict(depth=2, hidden_size=32, intermediate_size=64, num_heads=2, patch_size=8, temporal_patch_size=2,
+                  spatial_merge_size=2, out_hidden_size=64, num_position_embeddings=16, deepstack_visual_indexes=[0])
+    return randomize_(Qwen3VLForConditionalGeneration(Qwen3VLConfig(
+        text_config=text, vision_config=vision, image_token_id=ids.image, video_token_id=ids.video,
+        vision_start_token_id=ids.start, vision_end_token_id=ids.end)))
+
+
 def internvl_image_and_text(ids):
     """One sequence: text, one 32x32 tile (4 LLM tokens), text."""
     g = torch.Generator().manual_seed(1)
@@ -66,11 +82,21 @@ def image_and_text(ids):
                 image_grid_thw=torch.tensor([[1, 4, 4]]))
 
 
+def qwen3_image_and_text(ids):
+    """``image_and_text`` plus the token types Qwen3-VL's multimodal RoPE reads (1: image)."""
+    inputs = image_and_text(ids)
+    return {**inputs, "mm_token_type_ids": (inputs["input_ids"] == ids.image).int()}
+
+
 # model, its placeholders, LoRA targets, inputs, the encoder's layers left out, modules PEFT must adapt
 CASES = {
     "qwen2_5_vl": (tiny_qwen2_5_vl, "qwen", TARGETS, image_and_text, "linear_fc1",
                    {"base_model.model.model.visual.blocks.0.attn.qkv", "base_model.model.model.visual.merger.mlp.0",
                     "base_model.model.model.language_model.layers.1.self_attn.v_proj"}),
+    # Qwen3-VL's checkpoint names are already transformers' module names
+    "qwen3_vl": (tiny_qwen3_vl, "qwen", TARGETS, qwen3_image_and_text, "linear_fc1",
+                 {"base_model.model.model.visual.blocks.0.attn.qkv",
+                  "base_model.model.model.language_model.layers.1.self_attn.v_proj"}),
     # InternViT's linear_fc2 is layer-scaled (refused as a target): its MLP input instead
     "internvl": (tiny_internvl, "internvl", TARGETS.replace("encoder.linear_fc2", "encoder.linear_fc1"),
                  internvl_image_and_text, "linear_fc2",

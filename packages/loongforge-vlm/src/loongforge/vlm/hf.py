@@ -99,13 +99,16 @@ PATCH_MERGER_MAPPING = HFMapping(
 def module_name(hf_name: str) -> str:
     """The module path in transformers' ``Qwen2_5_VLForConditionalGeneration`` of a checkpoint
     name, which keeps the older layout (``visual.*`` is ``model.visual.*``, ``model.*`` of the
-    language model is ``model.language_model.*``; ``lm_head`` is itself); InternVL's names
+    language model is ``model.language_model.*``; ``lm_head`` is itself; Qwen3-VL's checkpoints
+    already use the module layout); InternVL's names
     (``vision_tower.*``, ``language_model.model.*`` ...) as ``hf_internvl.module_name`` says."""
     from loongforge.vlm.hf_internvl import module_name as internvl_module_name
 
     internvl = internvl_module_name(hf_name)
     if internvl is not None:
         return internvl
+    if hf_name.startswith(("model.visual.", "model.language_model.")):  # Qwen3-VL: already the module layout
+        return hf_name
     if hf_name.startswith("visual."):
         return "model." + hf_name
     if hf_name.startswith("model."):
