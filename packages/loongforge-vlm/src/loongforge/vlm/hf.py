@@ -52,9 +52,14 @@ class FusedQKV(Transform):
 
 
 class PatchEmbedding(Transform):
-    """``Conv3d`` weight ``[hidden, C, T, p, p]`` <-> linear weight ``[hidden, C*T*p*p]`` (stride = kernel)."""
+    """A convolution's weight ``[hidden, *kernel]`` <-> a linear weight ``[hidden, prod(kernel)]``
+    (stride = kernel); ``kernel``: the config keys of the kernel's dims after the output channels
+    (``Conv3d``: ``C, T, p, p``; ``Conv2d``: ``C, p, p``)."""
 
     n_hf, n_lf = 1, 1
+
+    def __init__(self, kernel: tuple[str, ...] = ("in_channels", "temporal_patch_size", "patch_size", "patch_size")):
+        self.kernel = kernel
 
     def to_lf(self, tensors, ctx):
         (w,) = tensors
@@ -62,12 +67,12 @@ class PatchEmbedding(Transform):
 
     def to_hf(self, tensors, ctx):
         (w,) = tensors
-        c, t, p = (int(config_value(ctx.cfg, k)) for k in ("in_channels", "temporal_patch_size", "patch_size"))
-        return [w.reshape(w.shape[0], c, t, p, p).clone()]
+        return [w.reshape(w.shape[0], *(int(config_value(ctx.cfg, k)) for k in self.kernel)).clone()]
 
 
 register_transform("vit_fused_qkv", FusedQKV())
-register_transform("vit_patch_embedding", PatchEmbedding())
+register_transform("vit_patch_embedding", PatchEmbedding())  # Qwen2.5-VL / Qwen3-VL: Conv3d
+register_transform("vit_conv2d_patch_embedding", PatchEmbedding(kernel=("in_channels", "patch_size", "patch_size")))  # InternViT
 
 _BLOCK, _LAYER = "blocks.{layer}.", "decoder.layers.{layer}."
 

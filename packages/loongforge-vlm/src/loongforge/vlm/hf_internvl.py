@@ -12,8 +12,7 @@ tensor no table names is an error naming it, in both directions.
 
 from __future__ import annotations
 
-from loongforge.core.hf_mapping import FuseQKV, HFMapping, MappingError, Rule, Transform, register_transform
-from loongforge.core.hf_mapping.transforms import config_value
+from loongforge.core.hf_mapping import FuseQKV, HFMapping, MappingError, Rule, register_transform
 from loongforge.vlm import hf_config_parts as parts
 
 ARCHITECTURE = "InternVLForConditionalGeneration"
@@ -22,22 +21,6 @@ PROJECTOR_EPS = 1e-5  # transformers' projector LayerNorm keeps nn.LayerNorm's d
 IMAGENET_MEAN, IMAGENET_STD = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)  # InternVL's preprocessor_config.json
 
 
-class Conv2dPatchEmbedding(Transform):
-    """``Conv2d`` weight ``[hidden, C, p, p]`` <-> linear weight ``[hidden, C*p*p]`` (stride = kernel)."""
-
-    n_hf, n_lf = 1, 1
-
-    def to_lf(self, tensors, ctx):
-        (w,) = tensors
-        return [w.reshape(w.shape[0], -1).clone()]
-
-    def to_hf(self, tensors, ctx):
-        (w,) = tensors
-        c, p = (int(config_value(ctx.cfg, k)) for k in ("in_channels", "patch_size"))
-        return [w.reshape(w.shape[0], c, p, p).clone()]
-
-
-register_transform("vit_conv2d_patch_embedding", Conv2dPatchEmbedding())
 register_transform("vit_separate_qkv", FuseQKV(heads="num_attention_heads", groups="num_attention_heads",
                                                head_dim="head_dim"))
 

@@ -14,6 +14,7 @@ conditions the expert's norms (``expert_cond_dim``: Pi0.5's adaptive RMSNorm) or
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 
 import torch
@@ -62,7 +63,7 @@ def suffix_masks(lengths: tuple[int, ...], batch: int, device: torch.device) -> 
     return pad, att
 
 
-class ActionExpertPolicy(nn.Module):
+class ActionExpertPolicy(nn.Module, ABC):
     """Backbone + action expert; a family adds its suffix embedding (``embed_suffix``) and heads,
     then calls ``finish_init``."""
 
@@ -111,9 +112,10 @@ class ActionExpertPolicy(nn.Module):
         return layer(*args, **kwargs)
 
     # -- model ----------------------------------------------------------------------------
+    @abstractmethod
     def embed_suffix(self, batch: dict[str, torch.Tensor], x_t: torch.Tensor, t: torch.Tensor):
-        """``(tokens [B, S, expert width], validity [B, S], block starts [B, S], expert condition or None)``."""
-        raise NotImplementedError
+        """``(tokens [B, S, expert width], validity [B, S], block starts [B, S], expert condition or None)``:
+        what each policy (Pi0: state token + action-time MLP; Pi0.5: adaRMS time) puts after the prefix."""
 
     def _velocity_out(self, suffix: torch.Tensor, cond) -> torch.Tensor:
         out, _ = self.expert_norm(suffix, cond)
