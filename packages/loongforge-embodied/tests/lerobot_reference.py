@@ -11,6 +11,7 @@ pi05/modeling_pi05.py); every forward method that runs is LeRobot's.
 
 from __future__ import annotations
 
+import torch
 import torch.nn as nn
 from lerobot.configs import FeatureType, PolicyFeature
 from lerobot.policies.pi0 import modeling_pi0
@@ -135,3 +136,43 @@ def lerobot_loss(model, batch, noise, t):
     state = (batch["state"],) if isinstance(model, modeling_pi0.PI0Pytorch) else ()
     return model.forward(list(batch["images"].unbind(1)), list(batch["image_mask"].unbind(1)), batch["tokens"],
                          batch["token_mask"], *state, batch["actions"], noise, t)
+
+
+TIED_LM_HEAD = "paligemma_with_expert.paligemma.lm_head.weight"  # tied to the token embedding
+EXPERT_LM_HEAD = "paligemma_with_expert.gemma_expert.lm_head.weight"  # never used by either policy
+
+
+def assert_same_loss_and_gradients(ref, ours, from_lerobot, batch, noise, t, rtol: float, atol: float):
+    """LeRobot's ``ref`` and our ``ours`` (its weights): the same per-element loss (``rtol``/``atol``)
+    and, for the mean loss, the same gradient of every trainable parameter; the frozen ones get
+    none from LeRobot either. Returns our loss."""
+    ref.zero_grad(), ours.zero_grad()
+    ref_loss = lerobot_loss(ref, batch, noise, t)
+    our_loss = ours(batch, noise, t)
+    torch.testing.assert_close(our_loss, ref_loss, rtol=rtol, atol=atol)
+    ref_loss.mean().backward()
+    our_loss.mean().backward()
+    ref_grads = from_lerobot({k: p.grad for k, p in ref.named_parameters() if p.grad is not None}, partial=True)
+    checked = 0
+    for name, p in ours.named_parameters():
+        if p.requires_grad:
+            torch.testing.assert_close(p.grad, ref_grads[name], rtol=1e-4, atol=1e-6, msg=name)
+            checked += 1
+        else:  # frozen here because LeRobot's loss does not reach them either
+            assert name not in ref_grads or ref_grads[name].abs().max() == 0, name
+    assert checked > 50
+    return our_loss
+
+
+def assert_exported_state_dict(ref, ours, exported: dict) -> None:
+    """Our export in LeRobot's names (no policy prefix) is LeRobot's state dict bit for bit, but for
+    the expert's unused lm_head (zeros) and the tied lm_head (our token embedding)."""
+    sd = ref.state_dict()
+    assert set(exported) == set(sd)
+    for key, value in sd.items():
+        if key == EXPERT_LM_HEAD:
+            assert exported[key].shape == value.shape and exported[key].abs().max() == 0
+        elif key == TIED_LM_HEAD:
+            assert torch.equal(exported[key], ours.prefix.embed_tokens.weight.detach())
+        else:
+            assert torch.equal(exported[key], value), key

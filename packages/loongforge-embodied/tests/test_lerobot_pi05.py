@@ -9,15 +9,14 @@ import pytest
 import torch
 
 from embodied_helpers import policy_batch as make_batch
-from lerobot_reference import build_lerobot_pi05, lerobot_loss, perturb_norms
+from lerobot_reference import (TIED_LM_HEAD, assert_exported_state_dict, assert_same_loss_and_gradients,
+                               build_lerobot_pi05, lerobot_loss, perturb_norms)
 from loongforge.core.hf_mapping import MappingError
 from loongforge.embodied.convert.lerobot_pi05 import from_lerobot_pi05, to_lerobot_pi05
 from loongforge.embodied.policies.flow_matching import euler_integrate
 from loongforge.embodied.policies import build_policy, policy_config
 
 IMAGE = 32
-TIED = "paligemma_with_expert.paligemma.lm_head.weight"
-UNUSED = "paligemma_with_expert.gemma_expert.lm_head.weight"
 
 
 @pytest.fixture(scope="module")
@@ -33,42 +32,19 @@ def pair():
 
 def test_same_loss_and_gradients_as_lerobot(pair):
     cfg, ref, ours = pair
-    batch, noise, t = make_batch(cfg)
-    ref.zero_grad(), ours.zero_grad()
-    ref_loss = lerobot_loss(ref, batch, noise, t)
-    our_loss = ours(batch, noise, t)
-    torch.testing.assert_close(our_loss, ref_loss, rtol=1e-4, atol=1e-5)
-    ref_loss.mean().backward()
-    our_loss.mean().backward()
-    ref_grads = from_lerobot_pi05({k: p.grad for k, p in ref.named_parameters() if p.grad is not None}, partial=True)
-    checked = 0
-    for name, p in ours.named_parameters():
-        if p.requires_grad:
-            torch.testing.assert_close(p.grad, ref_grads[name], rtol=1e-4, atol=1e-6, msg=name)
-            checked += 1
-        else:  # frozen here because LeRobot's loss does not reach them either
-            assert name not in ref_grads or ref_grads[name].abs().max() == 0, name
-    assert checked > 50
+    assert_same_loss_and_gradients(ref, ours, from_lerobot_pi05, *make_batch(cfg), rtol=1e-4, atol=1e-5)
 
 
 def test_state_dict_round_trip(pair):
     _, ref, ours = pair
     sd = ref.state_dict()
-    back = to_lerobot_pi05(ours.state_dict(), policy_prefix=False)
-    assert set(back) == set(sd)
-    for key, value in sd.items():
-        if key == UNUSED:  # the expert's lm_head is never used by Pi0.5: exported as zeros
-            assert back[key].shape == value.shape and back[key].abs().max() == 0
-        elif key == TIED:  # exported as the tied token embedding
-            torch.testing.assert_close(back[key], ours.prefix.embed_tokens.weight.detach())
-        else:
-            assert torch.equal(back[key], value), key
+    assert_exported_state_dict(ref, ours, to_lerobot_pi05(ours.state_dict(), policy_prefix=False))
     saved = to_lerobot_pi05(ours.state_dict())  # a saved PI05Policy prefixes every key with "model."
     assert all(k.startswith("model.") for k in saved)
     assert set(from_lerobot_pi05(saved)) == set(ours.state_dict())
     # a checkpoint holding only the tied lm_head (openpi exports) still provides the embedding
     only_lm_head = {k: v for k, v in sd.items() if not k.endswith("language_model.embed_tokens.weight")}
-    assert torch.equal(from_lerobot_pi05(only_lm_head)["prefix.embed_tokens.weight"], sd[TIED])
+    assert torch.equal(from_lerobot_pi05(only_lm_head)["prefix.embed_tokens.weight"], sd[TIED_LM_HEAD])
     with pytest.raises(MappingError, match="bogus"):
         from_lerobot_pi05({**sd, "paligemma_with_expert.bogus.weight": torch.zeros(1)})
 
