@@ -3,9 +3,10 @@
 # device call:
 #
 #   bash bench/h200_batch.sh check    # correctness: GPU-marked tests (compiled Triton), every CLI trains
-#   bash bench/h200_batch.sh bench-a  # Liger's loss check, lf-llm bench (HF + compile, + Liger), lf-vlm bench (transformers, compiled)
+#   bash bench/h200_batch.sh bench-a  # lf-llm bench (HF + compile, + Liger), lf-vlm bench (transformers, compiled)
+#   python3 bench/liger_check.py      # (before trusting hf_liger) Liger's loss per kernel, eager and compiled
 #   bash bench/h200_batch.sh bench-b  # lf-diffusion bench (diffusers, compile_repeated_blocks), DSA, FP8 GEMMs
-#   bash bench/h200_batch.sh embodied # lf-embodied bench --against-lerobot (needs lerobot and its imports in .whl/)
+#   bash bench/h200_batch.sh embodied # lf-embodied bench --against-lerobot (needs lerobot and its imports in .whl-emb/)
 #   bash bench/h200_batch.sh long     # train_0_5b at 32K and 128K tokens: plain, activation offload, ChunkPipe
 #
 # Each bench prints its baseline's settings, both sides' first-step losses and peak memory, and the
@@ -70,9 +71,9 @@ check)
   ;;
 bench-a)
   environment
-  bench 120 python3 "$repo/bench/liger_check.py"   # is the Liger baseline's loss transformers' own?
   bench 230 python3 "$repo/bench/llm_throughput.py" --skip hf_eager
-  bench 170 python3 "$repo/bench/vlm_throughput.py" --skip hf_eager
+  # one round: transformers' compiled Qwen2.5-VL takes ~150 s to compile on the H100
+  bench 250 python3 "$repo/bench/vlm_throughput.py" --skip hf_eager --rounds 1
   ;;
 bench-b)
   environment
@@ -106,7 +107,9 @@ PY
   ;;
 embodied)
   environment
-  bench 500 python3 "$repo/bench/embodied_throughput.py"
+  # LeRobot compiles PI05 with mode max-autotune (its default), which alone took more than 8 min on
+  # the H100 (2026-12-05): one round, and this stage wants a call of its own
+  bench 580 python3 "$repo/bench/embodied_throughput.py" --rounds 1
   ;;
 *) echo "unknown stage $stage"; exit 2 ;;
 esac

@@ -50,21 +50,19 @@ def main() -> int:
     if args.one:
         print(json.dumps(one(args.one, args.compile)))
         return 0
-    rows = []
+    print(f"{'variant':28s} {'compile':8s} {'loss':>10s} {'grad norm':>11s}  vs plain", flush=True)
+    plain = {}
     for compile_ in (False, True):
         for variant in (VARIANTS if not compile_ else ("plain", "all")):
             cmd = [sys.executable, __file__, "--one", variant] + (["--compile"] if compile_ else [])
             done = subprocess.run(cmd, capture_output=True, text=True, timeout=240)
             if done.returncode:
-                print(f"{variant} compile={compile_}: failed\n{done.stderr[-1500:]}")
+                print(f"{variant} compile={compile_}: failed\n{done.stderr[-1500:]}", flush=True)
                 continue
-            rows.append(json.loads(done.stdout.strip().splitlines()[-1]))
-    plain = {r["compile"]: r for r in rows if r["variant"] == "plain"}
-    print(f"{'variant':28s} {'compile':8s} {'loss':>10s} {'grad norm':>11s}  vs plain")
-    for r in rows:
-        base = plain.get(r["compile"])
-        diff = f"{r['loss'] - base['loss']:+.4f} / {r['grad_norm'] / base['grad_norm']:.4f}x" if base else "-"
-        print(f"{r['variant']:28s} {str(r['compile']):8s} {r['loss']:10.4f} {r['grad_norm']:11.4f}  {diff}")
+            r = json.loads(done.stdout.strip().splitlines()[-1])
+            base = plain.setdefault(compile_, r)
+            diff = f"{r['loss'] - base['loss']:+.4f} / {r['grad_norm'] / base['grad_norm']:.4f}x"
+            print(f"{variant:28s} {str(compile_):8s} {r['loss']:10.4f} {r['grad_norm']:11.4f}  {diff}", flush=True)
     return 0
 
 
