@@ -108,7 +108,9 @@ PY
 embodied)
   environment
   # LeRobot compiles PI05 with mode max-autotune (its default), which alone took more than 8 min on
-  # the H100 (2026-12-05): one round, and this stage wants a call of its own
+  # the H100 (2026-12-05): one round, in a call of its own, run twice back to back on the same warm
+  # machine: the second call finds inductor's FX-graph and autotuning caches (/tmp/torchinductor_*)
+  # the first one filled and compiles in a fraction of the time
   bench 580 python3 "$repo/bench/embodied_throughput.py" --rounds 1
   ;;
 *) echo "unknown stage $stage"; exit 2 ;;
