@@ -16,6 +16,16 @@ def cli_env(env: dict | None = None) -> dict:
     return {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", **(env or {})}
 
 
+def assert_one_error_line(err: str, *names: str) -> str:
+    """stderr holds exactly one ``error:`` line, it names every one of ``names``, and no traceback."""
+    assert "Traceback" not in err, err
+    lines = [line for line in err.splitlines() if line.startswith("error:")]
+    assert len(lines) == 1, err
+    for name in names:
+        assert name in lines[0], (name, lines[0])
+    return lines[0]
+
+
 def run_cli(args: list[str], nproc: int = 1, env: dict | None = None, timeout: int = 600) -> subprocess.CompletedProcess:
     """Run an ``lf-*`` console script (under torchrun when ``nproc > 1``) and return the result."""
     if nproc > 1:

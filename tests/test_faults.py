@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from cli_runner import BINDIR, Job, cli_env, run_cli
+from cli_runner import BINDIR, Job, assert_one_error_line, cli_env, run_cli
 from loongforge.core.checkpoint import Checkpoint
 from loongforge.diffusion.cli import main as lf_diffusion
 from loongforge.embodied.cli import main as lf_embodied
@@ -32,16 +32,6 @@ MAINS = {"lf-llm": lf_llm, "lf-vlm": lf_vlm, "lf-diffusion": lf_diffusion, "lf-e
 CLIS = list(MAINS)
 TINY = {"lf-llm": [], "lf-vlm": [], "lf-diffusion": ["data.synthetic_clips=8"], "lf-embodied": []}
 CONVERT = {"lf-llm": "hf-to-lf", "lf-vlm": "hf-to-lf", "lf-diffusion": "lf-to-diffusers", "lf-embodied": "lerobot-to-lf"}
-
-
-def assert_one_error_line(err: str, *names: str) -> str:
-    """stderr holds exactly one ``error:`` line, it names every one of ``names``, and no traceback."""
-    assert "Traceback" not in err, err
-    lines = [line for line in err.splitlines() if line.startswith("error:")]
-    assert len(lines) == 1, err
-    for name in names:
-        assert name in lines[0], (name, lines[0])
-    return lines[0]
 
 
 def run_inproc(capsys, cli: str, *argv: str) -> tuple[int, str]:

@@ -4,7 +4,7 @@ A modality describes itself as a ``ModalityCLI`` (its configs, how a config beco
 ``info`` prints, its ``convert`` directions, its benchmark, its extra commands) and
 ``build_cli`` turns that into ``main(argv)`` with the same shapes everywhere::
 
-    lf-X train   [--config NAME|PATH] [key=value | --key value | group=option ...]
+    lf-X train   [--config NAME|PATH] [--nproc-per-node N] [key=value | --key value | group=option ...]
     lf-X info    [--config NAME|PATH] [key=value ...]
     lf-X convert DIRECTION SOURCE OUT [--dtype bf16|fp16|fp32] [--no-progress]
     lf-X convert lora-to-peft CHECKPOINT OUT     # a LoRA run's adapters in PEFT's format (see below)
@@ -17,11 +17,12 @@ A modality describes itself as a ``ModalityCLI`` (its configs, how a config beco
 ``train`` loads and validates the config (a bad key or value is one ``error:`` line naming it,
 exit 2, before any process group exists), builds the task the config's model family registers,
 and runs the shared loop (``loongforge.core.training.run``); ``train --help`` lists every key of
-the modality's schema (``config_docs``). A modality that names its LoRA adapters in a target
-library (``lora_layouts``: ``loongforge.core.lora.AdapterLayout`` per model part) gets the
-``lora-to-peft`` direction of ``convert``, the one implementation in ``loongforge.core.lora``.
-Every command runs under the error contract of
-``loongforge.core.errors`` (``run_main``), quiet unless ``--verbose``.
+the modality's schema (``config_docs``). ``train --nproc-per-node N`` starts the job's N processes
+on this machine itself (``loongforge.core.launch``), after checking the config and the layout.
+A modality that names its LoRA adapters in a target library (``lora_layouts``:
+``loongforge.core.lora.AdapterLayout`` per model part) gets the ``lora-to-peft`` direction of
+``convert``, the one implementation in ``loongforge.core.lora``. Every command runs under the error
+contract of ``loongforge.core.errors`` (``run_main``), quiet unless ``--verbose``.
 """
 
 from __future__ import annotations
@@ -100,6 +101,7 @@ class ModalityCLI:
     # the target library names a LoRA checkpoint's adapters; adds `convert lora-to-peft`
     lora_layouts: Callable[[dict, list[str]], list] | None = None
     lora_library: str = ""  # the target library of lora_layouts, for --help
+    module: str = ""  # the module `python -m` runs this CLI from: the workers of `train --nproc-per-node N`
 
 
 LORA_TO_PEFT = "lora-to-peft"
@@ -266,6 +268,8 @@ class _ModalityCommands:
 
         app = self.app
         cfg = self.config(args)  # fails here, before any process group, on a bad config
+        if args.nproc_per_node != 1:
+            return self._launch(args, cfg)
         require_wandb(cfg.log)  # and here when log.wandb=true has no wandb to log to
         state = app.before_train(args, cfg) if app.before_train is not None else None
         converter = export_converter(app)
@@ -286,6 +290,20 @@ class _ModalityCommands:
         if export and summary.last_checkpoint is not None and summary.is_main:
             print(f"{app.prog}: export: {app.prog} convert {export} {summary.last_checkpoint} OUT", flush=True)
         return 0
+
+    def _launch(self, args, cfg) -> int:
+        """``train --nproc-per-node N``: the layout checked against N, then N workers of this command."""
+        from loongforge.core.distributed import world_size_from_env
+        from loongforge.core.launch import FLAG, check_not_launched, launch_local, worker_argv
+        from loongforge.core.parallel import ParallelLayout
+
+        n = args.nproc_per_node
+        if n < 1 or not self.app.module:
+            raise ConfigError(f"{FLAG} {n}: " + ("must be >= 1" if n < 1 else f"{self.app.prog} starts no workers"))
+        check_not_launched(n, world_size_from_env())
+        p = cfg.parallel
+        ParallelLayout(tp=p.tp, pp=p.pp, cp=p.cp, ep=p.ep).validate(n)
+        return launch_local(self.app.module, worker_argv(args.argv), n, verbose=args.verbose or args.debug)
 
     def info(self, args) -> int:
         self.app.info(args, self.config(args))
@@ -326,6 +344,9 @@ def build_parser(app: ModalityCLI) -> argparse.ArgumentParser:
     usage = "%(prog)s [--config NAME|PATH] [key=value | --key value | group=option ...]"
     train = command("train", f"train (no arguments: {app.default_config})", _keys_epilog(app), usage=usage)
     add_config_arguments(train, app.default_config)
+    train.add_argument("--nproc-per-node", type=int, default=1, metavar="N",
+                       help="start the job's N processes on this machine (as torchrun --standalone would), "
+                            "after checking the config and the layout; for several machines use torchrun")
     converter = export_converter(app)
     if converter is not None:
         fmt = converter.direction.removeprefix("lf-to-")
@@ -416,6 +437,7 @@ def _parse(parser: argparse.ArgumentParser, argv: list[str]) -> argparse.Namespa
     if extra and not getattr(args, "takes_overrides", False):
         parser.error(f"unrecognized arguments: {' '.join(extra)}")
     args.overrides = extra
+    args.argv = list(argv)
     return args
 
 

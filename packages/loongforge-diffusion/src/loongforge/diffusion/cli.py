@@ -239,7 +239,7 @@ def describe_cli():
     from loongforge.diffusion.schema import DiffusionRecipe
 
     return ModalityCLI(
-        prog="lf-diffusion", description="LoongForge Wan-style video diffusion",
+        prog="lf-diffusion", module="loongforge.diffusion.cli", description="LoongForge Wan-style video diffusion",
         config_dirs=[CONFIG_DIR], default_config=DEFAULT_TRAIN, load_config=load_recipe, make_task=make_task,
         info=cmd_info, example="train.steps=100 parallel.data_parallel=fsdp train.recompute=selective",
         converters=[Converter("lf-to-diffusers", "a LoongForge checkpoint (or run dir) -> diffusers "

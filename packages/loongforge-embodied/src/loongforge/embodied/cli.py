@@ -105,7 +105,7 @@ def describe_cli():
     from loongforge.embodied.config import EmbodiedConfig, load_train_config
 
     return ModalityCLI(
-        prog="lf-embodied", description="LoongForge embodied (VLA) policies",
+        prog="lf-embodied", module="loongforge.embodied.cli", description="LoongForge embodied (VLA) policies",
         config_dirs=[CONFIG_DIR], default_config="train", load_config=load_train_config, make_task=make_task,
         info=cmd_info, example="--policy groot data.root=/data/lerobot_dataset train.steps=2000",
         converters=[Converter("lf-to-lerobot", "a pi0 or pi05 checkpoint (or run dir) -> LeRobot's PI0Policy / PI05Policy model.safetensors "

@@ -103,7 +103,7 @@ def describe_cli():
     from loongforge.llm.lora_command import lora_layouts
 
     return ModalityCLI(
-        prog="lf-llm", description="LoongForge LLM training on megatron-core",
+        prog="lf-llm", module="loongforge.llm.cli", description="LoongForge LLM training on megatron-core",
         config_dirs=[recipe.CONFIG_DIR], default_config="train_debug", load_config=recipe.load_llm_config,
         make_task=make_task, info=cmd_info, info_options=info_options, example="train.steps=200 parallel.tp=2",
         converters=converters("lf-llm"), convert_options=convert_options,

@@ -134,7 +134,7 @@ def describe_cli():
     from loongforge.vlm.recipe import VLMConfig
 
     return ModalityCLI(
-        prog="lf-vlm", description="LoongForge vision-language models on megatron-core",
+        prog="lf-vlm", module="loongforge.vlm.cli", description="LoongForge vision-language models on megatron-core",
         config_dirs=config_dirs()[:1], default_config=DEFAULT_CONFIG, load_config=load_vlm_config,
         make_task=make_task, info=cmd_info,
         example="foundation=qwen3_debug encoder=siglip_vit_debug parallel.tp=2 parallel.encoder.tp=1",
