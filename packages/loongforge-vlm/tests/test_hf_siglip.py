@@ -149,3 +149,39 @@ def test_unmapped_tensor_and_mismatched_config_are_refused(siglip_dir, megatron_
     (act / "config.json").write_text(json.dumps({**json.loads((root / "config.json").read_text()), "hidden_act": "gelu"}))
     with pytest.raises(ConfigError, match="hidden_act='gelu'"):
         load_tower(ours, cfg, act)
+
+
+FAST = ["train.global_batch_size=4", "train.warmup_steps=1", "train.steps=2", "log.progress=false",
+        "log.tensorboard=false", "checkpoint.save=false"]
+SIGLIP_PARTS = ["encoder=siglip_vit_debug", "projector=mlp_2x"]
+
+
+def test_training_starts_from_the_tower(megatron_world, tmp_path, vlm_cache):
+    """``encoder.init_from_hf=DIR``: the trainer's encoder gives transformers' features, then the
+    projector trains on them."""
+    from loongforge.core.training.loop import Trainer
+    from loongforge.vlm.cli import load_vlm_config
+    from loongforge.vlm.recipe import VLMTask
+
+    hf = randomize_(SiglipVisionModel(SiglipVisionConfig(**{**VISION, "image_size": 64})), NORMS)  # siglip_vit_debug's
+    hf.save_pretrained(tmp_path / "siglip")
+    cfg = load_vlm_config("vlm_debug", [*SIGLIP_PARTS, f"encoder.init_from_hf={tmp_path / 'siglip'}",
+                                        "trainable=[projector]", *FAST, f"data.cache_dir={vlm_cache}",
+                                        f"log.run_dir={tmp_path / 'run'}"])
+    trainer = Trainer(VLMTask(cfg), megatron_world, cfg)
+    image = torch.randn(1, 3, 64, 64, generator=torch.Generator().manual_seed(5))
+    pixels, grid = patches(image)
+    with torch.no_grad():
+        expected = hf(pixel_values=image).last_hidden_state[0]
+        torch.testing.assert_close(trainer.model.module.encoder(pixels, grid), expected, atol=1e-5, rtol=0)
+    assert len(trainer.fit()) == 2
+
+
+def test_init_from_hf_config_errors(capsys, siglip_dir):
+    from loongforge.vlm.cli import main
+
+    _, root = siglip_dir
+    assert main(["info", *SIGLIP_PARTS, f"encoder.init_from_hf={root}", "checkpoint.load=/nowhere"]) == 2
+    assert f"encoder.init_from_hf={root} and checkpoint.load=/nowhere both give" in capsys.readouterr().err
+    assert main(["info", f"encoder.init_from_hf={root}"]) == 2  # qwen2_5_vit reads no SigLIP tower
+    assert "init_from_hf" in capsys.readouterr().err

@@ -169,6 +169,20 @@ def read_tower(directory: str | Path) -> SigLIPTower:
     return SigLIPTower(hf.directory, architecture, prefix, encoder_settings(vision, post_norm, source))
 
 
+def checked_tower(cfg, directory: str | Path, key: str = "encoder.init_from_hf") -> SigLIPTower:
+    """The SigLIP tower of ``directory`` (a local directory or a hub id), checked to be the
+    architecture of the encoder config ``cfg``; any problem is a ``ConfigError`` naming ``key``."""
+    from loongforge.core.config import ConfigError
+    from loongforge.core.hub import resolve_local
+
+    try:
+        tower = read_tower(resolve_local(str(directory), key=key))
+    except MappingError as exc:
+        raise ConfigError(f"{key}={directory}: {exc}") from exc
+    tower.check(cfg, key)
+    return tower
+
+
 def load_tower(encoder: torch.nn.Module, cfg, directory: str | Path, key: str = "encoder.init_from_hf") -> None:
     """Fill the (TP-sharded) megatron ``encoder`` of config ``cfg`` from the SigLIP tower in
     ``directory``: each rank reads its shards. A config that is not the tower's, a missing or an
@@ -176,11 +190,9 @@ def load_tower(encoder: torch.nn.Module, cfg, directory: str | Path, key: str = 
     from loongforge.core.checkpoint.sharded import load_into
     from loongforge.core.config import ConfigError
     from loongforge.core.hf_mapping.online import HFPieceReader
-    from loongforge.core.hub import resolve_local
 
+    tower = checked_tower(cfg, directory, key)
     try:
-        tower = read_tower(resolve_local(str(directory), key=key))
-        tower.check(cfg, key)
         reader = HFPieceReader(tower.directory, tower.bind(cfg))
         encoder.load_state_dict(load_into(encoder.sharded_state_dict(), reader, {}, {}), strict=True)
     except MappingError as exc:
