@@ -185,3 +185,24 @@ def test_init_from_hf_config_errors(capsys, siglip_dir):
     assert f"encoder.init_from_hf={root} and checkpoint.load=/nowhere both give" in capsys.readouterr().err
     assert main(["info", f"encoder.init_from_hf={root}"]) == 2  # qwen2_5_vit reads no SigLIP tower
     assert "init_from_hf" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_tensor_parallel_encoder_reads_its_shards(siglip_dir, tmp_path):
+    """Two processes, encoder TP=2: each rank reads its shards of the tower; the features are
+    transformers'."""
+    from pathlib import Path
+
+    from cli_runner import run_script
+
+    hf, root = siglip_dir
+    image = torch.randn(1, 3, 40, 48, generator=torch.Generator().manual_seed(7))
+    torch.save(image, tmp_path / "image.pt")
+    proc = run_script(Path(__file__).with_name("siglip_tp_probe.py"),
+                      [str(root), str(tmp_path / "image.pt"), str(tmp_path / "out.pt")], nproc=2, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+    got = torch.load(tmp_path / "out.pt")
+    assert got["tp"] == 2
+    with torch.no_grad():
+        expected = hf(pixel_values=image, interpolate_pos_encoding=True).last_hidden_state[0]
+    torch.testing.assert_close(got["features"], expected, atol=1e-5, rtol=0)
