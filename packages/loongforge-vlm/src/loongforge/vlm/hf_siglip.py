@@ -31,6 +31,8 @@ from pathlib import Path
 
 import torch
 
+import loongforge.vlm.hf  # noqa: F401  (registers the ViT transforms the table names: vit_conv2d_patch_embedding,
+#                          vit_separate_qkv)
 from loongforge.core.hf_mapping import BoundMapping, HFMapping, Ignore, MappingError, Rule
 
 ARCHITECTURES = ("SiglipVisionModel", "SiglipModel", "LlavaOnevisionForConditionalGeneration")
@@ -74,12 +76,6 @@ SIGLIP_VISION_MAPPING = HFMapping(
 )
 
 
-def _register_transforms() -> None:
-    """The ViT transforms this table names (``vit_conv2d_patch_embedding``, ``vit_separate_qkv``)
-    are registered by the VLM's layouts module."""
-    import loongforge.vlm.hf  # noqa: F401
-
-
 @dataclass(frozen=True)
 class SigLIPTower:
     """The SigLIP vision tower of an HF directory: the architecture it was saved as, the prefix of
@@ -93,7 +89,6 @@ class SigLIPTower:
     def bind(self, cfg) -> BoundMapping:
         """The table bound to the encoder config ``cfg``, under the tower's prefix; every tensor
         outside the prefix (a text tower, a projector, a language model) is left unread."""
-        _register_transforms()
         bound = SIGLIP_VISION_MAPPING.bind(cfg).prefixed(hf=self.prefix)
         if not self.prefix:
             return bound
@@ -199,7 +194,7 @@ def load_tower(encoder: torch.nn.Module, cfg, directory: str | Path, key: str = 
         raise ConfigError(f"{key}={directory}: {exc}") from exc
 
 
-def config_to_hf(cfg) -> dict:
+def tower_config_to_hf(cfg) -> dict:
     """The encoder config -> a ``SiglipVisionModel`` ``config.json`` (no pooling head)."""
     from transformers import SiglipVisionConfig
 
@@ -235,8 +230,7 @@ def save_tower(encoder: torch.nn.Module, cfg, out: str | Path) -> Path:
     (``config.json``, ``model.safetensors``, the names transformers saves)."""
     from safetensors.torch import save_file
 
-    _register_transforms()
-    config = config_to_hf(cfg)
+    config = tower_config_to_hf(cfg)
     bound = SIGLIP_VISION_MAPPING.bind(cfg)
     tensors = _unsharded(encoder)
 

@@ -133,9 +133,10 @@ class VLMConfig:
             raise ValueError(f"foundation.init_from_hf={self.foundation.init_from_hf}: the VLM recipe does not read HF "
                              f"directories online; convert the model (lf-vlm convert) and set checkpoint.load")
         encoder_hf = getattr(self.encoder, "init_from_hf", None)
-        if encoder_hf and self.checkpoint.load:
-            raise ValueError(f"encoder.init_from_hf={encoder_hf} and checkpoint.load={self.checkpoint.load} both give "
-                             f"the encoder's initial weights; set one")
+        for key, value in (("checkpoint.load", self.checkpoint.load), ("lora.base", self.lora.base)):
+            if encoder_hf and value:
+                raise ValueError(f"encoder.init_from_hf={encoder_hf} and {key}={value} both give the encoder's "
+                                 f"initial weights; set one")
         if self.encoder.in_channels != 3:
             raise ValueError(f"encoder.in_channels={self.encoder.in_channels}: the data pipeline reads RGB (3)")
         if self.encoder.deepstack_layers and self.train.recompute == "full":
