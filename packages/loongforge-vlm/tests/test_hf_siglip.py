@@ -96,9 +96,11 @@ def test_save_tower_loads_in_transformers_bitwise(loaded, tmp_path):
     assert all(torch.equal(written[k], original[k]) for k in written)
 
 
-def test_whole_siglip_and_llava_onevision_towers(megatron_world, tmp_path):
+def test_whole_siglip_and_llava_onevision_towers(megatron_world, tmp_path, capsys):
     """A ``SiglipModel`` directory (text tower beside) and a LLaVA-OneVision one (projector, LM,
-    ``image_newline`` beside; features before ``post_layernorm``) give their tower."""
+    ``image_newline`` beside; features before ``post_layernorm``) give their tower; converting
+    either as a whole VLM is one error saying to use ``encoder.init_from_hf``."""
+    from loongforge.vlm.cli import main
     from loongforge.vlm.hf_siglip import load_tower, read_tower
 
     text = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, vocab_size=64,
@@ -124,6 +126,10 @@ def test_whole_siglip_and_llava_onevision_towers(megatron_world, tmp_path):
         load_tower(ours, cfg, tmp_path / name)
         with torch.no_grad():
             torch.testing.assert_close(ours(pixels, grid), expected, atol=1e-5, rtol=0)
+        assert main(["convert", "hf-to-lf", str(tmp_path / name), str(tmp_path / f"{name}-lf"), "--no-progress"]) == 2
+        err = capsys.readouterr().err
+        assert f"encoder.init_from_hf={tmp_path / name}" in err
+        assert ("image_newline" in err) == (name == "llava")
 
 
 def test_unmapped_tensor_and_mismatched_config_are_refused(siglip_dir, megatron_world, tmp_path):

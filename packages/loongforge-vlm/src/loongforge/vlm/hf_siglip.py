@@ -164,6 +164,25 @@ def read_tower(directory: str | Path) -> SigLIPTower:
     return SigLIPTower(hf.directory, architecture, prefix, encoder_settings(vision, post_norm, source))
 
 
+def refuse_whole_conversion(directory: str | Path) -> None:
+    """``lf-vlm convert hf-to-lf`` of a directory whose only part LoongForge reads is its SigLIP
+    tower: a ``MappingError`` saying how to use the tower instead (LLaVA-OneVision's anyres tiling
+    and ``image_newline`` have no LoongForge counterpart, so its whole checkpoint is not converted)."""
+    path = Path(directory) / "config.json"
+    try:
+        archs = json.loads(path.read_text()).get("architectures") or []
+    except (OSError, ValueError, AttributeError):
+        return  # the converter reports a missing or bad config.json
+    architecture = next((a for a in archs if a in ARCHITECTURES), None)
+    if architecture is None:
+        return
+    extra = (" encoder.post_norm=false (its projector reads the tower before post_layernorm); the whole checkpoint "
+             "is not converted: anyres tiling and image_newline have no LoongForge counterpart"
+             if architecture == "LlavaOnevisionForConditionalGeneration" else "")
+    raise MappingError(f"{path}: {architecture}: LoongForge reads its SigLIP vision tower only; start a siglip_vit "
+                       f"encoder from it with encoder.init_from_hf={directory}{extra}")
+
+
 def checked_tower(cfg, directory: str | Path, key: str = "encoder.init_from_hf") -> SigLIPTower:
     """The SigLIP tower of ``directory`` (a local directory or a hub id), checked to be the
     architecture of the encoder config ``cfg``; any problem is a ``ConfigError`` naming ``key``."""
