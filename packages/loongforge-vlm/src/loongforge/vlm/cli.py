@@ -92,7 +92,9 @@ def write_train_config(converted, root: Path) -> Path:
 def hf_to_lf_command(source: str, out: str, args) -> str:
     from loongforge.core.hf_mapping import MappingError
     from loongforge.core.hf_mapping.convert import hf_to_lf
+    from loongforge.vlm.hf_siglip import refuse_whole_conversion
 
+    refuse_whole_conversion(source)
     done = hf_to_lf(source, out, dtype=convert_dtype(args.dtype), progress=not args.no_progress)
     if done.family != "vlm":
         raise MappingError(f"{source}: a {done.family} model, not a VLM (use that family's CLI)")

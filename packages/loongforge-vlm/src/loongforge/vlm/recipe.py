@@ -132,6 +132,11 @@ class VLMConfig:
         if self.foundation.init_from_hf:
             raise ValueError(f"foundation.init_from_hf={self.foundation.init_from_hf}: the VLM recipe does not read HF "
                              f"directories online; convert the model (lf-vlm convert) and set checkpoint.load")
+        encoder_hf = getattr(self.encoder, "init_from_hf", None)
+        for key, value in (("checkpoint.load", self.checkpoint.load), ("lora.base", self.lora.base)):
+            if encoder_hf and value:
+                raise ValueError(f"encoder.init_from_hf={encoder_hf} and {key}={value} both give the encoder's "
+                                 f"initial weights; set one")
         if self.encoder.in_channels != 3:
             raise ValueError(f"encoder.in_channels={self.encoder.in_channels}: the data pipeline reads RGB (3)")
         if self.encoder.deepstack_layers and self.train.recompute == "full":
@@ -181,6 +186,10 @@ class VLMTask:
             raise ValueError(f"vision.image_token_id/video_token_id={vision.image_token_id}/{vision.video_token_id} "
                              f"differ from the tokenizer's {self.vision_ids.image}/{self.vision_ids.video}")
         self.model_cfg = cfg.model()
+        if getattr(cfg.encoder, "init_from_hf", None):  # the tower's config, checked before any model is built
+            from loongforge.vlm.hf_siglip import checked_tower
+
+            checked_tower(cfg.encoder, cfg.encoder.init_from_hf)
         self._dataset = None
 
     # -- model --------------------------------------------------------------------------------
@@ -194,12 +203,18 @@ class VLMTask:
         return kwargs
 
     def build_model(self, ctx, transformer_config, pre_process, post_process, load_initial_weights=True):
-        # builds from the config alone: HF weights come in through `lf-vlm convert`, not here
+        # builds from the config; whole HF models come in through `lf-vlm convert`, a SigLIP tower through
+        # encoder.init_from_hf (read here, before any adapter: the HF weights are the base)
         from loongforge.vlm.family import build_vlm
 
         enc = self.cfg.parallel.encoder
         model = build_vlm(self.model_cfg, ctx, transformer_config, pre_process, post_process, encoder_tp=enc.tp,
                           split_across_foundation_tp=enc.split_across_foundation_tp, encoder_recompute=enc.recompute)
+        encoder_hf = getattr(self.cfg.encoder, "init_from_hf", None)
+        if pre_process and load_initial_weights and encoder_hf:
+            from loongforge.vlm.hf_siglip import load_tower
+
+            load_tower(model.encoder, self.cfg.encoder, encoder_hf)
         parts = {"foundation": model.language_model}
         if pre_process:
             parts.update(encoder=model.encoder, projector=model.projector)

@@ -1,6 +1,9 @@
 """SigLIP's vision transformer as a VLM component (``siglip_vit``): single-frame patches,
 learned absolute positions over an ``image_size / patch_size`` grid (resampled bicubically for
-other grids), LayerNorm, GELU MLP, a final LayerNorm, full attention within one frame."""
+other grids), LayerNorm, GELU MLP, a final LayerNorm (``post_norm``: SigLIP's ``post_layernorm``;
+off for LLaVA-OneVision's tower, whose projector reads the last layer before it), full attention
+within one frame. ``init_from_hf``: a SigLIP or LLaVA-OneVision Hugging Face directory whose vision
+tower the encoder starts from (``loongforge.vlm.hf_siglip``)."""
 
 from __future__ import annotations
 
@@ -18,12 +21,15 @@ class SigLIPViTConfig(EncoderConfig):
     temporal_patch_size: int = 1
     spatial_merge_size: int = 1
     image_size: int = 64  # the learned position grid covers image_size x image_size pixels
+    post_norm: bool = True  # a final LayerNorm after the last layer (SigLIP's post_layernorm)
+    # a SigLIP (SiglipModel/SiglipVisionModel) or LLaVA-OneVision HF directory (or hub id): the tower's
+    # weights at training start; the encoder's architecture keys must be the directory's
+    init_from_hf: str | None = None
 
     normalization = "LayerNorm"
     gated_mlp = False
     activation = "gelu_tanh"
     patch_bias = True
-    post_norm = True
 
     def __post_init__(self):
         super().__post_init__()
