@@ -112,12 +112,6 @@ def check_context_parallel(cfg: LLMConfig) -> None:
     fast layer (``layers.context_parallel_attention``) attends over the CP group's whole
     sequences, and sequences that split into ``2*cp`` equal chunks."""
     cp, seq = cfg.parallel.cp, cfg.train.seq_length
-    if getattr(cfg.model, "attention_variant", None) == "dsa":
-        raise ValueError(
-            f"parallel.cp={cp}: model.attention_variant=dsa (DeepSeek-V3.2 sparse attention) selects each "
-            f"query's keys over the whole sequence, which is not split over context-parallel ranks; use "
-            f"attention_variant=mla or parallel.cp=1"
-        )
     if seq % (2 * cp):
         raise ValueError(f"parallel.cp={cp}: train.seq_length={seq} must be a multiple of 2*cp = {2 * cp} "
                          f"(each sequence is cut into 2*cp chunks, two per CP rank)")
