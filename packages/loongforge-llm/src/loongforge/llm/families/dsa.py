@@ -53,9 +53,11 @@ class RegistryDSAttention(megatron_dsa.DSAttention):
     first part also the value), and the value up-projection follows. Under TP the heads are
     split and the loss's target needs megatron's all-reduce: there the loss is megatron's
     ``compute_dsa_indexer_loss`` on the same top-k (so every layout selects the same keys).
-    Layouts the registry ops do not cover (an explicit mask, packed sequences, context
-    parallel, top-k shared across layers) run megatron's forward. ``kernels``: the policy the
-    registry ops are resolved by when the module is built.
+    Under context parallelism (with TP 1) the whole sequences' latent rows and indexer keys are
+    all-gathered and each local query chunk runs against its causal key prefix
+    (``dsa_context_parallel``). Layouts the registry ops do not cover (an explicit mask, packed
+    sequences, context parallel with TP, top-k shared across layers) run megatron's forward.
+    ``kernels``: the policy the registry ops are resolved by when the module is built.
     """
 
     def __init__(self, *args, kernels: KernelPolicy = KernelPolicy(), **kwargs):
