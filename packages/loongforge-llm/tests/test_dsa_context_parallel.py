@@ -43,11 +43,14 @@ def test_topk_of_a_query_chunk_is_the_whole_sequences_despite_ties():
 
 @pytest.mark.slow
 @pytest.mark.long
-def test_dsa_pretraining_cp2_matches_one_process(tmp_path):
-    """The debug DeepSeek-V3.2 (32 of 64 keys per query, indexer loss on) with parallel.cp=2."""
+@pytest.mark.parametrize("loss", ["dense", "sparse"])
+def test_dsa_pretraining_cp2_matches_one_process(loss, tmp_path):
+    """The debug DeepSeek-V3.2 (32 of 64 keys per query) with parallel.cp=2; the indexer's KL loss
+    over every causal key (dense) or over the selected ones (sparse)."""
     data = tmp_path / "data"
-    want = probe(tmp_path / "cp1" / "grads.pt", "train_deepseek_v3_2_debug", PRETRAIN, data)
-    got = probe(tmp_path / "cp2" / "grads.pt", "train_deepseek_v3_2_debug", [*PRETRAIN, "parallel.cp=2"], data, nproc=2)
+    run = [*PRETRAIN, f"model.dsa_indexer_use_sparse_loss={str(loss == 'sparse').lower()}"]
+    want = probe(tmp_path / "cp1" / "grads.pt", "train_deepseek_v3_2_debug", run, data)
+    got = probe(tmp_path / "cp2" / "grads.pt", "train_deepseek_v3_2_debug", [*run, "parallel.cp=2"], data, nproc=2)
     assert_same_training(got, want)
     assert any(".core_attention.indexer." in name for name in want["grads"])  # the indexer's loss trains it
     b, s = want["first_tokens_shape"]
