@@ -1,6 +1,8 @@
 """Context parallelism's pieces on one process: the load-balanced split and its inverse, the
 global RoPE positions, and the CP attention of every simulated rank against full-sequence SDPA."""
 
+import re
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -134,15 +136,20 @@ def test_packed_cp_attention_matches_per_segment_sdpa():
         torch.testing.assert_close(got[real], want[real])
 
 
+DSA_CP = ("parallel.cp=2: model.attention_variant=dsa (DeepSeek-V3.2 sparse attention) runs context parallel on "
+          "pre-training rows with parallel.tp=1 only, not with ")
+
+
 @pytest.mark.parametrize("config, overrides, message", [
-    ("train_deepseek_v3_2_debug", [], "parallel.cp=2: model.attention_variant=dsa"),
+    ("train_deepseek_v3_2_debug", ["recipe=sft"], DSA_CP + "recipe=sft"),
+    ("train_deepseek_v3_2_debug", ["parallel.tp=2"], DSA_CP + "parallel.tp=2"),
     ("train_debug", ["train.seq_length=66"], "parallel.cp=2: train.seq_length=66 must be a multiple of 2*cp = 4"),
 ])
 def test_unsupported_cp_configs_are_refused_before_any_process_group(config, overrides, message):
     from loongforge.core.config import ConfigError
     from loongforge.llm.recipe import load_llm_config
 
-    with pytest.raises(ConfigError, match=message.replace("*", "\\*")):
+    with pytest.raises(ConfigError, match=re.escape(message)):
         load_llm_config(config, ["parallel.cp=2", *overrides])
 
 

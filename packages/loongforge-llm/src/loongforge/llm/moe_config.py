@@ -283,6 +283,7 @@ class MLAMoEConfig(MoEConfig):
                 dsa_indexer_rotate_activation=self.dsa_indexer_rotate_activation,
                 dsa_indexer_scoring_relu=True,  # DeepSeek-V3.2's indexer: ReLU(q.k) weighted per head
                 dsa_kernel_backend="none",  # megatron's torch path; it runs anywhere
+                cp_comm_type="all_gather",  # under CP each rank gathers every key (the only way DSA runs)
             )
         return kwargs
 

@@ -35,6 +35,7 @@ from megatron.core.utils import get_pg_size
 
 from loongforge.core.kernels import KernelPolicy
 from loongforge.llm.families.norm import LayerNorm, RMSNorm
+from loongforge.llm.families.dsa_context_parallel import gather_sequence, query_chunks
 from loongforge.llm.ops.dsa import indexer_scores
 
 
@@ -52,9 +53,11 @@ class RegistryDSAttention(megatron_dsa.DSAttention):
     first part also the value), and the value up-projection follows. Under TP the heads are
     split and the loss's target needs megatron's all-reduce: there the loss is megatron's
     ``compute_dsa_indexer_loss`` on the same top-k (so every layout selects the same keys).
-    Layouts the registry ops do not cover (an explicit mask, packed sequences, context
-    parallel, top-k shared across layers) run megatron's forward. ``kernels``: the policy the
-    registry ops are resolved by when the module is built.
+    Under context parallelism (with TP 1) the whole sequences' latent rows and indexer keys are
+    all-gathered and each local query chunk runs against its causal key prefix
+    (``dsa_context_parallel``). Layouts the registry ops do not cover (an explicit mask, packed
+    sequences, context parallel with TP, top-k shared across layers) run megatron's forward.
+    ``kernels``: the policy the registry ops are resolved by when the module is built.
     """
 
     def __init__(self, *args, kernels: KernelPolicy = KernelPolicy(), **kwargs):
@@ -63,10 +66,11 @@ class RegistryDSAttention(megatron_dsa.DSAttention):
         self._sparse_attention = kernels.get("sparse_mla_attention")
 
     def _registry_path(self, query, key, value, attention_mask, up_v_weight, packed_seq_params) -> bool:
+        one_of_tp_cp = get_pg_size(self.pg_collection.cp) == 1 or get_pg_size(self.pg_collection.tp) == 1
         return (value is None and up_v_weight is not None and key.size(2) == 1 and attention_mask is None
-                and packed_seq_params is None and not self.index_share and get_pg_size(self.pg_collection.cp) == 1
+                and packed_seq_params is None and not self.index_share and one_of_tp_cp
                 and self.config.dsa_indexer_scoring_relu
-                and query.size(0) == key.size(0))  # full sequence (sequence parallel: gathered by the MLA)
+                and query.size(0) == key.size(0))  # this rank's rows (sequence parallel: gathered by the MLA)
 
     def forward(self, query, key, value, attention_mask, x, qr, position_ids=None, attn_mask_type=None,
                 attention_bias=None, packed_seq_params=None, up_v_weight=None):
@@ -78,25 +82,39 @@ class RegistryDSAttention(megatron_dsa.DSAttention):
         config = self.config
         coeff = config.dsa_indexer_loss_coeff or 0.0
         with_loss = self.training and torch.is_grad_enabled() and coeff > 0
+        cp_group = self.pg_collection.cp
+        cp_size = get_pg_size(cp_group)
         with torch.enable_grad() if with_loss else torch.no_grad():
             q, k, weights = self.indexer.forward_before_topk(x.detach(), qr.detach(), None)
+            if cp_size > 1:  # every key of the sequences, natural order (dsa_context_parallel)
+                k = gather_sequence(k, cp_group)
+        kv = key[:, :, 0] if cp_size == 1 else gather_sequence(key[:, :, 0], cp_group)
         # the registry ops' batch-major layouts: [b, s, heads, dim], one latent KV row per key
-        q_attn, kv_attn = query.transpose(0, 1), key[:, :, 0].transpose(0, 1)
+        q_attn, kv_attn = query.transpose(0, 1), kv.transpose(0, 1)
         q_idx, k_idx, w_idx = q.transpose(0, 1), k.transpose(0, 1), weights.transpose(0, 1)
-        topk = self._indexer_topk(q_idx.detach(), k_idx.detach(), w_idx.detach(), self.index_topk)
+        chunks = query_chunks(sq, cp_size, cp_group.rank() if cp_size > 1 else 0)
+        topk = torch.cat([self._indexer_topk(q_idx[:, t0:t1].detach(), k_idx[:, :n].detach(),
+                                             w_idx[:, t0:t1].detach(), self.index_topk) for t0, t1, n in chunks], 1)
         loss = None
-        if with_loss and get_pg_size(self.pg_collection.tp) > 1:
+        if with_loss and get_pg_size(self.pg_collection.tp) > 1:  # one process of the CP group
             loss = self._tensor_parallel_indexer_loss(q_idx, k_idx, w_idx, topk, query, key, attn_mask_type, position_ids)
         elif with_loss:
-            sparse = topk if config.dsa_indexer_use_sparse_loss else None
-            per_query = self._indexer_loss(q_idx, k_idx, w_idx, q_attn.detach(), kv_attn.detach(), self.softmax_scale,
-                                           sparse)
+            sparse = config.dsa_indexer_use_sparse_loss
+            per_query = torch.cat([self._indexer_loss(q_idx[:, t0:t1], k_idx[:, :n], w_idx[:, t0:t1],
+                                                      q_attn[:, t0:t1].detach(), kv_attn[:, :n].detach(),
+                                                      self.softmax_scale, topk[:, t0:t1] if sparse else None)
+                                   for t0, t1, n in chunks], 1)
             loss = coeff * (per_query.sum() if config.calculate_per_token_loss else per_query.mean())
-        latent = self._sparse_attention(q_attn, kv_attn, topk, self.softmax_scale, config.kv_lora_rank)
+        latent = torch.cat([self._sparse_attention(q_attn[:, t0:t1], kv_attn[:, :n], topk[:, t0:t1],
+                                                   self.softmax_scale, config.kv_lora_rank)
+                            for t0, t1, n in chunks], 1)
         output = torch.einsum("bshc,hdc->sbhd", latent, up_v_weight.to(latent.dtype)).reshape(sq, b, -1)
         if loss is None:
             return output
-        megatron_dsa.DSAIndexerLossLoggingHelper.save_loss_to_tracker(loss, self.layer_number, config.num_layers)
+        # logged like megatron's: summed (per-token loss) or averaged over the CP group
+        groups = {"reduce_group" if config.calculate_per_token_loss else "avg_group": cp_group} if cp_size > 1 else {}
+        megatron_dsa.DSAIndexerLossLoggingHelper.save_loss_to_tracker(loss, self.layer_number, config.num_layers,
+                                                                      **groups)
         return megatron_dsa.DSAIndexerLossAutoScaler.apply(output, loss)
 
     def _tensor_parallel_indexer_loss(self, q_idx, k_idx, w_idx, topk, query, key, attn_mask_type, position_ids):

@@ -90,8 +90,11 @@ def _gather_rows(x: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
 def dsa_indexer_topk(q_idx: torch.Tensor, k_idx: torch.Tensor, w_idx: torch.Tensor, topk: int) -> torch.Tensor:
     """The ``topk`` causal keys with the highest lightning-indexer score, per query.
 
-    Returns int32 ``[B, S, topk]`` key positions in no particular order; a query with fewer than
-    ``topk`` visible keys pads its row with -1. Scores are computed in fp32.
+    Returns int32 ``[B, S, topk]`` key positions; a query with fewer than ``topk`` visible keys pads
+    its row with -1. Scores are computed in fp32. Of keys with equal scores (ReLU makes exact zeros
+    common) the earlier ones are kept, so the selection does not depend on how many keys or
+    queries a call covers (context parallelism calls it per query chunk); a fused kernel may
+    break such ties differently.
     """
     check_indexer("dsa_indexer_topk", q_idx, k_idx, w_idx)
     if topk < 1:
@@ -105,7 +108,8 @@ def dsa_indexer_topk(q_idx: torch.Tensor, k_idx: torch.Tensor, w_idx: torch.Tens
         width = t1 - 1 + offset + 1  # keys past the chunk's last query are never visible
         scores = indexer_scores(q_idx[:, t0:t1], k_f[:, :width], w_idx[:, t0:t1])
         scores.masked_fill_(~_causal_mask(t0, t1, width, offset, q_idx.device), float("-inf"))
-        vals, idx = scores.topk(min(topk, width), dim=-1, sorted=False)
+        # a stable sort, so that among equal scores the earlier key wins however many keys the row has
+        vals, idx = (t[..., : min(topk, width)] for t in scores.sort(dim=-1, descending=True, stable=True))
         out[:, t0:t1, : idx.shape[-1]] = torch.where(vals > float("-inf"), idx, -1).to(torch.int32)
     return out
 
