@@ -1,7 +1,7 @@
-"""InternVL's dynamic tiling in the data pipeline against transformers' image processor
+"""InternVL's data layout against transformers: dynamic tiling against its image processor
 (``GotOcr2ImageProcessorPil`` with ``crop_to_patches``, what InternVL's processor uses): our
 patches of a non-square image, put back into tiles, are its ``pixel_values``; the grid
-choice agrees with transformers' for many shapes."""
+choice agrees with transformers' for many shapes; a video's placeholder text is its processor's."""
 
 import numpy as np
 import pytest
@@ -48,3 +48,24 @@ def test_tile_grid_matches_transformers():
         for w in range(10, 400, 29):
             for lo, hi in ((1, 12), (1, 6), (2, 9)):
                 assert tile_grid(h, w, 448, lo, hi) == get_optimal_tiled_canvas((h, w), (448, 448), lo, hi), (h, w, lo, hi)
+
+
+@pytest.mark.parametrize("frames", [1, 3])
+def test_video_text_is_transformers_frame_runs(frames):
+    """A video in the InternVL layout is what transformers' ``InternVLProcessor.replace_video_token``
+    writes for it: ``FrameN: <img><IMG_CONTEXT>...</img>`` per frame, joined by newlines (an image
+    stays one run: ``replace_image_token``)."""
+    from types import SimpleNamespace
+
+    from transformers.models.internvl.processing_internvl import InternVLProcessor
+
+    from loongforge.vlm.data.tokenizer import vision_text
+
+    per_frame = 4
+    tokens = SimpleNamespace(start_image_token="<img>", end_image_token="</img>", image_token="<IMG_CONTEXT>",
+                             image_seq_length=per_frame)
+    video = {"pixel_values_videos": [torch.zeros(frames, 3, 32, 32)]}
+    expected = InternVLProcessor.replace_video_token(tokens, video, 0)
+    assert vision_text("video", frames * per_frame, placeholders="internvl", frames=frames) == expected
+    image = InternVLProcessor.replace_image_token(tokens, {"num_patches": [frames]}, 0)
+    assert vision_text("image", frames * per_frame, placeholders="internvl") == image

@@ -75,7 +75,7 @@ def _expanded(record: Record, plans: list[MediaPlan], merge: int, video_timestam
     def expand(match):
         plan = next(pending)
         seconds = frame_seconds(plan) if video_timestamps and plan.kind == "video" else None
-        return vision_text(plan.kind, plan.patches // (merge * merge), seconds, placeholders)
+        return vision_text(plan.kind, plan.patches // (merge * merge), seconds, placeholders, frames=plan.grid[0])
 
     return [{**m, "content": _TAGS.sub(expand, m["content"])} for m in record.messages]
 

@@ -3,7 +3,8 @@ placeholder layout (``data.media.placeholders``).
 
 ``qwen`` (Qwen2-VL's): an image becomes ``<|vision_start|>`` + one ``<|image_pad|>`` per vision
 token + ``<|vision_end|>`` (``<|video_pad|>`` for a video). ``internvl``: ``<img>`` + one
-``<IMG_CONTEXT>`` per vision token + ``</img>``, for videos too. A tokenizer that lacks these
+``<IMG_CONTEXT>`` per vision token + ``</img>``; a video is one such run per frame, each after
+``FrameN: `` and the runs joined by newlines (as transformers' ``InternVLProcessor`` writes it). A tokenizer that lacks these
 tokens (the bundled text tokenizer of loongforge-llm, the default) gets them appended, so their
 ids follow its vocabulary.
 """
@@ -36,6 +37,7 @@ class PlaceholderLayout:
 
 PLACEHOLDERS = {"qwen": PlaceholderLayout(VISION_START, VISION_END, IMAGE_PAD, VIDEO_PAD),
                 "internvl": PlaceholderLayout("<img>", "</img>", "<IMG_CONTEXT>", "<IMG_CONTEXT>")}
+FRAME_RUNS = ("internvl",)  # layouts that write a video as one numbered run per frame
 
 
 def default_tokenizer_dir() -> Path:
@@ -71,12 +73,18 @@ def load_vlm_tokenizer(path: str | Path | None = None, placeholders: str = "qwen
     return tokenizer, ids
 
 
-def vision_text(kind: str, tokens: int, frame_seconds: list[float] | None = None, placeholders: str = "qwen") -> str:
+def vision_text(kind: str, tokens: int, frame_seconds: list[float] | None = None, placeholders: str = "qwen",
+                frames: int = 1) -> str:
     """The text that stands for one image/video of ``tokens`` vision tokens. With
     ``frame_seconds`` (a video's time of each temporal patch group, Qwen3-VL's layout) every group
-    is its own run after its timestamp: ``<1.5 seconds><|vision_start|>...<|vision_end|>``."""
+    is its own run after its timestamp: ``<1.5 seconds><|vision_start|>...<|vision_end|>``. A
+    video of ``frames`` temporal patch groups in a ``FRAME_RUNS`` layout (InternVL, whose encoder
+    embeds single frames): ``Frame1: <img>...</img>\nFrame2: <img>...</img>``."""
     layout = PLACEHOLDERS[placeholders]
     pad = layout.image if kind == "image" else layout.video
+    if kind == "video" and placeholders in FRAME_RUNS:
+        per_frame = tokens // frames
+        return "\n".join(f"Frame{i + 1}: " + layout.start + pad * per_frame + layout.end for i in range(frames))
     if kind == "image" or frame_seconds is None:
         return layout.start + pad * tokens + layout.end
     per_frame = tokens // len(frame_seconds)
