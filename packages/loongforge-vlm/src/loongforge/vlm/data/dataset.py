@@ -29,7 +29,7 @@ from loongforge.vlm.data.records import IMAGE_TAG, VIDEO_TAG, Record, read_recor
 from loongforge.vlm.data.tokenizer import VisionTokenIds, vision_text
 from loongforge.vlm.positions import VisionItem, mrope_positions
 
-INDEX_VERSION = 2
+INDEX_VERSION = 3  # 3: InternVL videos as one run per frame
 _TAGS = re.compile(f"{re.escape(IMAGE_TAG)}|{re.escape(VIDEO_TAG)}")
 _CHUNK = 256
 
