@@ -141,22 +141,27 @@ def resume_dir(at: Path, checkpoint: Path) -> Path:
 
 
 @pytest.mark.slow
-@pytest.mark.long  # three runs, ~2 min on 2 CPU cores
-@pytest.mark.parametrize("model", [[], QWEN3_VL], ids=["qwen2.5-vl", "qwen3-vl-deepstack"])
-def test_foundation_pp2_matches_one_process(model, tmp_path, vlm_cache):
+@pytest.mark.long  # three runs, 2-5 min on 2 CPU cores
+@pytest.mark.parametrize("model, layout", [
+    ([], ["parallel.pp=2"]),
+    (QWEN3_VL, ["parallel.pp=2"]),
+    ([], ["parallel.pp=2", "parallel.tp=2", "parallel.encoder.tp=1"]),  # 4 processes
+], ids=["qwen2.5-vl", "qwen3-vl-deepstack", "qwen2.5-vl-tp2-pp2"])
+def test_foundation_pp2_matches_one_process(model, layout, tmp_path, vlm_cache):
     """parallel.pp=2: the tower and the first half of the foundation on stage 0, the rest and the
-    loss on stage 1, hidden states of varying length between them. Pipeline stages initialise their
-    layers from other RNG draws than one process does, so both start from the step-1 checkpoint of
-    a PP=2 run, which one process loads (resharded): the losses of steps 2..3 and every gradient
-    of step 2 (DeepStack's mergers' included) are one process's."""
-    cache = vlm_cache
+    loss on stage 1, hidden states of varying length between them; also with the foundation at
+    TP=2 (4 processes, the tower split across TP on stage 0). Pipeline stages draw their layers'
+    initial weights differently from one process, so both start from the step-1 checkpoint of a
+    PP=2 run, which one process loads (resharded): the losses of steps 2..3, the grad norms and
+    every gradient of step 2 (DeepStack's mergers' included) are one process's."""
     (tmp_path / "first").mkdir()
-    probe(tmp_path / "first" / "grads.pt", [*model, "parallel.pp=2", "train.steps=1", "checkpoint.save=true"], cache,
-          nproc=2)
+    probe(tmp_path / "first" / "grads.pt", [*model, "parallel.pp=2", "train.steps=1", "checkpoint.save=true"],
+          vlm_cache, nproc=2)
     step1 = tmp_path / "first" / "run" / "checkpoints" / "step_00000001"
-    reference = probe(resume_dir(tmp_path / "one", step1) / "grads.pt", [*model, "train.steps=3"], cache)
-    got = probe(resume_dir(tmp_path / "pp2", step1) / "grads.pt", [*model, "train.steps=3", "parallel.pp=2"], cache,
-                nproc=2)
+    reference = probe(resume_dir(tmp_path / "one", step1) / "grads.pt", [*model, "train.steps=3"], vlm_cache)
+    nproc = 4 if "parallel.tp=2" in layout else 2
+    got = probe(resume_dir(tmp_path / "pp2", step1) / "grads.pt", [*model, "train.steps=3", *layout], vlm_cache,
+                nproc=nproc)
     assert len(reference["losses"]) == 2
     assert got["losses"] == pytest.approx(reference["losses"], rel=1e-4)
     assert got["grad_norms"] == pytest.approx(reference["grad_norms"], rel=1e-4)
