@@ -4,8 +4,8 @@
     torchrun --nproc-per-node=2 grads_probe.py OUT.pt [key=value ...]  # any layout
 
 The gradients are read just before the first optimizer step (after megatron's reduction and
-per-token scaling), gathered across the foundation's TP group into full tensors in the
-one-process layout, and written by rank 0 with the per-step losses and grad norms (and the
+per-token scaling), gathered across the foundation's TP group into full tensors and across its
+pipeline stages under the one-process names (``pipeline_gradients``), and written by rank 0 with the per-step losses and grad norms (and the
 shapes of its first micro-batch's tokens and labels: under context parallelism the labels are
 the rank's share of the row).
 """
@@ -43,6 +43,35 @@ def full_gradients(model, ctx) -> dict[str, torch.Tensor]:
     return out
 
 
+def global_layer_name(model, name: str) -> str:
+    """``name`` with a pipeline stage's local foundation layer index replaced by the layer's global
+    one (megatron's ``layer_number`` counts from 1 across stages)."""
+    prefix = "language_model.decoder.layers."
+    if not name.startswith(prefix):
+        return name
+    local, rest = name[len(prefix):].split(".", 1)
+    return f"{prefix}{model.language_model.decoder.layers[int(local)].layer_number - 1}.{rest}"
+
+
+def pipeline_gradients(model, ctx, grads: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Every stage's gradients under the one-process names. With tied embeddings the last stage's
+    copy of the word embeddings (its output layer) must hold the first stage's gradient (megatron
+    all-reduces the two); it is checked and dropped, as one process has only the embedding."""
+    pp = ctx.pgs.pp
+    if pp.size() == 1:
+        return grads
+    mine = {global_layer_name(model, n): g for n, g in grads.items()}
+    stages = [None] * pp.size()
+    dist.all_gather_object(stages, mine, group=pp)
+    out = {}
+    for stage in stages:
+        out.update(stage)
+    tied = "language_model.output_layer.weight"
+    if model.language_model.share_embeddings_and_output_weights and tied in out:
+        torch.testing.assert_close(out.pop(tied), out["language_model.embedding.word_embeddings.weight"])
+    return out
+
+
 def main(out: str, overrides: list[str]) -> None:
     from loongforge.core.config import to_dict
     from loongforge.core.parallel import destroy_parallel, init_parallel
@@ -52,7 +81,7 @@ def main(out: str, overrides: list[str]) -> None:
 
     cfg = load_vlm_config("vlm_debug", overrides)
     task = VLMTask(cfg)
-    ctx = init_parallel(tp=cfg.parallel.tp, cp=cfg.parallel.cp, seed=cfg.train.seed)
+    ctx = init_parallel(tp=cfg.parallel.tp, pp=cfg.parallel.pp, cp=cfg.parallel.cp, seed=cfg.train.seed)
     trainer = Trainer(task, ctx, cfg, config_record=to_dict(cfg))
     module = trainer.model.module
     captured = {}
@@ -60,7 +89,7 @@ def main(out: str, overrides: list[str]) -> None:
 
     def capture_then_step():
         if not captured:
-            captured.update(full_gradients(module, ctx))
+            captured.update(pipeline_gradients(module, ctx, full_gradients(module, ctx)))
         return step()
 
     trainer.engine.optimizer.step_with_ready_grads = capture_then_step

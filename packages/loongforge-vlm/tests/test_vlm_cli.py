@@ -85,11 +85,31 @@ def test_bad_config_is_one_clear_error(capsys):
     assert "parallel.encoder.tp=4: must be 1 or parallel.tp=2" in capsys.readouterr().err
     assert main(["train", "trainable=[projector,decoder]"]) == 2
     assert "trainable=['projector', 'decoder']" in capsys.readouterr().err
-    assert main(["train", "parallel.cp=2", "parallel.pp=2"]) == 2  # context parallelism alone is supported
-    assert "parallel.pp=2: the VLM recipe runs the foundation with tensor, context and data" in capsys.readouterr().err
+    assert main(["train", "parallel.ep=2"]) == 2
+    assert "parallel.ep=2: the VLM recipe runs the foundation with tensor, pipeline, context and data" \
+        in capsys.readouterr().err
     assert main(["train", "foundation=qwen3_moe_debug", "parallel.cp=2"]) == 2
     assert "parallel.cp=2: the VLM's context parallelism needs the foundation on loongforge-llm's fast layer" \
         in capsys.readouterr().err
+
+
+def test_unsupported_pipeline_is_one_clear_error(capsys):
+    """What the VLM's pipeline (parallel.pp>1) cannot run fails as a config error, before any process group."""
+    from loongforge.vlm.cli import main
+
+    assert main(["train", "parallel.cp=2", "parallel.pp=2"]) == 2
+    assert "parallel.pp=2 with parallel.cp=2: the VLM runs context parallelism without pipeline parallelism" \
+        in capsys.readouterr().err
+    assert main(["train", "parallel.pp=3"]) == 2
+    assert "parallel.pp=3: foundation.num_layers=2 does not split into 3 stages" in capsys.readouterr().err
+    # qwen3_debug has 2 layers: the first stage holds layer 0 only, DeepStack's second feature is for layer 1
+    assert main(["train", "--config", "qwen3_vl_debug", "parallel.pp=2", "encoder.deepstack_layers=[0,1]"]) == 2
+    err = capsys.readouterr().err
+    assert "parallel.pp=2 with encoder.deepstack_layers=[0, 1]: DeepStack adds its 2 features to foundation " \
+           "layers 0..1, but the first pipeline stage (which holds the vision tower) has layers 0..0" in err
+    assert main(["train", "foundation=qwen3_moe_debug", "foundation.moe_token_dispatcher=allgather",
+                 "parallel.pp=2"]) == 2
+    assert "parallel.pp=2 with foundation.moe_token_dispatcher=allgather" in capsys.readouterr().err
 
 
 def test_bad_qwen3_vl_config_is_one_clear_error(capsys):

@@ -1,7 +1,9 @@
 """Heterogeneous parallelism: the foundation at TP=2 with the vision tower at TP=1 (its images
 shared out across the foundation's TP group) or at TP=2 gives the losses and the gradients of
 one process on the same weights and data (2 gloo processes), and a checkpoint it saves resumes
-in one process; LoRA adapters in all three parts get one process's gradients there too."""
+in one process; LoRA adapters in all three parts get one process's gradients there too. The
+foundation at PP=2 (the tower on the first stage) gives one process's losses and gradients, and
+its checkpoint loads in one process."""
 
 from pathlib import Path
 
@@ -122,6 +124,46 @@ def test_context_parallel_cp2_matches_one_process(model, layout, tmp_path, vlm_c
     (_, whole), (_, local) = got["first_row"]
     assert whole % 4 == 0 and local == whole // 2  # each CP rank holds half of the padded row
     assert got["losses"] == pytest.approx(reference["losses"], rel=1e-5)
+    assert got["grad_norms"] == pytest.approx(reference["grad_norms"], rel=1e-4)
+    assert sorted(got["grads"]) == sorted(reference["grads"])
+    vision = [n for n in reference["grads"] if n.startswith(("encoder.", "projector.", "deepstack."))]
+    assert vision and all(reference["grads"][n].abs().sum() > 0 for n in vision)  # the tower did learn
+    for name, ref in reference["grads"].items():
+        torch.testing.assert_close(got["grads"][name], ref, rtol=1e-4, atol=1e-7, msg=name)
+
+
+def resume_dir(at: Path, checkpoint: Path) -> Path:
+    """A run directory ``at`` whose ``latest`` checkpoint is ``checkpoint`` (linked)."""
+    (at / "run" / "checkpoints").mkdir(parents=True)
+    (at / "run" / "checkpoints" / checkpoint.name).symlink_to(checkpoint)
+    (at / "run" / "checkpoints" / "latest").write_text(f"{checkpoint.name}\n")
+    return at
+
+
+@pytest.mark.slow
+@pytest.mark.long  # three runs, 2-5 min on 2 CPU cores
+@pytest.mark.parametrize("model, layout", [
+    ([], ["parallel.pp=2"]),
+    (QWEN3_VL, ["parallel.pp=2"]),
+    ([], ["parallel.pp=2", "parallel.tp=2", "parallel.encoder.tp=1"]),  # 4 processes
+], ids=["qwen2.5-vl", "qwen3-vl-deepstack", "qwen2.5-vl-tp2-pp2"])
+def test_foundation_pp2_matches_one_process(model, layout, tmp_path, vlm_cache):
+    """parallel.pp=2: the tower and the first half of the foundation on stage 0, the rest and the
+    loss on stage 1, hidden states of varying length between them; also with the foundation at
+    TP=2 (4 processes, the tower split across TP on stage 0). Pipeline stages draw their layers'
+    initial weights differently from one process, so both start from the step-1 checkpoint of a
+    PP=2 run, which one process loads (resharded): the losses of steps 2..3, the grad norms and
+    every gradient of step 2 (DeepStack's mergers' included) are one process's."""
+    (tmp_path / "first").mkdir()
+    probe(tmp_path / "first" / "grads.pt", [*model, "parallel.pp=2", "train.steps=1", "checkpoint.save=true"],
+          vlm_cache, nproc=2)
+    step1 = tmp_path / "first" / "run" / "checkpoints" / "step_00000001"
+    reference = probe(resume_dir(tmp_path / "one", step1) / "grads.pt", [*model, "train.steps=3"], vlm_cache)
+    nproc = 4 if "parallel.tp=2" in layout else 2
+    got = probe(resume_dir(tmp_path / "pp2", step1) / "grads.pt", [*model, "train.steps=3", *layout], vlm_cache,
+                nproc=nproc)
+    assert len(reference["losses"]) == 2
+    assert got["losses"] == pytest.approx(reference["losses"], rel=1e-4)
     assert got["grad_norms"] == pytest.approx(reference["grad_norms"], rel=1e-4)
     assert sorted(got["grads"]) == sorted(reference["grads"])
     vision = [n for n in reference["grads"] if n.startswith(("encoder.", "projector.", "deepstack."))]

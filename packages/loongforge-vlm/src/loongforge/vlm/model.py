@@ -191,6 +191,17 @@ class VisionLanguageModel(MegatronModule):
     def set_input_tensor(self, input_tensor) -> None:
         self.language_model.set_input_tensor(input_tensor)
 
+    @property
+    def share_embeddings_and_output_weights(self) -> bool:
+        """Read by megatron's ``finalize_model_grads`` on the first and last pipeline stages (the
+        outermost module with ``pre_process``): a tied foundation's word embeddings and its output
+        layer's copy get their gradients all-reduced across the two."""
+        return self.language_model.share_embeddings_and_output_weights
+
+    def shared_embedding_or_output_weight(self):
+        """The foundation's word embeddings on the first stage, their output-layer copy on the last."""
+        return self.language_model.shared_embedding_or_output_weight()
+
     # -- vision -----------------------------------------------------------------------------
     @property
     def vision_width(self) -> int:

@@ -71,7 +71,8 @@ def build_vision_groups(ctx, encoder_tp: int, split_across_foundation_tp: bool =
         raise ValueError(f"parallel.encoder.tp={encoder_tp}: must be 1 or the foundation's tp ({foundation_tp})")
     pgs = ProcessGroupCollection()
     pgs.cp = ctx.pgs.cp
-    pgs.pp = _singleton_group() if ctx.layout.pp > 1 else ctx.pgs.pp  # the tower is never pipelined
+    # the tower is not pipelined: it lives whole on the foundation's first stage (loongforge.vlm.pipeline)
+    pgs.pp = _singleton_group() if ctx.layout.pp > 1 else ctx.pgs.pp
     if encoder_tp == foundation_tp:
         pgs.tp = ctx.pgs.tp
         split = None

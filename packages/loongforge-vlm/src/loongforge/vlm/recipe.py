@@ -72,10 +72,9 @@ class VLMParallelConfig(ParallelConfig):
         super().__post_init__()
         if self.encoder.tp not in (1, self.tp):
             raise ValueError(f"parallel.encoder.tp={self.encoder.tp}: must be 1 or parallel.tp={self.tp}")
-        for key in ("pp", "ep"):
-            if getattr(self, key) != 1:
-                raise ValueError(f"parallel.{key}={getattr(self, key)}: the VLM recipe runs the foundation with "
-                                 f"tensor, context and data parallelism only ({key}=1)")
+        if self.ep != 1:
+            raise ValueError(f"parallel.ep={self.ep}: the VLM recipe runs the foundation with tensor, pipeline, "
+                             f"context and data parallelism only (ep=1)")
         if self.data_parallel not in ("auto", "ddp"):
             raise ValueError(f"parallel.data_parallel={self.data_parallel!r}: the VLM runs on the megatron-core "
                              f"engine (auto/ddp)")
@@ -146,6 +145,10 @@ class VLMConfig:
             from loongforge.vlm.context_parallel import check_foundation_layers
 
             check_foundation_layers(self.foundation, self.parallel.cp)
+        if self.parallel.pp > 1:
+            from loongforge.vlm.pipeline import check_pipeline
+
+            check_pipeline(self)
         self.model()  # cross-part checks (mrope section vs the foundation's head dim)
 
     def model(self) -> VLMModelConfig:
@@ -197,10 +200,12 @@ class VLMTask:
         return to_dict(self.model_cfg)
 
     def transformer_config_kwargs(self) -> dict:
+        from loongforge.vlm.pipeline import pipeline_config_kwargs
+
         kwargs = self.cfg.foundation.transformer_config_kwargs()
         if self.model_cfg.rotary_chunks is not None:
             kwargs["mrope_section"] = self.model_cfg.rotary_chunks
-        return kwargs
+        return pipeline_config_kwargs(self.cfg.parallel.pp, kwargs)
 
     def build_model(self, ctx, transformer_config, pre_process, post_process, load_initial_weights=True):
         # builds from the config; whole HF models come in through `lf-vlm convert`, a SigLIP tower through
