@@ -102,11 +102,34 @@ def main(out: str, overrides: list[str]) -> None:
         return forward(model, batch)
 
     task.forward = record_shapes_then_forward
+    # how many items this rank's tower encoded in the first forward, of the micro-batch's items
+    vlm = next((m for m in module.modules() if hasattr(m, "_tower")), None)
+    counts = {"first": True, "encoded": 0}
+    if vlm is not None:
+        tower = vlm._tower
+
+        def counting_tower(pixels, grid):
+            if counts["first"]:
+                counts["encoded"] += int(grid.shape[0])
+            return tower(pixels, grid)
+
+        def record_items_then_forward(model, batch):
+            if counts["first"] and "grid_thw" in batch:
+                shapes["first_items"] = int(batch["grid_thw"].shape[0])
+            try:
+                return record_shapes_then_forward(model, batch)
+            finally:
+                if "first_items" in shapes and counts["first"]:
+                    counts["first"] = False
+                    shapes["first_items"] = (counts["encoded"], shapes["first_items"])
+
+        vlm._tower = counting_tower
+        task.forward = record_items_then_forward
     results = trainer.fit()
     if ctx.rank == 0:
         torch.save({"losses": [r.loss for r in results], "grad_norms": [r.grad_norm for r in results],
                     "grads": captured,
-                    "first_row": shapes.get("first_row")}, out)
+                    "first_row": shapes.get("first_row"), "first_items": shapes.get("first_items")}, out)
     destroy_parallel()
 
 

@@ -114,8 +114,8 @@ def test_context_parallel_cp2_matches_one_process(model, layout, tmp_path, vlm_c
     split in megatron's load-balanced chunks after the vision features (and DeepStack's) are
     scattered in; each CP rank rotates its tokens by their own multimodal RoPE positions and attends
     over the whole row (1-D RoPE: by its position in its sample); also with the foundation at TP=2
-    (4 processes, the tower split across TP). The losses, grad norms and every gradient are one
-    process's."""
+    (4 processes, the tower split across TP). The CP ranks share out the micro-batch's images
+    (rank 0 encodes some, not all). The losses, grad norms and every gradient are one process's."""
     (tmp_path / "ref").mkdir()
     (tmp_path / "cp2").mkdir()
     reference = probe(tmp_path / "ref" / "grads.pt", model, vlm_cache)
@@ -123,6 +123,8 @@ def test_context_parallel_cp2_matches_one_process(model, layout, tmp_path, vlm_c
     got = probe(tmp_path / "cp2" / "grads.pt", [*model, *layout], vlm_cache, nproc=nproc)
     (_, whole), (_, local) = got["first_row"]
     assert whole % 4 == 0 and local == whole // 2  # each CP rank holds half of the padded row
+    (encoded, items), (encoded_alone, _) = got["first_items"], reference["first_items"]
+    assert encoded_alone == items >= 2 and 0 < encoded < items  # the CP ranks shared out the images
     assert got["losses"] == pytest.approx(reference["losses"], rel=1e-5)
     assert got["grad_norms"] == pytest.approx(reference["grad_norms"], rel=1e-4)
     assert sorted(got["grads"]) == sorted(reference["grads"])

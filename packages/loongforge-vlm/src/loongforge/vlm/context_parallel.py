@@ -1,9 +1,10 @@
 """Context parallelism (``parallel.cp > 1``) of the VLM's foundation.
 
 Every CP rank of a DP replica collates the same micro-batch: one THD row (``data.packing.pack_thd``)
-whose samples are each padded to a multiple of ``2*cp`` positions. The vision tower runs on the
-whole micro-batch's images on every CP rank, and the model scatters the vision features into the
-embeddings of the whole row; then each rank keeps its share of the row (``cp_index``: per sample,
+whose samples are each padded to a multiple of ``2*cp`` positions. The CP ranks share out the
+micro-batch's images, encode their shares and all-gather the features (``VisionLanguageModel.
+encode_vision``, ``loongforge.vlm.parallel``), and the model scatters them into the embeddings
+of the whole row; then each rank keeps its share of the row (``cp_index``: per sample,
 chunks ``r`` and ``2*cp-1-r`` of ``2*cp``, loongforge-llm's ``thd_zigzag_index``, megatron's
 load-balanced split) of the embeddings and the DeepStack additions. The labels, the loss mask and
 the positions are split here, in the collate, by the same index, so the multimodal RoPE angles

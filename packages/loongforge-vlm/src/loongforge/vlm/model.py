@@ -219,31 +219,45 @@ class VisionLanguageModel(MegatronModule):
 
     def encode_vision(self, pixel_values: torch.Tensor, grid_thw: torch.Tensor) -> torch.Tensor:
         """One row per vision token of the items, in item order: its foundation embedding, then its
-        DeepStack features (``vision_width`` wide). With the tower split across the foundation's
-        TP group, each rank encodes its share and the shares are all-gathered (see
-        ``loongforge.vlm.parallel``)."""
+        DeepStack features (``vision_width`` wide). The ranks that see the same micro-batch share
+        out its items (see ``loongforge.vlm.parallel``): the CP ranks of a context-parallel job,
+        then, with the tower split across the foundation's TP group, the TP ranks; each encodes its
+        share and the shares are all-gathered."""
         groups = self.groups
-        if groups.split is None:
-            return self._tower(pixel_values, grid_thw)
+
+        def within_cp(pixels, grid):  # the TP ranks' share-out of a split tower, or the whole tower
+            if groups.split is None:
+                return self._tower(pixels, grid)
+            return self._shared_out(pixels, grid, groups.split, self._tower, grad_scale=float(groups.split_size))
+
+        cp = groups.pgs.cp
+        if cp is not None and cp.size() > 1:
+            return self._shared_out(pixel_values, grid_thw, cp, within_cp, sum_grads=True)
+        return within_cp(pixel_values, grid_thw)
+
+    def _shared_out(self, pixel_values, grid_thw, group, encode, grad_scale: float = 1.0,
+                    sum_grads: bool = False) -> torch.Tensor:
+        """``encode`` of this rank's share of the items (``split_items`` over ``group``), the
+        shares all-gathered (``gather_rows``) and put back in item order."""
         sizes = patch_counts(grid_thw)
         merge = self.cfg.tokens_per_patch_group
-        shares = split_items(sizes, groups.split_size)
+        shares = split_items(sizes, group.size())
         starts = [0]
         for n in sizes:
             starts.append(starts[-1] + n)
-        mine = shares[groups.split_rank]
+        mine = shares[group.rank()]
         if mine:
             pixels = torch.cat([pixel_values[starts[i]:starts[i + 1]] for i in mine])
-            local = self._tower(pixels, grid_thw[mine])
+            local = encode(pixels, grid_thw[mine])
         else:  # requiring grad when the tower trains, as the other ranks' shares do, so that every rank of
-            # the group runs the same backward (the foundation's TP collectives on the input's gradient)
+            # the group runs the same backward (the gather's and the foundation's collectives)
             tower = (*self.encoder.parameters(), *self.projector.parameters(),
                      *(self.deepstack.parameters() if self.deepstack is not None else ()))
             trains = torch.is_grad_enabled() and any(p.requires_grad for p in tower)
             local = torch.zeros((0, self.vision_width), dtype=self.config.params_dtype,
                                 device=pixel_values.device, requires_grad=trains)
         counts = [sum(sizes[i] for i in share) // merge for share in shares]
-        gathered = gather_rows(local, counts, groups.split, grad_scale=float(groups.split_size))
+        gathered = gather_rows(local, counts, group, grad_scale=grad_scale, sum_grads=sum_grads)
         # rows of item i in the gathered (share-ordered) tensor, items back in their own order
         row_of, offset = {}, 0
         for share in shares:

@@ -8,6 +8,9 @@ The vision tower gets its own ``ProcessGroupCollection``:
   ``split_across_foundation_tp`` the t ranks of one foundation TP group, which see the same
   micro-batch, encode disjoint shares of its images and all-gather the results (the tower is
   data-parallel across the foundation's TP group); otherwise each of them encodes all images.
+- ``parallel.cp = c > 1``: the c CP ranks of a DP replica see the same micro-batch too; they
+  share out its images first (then each CP rank's share is split across TP as above) and
+  all-gather the features, so no image is encoded twice.
 
 Nothing here touches megatron's module-level state: the groups are made with
 ``torch.distributed`` and handed to the tower's modules explicitly.
@@ -18,6 +21,12 @@ complete) gradient of its own rows scaled by t, and megatron's ``finalize_model_
 averages parameters marked ``average_gradients_across_tp_domain`` over the TP group:
 (1/t) * sum_r t * g_r = sum_r g_r. Tower parameters are marked ``tensor_model_parallel=False``
 so that the grad norm counts them once per TP group, as it does any replicated parameter.
+
+Gradients of a CP-shared tower: each CP rank's loss covers its own tokens, so the features'
+gradients differ between CP ranks. The CP all-gather's backward sums the gradient over the CP
+group before taking the rank's rows: rank r's tower gradient is then every CP rank's loss
+through its own images, and the sum over r that megatron's reduction over DP x CP takes is the
+same as when every CP rank encoded every image (each with its own loss).
 """
 
 from __future__ import annotations
@@ -111,10 +120,12 @@ def split_items(sizes: list[int], parts: int) -> list[list[int]]:
 
 class _GatherRows(torch.autograd.Function):
     """All-gather of per-rank row blocks of different lengths; backward returns this rank's
-    rows of the incoming gradient times ``grad_scale``."""
+    rows of the incoming gradient times ``grad_scale``, after summing that gradient over the
+    group with ``sum_grads`` (ranks whose gradients differ: CP ranks, each holding part of the
+    loss)."""
 
     @staticmethod
-    def forward(ctx, local: torch.Tensor, counts: list[int], group, grad_scale: float):
+    def forward(ctx, local: torch.Tensor, counts: list[int], group, grad_scale: float, sum_grads: bool):
         rank = dist.get_rank(group)
         width = max(counts)
         padded = local.new_zeros((width, *local.shape[1:]))
@@ -124,14 +135,20 @@ class _GatherRows(torch.autograd.Function):
         ctx.start = sum(counts[:rank])
         ctx.count = counts[rank]
         ctx.grad_scale = grad_scale
+        ctx.group = group if sum_grads else None
         return torch.cat([g[:n] for g, n in zip(gathered, counts)], dim=0)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
+        if ctx.group is not None:
+            grad = grad.contiguous()
+            dist.all_reduce(grad, group=ctx.group)
         mine = grad[ctx.start : ctx.start + ctx.count]
-        return mine * ctx.grad_scale, None, None, None
+        return mine * ctx.grad_scale, None, None, None, None
 
 
-def gather_rows(local: torch.Tensor, counts: list[int], group, grad_scale: float = 1.0) -> torch.Tensor:
-    """Concatenate every rank's ``local`` rows (``counts[r]`` of them on rank r) in rank order."""
-    return _GatherRows.apply(local, counts, group, grad_scale)
+def gather_rows(local: torch.Tensor, counts: list[int], group, grad_scale: float = 1.0,
+                sum_grads: bool = False) -> torch.Tensor:
+    """Concatenate every rank's ``local`` rows (``counts[r]`` of them on rank r) in rank order
+    (see ``_GatherRows`` for the gradient)."""
+    return _GatherRows.apply(local, counts, group, grad_scale, sum_grads)
