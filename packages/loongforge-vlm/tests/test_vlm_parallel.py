@@ -23,6 +23,26 @@ def probe(out: Path, overrides: list[str], cache: Path, nproc: int = 1) -> dict:
     return torch.load(out)
 
 
+def assert_same_training(got: dict, reference: dict, learned: tuple[str, ...], loss_rel: float = 1e-5) -> None:
+    """One process's losses, grad norms and every gradient; the parameters under ``learned``
+    did learn (non-zero gradients in the reference)."""
+    assert got["losses"] == pytest.approx(reference["losses"], rel=loss_rel)
+    assert got["grad_norms"] == pytest.approx(reference["grad_norms"], rel=1e-4)
+    assert sorted(got["grads"]) == sorted(reference["grads"])
+    parts = [n for n in reference["grads"] if n.startswith(learned)]
+    assert parts and all(reference["grads"][n].abs().sum() > 0 for n in parts)
+    for name, ref in reference["grads"].items():
+        torch.testing.assert_close(got["grads"][name], ref, rtol=1e-4, atol=1e-7, msg=name)
+
+
+def resume_dir(at: Path, checkpoint: Path) -> Path:
+    """A run directory ``at`` whose ``latest`` checkpoint is ``checkpoint`` (linked)."""
+    (at / "run" / "checkpoints").mkdir(parents=True)
+    (at / "run" / "checkpoints" / checkpoint.name).symlink_to(checkpoint)
+    (at / "run" / "checkpoints" / "latest").write_text(f"{checkpoint.name}\n")
+    return at
+
+
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory, vlm_cache):
     return probe(tmp_path_factory.mktemp("ref") / "grads.pt", [], vlm_cache)
@@ -34,19 +54,10 @@ def test_foundation_tp2_matches_one_process(encoder_tp, reference, tmp_path, vlm
     layout = ["parallel.tp=2", f"parallel.encoder.tp={encoder_tp}"]
     save = ["checkpoint.save=true", "checkpoint.interval=1", "checkpoint.keep_last=2"]
     got = probe(tmp_path / "grads.pt", [*layout, *save], vlm_cache, nproc=2)
-    assert got["losses"] == pytest.approx(reference["losses"], rel=1e-5)
-    assert got["grad_norms"] == pytest.approx(reference["grad_norms"], rel=1e-4)
-    assert sorted(got["grads"]) == sorted(reference["grads"])
-    vision = [n for n in reference["grads"] if n.startswith(("encoder.", "projector."))]
-    assert vision and all(reference["grads"][n].abs().sum() > 0 for n in vision)  # the tower did learn
-    for name, ref in reference["grads"].items():
-        torch.testing.assert_close(got["grads"][name], ref, rtol=1e-4, atol=1e-7, msg=name)
+    assert_same_training(got, reference, learned=("encoder.", "projector."))  # the tower did learn
 
     # the step-1 checkpoint of the TP=2 run resumes in one process: step 2 as in the reference
-    resumed = tmp_path / "resumed"
-    (resumed / "run" / "checkpoints").mkdir(parents=True)
-    (resumed / "run" / "checkpoints" / "step_00000001").symlink_to(tmp_path / "run" / "checkpoints" / "step_00000001")
-    (resumed / "run" / "checkpoints" / "latest").write_text("step_00000001\n")
+    resumed = resume_dir(tmp_path / "resumed", tmp_path / "run" / "checkpoints" / "step_00000001")
     again = probe(resumed / "grads.pt", [], vlm_cache)
     assert again["losses"] == pytest.approx(reference["losses"][1:], rel=1e-5)
     assert again["grad_norms"] == pytest.approx(reference["grad_norms"][1:], rel=1e-4)
@@ -90,13 +101,7 @@ def test_qwen3_vl_deepstack_with_split_tower_matches_one_process(tmp_path, vlm_c
     (tmp_path / "tp2").mkdir()
     reference = probe(tmp_path / "ref" / "grads.pt", QWEN3_VL, vlm_cache)
     got = probe(tmp_path / "tp2" / "grads.pt", [*QWEN3_VL, "parallel.tp=2", "parallel.encoder.tp=1"], vlm_cache, nproc=2)
-    assert got["losses"] == pytest.approx(reference["losses"], rel=1e-5)
-    assert got["grad_norms"] == pytest.approx(reference["grad_norms"], rel=1e-4)
-    assert sorted(got["grads"]) == sorted(reference["grads"])
-    deepstack = [n for n in reference["grads"] if n.startswith("deepstack.")]
-    assert deepstack and all(reference["grads"][n].abs().sum() > 0 for n in deepstack)  # DeepStack did learn
-    for name, ref in reference["grads"].items():
-        torch.testing.assert_close(got["grads"][name], ref, rtol=1e-4, atol=1e-7, msg=name)
+    assert_same_training(got, reference, learned=("deepstack.",))  # DeepStack did learn
 
 
 SIGLIP_LLAMA = ["encoder=siglip_vit_debug", "projector=mlp_2x", "foundation=llama_debug"]
@@ -125,21 +130,7 @@ def test_context_parallel_cp2_matches_one_process(model, layout, tmp_path, vlm_c
     assert whole % 4 == 0 and local == whole // 2  # each CP rank holds half of the padded row
     (encoded, items), (encoded_alone, _) = got["first_items"], reference["first_items"]
     assert encoded_alone == items >= 2 and 0 < encoded < items  # the CP ranks shared out the images
-    assert got["losses"] == pytest.approx(reference["losses"], rel=1e-5)
-    assert got["grad_norms"] == pytest.approx(reference["grad_norms"], rel=1e-4)
-    assert sorted(got["grads"]) == sorted(reference["grads"])
-    vision = [n for n in reference["grads"] if n.startswith(("encoder.", "projector.", "deepstack."))]
-    assert vision and all(reference["grads"][n].abs().sum() > 0 for n in vision)  # the tower did learn
-    for name, ref in reference["grads"].items():
-        torch.testing.assert_close(got["grads"][name], ref, rtol=1e-4, atol=1e-7, msg=name)
-
-
-def resume_dir(at: Path, checkpoint: Path) -> Path:
-    """A run directory ``at`` whose ``latest`` checkpoint is ``checkpoint`` (linked)."""
-    (at / "run" / "checkpoints").mkdir(parents=True)
-    (at / "run" / "checkpoints" / checkpoint.name).symlink_to(checkpoint)
-    (at / "run" / "checkpoints" / "latest").write_text(f"{checkpoint.name}\n")
-    return at
+    assert_same_training(got, reference, learned=("encoder.", "projector.", "deepstack."))  # the tower did learn
 
 
 @pytest.mark.slow
@@ -165,10 +156,4 @@ def test_foundation_pp2_matches_one_process(model, layout, tmp_path, vlm_cache):
     got = probe(resume_dir(tmp_path / "pp2", step1) / "grads.pt", [*model, "train.steps=3", *layout], vlm_cache,
                 nproc=nproc)
     assert len(reference["losses"]) == 2
-    assert got["losses"] == pytest.approx(reference["losses"], rel=1e-4)
-    assert got["grad_norms"] == pytest.approx(reference["grad_norms"], rel=1e-4)
-    assert sorted(got["grads"]) == sorted(reference["grads"])
-    vision = [n for n in reference["grads"] if n.startswith(("encoder.", "projector.", "deepstack."))]
-    assert vision and all(reference["grads"][n].abs().sum() > 0 for n in vision)  # the tower did learn
-    for name, ref in reference["grads"].items():
-        torch.testing.assert_close(got["grads"][name], ref, rtol=1e-4, atol=1e-7, msg=name)
+    assert_same_training(got, reference, learned=("encoder.", "projector.", "deepstack."), loss_rel=1e-4)
