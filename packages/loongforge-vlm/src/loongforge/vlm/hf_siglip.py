@@ -197,20 +197,21 @@ def checked_tower(cfg, directory: str | Path, key: str = "encoder.init_from_hf")
     return tower
 
 
-def load_tower(encoder: torch.nn.Module, cfg, directory: str | Path, key: str = "encoder.init_from_hf") -> None:
-    """Fill the (TP-sharded) megatron ``encoder`` of config ``cfg`` from the SigLIP tower in
-    ``directory``: each rank reads its shards. A config that is not the tower's, a missing or an
-    unmapped tensor is a ``ConfigError`` naming ``key``."""
+def load_tower(encoder: torch.nn.Module, cfg, source: SigLIPTower | str | Path,
+               key: str = "encoder.init_from_hf") -> None:
+    """Fill the (TP-sharded) megatron ``encoder`` of config ``cfg`` from a SigLIP tower (one
+    ``checked_tower`` gave, or the directory to check it in): each rank reads its shards. A config
+    that is not the tower's, a missing or an unmapped tensor is a ``ConfigError`` naming ``key``."""
     from loongforge.core.checkpoint.sharded import load_into
     from loongforge.core.config import ConfigError
     from loongforge.core.hf_mapping.online import HFPieceReader
 
-    tower = checked_tower(cfg, directory, key)
+    tower = source if isinstance(source, SigLIPTower) else checked_tower(cfg, source, key)
     try:
         reader = HFPieceReader(tower.directory, tower.bind(cfg))
         encoder.load_state_dict(load_into(encoder.sharded_state_dict(), reader, {}, {}), strict=True)
     except MappingError as exc:
-        raise ConfigError(f"{key}={directory}: {exc}") from exc
+        raise ConfigError(f"{key}={tower.directory}: {exc}") from exc
 
 
 def tower_config_to_hf(cfg) -> dict:

@@ -189,10 +189,11 @@ class VLMTask:
             raise ValueError(f"vision.image_token_id/video_token_id={vision.image_token_id}/{vision.video_token_id} "
                              f"differ from the tokenizer's {self.vision_ids.image}/{self.vision_ids.video}")
         self.model_cfg = cfg.model()
-        if getattr(cfg.encoder, "init_from_hf", None):  # the tower's config, checked before any model is built
+        self.encoder_tower = None  # encoder.init_from_hf's tower, checked before any model is built
+        if getattr(cfg.encoder, "init_from_hf", None):
             from loongforge.vlm.hf_siglip import checked_tower
 
-            checked_tower(cfg.encoder, cfg.encoder.init_from_hf)
+            self.encoder_tower = checked_tower(cfg.encoder, cfg.encoder.init_from_hf)
         self._dataset = None
 
     # -- model --------------------------------------------------------------------------------
@@ -215,11 +216,10 @@ class VLMTask:
         enc = self.cfg.parallel.encoder
         model = build_vlm(self.model_cfg, ctx, transformer_config, pre_process, post_process, encoder_tp=enc.tp,
                           split_across_foundation_tp=enc.split_across_foundation_tp, encoder_recompute=enc.recompute)
-        encoder_hf = getattr(self.cfg.encoder, "init_from_hf", None)
-        if pre_process and load_initial_weights and encoder_hf:
+        if pre_process and load_initial_weights and self.encoder_tower is not None:
             from loongforge.vlm.hf_siglip import load_tower
 
-            load_tower(model.encoder, self.cfg.encoder, encoder_hf)
+            load_tower(model.encoder, self.cfg.encoder, self.encoder_tower)
         parts = {"foundation": model.language_model}
         if pre_process:
             parts.update(encoder=model.encoder, projector=model.projector)
