@@ -66,9 +66,11 @@ def info_options(parser) -> None:
 
 
 def bench_options(parser) -> None:
+    from loongforge.llm.bench import BASELINES
+
     parser.add_argument("--fp8", action="append", default=[], choices=["blockwise", "adaptive"],
                         help="one more run of ours with fp8=<mode>, compared with ours in bf16")
-    parser.add_argument("--skip", action="append", default=[], choices=["hf_compile", "hf_liger", "hf_eager"],
+    parser.add_argument("--skip", action="append", default=[], choices=list(BASELINES),
                         help="a baseline to leave out")
     parser.add_argument("--profile-rows", type=int, default=25, help="rows of ours' profiler tables (CUDA); 0: none")
     parser.add_argument("--trace", default=None, help="write a Chrome trace of the profiled steps of ours here")

@@ -29,6 +29,7 @@ class PlaceholderLayout:
     end: str
     image: str
     video: str
+    numbered_frames: bool = False  # a video as one ``FrameN: `` run per frame (the encoder embeds single frames)
 
     @property
     def tokens(self) -> tuple[str, ...]:
@@ -36,8 +37,7 @@ class PlaceholderLayout:
 
 
 PLACEHOLDERS = {"qwen": PlaceholderLayout(VISION_START, VISION_END, IMAGE_PAD, VIDEO_PAD),
-                "internvl": PlaceholderLayout("<img>", "</img>", "<IMG_CONTEXT>", "<IMG_CONTEXT>")}
-FRAME_RUNS = ("internvl",)  # layouts that write a video as one numbered run per frame
+                "internvl": PlaceholderLayout("<img>", "</img>", "<IMG_CONTEXT>", "<IMG_CONTEXT>", numbered_frames=True)}
 
 
 def default_tokenizer_dir() -> Path:
@@ -78,11 +78,11 @@ def vision_text(kind: str, tokens: int, frame_seconds: list[float] | None = None
     """The text that stands for one image/video of ``tokens`` vision tokens. With
     ``frame_seconds`` (a video's time of each temporal patch group, Qwen3-VL's layout) every group
     is its own run after its timestamp: ``<1.5 seconds><|vision_start|>...<|vision_end|>``. A
-    video of ``frames`` temporal patch groups in a ``FRAME_RUNS`` layout (InternVL, whose encoder
-    embeds single frames): ``Frame1: <img>...</img>\nFrame2: <img>...</img>``."""
+    video of ``frames`` temporal patch groups in a ``numbered_frames`` layout (InternVL, whose
+    encoder embeds single frames): ``Frame1: <img>...</img>\nFrame2: <img>...</img>``."""
     layout = PLACEHOLDERS[placeholders]
     pad = layout.image if kind == "image" else layout.video
-    if kind == "video" and placeholders in FRAME_RUNS:
+    if kind == "video" and layout.numbered_frames:
         per_frame = tokens // frames
         return "\n".join(f"Frame{i + 1}: " + layout.start + pad * per_frame + layout.end for i in range(frames))
     if kind == "image" or frame_seconds is None:
