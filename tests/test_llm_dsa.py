@@ -158,6 +158,31 @@ def test_sparse_attention_changes_logits_and_the_indexer_learns(ctx):
             torch.testing.assert_close(g, without[name], rtol=0, atol=0, msg=name)
 
 
+def assert_registry_equals_megatron(core, seen: dict, shape: tuple) -> None:
+    """RegistryDSAttention's forward against megatron's DSAttention forward on the inputs ``seen``
+    (the core attention's args and kwargs in a model forward): output, input grads and indexer
+    grads (which must be non-zero: the indexer loss trains it)."""
+    from megatron.core.transformer.experimental_attention_variant.dsa import DSAttention
+
+    from loongforge.llm.families import dsa
+
+    def run(forward):
+        core.zero_grad()
+        query, key = (t.detach().requires_grad_() for t in seen["args"])
+        up_v = seen["kwargs"]["up_v_weight"].detach().requires_grad_()
+        out = forward(core, query, key, **{**seen["kwargs"], "up_v_weight": up_v})
+        (out * torch.linspace(-1, 1, out.numel()).view_as(out)).sum().backward()
+        indexer = {n: p.grad.clone() for n, p in core.indexer.named_parameters()}
+        return out, query.grad, key.grad, up_v.grad, indexer
+
+    want, got = run(DSAttention.forward), run(dsa.RegistryDSAttention.forward)
+    assert want[0].shape == shape and all(g.abs().sum() > 0 for g in want[4].values())
+    for w, g in zip(want[:4], got[:4]):
+        torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-6)
+    for name, w in want[4].items():
+        torch.testing.assert_close(got[4][name], w, rtol=1e-5, atol=1e-6, msg=name)
+
+
 @pytest.mark.parametrize("kernel,sparse_loss", [("registry", False), ("registry", True), ("triton", False),
                                                  ("triton", True)])
 def test_registry_sparse_attention_equals_megatrons(ctx, kernel, sparse_loss, monkeypatch):
@@ -165,8 +190,6 @@ def test_registry_sparse_attention_equals_megatrons(ctx, kernel, sparse_loss, mo
     ``triton``: loongforge-kernels' Triton kernels, interpreted on CPU, picked by a build context
     whose accelerator claims Triton) against megatron's own DSAttention forward on the same module
     and inputs: output, input grads and indexer grads (indexer loss on, dense and sparse KL)."""
-    from megatron.core.transformer.experimental_attention_variant.dsa import DSAttention
-
     from loongforge.core.kernels import KernelPolicy
     from loongforge.llm.families import dsa
 
@@ -189,21 +212,7 @@ def test_registry_sparse_attention_equals_megatrons(ctx, kernel, sparse_loss, mo
     model(tok, pos, None)
     hook.remove()
 
-    def run(forward):
-        core.zero_grad()
-        query, key = (t.detach().requires_grad_() for t in seen["args"])
-        up_v = seen["kwargs"]["up_v_weight"].detach().requires_grad_()
-        out = forward(core, query, key, **{**seen["kwargs"], "up_v_weight": up_v})
-        (out * torch.linspace(-1, 1, out.numel()).view_as(out)).sum().backward()
-        indexer = {n: p.grad.clone() for n, p in core.indexer.named_parameters()}
-        return out, query.grad, key.grad, up_v.grad, indexer
-
-    want, got = run(DSAttention.forward), run(dsa.RegistryDSAttention.forward)
-    assert want[0].shape == (SEQ, 2, 4 * 16) and all(g.abs().sum() > 0 for g in want[4].values())
-    for w, g in zip(want[:4], got[:4]):
-        torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-6)
-    for name, w in want[4].items():
-        torch.testing.assert_close(got[4][name], w, rtol=1e-5, atol=1e-6, msg=name)
+    assert_registry_equals_megatron(core, seen, (SEQ, 2, 4 * 16))
 
     # the tensor-parallel loss path (megatron's loss on the registry's top-k), here on one rank
     from loongforge.core.kernels.registry import get_kernel
@@ -214,9 +223,32 @@ def test_registry_sparse_attention_equals_megatrons(ctx, kernel, sparse_loss, mo
     topk = get_kernel("dsa_indexer_topk")(q.detach(), k.detach(), w.detach(), core.index_topk)
     per_query = get_kernel("dsa_indexer_loss")(q, k, w, query.transpose(0, 1).detach(), key[:, :, 0].transpose(0, 1).detach(),
                                               core.softmax_scale, topk if sparse_loss else None)
-    tp_loss = core._tensor_parallel_indexer_loss(q, k, w, topk, query, key, kw["attn_mask_type"], kw["position_ids"])
-    torch.testing.assert_close(tp_loss, core.config.dsa_indexer_loss_coeff * per_query.sum(), rtol=1e-5, atol=1e-7)
+    tp_loss = core._tensor_parallel_indexer_loss([(0, SEQ, 0, SEQ)], q, k, w, topk, query, key[:, :, 0], None)
+    torch.testing.assert_close(tp_loss, per_query.sum(), rtol=1e-5, atol=1e-7)
     assert tp_loss > 0
+
+
+@pytest.mark.parametrize("sparse_loss", [False, True], ids=["dense-loss", "sparse-loss"])
+def test_registry_sparse_attention_on_packed_rows_equals_megatrons(ctx, sparse_loss):
+    """Packed (THD) rows: three sequences of 10, 16 and 6 tokens in one row of 32 (cu_seqlens),
+    each attending only within itself. RegistryDSAttention (one piece per sequence, its top-k and
+    indexer loss over that sequence's keys only) against megatron's DSAttention forward, which
+    masks by cu_seqlens: output, input grads and indexer grads."""
+    from megatron.core.packed_seq_params import PackedSeqParams
+
+    model = build(ctx, v32(dsa_indexer_topk=6, dsa_indexer_n_heads=16, dsa_indexer_use_sparse_loss=sparse_loss), seed=2)
+    model.train()
+    core = model.decoder.layers[1].self_attention.core_attention
+    seen = {}
+    hook = core.register_forward_pre_hook(lambda m, args, kwargs: seen.update(args=args, kwargs=kwargs), with_kwargs=True)
+    lengths = [10, 16, 6]
+    cu = torch.tensor([0, 10, 26, 32], dtype=torch.int32)
+    row = torch.randint(0, VOCAB, (1, 32), generator=torch.Generator().manual_seed(3))
+    params = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=16, max_seqlen_kv=16)
+    model(row, torch.cat([torch.arange(n) for n in lengths])[None], None, packed_seq_params=params)
+    hook.remove()
+    assert seen["args"][0].shape == (32, 4, 24)  # THD: [t, heads, latent + rope]
+    assert_registry_equals_megatron(core, seen, (32, 1, 4 * 16))
 
 
 HF_V32 = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, moe_intermediate_size=32, num_hidden_layers=2,

@@ -136,13 +136,7 @@ def test_packed_cp_attention_matches_per_segment_sdpa():
         torch.testing.assert_close(got[real], want[real])
 
 
-DSA_CP = ("parallel.cp=2: model.attention_variant=dsa (DeepSeek-V3.2 sparse attention) runs context parallel on "
-          "pre-training rows with parallel.tp=1 only, not with ")
-
-
 @pytest.mark.parametrize("config, overrides, message", [
-    ("train_deepseek_v3_2_debug", ["recipe=sft"], DSA_CP + "recipe=sft"),
-    ("train_deepseek_v3_2_debug", ["parallel.tp=2"], DSA_CP + "parallel.tp=2"),
     ("train_debug", ["train.seq_length=66"], "parallel.cp=2: train.seq_length=66 must be a multiple of 2*cp = 4"),
 ])
 def test_unsupported_cp_configs_are_refused_before_any_process_group(config, overrides, message):
@@ -151,6 +145,15 @@ def test_unsupported_cp_configs_are_refused_before_any_process_group(config, ove
 
     with pytest.raises(ConfigError, match=re.escape(message)):
         load_llm_config(config, ["parallel.cp=2", *overrides])
+
+
+def test_dsa_cp_loads_with_packed_sft_and_tensor_parallel():
+    """DeepSeek-V3.2's sparse attention under CP with packed SFT rows and TP=2 (refused before)."""
+    from loongforge.llm.recipe import load_llm_config
+
+    cfg = load_llm_config("train_deepseek_v3_2_debug", ["parallel.cp=2", "parallel.tp=2", "recipe=sft",
+                                                     "train.micro_batch_size=1"])
+    assert (cfg.parallel.cp, cfg.parallel.tp, cfg.recipe) == (2, 2, "sft")
 
 
 def test_per_token_rope_angles_are_used_as_given():

@@ -71,6 +71,11 @@ class GPTConfig:
         output = 0 if self.tie_embeddings else self.vocab_size * h
         return {"embedding": embedding, "output": output, "layers": L * layer + h}
 
+    def balance_flops_per_token(self, seq_length: int) -> float:
+        """The FLOPs per token the DP balancer's cost model is fit from, which must be affine in the
+        length (``CostModel.from_flops_per_token``): here ``flops_per_token``."""
+        return self.flops_per_token(seq_length)
+
     def flops_per_token(self, seq_length: int) -> float:
         """Training FLOPs per token: 6 x matmul params (incl. the output layer) plus causal
         attention scores and values, 6 * layers * seq * (heads * head_dim) (half of 12, causal)."""

@@ -307,7 +307,16 @@ class MLAMoEConfig(MoEConfig):
             counts["indexer"] = self.num_layers * self._indexer_parameters()
         return counts
 
-    def _attention_score_flops(self, seq_length: int) -> float:
+    def balance_flops_per_token(self, seq_length: int) -> float:
+        """``flops_per_token`` with every query at its full ``dsa_indexer_topk`` keys (only a
+        sequence's first ``dsa_indexer_topk`` queries see fewer), which is affine in the length, as
+        the DP balancer's cost model needs; without DSA, ``flops_per_token``."""
+        if not self.dsa:
+            return self.flops_per_token(seq_length)
+        sparse = self._attention_score_flops(seq_length, full_topk=True) - self._attention_score_flops(seq_length)
+        return self.flops_per_token(seq_length) + sparse
+
+    def _attention_score_flops(self, seq_length: int, full_topk: bool = False) -> float:
         if not self.dsa:
             # causal QK^T over q_head_dim and AV over v_head_dim: 3 * layers * seq * heads * (dqk + dv)
             return 3.0 * self.num_layers * seq_length * self.num_attention_heads * (self.q_head_dim + self.v_head_dim)
@@ -315,6 +324,8 @@ class MLAMoEConfig(MoEConfig):
         # qk_rope_head_dim, AV over kv_lora_rank; plus the indexer's causal scores over all keys
         k, s = self.dsa_indexer_topk, seq_length
         selected = (s * (s + 1) / 2 if k >= s else k * (k + 1) / 2 + (s - k) * k) / s  # keys per query
+        if full_topk:
+            selected = k
         attention = 6.0 * selected * self.num_attention_heads * (2 * self.kv_lora_rank + self.qk_rope_head_dim)
         indexer = 3.0 * s * self.dsa_indexer_n_heads * self.dsa_indexer_head_dim
         return self.num_layers * (attention + indexer)

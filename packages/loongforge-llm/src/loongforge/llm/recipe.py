@@ -109,14 +109,8 @@ class LLMConfig:
 
 def check_context_parallel(cfg: LLMConfig) -> None:
     """What ``parallel.cp > 1`` needs (before any process group): sequences that split into
-    ``2*cp`` equal chunks; for DeepSeek-V3.2's sparse attention (``families.dsa_context_parallel``:
-    every rank gathers the whole sequences' keys), pre-training rows on one tensor-parallel rank."""
+    ``2*cp`` equal chunks."""
     cp, seq = cfg.parallel.cp, cfg.train.seq_length
-    if getattr(cfg.model, "attention_variant", None) == "dsa":
-        for bad, key in ((cfg.recipe == "sft", f"recipe={cfg.recipe}"), (cfg.parallel.tp > 1, f"parallel.tp={cfg.parallel.tp}")):
-            if bad:
-                raise ValueError(f"parallel.cp={cp}: model.attention_variant=dsa (DeepSeek-V3.2 sparse attention) runs "
-                                 f"context parallel on pre-training rows with parallel.tp=1 only, not with {key}")
     if seq % (2 * cp):
         raise ValueError(f"parallel.cp={cp}: train.seq_length={seq} must be a multiple of 2*cp = {2 * cp} "
                          f"(each sequence is cut into 2*cp chunks, two per CP rank)")

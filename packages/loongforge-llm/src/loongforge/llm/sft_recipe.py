@@ -137,7 +137,7 @@ class SFTTask(LLMTask):
             samples_per_step=train.global_batch_size,
             token_cap=balance.token_cap or train.seq_length,
             dp_rank=ctx.dp_rank, dp_size=ctx.dp_size, seed=train.seed,
-            flops_per_token=self.flops_per_token,
+            flops_per_token=self.cfg.model.balance_flops_per_token,
             consumed_samples=start_step * train.global_batch_size,
             device=ctx.device,
         )

@@ -30,12 +30,13 @@ import dataclasses
 import torch
 from megatron.core.models.backends import LocalSpecProvider
 from megatron.core.transformer.experimental_attention_variant import dsa as megatron_dsa
-from megatron.core.transformer.experimental_attention_variant.dsa_masking import build_dsattention_forward_mask
+from megatron.core.transformer.experimental_attention_variant.dsa_layout import get_packed_qk_cu_seqlens
 from megatron.core.utils import get_pg_size
 
 from loongforge.core.kernels import KernelPolicy
 from loongforge.llm.families.norm import LayerNorm, RMSNorm
-from loongforge.llm.families.dsa_context_parallel import gather_sequence, query_chunks
+from loongforge.llm.families.dsa_context_parallel import query_pieces, real_query_rows
+from loongforge.llm.layers.context_parallel_attention import gather_in_order, packed_bounds
 from loongforge.llm.ops.dsa import indexer_scores
 
 
@@ -52,11 +53,13 @@ class RegistryDSAttention(megatron_dsa.DSAttention):
     attention gets MLA's absorbed form, one latent row per key (``[kv_lora_rank | rope]``, the
     first part also the value), and the value up-projection follows. Under TP the heads are
     split and the loss's target needs megatron's all-reduce: there the loss is megatron's
-    ``compute_dsa_indexer_loss`` on the same top-k (so every layout selects the same keys).
-    Under context parallelism (with TP 1) the whole sequences' latent rows and indexer keys are
-    all-gathered and each local query chunk runs against its causal key prefix
-    (``dsa_context_parallel``). Layouts the registry ops do not cover (an explicit mask, packed
-    sequences, context parallel with TP, top-k shared across layers) run megatron's forward.
+    ``compute_dsa_indexer_loss`` on the same top-k (so every layout selects the same keys); the
+    indexer is duplicated over TP (all its heads on every rank), so the top-k is the same there.
+    Packed (THD) rows run as one batch row, each packed sequence against its own keys only. Under
+    context parallelism (with any TP) the whole sequences' (or packed row's) latent rows and
+    indexer keys are all-gathered and each local query chunk runs against its causal key prefix
+    (``dsa_context_parallel``). Layouts the registry ops do not cover (an explicit mask, top-k
+    shared across layers) run megatron's forward.
     ``kernels``: the policy the registry ops are resolved by when the module is built.
     """
 
@@ -66,9 +69,9 @@ class RegistryDSAttention(megatron_dsa.DSAttention):
         self._sparse_attention = kernels.get("sparse_mla_attention")
 
     def _registry_path(self, query, key, value, attention_mask, up_v_weight, packed_seq_params) -> bool:
-        one_of_tp_cp = get_pg_size(self.pg_collection.cp) == 1 or get_pg_size(self.pg_collection.tp) == 1
-        return (value is None and up_v_weight is not None and key.size(2) == 1 and attention_mask is None
-                and packed_seq_params is None and not self.index_share and one_of_tp_cp
+        packed = packed_seq_params is not None
+        return (value is None and up_v_weight is not None and key.size(-2) == 1 and attention_mask is None
+                and (not packed or packed_seq_params.qkv_format == "thd") and not self.index_share
                 and self.config.dsa_indexer_scoring_relu
                 and query.size(0) == key.size(0))  # this rank's rows (sequence parallel: gathered by the MLA)
 
@@ -78,36 +81,38 @@ class RegistryDSAttention(megatron_dsa.DSAttention):
             return super().forward(query, key, value, attention_mask, x, qr, position_ids=position_ids,
                                    attn_mask_type=attn_mask_type, attention_bias=attention_bias,
                                    packed_seq_params=packed_seq_params, up_v_weight=up_v_weight)
+        cp_group = self.pg_collection.cp
+        cp_size = get_pg_size(cp_group)
+        cp_rank = cp_group.rank() if cp_size > 1 else 0
+        real = bounds = cu = None
+        if packed_seq_params is not None:  # THD: [t, heads, dim] as one batch row [t, 1, heads, dim]
+            query, key = query.unsqueeze(1), key.unsqueeze(1)
+            cu, _ = get_packed_qk_cu_seqlens(packed_seq_params)
+            bounds = cu.tolist() if cp_size == 1 else packed_bounds(key, cp_group, cu)
+            if packed_seq_params.cu_seqlens_q_padded is not None:  # CP's padding after each sequence
+                real = real_query_rows(packed_seq_params.cu_seqlens_q, cu, cp_size, cp_rank).to(query.device)[None]
         sq, b, heads, _ = query.shape
         config = self.config
         coeff = config.dsa_indexer_loss_coeff or 0.0
         with_loss = self.training and torch.is_grad_enabled() and coeff > 0
-        cp_group = self.pg_collection.cp
-        cp_size = get_pg_size(cp_group)
         with torch.enable_grad() if with_loss else torch.no_grad():
-            q, k, weights = self.indexer.forward_before_topk(x.detach(), qr.detach(), None)
+            q, k, weights = self.indexer.forward_before_topk(x.detach(), qr.detach(), packed_seq_params)
             if cp_size > 1:  # every key of the sequences, natural order (dsa_context_parallel)
-                k = gather_sequence(k, cp_group)
-        kv = key[:, :, 0] if cp_size == 1 else gather_sequence(key[:, :, 0], cp_group)
+                k = gather_in_order(k, cp_group, cu)
+        kv = key[:, :, 0] if cp_size == 1 else gather_in_order(key[:, :, 0], cp_group, cu)
         # the registry ops' batch-major layouts: [b, s, heads, dim], one latent KV row per key
         q_attn, kv_attn = query.transpose(0, 1), kv.transpose(0, 1)
         q_idx, k_idx, w_idx = q.transpose(0, 1), k.transpose(0, 1), weights.transpose(0, 1)
-        chunks = query_chunks(sq, cp_size, cp_group.rank() if cp_size > 1 else 0)
-        topk = torch.cat([self._indexer_topk(q_idx[:, t0:t1].detach(), k_idx[:, :n].detach(),
-                                             w_idx[:, t0:t1].detach(), self.index_topk) for t0, t1, n in chunks], 1)
+        pieces = query_pieces(sq, cp_size, cp_rank, bounds)
+        topk = torch.cat([self._indexer_topk(q_idx[:, t0:t1].detach(), k_idx[:, k0:k1].detach(),
+                                             w_idx[:, t0:t1].detach(), self.index_topk)
+                          for t0, t1, k0, k1 in pieces], 1)
         loss = None
-        if with_loss and get_pg_size(self.pg_collection.tp) > 1:  # one process of the CP group
-            loss = self._tensor_parallel_indexer_loss(q_idx, k_idx, w_idx, topk, query, key, attn_mask_type, position_ids)
-        elif with_loss:
-            sparse = config.dsa_indexer_use_sparse_loss
-            per_query = torch.cat([self._indexer_loss(q_idx[:, t0:t1], k_idx[:, :n], w_idx[:, t0:t1],
-                                                      q_attn[:, t0:t1].detach(), kv_attn[:, :n].detach(),
-                                                      self.softmax_scale, topk[:, t0:t1] if sparse else None)
-                                   for t0, t1, n in chunks], 1)
-            loss = coeff * (per_query.sum() if config.calculate_per_token_loss else per_query.mean())
-        latent = torch.cat([self._sparse_attention(q_attn[:, t0:t1], kv_attn[:, :n], topk[:, t0:t1],
+        if with_loss:
+            loss = self._indexer_loss_of_pieces(pieces, q_idx, k_idx, w_idx, topk, query, kv, real)
+        latent = torch.cat([self._sparse_attention(q_attn[:, t0:t1], kv_attn[:, k0:k1], topk[:, t0:t1],
                                                    self.softmax_scale, config.kv_lora_rank)
-                            for t0, t1, n in chunks], 1)
+                            for t0, t1, k0, k1 in pieces], 1)
         output = torch.einsum("bshc,hdc->sbhd", latent, up_v_weight.to(latent.dtype)).reshape(sq, b, -1)
         if loss is None:
             return output
@@ -117,21 +122,41 @@ class RegistryDSAttention(megatron_dsa.DSAttention):
                                                                       **groups)
         return megatron_dsa.DSAIndexerLossAutoScaler.apply(output, loss)
 
-    def _tensor_parallel_indexer_loss(self, q_idx, k_idx, w_idx, topk, query, key, attn_mask_type, position_ids):
-        """megatron's indexer loss (``compute_dsa_indexer_loss``) on the registry's top-k: each TP
-        rank holds some of the heads, and megatron all-reduces their attention target."""
+    def _indexer_loss_of_pieces(self, pieces, q_idx, k_idx, w_idx, topk, query, kv, real):
+        """``dsa_indexer_loss_coeff`` times the indexer's KL loss of this rank's real queries
+        (``real``: ``[1, sq]`` bool, None for all), summed (per-token loss) or averaged. One TP
+        rank holds every head: the registry's ``dsa_indexer_loss`` per piece; under TP,
+        ``_tensor_parallel_indexer_loss``."""
         config = self.config
-        sq, b, heads, _ = query.shape
-        mask, bounds, _ = build_dsattention_forward_mask(
-            sq=sq, skv=key.size(0), b=b, device=query.device, cp_size=1, cp_rank=0, cp_comm_type=self.cp_comm_type,
-            cp_group=self.pg_collection.cp, attn_mask_type=attn_mask_type, attention_mask=None,
-            position_ids=position_ids, packed_seq_params=None)
-        starts, ends, positions = bounds if bounds is not None else (None, None, None)
-        return megatron_dsa.compute_dsa_indexer_loss(
-            indexer_scores(q_idx, k_idx, w_idx), topk.long(), query.detach(), key.detach().expand(-1, -1, heads, -1),
-            self.softmax_scale, config.dsa_indexer_loss_coeff, config.dsa_indexer_use_sparse_loss, self.pg_collection,
-            mask=mask, varlen_starts=starts, varlen_ends=ends, key_positions=positions,
-            calculate_per_token_loss=config.calculate_per_token_loss)
+        if get_pg_size(self.pg_collection.tp) == 1:
+            q_attn, kv_attn = query.transpose(0, 1).detach(), kv.transpose(0, 1).detach()
+            sparse = config.dsa_indexer_use_sparse_loss
+            per_query = torch.cat([self._indexer_loss(q_idx[:, t0:t1], k_idx[:, k0:k1], w_idx[:, t0:t1],
+                                                      q_attn[:, t0:t1], kv_attn[:, k0:k1], self.softmax_scale,
+                                                      topk[:, t0:t1] if sparse else None)
+                                   for t0, t1, k0, k1 in pieces], 1)
+            total = (per_query if real is None else per_query * real).sum()
+        else:
+            total = self._tensor_parallel_indexer_loss(pieces, q_idx, k_idx, w_idx, topk, query, kv, real)
+        if not config.calculate_per_token_loss:
+            total = total / (real.sum().clamp_min(1) if real is not None else query.shape[0] * query.shape[1])
+        return (config.dsa_indexer_loss_coeff or 0.0) * total
+
+    def _tensor_parallel_indexer_loss(self, pieces, q_idx, k_idx, w_idx, topk, query, kv, real):
+        """The indexer's KL loss summed over the real queries, when each TP rank holds some of the
+        heads and the loss's target needs megatron's all-reduce: megatron's
+        ``compute_dsa_indexer_loss`` per piece (each piece's keys causal to its queries) on the
+        registry's top-k; every TP rank of a CP rank runs the same pieces, so the same collectives."""
+        heads, total = query.shape[2], 0.0
+        for t0, t1, k0, k1 in pieces:
+            c, n = t1 - t0, k1 - k0
+            causal = torch.full((c, n), float("-inf"), device=query.device).triu(n - c + 1)
+            total = total + megatron_dsa.compute_dsa_indexer_loss(
+                indexer_scores(q_idx[:, t0:t1], k_idx[:, k0:k1], w_idx[:, t0:t1]), topk[:, t0:t1].long(),
+                query[t0:t1].detach(), kv[k0:k1, :, None].detach().expand(-1, -1, heads, -1), self.softmax_scale,
+                1.0, self.config.dsa_indexer_use_sparse_loss, self.pg_collection, mask=causal,
+                query_valid_rows=None if real is None else real[:, t0:t1], calculate_per_token_loss=True)
+        return total
 
 
 class LocalDSASpecProvider(LocalSpecProvider):

@@ -166,12 +166,26 @@ def context_parallel_attention(sdpa: SDPA, query, key, value, cp_group, cu_seqle
     ``cu_seqlens_padded``, the whole row's padded segment bounds): ``[t_local, heads, d]``. Returns
     the attention output in the layout of ``query``."""
     cp_size, cp_rank = cp_group.size(), cp_group.rank()
-    order, bounds = _LAYOUT.get(key.shape[0], cp_size, key.device, cu_seqlens_padded)
-    key_full = gather_kv(key, cp_group).index_select(0, order)
-    value_full = gather_kv(value, cp_group).index_select(0, order)
+    key_full = gather_in_order(key, cp_group, cu_seqlens_padded)
+    value_full = gather_in_order(value, cp_group, cu_seqlens_padded)
     if cu_seqlens_padded is None:
         return dense_local_attention(sdpa, query, key_full, value_full, cp_size, cp_rank)
-    return packed_local_attention(sdpa, query, key_full, value_full, bounds, cp_size, cp_rank)
+    return packed_local_attention(sdpa, query, key_full, value_full, packed_bounds(key, cp_group, cu_seqlens_padded),
+                                  cp_size, cp_rank)
+
+
+def gather_in_order(local: torch.Tensor, cp_group, cu_seqlens_padded: torch.Tensor | None = None) -> torch.Tensor:
+    """The CP group's whole sequences (or packed row, ``cu_seqlens_padded``), natural order, from
+    this rank's share ``local`` (rows on dim 0) on every rank of ``cp_group``; the backward returns
+    each rank the gradient of its own rows, summed over the group (``gather_kv``)."""
+    order, _ = _LAYOUT.get(local.shape[0], cp_group.size(), local.device, cu_seqlens_padded)
+    return gather_kv(local.contiguous(), cp_group).index_select(0, order)
+
+
+def packed_bounds(local: torch.Tensor, cp_group, cu_seqlens_padded: torch.Tensor) -> list[int]:
+    """``cu_seqlens_padded`` as numbers, for the packed row whose share ``local`` is (read once per
+    layout, as ``gather_in_order`` caches it: every layer of a forward shares it)."""
+    return _LAYOUT.get(local.shape[0], cp_group.size(), local.device, cu_seqlens_padded)[1]
 
 
 class _GatheredLayout:
