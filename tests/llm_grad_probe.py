@@ -9,7 +9,8 @@ Tests call ``probe`` (which runs this file as a script, on CPU) and compare two 
 The gradients are every parameter's ``main_grad`` just before the first optimizer step (after
 megatron's reduction over the DP x CP group and the per-token scaling): whole on every rank when
 TP and PP are 1. Rank 0 writes them with the per-step losses and grad norms, and the shape of
-the tokens of its first micro-batch (this rank's share under context parallelism) and how many
+the tokens of its first micro-batch (this rank's share under context parallelism), how TP
+splits the parameters it holds shards of (``tp_split``: dim and stride), and how many
 micro-batches ran through a schedule plan (megatron's combined 1F1B schedule: MoE A2A overlap).
 """
 
@@ -35,16 +36,27 @@ def probe(out: Path, config: str, overrides: list[str], cache: Path, nproc: int 
 
 
 def assert_same_training(got: dict, want: dict, grads: bool = True) -> None:
-    """The same losses, grad norms and first-step gradient of every parameter (rtol 1e-4);
-    ``grads=False`` where ``got`` holds tensor-parallel shards of them."""
+    """The same losses, grad norms and first-step gradient of every parameter (rtol 1e-4); where
+    ``got`` is a tensor-parallel run, its TP rank 0's shard of each split one (``got["tp_split"]``);
+    ``grads=False``: losses and grad norms only."""
     assert got["losses"] == pytest.approx(want["losses"], rel=1e-4)
     assert got["grad_norms"] == pytest.approx(want["grad_norms"], rel=1e-4)
     if not grads:
         return
     assert sorted(got["grads"]) == sorted(want["grads"]) and want["grads"]
+    split = got.get("tp_split", {})
     for name, ref in want["grads"].items():
+        if name in split:
+            ref = first_shard(ref, got["grads"][name].shape, *split[name])
         torch.testing.assert_close(got["grads"][name], ref, rtol=1e-4, atol=1e-4 * float(ref.abs().max()),
                                    msg=lambda m, name=name: f"{name}: {m}")
+
+
+def first_shard(whole: torch.Tensor, shape, dim: int, stride: int) -> torch.Tensor:
+    """TP rank 0's shard (of ``shape``) of a parameter megatron splits along ``dim``, in
+    ``stride`` interleaved blocks (2: a GLU's [gate, up] rows, each split over TP)."""
+    tp = whole.shape[dim] // shape[dim]
+    return torch.cat([block.chunk(tp, dim)[0] for block in whole.chunk(stride, dim)], dim)
 
 
 def main(out: str, config: str, overrides: list[str]) -> None:
@@ -87,6 +99,8 @@ def main(out: str, config: str, overrides: list[str]) -> None:
     if ctx.rank == 0:
         torch.save({"losses": [r.loss for r in results], "grad_norms": [r.grad_norm for r in results],
                     "grads": captured, "first_tokens_shape": shapes[0],
+                    "tp_split": {name: (p.partition_dim, p.partition_stride) for name, p in module.named_parameters()
+                                 if getattr(p, "tensor_model_parallel", False) and ctx.layout.tp > 1},
                     "schedule_plans": sum(plans)}, out)
     destroy_parallel()
 

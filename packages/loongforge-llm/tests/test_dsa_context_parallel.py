@@ -2,11 +2,10 @@
 each CP rank all-gathers the latent KV rows and the indexer keys, and runs its two query chunks
 (per packed sequence, for packed SFT rows) against their causal prefixes. Two processes (gloo,
 fp32) train like one, for pre-training and packed SFT rows: the same losses and, after the first
-step, the same gradient of every parameter (``tests/llm_grad_probe.py``); four processes, TP=2 x
-CP=2, the same losses and gradient norms, and the same gradient of every parameter TP does not
-split. On one process, the pieces: which keys each local chunk sees (never another packed
-sequence's), which local rows are CP's padding, and a top-k that picks the same keys for a chunk
-as for the whole sequence, exact-zero ties included."""
+step, the same gradient of every parameter (``tests/llm_grad_probe.py``); so do four, TP=2 x CP=2
+(TP rank 0's shard of the parameters TP splits). On one process, the pieces: which keys each local
+chunk sees (never another packed sequence's), which local rows are CP's padding, and a top-k that
+picks the same keys for a chunk as for the whole sequence, exact-zero ties included."""
 
 import pytest
 import torch
@@ -110,3 +109,19 @@ def test_dsa_packed_sft_cp2_matches_one_process(loss, tmp_path):
     assert any(".core_attention.indexer." in name for name in want["grads"])
     (b, s), (b2, s2) = want["first_tokens_shape"], got["first_tokens_shape"]
     assert b == b2 == 1 and s // 2 <= s2 < s  # one packed row, each conversation split over the CP ranks
+
+
+@pytest.mark.slow
+@pytest.mark.long
+def test_dsa_packed_sft_tp2_cp2_matches_one_process(tmp_path):
+    """TP=2 x CP=2 (four processes): the attention heads split over TP (the indexer, duplicated,
+    keeps all its heads on every rank, so the same top-k; the indexer loss's target all-reduced
+    over TP per piece; the key's gradient summed over TP, ``RegistryDSAttention._key_summed_over_tp``),
+    each packed conversation split over CP."""
+    data = tmp_path / "data"
+    want = probe(tmp_path / "one" / "grads.pt", "train_deepseek_v3_2_debug", SFT, data)
+    got = probe(tmp_path / "tp2cp2" / "grads.pt", "train_deepseek_v3_2_debug", [*SFT, "parallel.tp=2", "parallel.cp=2"],
+                data, nproc=4)
+    assert_same_training(got, want)  # every gradient, TP rank 0's shard of those TP splits
+    assert any(".core_attention.indexer." in name for name in set(want["grads"]) - set(got["tp_split"]))
+    assert any(".linear_q_up_proj." in name for name in got["tp_split"])  # the heads were split

@@ -14,7 +14,9 @@ Transformer Engine's. megatron's ``LocalSpecProvider`` lacks two things they use
 
 Without Transformer Engine, ``AbsorbedMLASelfAttention`` accepts its down projections only as
 column-parallel linears (gathered over TP afterwards), as in megatron's local MLA spec, so the
-attention spec takes those in place of ``linear()``.
+attention spec takes those in place of ``linear()``. megatron's MLA does not sum the key's gradient
+over TP on that path (its rope part: each TP rank's heads give only their share), so the core
+attention sums it (``RegistryDSAttention._key_summed_over_tp``).
 
 The core attention is ``RegistryDSAttention``: megatron's ``DSAttention`` whose indexer top-k,
 indexer loss and sparse attention are the kernel registry's ops (loongforge-kernels' Triton
@@ -63,10 +65,30 @@ class RegistryDSAttention(megatron_dsa.DSAttention):
     ``kernels``: the policy the registry ops are resolved by when the module is built.
     """
 
-    def __init__(self, *args, kernels: KernelPolicy = KernelPolicy(), **kwargs):
+    def __init__(self, *args, kernels: KernelPolicy = KernelPolicy(), column_parallel_kv_down: bool = False, **kwargs):
         super().__init__(*args, **kwargs)
         self._indexer_topk, self._indexer_loss = kernels.get("dsa_indexer_topk"), kernels.get("dsa_indexer_loss")
         self._sparse_attention = kernels.get("sparse_mla_attention")
+        self._column_parallel_kv_down = column_parallel_kv_down
+
+    def _key_summed_over_tp(self, key):
+        """``key`` whose gradient is summed over TP where megatron's MLA does not sum it.
+
+        With a column-parallel ``linear_kv_down_proj`` (``attention_spec``), megatron's
+        ``AbsorbedMLASelfAttention`` all-gathers the down projection's output over TP
+        (``gather_from_tensor_model_parallel_region``, whose backward only splits) and each TP
+        rank's heads then give only their share of the key's gradient. The latent part is summed
+        by the sequence-parallel gather that follows its norm (reduce-scatter backward); the rope
+        part (and, without sequence parallelism, the latent part too) is not, so every TP rank's
+        down projection would learn from its own heads only. ``copy_to_tensor_model_parallel_region``
+        (identity forward, all-reduce backward) sums it."""
+        tp_group = self.pg_collection.tp
+        if not self._column_parallel_kv_down or get_pg_size(tp_group) == 1:
+            return key
+        from megatron.core.tensor_parallel.mappings import copy_to_tensor_model_parallel_region
+
+        cut = self.config.kv_lora_rank if self.config.sequence_parallel else 0
+        return torch.cat([key[..., :cut], copy_to_tensor_model_parallel_region(key[..., cut:], group=tp_group)], -1)
 
     def _registry_path(self, query, key, value, attention_mask, up_v_weight, packed_seq_params) -> bool:
         packed = packed_seq_params is not None
@@ -77,6 +99,7 @@ class RegistryDSAttention(megatron_dsa.DSAttention):
 
     def forward(self, query, key, value, attention_mask, x, qr, position_ids=None, attn_mask_type=None,
                 attention_bias=None, packed_seq_params=None, up_v_weight=None):
+        key = self._key_summed_over_tp(key)
         if not self._registry_path(query, key, value, attention_mask, up_v_weight, packed_seq_params):
             return super().forward(query, key, value, attention_mask, x, qr, position_ids=position_ids,
                                    attn_mask_type=attn_mask_type, attention_bias=attention_bias,
@@ -177,7 +200,8 @@ def attention_spec(config, kernels: KernelPolicy = KernelPolicy()):
 
     spec = get_dsa_module_spec_for_backend(config, backend=LocalDSASpecProvider())
     core = spec.submodules.core_attention
-    core = dataclasses.replace(core, module=RegistryDSAttention, params={**core.params, "kernels": kernels})
+    core = dataclasses.replace(core, module=RegistryDSAttention,
+                               params={**core.params, "kernels": kernels, "column_parallel_kv_down": True})
     changes = dict(linear_q_down_proj=ColumnParallelLinear, linear_kv_down_proj=ColumnParallelLinear, core_attention=core)
     return dataclasses.replace(spec, submodules=dataclasses.replace(spec.submodules, **changes))
 
