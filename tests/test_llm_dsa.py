@@ -250,6 +250,27 @@ def test_registry_sparse_attention_on_packed_rows_equals_megatrons(ctx, sparse_l
     assert seen["args"][0].shape == (32, 4, 24)  # THD: [t, heads, latent + rope]
     assert_registry_equals_megatron(core, seen, (32, 1, 4 * 16))
 
+    # the tensor-parallel loss path (megatron's loss per piece), here on one rank, against the
+    # registry's loss on the same pieces: the second sequence in two chunks as under CP (the later
+    # one against keys before it), some rows marked as padding
+    from loongforge.core.kernels.registry import get_kernel
+
+    kw = seen["kwargs"]
+    query, key = (t.unsqueeze(1) for t in seen["args"])
+    q, k, w = (t.transpose(0, 1) for t in core.indexer.forward_before_topk(kw["x"], kw["qr"], params))
+    pieces = [(0, 10, 0, 10), (10, 18, 10, 18), (18, 26, 10, 26), (26, 32, 26, 32)]
+    topk = torch.cat([get_kernel("dsa_indexer_topk")(q[:, t0:t1], k[:, k0:k1], w[:, t0:t1], core.index_topk)
+                      for t0, t1, k0, k1 in pieces], 1)
+    real = torch.ones(1, 32, dtype=torch.bool)
+    real[0, [24, 25, 31]] = False
+    per_query = torch.cat([get_kernel("dsa_indexer_loss")(q[:, t0:t1], k[:, k0:k1], w[:, t0:t1],
+                                                          query.transpose(0, 1)[:, t0:t1], key[:, :, 0].transpose(0, 1)[:, k0:k1],
+                                                          core.softmax_scale, topk[:, t0:t1] if sparse_loss else None)
+                           for t0, t1, k0, k1 in pieces], 1)
+    tp_loss = core._tensor_parallel_indexer_loss(pieces, q, k, w, topk, query, key[:, :, 0], real)
+    torch.testing.assert_close(tp_loss, (per_query * real).sum(), rtol=1e-5, atol=1e-7)
+    assert tp_loss > 0 and per_query[~real].abs().sum() > 0  # the padding rows had a loss to leave out
+
 
 HF_V32 = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, moe_intermediate_size=32, num_hidden_layers=2,
               num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=128, rms_norm_eps=1e-6,
