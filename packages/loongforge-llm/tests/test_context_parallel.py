@@ -138,6 +138,8 @@ def test_packed_cp_attention_matches_per_segment_sdpa():
 
 @pytest.mark.parametrize("config, overrides, message", [
     ("train_debug", ["train.seq_length=66"], "parallel.cp=2: train.seq_length=66 must be a multiple of 2*cp = 4"),
+    ("train_deepseek_v3_2_debug", ["recipe=sft", "train.micro_batch_size=1", "sft.packing=false"],
+     "parallel.cp=2: model.attention_variant=dsa (DeepSeek-V3.2 sparse attention) with recipe=sft needs sft.packing=true"),
 ])
 def test_unsupported_cp_configs_are_refused_before_any_process_group(config, overrides, message):
     from loongforge.core.config import ConfigError

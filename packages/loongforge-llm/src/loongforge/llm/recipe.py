@@ -109,8 +109,14 @@ class LLMConfig:
 
 def check_context_parallel(cfg: LLMConfig) -> None:
     """What ``parallel.cp > 1`` needs (before any process group): sequences that split into
-    ``2*cp`` equal chunks."""
+    ``2*cp`` equal chunks; for DeepSeek-V3.2's sparse attention in SFT, packed rows, whose
+    padding for CP (``families.dsa_context_parallel``) is left out of the indexer loss."""
     cp, seq = cfg.parallel.cp, cfg.train.seq_length
+    if getattr(cfg.model, "attention_variant", None) == "dsa" and cfg.recipe == "sft" and not cfg.sft.packing:
+        raise ValueError(f"parallel.cp={cp}: model.attention_variant=dsa (DeepSeek-V3.2 sparse attention) with "
+                         f"recipe=sft needs sft.packing=true: unpacked rows are padded to a multiple of 2*cp = "
+                         f"{2 * cp} and those pad positions would enter the indexer's loss as queries (packed rows "
+                         f"mark CP's padding, which the loss leaves out)")
     if seq % (2 * cp):
         raise ValueError(f"parallel.cp={cp}: train.seq_length={seq} must be a multiple of 2*cp = {2 * cp} "
                          f"(each sequence is cut into 2*cp chunks, two per CP rank)")
