@@ -88,6 +88,23 @@ def test_real_size_flavour():
     assert d.flops_per_token(131072) < v3.flops_per_token(131072)
 
 
+def test_balancer_plans_dsa_with_every_query_at_its_full_topk():
+    """DSA's FLOPs per token are not affine in the length (a sequence's first topk queries see
+    fewer keys), which the DP balancer's cost model refuses; it plans with every query at its full
+    top-k, whose excess over the exact count is the same k(k-1)/2 missing keys per sequence at
+    every length past k. Without DSA the two are the same."""
+    from loongforge.core.balance.cost import CostModel
+
+    cfg = v32()
+    with pytest.raises(ValueError, match="not affine"):
+        CostModel.from_flops_per_token(cfg.flops_per_token)
+    assert CostModel.from_flops_per_token(cfg.balance_flops_per_token).a > 0  # the indexer scores every key
+    excess = [(cfg.balance_flops_per_token(n) - cfg.flops_per_token(n)) * n for n in (64, 1024, 16384)]
+    assert excess[0] > 0 and excess == pytest.approx([excess[0]] * 3, rel=1e-9)
+    plain = deepseek_v3.flavour("debug")
+    assert plain.balance_flops_per_token(1024) == plain.flops_per_token(1024)
+
+
 @pytest.mark.parametrize("changes,match", [
     (dict(attention_variant="nsa"), "model.attention_variant='nsa': one of mla, dsa"),
     (dict(dsa_indexer_topk=0), "model.dsa_indexer_topk=0: must be >= 1"),
