@@ -133,20 +133,29 @@ def test_context_parallel_cp2_matches_one_process(model, layout, tmp_path, vlm_c
     assert_same_training(got, reference, learned=("encoder.", "projector.", "deepstack."))  # the tower did learn
 
 
+DECOUPLED = "parallel.encoder.decoupled=true"
+
+
 @pytest.mark.slow
 @pytest.mark.long  # three runs, 2-5 min on 2 CPU cores
 @pytest.mark.parametrize("model, layout", [
     ([], ["parallel.pp=2"]),
     (QWEN3_VL, ["parallel.pp=2"]),
     ([], ["parallel.pp=2", "parallel.tp=2", "parallel.encoder.tp=1"]),  # 4 processes
-], ids=["qwen2.5-vl", "qwen3-vl-deepstack", "qwen2.5-vl-tp2-pp2"])
+    ([], ["parallel.pp=2", DECOUPLED]),
+    (QWEN3_VL, ["parallel.pp=2", DECOUPLED]),
+], ids=["qwen2.5-vl", "qwen3-vl-deepstack", "qwen2.5-vl-tp2-pp2", "qwen2.5-vl-decoupled-encoder",
+        "qwen3-vl-deepstack-decoupled-encoder"])
 def test_foundation_pp2_matches_one_process(model, layout, tmp_path, vlm_cache):
     """parallel.pp=2: the tower and the first half of the foundation on stage 0, the rest and the
     loss on stage 1, hidden states of varying length between them; also with the foundation at
-    TP=2 (4 processes, the tower split across TP on stage 0). Pipeline stages draw their layers'
-    initial weights differently from one process, so both start from the step-1 checkpoint of a
-    PP=2 run, which one process loads (resharded): the losses of steps 2..3, the grad norms and
-    every gradient of step 2 (DeepStack's mergers' included) are one process's."""
+    TP=2 (4 processes, the tower split across TP on stage 0), and with the decoupled encoder stage
+    (``parallel.encoder.decoupled``: stage 0 encodes all the step's images before the schedule,
+    more than its first micro-batch's, and runs the tower's backward once after it). Pipeline
+    stages draw their layers' initial weights differently from one process, so both start from
+    the step-1 checkpoint of a PP=2 run, which one process loads (resharded): the losses of steps
+    2..3, the grad norms and every gradient of step 2 (the tower's and DeepStack's mergers'
+    included) are one (coupled) process's."""
     (tmp_path / "first").mkdir()
     probe(tmp_path / "first" / "grads.pt", [*model, "parallel.pp=2", "train.steps=1", "checkpoint.save=true"],
           vlm_cache, nproc=2)
@@ -156,4 +165,7 @@ def test_foundation_pp2_matches_one_process(model, layout, tmp_path, vlm_cache):
     got = probe(resume_dir(tmp_path / "pp2", step1) / "grads.pt", [*model, "train.steps=3", *layout], vlm_cache,
                 nproc=nproc)
     assert len(reference["losses"]) == 2
+    if DECOUPLED in layout:  # encoded before the first micro-batch's forward: the whole step's images
+        (encoded, items), (encoded_alone, _) = got["first_items"], reference["first_items"]
+        assert encoded > items == encoded_alone
     assert_same_training(got, reference, learned=("encoder.", "projector.", "deepstack."), loss_rel=1e-4)
