@@ -154,9 +154,9 @@ class VLMConfig:
 
             check_pipeline(self)
         if self.parallel.encoder.decoupled and self.train.overlap_grad_reduce:
-            raise ValueError("parallel.encoder.decoupled=true with train.overlap_grad_reduce=true: megatron starts "
-                             "the overlapped gradient reduction at the end of its schedule, before the decoupled "
-                             "tower's backward; set one of them to false")
+            raise ValueError("parallel.encoder.decoupled=true with train.overlap_grad_reduce=true: megatron's "
+                             "overlapped gradient reduction starts during or at the end of its schedule, before the "
+                             "decoupled tower's backward; set one of them to false")
         self.model()  # cross-part checks (mrope section vs the foundation's head dim)
 
     def model(self) -> VLMModelConfig:
@@ -301,7 +301,9 @@ class VLMTask:
 
     def describe(self) -> str:
         c = self.cfg
-        return (f"{c.encoder.family} + {c.projector.family} + {c.foundation.family} (encoder tp={c.parallel.encoder.tp}), "
+        decoupled = ", decoupled" if c.parallel.encoder.decoupled else ""
+        return (f"{c.encoder.family} + {c.projector.family} + {c.foundation.family} (encoder tp={c.parallel.encoder.tp}"
+                f"{decoupled}), "
                 f"trainable {'+'.join(c.trainable)}")
 
     def collate(self, ctx):

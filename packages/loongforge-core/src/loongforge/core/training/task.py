@@ -86,9 +86,9 @@ class ScheduledStep:
 class MegatronTask(TrainTask, Protocol):
     # Optional hook (looked up with getattr):
     #   before_schedule(model, micro_batches) -> ScheduledStep | None
-    #       called with this rank's model chunk (inside the engine's wrappers) and the step's
-    #       micro-batches before megatron's schedule starts; None: the schedule runs them as they are
-
+    #       called with this rank's model chunk as ``build_model`` made it (the engine's ``inner_model``,
+    #       without megatron's DDP and Float16Module wrappers) and the step's micro-batches, before
+    #       megatron's schedule starts; None: the schedule runs the micro-batches as they are
 
     def transformer_config_kwargs(self) -> dict:
         """Architecture fields of megatron's TransformerConfig."""
