@@ -91,6 +91,8 @@ def test_bad_config_is_one_clear_error(capsys):
     assert main(["train", "foundation=qwen3_moe_debug", "parallel.cp=2"]) == 2
     assert "parallel.cp=2: the VLM's context parallelism needs the foundation on loongforge-llm's fast layer" \
         in capsys.readouterr().err
+    assert main(["train", "parallel.encoder.decoupled=true", "train.overlap_grad_reduce=true"]) == 2
+    assert "parallel.encoder.decoupled=true with train.overlap_grad_reduce=true" in capsys.readouterr().err
 
 
 def test_unsupported_pipeline_is_one_clear_error(capsys):

@@ -14,6 +14,10 @@ the stages of one pipeline share), so each stage reads from the batch what it ne
 stage the tokens and the media, every stage the (multimodal RoPE) positions and the THD row's
 ``cu_seqlens``, the last stage the labels and the loss mask.
 
+By default the tower runs inside each micro-batch's forward and backward on the first stage; with
+``parallel.encoder.decoupled`` it runs once per step, before and after the schedule
+(``loongforge.vlm.encoder_stage``).
+
 The VLM's micro-batches are packed by vision-aware cost and vary in length, so the stages
 exchange each micro-batch's hidden-state shape before its tensor (megatron-core's
 ``variable_seq_lengths``) instead of padding every row to ``train.seq_length``.
