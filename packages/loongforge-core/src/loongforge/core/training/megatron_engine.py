@@ -218,7 +218,10 @@ class MegatronEngine:
         t0 = time.perf_counter()
         self.model.zero_grad_buffer()
         self.optimizer.zero_grad()
-        forward_backward = get_forward_backward_func(pp_size=self.ctx.layout.pp)
+        # ChunkPipe pipelines the chunks of each micro-batch through the stages itself (chunk_pipe):
+        # every stage runs the micro-batches one after another, with megatron's schedule without pipelining
+        pp_schedule = 1 if getattr(self.train, "seq_chunks", 1) > 1 else self.ctx.layout.pp
+        forward_backward = get_forward_backward_func(pp_size=pp_schedule)
         losses = forward_backward(
             forward_step_func=self._forward_step,
             data_iterator=iter(micro_batches),
