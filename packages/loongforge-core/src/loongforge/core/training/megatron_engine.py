@@ -3,7 +3,9 @@ parallel with micro-batches), megatron DDP or the distributed optimizer, AdamW (
 grad clipping, and per-token loss normalisation (``calculate_per_token_loss``: any DP /
 micro-batch split of a global batch gives the same loss and gradients; the number of
 micro-batches may vary per step and per DP rank, since megatron's ``forward_backward_func`` takes
-the count per call and the per-token normalisation sums the counts over DP).
+the count per call and the per-token normalisation sums the counts over DP). Under ChunkPipe
+(``train.seq_chunks > 1``, ``chunk_pipe``) every pipeline stage runs megatron's schedule without
+pipelining: the chunks of each micro-batch fill the pipeline instead of the micro-batches.
 
 The LR comes from the loop (``apply_update(lr)``); megatron's own scheduler is not used. The
 weight decay of each param group is ``train.weight_decay`` times the group's ``wd_mult``
