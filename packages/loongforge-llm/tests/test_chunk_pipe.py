@@ -57,10 +57,6 @@ def test_chunk_pipe_pp2_trains_like_one_process(tmp_path, cache):
     assert_same_training(runs["pp2"], runs["one"])
 
 
-def test_chunk_pipe_runs_with_pipeline_parallelism():
-    assert load_llm_config("train_debug", ["train.seq_chunks=4", "parallel.pp=2"]).parallel.pp == 2
-
-
 @pytest.mark.parametrize("overrides, message", [
     (["parallel.cp=2"], "parallel.cp=2"),
     (["train.recompute=selective"], "train.recompute=selective"),
