@@ -35,7 +35,7 @@ def test_chunk_pipe_trains_like_the_whole_sequence(extra, nproc, tmp_path, basel
 
 
 @pytest.mark.slow
-@pytest.mark.long  # three runs, about a minute on 2 CPU cores
+@pytest.mark.long  # three runs, about two minutes on 2 CPU cores
 def test_chunk_pipe_pp2_trains_like_one_process(tmp_path, cache):
     """parallel.pp=2 with train.seq_chunks=4: each stage runs chunks 0..3 forward, handing each
     chunk's hidden states on, then 3..0 backward from each chunk's saved stage input. Pipeline
