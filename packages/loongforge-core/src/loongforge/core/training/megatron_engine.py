@@ -6,9 +6,9 @@ micro-batches may vary per step and per DP rank, since megatron's ``forward_back
 the count per call and the per-token normalisation sums the counts over DP). A task's
 ``before_schedule`` hook (``loongforge.core.training.task.ScheduledStep``) runs before the schedule
 and its ``after_schedule`` after the schedule's last backward, before the gradient reduction.
-the count per call and the per-token normalisation sums the counts over DP). Under ChunkPipe
-(``train.seq_chunks > 1``, ``chunk_pipe``) every pipeline stage runs megatron's schedule without
-pipelining: the chunks of each micro-batch fill the pipeline instead of the micro-batches.
+Under ChunkPipe (``train.seq_chunks > 1``, ``chunk_pipe``) every pipeline stage runs megatron's
+schedule without pipelining: the chunks of each micro-batch fill the pipeline instead of the
+micro-batches.
 
 The LR comes from the loop (``apply_update(lr)``); megatron's own scheduler is not used. The
 weight decay of each param group is ``train.weight_decay`` times the group's ``wd_mult``
@@ -228,19 +228,15 @@ class MegatronEngine:
         t0 = time.perf_counter()
         self.model.zero_grad_buffer()
         self.optimizer.zero_grad()
-<<<<<<< HEAD
         before = getattr(self.task, "before_schedule", None)
         scheduled = before(self.inner_model, micro_batches) if before is not None else None
         self._after_schedule = scheduled.after_schedule if scheduled is not None else None
         if scheduled is not None:
             micro_batches = scheduled.micro_batches
-        forward_backward = get_forward_backward_func(pp_size=self.ctx.layout.pp)
-=======
         # ChunkPipe pipelines the chunks of each micro-batch through the stages itself (chunk_pipe):
         # every stage runs the micro-batches one after another, with megatron's schedule without pipelining
         pp_schedule = 1 if getattr(self.train, "seq_chunks", 1) > 1 else self.ctx.layout.pp
         forward_backward = get_forward_backward_func(pp_size=pp_schedule)
->>>>>>> chunkpp
         losses = forward_backward(
             forward_step_func=self._forward_step,
             data_iterator=iter(micro_batches),
