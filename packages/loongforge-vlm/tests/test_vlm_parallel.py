@@ -3,7 +3,7 @@ shared out across the foundation's TP group) or at TP=2 gives the losses and the
 one process on the same weights and data (2 gloo processes), and a checkpoint it saves resumes
 in one process; LoRA adapters in all three parts get one process's gradients there too. The
 foundation at PP=2 (the tower on the first stage) gives one process's losses and gradients, and
-its checkpoint loads in one process."""
+its checkpoint loads in one process; so does PP=2 x CP=2 (4 gloo processes)."""
 
 from pathlib import Path
 
@@ -146,14 +146,18 @@ def test_context_parallel_cp2_matches_one_process(model, layout, tmp_path, vlm_c
     ([], ["parallel.pp=2", "parallel.tp=2", "parallel.encoder.tp=1"]),  # 4 processes
     ([], ["parallel.pp=2", DECOUPLED]),
     (QWEN3_VL, ["parallel.pp=2", DECOUPLED]),
+    ([], ["parallel.pp=2", "parallel.cp=2"]),  # 4 processes
+    ([], ["parallel.pp=2", "parallel.cp=2", DECOUPLED]),  # 4 processes
 ], ids=["qwen2.5-vl", "qwen3-vl-deepstack", "qwen2.5-vl-tp2-pp2", "qwen2.5-vl-decoupled-encoder",
-        "qwen3-vl-deepstack-decoupled-encoder"])
+        "qwen3-vl-deepstack-decoupled-encoder", "qwen2.5-vl-pp2-cp2", "qwen2.5-vl-pp2-cp2-decoupled-encoder"])
 def test_foundation_pp2_matches_one_process(model, layout, tmp_path, vlm_cache):
     """parallel.pp=2: the tower and the first half of the foundation on stage 0, the rest and the
     loss on stage 1, hidden states of varying length between them; also with the foundation at
-    TP=2 (4 processes, the tower split across TP on stage 0), and with the decoupled encoder stage
+    TP=2 (4 processes, the tower split across TP on stage 0), with the decoupled encoder stage
     (``parallel.encoder.decoupled``: stage 0 encodes all the step's images before the schedule,
-    more than its first micro-batch's, and runs the tower's backward once after it). Pipeline
+    more than its first micro-batch's, and runs the tower's backward once after it), and with
+    CP=2 (4 processes: each stage's CP ranks hold half of every row, the stages exchange those
+    halves, stage 0's CP ranks share out the images; coupled and decoupled). Pipeline
     stages draw their layers' initial weights differently from one process, so both start from
     the step-1 checkpoint of a PP=2 run, which one process loads (resharded): the losses of steps
     2..3, the grad norms and every gradient of step 2 (the tower's and DeepStack's mergers'
@@ -163,11 +167,16 @@ def test_foundation_pp2_matches_one_process(model, layout, tmp_path, vlm_cache):
           vlm_cache, nproc=2)
     step1 = tmp_path / "first" / "run" / "checkpoints" / "step_00000001"
     reference = probe(resume_dir(tmp_path / "one", step1) / "grads.pt", [*model, "train.steps=3"], vlm_cache)
-    nproc = 4 if "parallel.tp=2" in layout else 2
+    nproc = 4 if {"parallel.tp=2", "parallel.cp=2"} & set(layout) else 2
     got = probe(resume_dir(tmp_path / "pp2", step1) / "grads.pt", [*model, "train.steps=3", *layout], vlm_cache,
                 nproc=nproc)
     assert len(reference["losses"]) == 2
-    if DECOUPLED in layout:  # encoded before the first micro-batch's forward: the whole step's images
-        (encoded, items), (encoded_alone, _) = got["first_items"], reference["first_items"]
+    (encoded, items), (encoded_alone, _) = got["first_items"], reference["first_items"]
+    if DECOUPLED in layout and "parallel.cp=2" not in layout:  # before the first forward: the whole step's images
         assert encoded > items == encoded_alone
     assert_same_training(got, reference, learned=("encoder.", "projector.", "deepstack."), loss_rel=1e-4)
+    if "parallel.cp=2" in layout:  # each CP rank held half of the padded row
+        (_, whole), (_, local) = got["first_row"]
+        assert whole % 4 == 0 and local == whole // 2
+        if DECOUPLED not in layout:  # and stage 0's CP ranks shared out the images
+            assert encoded_alone == items >= 2 and 0 < encoded < items
