@@ -11,7 +11,7 @@ the headline row, then ours with the preset's selective recomputation, in altern
 the bench prints the baseline's settings and checks the first-step losses. Then ours runs again
 with FP8 linears (``model.fp8=tensorwise``), with no recomputation, and uncompiled (last: its
 host-bound step is the slowest). Extra arguments override the defaults (later wins;
-``--variant NAME=KEY=VALUE,...`` adds a variant, ``--no-profile`` skips the diagnostics).
+``--variant NAME=KEY=VALUE,...`` adds a variant, ``--profile-rows 0`` skips the diagnostics).
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ OPTIONS = ["--config", "wan2_1_t2v_1_3b", "--steps", "10",
            "--variant", "recompute_none=train.recompute=none",
            "--variant", "eager=train.compile=false"]
 OVERRIDES = ["model.num_layers=4", "sample.num_frames=33", "sample.height=480", "sample.width=832"]
-FLAGS = ("--no-profile",)  # options without a value
+FLAGS = ()  # options without a value
 
 
 def arguments(user: list[str]) -> list[str]:

@@ -6,7 +6,9 @@
 #   bash bench/h200_batch.sh bench-a  # lf-llm bench (HF + compile, + Liger), lf-vlm bench (transformers, compiled)
 #   python3 bench/liger_check.py      # (before trusting hf_liger) Liger's loss per kernel, eager and compiled
 #   bash bench/h200_batch.sh bench-b  # lf-diffusion bench (diffusers, compile_repeated_blocks), DSA, FP8 GEMMs
-#   bash bench/h200_batch.sh embodied # lf-embodied bench --against-lerobot (needs lerobot and its imports in .whl-emb/)
+#   bash bench/h200_batch.sh embodied # lf-embodied bench --against-lerobot (needs lerobot and its imports in .whl-emb/
+#                                     # and .whl-av/), detached: it outlasts one call, see the stage
+#   bash bench/h200_batch.sh wait     # the detached embodied run: wait for it (one call's worth), then its log
 #   bash bench/h200_batch.sh long     # train_0_5b at 32K and 128K tokens: plain, activation offload, ChunkPipe
 #
 # Each bench prints its baseline's settings, both sides' first-step losses and peak memory, and the
@@ -17,15 +19,17 @@
 # its deps, and LoongForge's own wheels from `uv build --wheel --package loongforge-<name> -o .whl`).
 # Everything printed also goes to $OUT/<stage>.log.
 set -uo pipefail
-stage=${1:?usage: h200_batch.sh check|bench-a|bench-b|embodied|long}
+stage=${1:?usage: h200_batch.sh check|bench-a|bench-b|embodied|wait|long}
 OUT=${OUT:-/tmp/lf-h200}
 mkdir -p "$OUT"
 exec > >(tee "$OUT/$stage.log") 2>&1
 
-# .whl-emb/ (the embodied stage's extra wheels: lerobot, datasets, draccus, gymnasium and their
-# imports) travels only with that stage's call, the 64 MiB limit being what it is
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
-    .whl/*.whl $(ls .whl-emb/*.whl 2>/dev/null) || exit 1
+# .whl-emb/ and .whl-av/ (the embodied stage's extra wheels: lerobot, datasets, draccus, gymnasium,
+# PyAV and their imports) travel only with that stage's calls, the 64 MiB limit being what it is
+if [ "$stage" != wait ]; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
+      $(ls .whl/*.whl .whl-*/*.whl 2>/dev/null) || exit 1
+fi
 export PYTHONPATH=/tmp/site PYTHONUNBUFFERED=1 TRITON_INTERPRET=0 LOONGFORGE_CACHE=/tmp/lf-cache
 cd "$(mktemp -d)"   # run dirs land here, not in the repository copy
 repo=$OLDPWD
@@ -77,7 +81,7 @@ bench-a)
   ;;
 bench-b)
   environment
-  bench 280 python3 -m loongforge.diffusion.cli bench --config wan2_1_t2v_1_3b --steps 10 --no-profile \
+  bench 280 python3 -m loongforge.diffusion.cli bench --config wan2_1_t2v_1_3b --steps 10 --profile-rows 0 \
       model.num_layers=4 sample.num_frames=33 sample.height=480 sample.width=832
   bench 150 python3 "$repo/bench/dsa_throughput.py" --seqs 8192,32768,65536
   bench 100 python3 "$repo/bench/fp8_gemm.py" --steps 50
@@ -107,11 +111,25 @@ PY
   ;;
 embodied)
   environment
-  # LeRobot compiles PI05 with mode max-autotune (its default), which alone took more than 8 min on
-  # the H100 (2026-12-05): one round, in a call of its own, run twice back to back on the same warm
-  # machine: the second call finds inductor's FX-graph and autotuning caches (/tmp/torchinductor_*)
-  # the first one filled and compiles in a fraction of the time
-  bench 580 python3 "$repo/bench/embodied_throughput.py" --rounds 1
+  # LeRobot compiles PI05 with mode max-autotune (its default). On one H100 (2026-12-05) its
+  # autotuning alone ran past three 10-minute calls (with inductor's caches kept between them), so
+  # the bench runs detached (setsid: it outlives this call, not the machine) into /tmp/lf-embodied,
+  # and `wait` calls keep the machine busy until it is done. Inductor's and Triton's caches go to
+  # /tmp/lf-compile-cache (a later run on the same machine reuses them).
+  mkdir -p /tmp/lf-embodied
+  TORCHINDUCTOR_CACHE_DIR=/tmp/lf-compile-cache/inductor TRITON_CACHE_DIR=/tmp/lf-compile-cache/triton \
+    setsid bash -c "python3 '$repo/bench/embodied_throughput.py' --rounds 1 --profile-rows 30 >/tmp/lf-embodied/bench.log 2>&1; \
+                    echo \"exit code: \$?\" >>/tmp/lf-embodied/bench.log; touch /tmp/lf-embodied/done" </dev/null >/dev/null 2>&1 &
+  echo "started detached (pid $!); follow it with: bash bench/h200_batch.sh wait"
+  ;;
+wait)
+  # up to WAIT seconds (default 560) for the detached embodied bench, then its log without the
+  # autotuning chatter (the whole log comes back as $OUT/embodied-bench.log)
+  for _ in $(seq "${WAIT:-560}"); do [ -f /tmp/lf-embodied/done ] && break; sleep 1; done
+  [ -f /tmp/lf-embodied/done ] && echo "finished" || echo "still running"
+  cp /tmp/lf-embodied/bench.log "$OUT/embodied-bench.log" 2>/dev/null
+  grep -v -E "AUTOTUNE|triton_(mm|bmm|convolution|tem)_|strides:|dtypes:|^  (mm|bmm|addmm|bias_addmm|convolution|_mm_plus_mm) |Autotune Choices|num_choices|select_algorithm" \
+      /tmp/lf-embodied/bench.log 2>/dev/null | tail -n 120
   ;;
 *) echo "unknown stage $stage"; exit 2 ;;
 esac

@@ -8,7 +8,8 @@ Tests call ``probe`` (which runs this file as a script, on CPU) and compare two 
 
 The gradients are every parameter's ``main_grad`` just before the first optimizer step (after
 megatron's reduction over the DP x CP group and the per-token scaling): whole on every rank when
-TP and PP are 1. Rank 0 writes them with the per-step losses and grad norms, and the shape of
+TP is 1, gathered over the pipeline stages under the one-process names (``pipeline_gradients``) when
+PP is above 1. Rank 0 writes them with the per-step losses and grad norms, and the shape of
 the tokens of its first micro-batch (this rank's share under context parallelism), how TP
 splits the parameters it holds shards of (``tp_split``: dim and stride), and how many
 micro-batches ran through a schedule plan (megatron's combined 1F1B schedule: MoE A2A overlap).
@@ -19,6 +20,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import torch.distributed as dist
 
 COMMON = ["train.steps=2", "train.warmup_steps=1", "log.progress=false", "log.tensorboard=false",
           "checkpoint.save=false"]
@@ -59,6 +61,29 @@ def first_shard(whole: torch.Tensor, shape, dim: int, stride: int) -> torch.Tens
     return torch.cat([block.chunk(tp, dim)[0] for block in whole.chunk(stride, dim)], dim)
 
 
+def pipeline_gradients(model, pp_group, grads: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Every stage's gradients under the one-process names: a stage's local decoder-layer index
+    becomes megatron's global one (``layer_number`` counts from 1 across stages). With tied
+    embeddings the last stage's copy of the word embeddings (its output layer) must hold the first
+    stage's gradient (megatron all-reduces the two); it is checked and dropped."""
+    if pp_group.size() == 1:
+        return grads
+    prefix, layers = "decoder.layers.", model.decoder.layers
+
+    def one_process_name(name: str) -> str:
+        if not name.startswith(prefix):
+            return name
+        local, rest = name[len(prefix):].split(".", 1)
+        return f"{prefix}{layers[int(local)].layer_number - 1}.{rest}"
+
+    stages = [None] * pp_group.size()
+    dist.all_gather_object(stages, {one_process_name(n): g for n, g in grads.items()}, group=pp_group)
+    merged = {name: g for stage in stages for name, g in stage.items()}
+    if model.share_embeddings_and_output_weights and "output_layer.weight" in merged:
+        torch.testing.assert_close(merged.pop("output_layer.weight"), merged["embedding.word_embeddings.weight"])
+    return merged
+
+
 def main(out: str, config: str, overrides: list[str]) -> None:
     from loongforge.core.config import to_dict
     from loongforge.core.parallel import destroy_parallel, init_parallel
@@ -79,8 +104,9 @@ def main(out: str, config: str, overrides: list[str]) -> None:
 
     def capture_then_step():
         if not captured:
-            captured.update({name: p.main_grad.detach().float().clone()
-                             for name, p in module.named_parameters() if getattr(p, "main_grad", None) is not None})
+            captured.update(pipeline_gradients(module, ctx.pgs.pp, {
+                name: p.main_grad.detach().float().clone()
+                for name, p in module.named_parameters() if getattr(p, "main_grad", None) is not None}))
         return step()
 
     trainer.engine.optimizer.step_with_ready_grads = capture_then_step
@@ -99,6 +125,7 @@ def main(out: str, config: str, overrides: list[str]) -> None:
     if ctx.rank == 0:
         torch.save({"losses": [r.loss for r in results], "grad_norms": [r.grad_norm for r in results],
                     "grads": captured, "first_tokens_shape": shapes[0],
+                    # rank 0's own (one pipeline stage's) names
                     "tp_split": {name: (p.partition_dim, p.partition_stride) for name, p in module.named_parameters()
                                  if getattr(p, "tensor_model_parallel", False) and ctx.layout.tp > 1},
                     "schedule_plans": sum(plans)}, out)

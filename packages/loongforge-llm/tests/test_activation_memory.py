@@ -54,6 +54,11 @@ def test_layout_arithmetic():
     pp = activation_memory.per_gpu(profile, cfg, ParallelLayout(pp=2), 1, 4)
     assert pp["layers_on_stage"] == 4 and pp["microbatches_in_flight"] == 2  # 1F1B: pp micro-batches in flight
     assert pp["layers_gib"] == base["layers_gib"]
+    chunked_cfg = load_llm_config("train_debug", ["model.num_layers=8", "train.seq_length=4096", "train.seq_chunks=4"])
+    chunked = activation_memory.per_gpu(profile, chunked_cfg, ParallelLayout(pp=2), 1, 4)
+    assert chunked["microbatches_in_flight"] == 1  # ChunkPipe: one micro-batch at a time, its chunks in the pipeline
+    assert chunked["stage_inputs_gib"] == pytest.approx(round(2 * chunked_cfg.model.hidden_size * 4096 / 2**30, 3))
+    assert "stage_inputs_gib" not in activation_memory.per_gpu(profile, chunked_cfg, ParallelLayout(), 1, 4)
     off_cfg = load_llm_config("train_debug", ["model.num_layers=8", "train.seq_length=4096", "train.offload_layers=6"])
     off = activation_memory.per_gpu(profile, off_cfg, ParallelLayout(), 1, 4)
     assert off["offloaded_layers"] == 6 and off["layers_gib"] == pytest.approx(round(2 * 1100 * 4096 / 2**30, 3))

@@ -2,8 +2,9 @@
 chunks trains like the run without chunks (fp32, gloo): the same losses, grad norms and every
 parameter's gradient after the first step (``tests/llm_grad_probe.py``), on one process, with activation
 offloading, and with tensor parallelism over two processes (losses and grad norms: each rank
-holds shards of the gradients); what it does not run with is refused
-before any process group, naming the keys."""
+holds shards of the gradients); with pipeline parallelism over two processes (the chunks of each
+micro-batch fill the pipeline) it trains like one process without chunks, every gradient
+included; what it does not run with is refused before any process group, naming the keys."""
 
 import pytest
 from llm_grad_probe import PRETRAIN, assert_same_training, probe
@@ -13,11 +14,15 @@ from loongforge.llm.recipe import load_llm_config
 
 
 @pytest.fixture(scope="module")
-def baseline(tmp_path_factory):
+def cache(tmp_path_factory):
+    """The tokenized corpus, shared by the runs of this file."""
+    return tmp_path_factory.mktemp("chunk-pipe-data") / "llm-data"
+
+
+@pytest.fixture(scope="module")
+def baseline(tmp_path_factory, cache):
     """The unchunked run: cache and probe result shared by the tests of this file."""
-    root = tmp_path_factory.mktemp("chunk-pipe")
-    cache = root / "llm-data"
-    return cache, probe(root / "whole" / "grads.pt", "train_debug", PRETRAIN, cache)
+    return cache, probe(tmp_path_factory.mktemp("chunk-pipe") / "whole" / "grads.pt", "train_debug", PRETRAIN, cache)
 
 
 @pytest.mark.slow
@@ -27,6 +32,29 @@ def test_chunk_pipe_trains_like_the_whole_sequence(extra, nproc, tmp_path, basel
     cache, want = baseline
     got = probe(tmp_path / "grads.pt", "train_debug", [*PRETRAIN, "train.seq_chunks=4", *extra], cache, nproc=nproc)
     assert_same_training(got, want, grads="parallel.tp=2" not in extra)  # TP ranks hold gradient shards
+
+
+@pytest.mark.slow
+@pytest.mark.long  # three runs, about two minutes on 2 CPU cores
+def test_chunk_pipe_pp2_trains_like_one_process(tmp_path, cache):
+    """parallel.pp=2 with train.seq_chunks=4: each stage runs chunks 0..3 forward, handing each
+    chunk's hidden states on, then 3..0 backward from each chunk's saved stage input. Pipeline
+    stages draw their layers' initial weights differently from one process, so this run and one
+    process without chunks both start from the step-1 checkpoint of a one-process run: the losses
+    of steps 2..3, the grad norms and every gradient of step 2 (gathered over the stages) are the
+    same."""
+    probe(tmp_path / "first" / "grads.pt", "train_debug", [*PRETRAIN, "train.steps=1", "checkpoint.save=true"], cache)
+    step1 = tmp_path / "first" / "run" / "checkpoints" / "step_00000001"
+    runs = {}
+    for name, extra, nproc in (("one", [], 1), ("pp2", ["parallel.pp=2", "train.seq_chunks=4"], 2)):
+        checkpoints = tmp_path / name / "run" / "checkpoints"
+        checkpoints.mkdir(parents=True)
+        (checkpoints / step1.name).symlink_to(step1)
+        (checkpoints / "latest").write_text(f"{step1.name}\n")
+        runs[name] = probe(tmp_path / name / "grads.pt", "train_debug", [*PRETRAIN, "train.steps=3", *extra], cache,
+                           nproc=nproc)
+    assert len(runs["one"]["losses"]) == 2
+    assert_same_training(runs["pp2"], runs["one"])
 
 
 @pytest.mark.parametrize("overrides, message", [

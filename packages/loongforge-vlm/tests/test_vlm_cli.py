@@ -91,15 +91,17 @@ def test_bad_config_is_one_clear_error(capsys):
     assert main(["train", "foundation=qwen3_moe_debug", "parallel.cp=2"]) == 2
     assert "parallel.cp=2: the VLM's context parallelism needs the foundation on loongforge-llm's fast layer" \
         in capsys.readouterr().err
+    assert main(["train", "parallel.encoder.decoupled=true", "train.overlap_grad_reduce=true"]) == 2
+    assert "parallel.encoder.decoupled=true with train.overlap_grad_reduce=true" in capsys.readouterr().err
 
 
 def test_unsupported_pipeline_is_one_clear_error(capsys):
-    """What the VLM's pipeline (parallel.pp>1) cannot run fails as a config error, before any process group."""
-    from loongforge.vlm.cli import main
+    """What the VLM's pipeline (parallel.pp>1) cannot run fails as a config error, before any process group;
+    together with context parallelism it runs (test_vlm_parallel's PP=2 x CP=2 case)."""
+    from loongforge.vlm.cli import load_vlm_config, main
 
-    assert main(["train", "parallel.cp=2", "parallel.pp=2"]) == 2
-    assert "parallel.pp=2 with parallel.cp=2: the VLM runs context parallelism without pipeline parallelism" \
-        in capsys.readouterr().err
+    cfg = load_vlm_config("vlm_debug", ["parallel.cp=2", "parallel.pp=2"])
+    assert (cfg.parallel.pp, cfg.parallel.cp) == (2, 2)
     assert main(["train", "parallel.pp=3"]) == 2
     assert "parallel.pp=3: foundation.num_layers=2 does not split into 3 stages" in capsys.readouterr().err
     # qwen3_debug has 2 layers: the first stage holds layer 0 only, DeepStack's second feature is for layer 1

@@ -75,3 +75,32 @@ def test_thd_rows_match_the_dense_document_mask(parts, megatron_world, tmp_path,
     for a, b in zip(thd_grads, dense_grads):
         if a is not None:
             torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
+
+
+@pytest.mark.parametrize("parts", [[], QWEN3_VL], ids=["qwen2_5_vl", "qwen3_vl-deepstack"])
+def test_decoupled_encoder_matches_coupled(parts, megatron_world, tmp_path, vlm_cache):
+    """parallel.encoder.decoupled=true without pipeline parallelism: the tower encodes the step's
+    micro-batches' images in one forward before the schedule and runs one backward after it; the
+    step's loss, grad norm and every gradient (the tower's and DeepStack's included) are those of the
+    coupled step, where each micro-batch encodes its own images."""
+    cfg, trainer = trainer_for(["train.global_batch_size=6", "train.seq_length=384", *parts], megatron_world,
+                               tmp_path, vlm_cache)
+    engine, model = trainer.engine, trainer.engine.inner_model
+    step = next(iter(trainer.task.steps(megatron_world, 0)))
+    assert len(step.micro_batches) >= 2
+    tower, calls = model._tower, []
+    model._tower = lambda pixels, grid: calls.append(grid.shape[0]) or tower(pixels, grid)
+    runs = []
+    for decoupled in (False, True):
+        cfg.parallel.encoder.decoupled = decoupled
+        calls.clear()
+        out = engine.forward_backward(step)
+        grads = {n: p.main_grad.clone() for n, p in model.named_parameters() if p.requires_grad}
+        runs.append((out, grads, list(calls)))
+    (coupled, reference, per_micro_batch), (got, grads, batched) = runs
+    assert len(per_micro_batch) == len(step.micro_batches) and batched == [sum(per_micro_batch)]
+    assert got.loss == pytest.approx(coupled.loss, rel=1e-6)
+    assert got.grad_norm == pytest.approx(coupled.grad_norm, rel=1e-5)
+    assert any(n.startswith("encoder.") and g.abs().sum() > 0 for n, g in reference.items())
+    for name, grad in reference.items():
+        torch.testing.assert_close(grads[name], grad, rtol=1e-4, atol=1e-7, msg=name)

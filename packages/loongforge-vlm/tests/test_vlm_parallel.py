@@ -3,7 +3,7 @@ shared out across the foundation's TP group) or at TP=2 gives the losses and the
 one process on the same weights and data (2 gloo processes), and a checkpoint it saves resumes
 in one process; LoRA adapters in all three parts get one process's gradients there too. The
 foundation at PP=2 (the tower on the first stage) gives one process's losses and gradients, and
-its checkpoint loads in one process."""
+its checkpoint loads in one process; so does PP=2 x CP=2 (4 gloo processes)."""
 
 from pathlib import Path
 
@@ -14,6 +14,7 @@ from cli_runner import run_script
 PROBE = Path(__file__).with_name("grads_probe.py")
 COMMON = ["train.steps=2", "train.warmup_steps=1", "train.global_batch_size=6", "train.seq_length=384",
           "log.progress=false", "log.tensorboard=false", "checkpoint.save=false"]
+DECOUPLED = "parallel.encoder.decoupled=true"  # the tower once per step, outside the schedule (encoder_stage)
 
 
 def probe(out: Path, overrides: list[str], cache: Path, nproc: int = 1) -> dict:
@@ -113,13 +114,15 @@ SIGLIP_LLAMA = ["encoder=siglip_vit_debug", "projector=mlp_2x", "foundation=llam
     (QWEN3_VL, ["parallel.cp=2"]),
     pytest.param(SIGLIP_LLAMA, ["parallel.cp=2"], marks=pytest.mark.long),
     pytest.param([], ["parallel.cp=2", "parallel.tp=2", "parallel.encoder.tp=1"], marks=pytest.mark.long),  # 4 processes
-], ids=["qwen2.5-vl", "qwen3-vl-deepstack", "siglip-llama-1d-rope", "qwen2.5-vl-tp2-cp2"])
+    pytest.param([], ["parallel.cp=2", DECOUPLED], marks=pytest.mark.long),
+], ids=["qwen2.5-vl", "qwen3-vl-deepstack", "siglip-llama-1d-rope", "qwen2.5-vl-tp2-cp2", "qwen2.5-vl-decoupled-encoder"])
 def test_context_parallel_cp2_matches_one_process(model, layout, tmp_path, vlm_cache):
     """parallel.cp=2: each conversation of the packed (THD) rows padded to a multiple of 2*cp and
     split in megatron's load-balanced chunks after the vision features (and DeepStack's) are
     scattered in; each CP rank rotates its tokens by their own multimodal RoPE positions and attends
     over the whole row (1-D RoPE: by its position in its sample); also with the foundation at TP=2
-    (4 processes, the tower split across TP). The CP ranks share out the micro-batch's images
+    (4 processes, the tower split across TP), and with the decoupled encoder stage (the step's
+    images shared out at once, before the schedule). The CP ranks share out the micro-batch's images
     (rank 0 encodes some, not all). The losses, grad norms and every gradient are one process's."""
     (tmp_path / "ref").mkdir()
     (tmp_path / "cp2").mkdir()
@@ -129,7 +132,9 @@ def test_context_parallel_cp2_matches_one_process(model, layout, tmp_path, vlm_c
     (_, whole), (_, local) = got["first_row"]
     assert whole % 4 == 0 and local == whole // 2  # each CP rank holds half of the padded row
     (encoded, items), (encoded_alone, _) = got["first_items"], reference["first_items"]
-    assert encoded_alone == items >= 2 and 0 < encoded < items  # the CP ranks shared out the images
+    assert encoded_alone == items >= 2 and encoded > 0
+    if DECOUPLED not in layout:  # (decoupled, rank 0 encoded its share of the whole step's images)
+        assert encoded < items  # the CP ranks shared out the images
     assert_same_training(got, reference, learned=("encoder.", "projector.", "deepstack."))  # the tower did learn
 
 
@@ -139,21 +144,39 @@ def test_context_parallel_cp2_matches_one_process(model, layout, tmp_path, vlm_c
     ([], ["parallel.pp=2"]),
     (QWEN3_VL, ["parallel.pp=2"]),
     ([], ["parallel.pp=2", "parallel.tp=2", "parallel.encoder.tp=1"]),  # 4 processes
-], ids=["qwen2.5-vl", "qwen3-vl-deepstack", "qwen2.5-vl-tp2-pp2"])
+    ([], ["parallel.pp=2", DECOUPLED]),
+    (QWEN3_VL, ["parallel.pp=2", DECOUPLED]),
+    ([], ["parallel.pp=2", "parallel.cp=2"]),  # 4 processes
+    ([], ["parallel.pp=2", "parallel.cp=2", DECOUPLED]),  # 4 processes
+], ids=["qwen2.5-vl", "qwen3-vl-deepstack", "qwen2.5-vl-tp2-pp2", "qwen2.5-vl-decoupled-encoder",
+        "qwen3-vl-deepstack-decoupled-encoder", "qwen2.5-vl-pp2-cp2", "qwen2.5-vl-pp2-cp2-decoupled-encoder"])
 def test_foundation_pp2_matches_one_process(model, layout, tmp_path, vlm_cache):
     """parallel.pp=2: the tower and the first half of the foundation on stage 0, the rest and the
     loss on stage 1, hidden states of varying length between them; also with the foundation at
-    TP=2 (4 processes, the tower split across TP on stage 0). Pipeline stages draw their layers'
-    initial weights differently from one process, so both start from the step-1 checkpoint of a
-    PP=2 run, which one process loads (resharded): the losses of steps 2..3, the grad norms and
-    every gradient of step 2 (DeepStack's mergers' included) are one process's."""
+    TP=2 (4 processes, the tower split across TP on stage 0), with the decoupled encoder stage
+    (``parallel.encoder.decoupled``: stage 0 encodes all the step's images before the schedule,
+    more than its first micro-batch's, and runs the tower's backward once after it), and with
+    CP=2 (4 processes: each stage's CP ranks hold half of every row, the stages exchange those
+    halves, stage 0's CP ranks share out the images; coupled and decoupled). Pipeline
+    stages draw their layers' initial weights differently from one process, so both start from
+    the step-1 checkpoint of a PP=2 run, which one process loads (resharded): the losses of steps
+    2..3, the grad norms and every gradient of step 2 (the tower's and DeepStack's mergers'
+    included) are one (coupled) process's."""
     (tmp_path / "first").mkdir()
     probe(tmp_path / "first" / "grads.pt", [*model, "parallel.pp=2", "train.steps=1", "checkpoint.save=true"],
           vlm_cache, nproc=2)
     step1 = tmp_path / "first" / "run" / "checkpoints" / "step_00000001"
     reference = probe(resume_dir(tmp_path / "one", step1) / "grads.pt", [*model, "train.steps=3"], vlm_cache)
-    nproc = 4 if "parallel.tp=2" in layout else 2
+    nproc = 4 if {"parallel.tp=2", "parallel.cp=2"} & set(layout) else 2
     got = probe(resume_dir(tmp_path / "pp2", step1) / "grads.pt", [*model, "train.steps=3", *layout], vlm_cache,
                 nproc=nproc)
     assert len(reference["losses"]) == 2
+    (encoded, items), (encoded_alone, _) = got["first_items"], reference["first_items"]
+    if DECOUPLED in layout and "parallel.cp=2" not in layout:  # before the first forward: the whole step's images
+        assert encoded > items == encoded_alone
     assert_same_training(got, reference, learned=("encoder.", "projector.", "deepstack."), loss_rel=1e-4)
+    if "parallel.cp=2" in layout:  # each CP rank held half of the padded row
+        (_, whole), (_, local) = got["first_row"]
+        assert whole % 4 == 0 and local == whole // 2
+        if DECOUPLED not in layout:  # and stage 0's CP ranks shared out the images
+            assert encoded_alone == items >= 2 and 0 < encoded < items

@@ -71,22 +71,24 @@ class BenchDevice:
         return 2 * n**3 / seconds
 
 
-def profile_tables(step: Callable[[], object], device: BenchDevice, rows: int, trace: str | None = None) -> str:
-    """Two profiled calls of ``step``: the top GPU kernels and the top torch ops by the GPU time of
-    the kernels they launched (on CPU: the top torch ops by their own CPU time); ``trace``: also
-    write a Chrome trace there."""
+def profile_tables(step: Callable[[], object], rows: int, trace: str | None = None) -> str:
+    """Two profiled calls of ``step`` on the accelerator: the top GPU kernels and the top torch ops
+    by the GPU time of the kernels they launched (on CPU: the top torch ops by their own CPU time);
+    ``trace``: also write a Chrome trace there. What ``lf-X bench --profile-rows N`` prints."""
     from torch.profiler import ProfilerActivity, profile
 
-    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.cuda else [])
+    accel = get_accelerator()
+    cuda = accel.device().type == "cuda"
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
     with profile(activities=activities) as prof:
         for _ in range(2):
             step()
-        device.accel.synchronize()
+        accel.synchronize()
     if trace:
         prof.export_chrome_trace(trace)
     events = prof.key_averages()
     ops = [e for e in events if e.device_type.name == "CPU" and e.key.startswith("aten::")]
-    if not device.cuda:
+    if not cuda:
         lines = ["top torch ops by their own CPU time, ms per step:"]
         for e in sorted(ops, key=lambda e: -e.self_cpu_time_total)[:rows]:
             lines.append(f"{e.self_cpu_time_total / 2e3:8.2f} {e.count // 2:5d}x  {e.key}")

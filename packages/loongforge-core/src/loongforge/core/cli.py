@@ -390,6 +390,9 @@ def build_parser(app: ModalityCLI) -> argparse.ArgumentParser:
         bench.add_argument("--variant", action="append", default=[], metavar="NAME=KEY=VALUE,...",
                            help="one more run of ours with these config overrides (repeatable)")
         add_protocol_arguments(bench)  # --rounds, --processes
+        bench.add_argument("--profile-rows", type=int, default=25,
+                           help="rows of the torch.profiler tables of ours (top kernels and ops, on CUDA); 0: none")
+        bench.add_argument("--trace", default=None, metavar="FILE", help="also write a Chrome trace of ours' profiled steps")
         if app.bench_options is not None:
             app.bench_options(bench)
         bench.set_defaults(fn=commands.bench)

@@ -35,6 +35,7 @@ import torch.nn.functional as F
 from loongforge.core.accelerators import get_accelerator
 from loongforge.core.baseline_recipe import BaselineRecipe, tf32_matmuls
 from loongforge.core.bench_protocol import FirstLossMismatch, alternating_orders, first_loss_tolerance, losses_agree
+from loongforge.core.benchmarking import profile_tables
 from loongforge.core.training.engine import resolve_dtype
 from loongforge.diffusion.model import WanDiT
 from loongforge.diffusion.objective import noisy_and_target
@@ -236,19 +237,9 @@ class Bench:
             torch.cuda.empty_cache()
 
     # -- diagnostics -----------------------------------------------------------------------
-    def profile(self, forward_loss, opt, steps: int = 3, rows: int = 10) -> str:
-        """torch.profiler over ``steps`` steps: the top kernels by device time (CUDA only)."""
-        from torch.profiler import ProfilerActivity, profile
-
-        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-            for _ in range(steps):
-                self._step(forward_loss, opt, _Clock(self.device))
-            self.accel.synchronize()
-        averages = prof.key_averages()
-        try:
-            return averages.table(sort_by="self_device_time_total", row_limit=rows)
-        except (AttributeError, KeyError, ValueError):  # older spelling of the same column
-            return averages.table(sort_by="self_cuda_time_total", row_limit=rows)
+    def profile(self, forward_loss, opt, rows: int, trace: str | None = None) -> str:
+        """The shared profiler tables (``profile_tables``) of two of ours' steps."""
+        return profile_tables(lambda: self._step(forward_loss, opt, _Clock(self.device)), rows, trace)
 
     def attention_kernels(self, iters: int = 10) -> list[tuple[str, float, float]]:
         """(kernel, ms per forward+backward, TFLOP/s) of the self-attention of this shape with
@@ -300,7 +291,8 @@ def merge_rounds(runs: list[RunResult]) -> RunResult:
 
 def run_bench(recipe, steps: int = 10, warmup: int = 3, batch_size: int = 1,
               variants: list[tuple[str, list[str]]] = (), rounds: int = 2,
-              profile: bool = True, report: Callable[[str], None] = print) -> dict[str, RunResult]:
+              profile_rows: int = 25, trace: str | None = None,
+              report: Callable[[str], None] = print) -> dict[str, RunResult]:
     """Time the diffusers step, ours at the same checkpointing (and at the preset's where that
     differs) in ``rounds`` alternating rounds, then each variant of ours; ``report`` gets every
     line as soon as it is known. Raises ``FirstLossMismatch`` (after reporting everything) when a
@@ -369,11 +361,11 @@ def run_bench(recipe, steps: int = 10, warmup: int = 3, batch_size: int = 1,
     ours = results["loongforge"]
     report(f"speed-up (diffusers step time / loongforge step time, same checkpointing): {base.step_s / ours.step_s:.2f}x")
 
-    if profile and device_type == "cuda":
+    if profile_rows and device_type == "cuda":
         model, forward_loss, opt = bench.ours_model(headline)
         try:
-            report("loongforge: top CUDA kernels over 3 steps (torch.profiler)")
-            report(bench.profile(forward_loss, opt))
+            report("loongforge, torch.profiler:")
+            report(bench.profile(forward_loss, opt, profile_rows, trace))
         except Exception:
             report("profiler failed (the results above stand):\n" + traceback.format_exc())
         try:

@@ -162,7 +162,6 @@ def convert_options(parser) -> None:
 
 def bench_options(parser) -> None:
     parser.add_argument("--batch-size", type=int, default=1)
-    parser.add_argument("--no-profile", action="store_true", help="skip the CUDA profiler table and attention timings")
 
 
 def bench(args, config: str, overrides: list[str]) -> None:
@@ -182,9 +181,10 @@ def bench(args, config: str, overrides: list[str]) -> None:
     options = dict(steps=args.steps, warmup=args.warmup, batch_size=args.batch_size, variants=variants,
                    rounds=args.rounds)
     if args.processes > 1:
-        return repeat_in_processes(step_seconds_from_config, dict(config=config, overrides=overrides, profile=False,
+        return repeat_in_processes(step_seconds_from_config, dict(config=config, overrides=overrides, profile_rows=0,
                                                                   **options), args.processes, ["diffusers"])
-    run_bench(recipe, **options, profile=not args.no_profile, report=lambda line: print(line, flush=True))
+    run_bench(recipe, **options, profile_rows=args.profile_rows, trace=args.trace,
+              report=lambda line: print(line, flush=True))
 
 
 def cmd_preprocess(args) -> int:

@@ -25,6 +25,7 @@ import torch.nn as nn
 
 from loongforge.core.baseline_recipe import BaselineRecipe, tf32_matmuls
 from loongforge.core.bench_protocol import alternating_orders, check_first_losses, timed_steps
+from loongforge.core.benchmarking import profile_tables
 from loongforge.core.training import torch_parallel
 from loongforge.core.training.engine import resolve_dtype
 from loongforge.core.training.schema import TrainConfig
@@ -163,10 +164,12 @@ class _Side:
 def run_bench(policy_cfg: PolicyConfig, trains: Mapping[str, TrainConfig], batch_size: int, steps: int = 10,
               warmup: int = 3, rounds: int = 2, against_lerobot: bool = False,
               build_baseline: Callable[[PolicyConfig, BaselineRecipe, str], nn.Module] = build_lerobot_for_recipe,
-              report: Callable[[str], None] = print, seed: int = 0) -> dict[str, EmbodiedRun]:
+              report: Callable[[str], None] = print, seed: int = 0, profile_rows: int = 0,
+              trace: str | None = None) -> dict[str, EmbodiedRun]:
     """Ours (``trains["ours"]``), its variants (the other ``trains``) and, with ``against_lerobot``,
-    LeRobot's Pi0.5 (``build_baseline``), alternating order round by round. Raises
-    ``FirstLossMismatch`` when a first-step loss differs from the baseline's (else from ours)."""
+    LeRobot's Pi0.5 (``build_baseline``), alternating order round by round; then, on CUDA with
+    ``profile_rows``, the profiler tables of two more steps of ours. Raises ``FirstLossMismatch``
+    when a first-step loss differs from the baseline's (else from ours)."""
     from loongforge.core.accelerators import get_accelerator
     from loongforge.embodied.convert.lerobot_pi05 import from_lerobot_pi05
     from loongforge.embodied.policies import build_policy
@@ -228,6 +231,14 @@ def run_bench(policy_cfg: PolicyConfig, trains: Mapping[str, TrainConfig], batch
     reference = BASELINE if against_lerobot else "ours"
     for line in check_first_losses(firsts, reference, dtype):
         report(line)
+    if profile_rows and device.type == "cuda":
+        ours = by_name["ours"]
+        with tf32_matmuls(ours.tf32):
+            step = ours.make_step(ours.model.to(device))
+            step()  # compiled already: this warms the fresh optimizer
+            report("\nours, torch.profiler:\n" + profile_tables(step, profile_rows, trace))
+        del step
+        ours.model.to("cpu")
     return results
 
 
@@ -251,14 +262,15 @@ def load_runs(config: str | None, overrides: list[str], variants: list[str]):
 
 
 def bench_from_config(config: str | None, overrides: list[str], variants: list[str], batch_size: int, steps: int,
-                      warmup: int, rounds: int, against_lerobot: bool,
+                      warmup: int, rounds: int, against_lerobot: bool, profile_rows: int = 0, trace: str | None = None,
                       report: Callable[[str], None] = print) -> dict[str, EmbodiedRun]:
     """``lf-embodied bench`` in this process: the runs of ``load_runs``, timed by ``run_bench``."""
     from loongforge.core.distributed import init_distributed
 
     cfg, trains = load_runs(config, overrides, variants)
     init_distributed(group_for_world_of_one=False)
-    return run_bench(cfg.policy, trains, batch_size, steps, warmup, rounds, against_lerobot, report=report)
+    return run_bench(cfg.policy, trains, batch_size, steps, warmup, rounds, against_lerobot, report=report,
+                     profile_rows=profile_rows, trace=trace)
 
 
 def step_seconds_from_config(**kwargs) -> dict[str, float]:

@@ -69,7 +69,7 @@ def bench(args, config: str, overrides: list[str]) -> None:
                   steps=args.steps, warmup=args.warmup, rounds=args.rounds, against_lerobot=args.against_lerobot)
     if args.processes > 1:
         return repeat_in_processes(step_seconds_from_config, kwargs, args.processes, [BASELINE])
-    results = bench_from_config(**kwargs)
+    results = bench_from_config(**kwargs, profile_rows=args.profile_rows, trace=args.trace)
     print("\n".join(results_lines(results)))
     print(json.dumps({name: vars(r) for name, r in results.items()}, indent=1))
 

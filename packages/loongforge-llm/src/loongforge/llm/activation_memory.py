@@ -21,7 +21,9 @@ attention materialises its scores). The layout then scales it:
   tokens) at a time, plus the keys and values every chunk carries (``carried_kv_gib``: each
   layer's K/V of the whole sequence, counted three times: the carried tensors, the
   concatenation the chunk's attention saves, and their accumulated gradients), computed from the
-  K/V shapes rather than measured.
+  K/V shapes rather than measured. Under pipeline parallelism the stages run one micro-batch at a
+  time (its chunks fill the pipeline), so one micro-batch is in flight, and a stage after the
+  first (then the heaviest) also keeps every chunk's input hidden states (``stage_inputs_gib``).
 
 The figure is the tensors autograd holds at the end of a micro-batch's forward; the GPU kernels
 can save slightly different tensors than the CPU references the proxy runs.
@@ -193,9 +195,9 @@ def _saved_bytes(engine, micro: dict, hidden: int) -> list[dict]:
 
 
 def per_gpu(profile: ActivationProfile, cfg, layout, micro_batch_size: int, num_microbatches: int) -> dict:
-    """Activation bytes of the heaviest GPU (the first pipeline stage) for ``cfg``'s sequence length
-    and offloading, ``micro_batch_size`` sequences per micro-batch and ``num_microbatches`` per step,
-    under ``layout``."""
+    """Activation bytes of the heaviest GPU (the first pipeline stage; under ChunkPipe a later one,
+    which also holds ``stage_inputs_gib``) for ``cfg``'s sequence length and offloading,
+    ``micro_batch_size`` sequences per micro-batch and ``num_microbatches`` per step, under ``layout``."""
     model, train = cfg.model, cfg.train
     chunks = getattr(train, "seq_chunks", 1)
     tokens = micro_batch_size * train.seq_length // layout.cp // chunks
@@ -204,17 +206,19 @@ def per_gpu(profile: ActivationProfile, cfg, layout, micro_batch_size: int, num_
     stage_layers = pattern[:per_stage]  # the first stage: the heaviest in flight
     resident = stage_layers[train.offload_layers:]
     layer_bytes = [(profile.moe if kind else profile.dense).bytes(tokens, layout.tp) for kind in resident]
-    in_flight = min(layout.pp, num_microbatches)
+    in_flight = 1 if chunks > 1 else min(layout.pp, num_microbatches)  # ChunkPipe: one micro-batch at a time
     outside = profile.outside_per_token * tokens * in_flight
     layers = sum(layer_bytes) * in_flight
     offloaded = sum((profile.moe if kind else profile.dense).bytes(tokens, layout.tp)
                     for kind in stage_layers[:train.offload_layers]) * in_flight
     gib = 1024**3
-    carried = 0.0
+    extra = {}
     if chunks > 1:  # K/V of the whole sequence per layer, bf16, split over TP with the heads
         kv_heads = getattr(model, "num_query_groups", model.num_attention_heads)
         carried = 3 * 2 * kv_heads * model.head_dim * 2 * tokens * chunks * per_stage / layout.tp
-    extra = {"seq_chunks": chunks, "carried_kv_gib": round(carried / gib, 3)} if chunks > 1 else {}
+        extra = {"seq_chunks": chunks, "carried_kv_gib": round(carried / gib, 3)}
+        if layout.pp > 1:  # a later stage's inputs: the bf16 hidden states of every chunk (replicated over TP)
+            extra["stage_inputs_gib"] = round(2 * model.hidden_size * tokens * chunks / gib, 3)
     return {"tokens_per_microbatch": tokens * chunks, **({"tokens_per_chunk": tokens} if chunks > 1 else {}),
             **extra, "layers_on_stage": per_stage, "microbatches_in_flight": in_flight,
             "offloaded_layers": min(train.offload_layers, per_stage),

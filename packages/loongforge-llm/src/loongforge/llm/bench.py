@@ -340,7 +340,7 @@ def run_bench(config: str = "train_0_5b", overrides: list[str] = (), steps: int 
                             first, seconds = timed_steps(step, steps, warmup, dev.accel.synchronize)
                             memory = dev.peak_gib()
                             if name == "ours" and profile_rows and dev.cuda and profile is None:
-                                profile = profile_tables(step, dev, profile_rows, trace)
+                                profile = profile_tables(step, profile_rows, trace)
                         del step, keep
                     finally:
                         if not run.baseline:

@@ -72,8 +72,6 @@ def bench_options(parser) -> None:
                         help="one more run of ours with fp8=<mode>, compared with ours in bf16")
     parser.add_argument("--skip", action="append", default=[], choices=list(BASELINES),
                         help="a baseline to leave out")
-    parser.add_argument("--profile-rows", type=int, default=25, help="rows of ours' profiler tables (CUDA); 0: none")
-    parser.add_argument("--trace", default=None, help="write a Chrome trace of the profiled steps of ours here")
 
 
 def bench(args, config: str, overrides: list[str]) -> None:

@@ -247,8 +247,6 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--skip", action="append", default=[], choices=BASELINES,
                         help="a baseline to leave out (on CPU hf_compile is left out unless --compile-on-cpu)")
     parser.add_argument("--compile-on-cpu", action="store_true")
-    parser.add_argument("--profile-rows", type=int, default=25, help="0: no profiler table")
-    parser.add_argument("--trace", default=None, help="write a Chrome trace of the profiled steps of ours here")
 
 
 def make_case(args, dev: BenchDevice, config: str, overrides: list[str]) -> Case:
@@ -356,7 +354,7 @@ def run_bench(args, config: str = "vlm_debug", overrides: list[str] = (),
                         step, keep = our_step(run_cfg, hf_dir, batch, case, pack_size)
                         first, seconds = timed_steps(step, args.steps, args.warmup, dev.accel.synchronize)
                         if name == "ours" and args.profile_rows and profile is None:
-                            profile = profile_tables(step, dev, args.profile_rows, args.trace)
+                            profile = profile_tables(step, args.profile_rows, args.trace)
                 except Exception as error:  # a failing baseline is reported, the others still run
                     if overrides is not None:
                         raise

@@ -11,7 +11,8 @@ the positions are split here, in the collate, by the same index, so the multimod
 the foundation computes from the positions are those of this rank's tokens. The foundation's
 attention (loongforge-llm's ``FusedSelfAttention`` on ``SDPAttention``) all-gathers the keys and
 values of the CP group and attends over each whole sample; the loss is summed over local tokens
-and megatron reduces the gradients over DP x CP.
+and megatron reduces the gradients over DP x CP. Under pipeline parallelism every stage collates
+and splits the row the same way, each in its own CP group (``loongforge.vlm.pipeline``).
 """
 
 from __future__ import annotations

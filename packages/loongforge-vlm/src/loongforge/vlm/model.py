@@ -149,7 +149,8 @@ def on_fast_layer(foundation: GPTConfig) -> bool:
 
 class VisionLanguageModel(MegatronModule):
     """``forward(tokens, position_ids, attention_mask, labels, pixel_values, grid_thw, packed_seq_params,
-    cp_index)`` (the last two for THD rows and context parallelism: see ``forward``).
+    cp_index, vision)`` (``packed_seq_params`` and ``cp_index`` for THD rows and context parallelism,
+    ``vision`` for features encoded before the schedule: see ``forward``).
 
     ``tokens [b, s]``; ``position_ids [3, b, s]`` (mrope) or ``[b, s]``; ``pixel_values
     [patches, patch_dim]`` and ``grid_thw [items, 3]``: the micro-batch's images and videos in
@@ -267,10 +268,12 @@ class VisionLanguageModel(MegatronModule):
         index = torch.cat([torch.arange(row_of[i], row_of[i] + sizes[i] // merge) for i in range(len(sizes))])
         return gathered[index.to(gathered.device)]
 
-    def embed(self, tokens: torch.Tensor, pixel_values: torch.Tensor | None, grid_thw: torch.Tensor | None):
+    def embed(self, tokens: torch.Tensor, pixel_values: torch.Tensor | None, grid_thw: torch.Tensor | None,
+              vision: torch.Tensor | None = None):
         """Token embeddings ``[s, b, h]`` with vision features at the placeholder tokens, and the
         DeepStack additions to the first layers' outputs (``[s, b, h]`` each; none without
-        DeepStack or vision tokens)."""
+        DeepStack or vision tokens). ``vision``: the items' ``encode_vision`` rows, encoded
+        beforehand (``loongforge.vlm.encoder_stage``); None: encoded here."""
         embeddings = self.language_model.embedding(input_ids=tokens, position_ids=None)
         placeholders = (tokens == self.image_token_id) | (tokens == self.video_token_id)
         n = int(placeholders.sum())
@@ -278,7 +281,8 @@ class VisionLanguageModel(MegatronModule):
             if n:
                 raise ValueError(f"the micro-batch has {n} image/video placeholder tokens but no images or videos")
             return embeddings, []
-        vision = self.encode_vision(pixel_values, grid_thw)
+        if vision is None:
+            vision = self.encode_vision(pixel_values, grid_thw)
         if vision.shape[0] != n:
             raise ValueError(f"the micro-batch has {n} image/video placeholder tokens for {vision.shape[0]} vision "
                              f"tokens of its {grid_thw.shape[0]} images/videos")
@@ -294,16 +298,17 @@ class VisionLanguageModel(MegatronModule):
 
     # -- forward ----------------------------------------------------------------------------
     def forward(self, tokens, position_ids, attention_mask=None, labels=None, pixel_values=None, grid_thw=None,
-                packed_seq_params=None, cp_index=None):
+                packed_seq_params=None, cp_index=None, vision=None):
         """``packed_seq_params``: a THD row's (no ``attention_mask`` then). ``cp_index``: under
         context parallelism, the row positions of this CP rank's tokens (``loongforge.vlm.context_parallel``):
         ``tokens``, ``pixel_values`` and ``grid_thw`` are the whole row's, ``position_ids`` and
-        ``labels`` this rank's."""
+        ``labels`` this rank's. ``vision``: the items' vision rows encoded before the schedule
+        (the decoupled encoder stage, ``loongforge.vlm.encoder_stage``) in place of ``pixel_values``."""
         from loongforge.vlm.context_parallel import local_rows
 
         decoder_input, additions = None, []
         if self.pre_process:
-            embeddings, additions = self.embed(tokens, pixel_values, grid_thw)
+            embeddings, additions = self.embed(tokens, pixel_values, grid_thw, vision)
             decoder_input = local_rows(embeddings, cp_index)
             additions = [local_rows(a, cp_index) for a in additions]
         if cp_index is not None:

@@ -14,9 +14,22 @@ the stages of one pipeline share), so each stage reads from the batch what it ne
 stage the tokens and the media, every stage the (multimodal RoPE) positions and the THD row's
 ``cu_seqlens``, the last stage the labels and the loss mask.
 
+By default the tower runs inside each micro-batch's forward and backward on the first stage; with
+``parallel.encoder.decoupled`` it runs once per step, before and after the schedule
+(``loongforge.vlm.encoder_stage``).
+
 The VLM's micro-batches are packed by vision-aware cost and vary in length, so the stages
 exchange each micro-batch's hidden-state shape before its tensor (megatron-core's
 ``variable_seq_lengths``) instead of padding every row to ``train.seq_length``.
+
+With context parallelism (``parallel.cp > 1``, ``loongforge.vlm.context_parallel``) every stage
+has its own CP group (megatron's ``ctx.pgs.cp``), and rank ``r`` of one stage's group pipelines
+with rank ``r`` of the next: every rank collates the same row and keeps its share (``cp_index``,
+with its positions, labels and loss mask; ``cu_seqlens`` stay the whole row's, which the
+attention of every stage reads), so the stages exchange this CP rank's rows of each micro-batch.
+The first stage's CP group shares out the images (the tower's ``pgs.cp``), every stage's
+attention all-gathers keys and values over its own CP group, and the last stage's loss covers
+this CP rank's tokens.
 """
 
 from __future__ import annotations
@@ -36,8 +49,7 @@ def pipeline_config_kwargs(pp: int, foundation_kwargs: dict) -> dict:
 def check_pipeline(cfg) -> None:
     """Refuse (before any process group) what the VLM's pipeline cannot run, for a ``VLMConfig``
     with ``parallel.pp > 1``: layers that do not split evenly, DeepStack features meant for layers
-    past the first stage, pipeline together with context parallelism, and megatron's allgather MoE
-    dispatcher (no variable sequence lengths)."""
+    past the first stage, and megatron's allgather MoE dispatcher (no variable sequence lengths)."""
     pp, f = cfg.parallel.pp, cfg.foundation
     if f.num_layers % pp:
         raise ValueError(f"parallel.pp={pp}: foundation.num_layers={f.num_layers} does not split into {pp} "
@@ -49,9 +61,6 @@ def check_pipeline(cfg) -> None:
                          f"features to foundation layers 0..{len(deep) - 1}, but the first pipeline stage (which "
                          f"holds the vision tower) has layers 0..{first_stage - 1} of foundation.num_layers="
                          f"{f.num_layers}; lower parallel.pp or use fewer encoder.deepstack_layers")
-    if cfg.parallel.cp > 1:
-        raise ValueError(f"parallel.pp={pp} with parallel.cp={cfg.parallel.cp}: the VLM runs context parallelism "
-                         f"without pipeline parallelism; set one of them to 1")
     if getattr(f, "moe_token_dispatcher", None) == "allgather":
         raise ValueError(f"parallel.pp={pp} with foundation.moe_token_dispatcher=allgather: the VLM's pipeline "
                          f"sends micro-batches of varying length, which megatron's allgather dispatcher does not "

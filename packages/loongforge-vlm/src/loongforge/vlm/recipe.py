@@ -48,11 +48,15 @@ PARTS = ("encoder", "projector", "foundation")
 class EncoderParallel:
     """The vision tower (encoder + projector). ``tp``: 1 or the foundation's tp. With tp=1 and
     ``split_across_foundation_tp`` the ranks of one foundation TP group encode disjoint shares of
-    the micro-batch's images (data parallel across the foundation's TP group)."""
+    the micro-batch's images (data parallel across the foundation's TP group). With ``decoupled``
+    the tower runs once per step outside the pipeline schedule (``loongforge.vlm.encoder_stage``)."""
 
     tp: int = 1
     recompute: str = "none"
     split_across_foundation_tp: bool = True
+    # encode all of a step's micro-batches' images in one batched forward before the (pipeline) schedule
+    # and run the tower's backward once after it, instead of once per micro-batch inside it
+    decoupled: bool = False
 
     def __post_init__(self):
         if self.tp < 1:
@@ -149,6 +153,10 @@ class VLMConfig:
             from loongforge.vlm.pipeline import check_pipeline
 
             check_pipeline(self)
+        if self.parallel.encoder.decoupled and self.train.overlap_grad_reduce:
+            raise ValueError("parallel.encoder.decoupled=true with train.overlap_grad_reduce=true: megatron's "
+                             "overlapped gradient reduction starts during or at the end of its schedule, before the "
+                             "decoupled tower's backward; set one of them to false")
         self.model()  # cross-part checks (mrope section vs the foundation's head dim)
 
     def model(self) -> VLMModelConfig:
@@ -293,7 +301,9 @@ class VLMTask:
 
     def describe(self) -> str:
         c = self.cfg
-        return (f"{c.encoder.family} + {c.projector.family} + {c.foundation.family} (encoder tp={c.parallel.encoder.tp}), "
+        decoupled = ", decoupled" if c.parallel.encoder.decoupled else ""
+        return (f"{c.encoder.family} + {c.projector.family} + {c.foundation.family} (encoder tp={c.parallel.encoder.tp}"
+                f"{decoupled}), "
                 f"trainable {'+'.join(c.trainable)}")
 
     def collate(self, ctx):
@@ -324,10 +334,20 @@ class VLMTask:
         )
 
     # -- the step -----------------------------------------------------------------------------
+    def before_schedule(self, model, micro_batches):
+        """With ``parallel.encoder.decoupled``: the step's images encoded in one batch before the
+        schedule, the tower's backward after it (``loongforge.vlm.encoder_stage``)."""
+        if not self.cfg.parallel.encoder.decoupled:
+            return None
+        from loongforge.vlm.encoder_stage import encode_step
+
+        return encode_step(model, micro_batches)
+
     def forward(self, model, batch):
         from loongforge.llm.api import masked_token_loss, packed_seq_params
 
         output = model(batch["tokens"], batch["position_ids"], batch["attention_mask"], labels=batch["labels"],
                        pixel_values=batch["pixel_values"], grid_thw=batch["grid_thw"],
-                       packed_seq_params=packed_seq_params(batch), cp_index=batch.get("cp_index"))
+                       packed_seq_params=packed_seq_params(batch), cp_index=batch.get("cp_index"),
+                       vision=batch.get("vision"))
         return output, partial(masked_token_loss, batch["loss_mask"])

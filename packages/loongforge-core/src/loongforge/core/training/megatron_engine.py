@@ -3,7 +3,12 @@ parallel with micro-batches), megatron DDP or the distributed optimizer, AdamW (
 grad clipping, and per-token loss normalisation (``calculate_per_token_loss``: any DP /
 micro-batch split of a global batch gives the same loss and gradients; the number of
 micro-batches may vary per step and per DP rank, since megatron's ``forward_backward_func`` takes
-the count per call and the per-token normalisation sums the counts over DP).
+the count per call and the per-token normalisation sums the counts over DP). A task's
+``before_schedule`` hook (``loongforge.core.training.task.ScheduledStep``) runs before the schedule
+and its ``after_schedule`` after the schedule's last backward, before the gradient reduction.
+Under ChunkPipe (``train.seq_chunks > 1``, ``chunk_pipe``) every pipeline stage runs megatron's
+schedule without pipelining: the chunks of each micro-batch fill the pipeline instead of the
+micro-batches.
 
 The LR comes from the loop (``apply_update(lr)``); megatron's own scheduler is not used. The
 weight decay of each param group is ``train.weight_decay`` times the group's ``wd_mult``
@@ -166,6 +171,7 @@ class MegatronEngine:
         self._finalize_model_grads = finalize_model_grads
         cfg.finalize_model_grads_func = self._finalize_grads_timed
         self._compute_end = None
+        self._after_schedule = None  # the step's ScheduledStep.after_schedule, run before the grad reduction
         self._measuring = False
         self._grad_norm = float("nan")
         cfg.no_sync_func = self.model.no_sync
@@ -174,8 +180,12 @@ class MegatronEngine:
 
     # -- one step ---------------------------------------------------------------------------
     def _finalize_grads_timed(self, *args, **kwargs):
-        """megatron's ``finalize_model_grads`` (gradient reduction over DP), timed at its start:
-        the rank's own compute ends there, before it waits for the slowest rank."""
+        """megatron's ``finalize_model_grads`` (gradient reduction over DP), after the step's
+        ``after_schedule`` (if any), timed at its start: the rank's own compute ends there, before it
+        waits for the slowest rank."""
+        if self._after_schedule is not None:
+            after, self._after_schedule = self._after_schedule, None
+            after()
         if self._measuring:
             self.ctx.accelerator.synchronize()
         self._compute_end = time.perf_counter()
@@ -218,7 +228,15 @@ class MegatronEngine:
         t0 = time.perf_counter()
         self.model.zero_grad_buffer()
         self.optimizer.zero_grad()
-        forward_backward = get_forward_backward_func(pp_size=self.ctx.layout.pp)
+        before = getattr(self.task, "before_schedule", None)
+        scheduled = before(self.inner_model, micro_batches) if before is not None else None
+        self._after_schedule = scheduled.after_schedule if scheduled is not None else None
+        if scheduled is not None:
+            micro_batches = scheduled.micro_batches
+        # ChunkPipe pipelines the chunks of each micro-batch through the stages itself (chunk_pipe):
+        # every stage runs the micro-batches one after another, with megatron's schedule without pipelining
+        pp_schedule = 1 if getattr(self.train, "seq_chunks", 1) > 1 else self.ctx.layout.pp
+        forward_backward = get_forward_backward_func(pp_size=pp_schedule)
         losses = forward_backward(
             forward_step_func=self._forward_step,
             data_iterator=iter(micro_batches),

@@ -20,6 +20,9 @@ the way that engine wants it, yields each step's micro-batches, and scores a mic
 The engine-specific half is the model build: ``MegatronTask.build_model`` receives megatron's
 ``TransformerConfig`` and the pipeline-stage flags; ``TorchTask.build_model`` builds the whole
 model and ``TorchTask.load_pretrained`` fills it (or its FSDP shards) with pretrained weights.
+A ``MegatronTask`` may also do part of a step outside megatron's per-micro-batch schedule
+(``before_schedule``, returning a ``ScheduledStep``): work on all the step's micro-batches at once
+before the schedule starts, and its backward after the schedule's last backward.
 """
 
 from __future__ import annotations
@@ -69,7 +72,24 @@ class TrainTask(Protocol):
     #   flops_per_token(seq_length) -> float     MFU of token models
 
 
+@dataclass
+class ScheduledStep:
+    """What ``MegatronTask.before_schedule`` hands the megatron engine for one step: the micro-batches
+    its schedule runs (in order; each as ``forward`` receives it), and ``after_schedule``, which
+    the engine calls after the schedule's last backward and before the gradient reduction (the
+    backward of what ``before_schedule`` computed for all the micro-batches)."""
+
+    micro_batches: list[Any]
+    after_schedule: Callable[[], None]
+
+
 class MegatronTask(TrainTask, Protocol):
+    # Optional hook (looked up with getattr):
+    #   before_schedule(model, micro_batches) -> ScheduledStep | None
+    #       called with this rank's model chunk as ``build_model`` made it (the engine's ``inner_model``,
+    #       without megatron's DDP and Float16Module wrappers) and the step's micro-batches, before
+    #       megatron's schedule starts; None: the schedule runs the micro-batches as they are
+
     def transformer_config_kwargs(self) -> dict:
         """Architecture fields of megatron's TransformerConfig."""
 
