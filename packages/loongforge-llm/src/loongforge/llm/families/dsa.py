@@ -36,6 +36,7 @@ from megatron.core.transformer.experimental_attention_variant.dsa_layout import 
 from megatron.core.utils import get_pg_size
 
 from loongforge.core.kernels import KernelPolicy
+from loongforge.llm.families.core_attention import tail_grad_summed_over_tp
 from loongforge.llm.families.norm import LayerNorm, RMSNorm
 from loongforge.llm.families.dsa_context_parallel import query_pieces, real_query_rows
 from loongforge.llm.layers.context_parallel_attention import gather_in_order, packed_bounds
@@ -82,13 +83,10 @@ class RegistryDSAttention(megatron_dsa.DSAttention):
         part (and, without sequence parallelism, the latent part too) is not, so every TP rank's
         down projection would learn from its own heads only. ``copy_to_tensor_model_parallel_region``
         (identity forward, all-reduce backward) sums it."""
-        tp_group = self.pg_collection.tp
-        if not self._column_parallel_kv_down or get_pg_size(tp_group) == 1:
+        if not self._column_parallel_kv_down:
             return key
-        from megatron.core.tensor_parallel.mappings import copy_to_tensor_model_parallel_region
-
-        cut = self.config.kv_lora_rank if self.config.sequence_parallel else 0
-        return torch.cat([key[..., :cut], copy_to_tensor_model_parallel_region(key[..., cut:], group=tp_group)], -1)
+        return tail_grad_summed_over_tp(key, self.config.kv_lora_rank if self.config.sequence_parallel else 0,
+                                        self.pg_collection.tp)
 
     def _registry_path(self, query, key, value, attention_mask, up_v_weight, packed_seq_params) -> bool:
         packed = packed_seq_params is not None

@@ -92,7 +92,8 @@ class SDPAttention(MegatronModule):
             from megatron.core.process_groups_config import ProcessGroupCollection
 
             pg_collection = ProcessGroupCollection.use_mpu_process_groups(required_pgs=["tp", "cp"])
-        tp = pg_collection.tp.size()
+        self.tp_group = pg_collection.tp
+        tp = self.tp_group.size()
         self.cp_group = getattr(pg_collection, "cp", None)
         cp = self.cp_group.size() if self.cp_group is not None else 1
         if cp != config.context_parallel_size:
