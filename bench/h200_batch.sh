@@ -17,7 +17,9 @@
 # The machine has torch, triton and transformers but no PyPI: the missing wheels travel in .whl/
 # (megatron-core, omegaconf, hydra-core, antlr4, diffusers, pytest and its plugins, tensorboard and
 # its deps, and LoongForge's own wheels from `uv build --wheel --package loongforge-<name> -o .whl`).
-# Everything printed also goes to $OUT/<stage>.log.
+# PyAV (39 MB) travels apart in .whl-av/, carried only by the calls that decode video or import
+# LeRobot (check, embodied): every carried .whl-*/ folder is installed. Everything printed also goes
+# to $OUT/<stage>.log.
 set -uo pipefail
 stage=${1:?usage: h200_batch.sh check|bench-a|bench-b|embodied|wait|long}
 OUT=${OUT:-/tmp/lf-h200}
