@@ -69,6 +69,9 @@ def train(family, run_dir, weights, data_cache, extra=(), nproc=1) -> list[tuple
 @pytest.mark.parametrize("layout", ["parallel.ep=2", "parallel.tp=2"], ids=["ep2", "tp2"])
 def test_layout_matches_one_process(layout, start, tmp_path, llm_data_cache):
     family, weights, ref = start
+    if family == "deepseek_v3" and layout == "parallel.tp=2":
+        pytest.skip("MLA at TP=2 is compared in every gradient by test_mla_tensor_parallel.py (losses and "
+                    "grad norms alone missed a wrong key gradient there)")
     got = train(family, tmp_path, weights, llm_data_cache, [layout], nproc=2)
     assert [loss for loss, _ in got] == pytest.approx([loss for loss, _ in ref], rel=1e-5)
     assert [norm for _, norm in got] == pytest.approx([norm for _, norm in ref], rel=1e-4)

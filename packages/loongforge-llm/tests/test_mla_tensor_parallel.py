@@ -10,7 +10,6 @@ from llm_grad_probe import PRETRAIN, assert_same_training, probe
 
 
 @pytest.mark.slow
-@pytest.mark.long
 def test_mla_tp2_matches_one_process_in_every_gradient(tmp_path):
     data = tmp_path / "data"
     want = probe(tmp_path / "one" / "grads.pt", "train_deepseek_v3_debug", PRETRAIN, data)
