@@ -139,6 +139,21 @@ def test_bench_baseline_recipe_is_diffusers_gpu_training_with_our_checkpointing(
     assert headline_recompute(recipe) == ("full" if recompute != "none" else "none")
 
 
+def test_bench_runs_image_to_video_against_diffusers(capsys):
+    """An I2V config (mask and condition latents on channels, CLIP tokens in the cross-attention)
+    benches against diffusers on the same conditioned inputs (first-step losses checked inside);
+    TI2V, and an I2V prompt length diffusers' attention would split wrongly, are refused by key."""
+    size = ["sample.num_frames=5", "sample.height=32", "sample.width=32"]
+    assert main(["bench", "--config", "tiny_i2v", "--steps", "1", "--warmup", "1", "--rounds", "1",
+                 "model.text_len=512", *size]) == 0
+    out = capsys.readouterr().out
+    assert "speed-up" in out and "MISMATCH" not in out and "8 tokens/step" in out  # 2 latent frames x 2 x 2
+    assert main(["bench", "--config", "tiny_i2v", *size]) == 2
+    assert "model.text_len=16" in capsys.readouterr().err
+    assert main(["bench", "--config", "tiny_ti2v", *size]) == 2
+    assert "model.condition='ti2v'" in capsys.readouterr().err
+
+
 def test_bench_refuses_a_variant_named_as_a_headline_run(capsys):
     assert main(["bench", "--variant", "loongforge_preset=train.recompute=none"]) == 2
     assert "give it a name of its own" in capsys.readouterr().err

@@ -10,6 +10,9 @@ whole blocks (``enable_gradient_checkpointing``) when the config recomputes anyt
 headline ``loongforge`` run then uses ``train.recompute=full``; the preset's own policy (e.g.
 ``selective``) runs as ``loongforge_preset`` after it. Ours is the packed ``WanDiT`` (regional
 ``torch.compile``, the ``auto`` attention backend, kernels from the registry, fused AdamW on CUDA).
+An image-to-video config (``model.condition=i2v``, Wan 2.1 I2V) runs the same way on image-conditioned
+inputs (``conditioning.model_input``: mask and condition latents on channels, and with
+``model.image_dim`` the image's CLIP tokens); TI2V's per-token timesteps are not benchmarked.
 
 The runs alternate order round by round (``--rounds``: diffusers first, then ours first, ...);
 a run's step time is the mean over its timed steps of all rounds, split into forward (with the
@@ -37,6 +40,7 @@ from loongforge.core.baseline_recipe import BaselineRecipe, tf32_matmuls
 from loongforge.core.bench_protocol import FirstLossMismatch, alternating_orders, first_loss_tolerance, losses_agree
 from loongforge.core.benchmarking import profile_tables
 from loongforge.core.training.engine import resolve_dtype
+from loongforge.diffusion.conditioning import ImageCondition, model_input
 from loongforge.diffusion.model import WanDiT
 from loongforge.diffusion.objective import noisy_and_target
 from loongforge.diffusion.packing import num_tokens, pack, pack_targets
@@ -72,9 +76,31 @@ class _Clock:
         return a.elapsed_time(b) / 1e3 if self.cuda else b - a
 
 
+# Wan 2.1 I2V's image tokens: its CLIP ViT-H/14's penultimate hidden states at 224 px (256 patches + CLS)
+CLIP_TOKENS = 257
+# diffusers' Wan I2V attention takes the last 512 context tokens as the prompt and those before them as
+# the image's (``WanAttnProcessor``), so its baseline needs prompts of exactly this length
+DIFFUSERS_I2V_TEXT_LEN = 512
+
+
 def _latent_shape(recipe) -> tuple[int, int, int, int]:
+    """The noisy latent of one sample, ``[C, F, h, w]`` (C: the model's output channels; an I2V
+    model's input adds its mask and condition channels)."""
     s, m = recipe.sample, recipe.model
-    return (m.in_channels, 1 + (s.num_frames - 1) // 4, s.height // 8, s.width // 8)
+    return (m.out_channels, 1 + (s.num_frames - 1) // 4, s.height // 8, s.width // 8)
+
+
+def check_benchmarkable(m) -> None:
+    """Refuse, naming the key, what the bench does not compare with diffusers."""
+    from loongforge.core.config import ConfigError
+
+    if m.condition == "ti2v":
+        raise ConfigError("model.condition='ti2v': lf-diffusion bench measures text-to-video and Wan 2.1 "
+                          "image-to-video (i2v) configs, not TI2V's per-token timesteps")
+    if m.condition == "i2v" and m.image_dim is not None and m.text_len != DIFFUSERS_I2V_TEXT_LEN:
+        raise ConfigError(f"model.text_len={m.text_len}: diffusers' Wan I2V attention reads the last "
+                          f"{DIFFUSERS_I2V_TEXT_LEN} context tokens as the prompt, so the I2V baseline needs "
+                          f"model.text_len={DIFFUSERS_I2V_TEXT_LEN}")
 
 
 def variant_recipe(base, overrides: list[str]):
@@ -146,10 +172,18 @@ class Bench:
         pairs = [noisy_and_target(x0[i], noise[i], sigma[i].item()) for i in range(batch_size)]
         xt = torch.stack([p[0] for p in pairs])
         target = torch.stack([p[1] for p in pairs])
+        image = None
+        if m.condition == "i2v":  # the DiT input: noisy latent, first-frame mask, condition latents
+            cond_channels = m.in_channels - m.out_channels - m.mask_channels
+            cond = torch.randn((batch_size, cond_channels, *shape[1:]), generator=g)
+            xt = torch.stack([model_input(m, xt[i], ImageCondition(cond[i])) for i in range(batch_size)])
+            if m.image_dim is not None:
+                image = torch.randn(batch_size, CLIP_TOKENS, m.image_dim, generator=g)
         timesteps = sigma * recipe.objective.num_train_timesteps
-        self.batch = pack(list(xt), timesteps, text, m.patch_size).to(self.device)
+        self.batch = pack(list(xt), timesteps, text, m.patch_size, image=image).to(self.device)
         self.packed_target = pack_targets(list(target), m.patch_size).to(self.device)
         self.video = tuple(t.to(self.device) for t in (xt, target, timesteps, text))
+        self.image = image.to(self.device) if image is not None else None
         self.tokens = batch_size * num_tokens(shape, m.patch_size)
 
     # -- the two training steps ---------------------------------------------------------------
@@ -175,7 +209,7 @@ class Bench:
 
         def forward_loss():
             with self._autocast():
-                pred = model(xt, timesteps, text, return_dict=False)[0]
+                pred = model(xt, timesteps, text, encoder_hidden_states_image=self.image, return_dict=False)[0]
             return F.mse_loss(pred.float(), target.float())
 
         return model, forward_loss, torch.optim.AdamW(model.parameters(), lr=1e-5, fused=bool(applied["fused_adamw"]))

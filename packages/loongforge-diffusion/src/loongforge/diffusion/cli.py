@@ -167,12 +167,10 @@ def bench_options(parser) -> None:
 def bench(args, config: str, overrides: list[str]) -> None:
     from loongforge.core.bench_protocol import repeat_in_processes
     from loongforge.core.benchmarking import parse_variant
-    from loongforge.diffusion.bench import run_bench, step_seconds_from_config, variant_recipe
+    from loongforge.diffusion.bench import check_benchmarkable, run_bench, step_seconds_from_config, variant_recipe
 
     recipe = load_recipe(config, overrides)
-    if recipe.model.condition != "none":
-        raise ConfigError(f"model.condition={recipe.model.condition!r}: lf-diffusion bench measures text-to-video "
-                          f"configs (image-conditioned inputs are not benchmarked)")
+    check_benchmarkable(recipe.model)
     variants: list[tuple[str, list[str]]] = []
     for spec in args.variant:
         variants.append(parse_variant(spec, ["diffusers", "loongforge", "loongforge_preset", *(n for n, _ in variants)]))
