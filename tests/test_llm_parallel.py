@@ -30,7 +30,10 @@ def reference(tmp_path_factory, llm_data_cache):
     return run, ref
 
 
-@pytest.mark.parametrize("layout", [["parallel.tp=2"], ["parallel.cp=2"], ["train.use_distributed_optimizer=true"], []],
+# plain dp2 runs with -m long: dp2-distopt goes through the same data-parallel split and gradient
+# all-reduce (then shards the optimizer), within CI's time budget
+@pytest.mark.parametrize("layout", [["parallel.tp=2"], ["parallel.cp=2"], ["train.use_distributed_optimizer=true"],
+                                    pytest.param([], marks=pytest.mark.long)],
                          ids=["tp2", "cp2", "dp2-distopt", "dp2"])
 def test_layout_matches_one_process(layout, reference, tmp_path, llm_data_cache):
     _, ref = reference
