@@ -89,8 +89,8 @@ def test_save_tower_loads_in_transformers_bitwise(loaded, tmp_path):
     from loongforge.vlm.hf_siglip import save_tower
 
     hf, ours, cfg = loaded
-    save_tower(ours, cfg, tmp_path)
-    back = SiglipVisionModel.from_pretrained(tmp_path)
+    save_tower(ours, cfg, tmp_path / "tower")
+    back = SiglipVisionModel.from_pretrained(tmp_path / "tower")
     original, written = hf.state_dict(), back.state_dict()
     assert set(written) == {k for k in original if not k.startswith("head.")}
     assert all(torch.equal(written[k], original[k]) for k in written)

@@ -246,9 +246,10 @@ def _unsharded(encoder: torch.nn.Module) -> dict[tuple[str, tuple[int, ...]], to
 
 
 def save_tower(encoder: torch.nn.Module, cfg, out: str | Path) -> Path:
-    """Write an unsharded ``siglip_vit`` encoder as a ``SiglipVisionModel`` directory
-    (``config.json``, ``model.safetensors``, the names transformers saves)."""
-    from safetensors.torch import save_file
+    """Write an unsharded ``siglip_vit`` encoder as a ``SiglipVisionModel`` directory ``out`` (which
+    must not exist; the names transformers saves), through core's ``HFWriter``: written aside and
+    published whole, so a failed write leaves nothing at ``out``."""
+    from loongforge.core.hf_mapping.hf_dir import HFWriter
 
     config = tower_config_to_hf(cfg)
     bound = SIGLIP_VISION_MAPPING.bind(cfg)
@@ -256,11 +257,13 @@ def save_tower(encoder: torch.nn.Module, cfg, out: str | Path) -> Path:
 
     def get(name: str) -> torch.Tensor:
         loc = bound.location(name)
-        return tensors[loc.key, tuple(loc.offsets)].detach().cpu()
+        return tensors[loc.key, tuple(loc.offsets)]
 
-    out = Path(out)
-    out.mkdir(parents=True, exist_ok=True)
-    save_file({name: t.contiguous() for name, t in bound.to_hf(get)}, str(out / "model.safetensors"),
-              metadata={"format": "pt"})
-    (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
-    return out
+    writer = HFWriter(out)
+    try:
+        for name, tensor in bound.to_hf(get):
+            writer.add(name, tensor)
+        return writer.finish(config)
+    except BaseException:
+        writer.abort()
+        raise
