@@ -235,7 +235,7 @@ class MegatronEngine:
             micro_batches = scheduled.micro_batches
         # ChunkPipe pipelines the chunks of each micro-batch through the stages itself (chunk_pipe):
         # every stage runs the micro-batches one after another, with megatron's schedule without pipelining
-        pp_schedule = 1 if getattr(self.train, "seq_chunks", 1) > 1 else self.ctx.layout.pp
+        pp_schedule = 1 if self.train.seq_chunks > 1 else self.ctx.layout.pp
         forward_backward = get_forward_backward_func(pp_size=pp_schedule)
         losses = forward_backward(
             forward_step_func=self._forward_step,
