@@ -113,14 +113,19 @@ PY
   ;;
 embodied)
   environment
-  # LeRobot compiles PI05 with mode max-autotune (its default). On one H100 (2026-12-05) its
-  # autotuning alone ran past three 10-minute calls (with inductor's caches kept between them), so
-  # the bench runs detached (setsid: it outlives this call, not the machine) into /tmp/lf-embodied,
-  # and `wait` calls keep the machine busy until it is done. Inductor's and Triton's caches go to
-  # /tmp/lf-compile-cache (a later run on the same machine reuses them).
+  # LeRobot's default compile mode for PI05, max-autotune, does not run on torch 2.11: on one H100
+  # (2026-12-05) its GEMM autotuning ran past three 10-minute calls (inductor's caches kept between
+  # them), and the compiled forward then stopped with an illegal memory access in inductor's
+  # split-scan kernel for the masks' cumsum (max-autotune's coordinate-descent tuning shrinks that
+  # kernel's R0_BLOCK below what its workspace was sized for; pytorch/pytorch#197493). So LeRobot
+  # compiles in torch.compile's default mode here (LEROBOT_COMPILE_MODE to change it), which the
+  # printed recipe marks. Compilation still outlasts one call, so the bench runs detached (setsid:
+  # it outlives this call, not the machine) into /tmp/lf-embodied, and `wait` calls keep the
+  # machine busy until it is done. Inductor's and Triton's caches go to /tmp/lf-compile-cache.
   mkdir -p /tmp/lf-embodied
   TORCHINDUCTOR_CACHE_DIR=/tmp/lf-compile-cache/inductor TRITON_CACHE_DIR=/tmp/lf-compile-cache/triton \
-    setsid bash -c "python3 '$repo/bench/embodied_throughput.py' --rounds 1 --profile-rows 30 >/tmp/lf-embodied/bench.log 2>&1; \
+    setsid bash -c "python3 '$repo/bench/embodied_throughput.py' --rounds 1 --profile-rows 30 \
+                      --lerobot-compile-mode ${LEROBOT_COMPILE_MODE:-default} >/tmp/lf-embodied/bench.log 2>&1; \
                     echo \"exit code: \$?\" >>/tmp/lf-embodied/bench.log; touch /tmp/lf-embodied/done" </dev/null >/dev/null 2>&1 &
   echo "started detached (pid $!); follow it with: bash bench/h200_batch.sh wait"
   ;;

@@ -27,6 +27,15 @@ def test_lerobot_recipe_is_its_gpu_training_recipe():
     lines = "\n".join(recipe.lines("cpu"))
     assert "compile_model = True  (requested; CUDA only, not applied on cpu)" in lines
     assert "grad_clip_norm = 1.0\n" in lines + "\n"
+    assert "--lerobot-compile-mode" not in lines
+
+
+def test_lerobot_compile_mode_is_marked_as_a_departure_from_its_default():
+    recipe = lerobot_recipe("default")
+    assert recipe.applied("cuda")["compile_mode"] == "default" and recipe.applied("cpu")["compile_mode"] is None
+    lines = "\n".join(recipe.lines("cuda"))
+    assert "compile_mode = default\n" in lines
+    assert "compile_mode 'default' set by --lerobot-compile-mode: LeRobot's default is 'max-autotune'" in lines
 
 
 def _tiny(cfg, recipe, device_type):
@@ -59,6 +68,7 @@ def test_both_sides_same_weights_first_losses_agree_and_order_alternates():
     (["--variant", "v=policy.chunk_size=5"], "a variant changes train.* only"),
     (["--variant", "v=train.recompte=full"], "recompte"),
     (["--rounds", "0"], "at least one round"),
+    (["--lerobot-compile-mode", "fast"], "--lerobot-compile-mode 'fast': one of max-autotune"),
 ])
 def test_bench_bad_variants_fail_before_any_run(argv, message, capsys):
     from loongforge.embodied.cli import main

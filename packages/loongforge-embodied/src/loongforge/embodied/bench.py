@@ -11,7 +11,9 @@ order round by round (``--rounds``); each run's step time is the median of its t
 all rounds and its peak memory the largest of its rounds. ``--variant NAME=KEY=VALUE,...`` adds
 runs of ours with ``train.*`` overrides (the policy must stay the same: the weights are shared).
 LeRobot's ``PI05Pytorch`` constructor builds only the released sizes (``gemma_2b`` + ``gemma_300m``),
-so ``--against-lerobot`` needs ``policy=pi05_base``.
+so ``--against-lerobot`` needs ``policy=pi05_base``. ``--lerobot-compile-mode`` picks another of
+``torch.compile``'s modes for LeRobot's ``compile_mode`` (its default, ``max-autotune``, is what
+the recipe requests; the printed recipe marks a different mode as a departure from it).
 """
 
 from __future__ import annotations
@@ -26,24 +28,34 @@ import torch.nn as nn
 from loongforge.core.baseline_recipe import BaselineRecipe, tf32_matmuls
 from loongforge.core.bench_protocol import alternating_orders, check_first_losses, timed_steps
 from loongforge.core.benchmarking import profile_tables
+from loongforge.core.config import ConfigError
 from loongforge.core.training import torch_parallel
 from loongforge.core.training.engine import resolve_dtype
 from loongforge.core.training.schema import TrainConfig
 from loongforge.embodied.config import PolicyConfig
 
 BASELINE = "lerobot"
+LEROBOT_COMPILE_MODE = "max-autotune"  # PI05Config.compile_mode's default
+COMPILE_MODES = ("max-autotune", "max-autotune-no-cudagraphs", "reduce-overhead", "default")
 
 
-def lerobot_recipe() -> BaselineRecipe:
-    """LeRobot's Pi0.5 training as its ``lerobot_train.py`` runs it on a GPU, with fused AdamW."""
+def lerobot_recipe(compile_mode: str = LEROBOT_COMPILE_MODE) -> BaselineRecipe:
+    """LeRobot's Pi0.5 training as its ``lerobot_train.py`` runs it on a GPU, with fused AdamW;
+    ``compile_mode`` other than LeRobot's default is noted as this run's departure from it."""
+    if compile_mode not in COMPILE_MODES:
+        raise ConfigError(f"--lerobot-compile-mode {compile_mode!r}: one of {', '.join(COMPILE_MODES)}")
+    notes = ("on CPU the bench runs fp32 eager on both sides (a smoke run of the same code)",)
+    if compile_mode != LEROBOT_COMPILE_MODE:
+        notes += (f"compile_mode {compile_mode!r} set by --lerobot-compile-mode: LeRobot's default is "
+                  f"{LEROBOT_COMPILE_MODE!r}",)
     return BaselineRecipe(
         project="LeRobot PI05Pytorch",
         source="lerobot_train.py: policy.dtype=bfloat16 drives accelerator.autocast(), TF32 on, policy.compile_model=true",
         options={"dtype": "bfloat16", "autocast": "bfloat16", "tf32": True, "compile_model": True,
-                 "compile_mode": "max-autotune", "fused_adamw": True, "grad_clip_norm": 1.0,
+                 "compile_mode": compile_mode, "fused_adamw": True, "grad_clip_norm": 1.0,
                  "gradient_checkpointing": False},
         cuda_only=frozenset({"dtype", "autocast", "tf32", "compile_model", "compile_mode", "fused_adamw"}),
-        notes=("on CPU the bench runs fp32 eager on both sides (a smoke run of the same code)",),
+        notes=notes,
     )
 
 
@@ -165,7 +177,7 @@ def run_bench(policy_cfg: PolicyConfig, trains: Mapping[str, TrainConfig], batch
               warmup: int = 3, rounds: int = 2, against_lerobot: bool = False,
               build_baseline: Callable[[PolicyConfig, BaselineRecipe, str], nn.Module] = build_lerobot_for_recipe,
               report: Callable[[str], None] = print, seed: int = 0, profile_rows: int = 0,
-              trace: str | None = None) -> dict[str, EmbodiedRun]:
+              trace: str | None = None, lerobot_compile_mode: str = LEROBOT_COMPILE_MODE) -> dict[str, EmbodiedRun]:
     """Ours (``trains["ours"]``), its variants (the other ``trains``) and, with ``against_lerobot``,
     LeRobot's Pi0.5 (``build_baseline``), alternating order round by round; then, on CUDA with
     ``profile_rows``, the profiler tables of two more steps of ours. Raises ``FirstLossMismatch``
@@ -181,7 +193,7 @@ def run_bench(policy_cfg: PolicyConfig, trains: Mapping[str, TrainConfig], batch
         if resolve_dtype(train.precision, device) != dtype:
             raise ValueError(f"run {name}: train.precision must be the same as ours' (the first-step losses are compared)")
     batch = synthetic_batch(policy_cfg, batch_size, device, seed=seed)
-    recipe = lerobot_recipe()
+    recipe = lerobot_recipe(lerobot_compile_mode)
     sides: list[_Side] = []
     torch.manual_seed(seed)
     if against_lerobot:
@@ -247,7 +259,6 @@ def load_runs(config: str | None, overrides: list[str], variants: list[str]):
     """The bench config and ``{run name: TrainConfig}``: ours, then each ``--variant NAME=KEY=VALUE,...``
     (``train.*`` overrides on top of ``overrides``; the policy must stay ours: the runs share weights)."""
     from loongforge.core.benchmarking import parse_variant
-    from loongforge.core.config import ConfigError
     from loongforge.embodied.config import load_train_config
 
     cfg = load_train_config(config, overrides)
@@ -263,6 +274,7 @@ def load_runs(config: str | None, overrides: list[str], variants: list[str]):
 
 def bench_from_config(config: str | None, overrides: list[str], variants: list[str], batch_size: int, steps: int,
                       warmup: int, rounds: int, against_lerobot: bool, profile_rows: int = 0, trace: str | None = None,
+                      lerobot_compile_mode: str = LEROBOT_COMPILE_MODE,
                       report: Callable[[str], None] = print) -> dict[str, EmbodiedRun]:
     """``lf-embodied bench`` in this process: the runs of ``load_runs``, timed by ``run_bench``."""
     from loongforge.core.distributed import init_distributed
@@ -270,7 +282,7 @@ def bench_from_config(config: str | None, overrides: list[str], variants: list[s
     cfg, trains = load_runs(config, overrides, variants)
     init_distributed(group_for_world_of_one=False)
     return run_bench(cfg.policy, trains, batch_size, steps, warmup, rounds, against_lerobot, report=report,
-                     profile_rows=profile_rows, trace=trace)
+                     profile_rows=profile_rows, trace=trace, lerobot_compile_mode=lerobot_compile_mode)
 
 
 def step_seconds_from_config(**kwargs) -> dict[str, float]:

@@ -5,8 +5,8 @@ VLA policies, plus ``eval``.
     lf-embodied eval --checkpoint RUN_DIR|CKPT_DIR [--data.root PATH] [key=value ...]
     lf-embodied convert lf-to-lerobot CHECKPOINT OUT.safetensors | lerobot-to-lf LEROBOT.safetensors OUT.safetensors
     lf-embodied convert lora-to-peft CHECKPOINT OUT    # a LoRA run's adapters, for PEFT on LeRobot's PI0Policy/PI05Policy
-    lf-embodied bench [--against-lerobot] [--batch-size B] [--steps N] [--rounds R] [--processes P]
-                      [--variant NAME=KEY=VALUE,...] [key=value ...]
+    lf-embodied bench [--against-lerobot [--lerobot-compile-mode MODE]] [--batch-size B] [--steps N] [--rounds R]
+                      [--processes P] [--variant NAME=KEY=VALUE,...] [key=value ...]
 
 ``train`` with no arguments trains the tiny Pi0.5-style policy on a synthetic LeRobot dataset
 (written to the cache directory on first use) on the current accelerator, resuming from
@@ -58,15 +58,27 @@ def cmd_eval(args) -> int:
 def bench_options(parser) -> None:
     parser.add_argument("--against-lerobot", action="store_true", help="also time LeRobot's PI05Pytorch (needs policy=pi05_base)")
     parser.add_argument("--batch-size", type=int, default=8)
+    parser.add_argument("--lerobot-compile-mode", default="max-autotune",
+                        help="torch.compile mode of LeRobot's PI05: max-autotune (LeRobot's default), "
+                             "max-autotune-no-cudagraphs, reduce-overhead or default")
 
 
 def bench(args, config: str, overrides: list[str]) -> None:
     from loongforge.core.bench_protocol import repeat_in_processes
-    from loongforge.embodied.bench import BASELINE, bench_from_config, load_runs, results_lines, step_seconds_from_config
+    from loongforge.embodied.bench import (
+        BASELINE,
+        bench_from_config,
+        lerobot_recipe,
+        load_runs,
+        results_lines,
+        step_seconds_from_config,
+    )
 
-    load_runs(config, overrides, args.variant)  # a bad variant fails before any run
+    load_runs(config, overrides, args.variant)  # a bad variant or compile mode fails before any run
+    lerobot_recipe(args.lerobot_compile_mode)
     kwargs = dict(config=config, overrides=overrides, variants=args.variant, batch_size=args.batch_size,
-                  steps=args.steps, warmup=args.warmup, rounds=args.rounds, against_lerobot=args.against_lerobot)
+                  steps=args.steps, warmup=args.warmup, rounds=args.rounds, against_lerobot=args.against_lerobot,
+                  lerobot_compile_mode=args.lerobot_compile_mode)
     if args.processes > 1:
         return repeat_in_processes(step_seconds_from_config, kwargs, args.processes, [BASELINE])
     results = bench_from_config(**kwargs, profile_rows=args.profile_rows, trace=args.trace)
