@@ -1,6 +1,7 @@
 """Context parallelism's pieces on one process: the load-balanced split and its inverse, the
 global RoPE positions, and the CP attention of every simulated rank against full-sequence SDPA."""
 
+import dataclasses
 import re
 
 import pytest
@@ -10,6 +11,7 @@ import torch.nn.functional as F
 from loongforge.llm.layers.attention import causal_mask
 from loongforge.llm.data.packing import cp_share, pack
 from loongforge.llm.layers.context_parallel_attention import (
+    GatheredLayout,
     dense_local_attention,
     local_positions,
     natural_order,
@@ -35,6 +37,7 @@ def test_dense_split_round_trip(cp):
         assert local_positions(s // cp, cp, r, None).tolist() == index.tolist()
     gathered = torch.cat([x[i] for i in indices])
     assert torch.equal(gathered[natural_order(indices)], x)
+    assert torch.equal(GatheredLayout().order(s // cp, cp, None), natural_order(indices))
 
 
 def test_dense_split_needs_2cp_chunks():
@@ -71,6 +74,43 @@ def test_pack_pads_segments_and_cp_share_splits_them():
     # each rank's positions are its tokens' global positions, as local_positions computes them
     for r, share in enumerate(shares):
         assert share["position_ids"][0].tolist() == local_positions(8, 2, r, row["cu_seqlens_padded"]).tolist()
+
+
+def test_each_forward_reads_its_own_packed_layout_once_for_all_layers():
+    """Two forwards whose packed rows are equally long but cut differently, four layers each: every
+    layer gets its own forward's bounds and gathered-row order, and only the first layer of each
+    forward reads the bounds back (``tolist``, and one row count per CP rank for the order)."""
+    from loongforge.llm.data.packing import packed_seq_params
+    from loongforge.llm.layers.packed_params import forward_layout
+
+    reads = []
+
+    class CountedReads(torch.Tensor):
+        """Records every host read of the bounds or of a tensor computed from them."""
+
+        @classmethod
+        def __torch_function__(cls, func, types, args=(), kwargs=None):
+            if func in (torch.Tensor.tolist, torch.Tensor.item, torch.Tensor.__int__):
+                reads.append(func.__name__)
+            return super().__torch_function__(func, types, args, kwargs or {})
+
+    cp, orders = 2, []
+    for bounds in ([0, 8, 20, 24], [0, 4, 24]):
+        cu = torch.tensor(bounds, dtype=torch.int32).as_subclass(CountedReads)
+        params = packed_seq_params({"cu_seqlens": cu, "cu_seqlens_padded": cu, "max_seqlen": 20})
+        want = natural_order([thd_zigzag_index(torch.tensor(bounds), cp, r) for r in range(cp)])
+        reads.clear()
+        for _layer in range(4):
+            layout = forward_layout(params, params.cu_seqlens_q_padded)
+            assert layout.bounds() == bounds
+            assert torch.equal(layout.order(12, cp, torch.device("cpu")), want)
+        assert sorted(reads) == ["__int__", "__int__", "tolist"]
+        orders.append(want)
+    assert not torch.equal(orders[0], orders[1])  # the two forwards' layouts differ
+    # params copied with other bounds get those bounds' layout, not the original's
+    other = torch.tensor([0, 12, 24], dtype=torch.int32)
+    copied = dataclasses.replace(params, cu_seqlens_q_padded=other, cu_seqlens_kv_padded=other)
+    assert forward_layout(copied, other).bounds() == [0, 12, 24]
 
 
 def _qkv(lead_shape, heads=4, groups=2, d=8):

@@ -98,12 +98,13 @@ def pad_rows(samples: Sequence[dict], pad_id: int = 0, pad_multiple: int = 1) ->
 
 
 def packed_seq_params(batch: dict):
-    """megatron-core ``PackedSeqParams`` (THD) of a ``pack`` row, or None for ``pad_rows`` rows."""
+    """megatron-core ``PackedSeqParams`` (THD) of a ``pack`` row, or None for ``pad_rows`` rows; one
+    per forward, carrying the layout its layers share (``layers.packed_params``)."""
     if "cu_seqlens" not in batch:
         return None
-    from megatron.core.packed_seq_params import PackedSeqParams
+    from loongforge.llm.layers.packed_params import ForwardPackedSeqParams
 
     cu, padded = batch["cu_seqlens"], batch.get("cu_seqlens_padded")
-    return PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, cu_seqlens_q_padded=padded,
-                           cu_seqlens_kv_padded=padded, max_seqlen_q=batch["max_seqlen"],
-                           max_seqlen_kv=batch["max_seqlen"])
+    return ForwardPackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, cu_seqlens_q_padded=padded,
+                                  cu_seqlens_kv_padded=padded, max_seqlen_q=batch["max_seqlen"],
+                                  max_seqlen_kv=batch["max_seqlen"])

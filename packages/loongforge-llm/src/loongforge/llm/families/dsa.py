@@ -39,7 +39,8 @@ from loongforge.core.kernels import KernelPolicy
 from loongforge.llm.families.core_attention import tail_grad_summed_over_tp
 from loongforge.llm.families.norm import LayerNorm, RMSNorm
 from loongforge.llm.families.dsa_context_parallel import query_pieces, real_query_rows
-from loongforge.llm.layers.context_parallel_attention import gather_in_order, packed_bounds
+from loongforge.llm.layers.context_parallel_attention import GatheredLayout, gather_in_order
+from loongforge.llm.layers.packed_params import forward_layout
 from loongforge.llm.ops.dsa import indexer_scores
 
 
@@ -105,13 +106,16 @@ class RegistryDSAttention(megatron_dsa.DSAttention):
         cp_group = self.pg_collection.cp
         cp_size = get_pg_size(cp_group)
         cp_rank = cp_group.rank() if cp_size > 1 else 0
-        real = bounds = cu = None
+        real = bounds = None
+        layout = GatheredLayout()  # dense; a packed row's is its forward's, shared by every layer
         if packed_seq_params is not None:  # THD: [t, heads, dim] as one batch row [t, 1, heads, dim]
             query, key = query.unsqueeze(1), key.unsqueeze(1)
             cu, _ = get_packed_qk_cu_seqlens(packed_seq_params)
-            bounds = cu.tolist() if cp_size == 1 else packed_bounds(key, cp_group, cu)
+            layout = forward_layout(packed_seq_params, cu)
+            bounds = layout.bounds()
             if packed_seq_params.cu_seqlens_q_padded is not None:  # CP's padding after each sequence
-                real = real_query_rows(packed_seq_params.cu_seqlens_q, cu, cp_size, cp_rank).to(query.device)[None]
+                real = layout.cached(("real query rows", cp_size, cp_rank, query.device), lambda: real_query_rows(
+                    packed_seq_params.cu_seqlens_q, cu, cp_size, cp_rank).to(query.device)[None])
         sq, b, heads, _ = query.shape
         config = self.config
         coeff = config.dsa_indexer_loss_coeff or 0.0
@@ -119,8 +123,8 @@ class RegistryDSAttention(megatron_dsa.DSAttention):
         with torch.enable_grad() if with_loss else torch.no_grad():
             q, k, weights = self.indexer.forward_before_topk(x.detach(), qr.detach(), packed_seq_params)
             if cp_size > 1:  # every key of the sequences, natural order (dsa_context_parallel)
-                k = gather_in_order(k, cp_group, cu)
-        kv = key[:, :, 0] if cp_size == 1 else gather_in_order(key[:, :, 0], cp_group, cu)
+                k = gather_in_order(k, cp_group, layout)
+        kv = key[:, :, 0] if cp_size == 1 else gather_in_order(key[:, :, 0], cp_group, layout)
         # the registry ops' batch-major layouts: [b, s, heads, dim], one latent KV row per key
         q_attn, kv_attn = query.transpose(0, 1), kv.transpose(0, 1)
         q_idx, k_idx, w_idx = q.transpose(0, 1), k.transpose(0, 1), weights.transpose(0, 1)

@@ -185,7 +185,8 @@ class SDPAttention(MegatronModule):
 
     def _context_parallel(self, query, key, value, attention_mask, mask_type, params, dropout_p: float):
         """Causal attention of this CP rank's tokens over the CP group's whole sequences."""
-        from loongforge.llm.layers.context_parallel_attention import context_parallel_attention
+        from loongforge.llm.layers.context_parallel_attention import GatheredLayout, context_parallel_attention
+        from loongforge.llm.layers.packed_params import forward_layout
 
         if attention_mask is not None:
             raise ValueError("SDPAttention: an explicit attention_mask is not supported with context parallelism")
@@ -201,9 +202,9 @@ class SDPAttention(MegatronModule):
             if cu is None or (cu_kv is not None and cu_kv is not cu and not torch.equal(cu, cu_kv)):
                 raise ValueError("SDPAttention: context parallelism needs the same padded cu_seqlens for queries "
                                  "and keys in packed_seq_params")
-            out = context_parallel_attention(sdpa, query, key, value, self.cp_group, cu)
+            out = context_parallel_attention(sdpa, query, key, value, self.cp_group, forward_layout(params, cu))
             return out.reshape(out.shape[0], -1)
         if params is not None and params.qkv_format not in (None, "sbhd"):
             raise ValueError(f"SDPAttention: qkv_format={params.qkv_format!r}; expected 'thd' or 'sbhd'")
-        out = context_parallel_attention(sdpa, query, key, value, self.cp_group)
+        out = context_parallel_attention(sdpa, query, key, value, self.cp_group, GatheredLayout())
         return out.reshape(out.shape[0], out.shape[1], -1)

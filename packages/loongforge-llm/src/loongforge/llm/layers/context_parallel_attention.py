@@ -21,6 +21,11 @@ whose queries are the last ``c`` rows of the keys, which ``attention.SDPAttentio
 torch's lower-right causal bias, so the flash and cuDNN kernels still serve it). Grouped-query attention gathers only the
 ``num_query_groups`` K/V heads.
 
+**The layout** of the gathered rows (the permutation back to natural order; a packed row's bounds
+as numbers, a host read) is a ``GatheredLayout`` the caller hands in: a packed row's comes with its
+forward's ``PackedSeqParams`` (``packed_params``), so the first layer computes it and the others
+reuse it; nothing is kept between forwards.
+
 Later optimisation, not done here: a ring exchange of K/V blocks (megatron's ``p2p``), overlapping
 the transfer with the attention of the block at hand and merging the partial outputs by their
 log-sum-exp, which keeps one block of remote K/V in memory instead of the whole sequence's.
@@ -159,55 +164,59 @@ def gather_kv(tensor: torch.Tensor, cp_group) -> torch.Tensor:
     return gather_from_sequence_parallel_region(tensor, tensor_parallel_output_grad=True, group=cp_group)
 
 
-def context_parallel_attention(sdpa: SDPA, query, key, value, cp_group, cu_seqlens_padded: torch.Tensor | None = None):
+class GatheredLayout:
+    """How the CP group's gathered rows lie: made from ``cu_seqlens_padded`` (a packed row's
+    whole-row padded segment bounds) or ``None`` (dense sequences), it computes on first use, and
+    then keeps, what the layers need of that layout: the bounds as numbers (a host read), the
+    permutation that puts the gathered rows in natural order, and any other value a caller keys in
+    ``cached``. A packed row's layout lives on its forward's ``PackedSeqParams``
+    (``packed_params.ForwardPackedSeqParams``), so each forward computes these once for all its
+    layers and no forward sees another's; a dense one (no host read) is made per layer call."""
+
+    def __init__(self, cu_seqlens_padded: torch.Tensor | None = None):
+        self.cu_seqlens_padded = cu_seqlens_padded
+        self._values = {}  # key -> the value computed for it
+
+    def cached(self, key, compute: Callable[[], object]):
+        """``compute()``, called the first time ``key`` is asked for; the same object after that."""
+        if key not in self._values:
+            self._values[key] = compute()
+        return self._values[key]
+
+    def bounds(self) -> list[int]:
+        """The packed row's ``cu_seqlens_padded`` as numbers."""
+        return self.cached("bounds", self.cu_seqlens_padded.tolist)
+
+    def order(self, n_local: int, cp_size: int, device) -> torch.Tensor:
+        """The permutation (on ``device``) that puts the rank-major all-gather of ``n_local`` rows
+        from each of ``cp_size`` ranks back in natural order."""
+        return self.cached(("order", n_local, cp_size, device),
+                           lambda: natural_order(self._rank_positions(n_local, cp_size, device)))
+
+    def _rank_positions(self, n_local: int, cp_size: int, device) -> list[torch.Tensor]:
+        """Every CP rank's rows as global positions, rank after rank (``natural_order``'s input)."""
+        if self.cu_seqlens_padded is None:
+            return [zigzag_index(n_local * cp_size, cp_size, r, device) for r in range(cp_size)]
+        return [thd_zigzag_index(self.cu_seqlens_padded, cp_size, r).to(device) for r in range(cp_size)]
+
+
+def context_parallel_attention(sdpa: SDPA, query, key, value, cp_group, layout: GatheredLayout):
     """Causal attention of this CP rank's tokens over the whole sequences of the CP group.
 
-    Dense: ``query`` ``[s_local, b, h, d]``, ``key``/``value`` ``[s_local, b, g, d]``; packed (with
-    ``cu_seqlens_padded``, the whole row's padded segment bounds): ``[t_local, heads, d]``. Returns
-    the attention output in the layout of ``query``."""
+    Dense (``layout`` of no bounds): ``query`` ``[s_local, b, h, d]``, ``key``/``value``
+    ``[s_local, b, g, d]``; packed (``layout`` of the whole row's padded segment bounds):
+    ``[t_local, heads, d]``. Returns the attention output in the layout of ``query``."""
     cp_size, cp_rank = cp_group.size(), cp_group.rank()
-    key_full = gather_in_order(key, cp_group, cu_seqlens_padded)
-    value_full = gather_in_order(value, cp_group, cu_seqlens_padded)
-    if cu_seqlens_padded is None:
+    key_full = gather_in_order(key, cp_group, layout)
+    value_full = gather_in_order(value, cp_group, layout)
+    if layout.cu_seqlens_padded is None:
         return dense_local_attention(sdpa, query, key_full, value_full, cp_size, cp_rank)
-    return packed_local_attention(sdpa, query, key_full, value_full, packed_bounds(key, cp_group, cu_seqlens_padded),
-                                  cp_size, cp_rank)
+    return packed_local_attention(sdpa, query, key_full, value_full, layout.bounds(), cp_size, cp_rank)
 
 
-def gather_in_order(local: torch.Tensor, cp_group, cu_seqlens_padded: torch.Tensor | None = None) -> torch.Tensor:
-    """The CP group's whole sequences (or packed row, ``cu_seqlens_padded``), natural order, from
-    this rank's share ``local`` (rows on dim 0) on every rank of ``cp_group``; the backward returns
-    each rank the gradient of its own rows, summed over the group (``gather_kv``)."""
-    order, _ = _LAYOUT.get(local.shape[0], cp_group.size(), local.device, cu_seqlens_padded)
+def gather_in_order(local: torch.Tensor, cp_group, layout: GatheredLayout) -> torch.Tensor:
+    """The CP group's whole sequences (or packed row), natural order (``layout``), from this rank's
+    share ``local`` (rows on dim 0) on every rank of ``cp_group``; the backward returns each rank
+    the gradient of its own rows, summed over the group (``gather_kv``)."""
+    order = layout.order(local.shape[0], cp_group.size(), local.device)
     return gather_kv(local.contiguous(), cp_group).index_select(0, order)
-
-
-def packed_bounds(local: torch.Tensor, cp_group, cu_seqlens_padded: torch.Tensor) -> list[int]:
-    """``cu_seqlens_padded`` as numbers, for the packed row whose share ``local`` is (read once per
-    layout, as ``gather_in_order`` caches it: every layer of a forward shares it)."""
-    return _LAYOUT.get(local.shape[0], cp_group.size(), local.device, cu_seqlens_padded)[1]
-
-
-class _GatheredLayout:
-    """One-entry cache of the gathered tokens' natural order (and the packed row's bounds as
-    numbers): every layer of a forward gathers the same layout."""
-
-    def __init__(self):
-        self._key = None
-        self._value = None
-
-    def get(self, n_local: int, cp_size: int, device, cu_seqlens_padded: torch.Tensor | None):
-        key = (n_local, cp_size, device, cu_seqlens_padded)
-        if self._key is not None and self._key[:3] == key[:3] and self._key[3] is key[3]:
-            return self._value
-        if cu_seqlens_padded is None:
-            indices = [zigzag_index(n_local * cp_size, cp_size, r, device) for r in range(cp_size)]
-            bounds = None
-        else:
-            indices = [thd_zigzag_index(cu_seqlens_padded, cp_size, r).to(device) for r in range(cp_size)]
-            bounds = cu_seqlens_padded.tolist()
-        self._key, self._value = key, (natural_order(indices), bounds)
-        return self._value
-
-
-_LAYOUT = _GatheredLayout()
