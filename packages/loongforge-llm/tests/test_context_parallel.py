@@ -7,6 +7,7 @@ import re
 import pytest
 import torch
 import torch.nn.functional as F
+from host_reads import counted_reads
 
 from loongforge.llm.layers.attention import causal_mask
 from loongforge.llm.data.packing import cp_share, pack
@@ -84,19 +85,9 @@ def test_each_forward_reads_its_own_packed_layout_once_for_all_layers():
     from loongforge.llm.layers.packed_params import forward_layout
 
     reads = []
-
-    class CountedReads(torch.Tensor):
-        """Records every host read of the bounds or of a tensor computed from them."""
-
-        @classmethod
-        def __torch_function__(cls, func, types, args=(), kwargs=None):
-            if func in (torch.Tensor.tolist, torch.Tensor.item, torch.Tensor.__int__):
-                reads.append(func.__name__)
-            return super().__torch_function__(func, types, args, kwargs or {})
-
     cp, orders = 2, []
     for bounds in ([0, 8, 20, 24], [0, 4, 24]):
-        cu = torch.tensor(bounds, dtype=torch.int32).as_subclass(CountedReads)
+        cu = counted_reads(torch.tensor(bounds, dtype=torch.int32), reads)
         params = packed_seq_params({"cu_seqlens": cu, "cu_seqlens_padded": cu, "max_seqlen": 20})
         want = natural_order([thd_zigzag_index(torch.tensor(bounds), cp, r) for r in range(cp)])
         reads.clear()
@@ -111,6 +102,39 @@ def test_each_forward_reads_its_own_packed_layout_once_for_all_layers():
     other = torch.tensor([0, 12, 24], dtype=torch.int32)
     copied = dataclasses.replace(params, cu_seqlens_q_padded=other, cu_seqlens_kv_padded=other)
     assert forward_layout(copied, other).bounds() == [0, 12, 24]
+
+
+def test_cp_rope_positions_are_read_once_per_forward_for_every_model():
+    """Under CP, a packed row's RoPE positions (a host read of its bounds) are computed by the
+    first tables that need them and kept on the forward's layout: two models' tables (angles of
+    different base and dims), two layers each, read the bounds once, and each layer gets its own
+    model's angles at its tokens' global positions; each model's layers share its tables."""
+    from loongforge.llm.data.packing import packed_seq_params
+    from loongforge.llm.layers.packed_params import forward_layout
+    from loongforge.llm.layers.rope_tables import RopeTables
+
+    bounds, cp, n_local = [0, 8, 20, 24], (2, 1), 12
+    reads = []
+    cu = counted_reads(torch.tensor(bounds, dtype=torch.int32), reads)
+    params = packed_seq_params({"cu_seqlens": cu, "cu_seqlens_padded": cu, "max_seqlen": 12})
+    positions = local_positions(n_local, *cp, torch.tensor(bounds))
+    assert positions.tolist() == [2, 3, 4, 5] + [3, 4, 5, 6, 7, 8] + [1, 2]
+    models = {}
+    for name, base, dims in (("a", 10000.0, 4), ("b", 500.0, 6)):
+        inv_freq = base ** -(torch.arange(0, dims, 2) / dims)
+        freqs = torch.outer(torch.arange(24.0), inv_freq)
+        models[name] = (RopeTables(), torch.cat([freqs, freqs], -1)[:, None, None])  # megatron's [s, 1, 1, dim]
+    built = {name: [] for name in models}
+    for _layer in range(2):
+        for name, (tables, angles) in models.items():
+            layout = forward_layout(params, params.cu_seqlens_q_padded)
+            cos, sin = tables.get(angles, (n_local, 1, 2), cu, None, cp, layout=layout)
+            torch.testing.assert_close(cos[:, 0, 1], angles[positions, 0, 0].cos(), rtol=0, atol=0)
+            torch.testing.assert_close(sin[:, 0, 0], angles[positions, 0, 0].sin(), rtol=0, atol=0)
+            built[name].append(cos)
+    assert reads == ["__int__"]  # the row length of the first model's first layer, nothing more
+    assert all(a is b for a, b in built.values())  # a model's second layer reuses its tables
+    assert built["a"][0].shape[-1] == 4 and built["b"][0].shape[-1] == 6
 
 
 def _qkv(lead_shape, heads=4, groups=2, d=8):

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from host_reads import counted_reads
 from triton_capable import TritonCapable
 
 from loongforge.llm.families.gpt import layer_spec, transformer_config_kwargs
@@ -26,6 +27,7 @@ def _gpt(spec, cfg=CFG, model_class=None, **config_overrides):
                                params_dtype=torch.float32, use_cpu_initialization=True)
     return (model_class or FusedLossGPTModel)(config=config, transformer_layer_spec=spec, vocab_size=cfg.vocab_size,
                     max_sequence_length=cfg.max_position_embeddings, position_embedding_type="rope",
+                    rotary_base=int(cfg.rotary_base), rotary_percent=cfg.rotary_percent,
                     share_embeddings_and_output_weights=cfg.tie_embeddings)
 
 
@@ -117,16 +119,63 @@ def test_packed_thd_matches_unpacked_sequences(megatron_world):
     params = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=12, max_seqlen_kv=12)
     packed = ours(tokens, pos, None, labels=labels, packed_seq_params=params)
     packed.sum().backward()
-
-    pieces = []  # megatron's local spec, each sequence its own batch of one, dense causal attention
-    for a, b in zip(cu[:-1].tolist(), cu[1:].tolist()):
-        pieces.append(ref(tokens[:, a:b], torch.arange(b - a)[None], None, labels=labels[:, a:b]))
-    unpacked = torch.cat(pieces, dim=1)
+    unpacked = _each_sequence_alone(ref, tokens, labels, cu.tolist())
     unpacked.sum().backward()
     torch.testing.assert_close(packed, unpacked, **TOL)
     got, want = _grads(ours), _grads(ref)
     for name in want:
         torch.testing.assert_close(got[name], want[name], **TOL, msg=lambda m, n=name: f"{n}: {m}")
+
+
+def _each_sequence_alone(ref, tokens, labels, bounds):
+    """The per-token loss of megatron's local spec on each packed sequence (``bounds``) as its own
+    batch of one (dense causal attention), concatenated as the packed row."""
+    pieces = [ref(tokens[:, a:b], torch.arange(b - a)[None], None, labels=labels[:, a:b])
+              for a, b in zip(bounds[:-1], bounds[1:])]
+    return torch.cat(pieces, dim=1)
+
+
+def test_packed_bounds_are_read_once_per_forward_for_all_layers(megatron_world):
+    """Two forwards of THD rows as lf-llm's data hands them (``packed_seq_params``), equally long
+    but cut differently, through two layers: each matches its sequences run alone, and the
+    bounds are read back once per forward (``tolist`` of the first layer, shared by the second)."""
+    from loongforge.llm.data.packing import packed_seq_params
+
+    ours, ref = _pair()
+    assert len(ours.decoder.layers) == 2
+    for bounds in ([0, 7, 10, 22], [0, 12, 22]):
+        tokens, labels, _ = _batch(1, 22, seed=3)
+        pos = torch.cat([torch.arange(b - a) for a, b in zip(bounds[:-1], bounds[1:])])[None]
+        reads = []
+        cu = counted_reads(torch.tensor(bounds, dtype=torch.int32), reads)
+        params = packed_seq_params({"cu_seqlens": cu, "max_seqlen": 12})
+        with torch.no_grad():
+            packed = ours(tokens, pos, None, labels=labels, packed_seq_params=params)
+            assert reads == ["tolist"]
+            torch.testing.assert_close(packed, _each_sequence_alone(ref, tokens, labels, bounds), **TOL)
+
+
+def test_models_of_different_rope_keep_their_own_tables(megatron_world):
+    """Two models of different RoPE (base and rotary dims), one's forward run between the layers of
+    the other's: each matches megatron's local spec of its own RoPE, and each model's attention
+    layers share one RoPE table cache that is not the other model's."""
+    other = GPTConfig(**{**CFG.__dict__, "rotary_base": 500.0, "rotary_percent": 0.5})
+    (a, ref_a), (b, ref_b) = _pair(), _pair(other)  # the same weights: only the RoPE differs
+    tokens, _, pos = _batch(2, 11)
+    with torch.no_grad():
+        want_a, want_b = ref_a(tokens, pos, None), ref_b(tokens, pos, None)
+        assert not torch.allclose(want_a, want_b, **TOL)  # the two RoPEs give different logits
+        inner = []
+        hook = a.decoder.layers[0].register_forward_hook(lambda *_: inner.append(b(tokens, pos, None)))
+        try:
+            got_a = a(tokens, pos, None)
+        finally:
+            hook.remove()
+        torch.testing.assert_close(got_a, want_a, **TOL)
+        torch.testing.assert_close(inner[0], want_b, **TOL)
+        torch.testing.assert_close(b(tokens, pos, None), want_b, **TOL)
+    tables = [{id(layer.self_attention.rope_tables) for layer in m.decoder.layers} for m in (a, b)]
+    assert len(tables[0]) == len(tables[1]) == 1 and tables[0] != tables[1]
 
 
 def test_kernels_force_reference_config_key_applies_to_its_model_only(megatron_world, monkeypatch):

@@ -34,6 +34,10 @@ _EXPORTS: dict[str, tuple[str, str, str]] = {
         "loongforge.llm.layers.self_attention", "FusedSelfAttention",
         "The fast layer's self-attention (fused RoPE from the qkv projection, SDPA core attention): THD packed "
         "rows, context parallelism, and per-token multimodal RoPE angles when ``config.mrope_section`` is set."),
+    "share_rope_tables": (
+        "loongforge.llm.layers.self_attention", "share_rope_tables",
+        "Gives every ``FusedSelfAttention`` layer of a model one RoPE cos/sin table cache, built once per forward "
+        "and reused by the other layers (call it on a model built from the fast layer spec)."),
     # packed (THD) rows and context parallelism
     "pack_sequences": (
         "loongforge.llm.data.packing", "pack",

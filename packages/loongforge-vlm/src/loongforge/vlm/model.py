@@ -97,10 +97,12 @@ class VLMModelConfig:
 
 
 def build_foundation(cfg: VLMModelConfig, transformer_config, pgs, pre_process: bool, post_process: bool):
-    """The foundation GPTModel from its family's layer spec."""
+    """The foundation GPTModel from its family's layer spec (its fast-layer attention layers share
+    one RoPE table cache: ``share_rope_tables``)."""
     from megatron.core.models.gpt import GPTModel
 
     from loongforge.core.models import get_model_spec
+    from loongforge.llm.api import share_rope_tables
 
     spec = get_model_spec(cfg.foundation.family)
     if spec.layer_spec is None:
@@ -122,6 +124,7 @@ def build_foundation(cfg: VLMModelConfig, transformer_config, pgs, pre_process: 
         rotary_base=int(f.rotary_base),
         pg_collection=pgs,
     )
+    share_rope_tables(model)
     if pgs.cp.size() > 1:  # on the fast layer (VLMConfig refuses others: context_parallel.check_foundation_layers)
         # the layers rotate each token by the angles of its own position (this rank's positions: see
         # loongforge.vlm.context_parallel), so the rotary embedding must not slice them per CP rank again

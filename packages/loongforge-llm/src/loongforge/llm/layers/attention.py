@@ -69,6 +69,15 @@ def _varlen_attn():
     return varlen_attn
 
 
+def packed_bounds(params, cu_q: torch.Tensor, cu_kv: torch.Tensor) -> tuple[list[int], list[int]]:
+    """The query and key segment bounds of a packed row as numbers: read back once per forward
+    from its layout (``packed_params.forward_layout``) when they are one tensor, else each here."""
+    from loongforge.llm.layers.packed_params import forward_layout
+
+    bounds_q = forward_layout(params, cu_q).bounds()
+    return bounds_q, bounds_q if cu_kv is cu_q else cu_kv.tolist()
+
+
 class SDPAttention(MegatronModule):
     """megatron-core core attention computed by ``scaled_dot_product_attention`` (see module docstring)."""
 
@@ -171,7 +180,7 @@ class SDPAttention(MegatronModule):
             out = varlen(query, key, value, cu_q.to(torch.int32), cu_kv.to(torch.int32), int(max_q), int(max_kv),
                          scale=self.softmax_scale, window_size=(-1, 0) if causal else (-1, -1))
             return out.reshape(t, -1)
-        bounds_q, bounds_kv = cu_q.tolist(), cu_kv.tolist()
+        bounds_q, bounds_kv = packed_bounds(params, cu_q, cu_kv)
         if bounds_q[0] != 0 or bounds_q[-1] != t:
             raise ValueError(f"SDPAttention: cu_seqlens_q {bounds_q} must run from 0 to the {t} packed tokens")
         pieces = []

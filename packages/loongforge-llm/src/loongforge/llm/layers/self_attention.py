@@ -10,7 +10,8 @@ TP ranks holding partial query groups take megatron's own path.
 
 Under context parallelism (``context_parallel_size > 1``) only this class's own path runs (the
 others are refused): the model hands it the whole sequence's RoPE angles (``gpt_model``) and each
-local token is rotated by its global position (``rope_tables``); the core attention
+local token is rotated by its global position (``rope_tables``; a packed row's positions are kept on
+its forward's ``GatheredLayout``, ``packed_params``, one host read per forward); the core attention
 (``attention.SDPAttention``) attends over the whole sequence of the CP group.
 
 Under ChunkPipe (``train.seq_chunks > 1``, ``chunk_pipe``) the runner sets ``chunk_state`` for the
@@ -21,24 +22,30 @@ last key), handing its own keys and values to the state for the chunks after it.
 With multimodal RoPE (``config.mrope_section`` set: megatron's ``MultimodalRotaryEmbedding``) the
 angles hold one row per token of this layer's input, computed from each token's own position
 (packed or split across CP ranks by the caller), and are used as they are (``rope_tables``).
+
+The cos/sin tables of a forward's angles are the same in every layer: ``share_rope_tables`` gives all
+the ``FusedSelfAttention`` layers of one model one ``RopeTables`` (the model builders call it), so
+the first layer builds them and the others reuse them; a layer outside such a model keeps its own.
 """
 
 from __future__ import annotations
 
+import torch
 from megatron.core.transformer.attention import SelfAttention
 
 from loongforge.core.kernels import KernelPolicy
+from loongforge.llm.layers.packed_params import forward_layout
 from loongforge.llm.layers.rope_tables import RopeTables
-
-_TABLES = RopeTables()  # shared by every layer: one angle tensor per forward
 
 
 class FusedSelfAttention(SelfAttention):
-    """``kernels``: the policy its ``rope`` is resolved by."""
+    """``kernels``: the policy its ``rope`` is resolved by; ``rope_tables``: the cos/sin tables of
+    the current forward's angles, this layer's own until ``share_rope_tables`` gives it its model's."""
 
     def __init__(self, *args, kernels: KernelPolicy = KernelPolicy(), **kwargs):
         super().__init__(*args, **kwargs)
         self._rope = kernels.get("rope")
+        self.rope_tables = RopeTables()
         self._cp = (self.pg_collection.cp.size(), self.pg_collection.cp.rank())
         self.chunk_state = None  # ChunkPipe: the chunk running now (chunk_pipe.ChunkAttentionState)
         if self._cp[0] > 1:
@@ -97,13 +104,14 @@ class FusedSelfAttention(SelfAttention):
             key = self.k_layernorm(key)
         if rotary_pos_emb is not None:
             q_emb, k_emb = rotary_pos_emb if isinstance(rotary_pos_emb, tuple) else (rotary_pos_emb, rotary_pos_emb)
-            cu = None
+            cu = layout = None
             if thd:
                 cu = packed.cu_seqlens_q_padded if packed.cu_seqlens_q_padded is not None else packed.cu_seqlens_q
-            mscale = self._yarn_concentration_factor
-            per_token = self.config.mrope_section is not None
-            query = self._rope(query, *_TABLES.get(q_emb, (s, b, groups), cu, mscale, self._cp, per_token))
-            key = self._rope(key, *_TABLES.get(k_emb, (s, b, groups), cu, mscale, self._cp, per_token))
+                layout = forward_layout(packed, cu)
+            options = dict(mscale=self._yarn_concentration_factor, cp=self._cp,
+                           per_token=self.config.mrope_section is not None, layout=layout)
+            query = self._rope(query, *self.rope_tables.get(q_emb, (s, b, groups), cu, **options))
+            key = self._rope(key, *self.rope_tables.get(k_emb, (s, b, groups), cu, **options))
         query = query.reshape(s, b, groups * per_group, d)
         key = key.reshape(s, b, groups, d)
         value = value.reshape(s, b, groups, d).contiguous()  # a copy: frees the qkv output
@@ -121,3 +129,12 @@ class FusedSelfAttention(SelfAttention):
         if thd:
             context = context.reshape(context.shape[0], 1, -1)
         return self.linear_proj(context)
+
+
+def share_rope_tables(model: torch.nn.Module) -> None:
+    """Gives every ``FusedSelfAttention`` layer of ``model`` the same new ``RopeTables``: the
+    model's, built by its first layer in each forward and reused by the others."""
+    tables = RopeTables()
+    for module in model.modules():
+        if isinstance(module, FusedSelfAttention):
+            module.rope_tables = tables
