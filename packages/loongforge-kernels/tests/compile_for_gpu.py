@@ -70,8 +70,13 @@ def build_dsa(dtype: str) -> None:
     """The sparse MLA and indexer kernels at DeepSeek-V3.2's sizes (latent 512, rope 64, indexer dim 128)."""
     i32, p = "i32", f"*{dtype}"
     precision = "ieee" if dtype == "fp32" else "tf32"
+    sizes = dict(D_V=512, D_ROPE=64, BLOCK_DV=512, BLOCK_DR=64, PRECISION=precision)
+    bwd = dict(Q=p, KV=p, IDX="*i32", DO=p, LSE="*fp32", DELTA="*fp32", DKV="*fp32", n_heads=i32, topk=i32,
+               scale="fp32", scale_log2="fp32", stride_qb=i32, stride_qs=i32, stride_qh=i32, stride_kvb=i32,
+               stride_kvs=i32, stride_ib=i32, stride_is=i32, stride_dob=i32, stride_dos=i32, stride_doh=i32,
+               stride_lb=i32, stride_ls=i32, stride_dkvb=i32, stride_dkvs=i32)
     for block_h in (16, 32, 64) if dtype == "bf16" else (16,):
-        common = dict(D_V=512, D_ROPE=64, BLOCK_H=block_h, BLOCK_DV=512, BLOCK_DR=64, PRECISION=precision)
+        common = dict(sizes, BLOCK_H=block_h)
         build(
             sm._sparse_mla_fwd,
             dict(Q=p, KV=p, IDX="*i32", O=p, LSE="*fp32", n_heads=i32, topk=i32, scale_log2="fp32",
@@ -88,15 +93,17 @@ def build_dsa(dtype: str) -> None:
         )
         if block_h > 32:  # the backward takes at most 32 heads per program
             continue
-        build(
-            sm._sparse_mla_bwd,
-            dict(Q=p, KV=p, IDX="*i32", DO=p, LSE="*fp32", DELTA="*fp32", DQ=p, DKV="*fp32", n_heads=i32, topk=i32,
-                 scale="fp32", scale_log2="fp32", stride_qb=i32, stride_qs=i32, stride_qh=i32, stride_kvb=i32,
-                 stride_kvs=i32, stride_ib=i32, stride_is=i32, stride_dob=i32, stride_dos=i32, stride_doh=i32,
-                 stride_lb=i32, stride_ls=i32, stride_dqb=i32, stride_dqs=i32, stride_dqh=i32, stride_dkvb=i32,
-                 stride_dkvs=i32),
-            dict(common, BLOCK_N=sm.BLOCK_N_BWD), num_warps=8, num_stages=1, aligned=("topk",),
-        )
+        # the query grad alone (several head blocks) or with the key grad (one head block: 16 or 32 heads in bf16)
+        for with_dkv in (True, False) if block_h == 32 or dtype != "bf16" else (True,):
+            build(
+                sm._sparse_mla_bwd_dq, dict(bwd, DQ=p, stride_dqb=i32, stride_dqs=i32, stride_dqh=i32),
+                dict(common, BLOCK_N=sm.BLOCK_N_BWD, WITH_DKV=with_dkv), num_warps=8, num_stages=1, aligned=("topk",),
+            )
+    dkv_h, dkv_n, dkv_warps, dkv_stages = sm._dkv_launch(2 if dtype == "bf16" else 4)
+    build(
+        sm._sparse_mla_bwd_dkv, dict(bwd, n_key_blocks=i32), dict(sizes, BLOCK_H=dkv_h, BLOCK_N=dkv_n),
+        num_warps=dkv_warps, num_stages=dkv_stages, aligned=("topk",),
+    )
     gather = dict(Q=p, K=p, W="*fp32", IDX="*i32", n_heads=i32, topk=i32, stride_qb=i32, stride_qs=i32, stride_qh=i32,
                   stride_kb=i32, stride_ks=i32, stride_wb=i32, stride_ws=i32, stride_ib=i32, stride_is=i32)
     gather_blocks = dict(DIM=128, BLOCK_HI=64, BLOCK_D=128, BLOCK_N=dsi.GATHER_BLOCK_N, PRECISION=precision)

@@ -38,12 +38,14 @@ def _run(fn, q, kv, idx, scale, d_v, dout):
     [
         (2, 6, 3, 32, 16, 40, 5),  # masked heads, two key blocks fwd / three bwd, a longer key sequence
         (1, 5, 18, 24, 8, 7, 0),  # two head blocks, d_v and d_rope not powers of two
+        (1, 4, 40, 32, 16, 37, 2),  # three head blocks, the last partial; three key blocks, the last partial
     ],
 )
 def test_sparse_mla_forward_backward_fp32(b, s, h, d_v, d_rope, topk, extra_kv):
     q, kv, idx = _attention_inputs(b, s, h, d_v, d_rope, topk, extra_kv)
     idx[0, 1, :3] = idx[0, 1, 3]  # repeated keys count once per entry
     idx[0, 2] = -1  # a query with no key: output and grads 0
+    idx[0, 3, -min(topk, 16):] = -1  # a last key block of -1 entries only (with 20% -1 elsewhere)
     scale = (d_v + d_rope) ** -0.5
     dout = torch.randn(b, s, h, d_v)
     out, dq, dkv = _run(sparse_mla_attention, q, kv, idx, scale, d_v, dout)

@@ -7,10 +7,14 @@ heads, and walks that token's ``topk`` indices in blocks: it gathers the selecte
 once, uses them as keys (two dots: latent and rope parts) and as values, and keeps an online
 (running-max) softmax in fp32. The forward saves one log-sum-exp per (token, head).
 
-The backward recomputes the probabilities from the saved log-sum-exp and, per block of selected
-keys, adds the query grad in registers and scatters the key/value grad of the gathered rows into
-an fp32 ``dkv`` with atomic adds (a key row is selected by many queries). Heads beyond one block
-(``BLOCK_H``) repeat the gather and the atomics once per head block.
+The backward recomputes the probabilities from the saved log-sum-exp in two kernels. The query
+grad: one program per (token, head block) walks the token's key blocks as the forward does and
+accumulates it in registers. The key/value grad: one program per (token, block of its selected
+keys) loops over all head blocks, recomputing the logits and ``dp`` once more, sums the block's
+grad over every head in fp32 registers and scatters it into an fp32 ``dkv`` with one atomic add
+per (key, dim) (a key row is selected by many queries). When one head block holds every head,
+the query-grad kernel scatters the key grad itself (each key is then added once per query
+already) and the second kernel is skipped.
 """
 
 from __future__ import annotations
@@ -108,7 +112,64 @@ def _sparse_mla_fwd(
 
 
 @triton.jit
-def _sparse_mla_bwd(
+def _load_heads(
+    Q, DO, LSE, DELTA, b, t, heads, n_heads,
+    stride_qb, stride_qs, stride_qh, stride_dob, stride_dos, stride_doh, stride_lb, stride_ls,
+    D_V: tl.constexpr, D_ROPE: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_DR: tl.constexpr,
+):
+    """One token's rows for a block of heads: query (latent, rope), output grad, log-sum-exp and
+    delta; masked heads get zeros and an infinite log-sum-exp (probability 0)."""
+    dv = tl.arange(0, BLOCK_DV)
+    dr = tl.arange(0, BLOCK_DR)
+    head_ok = heads < n_heads
+    lat_mask = head_ok[:, None] & (dv[None, :] < D_V)
+    q_row = Q + b * stride_qb + t * stride_qs + heads[:, None] * stride_qh
+    q_lat = tl.load(q_row + dv[None, :], mask=lat_mask, other=0.0)
+    q_rope = tl.load(q_row + D_V + dr[None, :], mask=head_ok[:, None] & (dr[None, :] < D_ROPE), other=0.0)
+    do = tl.load(DO + b * stride_dob + t * stride_dos + heads[:, None] * stride_doh + dv[None, :], mask=lat_mask, other=0.0)
+    lse = tl.load(LSE + b * stride_lb + t * stride_ls + heads, mask=head_ok, other=float("inf"))
+    delta = tl.load(DELTA + b * stride_lb + t * stride_ls + heads, mask=head_ok, other=0.0)
+    return q_lat, q_rope, do, lse, delta
+
+
+@triton.jit
+def _probs_and_logit_grads(q_lat, q_rope, do, lse, delta, valid, k_lat, k_rope, scale_log2, PRECISION: tl.constexpr):
+    """``[BLOCK_H, BLOCK_N]`` probabilities, recomputed from the saved log-sum-exp, and the grad of
+    the (unscaled) logits, ``p * (dp - delta)``, before the softmax scale."""
+    s = tl.dot(q_lat, tl.trans(k_lat), input_precision=PRECISION)
+    s += tl.dot(q_rope, tl.trans(k_rope), input_precision=PRECISION)
+    p = tl.where(valid[None, :], tl.exp2(s * scale_log2 - lse[:, None]), 0.0)
+    dp = tl.dot(do, tl.trans(k_lat), input_precision=PRECISION)  # the value is the latent part of the key row
+    return p, p * (dp - delta[:, None])
+
+
+@triton.jit
+def _add_key_grad(dk_lat, dk_rope, p, ds, q_lat, q_rope, do, scale, PRECISION: tl.constexpr):
+    """Add one head block's share to a key block's grad: ``dk_lat += scale * ds^T q_lat + p^T do``,
+    ``dk_rope += scale * ds^T q_rope`` (fp32 ``[BLOCK_N, BLOCK_DV]`` and ``[BLOCK_N, BLOCK_DR]``)."""
+    ds_t = tl.trans((ds * scale).to(q_lat.dtype))
+    dk_lat = tl.dot(ds_t, q_lat, dk_lat, input_precision=PRECISION)
+    dk_lat = tl.dot(tl.trans(p.to(do.dtype)), do, dk_lat, input_precision=PRECISION)
+    dk_rope = tl.dot(ds_t, q_rope, dk_rope, input_precision=PRECISION)
+    return dk_lat, dk_rope
+
+
+@triton.jit
+def _scatter_key_grad(
+    dkv_base, rows, valid, stride_dkvs, dk_lat, dk_rope,
+    D_V: tl.constexpr, D_ROPE: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_DR: tl.constexpr,
+):
+    """Add a key block's grad into the fp32 rows of ``dkv`` it was gathered from, atomically (other
+    queries select the same keys)."""
+    dv = tl.arange(0, BLOCK_DV)
+    dr = tl.arange(0, BLOCK_DR)
+    row_ptr = dkv_base + rows[:, None] * stride_dkvs
+    tl.atomic_add(row_ptr + dv[None, :], dk_lat, mask=valid[:, None] & (dv[None, :] < D_V), sem="relaxed")
+    tl.atomic_add(row_ptr + D_V + dr[None, :], dk_rope, mask=valid[:, None] & (dr[None, :] < D_ROPE), sem="relaxed")
+
+
+@triton.jit
+def _sparse_mla_bwd_dq(
     Q, KV, IDX, DO, LSE, DELTA, DQ, DKV,
     n_heads, topk, scale, scale_log2,
     stride_qb, stride_qs, stride_qh,
@@ -120,22 +181,18 @@ def _sparse_mla_bwd(
     stride_dkvb, stride_dkvs,
     D_V: tl.constexpr, D_ROPE: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_DR: tl.constexpr,
-    PRECISION: tl.constexpr,
+    PRECISION: tl.constexpr, WITH_DKV: tl.constexpr,
 ):
+    """The query grad of one (token, head block). With ``WITH_DKV`` (launched only when this block
+    holds every head) it also scatters each gathered key block's grad into ``DKV``; otherwise
+    ``_sparse_mla_bwd_dkv`` does."""
     t = tl.program_id(0).to(tl.int64)
     b = tl.program_id(2).to(tl.int64)
     heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
-    dv = tl.arange(0, BLOCK_DV)
-    dr = tl.arange(0, BLOCK_DR)
-    head_ok = heads < n_heads
-    lat_mask = head_ok[:, None] & (dv[None, :] < D_V)
-    rope_mask = head_ok[:, None] & (dr[None, :] < D_ROPE)
-    q_row = Q + b * stride_qb + t * stride_qs + heads[:, None] * stride_qh
-    q_lat = tl.load(q_row + dv[None, :], mask=lat_mask, other=0.0)
-    q_rope = tl.load(q_row + D_V + dr[None, :], mask=rope_mask, other=0.0)
-    do = tl.load(DO + b * stride_dob + t * stride_dos + heads[:, None] * stride_doh + dv[None, :], mask=lat_mask, other=0.0)
-    lse = tl.load(LSE + b * stride_lb + t * stride_ls + heads, mask=head_ok, other=float("inf"))
-    delta = tl.load(DELTA + b * stride_lb + t * stride_ls + heads, mask=head_ok, other=0.0)
+    q_lat, q_rope, do, lse, delta = _load_heads(
+        Q, DO, LSE, DELTA, b, t, heads, n_heads, stride_qb, stride_qs, stride_qh, stride_dob, stride_dos, stride_doh,
+        stride_lb, stride_ls, D_V, D_ROPE, BLOCK_DV, BLOCK_DR,
+    )
     kv_base = KV + b * stride_kvb
     dkv_base = DKV + b * stride_dkvb
     idx_base = IDX + b * stride_ib + t * stride_is
@@ -146,25 +203,60 @@ def _sparse_mla_bwd(
         valid, rows, k_lat, k_rope = _gather_keys(
             kv_base, idx_base, start, topk, stride_kvs, D_V, D_ROPE, BLOCK_N, BLOCK_DV, BLOCK_DR
         )
-        kv_lat_mask = valid[:, None] & (dv[None, :] < D_V)
-        kv_rope_mask = valid[:, None] & (dr[None, :] < D_ROPE)
-        s = tl.dot(q_lat, tl.trans(k_lat), input_precision=PRECISION)
-        s += tl.dot(q_rope, tl.trans(k_rope), input_precision=PRECISION)
-        p = tl.where(valid[None, :], tl.exp2(s * scale_log2 - lse[:, None]), 0.0)
-        dp = tl.dot(do, tl.trans(k_lat), input_precision=PRECISION)  # the value is the latent part of the key row
-        ds = p * (dp - delta[:, None])  # grad of the (unscaled) logits, before the softmax scale
+        p, ds = _probs_and_logit_grads(q_lat, q_rope, do, lse, delta, valid, k_lat, k_rope, scale_log2, PRECISION)
         ds_lo = ds.to(k_lat.dtype)
         dq_lat += tl.dot(ds_lo, k_lat, input_precision=PRECISION)
         dq_rope += tl.dot(ds_lo, k_rope, input_precision=PRECISION)
-        ds_t = tl.trans(ds_lo)
-        dk_lat = tl.dot(ds_t, q_lat, input_precision=PRECISION) * scale
-        dk_lat += tl.dot(tl.trans(p.to(do.dtype)), do, input_precision=PRECISION)
-        dk_rope = tl.dot(ds_t, q_rope, input_precision=PRECISION) * scale
-        tl.atomic_add(dkv_base + rows[:, None] * stride_dkvs + dv[None, :], dk_lat, mask=kv_lat_mask, sem="relaxed")
-        tl.atomic_add(dkv_base + rows[:, None] * stride_dkvs + D_V + dr[None, :], dk_rope, mask=kv_rope_mask, sem="relaxed")
+        if WITH_DKV:
+            dk_lat, dk_rope = _add_key_grad(
+                tl.zeros([BLOCK_N, BLOCK_DV], dtype=tl.float32), tl.zeros([BLOCK_N, BLOCK_DR], dtype=tl.float32),
+                p, ds, q_lat, q_rope, do, scale, PRECISION,
+            )
+            _scatter_key_grad(dkv_base, rows, valid, stride_dkvs, dk_lat, dk_rope, D_V, D_ROPE, BLOCK_DV, BLOCK_DR)
+    dv = tl.arange(0, BLOCK_DV)
+    dr = tl.arange(0, BLOCK_DR)
+    head_ok = heads < n_heads
     dq_row = DQ + b * stride_dqb + t * stride_dqs + heads[:, None] * stride_dqh
-    tl.store(dq_row + dv[None, :], (dq_lat * scale).to(DQ.dtype.element_ty), mask=lat_mask)
-    tl.store(dq_row + D_V + dr[None, :], (dq_rope * scale).to(DQ.dtype.element_ty), mask=rope_mask)
+    dq_type = DQ.dtype.element_ty
+    tl.store(dq_row + dv[None, :], (dq_lat * scale).to(dq_type), mask=head_ok[:, None] & (dv[None, :] < D_V))
+    tl.store(dq_row + D_V + dr[None, :], (dq_rope * scale).to(dq_type), mask=head_ok[:, None] & (dr[None, :] < D_ROPE))
+
+
+@triton.jit
+def _sparse_mla_bwd_dkv(
+    Q, KV, IDX, DO, LSE, DELTA, DKV,
+    n_heads, topk, n_key_blocks, scale, scale_log2,
+    stride_qb, stride_qs, stride_qh,
+    stride_kvb, stride_kvs,
+    stride_ib, stride_is,
+    stride_dob, stride_dos, stride_doh,
+    stride_lb, stride_ls,
+    stride_dkvb, stride_dkvs,
+    D_V: tl.constexpr, D_ROPE: tl.constexpr,
+    BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_DR: tl.constexpr,
+    PRECISION: tl.constexpr,
+):
+    """The grad of one (token, block of its selected keys), summed over all of the token's head
+    blocks in fp32 registers, then scattered with one atomic add per (key, dim). A token's key
+    blocks are neighbouring programs, so its queries and output grads are mostly read from L2."""
+    pid = tl.program_id(0)
+    t = (pid // n_key_blocks).to(tl.int64)
+    b = tl.program_id(1).to(tl.int64)
+    valid, rows, k_lat, k_rope = _gather_keys(
+        KV + b * stride_kvb, IDX + b * stride_ib + t * stride_is, (pid % n_key_blocks) * BLOCK_N, topk, stride_kvs,
+        D_V, D_ROPE, BLOCK_N, BLOCK_DV, BLOCK_DR,
+    )
+    dk_lat = tl.zeros([BLOCK_N, BLOCK_DV], dtype=tl.float32)
+    dk_rope = tl.zeros([BLOCK_N, BLOCK_DR], dtype=tl.float32)
+    h_end = tl.where(tl.max(valid.to(tl.int32)) > 0, n_heads, 0)  # a block of -1 entries only: no grad
+    for h0 in range(0, h_end, BLOCK_H):
+        q_lat, q_rope, do, lse, delta = _load_heads(
+            Q, DO, LSE, DELTA, b, t, h0 + tl.arange(0, BLOCK_H), n_heads, stride_qb, stride_qs, stride_qh,
+            stride_dob, stride_dos, stride_doh, stride_lb, stride_ls, D_V, D_ROPE, BLOCK_DV, BLOCK_DR,
+        )
+        p, ds = _probs_and_logit_grads(q_lat, q_rope, do, lse, delta, valid, k_lat, k_rope, scale_log2, PRECISION)
+        dk_lat, dk_rope = _add_key_grad(dk_lat, dk_rope, p, ds, q_lat, q_rope, do, scale, PRECISION)
+    _scatter_key_grad(DKV + b * stride_dkvb, rows, valid, stride_dkvs, dk_lat, dk_rope, D_V, D_ROPE, BLOCK_DV, BLOCK_DR)
 
 
 @triton.jit
@@ -222,6 +314,14 @@ BLOCK_N_FWD = 32
 BLOCK_N_BWD = 16
 
 
+def _dkv_launch(elem_bytes: int) -> tuple[int, int, int, int]:
+    """``(BLOCK_H, BLOCK_N, num_warps, num_stages)`` of ``_sparse_mla_bwd_dkv``, whose fp32 key-grad
+    ``[BLOCK_N, d_v + d_rope]`` stays in registers through the head loop. bf16 at DeepSeek's sizes:
+    198 registers, no spills, 106 KiB of shared memory on sm_90 (64 keys or a second pipeline stage
+    spill or hit 255 registers); 16 x 16 for fp32 (tests), as in the other kernels."""
+    return (16, 16, 8, 1) if elem_bytes > 2 else (32, 32, 8, 1)
+
+
 def _check(q, kv, indices, d_v):
     dims = check_shapes("sparse_mla_attention", q=(q, "B S H D"), kv=(kv, "B S_kv D"), indices=(indices, "B S topk"))
     if not 0 < d_v <= dims["D"]:
@@ -271,18 +371,29 @@ class _SparseMLA(torch.autograd.Function):
         delta = (out.float() * dout.float()).sum(-1)  # [B, S, H], rowwise sum(p * dp)
         dq = torch.empty_like(q)
         dkv = torch.zeros(kv.shape, dtype=torch.float32, device=kv.device)
-        block_h, block_dv, block_dr = _block_sizes(h, d_v, d - d_v, q.element_size(), backward=True)
+        d_rope, topk = d - d_v, indices.shape[-1]
+        block_h, block_dv, block_dr = _block_sizes(h, d_v, d_rope, q.element_size(), backward=True)
+        with_dkv = triton.cdiv(h, block_h) == 1  # one head block: it already adds each key grad once
         if out.numel():
-            _sparse_mla_bwd[(s, triton.cdiv(h, block_h), b)](
-                q, kv, indices, dout, lse, delta, dq, dkv,
-                h, indices.shape[-1], ctx.softmax_scale, ctx.softmax_scale * LOG2E,
-                q.stride(0), q.stride(1), q.stride(2), kv.stride(0), kv.stride(1),
-                indices.stride(0), indices.stride(1), dout.stride(0), dout.stride(1), dout.stride(2),
-                lse.stride(0), lse.stride(1), dq.stride(0), dq.stride(1), dq.stride(2), dkv.stride(0), dkv.stride(1),
-                D_V=d_v, D_ROPE=d - d_v, BLOCK_H=block_h, BLOCK_N=BLOCK_N_BWD, BLOCK_DV=block_dv, BLOCK_DR=block_dr,
-                PRECISION=dot_precision(q.dtype),
+            scales = (ctx.softmax_scale, ctx.softmax_scale * LOG2E)
+            q_strides = (q.stride(0), q.stride(1), q.stride(2), kv.stride(0), kv.stride(1),
+                         indices.stride(0), indices.stride(1), dout.stride(0), dout.stride(1), dout.stride(2),
+                         lse.stride(0), lse.stride(1))
+            sizes = dict(D_V=d_v, D_ROPE=d_rope, BLOCK_DV=block_dv, BLOCK_DR=block_dr, PRECISION=dot_precision(q.dtype))
+            _sparse_mla_bwd_dq[(s, triton.cdiv(h, block_h), b)](
+                q, kv, indices, dout, lse, delta, dq, dkv, h, topk, *scales, *q_strides,
+                dq.stride(0), dq.stride(1), dq.stride(2), dkv.stride(0), dkv.stride(1),
+                BLOCK_H=block_h, BLOCK_N=BLOCK_N_BWD, WITH_DKV=with_dkv, **sizes,
                 num_warps=4 if block_dv <= 128 else 8, num_stages=1,
             )
+            if not with_dkv and topk:
+                dkv_h, dkv_n, warps, stages = _dkv_launch(q.element_size())
+                n_key_blocks = triton.cdiv(topk, dkv_n)
+                _sparse_mla_bwd_dkv[(s * n_key_blocks, b)](
+                    q, kv, indices, dout, lse, delta, dkv, h, topk, n_key_blocks, *scales, *q_strides,
+                    dkv.stride(0), dkv.stride(1),
+                    BLOCK_H=dkv_h, BLOCK_N=dkv_n, **sizes, num_warps=warps if block_dv > 128 else 4, num_stages=stages,
+                )
         else:
             dq.zero_()
         return dq, dkv.to(kv.dtype), None, None, None
