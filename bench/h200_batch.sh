@@ -6,6 +6,7 @@
 #   bash bench/h200_batch.sh bench-a  # lf-llm bench (HF + compile, + Liger), lf-vlm bench (transformers, compiled)
 #   python3 bench/liger_check.py      # (before trusting hf_liger) Liger's loss per kernel, eager and compiled
 #   bash bench/h200_batch.sh bench-b  # lf-diffusion bench (diffusers, compile_repeated_blocks), DSA, FP8 GEMMs
+#   bash bench/h200_batch.sh dsa      # the DSA kernels' GPU tests, then bench/dsa_throughput.py at 128 heads, 32K and 64K
 #   bash bench/h200_batch.sh embodied # lf-embodied bench --against-lerobot (needs lerobot and its imports in .whl-emb/
 #                                     # and .whl-av/), detached: it outlasts one call, see the stage
 #   bash bench/h200_batch.sh wait     # the detached embodied run: wait for it (one call's worth), then its log
@@ -21,7 +22,7 @@
 # LeRobot (check, embodied): every carried .whl-*/ folder is installed. Everything printed also goes
 # to $OUT/<stage>.log.
 set -uo pipefail
-stage=${1:?usage: h200_batch.sh check|bench-a|bench-b|embodied|wait|long}
+stage=${1:?usage: h200_batch.sh check|bench-a|bench-b|dsa|embodied|wait|long}
 OUT=${OUT:-/tmp/lf-h200}
 mkdir -p "$OUT"
 exec > >(tee "$OUT/$stage.log") 2>&1
@@ -87,6 +88,14 @@ bench-b)
       model.num_layers=4 sample.num_frames=33 sample.height=480 sample.width=832
   bench 150 python3 "$repo/bench/dsa_throughput.py" --seqs 8192,32768,65536
   bench 100 python3 "$repo/bench/fp8_gemm.py" --steps 50
+  ;;
+dsa)
+  environment
+  # the sparse MLA backward sums the key grad over every head before its one atomic scatter: its
+  # bf16 results against the references first, then DeepSeek-V3.2's 128 heads against dense MLA
+  (cd "$repo" && timeout 200 python3 -m pytest -q -p no:cacheprovider -n 0 -o addopts="--import-mode=importlib" \
+      packages/loongforge-kernels/tests/test_dsa_gpu.py 2>&1 | tail -n 15)
+  bench 200 python3 "$repo/bench/dsa_throughput.py" --seqs 32768,65536 --heads 128 --layers 1 --iters 2 --variants dense,dsa
   ;;
 long)
   environment
