@@ -68,7 +68,8 @@ def test_both_sides_same_weights_first_losses_agree_and_order_alternates():
     (["--variant", "v=policy.chunk_size=5"], "a variant changes train.* only"),
     (["--variant", "v=train.recompte=full"], "recompte"),
     (["--rounds", "0"], "at least one round"),
-    (["--lerobot-compile-mode", "fast"], "--lerobot-compile-mode 'fast': one of max-autotune"),
+    (["--against-lerobot", "--lerobot-compile-mode", "fast"], "--lerobot-compile-mode 'fast': one of max-autotune"),
+    (["--lerobot-compile-mode", "default"], "it needs --against-lerobot"),
 ])
 def test_bench_bad_variants_fail_before_any_run(argv, message, capsys):
     from loongforge.embodied.cli import main

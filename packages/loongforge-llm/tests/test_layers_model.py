@@ -157,8 +157,9 @@ def test_packed_bounds_are_read_once_per_forward_for_all_layers(megatron_world):
 
 def test_models_of_different_rope_keep_their_own_tables(megatron_world):
     """Two models of different RoPE (base and rotary dims), one's forward run between the layers of
-    the other's: each matches megatron's local spec of its own RoPE, and each model's attention
-    layers share one RoPE table cache that is not the other model's."""
+    the other's: each matches megatron's local spec of its own RoPE (a cache keyed by the angle
+    tensor's identity passes this part either way), and each model's attention layers share one
+    RoPE table cache that is not the other model's (the part a process-wide cache fails)."""
     other = GPTConfig(**{**CFG.__dict__, "rotary_base": 500.0, "rotary_percent": 0.5})
     (a, ref_a), (b, ref_b) = _pair(), _pair(other)  # the same weights: only the RoPE differs
     tokens, _, pos = _batch(2, 11)

@@ -58,15 +58,16 @@ def cmd_eval(args) -> int:
 def bench_options(parser) -> None:
     parser.add_argument("--against-lerobot", action="store_true", help="also time LeRobot's PI05Pytorch (needs policy=pi05_base)")
     parser.add_argument("--batch-size", type=int, default=8)
-    parser.add_argument("--lerobot-compile-mode", default="max-autotune",
-                        help="torch.compile mode of LeRobot's PI05: max-autotune (LeRobot's default), "
-                             "max-autotune-no-cudagraphs, reduce-overhead or default")
+    parser.add_argument("--lerobot-compile-mode", default=None,
+                        help="with --against-lerobot: a torch.compile mode for LeRobot's PI05 other than its own default")
 
 
 def bench(args, config: str, overrides: list[str]) -> None:
     from loongforge.core.bench_protocol import repeat_in_processes
+    from loongforge.core.config import ConfigError
     from loongforge.embodied.bench import (
         BASELINE,
+        LEROBOT_COMPILE_MODE,
         bench_from_config,
         lerobot_recipe,
         load_runs,
@@ -75,10 +76,13 @@ def bench(args, config: str, overrides: list[str]) -> None:
     )
 
     load_runs(config, overrides, args.variant)  # a bad variant or compile mode fails before any run
-    lerobot_recipe(args.lerobot_compile_mode)
+    if args.lerobot_compile_mode is not None and not args.against_lerobot:
+        raise ConfigError("--lerobot-compile-mode compiles LeRobot's side: it needs --against-lerobot")
+    compile_mode = args.lerobot_compile_mode or LEROBOT_COMPILE_MODE
+    lerobot_recipe(compile_mode)
     kwargs = dict(config=config, overrides=overrides, variants=args.variant, batch_size=args.batch_size,
                   steps=args.steps, warmup=args.warmup, rounds=args.rounds, against_lerobot=args.against_lerobot,
-                  lerobot_compile_mode=args.lerobot_compile_mode)
+                  lerobot_compile_mode=compile_mode)
     if args.processes > 1:
         return repeat_in_processes(step_seconds_from_config, kwargs, args.processes, [BASELINE])
     results = bench_from_config(**kwargs, profile_rows=args.profile_rows, trace=args.trace)

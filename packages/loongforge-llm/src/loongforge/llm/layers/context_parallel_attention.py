@@ -171,7 +171,8 @@ class GatheredLayout:
     permutation that puts the gathered rows in natural order, and any other value a caller keys in
     ``cached``. A packed row's layout lives on its forward's ``PackedSeqParams``
     (``packed_params.ForwardPackedSeqParams``), so each forward computes these once for all its
-    layers and no forward sees another's; a dense one (no host read) is made per layer call."""
+    layers and no forward sees another's; a dense one (no host read) is made per layer call, so its
+    order (a few small device ops, shared by the layer's K and V) is recomputed in every layer."""
 
     def __init__(self, cu_seqlens_padded: torch.Tensor | None = None):
         self.cu_seqlens_padded = cu_seqlens_padded
