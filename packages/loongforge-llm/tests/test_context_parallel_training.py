@@ -39,7 +39,9 @@ def test_sft_cp2_matches_one_process(packing, tmp_path, data_cache):
 
 @pytest.mark.slow
 # Qwen3-MoE's attention is the dense families' SDPA core (test_pretraining_cp2_matches_one_process): -m long
-@pytest.mark.parametrize("config", ["train_deepseek_v3_debug", pytest.param("train_qwen3_moe_debug", marks=pytest.mark.long)],
+# both under -m long (CI's time budget): MLA under CP=2 runs in CI through the packed SFT case below
+@pytest.mark.parametrize("config", [pytest.param("train_deepseek_v3_debug", marks=pytest.mark.long),
+                                    pytest.param("train_qwen3_moe_debug", marks=pytest.mark.long)],
                          ids=["mla", "qwen3-moe"])
 def test_moe_families_pretraining_cp2_matches_one_process(config, tmp_path, data_cache):
     """DeepSeek-V3's multi-latent attention (megatron's MLA with LatentSDPAttention) and Qwen3-MoE's
