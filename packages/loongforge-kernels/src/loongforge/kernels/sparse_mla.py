@@ -315,10 +315,11 @@ BLOCK_N_BWD = 16
 
 
 def _dkv_launch(elem_bytes: int) -> tuple[int, int, int, int]:
-    """``(BLOCK_H, BLOCK_N, num_warps, num_stages)`` of ``_sparse_mla_bwd_dkv``, whose fp32 key-grad
-    ``[BLOCK_N, d_v + d_rope]`` stays in registers through the head loop. bf16 at DeepSeek's sizes:
-    198 registers, no spills, 106 KiB of shared memory on sm_90 (64 keys or a second pipeline stage
-    spill or hit 255 registers); 16 x 16 for fp32 (tests), as in the other kernels."""
+    """``(BLOCK_H, BLOCK_N, num_warps, num_stages)`` of ``_sparse_mla_bwd_dkv`` (``compile_for_gpu``
+    builds the same), whose fp32 key-grad ``[BLOCK_N, d_v + d_rope]`` stays in registers through
+    the head loop. bf16 at DeepSeek's sizes: 198 registers, no spills, 106 KiB of shared memory on
+    sm_90 (64 keys or a second pipeline stage spill or hit 255 registers); 16 x 16 for fp32 (tests),
+    as in the other kernels. Latent widths of 128 or less (tests) launch 4 warps."""
     return (16, 16, 8, 1) if elem_bytes > 2 else (32, 32, 8, 1)
 
 
@@ -376,12 +377,12 @@ class _SparseMLA(torch.autograd.Function):
         with_dkv = triton.cdiv(h, block_h) == 1  # one head block: it already adds each key grad once
         if out.numel():
             scales = (ctx.softmax_scale, ctx.softmax_scale * LOG2E)
-            q_strides = (q.stride(0), q.stride(1), q.stride(2), kv.stride(0), kv.stride(1),
-                         indices.stride(0), indices.stride(1), dout.stride(0), dout.stride(1), dout.stride(2),
-                         lse.stride(0), lse.stride(1))
+            in_strides = (q.stride(0), q.stride(1), q.stride(2), kv.stride(0), kv.stride(1),
+                          indices.stride(0), indices.stride(1), dout.stride(0), dout.stride(1), dout.stride(2),
+                          lse.stride(0), lse.stride(1))
             sizes = dict(D_V=d_v, D_ROPE=d_rope, BLOCK_DV=block_dv, BLOCK_DR=block_dr, PRECISION=dot_precision(q.dtype))
             _sparse_mla_bwd_dq[(s, triton.cdiv(h, block_h), b)](
-                q, kv, indices, dout, lse, delta, dq, dkv, h, topk, *scales, *q_strides,
+                q, kv, indices, dout, lse, delta, dq, dkv, h, topk, *scales, *in_strides,
                 dq.stride(0), dq.stride(1), dq.stride(2), dkv.stride(0), dkv.stride(1),
                 BLOCK_H=block_h, BLOCK_N=BLOCK_N_BWD, WITH_DKV=with_dkv, **sizes,
                 num_warps=4 if block_dv <= 128 else 8, num_stages=1,
@@ -390,7 +391,7 @@ class _SparseMLA(torch.autograd.Function):
                 dkv_h, dkv_n, warps, stages = _dkv_launch(q.element_size())
                 n_key_blocks = triton.cdiv(topk, dkv_n)
                 _sparse_mla_bwd_dkv[(s * n_key_blocks, b)](
-                    q, kv, indices, dout, lse, delta, dkv, h, topk, n_key_blocks, *scales, *q_strides,
+                    q, kv, indices, dout, lse, delta, dkv, h, topk, n_key_blocks, *scales, *in_strides,
                     dkv.stride(0), dkv.stride(1),
                     BLOCK_H=dkv_h, BLOCK_N=dkv_n, **sizes, num_warps=warps if block_dv > 128 else 4, num_stages=stages,
                 )
