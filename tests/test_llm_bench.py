@@ -76,7 +76,7 @@ def test_spec_peaks_cover_the_bench_machines():
     (["--variant", "x=train.lr"], "'train.lr' is not of the form key=value"),
     # a list value keeps its commas: the config gets data.weights=[1,2] (no prefixes for the two weights)
     (["--variant", "x=data.weights=[1,2],train.lr=1"], "data.weights has 2 entries for 0 data.prefixes"),
-    (["--config", "train_qwen3_moe_debug"], "model.family='qwen3_moe' is not 'llama'"),
+    (["--config", "train_qwen3_moe_debug"], "model.family='qwen3_moe' is not one of llama, qwen2, qwen3, mistral"),
     (["train.stepz=3"], "stepz"),
 ])
 def test_bench_bad_arguments_fail_before_any_run(argv, message, capsys):

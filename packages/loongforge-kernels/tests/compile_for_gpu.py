@@ -196,11 +196,13 @@ def main() -> None:
             dict(DY=p, GU=p, DGU=p, n_cols=i32, stride_dy=i32, stride_gu=i32, stride_dgu=i32),
             dict(BLOCK=sw.BLOCK_COLS),
         )
-        build(
-            lce._ce_forward,
-            dict(LOGITS=p, LABELS="*i64", LOSS="*fp32", LSE="*fp32", n_vocab=i32, stride_logits=i32, ignore_index=i32),
-            dict(BLOCK=lce.BLOCK_VOCAB), num_warps=8,
-        )
+        for write_grad in (True, False):
+            build(
+                lce._ce_forward,
+                dict(LOGITS=p, LABELS="*i64", LOSS="*fp32", LSE="*fp32", n_vocab=i32, stride_logits=i32,
+                     ignore_index=i32),
+                dict(WRITE_GRAD=write_grad, BLOCK=lce.BLOCK_VOCAB), num_warps=8,
+            )
         build(
             lce._ce_backward_in_place,
             dict(LOGITS=p, LABELS="*i64", LSE="*fp32", DLOSS="*fp32", n_vocab=i32, stride_logits=i32,

@@ -78,13 +78,18 @@ def test_swiglu_at_model_shape():
     _compare(swiglu, reference.swiglu, [gate_up], torch.randn(TOKENS, FFN, dtype=torch.bfloat16))
 
 
-def test_linear_cross_entropy_at_model_shape():
+@pytest.mark.parametrize(("tokens", "vocab"), [(TOKENS, VOCAB), (8192, 128256)])
+@pytest.mark.parametrize("uniform", [True, False])
+def test_linear_cross_entropy_at_model_shape(tokens, vocab, uniform):
+    """A summed loss (one gradient factor: the gradients made in the forward) and per-token
+    factors (the weight gradient recomputed), at a 32K and a 128K vocab (several token chunks)."""
     from loongforge.kernels.linear_cross_entropy import linear_cross_entropy
 
     torch.manual_seed(3)
-    hidden = torch.randn(TOKENS, HIDDEN, dtype=torch.bfloat16)
-    weight = (torch.randn(VOCAB, HIDDEN) / HIDDEN**0.5).to(torch.bfloat16)
-    labels = torch.randint(0, VOCAB, (TOKENS,))
+    hidden = torch.randn(tokens, HIDDEN, dtype=torch.bfloat16)
+    weight = (torch.randn(vocab, HIDDEN) / HIDDEN**0.5).to(torch.bfloat16)
+    labels = torch.randint(0, vocab, (tokens,))
     labels[::7] = -100
-    _compare(lambda h, w: linear_cross_entropy(h, w, labels), lambda h, w: reference.linear_cross_entropy(h, w, labels),
-             [hidden, weight], torch.rand(TOKENS))
+    dloss = torch.full((tokens,), 1.0 / tokens) if uniform else torch.rand(tokens)
+    _compare(lambda h, w: linear_cross_entropy(h, w, labels, chunk_bytes=256 * 2**20),
+             lambda h, w: reference.linear_cross_entropy(h, w, labels), [hidden, weight], dloss)

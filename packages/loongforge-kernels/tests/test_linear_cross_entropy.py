@@ -28,13 +28,31 @@ def _run(fn, hidden, weight, labels, ignore_index, dloss, need_weight=True):
     return loss, h.grad, w.grad
 
 
+def _chunked(budget_tokens: int, vocab: int):
+    """The fused op with chunks of ``budget_tokens`` fp32 rows of logits."""
+    def fn(hidden, weight, labels, ignore_index=-100):
+        return linear_cross_entropy(hidden, weight, labels, ignore_index, chunk_bytes=budget_tokens * vocab * 4)
+
+    return fn
+
+
+def test_token_chunk_fits_the_logits_budget():
+    assert token_chunk(8192, 128256, 2, 512 * 2**20) == 2048  # 2048 x 128256 bf16 logits: 501 MiB
+    assert token_chunk(8192, 32000, 2, 512 * 2**20) == 8192
+    assert token_chunk(100, 32000, 2, 512 * 2**20) == 100  # no more than the tokens
+    assert token_chunk(37, 301, 4, 16 * 301 * 4) == 16
+
+
+@pytest.mark.parametrize("uniform", [True, False])
 @pytest.mark.parametrize(("ignore_index", "n_ignored"), [(-100, 6), (0, 3), (-100, 0)])
-def test_linear_cross_entropy_per_token_grads_fp32(ignore_index, n_ignored):
+def test_linear_cross_entropy_per_token_grads_fp32(ignore_index, n_ignored, uniform):
     n, h, v = 37, 24, 301
-    assert token_chunk(n, v, h) < n  # several token chunks, the last one partial
+    fused = _chunked(16, v)  # three token chunks, the last one partial
     hidden, weight, labels = _inputs(n, h, v, ignore_index, n_ignored)
-    dloss = torch.rand(n) + 0.5  # per-token weights: catches a dweight that assumes a uniform grad
-    loss, dh, dw = _run(linear_cross_entropy, hidden, weight, labels, ignore_index, dloss)
+    # the gradient of a summed loss (every token the same factor: the weight gradient made in the forward,
+    # scaled) or per-token weights (the backward detects them and recomputes the weight gradient)
+    dloss = torch.full((n,), 0.37) if uniform else torch.rand(n) + 0.5
+    loss, dh, dw = _run(fused, hidden, weight, labels, ignore_index, dloss)
     loss_ref, dh_ref, dw_ref = _run(reference.linear_cross_entropy, hidden, weight, labels, ignore_index, dloss)
     assert loss.dtype == torch.float32 and loss.shape == (n,)
     torch.testing.assert_close(loss, loss_ref, **TIGHT)
@@ -71,12 +89,42 @@ def test_linear_cross_entropy_bf16_close_to_reference():
     n, h, v = 16, 32, 97
     hidden, weight, labels = _inputs(n, h, v, -100, 2, dtype=torch.bfloat16, seed=3)
     dloss = torch.rand(n)
-    loss, dh, dw = _run(linear_cross_entropy, hidden, weight, labels, -100, dloss)
+    loss, dh, dw = _run(_chunked(4, v), hidden, weight, labels, -100, dloss)
     loss_ref, dh_ref, dw_ref = _run(reference.linear_cross_entropy, hidden, weight, labels, -100, dloss)
     assert dh.dtype == dw.dtype == torch.bfloat16
     torch.testing.assert_close(loss, loss_ref, rtol=1e-2, atol=1e-2)
     torch.testing.assert_close(dh.float(), dh_ref.float(), rtol=2e-2, atol=2e-2)
     torch.testing.assert_close(dw.float(), dw_ref.float(), rtol=2e-2, atol=2e-2)
+
+
+def test_linear_cross_entropy_masked_tokens_are_not_counted():
+    """Tokens whose loss a mask leaves out (a zero factor) but whose label is counted: per-token
+    factors for the weight gradient, the same numbers as the reference."""
+    n, h, v = 29, 16, 83
+    hidden, weight, labels = _inputs(n, h, v, -100, 3, seed=5)
+    dloss = torch.ones(n)
+    dloss[:7] = 0
+    fused = _chunked(8, v)
+    loss, dh, dw = _run(fused, hidden, weight, labels, -100, dloss)
+    loss_ref, dh_ref, dw_ref = _run(reference.linear_cross_entropy, hidden, weight, labels, -100, dloss)
+    torch.testing.assert_close(dh, dh_ref, **TIGHT)
+    torch.testing.assert_close(dw, dw_ref, **TIGHT)
+
+
+def test_linear_cross_entropy_backward_runs_once():
+    hidden, weight, labels = _inputs(9, 8, 40, -100, 1, seed=6)
+    loss = linear_cross_entropy(hidden.requires_grad_(True), weight.requires_grad_(True), labels)
+    loss.sum().backward(retain_graph=True)
+    with pytest.raises(RuntimeError, match="runs once"):
+        loss.sum().backward()
+
+
+def test_linear_cross_entropy_without_grad_mode_keeps_no_graph():
+    hidden, weight, labels = _inputs(9, 8, 40, -100, 1, seed=7)
+    with torch.no_grad():
+        loss = linear_cross_entropy(hidden.requires_grad_(True), weight.requires_grad_(True), labels)
+    torch.testing.assert_close(loss, reference.linear_cross_entropy(hidden.detach(), weight.detach(), labels), **TIGHT)
+    assert loss.grad_fn is None
 
 
 def test_linear_cross_entropy_rejects_out_of_range_label():

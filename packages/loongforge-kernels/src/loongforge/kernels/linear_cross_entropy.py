@@ -1,12 +1,22 @@
-"""Fused linear + cross-entropy that never holds the full ``[N, V]`` logits (Triton + matmuls).
+"""Fused linear + cross-entropy that never holds the full ``[N, V]`` logits (Triton + matmuls),
+with its gradients computed in the forward.
 
-Contract: ``loongforge.core.kernels.reference.linear_cross_entropy``. Tokens are processed in
-chunks: a chunk's logits ``[C, V]`` come from one matmul, a Triton kernel reduces each row to its
-log-sum-exp with an online (running max) softmax over vocab blocks and emits the loss. Only the
-per-token fp32 log-sum-exp is saved. The backward recomputes each chunk's logits, a second
-kernel turns them in place into ``dloss * (softmax - onehot)`` (zero at ``ignore_index``), and two
-matmuls add the chunk's share of ``dhidden`` and ``dweight`` (accumulated in fp32). The chunk is
-sized so its logits take about as much memory as ``hidden``.
+Contract: ``loongforge.core.kernels.reference.linear_cross_entropy`` (per-token fp32 losses).
+Tokens are processed in chunks (``token_chunk``: as many tokens as fit a logits budget, so the
+weight gradient is accumulated over a few chunks rather than many). For each chunk one matmul
+gives the logits ``[C, V]``; one Triton kernel reduces each row to its log-sum-exp (online softmax
+over vocab blocks), emits the loss and, when a gradient is needed, overwrites the row in place with
+``softmax - onehot`` (zero at ``ignore_index``); two matmuls then add the chunk's share of the
+hidden-state gradient and of the weight gradient, for a unit gradient of every token's loss. So the
+logits are computed once, not recomputed in the backward, as Liger's fused linear cross-entropy
+does for a mean loss.
+
+The backward scales those unit gradients by the losses' incoming gradient ``dloss``: row by row for
+the hidden states (exact for any ``dloss``), and by one factor for the weight, which is exact when
+``dloss`` is the same for every counted token -- the case of a loss that sums or averages the
+per-token losses, which models make so by giving uncounted tokens ``ignore_index``. Any other
+``dloss`` (per-token weights) is detected in the backward (one host read) and the weight gradient
+is then recomputed chunk by chunk with the per-token factors: always exact, fast where it can be.
 """
 
 from __future__ import annotations
@@ -20,13 +30,14 @@ import triton.language as tl
 from loongforge.kernels.launch import check_tensors
 
 BLOCK_VOCAB = 4096  # vocab entries per step of the per-row loops
+CHUNK_LOGITS_BYTES = 512 * 2**20  # a chunk's logits buffer: the weight gradient takes one pass per chunk
 
 
 @triton.jit
 def _ce_forward(
     LOGITS, LABELS, LOSS, LSE,
     n_vocab, stride_logits, ignore_index,
-    BLOCK: tl.constexpr,
+    WRITE_GRAD: tl.constexpr, BLOCK: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
     base = LOGITS + row * stride_logits
@@ -44,6 +55,15 @@ def _ce_forward(
     target = tl.load(base + tl.where(ignored, 0, label)).to(tl.float32)
     tl.store(LOSS + row, tl.where(ignored, 0.0, lse - target))
     tl.store(LSE + row, lse)
+    if WRITE_GRAD:  # the row becomes softmax - onehot, the gradient of its loss (zero when ignored)
+        keep = tl.where(ignored, 0.0, 1.0)
+        for start in range(0, n_vocab, BLOCK):
+            cols = start + tl.arange(0, BLOCK)
+            mask = cols < n_vocab
+            z = tl.load(base + cols, mask=mask, other=0.0).to(tl.float32)
+            p = tl.exp(z - lse)
+            grad = tl.where(cols == label, p - 1.0, p) * keep
+            tl.store(base + cols, grad.to(LOGITS.dtype.element_ty), mask=mask)
 
 
 @triton.jit
@@ -66,9 +86,11 @@ def _ce_backward_in_place(
         tl.store(base + cols, grad.to(LOGITS.dtype.element_ty), mask=mask)
 
 
-def token_chunk(n_tokens: int, vocab: int, hidden: int) -> int:
-    """Tokens per chunk: a power of two whose ``[chunk, vocab]`` logits are about ``[n_tokens, hidden]``."""
-    return min(max(n_tokens, 1), triton.next_power_of_2(triton.cdiv(max(n_tokens, 1), triton.cdiv(vocab, hidden))))
+def token_chunk(n_tokens: int, vocab: int, itemsize: int, budget: int = CHUNK_LOGITS_BYTES) -> int:
+    """Tokens per chunk: the largest power of two whose ``[chunk, vocab]`` logits fit ``budget``
+    bytes (at least 16 tokens), and no more than the tokens there are."""
+    fits = max(budget // max(vocab * itemsize, 1), 16)
+    return max(1, min(max(n_tokens, 1), 1 << (fits.bit_length() - 1)))
 
 
 def _check(hidden, weight, labels, ignore_index):
@@ -116,59 +138,101 @@ def _chunks(n_tokens: int, chunk: int):
         yield start, min(start + chunk, n_tokens)
 
 
+def _accumulate(out: torch.Tensor, first: bool, a: torch.Tensor, b: torch.Tensor) -> None:
+    """``out = a @ b`` for the first chunk, ``out += a @ b`` after it (the GEMM adds in place)."""
+    if first:
+        torch.mm(a, b, out=out)
+    else:
+        out.addmm_(a, b)
+
+
 class _LinearCrossEntropy(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, hidden, weight, labels, ignore_index):
+    def forward(ctx, hidden, weight, labels, ignore_index, chunk_bytes, grad_enabled):
         _check(hidden, weight, labels, ignore_index)
         hidden, weight, labels = hidden.contiguous(), weight.contiguous(), labels.contiguous()
         n_tokens, n_hidden = hidden.shape
         vocab = weight.shape[0]
+        # (under no_grad, as in evaluation, needs_input_grad still follows requires_grad)
+        need_hidden, need_weight = (grad_enabled and need for need in ctx.needs_input_grad[:2])
+        grads = need_hidden or need_weight
         loss = torch.empty(n_tokens, dtype=torch.float32, device=hidden.device)
         lse = torch.empty(n_tokens, dtype=torch.float32, device=hidden.device)
-        chunk = token_chunk(n_tokens, vocab, n_hidden)
-        buf = torch.empty((chunk, vocab), dtype=hidden.dtype, device=hidden.device)
+        # unit gradients: each token's loss with gradient 1 (the backward scales them)
+        dhidden = torch.empty_like(hidden) if need_hidden else None
+        dweight = torch.empty_like(weight) if need_weight else None
+        chunk = token_chunk(n_tokens, vocab, hidden.element_size(), chunk_bytes)
+        buf = torch.empty((min(chunk, n_tokens), vocab), dtype=hidden.dtype, device=hidden.device)
         for start, end in _chunks(n_tokens, chunk):
             logits = buf[: end - start]
             torch.mm(hidden[start:end], weight.t(), out=logits)
             _ce_forward[(end - start,)](
                 logits, labels[start:end], loss[start:end], lse[start:end],
-                vocab, logits.stride(0), ignore_index, BLOCK=BLOCK_VOCAB, num_warps=8,
+                vocab, logits.stride(0), ignore_index, WRITE_GRAD=grads, BLOCK=BLOCK_VOCAB, num_warps=8,
             )
-        ctx.save_for_backward(hidden, weight, labels, lse)
-        ctx.ignore_index = ignore_index
+            if need_hidden:
+                torch.mm(logits, weight, out=dhidden[start:end])
+            if need_weight:
+                _accumulate(dweight, start == 0, logits.t(), hidden[start:end])
+        if need_weight and n_tokens == 0:
+            dweight.zero_()
+        ctx.save_for_backward(hidden, weight, labels, lse, dhidden, dweight)
+        ctx.ignore_index, ctx.chunk, ctx.used = ignore_index, chunk, False
         return loss
 
     @staticmethod
     def backward(ctx, dloss):
-        hidden, weight, labels, lse = ctx.saved_tensors
+        if ctx.used:
+            raise RuntimeError("linear_cross_entropy: its backward scales the gradients made in the forward in "
+                               "place and runs once; run the forward again rather than retain_graph=True")
+        ctx.used = True
+        hidden, weight, labels, lse, dhidden, dweight = ctx.saved_tensors
         need_hidden, need_weight = ctx.needs_input_grad[:2]
-        n_tokens, n_hidden = hidden.shape
-        vocab = weight.shape[0]
-        dhidden = torch.empty_like(hidden) if need_hidden else None
-        dweight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if need_weight else None
-        chunk = token_chunk(n_tokens, vocab, n_hidden)
-        buf = torch.empty((chunk, vocab), dtype=hidden.dtype, device=hidden.device)
-        for start, end in _chunks(n_tokens, chunk):
-            dlogits = buf[: end - start]
-            torch.mm(hidden[start:end], weight.t(), out=dlogits)
-            _ce_backward_in_place[(end - start,)](
-                dlogits, labels[start:end], lse[start:end], dloss[start:end],
-                vocab, dlogits.stride(0), dloss.stride(0), ctx.ignore_index, BLOCK=BLOCK_VOCAB, num_warps=8,
-            )
-            if need_hidden:
-                torch.mm(dlogits, weight, out=dhidden[start:end])
-            if need_weight:
-                if dweight.dtype == dlogits.dtype:
-                    dweight.addmm_(dlogits.t(), hidden[start:end])
-                elif _fp32_accumulating_mm(dweight.device.type):  # the GEMM adds into the fp32 sum
-                    torch.addmm(dweight, dlogits.t(), hidden[start:end], out_dtype=torch.float32, out=dweight)
-                else:  # half-precision matmul per chunk, fp32 sum over chunks
-                    dweight.add_(dlogits.t() @ hidden[start:end])
-        return dhidden, dweight.to(weight.dtype) if need_weight else None, None, None
+        dloss = dloss.float()
+        if need_hidden:
+            dhidden.mul_(dloss[:, None])  # row by row: exact for any dloss
+        if need_weight and dloss.numel():
+            counted = labels != ctx.ignore_index
+            low = torch.where(counted, dloss, float("inf")).amin()
+            high = torch.where(counted, dloss, float("-inf")).amax()
+            low, high = torch.stack([low, high]).tolist()  # the op's one host read
+            if low < high:  # per-token factors: the weight gradient again, with them
+                dweight = _weight_grad(hidden, weight, labels, lse, dloss, ctx.ignore_index, ctx.chunk)
+            elif low == high and low != 1.0:  # one factor for every counted token
+                dweight.mul_(low)
+            # (low > high: no token is counted, and every unit gradient row was zero)
+        return (dhidden if need_hidden else None, dweight if need_weight else None, None, None, None, None)
+
+
+def _weight_grad(hidden, weight, labels, lse, dloss, ignore_index, chunk) -> torch.Tensor:
+    """The weight gradient for per-token factors ``dloss``: each chunk's logits recomputed, turned
+    into ``dloss * (softmax - onehot)`` in place, and accumulated (fp32 where it has to be added
+    over several chunks)."""
+    n_tokens = hidden.shape[0]
+    vocab = weight.shape[0]
+    several = n_tokens > chunk
+    dweight = torch.zeros(weight.shape, dtype=torch.float32 if several else weight.dtype, device=weight.device)
+    buf = torch.empty((min(chunk, n_tokens), vocab), dtype=hidden.dtype, device=hidden.device)
+    for start, end in _chunks(n_tokens, chunk):
+        dlogits = buf[: end - start]
+        torch.mm(hidden[start:end], weight.t(), out=dlogits)
+        _ce_backward_in_place[(end - start,)](
+            dlogits, labels[start:end], lse[start:end], dloss[start:end],
+            vocab, dlogits.stride(0), dloss.stride(0), ignore_index, BLOCK=BLOCK_VOCAB, num_warps=8,
+        )
+        if dweight.dtype == dlogits.dtype:
+            dweight.addmm_(dlogits.t(), hidden[start:end])
+        elif _fp32_accumulating_mm(dweight.device.type):  # the GEMM adds into the fp32 sum
+            torch.addmm(dweight, dlogits.t(), hidden[start:end], out_dtype=torch.float32, out=dweight)
+        else:  # half-precision matmul per chunk, fp32 sum over chunks
+            dweight.add_(dlogits.t() @ hidden[start:end])
+    return dweight.to(weight.dtype)
 
 
 def linear_cross_entropy(
-    hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, ignore_index: int = -100
+    hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, ignore_index: int = -100,
+    chunk_bytes: int = CHUNK_LOGITS_BYTES,
 ) -> torch.Tensor:
-    """Fused ``loongforge.core.kernels.reference.linear_cross_entropy``: per-token fp32 losses."""
-    return _LinearCrossEntropy.apply(hidden, weight, labels, ignore_index)
+    """Fused ``loongforge.core.kernels.reference.linear_cross_entropy``: per-token fp32 losses.
+    ``chunk_bytes``: the budget of one chunk's logits (``token_chunk``)."""
+    return _LinearCrossEntropy.apply(hidden, weight, labels, ignore_index, chunk_bytes, torch.is_grad_enabled())

@@ -1,24 +1,29 @@
-"""``lf-llm bench``: lf-llm's training step against HF transformers' Llama, in one process.
+"""``lf-llm bench``: lf-llm's training step against HF transformers' model of the same family
+(Llama, Qwen2, Qwen3, Mistral), in one process.
 
 The case is a train config (default ``train_0_5b``: a ~0.5B Llama, 8 layers, hidden 2048, GQA
-16/4, FFN 5632, vocab 32000, batch 4 x 4096 tokens). On the accelerator present, one after the
-other:
+16/4, FFN 5632, vocab 32000, batch 4 x 4096 tokens; the shipped ``bench_*`` configs are the other
+cases: ``bench_llama_1b``, ``bench_qwen3_4b``), or a YAML path, with ``key=value`` overrides, model
+keys included. Both sides train with the same precision recipe, the config's ``train.precision``:
+``bf16`` (mixed: ours keeps megatron's fp32 main weights and gradients, HF its fp32 weights under
+``torch.autocast`` to bf16) or ``bf16-pure`` (bf16 weights, gradients and AdamW state on both
+sides; HF's model loaded in bf16). On the accelerator present, one after the other:
 
 - ``matmul``: a square matrix product in the run's dtype, the measured peak that MFU is taken
   against;
 - ``hf_compile`` (the headline baseline), ``hf_liger`` and ``hf_eager``:
-  ``LlamaForCausalLM`` of the same architecture set up as transformers recommends for training on
+  the family's ``AutoModelForCausalLM`` of the same architecture set up as transformers recommends for training on
   a GPU (``hf_recipe``: FlashAttention-2 where flash-attn is installed, else SDPA; under
-  ``torch.compile``; fused AdamW, TF32, gradient clipping at ``train.clip_grad``), weights in the
-  run's dtype, the same micro-batches per step; ``hf_liger`` is the model with Liger's Triton
-  kernels (``apply_liger_kernel_to_llama``: RoPE, RMSNorm, SwiGLU, fused linear cross-entropy) as
+  ``torch.compile``; fused AdamW, TF32, gradient clipping at ``train.clip_grad``), in the
+  run's precision recipe, the same micro-batches per step; ``hf_liger`` is the model with Liger's Triton
+  kernels (``apply_liger_kernel_to_<family>``: RoPE, RMSNorm, SwiGLU, fused linear cross-entropy) as
   Liger documents them, on the eager model (with torch 2.11 and liger-kernel 0.8.5 the compiled
   model with all four kernels returns a wrong loss while each kernel alone agrees:
   ``bench/liger_check.py``), in a fresh process of its own (Liger patches transformers' modules for
   the whole process); it is left out, with a line saying so, where liger-kernel is not installed;
   ``hf_eager`` is the uncompiled ``hf_compile``. ``hf_compile`` and ``hf_liger`` run on CUDA only;
-- ``ours``: the config's model and ``Trainer.train_step`` (megatron DDP, fp32 main
-  weights and grads, AdamW, grad clipping, LR schedule) on random tokens; ``--variant`` adds runs
+- ``ours``: the config's model and ``Trainer.train_step`` (megatron DDP, AdamW, grad clipping, LR
+  schedule, the config's precision recipe) on random tokens; ``--variant`` adds runs
   with more config overrides (``train.recompute=selective``; commas inside brackets or quotes stay
   in the value) or the bench's own knobs (``spec.recompute_elementwise=false``: the fast layer spec
   with that setting; ``attention_backend=flash|fused|unfused``);
@@ -28,8 +33,9 @@ other:
   choice. ``adaptive`` needs a GPU with the fused FP8 kernels and is refused before any run
   elsewhere.
 
-Every run starts from the same weights: a random ``LlamaForCausalLM`` saved once, read by ours
-through ``model.init_from_hf``; every run's first-step loss must agree with the headline
+Every run starts from the same weights: a random HF model saved once in the compute dtype (so
+both recipes start from the same values), read by ours through ``model.init_from_hf`` (a variant
+that changes the model starts from random weights of its own, its loss not compared); every run's first-step loss must agree with the headline
 baseline's (``FirstLossMismatch`` beyond the precision's tolerance). The runs alternate order
 round by round (``--rounds``: the baselines first, then ours first, ...); ``--processes N``
 repeats the bench in N fresh processes and prints each run's median and spread.
@@ -62,6 +68,19 @@ from loongforge.llm.recipe import LLMConfig, load_llm_config
 
 BENCH_KNOBS = ("spec.recompute_elementwise", "attention_backend")
 BASELINES = ("hf_compile", "hf_liger", "hf_eager")  # the headline baseline first
+# family -> (transformers' causal-LM class, Liger's patch function for it)
+HF_CLASSES = {
+    "llama": ("LlamaForCausalLM", "apply_liger_kernel_to_llama"),
+    "qwen2": ("Qwen2ForCausalLM", "apply_liger_kernel_to_qwen2"),
+    "qwen3": ("Qwen3ForCausalLM", "apply_liger_kernel_to_qwen3"),
+    "mistral": ("MistralForCausalLM", "apply_liger_kernel_to_mistral"),
+}
+RECIPES = {
+    "mixed": "mixed (bf16 compute; fp32 weights, grads and AdamW state: ours megatron's fp32 main weights, HF "
+             "fp32 weights under torch.autocast to bf16)",
+    "pure": "pure bf16 (bf16 weights, grads and AdamW state on both sides; HF's model loaded in bf16)",
+    "fp32": "fp32 on both sides",
+}
 
 
 def installed(module: str) -> bool:
@@ -70,14 +89,15 @@ def installed(module: str) -> bool:
     return importlib.util.find_spec(module) is not None
 
 
-def hf_recipe(flash_attn: bool | None = None, liger: bool | None = None) -> BaselineRecipe:
-    """transformers' Llama as its docs recommend for training on a GPU, with and without Liger."""
+def hf_recipe(family: str = "llama", flash_attn: bool | None = None, liger: bool | None = None) -> BaselineRecipe:
+    """transformers' model of ``family`` as its docs recommend for training on a GPU, with and without Liger."""
     flash = installed("flash_attn") if flash_attn is None else flash_attn
     liger = installed("liger_kernel") if liger is None else liger
+    model_class, liger_patch = HF_CLASSES[family]
     return BaselineRecipe(
-        project="transformers LlamaForCausalLM",
-        source="transformers docs: flash_attention_2 (flash-attn installed) else sdpa, torch.compile; Liger's "
-               "apply_liger_kernel_to_llama on the eager model (hf_liger)",
+        project=f"transformers {model_class}",
+        source=f"transformers docs: flash_attention_2 (flash-attn installed) else sdpa, torch.compile; Liger's "
+               f"{liger_patch} on the eager model (hf_liger)",
         options={"attn_implementation": "flash_attention_2" if flash else "sdpa", "compile": True,
                  "fused_adamw": True, "tf32": True, "clip_grad": True, "liger_kernel": liger},
         cuda_only=frozenset({"compile", "fused_adamw", "tf32", "liger_kernel"} | ({"attn_implementation"} if flash else set())),
@@ -136,46 +156,68 @@ def micro_batches(cfg: LLMConfig, device) -> list[dict]:
     return out
 
 
-def hf_llama_config(cfg: LLMConfig):
-    """transformers' ``LlamaConfig`` of the config's (llama-family) model, from the llama family's
-    HF adapter (the one ``lf-llm convert lf-to-hf`` writes), with SDPA attention."""
-    from transformers import LlamaConfig
+def hf_config(cfg: LLMConfig):
+    """transformers' config of the config's model, from its family's HF adapter (the one
+    ``lf-llm convert lf-to-hf`` writes), with SDPA attention."""
+    from transformers import AutoConfig
 
     from loongforge.core.hf_mapping import MappingError
     from loongforge.core.models import get_model_spec
 
     m = cfg.model
-    if m.family != "llama":
-        raise ConfigError(f"lf-llm bench compares with HF's Llama: model.family={m.family!r} is not 'llama'")
+    if m.family not in HF_CLASSES:
+        raise ConfigError(f"lf-llm bench compares with transformers' model of the family: model.family={m.family!r} "
+                          f"is not one of {', '.join(HF_CLASSES)}")
     try:
-        hf = LlamaConfig.from_dict(get_model_spec(m.family).hf_adapter.config_to_hf(m))
+        fields = get_model_spec(m.family).hf_adapter.config_to_hf(m)
     except MappingError as exc:
-        raise ConfigError(f"lf-llm bench compares with HF's Llama: {exc}") from exc
+        raise ConfigError(f"lf-llm bench compares with transformers' {HF_CLASSES[m.family][0]}: {exc}") from exc
+    hf = AutoConfig.for_model(fields.pop("model_type"), **fields)
     hf._attn_implementation = "sdpa"
     return hf
 
 
 def save_hf_model(cfg: LLMConfig, directory: str, dtype: torch.dtype) -> None:
-    """A random ``LlamaForCausalLM`` of the config's model (seed ``train.seed``), saved in ``dtype``:
-    the weights every run starts from."""
-    from transformers import LlamaForCausalLM
+    """A random HF model of the config's model (seed ``train.seed``), saved in ``dtype``: the
+    weights every run starts from."""
+    from transformers import AutoModelForCausalLM
 
     torch.manual_seed(cfg.train.seed)
-    LlamaForCausalLM(hf_llama_config(cfg)).to(dtype).save_pretrained(directory)
+    AutoModelForCausalLM.from_config(hf_config(cfg)).to(dtype).save_pretrained(directory)
+
+
+def compute_dtype(cfg: LLMConfig, device: torch.device) -> torch.dtype:
+    """The compute dtype of a run of ``cfg`` on ``device`` (``train.precision``)."""
+    from loongforge.core.training.engine import resolve_dtype
+
+    return resolve_dtype(cfg.train.precision, device)
+
+
+def run_precision(cfg: LLMConfig, device: torch.device) -> str:
+    """The precision recipe of a run of ``cfg`` on ``device``: mixed, pure or fp32."""
+    from loongforge.core.training.engine import precision_recipe
+
+    return precision_recipe(cfg.train.precision, device)
 
 
 def hf_step(cfg: LLMConfig, hf_dir: str, dev: BenchDevice, recipe: BaselineRecipe, compile_: bool, liger: bool = False):
     """A transformers training step per ``recipe`` on the bench's micro-batches (the loss of each
-    scaled by their count, as gradient accumulation does); it returns the step's loss."""
-    from transformers import LlamaForCausalLM
+    scaled by their count, as gradient accumulation does), in ``cfg``'s precision recipe: bf16
+    weights (pure), or fp32 weights with the forward under ``torch.autocast`` to bf16 (mixed, as
+    transformers' Trainer runs with ``bf16=True``); it returns the step's loss."""
+    import contextlib
+    import importlib
+
+    from transformers import AutoModelForCausalLM
 
     applied = recipe.applied(dev.device.type)
-    model = LlamaForCausalLM.from_pretrained(hf_dir, attn_implementation=applied["attn_implementation"] or "sdpa",
-                                             dtype=dev.dtype).to(dev.device)
+    mixed = run_precision(cfg, dev.device) == "mixed"
+    dtype = compute_dtype(cfg, dev.device)
+    model = AutoModelForCausalLM.from_pretrained(hf_dir, attn_implementation=applied["attn_implementation"] or "sdpa",
+                                                 dtype=torch.float32 if mixed else dtype).to(dev.device)
     if liger:
-        from liger_kernel.transformers import apply_liger_kernel_to_llama
-
-        apply_liger_kernel_to_llama(model=model)
+        patch = getattr(importlib.import_module("liger_kernel.transformers"), HF_CLASSES[cfg.model.family][1])
+        patch(model=model)
     model.train()
     params = list(model.parameters())
     opt = torch.optim.AdamW(params, lr=1e-4, fused=bool(applied["fused_adamw"]))
@@ -183,10 +225,14 @@ def hf_step(cfg: LLMConfig, hf_dir: str, dev: BenchDevice, recipe: BaselineRecip
     forward = torch.compile(model) if compile_ else model
     clip = cfg.train.clip_grad if applied["clip_grad"] else 0
 
+    def autocast():
+        return torch.autocast(dev.device.type, dtype=dtype) if mixed else contextlib.nullcontext()
+
     def step():
         total = 0.0
         for tokens in batches:
-            loss = forward(input_ids=tokens, labels=tokens).loss / len(batches)
+            with autocast():
+                loss = forward(input_ids=tokens, labels=tokens).loss / len(batches)
             loss.backward()
             total = total + loss.detach()
         if clip > 0:
@@ -202,7 +248,7 @@ def hf_liger_run(config: str, overrides: list[str], hf_dir: str, steps: int, war
     """``hf_liger`` in this (fresh) process: its first-step loss, step times and peak GiB."""
     dev = BenchDevice()
     cfg = load_llm_config(config, overrides)
-    recipe = hf_recipe()
+    recipe = hf_recipe(cfg.model.family)
     dev.fresh_memory()
     with tf32_matmuls(bool(recipe.applied(dev.device.type)["tf32"])):
         step, keep = hf_step(cfg, hf_dir, dev, recipe, compile_=False, liger=True)
@@ -249,12 +295,21 @@ def plan_runs(config: str, overrides: list[str], variants: list[str], fp8: list[
               run_dir: str) -> list[Run]:
     """Every run in order (ours, its FP8 and named variants, the baselines), each config loaded
     and each knob checked here, so that a bad one fails before any run."""
+    requested = load_llm_config(config, split_overrides(list(overrides))[0]).model
+
     def ours(name: str, items: list[str]) -> Run:
         config_overrides, knobs = split_overrides([*overrides, *items])
-        cfg = load_llm_config(config, [f"model.init_from_hf={run_dir}/hf", *config_overrides,
-                                       f"log.run_dir={run_dir}/{name}", "log.tensorboard=false",
-                                       "log.progress=false", "checkpoint.save=false",
-                                       "checkpoint.resume=false"])
+        run = [f"log.run_dir={run_dir}/{name}", "log.tensorboard=false", "log.progress=false",
+               "checkpoint.save=false", "checkpoint.resume=false"]
+        if any(is_model_key(item) for item in items):  # its own model: its own random weights
+            return Run(name, load_llm_config(config, [*config_overrides, *run]), knobs)
+        # the model is the HF directory's (written from the config's model, model overrides included)
+        kept = [item for item in config_overrides if not is_model_key(item)]
+        cfg = load_llm_config(config, [f"model.init_from_hf={run_dir}/hf", *kept, *run])
+        lost = {k: v for k, v in requested.architecture().items() if cfg.model.architecture().get(k) != v}
+        if lost:
+            raise ConfigError(f"lf-llm bench starts every run from an HF checkpoint of the model, which does not keep "
+                              f"{', '.join(f'model.{k}={v!r}' for k, v in lost.items())}")
         return Run(name, cfg, knobs)
 
     runs = [ours("ours", [])]
@@ -271,6 +326,12 @@ def plan_runs(config: str, overrides: list[str], variants: list[str], fp8: list[
     liger = installed("liger_kernel")
     wanted = [n for n in BASELINES if n not in skip and (cuda or n == "hf_eager") and (liger or n != "hf_liger")]
     return [Run(n, base, {}) for n in wanted] + runs
+
+
+def is_model_key(item: str) -> bool:
+    """Whether a ``key=value`` override sets the model (the ``model`` group or a ``model.*`` key)."""
+    key = item.partition("=")[0].strip().lstrip("+~")
+    return key == "model" or key.startswith("model.")
 
 
 def same_step(a: LLMConfig, b: LLMConfig) -> bool:
@@ -294,7 +355,7 @@ def run_bench(config: str = "train_0_5b", overrides: list[str] = (), steps: int 
     dev = BenchDevice()
     with tempfile.TemporaryDirectory() as run_dir:
         # the configs name the HF directory: its config.json first, the weights once every run is checked
-        hf_llama_config(load_llm_config(config, split_overrides(list(overrides))[0])).save_pretrained(f"{run_dir}/hf")
+        hf_config(load_llm_config(config, split_overrides(list(overrides))[0])).save_pretrained(f"{run_dir}/hf")
         runs = plan_runs(config, list(overrides), list(variants), list(fp8), list(skip), dev.cuda, run_dir)
         base = next(r for r in runs if r.name == "ours").cfg
         warnings.filterwarnings("ignore")
@@ -305,12 +366,13 @@ def run_bench(config: str = "train_0_5b", overrides: list[str] = (), steps: int 
                f"{f'{spec / 1e12:.0f} TFLOP/s (dense bf16)' if spec else 'not listed for this device'}; "
                f"{base.model.flops_per_token(t.seq_length) / 1e9:.3f} GFLOP/token; "
                f"{t.global_batch_size * t.seq_length} tokens/step ({config})")
-        recipe = hf_recipe()
+        recipe = hf_recipe(base.model.family)
+        report(f"precision recipe: {RECIPES[run_precision(base, dev.device)]} (train.precision={t.precision})")
         for text in recipe.lines(dev.device.type):
             report(text)
         if not dev.cuda:
             report("hf_compile, hf_liger: skipped (they run on CUDA only)")
-        save_hf_model(base, f"{run_dir}/hf", dev.dtype)
+        save_hf_model(base, f"{run_dir}/hf", compute_dtype(base, dev.device))
         tf32 = bool(recipe.applied(dev.device.type)["tf32"])
 
         by_name = {r.name: r for r in runs}
@@ -379,7 +441,7 @@ def run_bench(config: str = "train_0_5b", overrides: list[str] = (), steps: int 
     for r in runs:
         if r.name not in compared:
             report(f"first-step loss {r.name}: not compared (another model or batch than ours)")
-    for text in check_first_losses(compared, reference, dev.dtype, fp8_runs=[f"ours_fp8_{m}" for m in fp8]):
+    for text in check_first_losses(compared, reference, compute_dtype(base, dev.device), fp8_runs=[f"ours_fp8_{m}" for m in fp8]):
         report(text)
     return results
 

@@ -87,7 +87,8 @@ class GPTChunks:
             self.inner.set_input_tensor(stage_input)
         try:
             b = self.batch
-            out = self.model(b["tokens"][:, rows], b["position_ids"][:, rows], None, labels=b["labels"][:, rows])
+            out = self.model(b["tokens"][:, rows], b["position_ids"][:, rows], None, labels=b["labels"][:, rows],
+                             loss_mask=b["loss_mask"][:, rows])
         finally:
             for layer in self.layers:
                 layer.chunk_state = None

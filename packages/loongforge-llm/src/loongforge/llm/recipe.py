@@ -386,7 +386,8 @@ class LLMTask:
 
             output = chunked_forward(model, batch, chunks)
         else:
-            output = model(batch["tokens"], batch["position_ids"], None, labels=batch["labels"])
+            output = model(batch["tokens"], batch["position_ids"], None, labels=batch["labels"],
+                           loss_mask=batch["loss_mask"])
         return output, partial(masked_token_loss, batch["loss_mask"])
 
 

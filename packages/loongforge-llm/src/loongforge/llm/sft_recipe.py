@@ -147,5 +147,5 @@ class SFTTask(LLMTask):
         from loongforge.llm.data.packing import packed_seq_params
 
         output = model(batch["tokens"], batch["position_ids"], None, labels=batch["labels"],
-                       packed_seq_params=packed_seq_params(batch))
+                       loss_mask=batch["loss_mask"], packed_seq_params=packed_seq_params(batch))
         return output, partial(masked_token_loss, batch["loss_mask"])

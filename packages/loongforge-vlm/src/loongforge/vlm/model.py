@@ -301,12 +301,14 @@ class VisionLanguageModel(MegatronModule):
 
     # -- forward ----------------------------------------------------------------------------
     def forward(self, tokens, position_ids, attention_mask=None, labels=None, pixel_values=None, grid_thw=None,
-                packed_seq_params=None, cp_index=None, vision=None):
+                packed_seq_params=None, cp_index=None, vision=None, loss_mask=None):
         """``packed_seq_params``: a THD row's (no ``attention_mask`` then). ``cp_index``: under
         context parallelism, the row positions of this CP rank's tokens (``loongforge.vlm.context_parallel``):
         ``tokens``, ``pixel_values`` and ``grid_thw`` are the whole row's, ``position_ids`` and
         ``labels`` this rank's. ``vision``: the items' vision rows encoded before the schedule
-        (the decoupled encoder stage, ``loongforge.vlm.encoder_stage``) in place of ``pixel_values``."""
+        (the decoupled encoder stage, ``loongforge.vlm.encoder_stage``) in place of ``pixel_values``.
+        ``loss_mask``: which of this rank's tokens count in the loss (the foundation's fused loss
+        leaves the others out of its gradient work)."""
         from loongforge.vlm.context_parallel import local_rows
 
         decoder_input, additions = None, []
@@ -318,7 +320,7 @@ class VisionLanguageModel(MegatronModule):
             tokens = tokens.index_select(1, cp_index.to(tokens.device))
         with deepstack.added_to_layer_outputs(self.language_model.decoder.layers, additions):
             return self.language_model(tokens, position_ids, attention_mask, decoder_input=decoder_input,
-                                       labels=labels, packed_seq_params=packed_seq_params)
+                                       labels=labels, loss_mask=loss_mask, packed_seq_params=packed_seq_params)
 
     # -- checkpoints ------------------------------------------------------------------------
     def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (), metadata: dict | None = None):

@@ -347,7 +347,7 @@ class VLMTask:
         from loongforge.llm.api import masked_token_loss, packed_seq_params
 
         output = model(batch["tokens"], batch["position_ids"], batch["attention_mask"], labels=batch["labels"],
-                       pixel_values=batch["pixel_values"], grid_thw=batch["grid_thw"],
+                       loss_mask=batch["loss_mask"], pixel_values=batch["pixel_values"], grid_thw=batch["grid_thw"],
                        packed_seq_params=packed_seq_params(batch), cp_index=batch.get("cp_index"),
                        vision=batch.get("vision"))
         return output, partial(masked_token_loss, batch["loss_mask"])

@@ -52,7 +52,8 @@ class EngineState:
 
 class Engine(Protocol):
     name: str
-    dtype: torch.dtype
+    dtype: torch.dtype  # the compute dtype
+    precision: str  # the recipe (``precision_recipe``): mixed | pure | fp32
     model: torch.nn.Module  # as wrapped for training
 
     @property
@@ -77,10 +78,35 @@ class Engine(Protocol):
 
 
 def resolve_dtype(precision: str, device: torch.device) -> torch.dtype:
-    """``train.precision``: auto is bf16 on accelerators, fp32 on CPU."""
+    """The compute dtype of ``train.precision``: auto is bf16 on accelerators, fp32 on CPU."""
     if precision == "auto":
         return torch.bfloat16 if device.type != "cpu" else torch.float32
-    return {"bf16": torch.bfloat16, "fp32": torch.float32}[precision]
+    return {"bf16": torch.bfloat16, "bf16-pure": torch.bfloat16, "fp32": torch.float32}[precision]
+
+
+def precision_recipe(precision: str, device: torch.device) -> str:
+    """What ``train.precision`` keeps in which dtype, by name: ``mixed`` (bf16 compute, fp32 main
+    weights, gradients and optimizer state), ``pure`` (everything in bf16, as a model loaded in
+    bf16 and trained by a plain optimizer is) or ``fp32``. Checkpoints record it; a resume with
+    another recipe takes the weights only."""
+    if precision == "bf16-pure":
+        return "pure"
+    return "mixed" if resolve_dtype(precision, device) == torch.bfloat16 else "fp32"
+
+
+def check_precision(ckpt, precision: str) -> None:
+    """Optimizer state is kept in the dtypes of the precision recipe that saved it (``mixed``: fp32
+    main weights and moments; ``pure``: bf16): a resume must train with the same recipe. Checkpoints
+    from before the manifest recorded one pass."""
+    from loongforge.core.checkpoint import CheckpointReadError
+
+    saved = ckpt.manifest.get("precision")
+    if saved is not None and saved != precision:
+        raise CheckpointReadError(
+            f"{ckpt.directory / 'manifest.json'}: saved by a run with the {saved} precision recipe; this run trains "
+            f"with the {precision} one (train.precision: bf16 is mixed, bf16-pure is pure); resume with the same "
+            f"train.precision, or load the weights only with checkpoint.load=DIR and checkpoint.resume=false"
+        )
 
 
 def make_engine(task, ctx, cfg, resuming: bool) -> Engine:

@@ -13,7 +13,7 @@ import torch
 
 from loongforge.core.checkpoint import Checkpoint, CheckpointReadError
 from loongforge.core.checkpoint.sharded import flatten_for_save, load_into, move_tensors
-from loongforge.core.training.engine import EngineState
+from loongforge.core.training.engine import EngineState, check_precision
 
 OPTIM_METADATA = {"distrib_optim_sharding_type": "fully_reshardable"}
 
@@ -51,7 +51,8 @@ def engine_state(engine) -> EngineState:
     per_rank = {"sharded_objects": objects}
     if engine.ctx.rank == 0:
         per_rank["common"] = common
-    return EngineState(pieces=pieces, objects=per_rank, manifest={"optimizer": _optimizer_kind(engine)})
+    return EngineState(pieces=pieces, objects=per_rank,
+                       manifest={"optimizer": _optimizer_kind(engine), "precision": engine.precision})
 
 
 def _optimizer_kind(engine) -> str:
@@ -127,6 +128,7 @@ def load(engine, ckpt: Checkpoint, with_optimizer: bool) -> None:
     objects, common = _all_objects(ckpt)
     if with_optimizer:
         _check_optimizer_kind(ckpt, engine)
+        check_precision(ckpt, engine.precision)
     else:
         common = {k: v for k, v in common.items() if k == "model"}
     state = load_into(_sharded_state_dict(engine, is_loading=True, with_optimizer=with_optimizer), ckpt.reader, objects, common)

@@ -24,7 +24,8 @@ import torch.distributed as dist
 
 from loongforge.core.parallel import ParallelContext
 from loongforge.core.training.activation_offload import offload_first
-from loongforge.core.training.engine import EngineState, StepOutput, resolve_dtype
+from loongforge.core.training import grad_update
+from loongforge.core.training.engine import EngineState, StepOutput, precision_recipe, resolve_dtype
 from loongforge.core.training.schema import ParallelConfig, TrainConfig
 from loongforge.core.training.task import MegatronTask, StepBatch
 
@@ -82,6 +83,10 @@ def check_parallel_config(parallel: ParallelConfig) -> None:
 def check_train_config(train: TrainConfig) -> None:
     if train.compile:
         raise ValueError("train.compile=true: the megatron-core engine does not torch.compile the model; leave it null")
+    if train.precision == "bf16-pure" and train.use_distributed_optimizer:
+        raise ValueError("train.precision=bf16-pure with train.use_distributed_optimizer=true: megatron's distributed "
+                         "optimizer keeps fp32 main weights of its shard; train in bf16 (mixed precision) or with "
+                         "the standard optimizer")
 
 
 class MegatronEngine:
@@ -112,7 +117,9 @@ class MegatronEngine:
                                  f"micro_batch_size*dp = {self.micro_batch_size}*{dp}")
             self.num_microbatches = train.global_batch_size // (self.micro_batch_size * dp)
         self.dtype = resolve_dtype(train.precision, ctx.device)
+        self.precision = precision_recipe(train.precision, ctx.device)  # mixed | pure | fp32
         bf16 = self.dtype == torch.bfloat16
+        pure = self.precision == "pure"
         if task.transformer_config_kwargs().get("overlap_moe_expert_parallel_comm") and not bf16:
             from loongforge.core.config import ConfigError
 
@@ -141,7 +148,7 @@ class MegatronEngine:
         if bf16:
             module = Float16Module(self.transformer_config, module)
         ddp_config = DistributedDataParallelConfig(
-            grad_reduce_in_fp32=True,
+            grad_reduce_in_fp32=not pure,  # pure bf16: the gradient buffer (main_grad) in bf16
             overlap_grad_reduce=train.overlap_grad_reduce,
             use_distributed_optimizer=train.use_distributed_optimizer,
         )
@@ -156,7 +163,7 @@ class MegatronEngine:
                 adam_beta2=train.adam_beta2,
                 adam_eps=train.adam_eps,
                 clip_grad=train.clip_grad,
-                bf16=bf16,
+                bf16=bf16 and not pure,  # pure bf16: megatron's FP32Optimizer, stepping the bf16 params themselves
                 params_dtype=self.dtype,
                 use_distributed_optimizer=train.use_distributed_optimizer,
             ),
@@ -174,22 +181,29 @@ class MegatronEngine:
         self._after_schedule = None  # the step's ScheduledStep.after_schedule, run before the grad reduction
         self._measuring = False
         self._grad_norm = float("nan")
+        self._token_scaling = None  # 1 / tokens of the step's global batch (a device scalar), set by the finalize
         cfg.no_sync_func = self.model.no_sync
         if train.overlap_grad_reduce:
             cfg.grad_sync_func = self.model.start_grad_sync
 
     # -- one step ---------------------------------------------------------------------------
-    def _finalize_grads_timed(self, *args, **kwargs):
+    def _finalize_grads_timed(self, model, num_tokens=None, *args, **kwargs):
         """megatron's ``finalize_model_grads`` (gradient reduction over DP), after the step's
         ``after_schedule`` (if any), timed at its start: the rank's own compute ends there, before it
-        waits for the slowest rank."""
+        waits for the slowest rank. The per-token normalisation (``1 / num_tokens`` of the global
+        batch) is not applied to the gradients here but kept for the update
+        (``grad_update.scale_into_step``), which folds it into the optimizer step."""
         if self._after_schedule is not None:
             after, self._after_schedule = self._after_schedule, None
             after()
         if self._measuring:
             self.ctx.accelerator.synchronize()
         self._compute_end = time.perf_counter()
-        return self._finalize_model_grads(*args, **kwargs)
+        out = self._finalize_model_grads(model, None, *args, **kwargs)
+        if num_tokens is None:
+            raise RuntimeError("megatron's schedule gave no token count: the engine sets calculate_per_token_loss")
+        self._token_scaling = grad_update.token_scaling(num_tokens, self.ctx.pgs.pp, self.ctx.pgs.dp_cp)
+        return out
 
     @property
     def inner_model(self) -> torch.nn.Module:
@@ -264,30 +278,30 @@ class MegatronEngine:
             totals[:2] = 0  # TP ranks hold the same loss; count it once
         dist.all_reduce(totals)
         self.optimizer.prepare_grads()
-        grad_norm = self.optimizer.get_grad_norm()
-        self._grad_norm = float(grad_norm) if grad_norm is not None else float("nan")
+        norm = grad_update.grad_norm(self.optimizer, self.ctx.device) * self._token_scaling
+        # one host read for the loss, the norm and the counts
+        loss, grad_norm, tokens, flops = torch.stack(
+            [(totals[0] / totals[1].clamp(min=1)), norm.double(), totals[2], totals[3]]).tolist()
+        self._grad_norm = grad_norm
         return StepOutput(
-            loss=(totals[0] / totals[1].clamp(min=1)).item(),
+            loss=loss,
             grad_norm=self._grad_norm,
-            tokens=int(totals[2].item()) if step.tokens is not None else None,
-            flops=float(totals[3].item()) if step.flops is not None else None,
+            tokens=int(tokens) if step.tokens is not None else None,
+            flops=flops if step.flops is not None else None,
             compute_seconds=compute_seconds,
             offloaded_bytes=offloaded,
         )
 
     def apply_update(self, lr: float) -> None:
-        """Clip with the norm ``forward_backward`` computed and step every (sub-)optimizer, as
-        megatron's ``optimizer.step()`` does after its own norm computation."""
-        from megatron.core.optimizer.clip_grads import clip_grad_by_total_norm_fp32
-
+        """Step every (sub-)optimizer with the gradients normalised per token and clipped with the
+        norm ``forward_backward`` computed (``clip_grad / (norm + 1e-6)`` where that is below 1, as
+        megatron's clipping does), both factors applied inside the optimizer step."""
         for group in self.optimizer.param_groups:
             group["lr"] = lr * group.get("lr_mult", 1.0)
-        if self.train.clip_grad > 0:
-            for inner in getattr(self.optimizer, "chained_optimizers", [self.optimizer]):
-                params = inner.get_parameters()
-                if params:
-                    clip_grad_by_total_norm_fp32(params, self.train.clip_grad, self._grad_norm)
-        self.optimizer.step_with_ready_grads()
+        clip = self.train.clip_grad
+        coefficient = min(1.0, clip / (self._grad_norm + 1e-6)) if clip > 0 else 1.0
+        grad_update.scale_into_step(self.optimizer, self._token_scaling * coefficient,
+                                    self.optimizer.step_with_ready_grads)
 
     def discard_update(self) -> None:
         self.model.zero_grad_buffer()

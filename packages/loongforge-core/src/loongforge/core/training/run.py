@@ -58,7 +58,8 @@ def run_training(cfg, task, prog: str, after: Callable[[Trainer], None] | None =
         trainer = Trainer(task, ctx, cfg, config_record=to_dict(cfg))
         if ctx.is_main:
             what = task.describe() if hasattr(task, "describe") else task.family
-            print(f"{prog}: {what} on {describe_layout(ctx)}, {trainer.engine.name} engine, {trainer.dtype}, "
+            print(f"{prog}: {what} on {describe_layout(ctx)}, {trainer.engine.name} engine, {trainer.dtype} "
+                  f"({trainer.engine.precision} precision), "
                   f"run dir {cfg.log.run_dir}", flush=True)
             notice = reference_kernels_notice(ctx.accelerator.name, installed_kernel_providers(),
                                               prog.replace("lf-", "loongforge-"))

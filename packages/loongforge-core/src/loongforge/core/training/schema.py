@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-PRECISIONS = ("auto", "bf16", "fp32")
+PRECISIONS = ("auto", "bf16", "bf16-pure", "fp32")
 DECAY_STYLES = ("cosine", "linear", "constant")
 RECOMPUTE = ("none", "selective", "full")
 DATA_PARALLEL = ("auto", "ddp", "fsdp", "hsdp")
@@ -52,7 +52,9 @@ class TrainConfig:
     adam_eps: float = 1e-8  # AdamW epsilon
     clip_grad: float = 1.0  # max global grad norm; 0: no clipping (the norm is still logged)
     seed: int = 1234  # initial weights, data order and noise
-    precision: str = "auto"  # auto (bf16 on accelerators, fp32 on CPU) | bf16 | fp32
+    # auto (bf16 on accelerators, fp32 on CPU) | bf16 (mixed: bf16 compute, fp32 main weights, grads and
+    # optimizer state) | bf16-pure (bf16 weights, grads and optimizer state) | fp32
+    precision: str = "auto"
     recompute: str = "none"  # activation recomputation: none | selective | full
     # the activations the first N repeated blocks (of each model part or pipeline stage) save for
     # the backward wait in pinned host memory (copied on side streams, prefetched one block ahead)

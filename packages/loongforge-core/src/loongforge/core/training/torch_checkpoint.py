@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 
 from loongforge.core.checkpoint import Checkpoint, CheckpointReadError, Piece
-from loongforge.core.training.engine import EngineState
+from loongforge.core.training.engine import EngineState, check_precision
 from loongforge.core.training.sharding import local, region, writes_piece
 
 MODEL, EMA_PREFIX, OPTIM = "model.", "ema.", "optim."
@@ -48,7 +48,7 @@ def engine_state(engine) -> EngineState:
                     pieces += _piece(f"{OPTIM}{name}.{k}", p, local(value), is_main)
         if engine.ema is not None:
             pieces += _piece(EMA_PREFIX + name, p, engine.ema.shadow[name], is_main)
-    manifest = {"adam_steps": steps, "ema": engine.ema is not None}
+    manifest = {"adam_steps": steps, "ema": engine.ema is not None, "precision": engine.precision}
     lora = getattr(engine, "lora", None)
     if lora is not None:
         manifest["lora"] = {"rank": lora.rank, "alpha": lora.alpha, "dropout": lora.dropout,
@@ -100,6 +100,8 @@ def load_base(engine, path) -> None:
 
 
 def load(engine, ckpt: Checkpoint, with_optimizer: bool) -> None:
+    if with_optimizer:
+        check_precision(ckpt, engine.precision)
     load_model(engine.model, ckpt)
     if with_optimizer:
         steps = ckpt.manifest.get("adam_steps", {})

@@ -1,6 +1,6 @@
 """The PyTorch-native engine: any ``nn.Module`` under DDP, FSDP2 or HSDP (``parallel.data_parallel``),
 with activation recomputation (``train.recompute``) and offloading (``train.offload_layers``), regional ``torch.compile`` (``train.compile``),
-bf16 autocast (``train.precision``), AdamW (fused on CUDA), an optional EMA of the weights
+bf16 autocast over fp32 weights or pure bf16 (``train.precision``), AdamW (fused on CUDA), an optional EMA of the weights
 (``ema.decay``) and LoRA (``lora.rank > 0``: ``loongforge.core.lora``, applied to the task's model
 after its pretrained weights are read and before anything else touches it; only the adapters
 train). Context parallelism (``parallel.cp``) is the model's to implement (the task
@@ -37,7 +37,7 @@ import torch.distributed as dist
 from loongforge.core.training import torch_parallel
 from loongforge.core.training.activation_offload import offload_first
 from loongforge.core.training.ema import EMA
-from loongforge.core.training.engine import EngineState, StepOutput, resolve_dtype
+from loongforge.core.training.engine import EngineState, StepOutput, precision_recipe, resolve_dtype
 from loongforge.core.training.schema import ParallelConfig, TrainConfig
 from loongforge.core.training.sharding import local
 from loongforge.core.training.task import StepBatch, TorchTask
@@ -73,6 +73,10 @@ class TorchEngine:
         self.task, self.ctx, self.train, self.parallel = task, ctx, train, parallel
         self.device = ctx.device
         self.dtype = resolve_dtype(train.precision, ctx.device)
+        # mixed: fp32 weights, grads and AdamW state, bf16 autocast; pure: all of them in bf16 (autocast
+        # still casts fp32 inputs); the EMA weights stay fp32 either way
+        self.precision = precision_recipe(train.precision, ctx.device)
+        param_dtype = self.dtype if self.precision == "pure" else None
         self.group = ctx.pgs.dp_cp
         self.world = dist.get_world_size(self.group)
         self.mode = torch_parallel.data_parallel_mode(parallel.data_parallel, self.world)
@@ -94,11 +98,13 @@ class TorchEngine:
             self.adapted = apply_lora(model, self.lora, seed=train.seed)
         if not sharded_init:
             model.to(self.device)
+        if param_dtype is not None:  # (on the meta device under a sharded init: to_empty keeps the dtype)
+            model.to(param_dtype)
         self.model = model
         self.parts = model_parts(model)
         self._prepare_parts(train)
         self.wrapped = {name: torch_parallel.wrap(part, self.mode, self.group, self.device, self.dtype,
-                                                  parallel.dp_replicate)
+                                                  parallel.dp_replicate, pure=self.precision == "pure")
                         for name, part in self.parts.items()}
         if sharded_init:
             model.to_empty(device=self.device)

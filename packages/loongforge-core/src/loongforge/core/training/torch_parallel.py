@@ -42,10 +42,11 @@ def device_mesh(mode: str, group, device_type: str, dp_replicate: int):
 
 
 def wrap(part: nn.Module, mode: str, group, device: torch.device, compute_dtype: torch.dtype,
-         dp_replicate: int = 1) -> nn.Module:
+         dp_replicate: int = 1, pure: bool = False) -> nn.Module:
     """``part`` (on ``device``, or on the meta device for FSDP) ready for data-parallel training over
     ``group``; returns the module to call. FSDP2/HSDP also shard frozen parts (they only cost
-    memory); DDP leaves a part without trainable parameters alone."""
+    memory); DDP leaves a part without trainable parameters alone. ``pure`` (pure bf16: the
+    parameters are in the compute dtype already): FSDP2 reduces gradients in that dtype too."""
     if mode == "none":
         return part
     if mode == "ddp":
@@ -59,7 +60,8 @@ def wrap(part: nn.Module, mode: str, group, device: torch.device, compute_dtype:
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
         mesh = device_mesh(mode, group, device.type, dp_replicate)
-        mp = MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=torch.float32, cast_forward_inputs=False)
+        mp = MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=compute_dtype if pure else torch.float32,
+                                  cast_forward_inputs=False)
         for block in part.repeated_blocks():
             fully_shard(block, mesh=mesh, mp_policy=mp)
         fully_shard(part, mesh=mesh, mp_policy=mp)

@@ -4,7 +4,9 @@ With ``labels``, ``GPTModel`` computes the full logits (plus an fp32 copy inside
 cross-entropy) and then the per-token loss. ``FusedLossGPTModel`` hands megatron's
 ``output_processor`` hook the registry's ``linear_cross_entropy``: the output projection and the
 loss in token chunks (Triton where supported; the torch reference elsewhere), returning the same
-``[b, s]`` fp32 per-token loss. Without labels, with a vocab split over tensor-parallel ranks,
+``[b, s]`` fp32 per-token loss (zero where ``loss_mask``, when the caller passes it, is zero: those
+tokens take ``IGNORE_INDEX``, so every counted token's loss gets the same gradient factor and the op
+makes its gradients in the forward). Without labels, with a vocab split over tensor-parallel ranks,
 multi-token prediction or MuP logit scaling, megatron's own path runs.
 
 Under context parallelism with the fast layer (``FusedSelfAttention``) the rotary embedding hands
@@ -20,6 +22,9 @@ from __future__ import annotations
 from megatron.core.models.gpt import GPTModel
 
 from loongforge.core.kernels import KernelPolicy
+
+
+IGNORE_INDEX = -100  # the label of a token the loss mask leaves out
 
 
 class FusedLossGPTModel(GPTModel):
@@ -53,11 +58,13 @@ class FusedLossGPTModel(GPTModel):
             and not cfg.use_mup
         )
 
-    def _loss(self, *, hidden_states, output_layer, output_weight, labels, **_):
+    def _loss(self, *, hidden_states, output_layer, output_weight, labels, loss_mask=None, **_):
         weight = output_weight if output_weight is not None else output_layer.weight
         s, b, h = hidden_states.shape
+        if loss_mask is not None:  # uncounted tokens are ignored: the op's gradients then need one factor
+            labels = labels.masked_fill(loss_mask == 0, IGNORE_INDEX)
         loss = self._linear_cross_entropy(hidden_states.reshape(s * b, h), weight,
-                                          labels.transpose(0, 1).reshape(s * b))
+                                          labels.transpose(0, 1).reshape(s * b), IGNORE_INDEX)
         return loss.view(s, b).transpose(0, 1).contiguous()  # [b, s], as compute_language_model_loss
 
     def forward(self, input_ids, position_ids, attention_mask, decoder_input=None, labels=None, *args, **kwargs):

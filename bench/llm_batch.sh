@@ -1,0 +1,75 @@
+#!/usr/bin/env bash
+# The LLM step's benchmarks on one CUDA machine (H100 or H200), in stages that each fit one
+# 10-minute device call:
+#
+#   bash bench/llm_batch.sh profile  # the loss head alone (ours vs Liger), then the 1B case in both precision
+#                                    # recipes against hf_liger only, with ours' kernel profile
+#   bash bench/llm_batch.sh cases-a  # train_0_5b and bench_llama_1b, pure bf16: ours vs hf_compile and hf_liger
+#   bash bench/llm_batch.sh cases-b  # the same cases in mixed precision, and the 1B case in FP8 (blockwise)
+#   bash bench/llm_batch.sh cases-c  # bench_qwen3_4b, pure bf16 (and mixed where it fits: an H200)
+#
+# Each bench prints the precision recipe both sides train with, the baseline's settings, the
+# first-step losses, peak memory, MFU against the spec peak and the ratios; docs/benchmarks.md's
+# LLM tables are copied from these logs.
+#
+# The machine has torch, triton and transformers but no PyPI: the missing wheels travel in .whl/
+# (megatron-core, omegaconf, hydra-core, antlr4, liger-kernel, psutil, pytest and its plugins, and
+# LoongForge's own wheels from `uv build --wheel --package loongforge-<name> -o .whl` for core, llm
+# and kernels). Everything printed also goes to $OUT/<stage>.log.
+set -uo pipefail
+stage=${1:?usage: llm_batch.sh profile|cases-a|cases-b|cases-c}
+OUT=${OUT:-/tmp/lf-llm-bench}
+mkdir -p "$OUT"
+exec > >(tee "$OUT/$stage.log") 2>&1
+
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
+export PYTHONPATH=/tmp/site PYTHONUNBUFFERED=1 TRITON_INTERPRET=0 LOONGFORGE_CACHE=/tmp/lf-cache
+repo=$PWD
+cd "$(mktemp -d)"
+
+section() { printf '\n===== %s =====\n' "$*"; }
+bench() {  # a bench under a time limit (seconds), so the stage fits its device call
+  local limit=$1; shift
+  section "$* (limit ${limit}s)"
+  local t0=$SECONDS
+  timeout "$limit" "$@"; echo "exit code: $? after $((SECONDS - t0)) s"
+}
+llm_bench() { local limit=$1; shift; bench "$limit" python3 -m loongforge.llm.cli bench "$@"; }
+
+section environment
+nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.max.sm --format=csv,noheader
+python3 -c 'import torch, triton, transformers, megatron.core, liger_kernel; print("torch", torch.__version__, "triton", triton.__version__, "transformers", transformers.__version__, "megatron-core", megatron.core.__version__)'
+
+case $stage in
+profile)
+  (cd "$repo" && timeout 120 python3 -m pytest -q -p no:cacheprovider -n 0 -o addopts="--import-mode=importlib" \
+      packages/loongforge-kernels/tests/test_gpu_model_shapes.py -k "cross_entropy" 2>&1 | tail -n 5)
+  bench 60 python3 "$repo/bench/linear_ce_bench.py"
+  for precision in bf16-pure bf16; do
+    llm_bench 170 --config bench_llama_1b --skip hf_compile --skip hf_eager --rounds 1 --profile-rows 45 \
+        train.precision=$precision
+  done
+  ;;
+cases-a)
+  for config in train_0_5b bench_llama_1b; do
+    llm_bench 280 --config $config --skip hf_eager --rounds 2 --profile-rows 0 train.precision=bf16-pure
+  done
+  ;;
+cases-b)
+  for config in train_0_5b bench_llama_1b; do
+    llm_bench 230 --config $config --skip hf_eager --rounds 1 --profile-rows 0 train.precision=bf16 \
+        $([ $config = bench_llama_1b ] && echo --fp8 blockwise)
+  done
+  ;;
+cases-c)
+  llm_bench 330 --config bench_qwen3_4b --skip hf_eager --rounds 1 --profile-rows 30 train.precision=bf16-pure
+  if python3 -c 'import sys, torch; sys.exit(torch.cuda.get_device_properties(0).total_memory < 100 * 2**30)'; then
+    llm_bench 250 --config bench_qwen3_4b --skip hf_eager --rounds 1 --profile-rows 0 train.precision=bf16
+  else
+    echo "bench_qwen3_4b in mixed precision: left out (its fp32 main weights, gradients and AdamW state need an H200)"
+  fi
+  ;;
+*)
+  echo "unknown stage $stage"; exit 2
+  ;;
+esac
