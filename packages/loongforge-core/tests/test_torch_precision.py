@@ -1,0 +1,130 @@
+"""``train.precision`` on the PyTorch-native engine, in one process: ``bf16-pure`` keeps the weights,
+gradients and AdamW state in bf16 (the EMA weights in fp32), ``bf16`` (mixed) fp32 weights under
+bf16 autocast; a pure run that stops after a checkpoint resumes to the uninterrupted run's losses
+and tensors bitwise, and a resume with the other recipe is refused naming the checkpoint."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import pytest
+import torch
+import torch.nn as nn
+
+from loongforge.core.checkpoint import Checkpoint, CheckpointReadError
+from loongforge.core.training.ema import EmaConfig
+from loongforge.core.training.schema import CheckpointConfig, LogConfig, ParallelConfig, TrainConfig
+from loongforge.core.training.task import StepBatch
+
+STEPS = 4
+
+
+class Block(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.up, self.down = nn.Linear(16, 32), nn.Linear(32, 16)
+
+    def forward(self, x):
+        return x + self.down(torch.nn.functional.gelu(self.up(x)))
+
+
+class Toy(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.blocks = nn.ModuleList([Block(), Block()])
+        self.head = nn.Linear(16, 1)
+
+    def repeated_blocks(self):
+        return list(self.blocks)
+
+    def forward(self, x):
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x)
+
+
+class ToyTask:
+    family, engine, has_pretrained = "toy", "torch", False
+
+    def model_config_dict(self) -> dict:
+        return {"width": 16}
+
+    def build_model(self, ctx):
+        return Toy()
+
+    def steps(self, ctx, start_step: int):
+        step = start_step
+        while True:
+            g = torch.Generator().manual_seed(step)
+            yield StepBatch(micro_batches=[(torch.randn(8, 16, generator=g), torch.randn(8, 1, generator=g))
+                                           for _ in range(2)])
+            step += 1
+
+    def forward(self, model, batch):
+        x, y = batch
+        out = model(x)
+        return out, lambda o: ((o.float() - y).pow(2).sum(), y.numel())
+
+
+@dataclass
+class RunConfig:
+    train: TrainConfig
+    log: LogConfig
+    checkpoint: CheckpointConfig = field(default_factory=lambda: CheckpointConfig(interval=2, keep_last=4))
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    ema: EmaConfig = field(default_factory=lambda: EmaConfig(decay=0.9))
+
+
+@pytest.fixture(scope="module")
+def world():
+    from loongforge.core.parallel import destroy_parallel, init_parallel
+
+    ctx = init_parallel(seed=0)
+    yield ctx
+    destroy_parallel()
+
+
+def trainer(ctx, run_dir, precision: str, **train):
+    from loongforge.core.training.loop import Trainer
+
+    options = dict(steps=STEPS, global_batch_size=2, micro_batch_size=1, lr=1e-2, warmup_steps=1, compile=False, seed=3)
+    cfg = RunConfig(train=TrainConfig(**{**options, **train}, precision=precision),
+                    log=LogConfig(run_dir=str(run_dir), progress=False, tensorboard=False, interval=1))
+    torch.manual_seed(cfg.train.seed)
+    return Trainer(ToyTask(), ctx, cfg, config_record={"precision": precision})
+
+
+def test_pure_bf16_state_dtypes_and_exact_resume(world, tmp_path):
+    whole = trainer(world, tmp_path / "whole", "bf16-pure")
+    want = whole.fit()
+    engine = whole.engine
+    assert engine.precision == "pure"
+    params = list(engine.named_trainable.values())
+    assert all(p.dtype == torch.bfloat16 for p in params)
+    assert all(engine.optimizer.state[p]["exp_avg"].dtype == torch.bfloat16 for p in params)
+    assert all(t.dtype == torch.float32 for t in engine.ema.shadow.values())
+    assert want[-1].loss < want[0].loss
+
+    first = trainer(world, tmp_path / "cut", "bf16-pure", exit_interval=2)
+    first.fit()
+    resumed = trainer(world, tmp_path / "cut", "bf16-pure")
+    got = resumed.fit()
+    assert [r.step for r in got] == [3, 4]
+    assert [(r.loss, r.grad_norm) for r in got] == [(r.loss, r.grad_norm) for r in want[2:]]
+    a, b = Checkpoint(resumed.last_checkpoint), Checkpoint(whole.last_checkpoint)
+    assert a.manifest["precision"] == "pure" and set(a.reader.keys()) == set(b.reader.keys())
+    for key in b.reader.keys():
+        assert torch.equal(a.tensor(key), b.tensor(key)), key
+
+    other = trainer(world, tmp_path / "cut", "fp32", steps=6)
+    with pytest.raises(CheckpointReadError, match="saved by a run with the pure precision recipe; this run trains "
+                                                  "with the fp32 one"):
+        other.fit()
+
+
+def test_mixed_keeps_fp32_weights(world, tmp_path):
+    run = trainer(world, tmp_path, "bf16", steps=1)
+    results = run.fit()
+    assert run.engine.precision == "mixed"
+    assert all(p.dtype == torch.float32 for p in run.engine.named_trainable.values())
+    assert results[0].loss == pytest.approx(trainer(world, tmp_path / "p", "bf16-pure", steps=1).fit()[0].loss, rel=2e-2)

@@ -1,0 +1,134 @@
+"""``train.precision`` on the megatron-core engine, in one process (CPU, gloo): ``bf16-pure`` keeps
+the weights, the gradient buffer and AdamW's moments in bf16, ``bf16`` (mixed) keeps fp32 main
+weights and gradients beside the bf16 model; the pure run trains like the mixed one, a run killed
+after a checkpoint resumes to the uninterrupted run's losses and state bitwise, and a resume with the
+other recipe is refused naming the checkpoint. The engine's own gradient arithmetic (multi-tensor
+norm, per-token scaling and clipping folded into the update) gives megatron's numbers."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from loongforge.core.checkpoint import Checkpoint, CheckpointReadError
+from loongforge.core.config import to_dict
+from loongforge.llm.recipe import LLMTask, load_llm_config
+
+STEPS = 4
+TRAIN = [f"train.steps={STEPS}", "train.global_batch_size=4", "train.micro_batch_size=2", "train.seq_length=32",
+         "train.warmup_steps=1", "train.lr=3e-3", "train.clip_grad=0.5", "log.interval=1", "log.progress=false",
+         "log.tensorboard=false", "checkpoint.interval=2", "checkpoint.keep_last=4"]
+
+
+def _trainer(ctx, run_dir, data_cache, overrides):
+    """The trainer of the debug model in this process, seeded as ``lf-llm train`` seeds it."""
+    from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
+
+    from loongforge.core.training.loop import Trainer
+
+    cfg = load_llm_config("train_debug", [*TRAIN, f"log.run_dir={run_dir}", f"data.cache_dir={data_cache}",
+                                          *overrides])
+    ctx.accelerator.manual_seed(cfg.train.seed)
+    model_parallel_cuda_manual_seed(cfg.train.seed)
+    return Trainer(LLMTask(cfg), ctx, cfg, config_record=to_dict(cfg))
+
+
+@pytest.fixture(scope="module")
+def data_cache(tmp_path_factory):
+    return tmp_path_factory.mktemp("llm-data")
+
+
+@pytest.fixture(scope="module")
+def runs(megatron_world, data_cache, tmp_path_factory):
+    """An uninterrupted run of each recipe: its trainer (after the last step) and its results."""
+    out = {}
+    for precision in ("bf16-pure", "bf16"):
+        trainer = _trainer(megatron_world, tmp_path_factory.mktemp(precision), data_cache,
+                           [f"train.precision={precision}"])
+        out[precision] = trainer, trainer.fit()
+    return out
+
+
+def test_pure_bf16_keeps_weights_grads_and_moments_in_bf16(runs):
+    pure, _ = runs["bf16-pure"]
+    mixed, _ = runs["bf16"]
+    assert (pure.engine.precision, mixed.engine.precision) == ("pure", "mixed")
+    params = list(pure.inner_model.parameters())
+    assert params and all(p.dtype == torch.bfloat16 and p.main_grad.dtype == torch.bfloat16 for p in params)
+    state = pure.engine.optimizer.optimizer.state
+    assert all(state[p]["exp_avg"].dtype == state[p]["exp_avg_sq"].dtype == torch.bfloat16 for p in params)
+    # mixed: the optimizer steps fp32 main copies, with fp32 gradients
+    main = mixed.engine.optimizer.get_parameters()
+    assert main and all(p.dtype == torch.float32 for p in main)
+    assert all(p.main_grad.dtype == torch.float32 for p in mixed.inner_model.parameters())
+
+
+def test_pure_bf16_trains_like_mixed(runs):
+    (_, pure), (_, mixed) = runs["bf16-pure"], runs["bf16"]
+    assert len(pure) == len(mixed) == STEPS
+    assert pure[0].loss == pytest.approx(mixed[0].loss, rel=1e-3)  # the same weights and data
+    assert pure[-1].loss < pure[0].loss - 0.2  # it trains
+    assert pure[-1].loss == pytest.approx(mixed[-1].loss, rel=2e-2)
+    assert pure[-1].loss != mixed[-1].loss
+
+
+def test_grad_norm_and_clipped_update_are_megatrons(megatron_world, data_cache, tmp_path):
+    """The engine's norm (one multi-tensor pass, then the per-token factor) equals megatron's own
+    ``get_grad_norm`` of the per-token-normalised gradients, and its update (normalisation and
+    clipping inside the optimizer step) equals megatron's clip-then-step on those gradients."""
+    from megatron.core.optimizer.clip_grads import clip_grad_by_total_norm_fp32
+
+    trainer = _trainer(megatron_world, tmp_path, data_cache, ["train.precision=fp32", "checkpoint.save=false"])
+    engine = trainer.engine
+    step = next(iter(trainer.task.steps(megatron_world, 0)))
+    out = engine.forward_backward(step)
+    params = engine.optimizer.get_parameters()
+    before = [p.detach().clone() for p in params]
+    grads = [p.grad.detach().clone() for p in params]
+    scaling = 1.0 / float(sum(mb["loss_mask"].sum() for mb in step.micro_batches))  # the per-token loss's factor
+    # megatron's own path on copies: scale the gradients, take its norm, clip, step
+    for p, g in zip(params, grads):
+        p.grad = g * scaling
+    norm = float(engine.optimizer.get_grad_norm())
+    assert out.grad_norm == pytest.approx(norm, rel=1e-6)
+    assert norm > trainer.train.clip_grad  # clipping acts
+    clip_grad_by_total_norm_fp32(params, trainer.train.clip_grad, norm)
+    expected_grads = [p.grad.clone() for p in params]
+    for p, g in zip(params, grads):
+        p.grad = g
+    engine.apply_update(lr=1e-2)
+    after = [p.detach().clone() for p in params]
+    for p, b, g in zip(params, before, expected_grads):
+        p.data.copy_(b)
+        p.grad = g
+    for group in engine.optimizer.param_groups:
+        group["lr"] = 1e-2 * group.get("lr_mult", 1.0)
+    state = engine.optimizer.optimizer.state
+    assert all(state[p] for p in params)  # the engine's step made the moments: start them again from zero
+    for p in params:
+        state[p].clear()
+    engine.optimizer.step_with_ready_grads()
+    for p, a in zip(params, after):
+        torch.testing.assert_close(p.detach(), a, rtol=1e-6, atol=1e-7)
+
+
+def test_pure_bf16_resumes_exactly_and_refuses_the_other_recipe(runs, megatron_world, data_cache, tmp_path):
+    _, uninterrupted = runs["bf16-pure"]
+    first = _trainer(megatron_world, tmp_path, data_cache, ["train.precision=bf16-pure", "train.exit_interval=2"])
+    first.fit()
+    resumed = _trainer(megatron_world, tmp_path, data_cache, ["train.precision=bf16-pure"])
+    assert resumed.resuming
+    got = resumed.fit()
+    assert [r.step for r in got] == [3, 4]
+    assert [(r.loss, r.grad_norm) for r in got] == [(r.loss, r.grad_norm) for r in uninterrupted[2:]]
+    want = Checkpoint(runs["bf16-pure"][0].last_checkpoint)
+    have = Checkpoint(resumed.last_checkpoint)
+    assert have.manifest["precision"] == "pure"
+    assert set(have.reader.keys()) == set(want.reader.keys())
+    for key in want.reader.keys():
+        assert torch.equal(have.tensor(key), want.tensor(key)), key
+
+    mixed = _trainer(megatron_world, tmp_path, data_cache, ["train.precision=bf16", "train.steps=6"])
+    with pytest.raises(CheckpointReadError, match=r"manifest.json: saved by a run with the pure precision recipe; "
+                                                  r"this run trains with the mixed one"):
+        mixed.fit()
