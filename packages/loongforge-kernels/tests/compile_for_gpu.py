@@ -25,6 +25,7 @@ from loongforge.kernels import dsa_indexer as dsi  # noqa: E402
 from loongforge.kernels import fp8_cast as fc  # noqa: E402
 from loongforge.kernels import fp8_gemm as fg  # noqa: E402
 from loongforge.kernels import gelu as ge  # noqa: E402
+from loongforge.kernels import grouped_qkv_rope as gq  # noqa: E402
 from loongforge.kernels import layer_norm as ln  # noqa: E402
 from loongforge.kernels import linear_cross_entropy as lce  # noqa: E402
 from loongforge.kernels import qk_norm_rope as qk  # noqa: E402
@@ -183,6 +184,17 @@ def main() -> None:
                     dict(X=p, COS="*fp32", SIN="*fp32", Y=p, n_heads=i32, half=i32, n_pass=i32, stride_xt=i32,
                          stride_xh=i32, stride_yt=i32, stride_yh=i32, stride_ct=i32, stride_st=i32),
                     dict(TRANSPOSE=transpose, HAS_PASS=has_pass, BLOCK_H=16, BLOCK_HALF=64, BLOCK_PASS=64),
+                )
+        for backward in (False, True):
+            for has_pass in (False, True):
+                build(
+                    gq._grouped_qkv_rope,
+                    dict(QKV=p, COS="*fp32", SIN="*fp32", Q=p, K=p, V=p, batch=i32, per_group=i32, n_heads=i32,
+                         half=i32, n_pass=i32, stride_xs=i32, stride_xb=i32, stride_cs=i32, stride_cb=i32,
+                         stride_qs=i32, stride_qb=i32, stride_qh=i32, stride_ks=i32, stride_kb=i32, stride_kh=i32,
+                         stride_vs=i32, stride_vb=i32, stride_vh=i32),
+                    dict(HEAD_DIM=128, BACKWARD=backward, HAS_PASS=has_pass, BLOCK_H=64, BLOCK_HALF=32 if has_pass else 64,
+                         BLOCK_PASS=64),
                 )
         build(
             rp._rope_cos_sin_grad,

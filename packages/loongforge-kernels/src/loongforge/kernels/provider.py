@@ -78,6 +78,14 @@ def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
 
 
 @_by_device
+def grouped_qkv_rope(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    from loongforge.kernels.grouped_qkv_rope import grouped_qkv_rope as fused
+
+    return fused(qkv, cos, sin)
+
+
+@_by_device
 def swiglu(gate_up: torch.Tensor) -> torch.Tensor:
     from loongforge.kernels.swiglu import swiglu as fused
 
@@ -204,7 +212,7 @@ def supports_fp8(accelerator) -> bool:
 
 
 _OPS = (
-    rms_norm, add_rms_norm, rope, swiglu, linear_cross_entropy, sparse_mla_attention, dsa_indexer_topk, dsa_indexer_loss,
+    rms_norm, add_rms_norm, rope, grouped_qkv_rope, swiglu, linear_cross_entropy, sparse_mla_attention, dsa_indexer_topk, dsa_indexer_loss,
     gelu_tanh_backward, qk_norm_rope, qk_norm_rope_backward, modulated_layer_norm, modulated_layer_norm_backward,
 )
 _FP8_OPS = (fp8_linear, fp8_cast_transpose, gelu_fp8_cast_transpose)

@@ -2,10 +2,11 @@
 
 megatron splits the ``linear_qkv`` output (per query group ``[q heads, k, v]``) into views,
 copies the queries into ``[s, b, heads, d]``, then applies rotary in several elementwise passes.
-Here the fused ``rope`` op reads the queries and keys straight from the ``linear_qkv`` output
-(each (token, group) pair is one row of ``heads_per_group`` heads) and writes them contiguous,
-in the layout SDPA reads; the values get one contiguous copy, so nothing keeps the ``linear_qkv``
-output alive for the backward. Inference, cross attention, output gates, interleaved rotary and
+Here the registry's ``grouped_qkv_rope`` op reads each token's ``linear_qkv`` row once and writes
+the rotated queries and keys and the values contiguous, in the layout SDPA reads, and its backward
+writes the ``linear_qkv`` gradient in one pass; nothing keeps the ``linear_qkv`` output alive for the
+backward. With q/k norms (Qwen3) the norms run between the split and the rotation: the fused
+``rope`` op then reads the normed queries and keys and the values get one contiguous copy. Inference, cross attention, output gates, interleaved rotary and
 TP ranks holding partial query groups take megatron's own path.
 
 Under context parallelism (``context_parallel_size > 1``) only this class's own path runs (the
@@ -45,6 +46,7 @@ class FusedSelfAttention(SelfAttention):
     def __init__(self, *args, kernels: KernelPolicy = KernelPolicy(), **kwargs):
         super().__init__(*args, **kwargs)
         self._rope = kernels.get("rope")
+        self._grouped_qkv_rope = kernels.get("grouped_qkv_rope")
         self.rope_tables = RopeTables()
         self._cp = (self.pg_collection.cp.size(), self.pg_collection.cp.rank())
         self.chunk_state = None  # ChunkPipe: the chunk running now (chunk_pipe.ChunkAttentionState)
@@ -97,11 +99,7 @@ class FusedSelfAttention(SelfAttention):
         per_group = self.num_attention_heads_per_partition // groups
         d = self.hidden_size_per_attention_head
         qkv = qkv.view(s, b, groups, per_group + 2, d)
-        query, key, value = qkv[..., :per_group, :], qkv[..., per_group : per_group + 1, :], qkv[..., per_group + 1 :, :]
-        if self.q_layernorm is not None:
-            query = self.q_layernorm(query)
-        if self.k_layernorm is not None:
-            key = self.k_layernorm(key)
+        q_emb = k_emb = None
         if rotary_pos_emb is not None:
             q_emb, k_emb = rotary_pos_emb if isinstance(rotary_pos_emb, tuple) else (rotary_pos_emb, rotary_pos_emb)
             cu = layout = None
@@ -110,11 +108,22 @@ class FusedSelfAttention(SelfAttention):
                 layout = forward_layout(packed, cu)
             options = dict(mscale=self._yarn_concentration_factor, cp=self._cp,
                            per_token=self.config.mrope_section is not None, layout=layout)
-            query = self._rope(query, *self.rope_tables.get(q_emb, (s, b, groups), cu, **options))
-            key = self._rope(key, *self.rope_tables.get(k_emb, (s, b, groups), cu, **options))
-        query = query.reshape(s, b, groups * per_group, d)
-        key = key.reshape(s, b, groups, d)
-        value = value.reshape(s, b, groups, d).contiguous()  # a copy: frees the qkv output
+        if q_emb is not None and q_emb is k_emb and self.q_layernorm is None and self.k_layernorm is None:
+            # one pass over the qkv row: split, rotate, lay out (and one pass back in the backward)
+            query, key, value = self._grouped_qkv_rope(qkv, *self.rope_tables.get(q_emb, (s, b), cu, **options))
+        else:
+            query, key = qkv[..., :per_group, :], qkv[..., per_group : per_group + 1, :]
+            value = qkv[..., per_group + 1 :, :]
+            if self.q_layernorm is not None:
+                query = self.q_layernorm(query)
+            if self.k_layernorm is not None:
+                key = self.k_layernorm(key)
+            if q_emb is not None:
+                query = self._rope(query, *self.rope_tables.get(q_emb, (s, b, groups), cu, **options))
+                key = self._rope(key, *self.rope_tables.get(k_emb, (s, b, groups), cu, **options))
+            query = query.reshape(s, b, groups * per_group, d)
+            key = key.reshape(s, b, groups, d)
+            value = value.reshape(s, b, groups, d).contiguous()  # a copy: frees the qkv output
         if thd:
             query, key, value = query.squeeze(1), key.squeeze(1), value.squeeze(1)
         if chunk is not None:
