@@ -46,6 +46,7 @@ profile)
       packages/loongforge-kernels/tests/test_grouped_qkv_rope.py packages/loongforge-kernels/tests/test_linear_cross_entropy.py \
       packages/loongforge-kernels/tests/test_gpu_model_shapes.py -k "cross_entropy or qkv" 2>&1 | tail -n 5)
   bench 60 python3 "$repo/bench/linear_ce_bench.py"
+  bench 60 python3 "$repo/bench/fp8_scaled_mm_probe.py"
   for precision in bf16-pure bf16; do
     llm_bench 170 --config bench_llama_1b --skip hf_compile --skip hf_eager --rounds 1 --profile-rows 45 \
         train.precision=$precision

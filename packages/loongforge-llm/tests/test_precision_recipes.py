@@ -132,3 +132,36 @@ def test_pure_bf16_resumes_exactly_and_refuses_the_other_recipe(runs, megatron_w
     with pytest.raises(CheckpointReadError, match=r"manifest.json: saved by a run with the pure precision recipe; "
                                                   r"this run trains with the mixed one"):
         mixed.fit()
+
+
+@pytest.mark.parametrize("main_dtype", [torch.float32, torch.bfloat16])
+def test_main_grad_linear_adds_its_weight_gradient_into_main_grad(main_dtype):
+    from loongforge.llm.layers.main_grad_linear import MainGradLinear
+
+    torch.manual_seed(0)
+    dtype = torch.bfloat16 if main_dtype == torch.bfloat16 else torch.float32
+    x = torch.randn(3, 5, 8, dtype=dtype, requires_grad=True)
+    weight = torch.randn(6, 8, dtype=dtype, requires_grad=True)
+    bias = torch.randn(6, dtype=dtype, requires_grad=True)
+    weight.main_grad = torch.randn(6, 8, dtype=main_dtype)
+    weight.grad_added_to_main_grad = False
+    before = weight.main_grad.clone()
+    dy = torch.randn(3, 5, 6, dtype=dtype)
+    MainGradLinear.apply(x, weight, bias).backward(dy)
+    xr, wr, br = (t.detach().clone().requires_grad_(True) for t in (x, weight, bias))
+    torch.nn.functional.linear(xr, wr, br).backward(dy)
+    tol = dict(rtol=2e-2, atol=2e-2) if dtype == torch.bfloat16 else dict(rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(x.grad, xr.grad, **tol)
+    torch.testing.assert_close(bias.grad, br.grad, **tol)
+    torch.testing.assert_close(weight.main_grad.float(), (before.float() + wr.grad.float()), **tol)
+    assert weight.grad_added_to_main_grad
+
+
+def test_fast_layers_accumulate_into_main_grad(runs):
+    from loongforge.llm.layers.main_grad_linear import MainGradColumnParallelLinear, MainGradRowParallelLinear
+
+    trainer, _ = runs["bf16-pure"]
+    linears = [m for m in trainer.inner_model.modules()
+               if isinstance(m, MainGradColumnParallelLinear | MainGradRowParallelLinear)]
+    assert len(linears) == 4 * trainer.cfg.model.num_layers  # qkv, proj, fc1, fc2
+    assert all(m.weight.grad_added_to_main_grad for m in linears)  # the last step's GEMMs added into main_grad

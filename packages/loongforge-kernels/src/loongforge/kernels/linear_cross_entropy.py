@@ -21,12 +21,11 @@ is then recomputed chunk by chunk with the per-token factors: always exact, fast
 
 from __future__ import annotations
 
-import functools
-
 import torch
 import triton
 import triton.language as tl
 
+from loongforge.core.kernels.matmul import add_matmul
 from loongforge.kernels.launch import check_tensors
 
 BLOCK_VOCAB = 4096  # vocab entries per step of the per-row loops
@@ -118,21 +117,6 @@ def _check(hidden, weight, labels, ignore_index):
         )
 
 
-@functools.cache
-def _fp32_accumulating_mm(device_type: str) -> bool:
-    """Whether ``torch.addmm(..., out_dtype=float32)`` (half-precision inputs, fp32 result added in
-    place) runs here: CUDA builds of torch >= 2.8; elsewhere the product is added separately."""
-    if device_type != "cuda":
-        return False
-    try:
-        acc = torch.zeros(2, 2, device=device_type)
-        half = torch.ones(2, 2, device=device_type, dtype=torch.bfloat16)
-        torch.addmm(acc, half, half, out_dtype=torch.float32, out=acc)
-    except (RuntimeError, TypeError):
-        return False
-    return bool((acc == 2).all())
-
-
 def _chunks(n_tokens: int, chunk: int):
     for start in range(0, n_tokens, chunk):
         yield start, min(start + chunk, n_tokens)
@@ -220,12 +204,7 @@ def _weight_grad(hidden, weight, labels, lse, dloss, ignore_index, chunk) -> tor
             dlogits, labels[start:end], lse[start:end], dloss[start:end],
             vocab, dlogits.stride(0), dloss.stride(0), ignore_index, BLOCK=BLOCK_VOCAB, num_warps=8,
         )
-        if dweight.dtype == dlogits.dtype:
-            dweight.addmm_(dlogits.t(), hidden[start:end])
-        elif _fp32_accumulating_mm(dweight.device.type):  # the GEMM adds into the fp32 sum
-            torch.addmm(dweight, dlogits.t(), hidden[start:end], out_dtype=torch.float32, out=dweight)
-        else:  # half-precision matmul per chunk, fp32 sum over chunks
-            dweight.add_(dlogits.t() @ hidden[start:end])
+        add_matmul(dweight, dlogits.t(), hidden[start:end])
     return dweight.to(weight.dtype)
 
 

@@ -40,9 +40,10 @@ def fast_layer_spec(cfg, recompute_elementwise: bool = True, kernels: KernelPoli
     dropout, norm/SwiGLU outputs recomputed in the backward when ``recompute_elementwise``),
     ``FusedSelfAttention`` (fused RoPE read from the qkv projection) on ``SDPAttention``,
     ``FusedRMSNorm`` norms (also q/k norms) and ``FusedMLP`` (fused SwiGLU), each op from the
-    ``loongforge.core.kernels`` registry, resolved by ``kernels`` when the modules are built. In
-    an ``fp8_linears`` block of mode blockwise or adaptive, QKV, the attention output and MLP
-    fc1/fc2 are FP8 linears."""
+    ``loongforge.core.kernels`` registry, resolved by ``kernels`` when the modules are built. QKV,
+    the attention output and MLP fc1/fc2 are ``main_grad_linear``'s linears (their weight gradient
+    added into megatron DDP's buffer by the GEMM itself), or, in an ``fp8_linears`` block of mode
+    blockwise or adaptive, FP8 linears."""
     from loongforge.llm.layers.attention import SDPAttention
     from loongforge.llm.layers.fp8_linear import active_fp8_mode
     from loongforge.llm.layers.mlp import FusedMLP
@@ -53,12 +54,15 @@ def fast_layer_spec(cfg, recompute_elementwise: bool = True, kernels: KernelPoli
     spec = _local_spec(cfg)
     norm = functools.partial(FusedRMSNorm, kernels=kernels)
     qk_norm = {"q_layernorm": norm, "k_layernorm": norm} if cfg.qk_layernorm else {}
-    attention_linears, mlp_linears = {}, {}
     fp8 = active_fp8_mode()
     if fp8 != "none":
         column, row = _fp8_linear_classes(fp8, kernels)
-        attention_linears = {"linear_qkv": column, "linear_proj": row}
-        mlp_linears = {"linear_fc1": column, "linear_fc2": row}
+    else:
+        from loongforge.llm.layers.main_grad_linear import MainGradColumnParallelLinear, MainGradRowParallelLinear
+
+        column, row = MainGradColumnParallelLinear, MainGradRowParallelLinear
+    attention_linears = {"linear_qkv": column, "linear_proj": row}
+    mlp_linears = {"linear_fc1": column, "linear_fc2": row}
     spec = _with_attention(spec, FusedSelfAttention, kernels, core_attention=SDPAttention, **qk_norm,
                            **attention_linears)
     mlp = spec.submodules.mlp

@@ -1,0 +1,78 @@
+"""megatron's parallel linears whose weight-gradient GEMM adds straight into megatron DDP's
+gradient buffer (``weight.main_grad``), without Apex.
+
+megatron fuses that accumulation only through Apex's ``fused_weight_gradient_mlp_cuda``; without it
+every linear's weight gradient is a new tensor that megatron's DDP hook then adds to ``main_grad``
+(one more pass over every weight's gradient, plus the allocation). Here, on a tensor-parallel
+group of one (and for row-parallel linears at any TP size), the local GEMM is ``MainGradLinear``: its backward computes ``dgrad`` and
+``main_grad += dy.T @ x`` as one GEMM that adds in place (in ``main_grad``'s dtype: bf16 under pure
+bf16, fp32 in mixed precision, where the GEMM's fp32 result is added without a bf16 rounding first),
+and hands autograd an unfilled placeholder with ``weight.grad_added_to_main_grad`` set, as megatron's
+own fused path does, so the DDP hook skips its add. Outside megatron DDP (no ``main_grad``), with a
+frozen weight, or where megatron fuses communication into the GEMM (a column-parallel linear's
+dgrad all-reduce under tensor parallelism, sequence parallelism) megatron's own path runs.
+"""
+
+from __future__ import annotations
+
+import torch
+from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
+
+from loongforge.core.kernels.matmul import add_matmul
+
+
+class MainGradLinear(torch.autograd.Function):
+    """``y = x @ weight.T (+ bias)``; the weight's gradient goes into ``weight.main_grad``."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias):
+        ctx.save_for_backward(x, weight)
+        ctx.has_bias = bias is not None
+        out = torch.matmul(x, weight.t())
+        return out + bias if bias is not None else out
+
+    @staticmethod
+    def backward(ctx, dy):
+        x, weight = ctx.saved_tensors
+        need_x, need_w, need_b = ctx.needs_input_grad
+        dx = torch.matmul(dy, weight) if need_x else None
+        dw = db = None
+        dy2 = dy.reshape(-1, dy.shape[-1])
+        if need_w:
+            add_matmul(weight.main_grad, dy2.t(), x.reshape(-1, x.shape[-1]))
+            weight.grad_added_to_main_grad = True
+            # a placeholder, so that autograd runs the DDP hook (which skips its add): megatron's convention
+            dw = torch.empty(weight.shape, dtype=weight.dtype, device=weight.device)
+        if need_b and ctx.has_bias:
+            db = dy2.sum(0)
+        return dx, dw, db
+
+
+class _MainGradGemm:
+    """The local GEMM (``_forward_impl``) of megatron's parallel linears on ``MainGradLinear`` where
+    it applies (see the module docstring), megatron's own otherwise."""
+
+    def _forward_impl(self, input, weight, bias, gradient_accumulation_fusion, allreduce_dgrad, sequence_parallel,
+                      grad_output_buffer=None, wgrad_deferral_limit=None, tp_group=None, gtp_remat_size=1):
+        own = (  # no communication fused into the GEMM (megatron overlaps a TP dgrad all-reduce with it)
+            hasattr(weight, "main_grad")
+            and weight.requires_grad
+            and hasattr(weight, "grad_added_to_main_grad")
+            and not allreduce_dgrad
+            and not sequence_parallel
+            and grad_output_buffer is None
+            and gtp_remat_size == 1
+        )
+        if not own:
+            return super()._forward_impl(input, weight, bias, gradient_accumulation_fusion, allreduce_dgrad,
+                                         sequence_parallel, grad_output_buffer, wgrad_deferral_limit, tp_group,
+                                         gtp_remat_size)
+        return MainGradLinear.apply(input, weight, bias)
+
+
+class MainGradColumnParallelLinear(_MainGradGemm, ColumnParallelLinear):
+    """megatron's ``ColumnParallelLinear`` whose weight gradient adds into ``main_grad`` in its GEMM."""
+
+
+class MainGradRowParallelLinear(_MainGradGemm, RowParallelLinear):
+    """megatron's ``RowParallelLinear`` whose weight gradient adds into ``main_grad`` in its GEMM."""
