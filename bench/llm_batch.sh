@@ -2,11 +2,14 @@
 # The LLM step's benchmarks on one CUDA machine (H100 or H200), in stages that each fit one
 # 10-minute device call:
 #
-#   bash bench/llm_batch.sh profile  # the loss head alone (ours vs Liger), then the 1B case in both precision
-#                                    # recipes against hf_liger only, with ours' kernel profile
-#   bash bench/llm_batch.sh cases-a  # train_0_5b and bench_llama_1b, pure bf16: ours vs hf_compile and hf_liger
-#   bash bench/llm_batch.sh cases-b  # the same cases in mixed precision, and the 1B case in FP8 (blockwise)
-#   bash bench/llm_batch.sh cases-c  # bench_qwen3_4b, pure bf16 (and mixed where it fits: an H200)
+#   bash bench/llm_batch.sh profile  # the loss head alone (ours vs Liger), torch._scaled_mm's blockwise FP8 scale
+#                                    # layouts, then the 1B case in both precision recipes against hf_liger only,
+#                                    # with ours' kernel profile
+#   bash bench/llm_batch.sh cases-a  # the kernels' GPU tests; pure bf16: bench_llama_1b (with ours' profile) and
+#                                    # train_0_5b against hf_compile and hf_liger; mixed: bench_llama_1b against
+#                                    # hf_liger, with ours in FP8 (blockwise) beside ours in bf16
+#   bash bench/llm_batch.sh cases-b  # mixed: train_0_5b against hf_liger; bench_qwen3_4b in pure bf16 (and mixed
+#                                    # where it fits: an H200)
 #
 # Each bench prints the precision recipe both sides train with, the baseline's settings, the
 # first-step losses, peak memory, MFU against the spec peak and the ratios; docs/benchmarks.md's
@@ -17,7 +20,7 @@
 # LoongForge's own wheels from `uv build --wheel --package loongforge-<name> -o .whl` for core, llm
 # and kernels). Everything printed also goes to $OUT/<stage>.log.
 set -uo pipefail
-stage=${1:?usage: llm_batch.sh profile|cases-a|cases-b|cases-c}
+stage=${1:?usage: llm_batch.sh profile|cases-a|cases-b}
 OUT=${OUT:-/tmp/lf-llm-bench}
 mkdir -p "$OUT"
 exec > >(tee "$OUT/$stage.log") 2>&1
@@ -53,20 +56,21 @@ profile)
   done
   ;;
 cases-a)
-  for config in train_0_5b bench_llama_1b; do
-    llm_bench 280 --config $config --skip hf_eager --rounds 2 --profile-rows 0 train.precision=bf16-pure
-  done
+  (cd "$repo" && timeout 120 python3 -m pytest -q -p no:cacheprovider -n 0 -o addopts="--import-mode=importlib" \
+      packages/loongforge-kernels/tests/test_adamw.py packages/loongforge-kernels/tests/test_grouped_qkv_rope.py \
+      packages/loongforge-kernels/tests/test_linear_cross_entropy.py 2>&1 | tail -n 3)
+  llm_bench 170 --config bench_llama_1b --skip hf_eager --rounds 1 --profile-rows 30 train.precision=bf16-pure
+  llm_bench 140 --config train_0_5b --skip hf_eager --rounds 1 --profile-rows 0 train.precision=bf16-pure
+  llm_bench 170 --config bench_llama_1b --skip hf_eager --skip hf_compile --rounds 1 --profile-rows 0 \
+      --fp8 blockwise train.precision=bf16
   ;;
 cases-b)
-  for config in train_0_5b bench_llama_1b; do
-    llm_bench 230 --config $config --skip hf_eager --rounds 1 --profile-rows 0 train.precision=bf16 \
-        $([ $config = bench_llama_1b ] && echo --fp8 blockwise)
-  done
-  ;;
-cases-c)
-  llm_bench 330 --config bench_qwen3_4b --skip hf_eager --rounds 1 --profile-rows 30 train.precision=bf16-pure
+  llm_bench 120 --config train_0_5b --skip hf_eager --skip hf_compile --rounds 1 --profile-rows 0 train.precision=bf16
+  llm_bench 200 --config bench_qwen3_4b --skip hf_eager --skip hf_compile --rounds 1 --profile-rows 25 \
+      train.precision=bf16-pure
   if python3 -c 'import sys, torch; sys.exit(torch.cuda.get_device_properties(0).total_memory < 100 * 2**30)'; then
-    llm_bench 250 --config bench_qwen3_4b --skip hf_eager --rounds 1 --profile-rows 0 train.precision=bf16
+    llm_bench 200 --config bench_qwen3_4b --skip hf_eager --skip hf_compile --rounds 1 --profile-rows 0 \
+        train.precision=bf16
   else
     echo "bench_qwen3_4b in mixed precision: left out (its fp32 main weights, gradients and AdamW state need an H200)"
   fi

@@ -21,6 +21,7 @@ import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
+from loongforge.kernels import adamw as aw  # noqa: E402
 from loongforge.kernels import dsa_indexer as dsi  # noqa: E402
 from loongforge.kernels import fp8_cast as fc  # noqa: E402
 from loongforge.kernels import fp8_gemm as fg  # noqa: E402
@@ -196,6 +197,15 @@ def main() -> None:
                     dict(HEAD_DIM=128, BACKWARD=backward, HAS_PASS=has_pass, BLOCK_H=64, BLOCK_HALF=32 if has_pass else 64,
                          BLOCK_PASS=64),
                 )
+        tl = triton.language
+        pairs = ((tl.bfloat16, tl.bfloat16), (tl.float32, tl.bfloat16)) if dtype == "bf16" else ((tl.float32, tl.float32),)
+        for p_dtype, g_dtype in pairs:  # the param (and moments) and gradient dtypes
+            build(
+                aw._adamw_tensor_list,
+                dict(TABLE="*i64", n_tensors=i32, SCALE="*fp32", lr="fp32", beta1="fp32", beta2="fp32", eps="fp32",
+                     weight_decay="fp32", log_beta1="fp32", log_beta2="fp32"),
+                dict(P_DTYPE=p_dtype, G_DTYPE=g_dtype, SEARCH_STEPS=8, BLOCK=aw.BLOCK), num_warps=8,
+            )
         build(
             rp._rope_cos_sin_grad,
             dict(DY=p, X=p, DCOS="*fp32", DSIN="*fp32", n_heads=i32, half=i32, stride_dyt=i32, stride_dyh=i32,

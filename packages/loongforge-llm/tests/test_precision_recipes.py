@@ -165,3 +165,40 @@ def test_fast_layers_accumulate_into_main_grad(runs):
                if isinstance(m, MainGradColumnParallelLinear | MainGradRowParallelLinear)]
     assert len(linears) == 4 * trainer.cfg.model.num_layers  # qkv, proj, fc1, fc2
     assert all(m.weight.grad_added_to_main_grad for m in linears)  # the last step's GEMMs added into main_grad
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_fused_adamw_update_is_megatrons_step(megatron_world, data_cache, tmp_path, precision, monkeypatch):
+    """The engine's CUDA update (loongforge-kernels' adamw_step, interpreted here; in mixed precision
+    the model weights then refreshed from the main weights) gives what megatron's step gives on the
+    same gradients: torch's AdamW on the main weights, then megatron's copy into the model."""
+    from loongforge.core.training import grad_update
+    from loongforge.kernels import adamw as fused
+    from loongforge.kernels.adamw import adamw_step
+
+    monkeypatch.setattr(fused, "BLOCK", 2**16)  # few, large programs: what the interpreter runs fastest
+    trainer = _trainer(megatron_world, tmp_path, data_cache, [f"train.precision={precision}", "checkpoint.save=false"])
+    engine = trainer.engine
+    assert grad_update.adamw_applies(engine.optimizer)
+    engine.forward_backward(next(iter(trainer.task.steps(megatron_world, 0))))
+    main, model = engine.optimizer.get_parameters(), list(trainer.inner_model.parameters())
+    saved = [p.detach().clone() for p in main], [p.grad.clone() for p in main], [p.detach().clone() for p in model]
+    multiplier = torch.tensor(0.3)
+
+    def restore():
+        for p, value, grad in zip(main, saved[0], saved[1]):
+            p.data.copy_(value)
+            p.grad = grad.clone()
+        for p, value in zip(model, saved[2]):
+            p.data.copy_(value)
+        engine.optimizer.optimizer.state.clear()
+
+    grad_update.adamw_update(engine.optimizer, multiplier, adamw_step)
+    ours = [p.detach().clone() for p in main], [p.detach().clone() for p in model]
+    assert not all(torch.equal(a, b) for a, b in zip(ours[1], saved[2]))  # the model weights moved
+    restore()
+    grad_update.scale_into_step(engine.optimizer, multiplier, engine.optimizer.step_with_ready_grads)
+    for got, want in zip(ours[0], main):
+        torch.testing.assert_close(got, want.detach(), rtol=1e-5, atol=1e-6)
+    for got, want in zip(ours[1], model):  # bf16 model weights: the same values rounded
+        torch.testing.assert_close(got.float(), want.detach().float(), rtol=1e-2, atol=1e-5)

@@ -202,6 +202,16 @@ def modulated_layer_norm_backward(
     return fused(dy, x, weight, bias, eps, index)
 
 
+def adamw_step(params, grads, exp_avgs, exp_avg_sqs, steps, lr: float, beta1: float, beta2: float,
+               eps: float, weight_decay: float, grad_scale: torch.Tensor) -> None:
+    args = (params, grads, exp_avgs, exp_avg_sqs, steps, lr, beta1, beta2, eps, weight_decay, grad_scale)
+    if params and _triton_runs_on(params[0].device):  # (a list: dispatched on its first tensor)
+        from loongforge.kernels.adamw import adamw_step as fused
+
+        return fused(*args)
+    return get_op("adamw_step").reference(*args)
+
+
 def supports_fp8(accelerator) -> bool:
     """Where Triton runs, except CUDA GPUs older than compute capability 8.9 (no FP8 tensor cores)."""
     if not supports(accelerator):
@@ -214,6 +224,7 @@ def supports_fp8(accelerator) -> bool:
 _OPS = (
     rms_norm, add_rms_norm, rope, grouped_qkv_rope, swiglu, linear_cross_entropy, sparse_mla_attention, dsa_indexer_topk, dsa_indexer_loss,
     gelu_tanh_backward, qk_norm_rope, qk_norm_rope_backward, modulated_layer_norm, modulated_layer_norm_backward,
+    adamw_step,
 )
 _FP8_OPS = (fp8_linear, fp8_cast_transpose, gelu_fp8_cast_transpose)
 

@@ -13,9 +13,12 @@ gradients with a multiply and a copy per tensor. Here:
 - ``token_scaling``: the per-token loss normalisation ``1 / tokens`` of the global batch
   (megatron's ``finalize_model_grads`` multiplies every gradient by it in a pass of its own; the
   engine asks it not to and folds the factor into the update instead).
-- ``scale_into_step``: the step's gradient multiplier (token normalisation times the clipping
-  coefficient) handed to torch's fused AdamW as its ``grad_scale`` (the tensor it divides every
-  gradient by inside the update kernel, the hook ``torch.amp.GradScaler`` uses), or one
+- ``adamw_update``: on CUDA with the fused kernels, the update itself: the registry's
+  ``adamw_step`` (one kernel over a param group's tensors, the step's gradient multiplier applied
+  inside it) in place of megatron's ``step_with_ready_grads`` around torch's AdamW.
+- ``scale_into_step`` otherwise: the step's gradient multiplier (token normalisation times the
+  clipping coefficient) handed to torch's fused AdamW as its ``grad_scale`` (the tensor it divides
+  every gradient by inside the update kernel, the hook ``torch.amp.GradScaler`` uses), or one
   multi-tensor multiply where the optimizer is not fused.
 """
 
@@ -86,3 +89,60 @@ def scale_into_step(optimizer, multiplier: torch.Tensor, step) -> None:
     if grads:
         torch._foreach_mul_(grads, multiplier.to(grads[0].device))
     step()
+
+
+def adamw_applies(optimizer) -> bool:
+    """Whether ``adamw_update`` can step ``optimizer``: each sub-optimizer is megatron's
+    ``FP32Optimizer`` (pure bf16, fp32) or ``Float16OptimizerWithFloat16Params`` (mixed precision)
+    around torch's AdamW without amsgrad or maximize (the distributed optimizer keeps its own
+    shard bookkeeping: torch's fused AdamW steps it)."""
+    from megatron.core.optimizer import Float16OptimizerWithFloat16Params, FP32Optimizer
+
+    subs = sub_optimizers(optimizer)
+    return bool(subs) and all(
+        isinstance(sub, FP32Optimizer | Float16OptimizerWithFloat16Params)
+        and isinstance(sub.optimizer, torch.optim.AdamW)
+        and not any(g.get("amsgrad") or g.get("maximize") for g in sub.optimizer.param_groups)
+        for sub in subs
+    )
+
+
+def _adam_state(optimizer: torch.optim.Optimizer, p: torch.Tensor) -> dict:
+    """``p``'s AdamW state, made as torch's fused AdamW makes it on the first step (step count on
+    the param's device), so checkpoints and torch's own step read it alike."""
+    state = optimizer.state[p]
+    if not state:
+        state["step"] = torch.zeros((), dtype=torch.float32, device=p.device)
+        state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+        state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+    elif state["step"].device != p.device:
+        state["step"] = state["step"].to(device=p.device, dtype=torch.float32)
+    return state
+
+
+@torch.no_grad()
+def adamw_update(optimizer, multiplier: torch.Tensor, adamw_step) -> None:
+    """One AdamW update of every parameter of ``optimizer`` (``adamw_applies``) through the registry
+    op ``adamw_step`` (one kernel per param group), every gradient multiplied by ``multiplier``
+    inside it; in mixed precision the bf16 model weights are then refreshed from the fp32 main
+    weights by one multi-tensor copy. What megatron's ``step_with_ready_grads`` does around
+    torch's AdamW, in fewer passes."""
+    from megatron.core.optimizer import Float16OptimizerWithFloat16Params
+
+    for sub in sub_optimizers(optimizer):
+        inner = sub.optimizer
+        for group in inner.param_groups:
+            params = [p for p in group["params"] if p.grad is not None]
+            if not params:
+                continue
+            states = [_adam_state(inner, p) for p in params]
+            steps = [state["step"] for state in states]
+            torch._foreach_add_(steps, 1)
+            beta1, beta2 = group["betas"]
+            adamw_step(params, [p.grad for p in params], [s["exp_avg"] for s in states],
+                       [s["exp_avg_sq"] for s in states], steps, lr=group["lr"], beta1=beta1, beta2=beta2,
+                       eps=group["eps"], weight_decay=group["weight_decay"], grad_scale=multiplier)
+        if isinstance(sub, Float16OptimizerWithFloat16Params):
+            for model_params, main_params in zip(sub.float16_groups, sub.fp32_from_float16_groups):
+                if model_params:
+                    torch._foreach_copy_(model_params, main_params)

@@ -22,6 +22,7 @@ import time
 import torch
 import torch.distributed as dist
 
+from loongforge.core.kernels import get_op
 from loongforge.core.parallel import ParallelContext
 from loongforge.core.training.activation_offload import offload_first
 from loongforge.core.training import grad_update
@@ -172,6 +173,10 @@ class MegatronEngine:
             pg_collection=ctx.pgs,
         )
         use_fused_adam(self.optimizer, ctx.device)
+        # the update through the registry's fused adamw_step where it is installed and applies (CUDA)
+        self._adamw_step = ctx.kernels.get("adamw_step")
+        self._own_adamw = (ctx.device.type == "cuda" and grad_update.adamw_applies(self.optimizer)
+                           and self._adamw_step is not get_op("adamw_step").reference)
         for group in self.optimizer.param_groups:
             group["weight_decay"] = train.weight_decay * group.get("wd_mult", 1.0)
         cfg = self.transformer_config
@@ -300,8 +305,11 @@ class MegatronEngine:
             group["lr"] = lr * group.get("lr_mult", 1.0)
         clip = self.train.clip_grad
         coefficient = min(1.0, clip / (self._grad_norm + 1e-6)) if clip > 0 else 1.0
-        grad_update.scale_into_step(self.optimizer, self._token_scaling * coefficient,
-                                    self.optimizer.step_with_ready_grads)
+        multiplier = self._token_scaling * coefficient
+        if self._own_adamw:
+            grad_update.adamw_update(self.optimizer, multiplier, self._adamw_step)
+        else:
+            grad_update.scale_into_step(self.optimizer, multiplier, self.optimizer.step_with_ready_grads)
 
     def discard_update(self) -> None:
         self.model.zero_grad_buffer()

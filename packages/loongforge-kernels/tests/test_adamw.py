@@ -1,0 +1,70 @@
+"""Fused adamw_step vs its torch reference, and the reference vs torch.optim.AdamW (Triton
+interpreter on CPU; the GPU with TRITON_INTERPRET=0): bf16 and fp32 params, bf16 gradients into fp32
+main weights, tensors that end mid-block, several steps."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from loongforge.core.kernels.adamw import adamw_step as reference
+from loongforge.kernels import adamw as fused_module
+from loongforge.kernels.adamw import adamw_step
+
+HP = dict(lr=1e-2, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.1)
+
+
+def _state(shapes, p_dtype, g_dtype, seed=0):
+    """``(params, grads, exp_avgs, exp_avg_sqs, steps)`` of fresh AdamW state."""
+    g = torch.Generator(torch.get_default_device()).manual_seed(seed)
+    params = [torch.randn(s, generator=g).to(p_dtype) for s in shapes]
+    grads = [torch.randn(s, generator=g).to(g_dtype) for s in shapes]
+    steps = [torch.zeros((), dtype=torch.float32) for _ in shapes]
+    return params, grads, [torch.zeros_like(p) for p in params], [torch.zeros_like(p) for p in params], steps
+
+
+def _advance(steps):
+    for n in steps:
+        n += 1
+
+
+@pytest.mark.parametrize(("p_dtype", "g_dtype"), [(torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16),
+                                                  (torch.float32, torch.bfloat16)])
+def test_matches_the_reference_over_steps(monkeypatch, p_dtype, g_dtype):
+    monkeypatch.setattr(fused_module, "BLOCK", 64)  # several blocks per tensor, tensors ending mid-block
+    shapes = [(3, 50), (7,), (130,)]
+    ours, ref = _state(shapes, p_dtype, g_dtype), _state(shapes, p_dtype, g_dtype)
+    scale = torch.tensor(0.5)
+    for _ in range(3):
+        _advance(ours[4])
+        _advance(ref[4])
+        adamw_step(*ours, **HP, grad_scale=scale)
+        reference(*ref, **HP, grad_scale=scale)
+    # bf16: the bias corrections (exp of n ln beta here, powf there) differ in their last fp32 bits, which
+    # moves an occasional bf16 rounding by one unit (~2^-8 relative) per step
+    tol = dict(rtol=1e-5, atol=1e-6) if p_dtype == torch.float32 else dict(rtol=3e-2, atol=6e-2)
+    for a, b in zip(ours[0] + ours[2] + ours[3], ref[0] + ref[2] + ref[3]):
+        assert a.dtype == b.dtype
+        torch.testing.assert_close(a.float(), b.float(), **tol)
+
+
+def test_reference_is_torch_adamw():
+    params, grads, ms, vs, steps = _state([(5, 6), (11,)], torch.float32, torch.float32, seed=1)
+    torch_params = [p.clone().requires_grad_(True) for p in params]
+    opt = torch.optim.AdamW(torch_params, lr=HP["lr"], betas=(HP["beta1"], HP["beta2"]), eps=HP["eps"],
+                            weight_decay=HP["weight_decay"], foreach=False)
+    for _ in range(3):
+        for tp, g in zip(torch_params, grads):
+            tp.grad = g * 0.25
+        opt.step()
+        _advance(steps)
+        reference(params, grads, ms, vs, steps, **HP, grad_scale=torch.tensor(0.25))
+    for p, m, tp in zip(params, ms, torch_params):
+        torch.testing.assert_close(p, tp.detach(), rtol=1e-6, atol=1e-7)
+        torch.testing.assert_close(m, opt.state[tp]["exp_avg"], rtol=1e-6, atol=1e-7)
+
+
+def test_lists_of_different_lengths_are_refused():
+    params, grads, ms, vs, steps = _state([(4,)], torch.float32, torch.float32)
+    with pytest.raises(ValueError, match="adamw_step: 1 params, 0 grads"):
+        adamw_step(params, [], ms, vs, steps, **HP, grad_scale=torch.tensor(1.0))
