@@ -10,6 +10,8 @@
 #                                    # hf_liger, with ours in FP8 (blockwise) beside ours in bf16
 #   bash bench/llm_batch.sh cases-b  # mixed: train_0_5b against hf_liger; bench_qwen3_4b in pure bf16 (and mixed
 #                                    # where it fits: an H200)
+#   bash bench/llm_batch.sh short    # the kernels' GPU tests, then both cases in both recipes against hf_liger
+#                                    # only (no compile: ~7 minutes), the 1B case with FP8 beside it
 #
 # Each bench prints the precision recipe both sides train with, the baseline's settings, the
 # first-step losses, peak memory, MFU against the spec peak and the ratios; docs/benchmarks.md's
@@ -20,7 +22,7 @@
 # LoongForge's own wheels from `uv build --wheel --package loongforge-<name> -o .whl` for core, llm
 # and kernels). Everything printed also goes to $OUT/<stage>.log.
 set -uo pipefail
-stage=${1:?usage: llm_batch.sh profile|cases-a|cases-b}
+stage=${1:?usage: llm_batch.sh profile|cases-a|cases-b|short}
 OUT=${OUT:-/tmp/lf-llm-bench}
 mkdir -p "$OUT"
 exec > >(tee "$OUT/$stage.log") 2>&1
@@ -74,6 +76,16 @@ cases-b)
   else
     echo "bench_qwen3_4b in mixed precision: left out (its fp32 main weights, gradients and AdamW state need an H200)"
   fi
+  ;;
+short)
+  (cd "$repo" && timeout 120 python3 -m pytest -q -p no:cacheprovider -n 0 -o addopts="--import-mode=importlib" \
+      packages/loongforge-kernels/tests/test_adamw.py packages/loongforge-kernels/tests/test_grouped_qkv_rope.py \
+      packages/loongforge-kernels/tests/test_linear_cross_entropy.py 2>&1 | tail -n 3)
+  liger_only="--skip hf_eager --skip hf_compile --rounds 1"
+  llm_bench 130 --config bench_llama_1b $liger_only --profile-rows 30 train.precision=bf16-pure
+  llm_bench 100 --config train_0_5b $liger_only --profile-rows 0 train.precision=bf16-pure
+  llm_bench 150 --config bench_llama_1b $liger_only --profile-rows 0 --fp8 blockwise train.precision=bf16
+  llm_bench 100 --config train_0_5b $liger_only --profile-rows 0 train.precision=bf16
   ;;
 *)
   echo "unknown stage $stage"; exit 2
