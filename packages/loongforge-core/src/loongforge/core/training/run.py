@@ -19,7 +19,7 @@ from pathlib import Path
 from loongforge.core.config import to_dict
 from loongforge.core.errors import UserError
 from loongforge.core.training.loop import StepResult, Trainer
-from loongforge.core.training.run_dir import Holder, RunDirLock, check_directory
+from loongforge.core.training.run_dir import Holder, RunDirLock, check_run_directories
 
 
 @dataclass
@@ -53,9 +53,7 @@ def run_training(cfg, task, prog: str, after: Callable[[Trainer], None] | None =
     from loongforge.core.wandb_run import require_wandb
 
     require_wandb(cfg.log)  # before any process group
-    check_directory(cfg.log.run_dir, "log.run_dir")
-    if cfg.checkpoint.dir:
-        check_directory(cfg.checkpoint.dir, "checkpoint.dir")
+    check_run_directories(cfg)
     owned = not dist.is_initialized()
     p = cfg.parallel
     ctx = init_parallel(tp=p.tp, pp=p.pp, cp=p.cp, ep=p.ep, seed=cfg.train.seed, timeout_s=p.timeout_s)

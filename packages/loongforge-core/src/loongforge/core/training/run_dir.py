@@ -115,6 +115,13 @@ class RunDirLock:
         self.release()
 
 
+def check_run_directories(cfg) -> None:
+    """``log.run_dir`` and ``checkpoint.dir`` of run config ``cfg`` can be directories."""
+    check_directory(cfg.log.run_dir, "log.run_dir")
+    if cfg.checkpoint.dir:
+        check_directory(cfg.checkpoint.dir, "checkpoint.dir")
+
+
 def check_directory(path: str | Path, key: str) -> None:
     """``path`` (named by config key ``key``) is a directory or can be made one: no file stands at
     it or at a folder above it."""
