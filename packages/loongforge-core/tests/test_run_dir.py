@@ -57,3 +57,32 @@ def test_cut_back_keeps_whole_records_up_to_the_step_and_the_old_file(tmp_path):
     assert (tmp_path / "metrics.jsonl.bak-2").read_text() == "".join(lines)
     assert cut_back(path, 0) is not None and path.read_text() == ""
     assert cut_back(tmp_path / "absent.jsonl", 0) is None
+
+
+def test_without_flock_a_holder_is_judged_by_its_pid(tmp_path):
+    """What a file system that takes no ``flock`` leaves: a live pid on this host (or any holder on
+    another host) keeps the directory; a gone one is taken over."""
+    import socket
+    import subprocess
+    import sys
+
+    def lock_file(pid: int, host: str) -> None:
+        (tmp_path / "run.lock").write_text(json.dumps({"pid": pid, "host": host, "command": "x", "started": 0.0}))
+
+    alive = subprocess.Popen([sys.executable, "-c", "import sys; sys.stdin.read()"], stdin=subprocess.PIPE)
+    gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    try:
+        lock_file(alive.pid, socket.gethostname())
+        with pytest.raises(RunDirBusyError, match=f"pid {alive.pid}"):
+            RunDirLock(tmp_path, use_flock=False).acquire()
+        lock_file(alive.pid, "another-host")
+        with pytest.raises(RunDirBusyError, match=r"another-host .* \(if it is gone, delete .*run.lock\)"):
+            RunDirLock(tmp_path, use_flock=False).acquire()
+    finally:
+        alive.stdin.close()
+        alive.wait()
+    lock_file(int(gone.stdout), socket.gethostname())
+    lock = RunDirLock(tmp_path, use_flock=False)
+    assert lock.acquire().pid == int(gone.stdout)
+    lock.release()
+    assert not (tmp_path / "run.lock").exists()

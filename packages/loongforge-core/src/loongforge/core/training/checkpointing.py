@@ -29,12 +29,16 @@ def check_fresh_start(trainer) -> bool:
     if cfg.overwrite:
         return True
     pointer = root / storage.LATEST
-    latest = f"latest is {pointer.read_text().strip()}" if pointer.is_file() else "no latest pointer"
     where = f"checkpoint.dir={root}" if cfg.dir else f"{root} (log.run_dir={trainer.run_dir})"
-    raise EarlierRunError(
-        f"{where} holds the checkpoints of an earlier run ({latest}) and this run does not resume them "
-        f"(checkpoint.resume=false); resume it (checkpoint.resume=true), start over with checkpoint.overwrite=true "
-        f"(removes them first), or choose another log.run_dir")
+    if pointer.is_file():
+        what = f"(latest is {pointer.read_text().strip()}) and this run does not resume them (checkpoint.resume=false)"
+        resume = "resume it (checkpoint.resume=true), "
+    else:  # step directories without the pointer a resume reads
+        what = "(step directories, but no latest pointer to resume from)"
+        resume = ""
+    raise EarlierRunError(f"{where} holds the checkpoints of an earlier run {what}; {resume}start over with "
+                          f"checkpoint.resume=false checkpoint.overwrite=true (removes them first), or choose another "
+                          f"log.run_dir")
 
 
 def start_over(trainer) -> list[Path]:

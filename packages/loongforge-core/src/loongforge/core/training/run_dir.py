@@ -5,7 +5,9 @@ rank 0 takes it for the job). The file says who holds it (pid, host, command, st
 second run into the same directory is refused with one line naming the holder
 (``RunDirBusyError``). The kernel releases the ``flock`` when its process exits in any way (``kill
 -9`` included), so a lock file left by a process that is gone is taken over by the next run, which
-says whose it was; a run that ends normally removes the file.
+says whose it was; a run that ends normally removes the file. On a file system that takes no
+``flock`` (Lustre mounted without it, some FUSE file systems) the holder is judged by its pid
+instead: alive on this host, or on another host (which cannot be asked), it keeps the directory.
 
 ``check_directory`` refuses, before anything is written, a directory key (``log.run_dir``,
 ``checkpoint.dir``) that names a file or a path under one.
@@ -13,6 +15,7 @@ says whose it was; a run that ends normally removes the file.
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import json
 import os
@@ -25,6 +28,7 @@ from pathlib import Path
 from loongforge.core.errors import UserError
 
 LOCK_FILE = "run.lock"
+NO_FLOCK = {errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL}  # a file system that takes no flock
 
 
 class RunDirBusyError(UserError):
@@ -64,8 +68,10 @@ class RunDirLock:
     """``acquire()`` makes this process the owner of ``run_dir`` (creating it); ``release()`` gives
     it up. ``key`` is the config key that named the directory (for the error messages)."""
 
-    def __init__(self, run_dir: str | Path, key: str = "log.run_dir"):
-        self.run_dir, self.key = Path(run_dir), key
+    def __init__(self, run_dir: str | Path, key: str = "log.run_dir", use_flock: bool = True):
+        """``use_flock=False`` judges a holder by its pid alone (what a file system without ``flock``
+        leaves)."""
+        self.run_dir, self.key, self.use_flock = Path(run_dir), key, use_flock
         self.path = self.run_dir / LOCK_FILE
         self._fd: int | None = None
 
@@ -77,12 +83,18 @@ class RunDirLock:
         while True:
             fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
             try:
+                if not self.use_flock:
+                    return self._take_by_pid(fd)
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except BlockingIOError:
-                holder = Holder.parse(_read(fd)) or "another process (starting up)"
+                holder = Holder.parse(_read(fd))
                 os.close(fd)
-                raise RunDirBusyError(f"{self.key}={self.run_dir} is in use by {holder}: one run at a time trains "
-                                      f"in a run directory; wait for it to end or choose another {self.key}") from None
+                raise self._busy(holder or "another process (starting up)") from None
+            except OSError as exc:
+                if exc.errno not in NO_FLOCK:
+                    os.close(fd)
+                    raise
+                return self._take_by_pid(fd)
             try:
                 same = os.fstat(fd).st_ino == os.stat(self.path).st_ino
             except FileNotFoundError:
@@ -90,6 +102,10 @@ class RunDirLock:
             if same:  # not a file its holder unlinked while releasing it after we opened it
                 break
             os.close(fd)
+        return self._take(fd)
+
+    def _take(self, fd: int) -> Holder | None:
+        """Write this process into the lock file; returns who was in it before."""
         previous = Holder.parse(_read(fd))
         me = Holder.of_this_process().to_json().encode()
         os.ftruncate(fd, 0)
@@ -97,6 +113,18 @@ class RunDirLock:
         os.fsync(fd)
         self._fd = fd
         return previous
+
+    def _take_by_pid(self, fd: int) -> Holder | None:
+        holder = Holder.parse(_read(fd))
+        if holder is not None and holder.pid != os.getpid() and _maybe_alive(holder):
+            os.close(fd)
+            hint = "" if holder.host == socket.gethostname() else f" (if it is gone, delete {self.path})"
+            raise self._busy(f"{holder}{hint}")
+        return self._take(fd)
+
+    def _busy(self, holder) -> RunDirBusyError:
+        return RunDirBusyError(f"{self.key}={self.run_dir} is in use by {holder}: one run at a time trains in a run "
+                               f"directory; wait for it to end or choose another {self.key}")
 
     def release(self) -> None:
         if self._fd is None:
@@ -132,6 +160,19 @@ def check_directory(path: str | Path, key: str) -> None:
                 where = "is a file" if candidate == path else f"lies under {candidate}, which is a file"
                 raise UserError(f"{key}={path} {where}, not a directory")
             return
+
+
+def _maybe_alive(holder: Holder) -> bool:
+    """Whether the holder's process may still run: alive on this host, or on another one."""
+    if holder.host != socket.gethostname():
+        return True
+    try:
+        os.kill(holder.pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # someone else's process of that pid
+        return True
+    return True
 
 
 def _read(fd: int) -> str:
