@@ -155,9 +155,9 @@ class Trainer:
         if starting_over:
             removed = checkpointing.start_over(self)
             if self.ctx.is_main:
-                steps = ", ".join(str(int(p.name.removeprefix("step_"))) for p in removed) or "none whole"
+                steps = ", ".join(str(int(p.name.removeprefix("step_"))) for p in removed)
                 self.report(f"checkpoint.overwrite=true: removed the earlier run's checkpoints in {self.ckpt_dir} "
-                            f"(steps {steps})")
+                            f"({f'steps {steps}' if steps else 'what unfinished saves left'})")
         if self.ctx.is_main:
             self._start_record()
         self.data = self.task.steps(self.ctx, self.step)
