@@ -221,8 +221,9 @@ DATA_CASES = {
         ["model.vocab_size=64"], ["tokenizer", "model.vocab_size=64"]),
     ("lf-llm", "token ids past the model's vocabulary"): _ids_past_the_vocabulary,
     ("lf-vlm", "truncated image"): _truncated_image,
-    ("lf-vlm", "fewer samples than one step takes"): lambda tmp: (
-        [f"data.path={_vlm_jsonl(tmp, json.dumps({'messages': [{'role': 'user', 'content': 'a'}, {'role': 'assistant', 'content': 'b'}]}))}",
+    ("lf-vlm", "fewer samples than one step takes"): lambda tmp: (  # two records, four a step
+        [f"data.path={_vlm_jsonl(tmp, json.dumps({'messages': [{'role': 'user', 'content': 'a'},
+                                                              {'role': 'assistant', 'content': 'b'}]}))}",
          "train.global_batch_size=4"], ["2 samples", "train.global_batch_size"]),
     ("lf-embodied", "camera not in the dataset"): lambda tmp: (["data.image_keys=[nope]"], ["data.image_keys", "'nope'"]),
     ("lf-llm", "LoRA targets that match no layer"): lambda tmp: (

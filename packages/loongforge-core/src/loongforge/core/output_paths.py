@@ -28,6 +28,6 @@ def check_output_path(out: str | Path, what: str) -> Path:
         pointer = root / storage.LATEST
         latest = f", latest {pointer.read_text().strip()}" if pointer.is_file() else ""
         inside = "is" if root == path else "is inside"
-        raise OutputInCheckpointsError(f"{what} {out} {inside} the checkpoint root {root} (a run's checkpoints{latest}); "
-                                       f"write the output outside it")
+        raise OutputInCheckpointsError(f"{what} {out} {inside} the checkpoint root {root} (a run's "
+                                       f"checkpoints{latest}); write the output outside it")
     return path

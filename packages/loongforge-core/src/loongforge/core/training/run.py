@@ -61,8 +61,8 @@ def run_training(cfg, task, prog: str, after: Callable[[Trainer], None] | None =
     try:
         previous = claim_run_dir(lock, ctx)
         if previous is not None and ctx.is_main:
-            print(f"{prog}: {cfg.log.run_dir} was held by {previous}, which is no longer running; this run takes it over",
-                  flush=True)
+            print(f"{prog}: {cfg.log.run_dir} was held by {previous}, which is no longer running; this run takes "
+                  f"it over", flush=True)
         prepare = getattr(task, "prepare", None)
         if prepare is not None:  # collective set-up (e.g. a data index every rank builds together)
             prepare(ctx)
