@@ -4,8 +4,9 @@ Every case asserts the error contract (``loongforge.core.errors``): the exit cod
 line on stderr naming the culprit (file, key or value), no traceback, and -- where a run had
 something to lose -- that nothing was lost: the previous checkpoint loads and a resume continues.
 
-Most cases run the CLI's ``main`` in this process (they fail before any training step); the
-accelerator, hang and kill cases run real processes.
+Most cases run the CLI's ``main`` in this process (they fail before any training step, or train a
+few steps of a tiny model); the accelerator, hang and kill cases, the holder of a run directory and
+the launcher case run real processes.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import math
 import os
 import signal
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -22,7 +24,7 @@ import pytest
 import torch
 
 from cli_runner import BINDIR, Job, assert_one_error_line, cli_env, run_cli
-from loongforge.core.checkpoint import Checkpoint
+from loongforge.core.checkpoint import Checkpoint, save_checkpoint
 from loongforge.diffusion.cli import main as lf_diffusion
 from loongforge.embodied.cli import main as lf_embodied
 from loongforge.llm.cli import main as lf_llm
@@ -57,6 +59,8 @@ CONFIG_CASES = {
     "unknown config name": lambda tmp: (["--config", "no_such_config"], ["no_such_config"]),
     "not key=value": lambda tmp: (["stepz"], ["stepz"]),
     "layout larger than the world": lambda tmp: (["parallel.tp=3"], ["parallel.tp=3"]),
+    "overwrite while resuming": lambda tmp: (["checkpoint.overwrite=true"], ["checkpoint.overwrite=true",
+                                                                           "checkpoint.resume=false"]),
 }
 
 
@@ -71,6 +75,36 @@ def test_config_mistakes_are_one_line(cli, case, tmp_path, capsys):
     assert_one_error_line(err, *names)
     assert not dist.is_initialized()  # refused before any process group
     assert not (tmp_path / "run" / "checkpoints").exists()
+
+
+@pytest.mark.parametrize("key", ["log.run_dir", "checkpoint.dir"])
+@pytest.mark.parametrize("cli", CLIS)
+def test_a_directory_key_naming_a_file_is_one_line(cli, key, tmp_path, capsys):
+    """``log.run_dir`` or ``checkpoint.dir`` at a file, or under one: one line naming the key and
+    the file, before the task is built or any process group made; the file is left alone."""
+    import torch.distributed as dist
+
+    a_file = tmp_path / "a_file"
+    a_file.write_text("not a directory\n")
+    for value, names in ((a_file, [f"{key}={a_file} is a file"]), (a_file / "sub", [f"{key}={a_file / 'sub'}",
+                                                                                      f"lies under {a_file}"])):
+        where = [f"log.run_dir={value}"] if key == "log.run_dir" else [f"log.run_dir={tmp_path / 'run'}",
+                                                                        f"checkpoint.dir={value}"]
+        code, err = run_inproc(capsys, cli, "train", *TINY[cli], *where)
+        assert code == 2
+        assert_one_error_line(err, *names, "not a directory")
+        assert not dist.is_initialized()
+    assert a_file.read_text() == "not a directory\n"
+    assert not (tmp_path / "run").exists()
+
+
+def test_an_unknown_key_with_a_policy_group_names_the_key(capsys):
+    """``--policy groot`` swaps the policy group; a misspelt key elsewhere is named (and the groot
+    keys are not reported against the default policy's config)."""
+    code, err = run_inproc(capsys, "lf-embodied", "train", "--policy", "groot", "foo.bar=1")
+    assert code == 2
+    line = assert_one_error_line(err, "foo.bar")
+    assert "policy." not in line
 
 
 @pytest.mark.parametrize("cli", CLIS)
@@ -131,6 +165,40 @@ def _not_a_lerobot_dataset(tmp: Path) -> tuple[list[str], list[str]]:
     return [f"data.root={tmp / 'ds'}"], ["data.root=", "meta/info.json"]
 
 
+def _empty_sft_file(tmp: Path) -> tuple[list[str], list[str]]:
+    path = tmp / "empty.jsonl"
+    path.write_text("")
+    return ["--config", "sft_debug", f"sft.files=[{path}]"], ["sft.files", str(path), "no conversations"]
+
+
+def _ids_past_the_vocabulary(tmp: Path) -> tuple[list[str], list[str]]:
+    """An indexed dataset written with ids up to 5999 (another tokenizer's), for a model of 4096."""
+    import numpy as np
+    from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder
+
+    prefix = tmp / "other_tokenizer"
+    builder = IndexedDatasetBuilder(f"{prefix}.bin", dtype=np.uint16)
+    for doc in range(20):
+        ids = np.arange(doc * 300, doc * 300 + 300) % 6000
+        builder.add_document(ids.astype(np.uint16), [len(ids)])
+    builder.finalize(f"{prefix}.idx")
+    return [f"data.prefixes=[{prefix}]", "model.vocab_size=4096"], [str(prefix), "token id", "model.vocab_size=4096"]
+
+
+def _truncated_image(tmp: Path) -> tuple[list[str], list[str]]:
+    """A PNG whose header reads but whose pixels were cut off half-way."""
+    import numpy as np
+    from PIL import Image
+
+    Image.fromarray(np.random.default_rng(0).integers(0, 255, (64, 64, 3), dtype=np.uint8)).save(tmp / "whole.png")
+    data = (tmp / "whole.png").read_bytes()
+    (tmp / "cut.png").write_bytes(data[: len(data) // 2])
+    record = {"image": "cut.png", "messages": [{"role": "user", "content": "<image>what?"},
+                                               {"role": "assistant", "content": "a"}]}
+    return ([f"data.path={_vlm_jsonl(tmp, json.dumps(record))}", "train.global_batch_size=2"],
+            [f"{tmp / 'vlm.jsonl'}:2", str(tmp / "cut.png"), "truncated"])
+
+
 DATA_CASES = {
     ("lf-llm", "missing pre-training prefix"): lambda tmp: (
         [f"data.prefixes=[{tmp / 'corpus'}]"], [str(tmp / "corpus"), "not found"]),
@@ -148,6 +216,18 @@ DATA_CASES = {
     ("lf-diffusion", "truncated latent shard"): _truncated_shards,
     ("lf-embodied", "data root is not a directory"): lambda tmp: ([f"data.root={tmp / 'none'}"], ["data.root=", "not a directory"]),
     ("lf-embodied", "not a LeRobot dataset"): _not_a_lerobot_dataset,
+    ("lf-llm", "empty SFT file"): _empty_sft_file,
+    ("lf-llm", "tokenizer larger than the model's vocabulary"): lambda tmp: (
+        ["model.vocab_size=64"], ["tokenizer", "model.vocab_size=64"]),
+    ("lf-llm", "token ids past the model's vocabulary"): _ids_past_the_vocabulary,
+    ("lf-vlm", "truncated image"): _truncated_image,
+    ("lf-vlm", "fewer samples than one step takes"): lambda tmp: (  # two records, four a step
+        [f"data.path={_vlm_jsonl(tmp, json.dumps({'messages': [{'role': 'user', 'content': 'a'},
+                                                              {'role': 'assistant', 'content': 'b'}]}))}",
+         "train.global_batch_size=4"], ["2 samples", "train.global_batch_size"]),
+    ("lf-embodied", "camera not in the dataset"): lambda tmp: (["data.image_keys=[nope]"], ["data.image_keys", "'nope'"]),
+    ("lf-llm", "LoRA targets that match no layer"): lambda tmp: (
+        ["lora.rank=4", "lora.target_modules=[nope_proj]"], ["lora.target_modules=['nope_proj']", "match no linear layer"]),
 }
 
 
@@ -206,6 +286,234 @@ def test_resuming_with_another_model_names_the_key(tmp_path, capsys):
                            "log.progress=false", f"log.run_dir={run}", "model.num_layers=3")
     assert code == 2
     assert_one_error_line(err, "num_layers", "manifest.json")
+    assert "num_layers: 2" in (run / "config.yaml").read_text()  # the refused config is not recorded
+
+
+# -- a run directory has one owner, is never rewound, and its record survives ---------------------
+HOLD = """
+import os, signal, sys
+from loongforge.core.training.run_dir import RunDirLock
+RunDirLock(sys.argv[1]).acquire()
+if sys.argv[2] == "die":
+    os.kill(os.getpid(), signal.SIGKILL)  # gone without releasing: the lock file stays
+print("held", flush=True)
+sys.stdin.read()  # until the test closes stdin
+"""
+
+
+def _hold(run: Path, then: str = "wait") -> subprocess.Popen:
+    """Another process that takes ``run`` as a training run would (``then="die"``: and is killed)."""
+    proc = subprocess.Popen([sys.executable, "-c", HOLD, str(run), then], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                            text=True, env=cli_env())
+    if then == "wait":
+        assert proc.stdout.readline() == "held\n"
+    else:
+        assert proc.wait(timeout=60) == -signal.SIGKILL
+    return proc
+
+
+@pytest.mark.parametrize("cli", CLIS)
+def test_a_second_run_in_a_held_run_dir_is_refused_naming_the_holder(cli, tmp_path, capsys):
+    run = tmp_path / "run"
+    holder = _hold(run)
+    try:
+        code, err = run_inproc(capsys, cli, "train", *TINY[cli], "train.steps=1", "log.progress=false",
+                               f"log.run_dir={run}")
+    finally:
+        holder.stdin.close()
+        holder.wait(timeout=60)
+    assert code == 2
+    assert_one_error_line(err, f"log.run_dir={run} is in use by pid {holder.pid}", "one run at a time")
+    assert sorted(p.name for p in run.iterdir()) == ["run.lock"]  # nothing of the refused run: no record, no checkpoint
+
+
+def test_a_run_dir_whose_holder_is_gone_is_taken_over_and_released_at_the_end(tmp_path, capsys):
+    run = tmp_path / "run"
+    gone = _hold(run, then="die")
+    assert json.loads((run / "run.lock").read_text())["pid"] == gone.pid  # left behind by the killed process
+    capsys.readouterr()
+    assert lf_llm(["train", "train.steps=1", "train.global_batch_size=4", "log.progress=false", f"log.run_dir={run}"]) == 0
+    out = capsys.readouterr().out
+    assert f"was held by pid {gone.pid}" in out and "no longer running; this run takes it over" in out
+    assert not (run / "run.lock").exists()  # released when the run ended
+    assert Checkpoint(run / "checkpoints").step == 1
+
+
+def test_a_fresh_run_beside_an_earlier_runs_checkpoints_is_refused_unless_it_overwrites(tmp_path, capsys):
+    """``checkpoint.resume=false`` into a run directory with checkpoints: refused with nothing
+    changed; with ``checkpoint.overwrite=true`` the earlier checkpoints are removed first, so
+    ``latest`` names the new run's step (never the old run's later one) and every step of
+    ``metrics.jsonl`` is the new run's (the old record kept beside it)."""
+    run = tmp_path / "run"
+    common = ["train", "train.global_batch_size=4", "checkpoint.interval=1", "log.progress=false", "log.interval=1",
+              f"log.run_dir={run}"]
+    assert lf_llm([*common, "train.steps=3"]) == 0
+    before = {name: (run / name).read_bytes() for name in ("config.yaml", "metrics.jsonl", "checkpoints/latest")}
+    code, err = run_inproc(capsys, "lf-llm", *common, "train.steps=2", "checkpoint.resume=false", "train.lr=5e-4")
+    assert code == 2
+    assert_one_error_line(err, str(run / "checkpoints"), "latest is step_00000003", "checkpoint.resume=false",
+                          "checkpoint.overwrite=true")
+    assert {name: (run / name).read_bytes() for name in before} == before
+    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["latest", "step_00000002", "step_00000003"]
+    assert not (run / "run.lock").exists()  # released on the way out of a refused run too
+
+    capsys.readouterr()
+    assert lf_llm([*common, "train.steps=2", "checkpoint.resume=false", "checkpoint.overwrite=true",
+                   "checkpoint.keep_last=0"]) == 0
+    out = capsys.readouterr().out
+    assert "removed the earlier run's checkpoints" in out and "metrics.jsonl.bak-1" in out
+    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["latest", "step_00000001", "step_00000002"]
+    assert Checkpoint(run / "checkpoints").step == 2
+    assert [r["step"] for r in map(json.loads, (run / "metrics.jsonl").read_text().splitlines())] == [1, 2]
+    assert (run / "metrics.jsonl.bak-1").read_bytes() == before["metrics.jsonl"]
+
+
+def test_a_resume_after_a_crash_mid_record_logs_every_step_once(tmp_path, capsys):
+    """A run killed after logging steps past its last checkpoint, half-way through a line: the
+    resume cuts ``metrics.jsonl`` back to the checkpoint's step (the file as it was kept beside
+    it), so every step appears once, with the resumed run's values."""
+    run = tmp_path / "run"
+    common = ["train", "train.steps=4", "train.global_batch_size=4", "checkpoint.interval=2", "log.progress=false",
+              "log.interval=1", f"log.run_dir={run}"]
+    assert lf_llm(common) == 0
+    first = {r["step"]: r["loss"] for r in map(json.loads, (run / "metrics.jsonl").read_text().splitlines())}
+    # the state a crash during step 4 leaves: its checkpoint not written, its record cut off mid-line
+    import shutil
+
+    from loongforge.core.checkpoint.storage import write_latest
+
+    write_latest(run / "checkpoints", "step_00000002")
+    shutil.rmtree(run / "checkpoints" / "step_00000004")
+    lines = (run / "metrics.jsonl").read_text().splitlines(keepends=True)
+    crashed = "".join(lines[:3]) + lines[3][:25]
+    (run / "metrics.jsonl").write_text(crashed)
+
+    capsys.readouterr()
+    assert lf_llm(common) == 0
+    assert "cut back to its records up to step 2" in capsys.readouterr().out
+    records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == [1, 2, 3, 4]
+    assert {r["step"]: r["loss"] for r in records} == first  # resumed exactly
+    assert (run / "metrics.jsonl.bak-1").read_text() == crashed
+
+
+def test_a_lora_runs_checkpoint_root_is_not_an_output_and_its_adapters_are_checked_on_resume(tmp_path, capsys):
+    """``lf-llm lora merge`` into the run's own checkpoint root is refused before anything is
+    written (``latest`` stays); resuming with ``lora.rank=0`` names the rank the run was trained
+    with (the config record untouched); the run then resumes as it was."""
+    run = tmp_path / "run"
+    common = ["train", "train.global_batch_size=4", "lora.rank=4", "log.progress=false", f"log.run_dir={run}"]
+    assert lf_llm([*common, "train.steps=2"]) == 0
+    root = run / "checkpoints"
+    latest, config = (root / "latest").read_text(), (run / "config.yaml").read_text()
+    for out in (root, root / "merged"):
+        code, err = run_inproc(capsys, "lf-llm", "lora", "merge", str(root), str(out))
+        assert code == 2
+        assert_one_error_line(err, f"lora merge OUT {out}", f"checkpoint root {root}")
+    assert (root / "latest").read_text() == latest and not (root / "merged").exists()
+    assert not (root / "step_00000000").exists()
+
+    code, err = run_inproc(capsys, "lf-llm", *common[:-2], "lora.rank=0", "log.progress=false", f"log.run_dir={run}",
+                           "train.steps=3")
+    assert code == 2
+    assert_one_error_line(err, "trained with LoRA rank 4", "lora.rank=0", str(root / "step_00000002"))
+    assert (run / "config.yaml").read_text() == config  # written only once a config is accepted
+    assert lf_llm([*common, "train.steps=3"]) == 0
+    assert Checkpoint(root).step == 3
+
+
+@pytest.mark.parametrize("cli", CLIS)
+def test_outputs_inside_a_checkpoint_root_are_refused(cli, tmp_path, capsys):
+    """``convert``'s OUT (and ``train --save-FORMAT OUT``) at or inside a checkpoint root: refused
+    before the source is read; the root keeps its ``latest``."""
+    root = tmp_path / "run" / "checkpoints"
+    save_checkpoint(root, 3, {"w": torch.zeros(2)}, manifest={"family": "llama"})
+    for out in (root, root / "step_00000003" / "export", root / "out"):
+        code, err = run_inproc(capsys, cli, "convert", CONVERT[cli], str(tmp_path / "anything"), str(out))
+        assert code == 2
+        assert_one_error_line(err, f"OUT {out}", f"checkpoint root {root}", "latest step_00000003")
+    assert sorted(p.name for p in root.iterdir()) == ["latest", "step_00000003"]
+    save = {"lf-llm": "--save-hf", "lf-vlm": "--save-hf", "lf-diffusion": "--save-diffusers",
+            "lf-embodied": "--save-lerobot"}[cli]
+    code, err = run_inproc(capsys, cli, "train", save, str(root / "export"), f"log.run_dir={tmp_path / 'other'}")
+    assert code == 2
+    assert_one_error_line(err, f"{save} {root / 'export'}", f"checkpoint root {root}")
+
+
+def _foreign_checkpoint(tmp: Path, family: str) -> Path:
+    """A checkpoint root of model family ``family`` (its manifest is what a reader checks first)."""
+    root = tmp / family / "checkpoints"
+    save_checkpoint(root, 1, {"model.w": torch.zeros(2)}, manifest={"family": family, "config": {}})
+    return root
+
+
+FOREIGN = {  # (command, the family of a checkpoint it does not read, the command that does)
+    "lf-diffusion convert lf-to-diffusers": ("llama", "lf-llm"),
+    "lf-diffusion sample --checkpoint": ("llama", "lf-llm"),
+    "lf-diffusion convert lora-to-peft": ("pi05", "lf-embodied"),
+    "lf-embodied convert lf-to-lerobot": ("llama", "lf-llm"),
+    "lf-embodied eval --checkpoint": ("wan", "lf-diffusion"),
+    "lf-llm convert lf-to-hf": ("pi05", "lf-embodied"),
+    "lf-vlm convert lf-to-hf": ("llama", "lf-llm"),
+}
+
+
+@pytest.mark.parametrize("command", list(FOREIGN))
+def test_a_checkpoint_of_another_modality_is_named_as_such(command, tmp_path, capsys):
+    family, owner = FOREIGN[command]
+    root = _foreign_checkpoint(tmp_path, family)
+    cli, *words = command.split()
+    argv = [*words, str(root)] if words[-1].startswith("--") else [*words, str(root), str(tmp_path / "out")]
+    code, err = run_inproc(capsys, cli, *argv)
+    assert code == 2
+    assert_one_error_line(err, str(root / "step_00000001"), f"an {owner} checkpoint (model family {family!r})",
+                          f"not one of {cli}'s")
+    assert not (tmp_path / "out").exists()
+
+
+def test_lerobot_to_lf_of_a_file_that_is_not_safetensors_is_named(tmp_path, capsys):
+    source = tmp_path / "model.safetensors"
+    source.write_text("not safetensors\n")
+    code, err = run_inproc(capsys, "lf-embodied", "convert", "lerobot-to-lf", str(source), str(tmp_path / "out.safetensors"))
+    assert code == 2
+    assert_one_error_line(err, str(source), "not a safetensors file")
+    assert not (tmp_path / "out.safetensors").exists()
+
+
+def test_sample_with_an_image_that_does_not_decode_is_named(tmp_path, capsys):
+    """``lf-diffusion sample --image`` of a file that is no image, or a PNG cut off half-way: one
+    line naming it, before any model is loaded (so the checkpoint needs only its manifest: the
+    config of an image-to-video model)."""
+    from loongforge.core.config import to_dict
+    from loongforge.diffusion.cli import load_recipe
+
+    run = tmp_path / "run"
+    save_checkpoint(run / "checkpoints", 1, {"model.w": torch.zeros(2)},
+                    manifest={"family": "wan", "config": to_dict(load_recipe("tiny_ti2v", []))})
+    not_image, cut = tmp_path / "notes.png", tmp_path / "cut.png"
+    not_image.write_text("not an image\n")
+    import numpy as np
+    from PIL import Image
+
+    Image.fromarray(np.zeros((32, 32, 3), dtype=np.uint8) + 7).save(tmp_path / "whole.png")
+    whole = (tmp_path / "whole.png").read_bytes()
+    cut.write_bytes(whole[: len(whole) // 2])
+    for image in (not_image, cut):
+        code, err = run_inproc(capsys, "lf-diffusion", "sample", "--run", str(run), "--image", str(image))
+        assert code == 2
+        assert_one_error_line(err, str(image), "cannot decode the image")
+    assert not (run / "samples").exists()
+
+
+@pytest.mark.slow
+def test_lora_targets_that_match_nothing_are_one_line_from_the_launcher(tmp_path):
+    """``lf-llm train --nproc-per-node 2``: the error every rank raises building its model is one
+    line and exit 2, no rank's traceback."""
+    proc = run_cli(["lf-llm", "train", "--nproc-per-node", "2", "lora.rank=4", "lora.target_modules=[nope_proj]",
+                    "train.steps=1", "log.progress=false", f"log.run_dir={tmp_path / 'run'}"], timeout=300)
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert_one_error_line(proc.stdout + proc.stderr, "lora.target_modules=['nope_proj']", "match no linear layer")
+    assert "[rank0]:" not in proc.stderr and "[rank1]:" not in proc.stderr
 
 
 # -- non-finite values ---------------------------------------------------------------------------

@@ -140,3 +140,18 @@ def test_files_are_plain_safetensors(saved):
     """Readable without LoongForge: entries are ``<key>@<offset>`` regions of the global tensor."""
     with safe_open(str(saved / "shard-00000.safetensors"), framework="pt") as f:
         assert torch.equal(f.get_tensor("w@0_0"), tensors(7)["w"])
+
+
+def test_latest_never_moves_to_a_lower_step(tmp_path):
+    """A save of an earlier step into a root whose ``latest`` is further on is refused before
+    anything is written; re-saving the same step, or a later one, is not."""
+    from loongforge.core.checkpoint import CheckpointOrderError
+
+    save_checkpoint(tmp_path, 8, tensors(8))
+    with pytest.raises(CheckpointOrderError, match=r"step_00000004 not saved: .*latest is at step 8"):
+        save_checkpoint(tmp_path, 4, tensors(4))
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["latest", "step_00000008"]
+    assert Checkpoint(tmp_path).step == 8
+    save_checkpoint(tmp_path, 8, tensors(8))
+    save_checkpoint(tmp_path, 9, tensors(9))
+    assert Checkpoint(tmp_path).step == 9

@@ -115,7 +115,7 @@ def all_converters(app: ModalityCLI) -> list[Converter]:
             from loongforge.core.lora import export_checkpoint_adapter
 
             written = export_checkpoint_adapter(source, out, app.lora_layouts, ema=bool(getattr(args, "ema", False)),
-                                                dtype=convert_dtype(args.dtype))
+                                                dtype=convert_dtype(args.dtype), command=app.prog)
             return "\n".join(f"wrote {path}" for path in written)
 
         converters.append(Converter(LORA_TO_PEFT, f"a LoRA checkpoint (or run dir) -> its adapters alone in PEFT's "
@@ -230,9 +230,11 @@ def export_converter(app: ModalityCLI) -> Converter | None:
 
 
 def check_export_target(option: str, out: str, checkpoint_save: bool) -> Path:
-    """``--save-FORMAT OUT`` exports the final checkpoint: it must be saved and OUT must be new
-    (checked before any process group)."""
-    path = Path(out).expanduser().resolve()
+    """``--save-FORMAT OUT`` exports the final checkpoint: it must be saved and OUT must be new and
+    outside any checkpoint root (checked before any process group)."""
+    from loongforge.core.output_paths import check_output_path
+
+    path = check_output_path(out, option)
     if path.exists():
         raise ConfigError(f"{option} {out}: {path} exists; the export writes a new directory")
     if not checkpoint_save:
@@ -264,10 +266,12 @@ class _ModalityCommands:
 
     def train(self, args) -> int:
         from loongforge.core.training.run import run_training
+        from loongforge.core.training.run_dir import check_run_directories
         from loongforge.core.wandb_run import require_wandb
 
         app = self.app
         cfg = self.config(args)  # fails here, before any process group, on a bad config
+        check_run_directories(cfg)  # and on a log.run_dir or checkpoint.dir that is a file
         if args.nproc_per_node != 1:
             return self._launch(args, cfg)
         require_wandb(cfg.log)  # and here when log.wandb=true has no wandb to log to
@@ -310,7 +314,10 @@ class _ModalityCommands:
         return 0
 
     def convert(self, args) -> int:
+        from loongforge.core.output_paths import check_output_path
+
         converter = next(c for c in all_converters(self.app) if c.direction == args.direction)
+        check_output_path(args.out, f"convert {args.direction} OUT")
         try:
             print(converter.run(args.source, args.out, args))
         except (FileNotFoundError, FileExistsError) as exc:  # a missing source, an output that exists

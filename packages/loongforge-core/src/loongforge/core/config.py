@@ -143,11 +143,15 @@ def read_section(schema: type, section: str, name_or_path: str | None, overrides
                  config_dirs: Sequence[Path] = ()) -> dict:
     """The composed config's ``section``, read with every section of ``schema`` untyped: how a
     recipe learns which family's config class validates that section (``model.family``,
-    ``policy.family``) before the typed load. Empty when the config does not compose (the typed
-    load then reports the error against the real schema)."""
-    sections = make_dataclass(f"{schema.__name__}Sections", [(f.name, Any, None) for f in fields(schema)])
+    ``policy.family``) before the typed load. Overrides of keys outside the schema's sections are
+    left to that load too (a misspelt ``foo.bar=1`` must not hide which family ``section`` names).
+    Empty when the config does not compose (the typed load then reports the error against the real
+    schema)."""
+    names = field_names(schema)
+    sections = make_dataclass(f"{schema.__name__}Sections", [(name, Any, None) for name in names])
+    known = [o for o in overrides if "=" not in o or o.split("=", 1)[0].strip().lstrip("+~").split(".", 1)[0] in names]
     try:
-        value = getattr(load_config(sections, name_or_path, overrides, config_dirs), section)
+        value = getattr(load_config(sections, name_or_path, known, config_dirs), section)
     except ConfigError:
         return {}
     return value if isinstance(value, dict) else {}

@@ -441,13 +441,18 @@ def checkpoint_of(source: str | Path) -> Path:
 
 def export_checkpoint_adapter(source: str | Path, out: str | Path,
                               layouts: Callable[[Mapping, list[str]], list[AdapterLayout]], *, ema: bool = False,
-                              dtype: torch.dtype | None = None) -> list[Path]:
+                              dtype: torch.dtype | None = None, command: str | None = None) -> list[Path]:
     """``lf-X convert lora-to-peft``: the adapters of a LoRA checkpoint of the loop (a run
     directory, checkpoint root or step directory) in PEFT's format; ``layouts(manifest, names)``
-    is the modality's naming. ``ema``: the EMA of the adapters (a run with ``ema.decay > 0``)."""
+    is the modality's naming. ``ema``: the EMA of the adapters (a run with ``ema.decay > 0``).
+    ``command``: the ``lf-*`` command whose checkpoints ``layouts`` names (another's are refused)."""
     from loongforge.core.checkpoint import Checkpoint, CheckpointReadError
 
     ckpt = Checkpoint(checkpoint_of(source))
+    if command is not None:
+        from loongforge.core.checkpoint_owner import check_checkpoint_command
+
+        check_checkpoint_command(ckpt.manifest, command, ckpt.directory)
     record = lora_record(ckpt.manifest)
     if record is None:
         raise CheckpointReadError(f"{ckpt.directory}: not a LoRA checkpoint (trained with lora.rank=0); "

@@ -1,10 +1,17 @@
 """Run metrics: one JSON line per logged step in ``RUN_DIR/metrics.jsonl``, TensorBoard scalars,
-Weights & Biases (``log.wandb``), and the tqdm progress bar long work shows."""
+Weights & Biases (``log.wandb``), and the tqdm progress bar long work shows.
+
+A run that starts at step N (a resume, or 0 for a fresh start) first cuts ``metrics.jsonl`` back to
+its whole records of steps up to N (``cut_back``; the file as it was is kept beside it), so that
+every step appears once: a crash may leave records past the checkpoint resumed from, or half a
+line."""
 
 from __future__ import annotations
 
 import json
 import math
+import os
+import shutil
 import sys
 import time
 from pathlib import Path
@@ -100,6 +107,41 @@ def read_metrics(run_dir: str | Path) -> list[dict]:
             raise ValueError(f"{path}:{number}: not a metrics record ({exc})") from None
         records.append(record)
     return records
+
+
+def cut_back(path: str | Path, step: int) -> Path | None:
+    """Cut the JSONL file ``path`` (records with an integer ``step``, in order) back to its whole
+    records up to ``step``: everything from the first record past ``step``, the first line that is
+    not a record or a last line without its newline on is dropped. The file as it was is kept as
+    ``<name>.bak-K`` (the first free K), which is returned; None when there was nothing to cut."""
+    path = Path(path)
+    if not path.is_file():
+        return None
+    data = path.read_bytes()
+    keep = 0
+    for line in data.splitlines(keepends=True):
+        if not line.endswith(b"\n"):
+            break
+        if line.strip():
+            try:
+                record = json.loads(line)
+            except ValueError:
+                break
+            if not isinstance(record, dict) or not isinstance(record.get("step"), int) or record["step"] > step:
+                break
+        keep += len(line)
+    if keep == len(data):
+        return None
+    backup = next(candidate for k in range(1, 1 << 20)
+                  if not (candidate := path.with_name(f"{path.name}.bak-{k}")).exists())
+    shutil.copy2(path, backup)
+    tmp = path.with_name(f".{path.name}.tmp")
+    with open(tmp, "wb") as f:
+        f.write(data[:keep])
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)  # the old file stays whole until this moment (and in the backup after it)
+    return backup
 
 
 def progress(total: int, desc: str, enabled: bool = True, initial: int = 0) -> tqdm:

@@ -117,13 +117,16 @@ def recipe_of(manifest: dict, overrides: list[str] = ()):
 
 
 def lf_to_diffusers_command(source: str, out: str, args) -> str:
-    from loongforge.core.checkpoint import load_checkpoint
+    from loongforge.core.checkpoint import Checkpoint
+    from loongforge.core.checkpoint_owner import check_checkpoint_command
     from loongforge.core.cli import convert_dtype
     from loongforge.core.config import ConfigError
     from loongforge.core.lora import lora_record, merge_state
     from loongforge.diffusion.model.convert import export_diffusers
 
-    tensors, manifest, _ = load_checkpoint(checkpoint_root(source))
+    ckpt = Checkpoint(checkpoint_root(source))
+    check_checkpoint_command(ckpt.manifest, "lf-diffusion", ckpt.directory)
+    tensors, manifest = ckpt.tensors(), ckpt.manifest
     prefix = "ema." if args.ema else "model."
     if args.ema and not manifest.get("ema"):
         raise ConfigError(f"{source}: the checkpoint has no EMA weights (trained with ema.decay=0)")
@@ -207,10 +210,12 @@ def cmd_preprocess(args) -> int:
 
 def cmd_sample(args) -> int:
     from loongforge.core.checkpoint import Checkpoint
+    from loongforge.core.checkpoint_owner import check_checkpoint_command
     from loongforge.diffusion.sampling import sample_run
 
     run_dir = Path(args.run)
     checkpoint = Checkpoint(args.checkpoint or checkpoint_root(run_dir))
+    check_checkpoint_command(checkpoint.manifest, "lf-diffusion", checkpoint.directory)
     overrides = normalise_overrides(args.overrides) + ([f"sample.image={args.image}"] if args.image else [])
     recipe = recipe_of(checkpoint.manifest, overrides)
     for path in sample_run(recipe, checkpoint.directory, args.out or run_dir / "samples"):

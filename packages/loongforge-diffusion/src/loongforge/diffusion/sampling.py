@@ -119,7 +119,7 @@ def write_grid(rows: Sequence[Sequence[torch.Tensor]], png: str | Path, gif: str
 
 
 def check_sample_image(recipe) -> None:
-    """``sample.image`` exists where it is needed (before anything is loaded)."""
+    """``sample.image`` exists where it is needed and decodes (before anything is loaded)."""
     from loongforge.core.config import ConfigError
 
     s, m = recipe.sample, recipe.model
@@ -128,6 +128,10 @@ def check_sample_image(recipe) -> None:
                           f"(or --image PATH): the image that starts the videos")
     if s.image is not None and not Path(s.image).expanduser().is_file():
         raise ConfigError(f"sample.image={s.image!r}: no such file")
+    if s.image is not None:  # it decodes (a DataError naming it if not), before any model is loaded
+        from loongforge.diffusion.data.video_io import read_frames
+
+        read_frames(Path(s.image).expanduser(), 1)
 
 
 def encode_sample_image(recipe, facts: dict, vae, device) -> ImageCondition:

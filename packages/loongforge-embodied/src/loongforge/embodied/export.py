@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 from loongforge.core.errors import DataError, OutputExistsError
@@ -80,7 +81,11 @@ def import_lerobot(src: str | Path, out: str | Path) -> Path:
     src = Path(src)
     if not src.is_file():
         raise DataError(f"{src}: no such file (a LeRobot pi0 or pi05 model.safetensors)")
-    theirs = load_file(str(src))
+    try:
+        theirs = load_file(str(src))
+    except (SafetensorError, OSError) as exc:  # not a safetensors file, or a truncated one
+        raise DataError(f"{src}: not a safetensors file ({exc}); lerobot-to-lf reads a LeRobot pi0 or pi05 "
+                        f"model.safetensors") from exc
     family = lerobot_family(theirs)
     state = from_lerobot(lerobot_adapter(family).mapping, theirs, source=f"{src} (LeRobot {family})")
     out = _new_file(out)

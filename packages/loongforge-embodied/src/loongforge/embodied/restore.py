@@ -10,6 +10,7 @@ from pathlib import Path
 import torch.nn as nn
 
 from loongforge.core.checkpoint import Checkpoint
+from loongforge.core.checkpoint_owner import check_checkpoint_command
 from loongforge.core.lora import LoRAConfig, apply_lora, lora_record
 from loongforge.core.models import get_model_spec
 from loongforge.core.training.torch_checkpoint import load_model
@@ -17,7 +18,9 @@ from loongforge.embodied.config import EmbodiedConfig, load_train_config
 
 
 def config_from_checkpoint(ckpt: Checkpoint, overrides: Sequence[str] = ()) -> EmbodiedConfig:
-    """The checkpoint's run config (from its manifest) with ``key=value`` overrides."""
+    """The checkpoint's run config (from its manifest) with ``key=value`` overrides; another
+    modality's checkpoint is refused naming the command it is for."""
+    check_checkpoint_command(ckpt.manifest, "lf-embodied", ckpt.directory)
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / "checkpoint_config.yaml"
         path.write_text(json.dumps(ckpt.manifest["config"]))  # JSON is YAML

@@ -57,7 +57,7 @@ def lf_to_hf_command(source: str, out: str, args) -> str:
     from loongforge.core.hf_mapping.convert import lf_to_hf
 
     done = lf_to_hf(source, out, dtype=convert_dtype(args.dtype), progress=not args.no_progress,
-                    max_shard_bytes=args.shard_size)
+                    max_shard_bytes=args.shard_size, command="lf-llm")
     return (f"lf-llm: {done.family} ({done.tensors} tensors) -> {done.path}"
             + ("" if done.tokenizer else " (no tokenizer found to copy)"))
 

@@ -181,8 +181,11 @@ def _global_names(model: torch.nn.Module) -> dict[int, str]:
 
 def apply_lora(model: torch.nn.Module, lora: LoRAConfig, seed: int = 0) -> list[str]:
     """Wrap the targeted linear layers of ``model`` in place and freeze everything else;
-    returns the adapted layers' global names."""
+    returns the adapted layers' global names. Targets that reach no layer, or a routed expert split
+    over expert tensor parallelism, are a ``ConfigError`` (one error line on every rank)."""
     from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
+
+    from loongforge.core.config import ConfigError
 
     names = _global_names(model)
     linears, adapted = [], []
@@ -195,7 +198,7 @@ def apply_lora(model: torch.nn.Module, lora: LoRAConfig, seed: int = 0) -> list[
             if not matches(name, lora.target_modules):
                 continue
             if child.is_expert and child.tp_group.size() > 1:
-                raise ValueError(f"lora.target_modules={lora.target_modules} adapt routed expert {name}, which is split over "
+                raise ConfigError(f"lora.target_modules={lora.target_modules} adapt routed expert {name}, which is split over "
                                  f"expert tensor parallelism ({child.tp_group.size()} ranks, the TP size); adapt the "
                                  "experts with parallel.tp=1 (any parallel.ep) or leave them out of the targets")
             column = isinstance(child, ColumnParallelLinear)
@@ -206,7 +209,7 @@ def apply_lora(model: torch.nn.Module, lora: LoRAConfig, seed: int = 0) -> list[
                                                    full_a=_initial_a(name, lora.rank, fan_in, seed)))
             adapted.append(name)
     if not adapted:
-        raise ValueError(f"lora.target_modules={lora.target_modules} match no linear layer; the model's are "
+        raise ConfigError(f"lora.target_modules={lora.target_modules} match no linear layer; the model's are "
                          f"{sorted({n.split('.')[-1] for n in linears})} (e.g. {linears[:3]})")
     for name, p in model.named_parameters():
         p.requires_grad = name.endswith((LORA_A, LORA_B))

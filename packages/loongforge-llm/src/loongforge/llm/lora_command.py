@@ -13,8 +13,6 @@ alone under transformers' module names, which ``peft.PeftModel.from_pretrained``
 
 from __future__ import annotations
 
-import sys
-
 ROUTED_EXPERTS = ".mlp.experts.local_experts."
 ROUTED_EXPERTS_UNNAMED = ("routed MoE experts: transformers holds them as fused 3-D parameters, which PEFT's LoRA "
                           "does not adapt; leave them out of lora.target_modules, e.g. "
@@ -32,14 +30,15 @@ def lora_layouts(manifest: dict, names: list[str]):
 
 
 def cmd_lora(args) -> int:
-    from loongforge.core.checkpoint import CheckpointReadError
+    from loongforge.core.config import ConfigError
+    from loongforge.core.output_paths import check_output_path
     from loongforge.llm.lora import merge_checkpoint
 
+    check_output_path(args.out, "lora merge OUT")  # never a run's own checkpoint root
     try:
         path = merge_checkpoint(args.checkpoint, args.out)
-    except (CheckpointReadError, FileExistsError, FileNotFoundError) as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
+    except (FileExistsError, FileNotFoundError) as exc:  # an output that exists, a missing source
+        raise ConfigError(str(exc)) from exc
     print(f"lf-llm: merged weights of {args.checkpoint} -> {path}")
     return 0
 
@@ -49,5 +48,5 @@ def add_lora_command(sub) -> None:
                                        "the adapters alone: `convert lora-to-peft`")
     lora.add_argument("action", choices=["merge"])
     lora.add_argument("checkpoint", help="LoRA training checkpoint (a step directory or a checkpoint root)")
-    lora.add_argument("out", help="output checkpoint root (must not hold a step_00000000 yet)")
+    lora.add_argument("out", help="output checkpoint root (new; not inside a run's checkpoint root)")
     lora.set_defaults(fn=cmd_lora)

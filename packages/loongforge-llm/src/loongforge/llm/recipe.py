@@ -338,21 +338,27 @@ class LLMTask:
 
     def dataset(self):
         if self._dataset is None:
-            from loongforge.llm.data import gpt, shipped
+            from loongforge.llm.data import gpt, load_tokenizer, shipped
+            from loongforge.llm.data.vocabulary import check_tokenizer_fits
 
             train = self.cfg.train
             num_samples = train.steps * train.global_batch_size
+            tokenizer = load_tokenizer(self.tokenizer_ref())
+            check_tokenizer_fits(self.tokenizer_ref(), tokenizer.vocab_size, self.cfg.model.vocab_size)
             if self.cfg.data.prefixes:
                 self._dataset = gpt.build_gpt_dataset(
                     self._blend(), seq_length=train.seq_length, num_samples=num_samples, seed=train.seed,
-                    tokenizer=self.cfg.data.tokenizer or shipped.bundled_tokenizer_path(),
-                    cache_dir=self.cfg.data.resolved_cache_dir(),
+                    tokenizer=tokenizer, cache_dir=self.cfg.data.resolved_cache_dir(),
                 )
             else:
                 self._dataset = shipped.bundled_dataset(
                     self.cfg.data.resolved_cache_dir(), seq_length=train.seq_length, num_samples=num_samples, seed=train.seed
                 )
         return self._dataset
+
+    def data_name(self) -> str:
+        """The training data, as the error messages name it."""
+        return f"data.prefixes={list(self.cfg.data.prefixes)}" if self.cfg.data.prefixes else "the bundled corpus"
 
     def _blend(self) -> list[tuple[float, str]]:
         weights = self.cfg.data.weights or [1.0] * len(self.cfg.data.prefixes)
@@ -364,13 +370,18 @@ class LLMTask:
         return str(self.cfg.data.tokenizer or shipped.bundled_tokenizer_path())
 
     def steps(self, ctx, start_step: int) -> Iterator[StepBatch]:
+        from loongforge.llm.data.vocabulary import check_token_ids
+
         train = self.cfg.train
         mbs = train.micro_batch_size or train.global_batch_size // ctx.dp_size
         sampler = GlobalBatchSampler(train.global_batch_size, mbs, ctx.dp_rank, ctx.dp_size)
         data = self.dataset()
         step = start_step
         while True:
-            micro = [collate([data[i] for i in mb]) for mb in sampler.step_indices(step)]
+            indices = sampler.step_indices(step)
+            micro = [collate([data[i] for i in mb]) for mb in indices]
+            for batch, ids in zip(micro, indices):  # an id past the embedding table is a data error
+                check_token_ids(batch, ids, self.cfg.model.vocab_size, self.data_name())
             tokens = sum(int(mb["tokens"].numel()) for mb in micro)  # the replica's, before the CP split
             micro = [{k: v.to(ctx.device) for k, v in cp_share_of_rows(mb, ctx.pgs.cp).items()} for mb in micro]
             yield StepBatch(micro_batches=micro, tokens=tokens)

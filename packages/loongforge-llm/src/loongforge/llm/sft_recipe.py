@@ -23,7 +23,6 @@ from __future__ import annotations
 
 from functools import partial
 
-from loongforge.llm.data.errors import DataError
 from loongforge.llm.recipe import LLMConfig, LLMTask, masked_token_loss
 
 
@@ -92,11 +91,10 @@ class SFTTask(LLMTask):
     def tokenizer(self):
         if self._tokenizer is None:
             from loongforge.llm.data.sft import load_chat_tokenizer
+            from loongforge.llm.data.vocabulary import check_tokenizer_fits
 
             self._tokenizer = load_chat_tokenizer(self.tokenizer_dir())
-            if len(self._tokenizer) > self.cfg.model.vocab_size:
-                raise DataError(f"tokenizer {self.tokenizer_dir()} has {len(self._tokenizer)} tokens, more than "
-                                f"model.vocab_size={self.cfg.model.vocab_size}")
+            check_tokenizer_fits(self.tokenizer_dir(), len(self._tokenizer), self.cfg.model.vocab_size)
         return self._tokenizer
 
     def dataset(self):

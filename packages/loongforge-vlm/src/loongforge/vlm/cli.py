@@ -106,7 +106,7 @@ def hf_to_lf_command(source: str, out: str, args) -> str:
 def lf_to_hf_command(source: str, out: str, args) -> str:
     from loongforge.core.hf_mapping.convert import lf_to_hf
 
-    done = lf_to_hf(source, out, dtype=convert_dtype(args.dtype), progress=not args.no_progress)
+    done = lf_to_hf(source, out, dtype=convert_dtype(args.dtype), progress=not args.no_progress, command="lf-vlm")
     return f"lf-vlm: {done.tensors} tensors -> {done.path}" + ("" if done.tokenizer else " (no tokenizer found)")
 
 

@@ -28,6 +28,7 @@ from torch.utils.data import DataLoader, Sampler
 from loongforge.core.balance.cost import CostModel, SampleLength, SampleSizes
 from loongforge.core.balance.metrics import BalanceMetrics
 from loongforge.core.balance.solver import plan_step
+from loongforge.core.errors import DataError
 
 _CACHED_PLANS = 16  # steps a DataLoader may read ahead without re-planning
 
@@ -78,13 +79,14 @@ class BalancedBatchSampler(Sampler[list[int]]):
             raise ValueError(f"dp_rank={dp_rank} must be in 0..dp_size-1 (dp_size={dp_size})")
         if samples_per_step < dp_size:
             raise ValueError(f"samples_per_step={samples_per_step} must be >= dp_size={dp_size} (one sample per rank at least)")
-        if n < samples_per_step:
-            raise ValueError(f"the dataset has {n} samples, fewer than samples_per_step={samples_per_step}")
+        if n < samples_per_step:  # a data error (one error line), as the CLIs report it
+            raise DataError(f"the dataset has {n} samples, fewer than samples_per_step={samples_per_step} (one "
+                            f"step's samples, train.global_batch_size)")
         if token_cap is not None:
             too_long = np.flatnonzero(self.sizes.tokens > token_cap)
             if too_long.size:
                 i = int(too_long[0])
-                raise ValueError(
+                raise DataError(
                     f"dataset sample {i} has {int(self.sizes.tokens[i])} tokens, more than token_cap={token_cap}; "
                     f"{too_long.size} sample(s) exceed it: truncate or split them in preprocessing, or raise token_cap"
                 )

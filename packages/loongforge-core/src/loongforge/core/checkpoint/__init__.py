@@ -9,12 +9,13 @@ from loongforge.core.checkpoint.format import (
     save_checkpoint,
 )
 from loongforge.core.checkpoint.pieces import CheckpointNotFound, CheckpointReadError, Piece, PieceReader
-from loongforge.core.checkpoint.storage import latest_checkpoint
+from loongforge.core.checkpoint.storage import CheckpointOrderError, latest_checkpoint
 
 __all__ = [
     "FORMAT_VERSION",
     "Checkpoint",
     "CheckpointNotFound",
+    "CheckpointOrderError",
     "CheckpointReadError",
     "Piece",
     "PieceReader",

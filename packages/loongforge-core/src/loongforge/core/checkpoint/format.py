@@ -80,13 +80,17 @@ def save_checkpoint(
         if isinstance(tensors, dict)
         else list(tensors)
     )
-    error = None
+    error = refused = None
     if rank == 0:
         try:
             storage.prepare_temp(root, name)
         except OSError as exc:
             error = f"cannot create checkpoint directory under {root}: {exc}"
-    error = _broadcast(error, group)
+        except storage.CheckpointOrderError as exc:  # ``latest`` is past this step: nothing is written
+            refused = str(exc)
+    error, refused = _broadcast((error, refused), group)
+    if refused:
+        raise storage.CheckpointOrderError(refused)
     if error:
         raise OSError(error)
     tmp = storage.temp_dir(root, name)
@@ -122,7 +126,12 @@ def save_checkpoint(
             storage.prune(root, keep_last)
         except OSError as exc:
             failure = _failure(exc, root)
-    failure = _broadcast(failure, group)
+        except storage.CheckpointOrderError as exc:
+            storage.discard_temp(root, name)
+            refused = str(exc)
+    failure, refused = _broadcast((failure, refused), group)
+    if refused:
+        raise storage.CheckpointOrderError(refused)
     if failure is not None:
         raise OSError(*failure)
     return root / name

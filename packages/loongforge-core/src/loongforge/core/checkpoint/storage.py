@@ -6,6 +6,9 @@ dies at any point leaves the previous checkpoint and pointer untouched. Re-savin
 name moves the old directory to ``ROOT/.old-<name>`` for the instant between the two renames;
 a save that dies there leaves the old one readable under that name (``latest_checkpoint``
 finds it). The next save into ``ROOT`` removes leftover temp dirs and settles ``.old-`` ones.
+
+``latest`` never moves to a lower step: a save of step N into a root whose ``latest`` is past N is
+refused before anything is written (``CheckpointOrderError``), and again at the commit.
 """
 
 from __future__ import annotations
@@ -16,13 +19,70 @@ import re
 import shutil
 from pathlib import Path
 
+from loongforge.core.errors import UserError
+
 LATEST = "latest"
 STEP_DIR = re.compile(r"^step_(\d{8,})$")
 LEFTOVER = re.compile(r"^\.(tmp|old)-(step_\d{8,})$")  # what a save that died leaves behind
 
 
+class CheckpointOrderError(UserError):
+    """A save that would move ``latest`` to a lower step (the root holds a later run's checkpoints)."""
+
+
 def step_dir_name(step: int) -> str:
     return f"step_{step:08d}"
+
+
+def check_order(root: Path, name: str) -> None:
+    """Refuse to publish ``name`` under ``root`` when ``latest`` names a later step."""
+    pointer = root / LATEST
+    if not pointer.is_file():
+        return
+    latest_step, step = _step_of(pointer.read_text().strip()), _step_of(name)
+    if latest_step is not None and step is not None and step < latest_step:
+        raise CheckpointOrderError(
+            f"{root / name} not saved: {root / LATEST} is at step {latest_step}, and latest never moves back to an "
+            f"earlier step ({root} holds the checkpoints of a run that got further; write to another directory)")
+
+
+def _step_of(name: str) -> int | None:
+    m = STEP_DIR.match(name)
+    return int(m.group(1)) if m else None
+
+
+def holds_checkpoints(root: Path) -> bool:
+    """Whether ``root`` is a checkpoint root: it has a ``latest`` pointer or a step directory."""
+    root = Path(root)
+    if not root.is_dir():
+        return False
+    return (root / LATEST).is_file() or any(STEP_DIR.match(p.name) and p.is_dir() for p in root.iterdir())
+
+
+def enclosing_root(path: Path) -> Path | None:
+    """The checkpoint root ``path`` is (or lies inside), if any (``path`` need not exist)."""
+    for candidate in (path, *path.parents):
+        if holds_checkpoints(candidate):
+            return candidate
+    return None
+
+
+def remove_checkpoints(root: Path) -> list[Path]:
+    """Delete everything of the format under ``root`` (step directories, ``latest``, what saves that
+    died left behind); other files stay. Returns the step directories removed."""
+    if not root.is_dir():
+        return []
+    steps = sorted(p for p in root.iterdir() if STEP_DIR.match(p.name) and p.is_dir())
+    pointer = root / LATEST
+    if pointer.is_file():  # first, so a crash half-way leaves no pointer at a removed step
+        pointer.unlink()
+        fsync_path(root)
+    for path in sorted(root.iterdir()):
+        if path.name == f".{LATEST}.tmp":
+            path.unlink()
+        elif (STEP_DIR.match(path.name) or LEFTOVER.match(path.name)) and path.is_dir():
+            shutil.rmtree(path)
+    return steps
 
 
 def temp_dir(root: Path, name: str) -> Path:
@@ -78,6 +138,7 @@ def recover(root: Path) -> None:
 def prepare_temp(root: Path, name: str) -> Path:
     root.mkdir(parents=True, exist_ok=True)
     recover(root)
+    check_order(root, name)
     tmp = temp_dir(root, name)
     tmp.mkdir()
     return tmp
@@ -91,6 +152,7 @@ def discard_temp(root: Path, name: str) -> None:
 def commit(root: Path, name: str) -> Path:
     """Atomically publish ``.tmp-<name>`` as ``<name>`` and point ``latest`` at it."""
     tmp, final = temp_dir(root, name), root / name
+    check_order(root, name)
     fsync_tree(tmp)
     old = None
     if final.exists():

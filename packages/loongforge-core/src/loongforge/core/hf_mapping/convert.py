@@ -204,10 +204,15 @@ def bind_checkpoint(manifest: dict, source: Path | str) -> tuple[str, HFAdapter,
 
 
 def lf_to_hf(checkpoint: str | Path, out: str | Path, *, dtype: torch.dtype | None = None, progress: bool = True,
-             max_shard_bytes: int = 2 << 30) -> Converted:
+             max_shard_bytes: int = 2 << 30, command: str | None = None) -> Converted:
     """Convert a LoongForge checkpoint (a step directory or a root with ``latest``) into the HF
-    model directory ``out``."""
+    model directory ``out``; ``command``: the ``lf-*`` command converting (another's checkpoints
+    are refused, naming theirs)."""
     ckpt = Checkpoint(checkpoint)
+    if command is not None:
+        from loongforge.core.checkpoint_owner import check_checkpoint_command
+
+        check_checkpoint_command(ckpt.manifest, command, ckpt.directory)
     family, adapter, cfg, bound = bind_checkpoint(ckpt.manifest, ckpt.directory / "manifest.json")
     get = _read_lf(ckpt, bound)
     writer = HFWriter(out, max_shard_bytes=max_shard_bytes)

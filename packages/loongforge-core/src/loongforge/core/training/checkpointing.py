@@ -11,11 +11,45 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from loongforge.core.checkpoint import Checkpoint, CheckpointReadError, latest_checkpoint, save_checkpoint
+from loongforge.core.checkpoint import Checkpoint, CheckpointReadError, latest_checkpoint, save_checkpoint, storage
+from loongforge.core.training.errors import EarlierRunError
 
 
 def has_checkpoint(root: str | Path) -> bool:
     return latest_checkpoint(root) is not None if Path(root).exists() else False
+
+
+def check_fresh_start(trainer) -> bool:
+    """A run that does not resume may write into its checkpoint directory only when that holds no
+    earlier run's checkpoints, or when told to start over (``checkpoint.overwrite=true``); returns
+    whether it starts over (``start_over`` then removes them). Every rank checks alike."""
+    root, cfg = trainer.ckpt_dir, trainer.ckpt_cfg
+    if trainer.resuming or not storage.holds_checkpoints(root):
+        return False
+    if cfg.overwrite:
+        return True
+    pointer = root / storage.LATEST
+    where = f"checkpoint.dir={root}" if cfg.dir else f"{root} (log.run_dir={trainer.run_dir})"
+    if pointer.is_file():
+        what = f"(latest is {pointer.read_text().strip()}) and this run does not resume them (checkpoint.resume=false)"
+        resume = "resume it (checkpoint.resume=true), "
+    else:  # step directories without the pointer a resume reads
+        what = "(step directories, but no latest pointer to resume from)"
+        resume = ""
+    raise EarlierRunError(f"{where} holds the checkpoints of an earlier run {what}; {resume}start over with "
+                          f"checkpoint.resume=false checkpoint.overwrite=true (removes them first), or choose another "
+                          f"log.run_dir")
+
+
+def start_over(trainer) -> list[Path]:
+    """Remove the earlier run's checkpoints (global rank 0; every rank waits for it). Returns the
+    step directories removed."""
+    import torch.distributed as dist
+
+    removed = storage.remove_checkpoints(trainer.ckpt_dir) if trainer.ctx.is_main else []
+    if dist.is_initialized():
+        dist.barrier()
+    return removed
 
 
 def _optional(task, name: str, default=None):
@@ -81,6 +115,31 @@ def open_for_task(task, path, what: str | None = None) -> Checkpoint:
     return ckpt
 
 
+def check_lora(ckpt: Checkpoint, config_record: dict) -> None:
+    """A run resumes with the LoRA adapters it was trained with (``lora.rank``,
+    ``lora.target_modules``): the checkpoint's tensors and optimizer state are those adapters'."""
+    if "lora" not in config_record:  # a config without a lora group (or none recorded)
+        return
+    from loongforge.core.lora import lora_record
+
+    saved = _adapters(lora_record(ckpt.manifest))
+    current = _adapters(lora_record({"config": config_record}))
+    if saved == current:
+        return
+    rank, targets = saved
+    trained = (f"with LoRA rank {rank} (lora.rank={rank} lora.target_modules={targets})" if rank
+               else "without LoRA (lora.rank=0: every weight trained)")
+    rank, targets = current
+    given = f"lora.rank={rank} lora.target_modules={targets}" if rank else "lora.rank=0"
+    raise CheckpointReadError(f"cannot resume from {ckpt.directory}: this run was trained {trained}, the config has "
+                              f"{given}; resume with the run's LoRA settings or start another run (another log.run_dir)")
+
+
+def _adapters(record: dict | None) -> tuple[int, list[str]]:
+    """``(rank, target_modules)`` of a ``lora`` record; ``(0, [])`` without adapters."""
+    return (int(record["rank"]), list(record.get("target_modules") or [])) if record else (0, [])
+
+
 def _open(trainer, path) -> Checkpoint:
     return open_for_task(trainer.task, path)
 
@@ -88,6 +147,7 @@ def _open(trainer, path) -> Checkpoint:
 def resume(trainer, root: str | Path) -> None:
     """Everything, from ``root``'s latest checkpoint."""
     ckpt = _open(trainer, root)
+    check_lora(ckpt, trainer.config_record)
     check = getattr(trainer.task, "check_resume", None)
     if check is not None:
         try:

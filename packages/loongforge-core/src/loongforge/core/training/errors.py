@@ -4,6 +4,13 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from loongforge.core.errors import UserError
+
+
+class EarlierRunError(UserError):
+    """A fresh run (``checkpoint.resume=false``) into a checkpoint directory that holds an earlier
+    run's checkpoints, without ``checkpoint.overwrite=true``: nothing was written."""
+
 
 class NonFiniteError(RuntimeError):
     """The run stopped on a non-finite value: a step's loss or gradient norm (its update was not

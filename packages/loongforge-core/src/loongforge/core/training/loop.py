@@ -8,6 +8,12 @@ metrics), the evaluation hook (``eval.interval``), checkpoint cadence and exact 
 core format (``checkpointing``; a save is refused when the weights are not finite, so ``keep_last``
 never prunes the last finite checkpoint), and ``RUN_DIR/config.yaml`` (the run's whole composed config). The
 engine (``engine.make_engine``) does the rest of a step.
+
+A run starts by checking what its directories hold, before it writes anything: a run that does not
+resume refuses a checkpoint directory with an earlier run's checkpoints unless told to start over
+(``checkpoint.overwrite=true``, which removes them once the config is accepted); a resume checks the
+checkpoint against the config. Only then is ``config.yaml`` written and ``metrics.jsonl`` cut back to
+the step the run starts at (``metrics.cut_back``), so every step appears once in it.
 """
 
 from __future__ import annotations
@@ -15,11 +21,12 @@ from __future__ import annotations
 import json
 import math
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from loongforge.core.errors import storage_error
-from loongforge.core.metrics import MetricsLogger, progress
+from loongforge.core.metrics import MetricsLogger, cut_back, progress
 from loongforge.core.training import checkpointing
 from loongforge.core.training.engine import StepOutput, make_engine
 from loongforge.core.training.errors import NonFiniteError
@@ -48,10 +55,12 @@ class StepResult:
 
 class Trainer:
     """Runs ``task`` with the run config ``cfg`` (its ``train``, ``parallel``, ``checkpoint``,
-    ``log`` and, when present, ``eval`` and ``ema`` groups) in the process groups of ``ctx``."""
+    ``log`` and, when present, ``eval`` and ``ema`` groups) in the process groups of ``ctx``.
+    ``report(line)`` prints what the main process says about the run directory (default: ``print``)."""
 
-    def __init__(self, task, ctx, cfg, config_record: dict | None = None):
+    def __init__(self, task, ctx, cfg, config_record: dict | None = None, report: Callable[[str], None] | None = None):
         self.task, self.ctx, self.cfg = task, ctx, cfg
+        self.report = report or (lambda line: print(line, flush=True))
         self.train, self.log_cfg, self.ckpt_cfg = cfg.train, cfg.log, cfg.checkpoint
         self.eval_cfg = getattr(cfg, "eval", None)
         self.config_record = config_record or {}
@@ -136,19 +145,40 @@ class Trainer:
 
     # -- the loop ---------------------------------------------------------------------------
     def _start(self) -> None:
-        if self.ctx.is_main and self.config_record:  # the composed config, for sampling, export and the record
-            from omegaconf import OmegaConf
-
-            self.run_dir.mkdir(parents=True, exist_ok=True)
-            (self.run_dir / "config.yaml").write_text(OmegaConf.to_yaml(OmegaConf.create(self.config_record)))
+        starting_over = checkpointing.check_fresh_start(self)
         if self.resuming:
             checkpointing.resume(self, self.ckpt_dir)
             self.last_checkpoint = self.ckpt_dir
         elif self.ckpt_cfg.load:
             checkpointing.load_weights(self, self.ckpt_cfg.load)
+        # the config is accepted: from here on the run writes
+        if starting_over:
+            removed = checkpointing.start_over(self)
+            if self.ctx.is_main:
+                steps = ", ".join(str(int(p.name.removeprefix("step_"))) for p in removed)
+                self.report(f"checkpoint.overwrite=true: removed the earlier run's checkpoints in {self.ckpt_dir} "
+                            f"({f'steps {steps}' if steps else 'what unfinished saves left'})")
+        if self.ctx.is_main:
+            self._start_record()
         self.data = self.task.steps(self.ctx, self.step)
         if self.resumed_data_state is not None and hasattr(self.data, "load_state_dict"):
             self.data.load_state_dict(self.resumed_data_state)
+
+    def _start_record(self) -> None:
+        """``config.yaml`` (the composed config, for sampling, export and the record) and
+        ``metrics.jsonl`` cut back to the step this run starts at."""
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        if self.config_record:
+            from omegaconf import OmegaConf
+
+            (self.run_dir / "config.yaml").write_text(OmegaConf.to_yaml(OmegaConf.create(self.config_record)))
+        backup = cut_back(self.run_dir / "metrics.jsonl", self.step)
+        if backup is not None and self.step == 0:
+            self.report(f"a new run: {self.run_dir / 'metrics.jsonl'} starts empty; the earlier one is kept as "
+                        f"{backup.name}")
+        elif backup is not None:
+            self.report(f"{self.run_dir / 'metrics.jsonl'} cut back to its records up to step {self.step}, where this "
+                        f"run resumes; the file as it was is kept as {backup.name}")
 
     def save(self) -> Path:
         """A checkpoint of this step; refused (``NonFiniteError``) when any rank's weights are not
@@ -254,7 +284,9 @@ class Trainer:
             return None
         directory = self.run_dir / "sample_ids"
         directory.mkdir(parents=True, exist_ok=True)
-        return open(directory / f"dp_rank_{ctx.dp_rank}.jsonl", "a", buffering=1)
+        path = directory / f"dp_rank_{ctx.dp_rank}.jsonl"
+        cut_back(path, self.step)  # each step once, as in metrics.jsonl
+        return open(path, "a", buffering=1)
 
     def data_state_dict(self) -> dict | None:
         """The step iterator's state for the checkpoint (None when it keeps none)."""

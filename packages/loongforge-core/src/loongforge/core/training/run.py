@@ -2,8 +2,11 @@
 the task, a summary line, and the groups torn down again (also when the run fails).
 
 Every ``lf-* train`` ends here; the config and the task are built first, so a bad config or bad
-data fails before any process group exists, and so does ``log.wandb=true`` without the wandb
-package. A CUDA run without a kernel wheel says so in one line (``reference_kernels_notice``).
+data fails before any process group exists, and so do ``log.wandb=true`` without the wandb
+package and a ``log.run_dir`` or ``checkpoint.dir`` that names a file. The job then takes its run
+directory (``run_dir.RunDirLock``, by global rank 0, every rank told the outcome): a run directory
+trains one run at a time, and is given back when the run ends, also when it fails. A CUDA run
+without a kernel wheel says so in one line (``reference_kernels_notice``).
 """
 
 from __future__ import annotations
@@ -14,7 +17,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from loongforge.core.config import to_dict
+from loongforge.core.errors import UserError
 from loongforge.core.training.loop import StepResult, Trainer
+from loongforge.core.training.run_dir import Holder, RunDirLock, check_run_directories
 
 
 @dataclass
@@ -48,14 +53,21 @@ def run_training(cfg, task, prog: str, after: Callable[[Trainer], None] | None =
     from loongforge.core.wandb_run import require_wandb
 
     require_wandb(cfg.log)  # before any process group
+    check_run_directories(cfg)
     owned = not dist.is_initialized()
     p = cfg.parallel
     ctx = init_parallel(tp=p.tp, pp=p.pp, cp=p.cp, ep=p.ep, seed=cfg.train.seed, timeout_s=p.timeout_s)
+    lock = RunDirLock(cfg.log.run_dir)
     try:
+        previous = claim_run_dir(lock, ctx)
+        if previous is not None and ctx.is_main:
+            print(f"{prog}: {cfg.log.run_dir} was held by {previous}, which is no longer running; this run takes "
+                  f"it over", flush=True)
         prepare = getattr(task, "prepare", None)
         if prepare is not None:  # collective set-up (e.g. a data index every rank builds together)
             prepare(ctx)
-        trainer = Trainer(task, ctx, cfg, config_record=to_dict(cfg))
+        trainer = Trainer(task, ctx, cfg, config_record=to_dict(cfg),
+                          report=lambda line: print(f"{prog}: {line}", flush=True))
         if ctx.is_main:
             what = task.describe() if hasattr(task, "describe") else task.family
             print(f"{prog}: {what} on {describe_layout(ctx)}, {trainer.engine.name} engine, {trainer.dtype} "
@@ -74,8 +86,29 @@ def run_training(cfg, task, prog: str, after: Callable[[Trainer], None] | None =
             print_summary(prog, summary)
         return summary
     finally:
+        lock.release()
         if owned:
             destroy_parallel()
+
+
+def claim_run_dir(lock: RunDirLock, ctx) -> Holder | None:
+    """Global rank 0 takes the run directory; every rank raises the same ``RunDirBusyError`` when it
+    is held. Returns the gone holder rank 0 took it over from (None elsewhere)."""
+    import torch.distributed as dist
+
+    outcome: Holder | UserError | None = None
+    if ctx.is_main:
+        try:
+            outcome = lock.acquire()
+        except UserError as exc:
+            outcome = exc
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        box = [outcome]
+        dist.broadcast_object_list(box, src=0)
+        outcome = box[0] if not ctx.is_main else outcome
+    if isinstance(outcome, UserError):
+        raise outcome
+    return outcome if ctx.is_main else None
 
 
 def print_summary(prog: str, summary: RunSummary) -> None:

@@ -143,12 +143,18 @@ class CheckpointConfig:
     interval: int = 0  # save every N steps (0: only at the end)
     keep_last: int = 2  # older step directories are pruned after a save (0: keep all)
     resume: bool = True  # resume from DIR/latest when it exists
+    # with resume=false, a DIR holding an earlier run's checkpoints is refused unless this is true:
+    # then they are removed (and RUN_DIR/metrics.jsonl kept aside) before the new run starts
+    overwrite: bool = False
     load: str | None = None  # initial weights (a LoongForge checkpoint dir) when not resuming
     save: bool = True  # false: write no checkpoint at all
 
     def __post_init__(self):
         if self.interval < 0 or self.keep_last < 0:
             raise ValueError("checkpoint.interval and checkpoint.keep_last must be >= 0")
+        if self.overwrite and self.resume:
+            raise ValueError("checkpoint.overwrite=true starts the run over, removing its checkpoints: it needs "
+                             "checkpoint.resume=false (resuming continues from them)")
 
 
 @dataclass

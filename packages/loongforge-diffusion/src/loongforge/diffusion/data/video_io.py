@@ -19,10 +19,16 @@ def read_frames(path: str | Path, max_frames: int, frame_stride: int = 1) -> np.
     """Up to ``max_frames`` RGB frames ``[F, H, W, 3]`` uint8, every ``frame_stride``-th one."""
     path = Path(path)
     if path.suffix.lower() in IMAGE_SUFFIXES:
+        import struct
+
         from PIL import Image
 
-        with Image.open(path) as img:
-            return np.array(img.convert("RGB"))[None]
+        try:
+            with Image.open(path) as img:
+                return np.array(img.convert("RGB"))[None]
+        except (OSError, ValueError, SyntaxError, EOFError, struct.error) as exc:  # what PIL's decoders raise
+            raise DataError(f"{path}: cannot decode the image, not an image or truncated ({type(exc).__name__}: "
+                            f"{exc})") from exc
     import av
 
     frames = []

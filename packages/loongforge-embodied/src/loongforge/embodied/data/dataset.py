@@ -62,7 +62,7 @@ class EmbodiedDataset(Dataset):
         cameras = list(self.meta.camera_keys) if data_cfg.image_keys is None else list(data_cfg.image_keys)
         for key in cameras:
             if key not in self.meta.camera_keys:
-                raise KeyError(f"data.image_keys: {key!r} is not a camera of {root} (cameras: {self.meta.camera_keys})")
+                raise ConfigError(f"data.image_keys: {key!r} is not a camera of {root} (cameras: {self.meta.camera_keys})")
         if len(cameras) > policy_cfg.num_cameras:
             raise DataError(f"dataset {root} has {len(cameras)} cameras but policy.num_cameras={policy_cfg.num_cameras}")
         self.spec = DatasetSpec(
@@ -88,9 +88,12 @@ class EmbodiedDataset(Dataset):
             {data_cfg.action_key: chunk_timestamps(self.spec.fps, policy_cfg.chunk_size)},
             data_cfg.video_backend,
         )
-        self.normalizer = Normalizer(
-            self.meta.stats, {data_cfg.state_key: data_cfg.state_norm, data_cfg.action_key: data_cfg.action_norm}
-        )
+        try:
+            self.normalizer = Normalizer(
+                self.meta.stats, {data_cfg.state_key: data_cfg.state_norm, data_cfg.action_key: data_cfg.action_norm}
+            )
+        except KeyError as exc:  # statistics the normalisation needs are not in the dataset's
+            raise DataError(f"dataset {root}: meta/stats.json: {exc.args[0]}") from exc
         self.tokenizer = make_tokenizer(policy_cfg)
         if self.tokenizer.vocab_size > policy_cfg.vocab_size:
             raise ConfigError(f"policy.vocab_size={policy_cfg.vocab_size} < tokenizer vocabulary {self.tokenizer.vocab_size}")

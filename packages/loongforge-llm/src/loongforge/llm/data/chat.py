@@ -138,6 +138,8 @@ class ChatRenderer:
         return self.render_many([messages], [where])[0]
 
     def render_many(self, conversations: Sequence[Sequence[dict]], wheres: Sequence[str]) -> list[tuple[np.ndarray, np.ndarray]]:
+        if not conversations:  # (a tokenizer called on no texts fails inside transformers)
+            return []
         if self.tagged:
             return [self._render_tagged(messages, where) for messages, where in zip(conversations, wheres)]
         texts, all_spans = [], []

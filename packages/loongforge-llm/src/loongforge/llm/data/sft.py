@@ -141,7 +141,7 @@ def _write_index(directory: Path, files: list[Path], tokenizer, template: str | 
                 flush()
     flush()
     if not token_parts:
-        raise DataError(f"no conversations in {', '.join(map(str, files))}")
+        raise DataError(f"sft.files: no conversations in {', '.join(map(str, files))}")
     save_token_arrays(directory, token_parts, mask_parts)
     np.save(directory / "source.npy", np.asarray(source, dtype=np.int64).reshape(-1, 2))
     meta = {"version": INDEX_VERSION, "files": [str(f) for f in files], "tokenizer": str(tokenizer_dir),

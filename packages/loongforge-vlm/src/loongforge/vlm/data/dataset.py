@@ -192,11 +192,14 @@ class VLMDataset:
         plans = self.index.media[j]
         patches, grids = [], []
         for plan in plans:
-            if plan.kind == "image":
-                x, grid = M.load_image(Path(plan.path), self.cfg, self.geo)
-            else:
-                sampling = M.VideoSampling(plan.frames, plan.grid, plan.seconds_per_grid_t)
-                x, grid = M.load_video(Path(plan.path), sampling, self.cfg, self.geo)
+            try:
+                if plan.kind == "image":
+                    x, grid = M.load_image(Path(plan.path), self.cfg, self.geo)
+                else:
+                    sampling = M.VideoSampling(plan.frames, plan.grid, plan.seconds_per_grid_t)
+                    x, grid = M.load_video(Path(plan.path), sampling, self.cfg, self.geo)
+            except DataError as err:  # the file is named; say which record uses it
+                raise DataError(f"{self.index.where[j]}: {err}") from err
             if grid != plan.grid:
                 raise DataError(f"{self.index.where[j]}: {plan.path} now has grid {grid}, the index says {plan.grid} "
                                 f"(the file changed; delete {self.index.directory})")

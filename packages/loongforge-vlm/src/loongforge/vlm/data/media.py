@@ -118,13 +118,15 @@ def _normalise(rgb: np.ndarray, cfg: MediaConfig) -> np.ndarray:
 
 def image_size(path: Path) -> tuple[int, int]:
     """``(width, height)`` from the file header."""
+    import struct
+
     from PIL import Image
 
     try:
         with Image.open(path) as img:
             return img.size
-    except (OSError, ValueError) as err:
-        raise DataError(f"{path}: cannot read the image ({err})") from err
+    except (OSError, ValueError, SyntaxError, EOFError, struct.error) as err:  # what PIL's header parsers raise
+        raise DataError(f"{path}: cannot read the image ({type(err).__name__}: {err})") from err
 
 
 def check_tiles(cfg: MediaConfig, geo: PatchGeometry) -> None:
@@ -146,6 +148,20 @@ def image_grid(path: Path, cfg: MediaConfig, geo: PatchGeometry) -> tuple[int, i
     return 1, h // geo.patch_size, w // geo.patch_size
 
 
+def decoded_rgb(path: Path):
+    """The image at ``path`` decoded whole as a PIL RGB image; a file whose header reads but whose
+    pixels do not (truncated, corrupt) is a ``DataError`` naming it."""
+    import struct
+
+    from PIL import Image
+
+    try:
+        with Image.open(path) as img:
+            return img.convert("RGB")
+    except (OSError, ValueError, SyntaxError, EOFError, struct.error) as err:  # what PIL's decoders raise
+        raise DataError(f"{path}: cannot decode the image, truncated or corrupt ({type(err).__name__}: {err})") from err
+
+
 def load_image(path: Path, cfg: MediaConfig, geo: PatchGeometry) -> tuple[np.ndarray, tuple[int, int, int]]:
     from PIL import Image
 
@@ -153,11 +169,9 @@ def load_image(path: Path, cfg: MediaConfig, geo: PatchGeometry) -> tuple[np.nda
     if cfg.tile_size:
         from loongforge.vlm.data.tiles import tile_image
 
-        with Image.open(path) as img:
-            tiles = tile_image(img.convert("RGB"), cfg.tile_size, cfg.min_tiles, cfg.max_tiles, cfg.tile_thumbnail)
+        tiles = tile_image(decoded_rgb(path), cfg.tile_size, cfg.min_tiles, cfg.max_tiles, cfg.tile_thumbnail)
         return patchify(_normalise(tiles, cfg), geo)
-    with Image.open(path) as img:
-        rgb = np.asarray(img.convert("RGB").resize((gw * geo.patch_size, gh * geo.patch_size), Image.BICUBIC))
+    rgb = np.asarray(decoded_rgb(path).resize((gw * geo.patch_size, gh * geo.patch_size), Image.BICUBIC))
     frame = _normalise(rgb, cfg)[None]
     return patchify(np.repeat(frame, geo.temporal_patch_size, axis=0), geo)
 
