@@ -12,6 +12,8 @@
 #                                    # where it fits: an H200)
 #   bash bench/llm_batch.sh short    # the kernels' GPU tests, then both cases in both recipes against hf_liger
 #                                    # only (no compile: ~7 minutes), the 1B case with FP8 beside it
+#   bash bench/llm_batch.sh shortest # the AdamW kernel's GPU test, the 1B case in both recipes against hf_liger
+#                                    # (FP8 beside mixed), then train_0_5b in pure bf16: ~5 minutes
 #
 # Each bench prints the precision recipe both sides train with, the baseline's settings, the
 # first-step losses, peak memory, MFU against the spec peak and the ratios; docs/benchmarks.md's
@@ -22,7 +24,7 @@
 # LoongForge's own wheels from `uv build --wheel --package loongforge-<name> -o .whl` for core, llm
 # and kernels). Everything printed also goes to $OUT/<stage>.log.
 set -uo pipefail
-stage=${1:?usage: llm_batch.sh profile|cases-a|cases-b|short}
+stage=${1:?usage: llm_batch.sh profile|cases-a|cases-b|short|shortest}
 OUT=${OUT:-/tmp/lf-llm-bench}
 mkdir -p "$OUT"
 exec > >(tee "$OUT/$stage.log") 2>&1
@@ -86,6 +88,14 @@ short)
   llm_bench 100 --config train_0_5b $liger_only --profile-rows 0 train.precision=bf16-pure
   llm_bench 150 --config bench_llama_1b $liger_only --profile-rows 0 --fp8 blockwise train.precision=bf16
   llm_bench 100 --config train_0_5b $liger_only --profile-rows 0 train.precision=bf16
+  ;;
+shortest)
+  (cd "$repo" && timeout 60 python3 -m pytest -q -p no:cacheprovider -n 0 -o addopts="--import-mode=importlib" \
+      packages/loongforge-kernels/tests/test_adamw.py 2>&1 | tail -n 2)
+  liger_only="--skip hf_eager --skip hf_compile --rounds 1"
+  llm_bench 100 --config bench_llama_1b $liger_only --profile-rows 25 train.precision=bf16-pure
+  llm_bench 120 --config bench_llama_1b $liger_only --profile-rows 0 --fp8 blockwise train.precision=bf16
+  llm_bench 80 --config train_0_5b $liger_only --profile-rows 0 train.precision=bf16-pure
   ;;
 *)
   echo "unknown stage $stage"; exit 2
