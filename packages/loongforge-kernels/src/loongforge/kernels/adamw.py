@@ -36,7 +36,7 @@ def _adamw_tensor_list(
     # TABLE rows: 0 param, 1 grad, 2 exp_avg, 3 exp_avg_sq, 4 step addresses, 5 numel, 6 first block
     # (n + 1 entries each)
     lo = tl.zeros((), dtype=tl.int64)
-    hi = n_tensors.to(tl.int64)
+    hi = lo + n_tensors  # (an int argument may arrive specialised as a constant)
     for _ in tl.static_range(SEARCH_STEPS):  # the last tensor whose first block is <= pid
         mid = (lo + hi) // 2
         go_right = tl.load(TABLE + 6 * (n_tensors + 1) + mid) <= pid

@@ -10,14 +10,11 @@ gradients with a multiply and a copy per tensor. Here:
   squared and summed on the device, then summed over the sub-optimizer's statistics group
   (``get_grad_stats_parallel_group``), as ``get_grad_norm_fp32`` does; the result stays on the
   device.
-- ``token_scaling``: the per-token loss normalisation ``1 / tokens`` of the global batch
-  (megatron's ``finalize_model_grads`` multiplies every gradient by it in a pass of its own; the
-  engine asks it not to and folds the factor into the update instead).
-- ``adamw_update``: on CUDA with the fused kernels, the update itself: the registry's
-  ``adamw_step`` (one kernel over a param group's tensors, the step's gradient multiplier applied
-  inside it) in place of megatron's ``step_with_ready_grads`` around torch's AdamW.
-- ``scale_into_step`` otherwise: the step's gradient multiplier (token normalisation times the
-  clipping coefficient) handed to torch's fused AdamW as its ``grad_scale`` (the tensor it divides
+- ``adamw_update`` (``train.optimizer_kernel=loongforge``, CUDA, the fused kernels installed): the
+  update itself through the registry's ``adamw_step`` (one kernel over a param group's tensors,
+  the step's clipping factor applied inside it) in place of megatron's
+  ``step_with_ready_grads`` around torch's AdamW.
+- ``scale_into_step`` otherwise: the step's clipping factor handed to torch's fused AdamW as its ``grad_scale`` (the tensor it divides
   every gradient by inside the update kernel, the hook ``torch.amp.GradScaler`` uses), or one
   multi-tensor multiply where the optimizer is not fused.
 """
@@ -53,26 +50,19 @@ def grad_norm(optimizer, device: torch.device) -> torch.Tensor:
     return total.sqrt()
 
 
-def token_scaling(num_tokens: torch.Tensor, pp_group, dp_cp_group) -> torch.Tensor:
-    """``1 / tokens`` of the global batch from this rank's count (set on the last pipeline
-    stage): broadcast from that stage over ``pp_group``, summed over ``dp_cp_group``, as
-    megatron's ``finalize_model_grads`` does with ``calculate_per_token_loss``."""
-    num_tokens = num_tokens.to(torch.float32).clone()
-    if dist.is_initialized() and pp_group is not None and dist.get_world_size(pp_group) > 1:
-        dist.broadcast(num_tokens, src=dist.get_process_group_ranks(pp_group)[-1], group=pp_group)
-    _reduce(num_tokens, dp_cp_group)
-    return 1.0 / num_tokens.clamp(min=1)
-
-
 def _fused(sub) -> bool:
     inner = getattr(sub, "optimizer", None)
     return inner is not None and bool(inner.param_groups) and all(g.get("fused") for g in inner.param_groups)
 
 
-def scale_into_step(optimizer, multiplier: torch.Tensor, step) -> None:
+def scale_into_step(optimizer, multiplier: torch.Tensor | None, step) -> None:
     """Run ``step()`` (megatron's ``step_with_ready_grads``) with every gradient multiplied by
-    ``multiplier`` (an fp32 device scalar): inside torch's fused AdamW kernel (``grad_scale =
-    1 / multiplier``) where every sub-optimizer is fused, else by one multi-tensor multiply first."""
+    ``multiplier`` (an fp32 device scalar; None: by nothing): inside torch's fused AdamW kernel
+    (``grad_scale = 1 / multiplier``) where every sub-optimizer is fused, else by one multi-tensor
+    multiply first."""
+    if multiplier is None:
+        step()
+        return
     subs = sub_optimizers(optimizer)
     if subs and all(_fused(sub) for sub in subs):
         divisor = (1.0 / multiplier).to(torch.float32)

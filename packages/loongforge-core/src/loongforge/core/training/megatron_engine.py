@@ -27,6 +27,7 @@ from loongforge.core.parallel import ParallelContext
 from loongforge.core.training.activation_offload import offload_first
 from loongforge.core.training import grad_update
 from loongforge.core.training.engine import EngineState, StepOutput, precision_recipe, resolve_dtype
+from loongforge.core.training.main_grad import main_grad_fusion
 from loongforge.core.training.schema import ParallelConfig, TrainConfig
 from loongforge.core.training.task import MegatronTask, StepBatch
 
@@ -173,9 +174,11 @@ class MegatronEngine:
             pg_collection=ctx.pgs,
         )
         use_fused_adam(self.optimizer, ctx.device)
-        # the update through the registry's fused adamw_step where it is installed and applies (CUDA)
+        # train.optimizer_kernel=loongforge: the update through the registry's fused adamw_step (CUDA, the
+        # standard optimizer, loongforge-kernels installed); otherwise torch's fused AdamW
         self._adamw_step = ctx.kernels.get("adamw_step")
-        self._own_adamw = (ctx.device.type == "cuda" and grad_update.adamw_applies(self.optimizer)
+        self._own_adamw = (train.optimizer_kernel == "loongforge" and ctx.device.type == "cuda"
+                           and grad_update.adamw_applies(self.optimizer)
                            and self._adamw_step is not get_op("adamw_step").reference)
         for group in self.optimizer.param_groups:
             group["weight_decay"] = train.weight_decay * group.get("wd_mult", 1.0)
@@ -186,29 +189,22 @@ class MegatronEngine:
         self._after_schedule = None  # the step's ScheduledStep.after_schedule, run before the grad reduction
         self._measuring = False
         self._grad_norm = float("nan")
-        self._token_scaling = None  # 1 / tokens of the step's global batch (a device scalar), set by the finalize
         cfg.no_sync_func = self.model.no_sync
         if train.overlap_grad_reduce:
             cfg.grad_sync_func = self.model.start_grad_sync
 
     # -- one step ---------------------------------------------------------------------------
-    def _finalize_grads_timed(self, model, num_tokens=None, *args, **kwargs):
-        """megatron's ``finalize_model_grads`` (gradient reduction over DP), after the step's
-        ``after_schedule`` (if any), timed at its start: the rank's own compute ends there, before it
-        waits for the slowest rank. The per-token normalisation (``1 / num_tokens`` of the global
-        batch) is not applied to the gradients here but kept for the update
-        (``grad_update.scale_into_step``), which folds it into the optimizer step."""
+    def _finalize_grads_timed(self, *args, **kwargs):
+        """megatron's ``finalize_model_grads`` (gradient reduction over DP, the per-token
+        normalisation), after the step's ``after_schedule`` (if any), timed at its start: the rank's
+        own compute ends there, before it waits for the slowest rank."""
         if self._after_schedule is not None:
             after, self._after_schedule = self._after_schedule, None
             after()
         if self._measuring:
             self.ctx.accelerator.synchronize()
         self._compute_end = time.perf_counter()
-        out = self._finalize_model_grads(model, None, *args, **kwargs)
-        if num_tokens is None:
-            raise RuntimeError("megatron's schedule gave no token count: the engine sets calculate_per_token_loss")
-        self._token_scaling = grad_update.token_scaling(num_tokens, self.ctx.pgs.pp, self.ctx.pgs.dp_cp)
-        return out
+        return self._finalize_model_grads(*args, **kwargs)
 
     @property
     def inner_model(self) -> torch.nn.Module:
@@ -256,15 +252,16 @@ class MegatronEngine:
         # every stage runs the micro-batches one after another, with megatron's schedule without pipelining
         pp_schedule = 1 if self.train.seq_chunks > 1 else self.ctx.layout.pp
         forward_backward = get_forward_backward_func(pp_size=pp_schedule)
-        losses = forward_backward(
-            forward_step_func=self._forward_step,
-            data_iterator=iter(micro_batches),
-            model=[self.model],
-            num_microbatches=len(micro_batches),
-            seq_length=self.seq_length,
-            micro_batch_size=self.micro_batch_size,
-            forward_only=False,
-        )
+        with main_grad_fusion():  # the schedule reads main_grad: layers may add into it themselves
+            losses = forward_backward(
+                forward_step_func=self._forward_step,
+                data_iterator=iter(micro_batches),
+                model=[self.model],
+                num_microbatches=len(micro_batches),
+                seq_length=self.seq_length,
+                micro_batch_size=self.micro_batch_size,
+                forward_only=False,
+            )
         compute_seconds = (self._compute_end - t0) if self._compute_end is not None else float("nan")
         self._compute_end = None
         offloaded = self.offload.reset_step() if self.offload is not None else None
@@ -283,7 +280,7 @@ class MegatronEngine:
             totals[:2] = 0  # TP ranks hold the same loss; count it once
         dist.all_reduce(totals)
         self.optimizer.prepare_grads()
-        norm = grad_update.grad_norm(self.optimizer, self.ctx.device) * self._token_scaling
+        norm = grad_update.grad_norm(self.optimizer, self.ctx.device)
         # one host read for the loss, the norm and the counts
         loss, grad_norm, tokens, flops = torch.stack(
             [(totals[0] / totals[1].clamp(min=1)), norm.double(), totals[2], totals[3]]).tolist()
@@ -298,18 +295,19 @@ class MegatronEngine:
         )
 
     def apply_update(self, lr: float) -> None:
-        """Step every (sub-)optimizer with the gradients normalised per token and clipped with the
-        norm ``forward_backward`` computed (``clip_grad / (norm + 1e-6)`` where that is below 1, as
-        megatron's clipping does), both factors applied inside the optimizer step."""
+        """Step every (sub-)optimizer with the gradients clipped with the norm ``forward_backward``
+        computed (``clip_grad / (norm + 1e-6)`` where that is below 1, as megatron's clipping does),
+        the factor applied inside the optimizer step."""
         for group in self.optimizer.param_groups:
             group["lr"] = lr * group.get("lr_mult", 1.0)
         clip = self.train.clip_grad
         coefficient = min(1.0, clip / (self._grad_norm + 1e-6)) if clip > 0 else 1.0
-        multiplier = self._token_scaling * coefficient
+        multiplier = torch.tensor(coefficient, dtype=torch.float32, device=self.ctx.device)
         if self._own_adamw:
             grad_update.adamw_update(self.optimizer, multiplier, self._adamw_step)
         else:
-            grad_update.scale_into_step(self.optimizer, multiplier, self.optimizer.step_with_ready_grads)
+            grad_update.scale_into_step(self.optimizer, multiplier if coefficient < 1.0 else None,
+                                        self.optimizer.step_with_ready_grads)
 
     def discard_update(self) -> None:
         self.model.zero_grad_buffer()

@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 PRECISIONS = ("auto", "bf16", "bf16-pure", "fp32")
 DECAY_STYLES = ("cosine", "linear", "constant")
 RECOMPUTE = ("none", "selective", "full")
+OPTIMIZER_KERNELS = ("torch", "loongforge")
 DATA_PARALLEL = ("auto", "ddp", "fsdp", "hsdp")
 WANDB_MODES = ("online", "offline", "disabled")
 
@@ -66,6 +67,9 @@ class TrainConfig:
     nonfinite_patience: int = 1
     use_distributed_optimizer: bool = False  # megatron-core engine: shard optimizer state over DP (ZeRO-1)
     overlap_grad_reduce: bool = False  # megatron-core engine: overlap the DP gradient reduction with the backward
+    # megatron-core engine on CUDA, standard optimizer: torch (torch's fused AdamW) | loongforge
+    # (loongforge-kernels' adamw_step: one kernel per param group; not yet timed on a GPU)
+    optimizer_kernel: str = "torch"
 
     def __post_init__(self):
         for key in ("steps", "global_batch_size"):
@@ -80,6 +84,7 @@ class TrainConfig:
         _one_of("train.precision", self.precision, PRECISIONS)
         _one_of("train.lr_decay_style", self.lr_decay_style, DECAY_STYLES)
         _one_of("train.recompute", self.recompute, RECOMPUTE)
+        _one_of("train.optimizer_kernel", self.optimizer_kernel, OPTIMIZER_KERNELS)
         if not 0 <= self.min_lr <= self.lr:
             raise ValueError(f"train.min_lr={self.min_lr} must be in [0, train.lr={self.lr}]")
         if self.offload_layers and self.recompute == "full":

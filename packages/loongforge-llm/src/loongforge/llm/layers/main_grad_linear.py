@@ -8,7 +8,9 @@ group of one (and for row-parallel linears at any TP size), the local GEMM is ``
 ``main_grad += dy.T @ x`` as one GEMM that adds in place (in ``main_grad``'s dtype: bf16 under pure
 bf16, fp32 in mixed precision, where the GEMM's fp32 result is added without a bf16 rounding first),
 and hands autograd an unfilled placeholder with ``weight.grad_added_to_main_grad`` set, as megatron's
-own fused path does, so the DDP hook skips its add. Outside megatron DDP (no ``main_grad``), with a
+own fused path does, so the DDP hook skips its add: inside the megatron engine's schedule
+(``loongforge.core.training.main_grad``), where gradients are read from ``main_grad``. Outside it
+(``torch.autograd.grad`` of a loss, a probe), outside megatron DDP (no ``main_grad``), with a
 frozen weight, or where megatron fuses communication into the GEMM (a column-parallel linear's
 dgrad all-reduce under tensor parallelism, sequence parallelism) megatron's own path runs.
 """
@@ -19,6 +21,7 @@ import torch
 from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
 
 from loongforge.core.kernels.matmul import add_matmul
+from loongforge.core.training.main_grad import main_grad_fusion_active
 
 
 class MainGradLinear(torch.autograd.Function):
@@ -26,14 +29,17 @@ class MainGradLinear(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, weight, bias):
-        ctx.save_for_backward(x, weight)
+        ctx.save_for_backward(x)
+        # the parameter itself (not a saved copy: saved-tensor hooks such as activation offloading hand
+        # back new tensors, without main_grad)
+        ctx.weight = weight
         ctx.has_bias = bias is not None
         out = torch.matmul(x, weight.t())
         return out + bias if bias is not None else out
 
     @staticmethod
     def backward(ctx, dy):
-        x, weight = ctx.saved_tensors
+        (x,), weight = ctx.saved_tensors, ctx.weight
         need_x, need_w, need_b = ctx.needs_input_grad
         dx = torch.matmul(dy, weight) if need_x else None
         dw = db = None
@@ -55,7 +61,8 @@ class _MainGradGemm:
     def _forward_impl(self, input, weight, bias, gradient_accumulation_fusion, allreduce_dgrad, sequence_parallel,
                       grad_output_buffer=None, wgrad_deferral_limit=None, tp_group=None, gtp_remat_size=1):
         own = (  # no communication fused into the GEMM (megatron overlaps a TP dgrad all-reduce with it)
-            hasattr(weight, "main_grad")
+            main_grad_fusion_active()
+            and hasattr(weight, "main_grad")
             and weight.requires_grad
             and hasattr(weight, "grad_added_to_main_grad")
             and not allreduce_dgrad
@@ -64,9 +71,12 @@ class _MainGradGemm:
             and gtp_remat_size == 1
         )
         if not own:
-            return super()._forward_impl(input, weight, bias, gradient_accumulation_fusion, allreduce_dgrad,
-                                         sequence_parallel, grad_output_buffer, wgrad_deferral_limit, tp_group,
-                                         gtp_remat_size)
+            return super()._forward_impl(input=input, weight=weight, bias=bias,
+                                         gradient_accumulation_fusion=gradient_accumulation_fusion,
+                                         allreduce_dgrad=allreduce_dgrad, sequence_parallel=sequence_parallel,
+                                         grad_output_buffer=grad_output_buffer,
+                                         wgrad_deferral_limit=wgrad_deferral_limit, tp_group=tp_group,
+                                         gtp_remat_size=gtp_remat_size)
         return MainGradLinear.apply(input, weight, bias)
 
 
