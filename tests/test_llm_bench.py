@@ -97,3 +97,26 @@ def test_bench_refuses_adaptive_fp8_where_nothing_can_be_timed(capsys):
     captured = capsys.readouterr()
     assert "--fp8=adaptive: fp8_linear runs its torch reference here" in captured.err
     assert "ms/step" not in captured.out
+
+
+def test_bench_takes_a_config_path_model_overrides_and_the_pure_recipe(tmp_path):
+    """A YAML path as ``--config``, a model override (the HF checkpoint every run starts from is
+    written from the overridden model), a Qwen3 case (q/k norms, transformers' Qwen3ForCausalLM) and
+    pure bf16 on both sides: the first-step losses agree."""
+    config = tmp_path / "case.yaml"
+    config.write_text("defaults:\n  - model: qwen3_debug\n  - _self_\n"
+                      "train: {steps: 5, global_batch_size: 2, micro_batch_size: 2, seq_length: 64}\n")
+    proc = run_cli(["lf-llm", "bench", "--config", str(config), "--steps", "1", "--warmup", "1", "--rounds", "1",
+                    "--profile-rows", "0", "model.num_layers=3", "train.precision=bf16-pure"])
+    assert proc.returncode == 0, proc.stderr[-5000:]
+    out = proc.stdout
+    assert "precision recipe: pure bf16" in out and "train.precision=bf16-pure" in out
+    assert "baseline: transformers Qwen3ForCausalLM" in out
+    assert "128 tokens/step (" in out
+    assert "first-step loss ours: " in out and "agrees with hf_eager" in out and "DISAGREES" not in out
+    # the model of ours is the overridden one (3 layers), read back from the HF checkpoint
+    from loongforge.llm.recipe import load_llm_config
+
+    three = load_llm_config(str(config), ["model.num_layers=3"]).model
+    flops = three.flops_per_token(64) / 1e9
+    assert f"{flops:.3f} GFLOP/token" in out

@@ -75,7 +75,8 @@ def lora_reference(tmp_path_factory, vlm_cache):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("encoder_tp", [1, 2], ids=["encoder-tp1-split", "encoder-tp2"])
+# encoder-tp2 under -m long (CI's 20 minutes): test_foundation_tp2_matches_one_process covers the encoder at TP=2
+@pytest.mark.parametrize("encoder_tp", [1, pytest.param(2, marks=pytest.mark.long)], ids=["encoder-tp1-split", "encoder-tp2"])
 def test_lora_at_foundation_tp2_matches_one_process(encoder_tp, lora_reference, tmp_path, vlm_cache):
     """Adapters on every linear layer of the three parts (loongforge-llm's tensor-parallel LoRA)
     under the foundation at TP=2: the losses and adapter gradients of one process."""
@@ -94,6 +95,7 @@ QWEN3_VL = ["encoder=qwen3_vit_debug", "projector=qwen3_vl_merger", "foundation=
 
 
 @pytest.mark.slow
+@pytest.mark.long  # CI's 20 minutes: the split tower (encoder-tp1-split) and DeepStack under CP=2 stay in the default tier
 def test_qwen3_vl_deepstack_with_split_tower_matches_one_process(tmp_path, vlm_cache):
     """Qwen3-VL (DeepStack) with the foundation at TP=2 and the tower at TP=1, its images shared
     out across the TP group: the gathered rows carry the DeepStack features too; losses and every
@@ -110,7 +112,7 @@ SIGLIP_LLAMA = ["encoder=siglip_vit_debug", "projector=mlp_2x", "foundation=llam
 
 @pytest.mark.slow
 @pytest.mark.parametrize("model, layout", [
-    ([], ["parallel.cp=2"]),
+    pytest.param([], ["parallel.cp=2"], marks=pytest.mark.long),  # CI's 20 minutes: Qwen3-VL's CP=2 case covers it
     (QWEN3_VL, ["parallel.cp=2"]),
     pytest.param(SIGLIP_LLAMA, ["parallel.cp=2"], marks=pytest.mark.long),
     pytest.param([], ["parallel.cp=2", "parallel.tp=2", "parallel.encoder.tp=1"], marks=pytest.mark.long),  # 4 processes
