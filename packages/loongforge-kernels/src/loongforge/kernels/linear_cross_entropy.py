@@ -33,6 +33,18 @@ CHUNK_LOGITS_BYTES = 256 * 2**20  # a chunk's logits buffer (bench/linear_ce_ben
 
 
 @triton.jit
+def _row_grad_in_place(base, n_vocab, label, lse, scale, BLOCK: tl.constexpr):
+    """One row of logits at ``base`` becomes ``scale * (softmax - onehot(label))``."""
+    for start in range(0, n_vocab, BLOCK):
+        cols = start + tl.arange(0, BLOCK)
+        mask = cols < n_vocab
+        z = tl.load(base + cols, mask=mask, other=0.0).to(tl.float32)
+        p = tl.exp(z - lse)
+        grad = tl.where(cols == label, p - 1.0, p) * scale
+        tl.store(base + cols, grad.to(base.dtype.element_ty), mask=mask)
+
+
+@triton.jit
 def _ce_forward(
     LOGITS, LABELS, LOSS, LSE,
     n_vocab, stride_logits, ignore_index,
@@ -55,14 +67,7 @@ def _ce_forward(
     tl.store(LOSS + row, tl.where(ignored, 0.0, lse - target))
     tl.store(LSE + row, lse)
     if WRITE_GRAD:  # the row becomes softmax - onehot, the gradient of its loss (zero when ignored)
-        keep = tl.where(ignored, 0.0, 1.0)
-        for start in range(0, n_vocab, BLOCK):
-            cols = start + tl.arange(0, BLOCK)
-            mask = cols < n_vocab
-            z = tl.load(base + cols, mask=mask, other=0.0).to(tl.float32)
-            p = tl.exp(z - lse)
-            grad = tl.where(cols == label, p - 1.0, p) * keep
-            tl.store(base + cols, grad.to(LOGITS.dtype.element_ty), mask=mask)
+        _row_grad_in_place(base, n_vocab, label, lse, tl.where(ignored, 0.0, 1.0), BLOCK)
 
 
 @triton.jit
@@ -76,13 +81,7 @@ def _ce_backward_in_place(
     label = tl.load(LABELS + row)
     lse = tl.load(LSE + row)
     scale = tl.where(label == ignore_index, 0.0, tl.load(DLOSS + row * stride_dloss).to(tl.float32))
-    for start in range(0, n_vocab, BLOCK):
-        cols = start + tl.arange(0, BLOCK)
-        mask = cols < n_vocab
-        z = tl.load(base + cols, mask=mask, other=0.0).to(tl.float32)
-        p = tl.exp(z - lse)
-        grad = tl.where(cols == label, p - 1.0, p) * scale
-        tl.store(base + cols, grad.to(LOGITS.dtype.element_ty), mask=mask)
+    _row_grad_in_place(base, n_vocab, label, lse, scale, BLOCK)
 
 
 def token_chunk(n_tokens: int, vocab: int, itemsize: int, budget: int = CHUNK_LOGITS_BYTES) -> int:
