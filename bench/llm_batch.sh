@@ -11,8 +11,8 @@
 #   bash bench/llm_batch.sh cases-b  # mixed: train_0_5b against hf_liger; bench_qwen3_4b in pure bf16 (and mixed
 #                                    # where it fits: an H200)
 #   bash bench/llm_batch.sh short    # the kernels' GPU tests, then both cases in both recipes against hf_liger
-#                                    # only (no compile: ~7 minutes), the 1B case with FP8 beside it; the
-#                                    # adamw_step kernel (train.optimizer_kernel=loongforge) as a variant
+#                                    # only (no compile), the 1B case with FP8 beside it, then bench_qwen3_4b
+#                                    # in pure bf16: ~8 minutes
 #   bash bench/llm_batch.sh shortest # the AdamW kernel's GPU test, the 1B case in both recipes against hf_liger
 #                                    # (FP8 beside mixed), then train_0_5b in pure bf16: ~5 minutes
 #
@@ -86,11 +86,11 @@ short)
       packages/loongforge-kernels/tests/test_adamw.py packages/loongforge-kernels/tests/test_grouped_qkv_rope.py \
       packages/loongforge-kernels/tests/test_linear_cross_entropy.py 2>&1 | tail -n 3)
   liger_only="--skip hf_eager --skip hf_compile --rounds 1"
-  llm_bench 150 --config bench_llama_1b $liger_only --profile-rows 30 --variant adamw=train.optimizer_kernel=loongforge \
-      train.precision=bf16-pure
+  llm_bench 150 --config bench_llama_1b $liger_only --profile-rows 30 train.precision=bf16-pure
   llm_bench 100 --config train_0_5b $liger_only --profile-rows 0 train.precision=bf16-pure
   llm_bench 150 --config bench_llama_1b $liger_only --profile-rows 0 --fp8 blockwise train.precision=bf16
   llm_bench 100 --config train_0_5b $liger_only --profile-rows 0 train.precision=bf16
+  llm_bench 180 --config bench_qwen3_4b $liger_only --profile-rows 0 train.precision=bf16-pure
   ;;
 shortest)
   (cd "$repo" && timeout 60 python3 -m pytest -q -p no:cacheprovider -n 0 -o addopts="--import-mode=importlib" \

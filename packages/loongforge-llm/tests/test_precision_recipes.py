@@ -73,9 +73,10 @@ def test_pure_bf16_trains_like_mixed(runs):
 
 
 def test_grad_norm_and_clipped_update_are_megatrons(megatron_world, data_cache, tmp_path):
-    """The engine's norm (one multi-tensor pass) equals megatron's own ``get_grad_norm`` of the
-    per-token-normalised gradients, and its update (the clipping factor applied inside the
-    optimizer step) equals megatron's clip-then-step on those gradients."""
+    """The engine's norm (one multi-tensor pass over the per-token gradient sums, over their
+    count) equals megatron's own ``get_grad_norm`` of the per-token-normalised gradients, and its
+    update (the normalisation and the clipping factor applied inside the optimizer step) equals
+    megatron's normalise-clip-step on those gradients."""
     from megatron.core.optimizer.clip_grads import clip_grad_by_total_norm_fp32
 
     trainer = _trainer(megatron_world, tmp_path, data_cache, ["train.precision=fp32", "checkpoint.save=false"])
@@ -85,7 +86,11 @@ def test_grad_norm_and_clipped_update_are_megatrons(megatron_world, data_cache, 
     params = engine.optimizer.get_parameters()
     before = [p.detach().clone() for p in params]
     grads = [p.grad.detach().clone() for p in params]
-    # megatron's own path: its norm, its clipping, its step
+    # the step's loss tokens: every position of the pretraining batch counts
+    assert engine.gradient_divisor == trainer.train.global_batch_size * trainer.train.seq_length
+    # megatron's own path: finalize's per-token normalisation, its norm, its clipping, its step
+    for p in params:
+        p.grad.div_(engine.gradient_divisor)
     norm = float(engine.optimizer.get_grad_norm())
     assert out.grad_norm == pytest.approx(norm, rel=1e-6)
     assert norm > trainer.train.clip_grad  # clipping acts

@@ -14,7 +14,7 @@ gradients with a multiply and a copy per tensor. Here:
   update itself through the registry's ``adamw_step`` (one kernel over a param group's tensors,
   the step's clipping factor applied inside it) in place of megatron's
   ``step_with_ready_grads`` around torch's AdamW.
-- ``scale_into_step`` otherwise: the step's clipping factor handed to torch's fused AdamW as its ``grad_scale`` (the tensor it divides
+- ``scale_into_step`` otherwise: the step's factor (per-token mean and clipping) handed to torch's fused AdamW as its ``grad_scale`` (the tensor it divides
   every gradient by inside the update kernel, the hook ``torch.amp.GradScaler`` uses), or one
   multi-tensor multiply where the optimizer is not fused.
 """

@@ -3,7 +3,10 @@ parallel with micro-batches), megatron DDP or the distributed optimizer, AdamW (
 grad clipping, and per-token loss normalisation (``calculate_per_token_loss``: any DP /
 micro-batch split of a global batch gives the same loss and gradients; the number of
 micro-batches may vary per step and per DP rank, since megatron's ``forward_backward_func`` takes
-the count per call and the per-token normalisation sums the counts over DP). A task's
+the count per call and the per-token normalisation sums the counts over DP). The gradients
+``forward_backward`` leaves are sums over the step's loss tokens; the division by their count
+(``gradient_divisor``) happens in the norm and inside the optimizer step, with the clipping
+factor, not as a pass of its own over every gradient. A task's
 ``before_schedule`` hook (``loongforge.core.training.task.ScheduledStep``) runs before the schedule
 and its ``after_schedule`` after the schedule's last backward, before the gradient reduction.
 Under ChunkPipe (``train.seq_chunks > 1``, ``chunk_pipe``) every pipeline stage runs megatron's
@@ -189,22 +192,28 @@ class MegatronEngine:
         self._after_schedule = None  # the step's ScheduledStep.after_schedule, run before the grad reduction
         self._measuring = False
         self._grad_norm = float("nan")
+        # what the gradients forward_backward leaves are divided by for their per-token mean: the
+        # step's loss tokens over all DP and CP ranks (at least 1)
+        self.gradient_divisor = 1.0
         cfg.no_sync_func = self.model.no_sync
         if train.overlap_grad_reduce:
             cfg.grad_sync_func = self.model.start_grad_sync
 
     # -- one step ---------------------------------------------------------------------------
-    def _finalize_grads_timed(self, *args, **kwargs):
-        """megatron's ``finalize_model_grads`` (gradient reduction over DP, the per-token
-        normalisation), after the step's ``after_schedule`` (if any), timed at its start: the rank's
-        own compute ends there, before it waits for the slowest rank."""
+    def _finalize_grads_timed(self, model, num_tokens=None, **kwargs):
+        """megatron's ``finalize_model_grads`` (gradient reduction over DP, the shared and
+        sequence-parallel gradients), after the step's ``after_schedule`` (if any), timed at its
+        start: the rank's own compute ends there, before it waits for the slowest rank. The
+        per-token normalisation (``num_tokens``) is left out here: ``apply_update`` divides by the
+        step's loss tokens inside the optimizer step (``gradient_divisor``) instead of a pass over
+        every gradient."""
         if self._after_schedule is not None:
             after, self._after_schedule = self._after_schedule, None
             after()
         if self._measuring:
             self.ctx.accelerator.synchronize()
         self._compute_end = time.perf_counter()
-        return self._finalize_model_grads(*args, **kwargs)
+        return self._finalize_model_grads(model, None, **kwargs)
 
     @property
     def inner_model(self) -> torch.nn.Module:
@@ -281,10 +290,12 @@ class MegatronEngine:
         dist.all_reduce(totals)
         self.optimizer.prepare_grads()
         norm = grad_update.grad_norm(self.optimizer, self.ctx.device)
-        # one host read for the loss, the norm and the counts
-        loss, grad_norm, tokens, flops = torch.stack(
-            [(totals[0] / totals[1].clamp(min=1)), norm.double(), totals[2], totals[3]]).tolist()
-        self._grad_norm = grad_norm
+        # one host read for the loss, the norm and the counts; the gradients are sums over the
+        # step's loss tokens (every DP and CP rank's), their per-token mean is 1 / divisor of them
+        divisor = totals[1].clamp(min=1)
+        loss, grad_norm, divisor, tokens, flops = torch.stack(
+            [totals[0] / divisor, norm.double() / divisor, divisor, totals[2], totals[3]]).tolist()
+        self._grad_norm, self.gradient_divisor = grad_norm, divisor
         return StepOutput(
             loss=loss,
             grad_norm=self._grad_norm,
@@ -295,19 +306,19 @@ class MegatronEngine:
         )
 
     def apply_update(self, lr: float) -> None:
-        """Step every (sub-)optimizer with the gradients clipped with the norm ``forward_backward``
-        computed (``clip_grad / (norm + 1e-6)`` where that is below 1, as megatron's clipping does),
-        the factor applied inside the optimizer step."""
+        """Step every (sub-)optimizer with the per-token mean of the gradients (the sums
+        ``forward_backward`` left, over ``gradient_divisor``) clipped with the norm it computed
+        (``clip_grad / (norm + 1e-6)`` where that is below 1, as megatron's clipping does): one
+        factor, applied inside the optimizer step."""
         for group in self.optimizer.param_groups:
             group["lr"] = lr * group.get("lr_mult", 1.0)
         clip = self.train.clip_grad
         coefficient = min(1.0, clip / (self._grad_norm + 1e-6)) if clip > 0 else 1.0
-        multiplier = torch.tensor(coefficient, dtype=torch.float32, device=self.ctx.device)
+        multiplier = torch.tensor(coefficient / self.gradient_divisor, dtype=torch.float32, device=self.ctx.device)
         if self._own_adamw:
             grad_update.adamw_update(self.optimizer, multiplier, self._adamw_step)
         else:
-            grad_update.scale_into_step(self.optimizer, multiplier if coefficient < 1.0 else None,
-                                        self.optimizer.step_with_ready_grads)
+            grad_update.scale_into_step(self.optimizer, multiplier, self.optimizer.step_with_ready_grads)
 
     def discard_update(self) -> None:
         self.model.zero_grad_buffer()
