@@ -8,8 +8,9 @@ once, uses them as keys (two dots: latent and rope parts) and as values, and kee
 (running-max) softmax in fp32. The forward saves one log-sum-exp per (token, head).
 
 The backward recomputes the probabilities from the saved log-sum-exp in two kernels. The query
-grad: one program per (token, head block) walks the token's key blocks as the forward does and
-accumulates it in registers. The key/value grad: one program per (token, block of its selected
+grad: one program per (token, head block) forms its heads' ``delta = rowsum(out * dout)`` in fp32
+registers (stored for the second kernel), walks the token's key blocks as the forward does and
+accumulates the grad in registers. The key/value grad: one program per (token, block of its selected
 keys) loops over all head blocks, recomputing the logits and ``dp`` once more, sums the block's
 grad over every head in fp32 registers and scatters it into an fp32 ``dkv`` with one atomic add
 per (key, dim) (a key row is selected by many queries). When one head block holds every head,
