@@ -17,7 +17,8 @@ weights:
   selected keys, and the indexer's KL loss over them (fused Triton kernels where installed).
 
 Out-of-memory is caught and reported per variant. Prints one markdown table and, for DSA,
-where its step time goes.
+where its step time goes (``--breakdown-seq``), optionally with a profiler table of one DSA step
+(``--profile-seq``).
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from loongforge.core.kernels import get_kernel
 from loongforge.llm.families.dsa_attention import DSAConfig, DSAttention
+from loongforge.llm.ops.dsa import absorb_query
 
 VARIANTS = ("dense", "dense-unfused", "dsa")
 
@@ -106,27 +108,37 @@ def run_variant(model, config, seq, mode, iters, hidden) -> dict:
 
 
 def dsa_breakdown(config: DSAConfig, seq: int, iters: int) -> dict[str, float]:
-    """Milliseconds of DSA's three parts on one layer's inputs (forward + backward where trained)."""
+    """Milliseconds of DSA's parts on one layer's inputs (forward + backward where trained)."""
     c = config
     dev, bf = "cuda", torch.bfloat16
     q_idx = torch.randn(1, seq, c.index_n_heads, c.index_head_dim, device=dev, dtype=bf, requires_grad=True)
     k_idx = torch.randn(1, seq, c.index_head_dim, device=dev, dtype=bf, requires_grad=True)
     w_idx = torch.randn(1, seq, c.index_n_heads, device=dev, requires_grad=True)
     d = c.kv_lora_rank + c.qk_rope_head_dim
-    q = torch.randn(1, seq, c.num_heads, d, device=dev, dtype=bf, requires_grad=True)
+    q_nope = torch.randn(1, seq, c.num_heads, c.qk_nope_head_dim, device=dev, dtype=bf, requires_grad=True)
+    q_rope = torch.randn(1, seq, c.num_heads, c.qk_rope_head_dim, device=dev, dtype=bf, requires_grad=True)
     kv = torch.randn(1, seq, d, device=dev, dtype=bf, requires_grad=True)
-    topk, attn, loss_op = (get_kernel(n) for n in ("dsa_indexer_topk", "sparse_mla_attention", "dsa_indexer_loss"))
+    w_uk = (torch.randn(c.num_heads, c.qk_nope_head_dim, c.kv_lora_rank, device=dev) * 0.05).to(bf).requires_grad_()
+    w_uv = (torch.randn(c.num_heads, c.v_head_dim, c.kv_lora_rank, device=dev) * 0.05).to(bf).requires_grad_()
+    topk, attn, loss_op = (get_kernel(n) for n in ("dsa_indexer_topk", "sparse_mla_absorbed_attention", "dsa_indexer_loss"))
     idx = topk(q_idx, k_idx, w_idx, c.index_topk)
+    chunk = 4096  # the indexer loss's target per chunk of queries, as DSAttention runs it
 
     def attention_fwd():
         with torch.no_grad():
-            attn(q, kv, idx, c.softmax_scale, c.kv_lora_rank)
+            attn(q_nope, q_rope, kv, idx, w_uk, w_uv, c.softmax_scale)
 
     def attention():
-        attn(q, kv, idx, c.softmax_scale, c.kv_lora_rank).sum().backward()
+        attn(q_nope, q_rope, kv, idx, w_uk, w_uv, c.softmax_scale).sum().backward()
 
     def indexer_loss():
-        loss_op(q_idx, k_idx, w_idx, q, kv, c.softmax_scale, idx).sum().backward()
+        total = 0
+        for t0 in range(0, seq, chunk):
+            with torch.no_grad():
+                q_abs = absorb_query(q_nope[:, t0:t0 + chunk], q_rope[:, t0:t0 + chunk], w_uk)
+            total = total + loss_op(q_idx[:, t0:t0 + chunk], k_idx, w_idx[:, t0:t0 + chunk], q_abs, kv.detach(),
+                                    c.softmax_scale, idx[:, t0:t0 + chunk]).sum()
+        total.backward()
 
     parts = {}
     for name, fn in (("indexer top-k", lambda: topk(q_idx, k_idx, w_idx, c.index_topk)),
@@ -134,7 +146,47 @@ def dsa_breakdown(config: DSAConfig, seq: int, iters: int) -> dict[str, float]:
                      ("indexer loss fwd+bwd", indexer_loss)):
         fn()
         parts[name] = 1e3 * _timed(fn, iters)
+    parts.update(key_grad_breakdown(config, seq, iters, idx))
     return parts
+
+
+def key_grad_breakdown(config: DSAConfig, seq: int, iters: int, idx: torch.Tensor) -> dict[str, float]:
+    """The sparse attention backward's two ways to form the key grad, on absorbed queries (the
+    kernels' own entry points: loongforge-kernels' ``sparse_mla``), in ms."""
+    try:
+        from loongforge.kernels import sparse_mla
+    except ImportError:
+        return {}
+    c = config
+    d = c.kv_lora_rank + c.qk_rope_head_dim
+    chunk = min(seq, 4096)  # as sparse_mla_absorbed_attention runs it: about 3.6K queries a chunk
+    q = torch.randn(1, chunk, c.num_heads, d, device="cuda", dtype=torch.bfloat16)
+    kv = torch.randn(1, seq, d, device="cuda", dtype=torch.bfloat16)
+    sel = idx[:, -chunk:].contiguous()
+    out, lse = sparse_mla.attention_forward(q, kv, sel, c.softmax_scale, c.kv_lora_rank)
+    dout = torch.randn_like(out)
+    dkv = torch.zeros(kv.shape, dtype=torch.float32, device="cuda")
+    parts = {}
+    for key_grad in sparse_mla.KEY_GRADS:
+        def backward():
+            sparse_mla.attention_backward(q, kv, sel, out, lse, dout, c.softmax_scale, c.kv_lora_rank, dkv, key_grad)
+        backward()
+        parts[f"attention bwd, last {chunk} queries, key grad {key_grad}"] = 1e3 * _timed(backward, iters)
+    return parts
+
+
+def profile_step(model, config: DSAConfig, seq: int, hidden: int, rows: int) -> None:
+    """A torch profiler table of one DSA training step (after a warm-up step), by CUDA time."""
+    from torch.profiler import ProfilerActivity, profile
+
+    x = (torch.randn(1, seq, hidden, device="cuda") * 0.5).to(torch.bfloat16).requires_grad_()
+    _step(model, x, "dsa")
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        _step(model, x, "dsa")
+        torch.cuda.synchronize()
+    print(f"## profile of one DSA step at {seq} tokens", flush=True)
+    print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=rows), flush=True)
 
 
 def main() -> None:
@@ -145,6 +197,10 @@ def main() -> None:
     parser.add_argument("--hidden", type=int, default=2048)
     parser.add_argument("--iters", type=int, default=2)
     parser.add_argument("--variants", default=",".join(VARIANTS))
+    parser.add_argument("--breakdown-seq", type=int, default=None,
+                        help="where DSA's time goes, part by part, at this length (default: the longest of --seqs; 0: not shown)")
+    parser.add_argument("--profile-seq", type=int, default=None, help="print a profiler table of a DSA step here")
+    parser.add_argument("--profile-rows", type=int, default=30)
     args = parser.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("dsa_throughput: needs a CUDA device")
@@ -155,7 +211,7 @@ def main() -> None:
     config = DSAConfig(hidden_size=args.hidden, num_heads=args.heads, q_lora_rank=min(1536, args.hidden))
     torch.manual_seed(0)
     model = Model(config, args.layers).cuda().to(torch.bfloat16)
-    impls = {n: get_kernel(n).__module__ for n in ("sparse_mla_attention", "dsa_indexer_topk", "dsa_indexer_loss")}
+    impls = {n: get_kernel(n).__module__ for n in ("sparse_mla_absorbed_attention", "dsa_indexer_topk", "dsa_indexer_loss")}
     print(f"# {torch.cuda.get_device_name()}, torch {torch.__version__}; {args.layers} layers, hidden {args.hidden}, "
           f"{args.heads} heads, kv latent {config.kv_lora_rank}+{config.qk_rope_head_dim}, indexer "
           f"{config.index_n_heads}x{config.index_head_dim}, top-{config.index_topk}; ops from {impls}", flush=True)
@@ -171,8 +227,15 @@ def main() -> None:
             dense = results.get("dense", {})
             ratio = f"{r['tok_s'] / dense['tok_s']:.2f}x" if "tok_s" in dense else "-"
             print(f"| {seq} | {v} | {1e3 * r['sec']:.1f} | {r['tok_s']:,.0f} | {r['peak_gib']:.2f} | {ratio} |", flush=True)
-    if "dsa" in variants:  # where DSA's time goes, at the longest sequence
-        seq = max(int(s) for s in args.seqs.split(","))
+    if args.profile_seq:
+        try:
+            profile_step(model, config, args.profile_seq, args.hidden, args.profile_rows)
+        except torch.OutOfMemoryError:
+            print(f"DSA profile at {args.profile_seq}: OOM")
+    seq = max(int(s) for s in args.seqs.split(",")) if args.breakdown_seq is None else args.breakdown_seq
+    if "dsa" in variants and seq > 0:  # where DSA's time goes (by default at the longest sequence; 0: nowhere)
+        gc.collect()
+        torch.cuda.empty_cache()
         try:
             parts = dsa_breakdown(config, seq, args.iters)
         except torch.OutOfMemoryError:

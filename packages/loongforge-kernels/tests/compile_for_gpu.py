@@ -73,10 +73,11 @@ def build_dsa(dtype: str) -> None:
     i32, p = "i32", f"*{dtype}"
     precision = "ieee" if dtype == "fp32" else "tf32"
     sizes = dict(D_V=512, D_ROPE=64, BLOCK_DV=512, BLOCK_DR=64, PRECISION=precision)
-    bwd = dict(Q=p, KV=p, IDX="*i32", DO=p, LSE="*fp32", DELTA="*fp32", DKV="*fp32", n_heads=i32, topk=i32,
+    bwd = dict(Q=p, KV=p, IDX="*i32", O=p, DO=p, LSE="*fp32", DELTA="*fp32", DKV="*fp32", n_heads=i32, topk=i32,
                scale="fp32", scale_log2="fp32", stride_qb=i32, stride_qs=i32, stride_qh=i32, stride_kvb=i32,
-               stride_kvs=i32, stride_ib=i32, stride_is=i32, stride_dob=i32, stride_dos=i32, stride_doh=i32,
-               stride_lb=i32, stride_ls=i32, stride_dkvb=i32, stride_dkvs=i32)
+               stride_kvs=i32, stride_ib=i32, stride_is=i32, stride_ob=i32, stride_os=i32, stride_oh=i32,
+               stride_dob=i32, stride_dos=i32, stride_doh=i32, stride_lb=i32, stride_ls=i32, stride_dkvb=i32,
+               stride_dkvs=i32)
     for block_h in (16, 32, 64) if dtype == "bf16" else (16,):
         common = dict(sizes, BLOCK_H=block_h)
         build(

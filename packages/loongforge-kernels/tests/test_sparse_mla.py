@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from loongforge.kernels.dsa_indexer import dsa_indexer_loss, dsa_indexer_topk, indexer_scores_chunk
-from loongforge.kernels.sparse_mla import head_mean_probs, sparse_mla_attention
+from loongforge.kernels.sparse_mla import attention_backward, attention_forward, head_mean_probs, sparse_mla_attention
+from loongforge.kernels.sparse_mla_absorbed import sparse_mla_absorbed_attention
 from loongforge.llm.ops import dsa
 
 TIGHT = dict(rtol=1e-5, atol=1e-5)
@@ -55,6 +56,56 @@ def test_sparse_mla_forward_backward_fp32(b, s, h, d_v, d_rope, topk, extra_kv):
     torch.testing.assert_close(dq, dq_ref, **TIGHT)
     torch.testing.assert_close(dkv, dkv_ref, **TIGHT)
     assert out[0, 2].abs().max() == 0 and dq[0, 2].abs().max() == 0
+
+
+def test_key_grad_per_head_block_matches_the_reference():
+    """Three head blocks, each scattering its own key grad (no head-summing second kernel)."""
+    q, kv, idx = _attention_inputs(1, 4, 40, 32, 16, 37, 2, seed=3)
+    scale = 0.2
+    dout = torch.randn(1, 4, 40, 32)
+    _, dq_ref, dkv_ref = _run(dsa.sparse_mla_attention, q, kv, idx, scale, 32, dout)
+    out, lse = attention_forward(q, kv, idx, scale, 32)
+    dkv = torch.zeros(kv.shape)
+    dq = attention_backward(q, kv, idx, out, lse, dout, scale, 32, dkv, key_grad="per_head_block")
+    torch.testing.assert_close(dq, dq_ref, **TIGHT)
+    torch.testing.assert_close(dkv, dkv_ref, **TIGHT)
+
+
+def _absorbed_inputs(b, s, h, d_nope, d_rope, d_c, d_v, topk, extra_kv, seed):
+    q, kv, idx = _attention_inputs(b, s, h, d_c, d_rope, topk, extra_kv, seed=seed)
+    g = torch.Generator(torch.get_default_device()).manual_seed(seed + 1)
+    q_nope = torch.randn(b, s, h, d_nope, generator=g)
+    w_uk = torch.randn(h, d_nope, d_c, generator=g) * d_nope**-0.5
+    w_uv = torch.randn(h, d_v, d_c, generator=g) * d_c**-0.5
+    return [q_nope, q[..., d_c:].contiguous(), kv, w_uk, w_uv], idx
+
+
+@pytest.mark.parametrize("chunk_elements", [1 << 20, 2 * 18 * 40])  # one chunk; chunks of 2 queries (the last short)
+def test_sparse_mla_absorbed_matches_the_reference(chunk_elements):
+    """Outputs and the grads of all five inputs, with the queries in one chunk or several."""
+    tensors, idx = _absorbed_inputs(2, 5, 18, 12, 8, 32, 16, 37, 3, seed=5)
+    idx[0, 2] = -1  # a query with no key
+    scale = 0.3
+    dout = torch.randn(2, 5, 18, 16)
+    leaves = [t.clone().requires_grad_() for t in tensors]
+    out = sparse_mla_absorbed_attention(*leaves[:3], idx, *leaves[3:], scale, chunk_elements=chunk_elements)
+    out.backward(dout)
+    refs = [t.clone().requires_grad_() for t in tensors]
+    want = dsa.sparse_mla_absorbed_attention(*refs[:3], idx, *refs[3:], scale)
+    want.backward(dout)
+    assert out.shape == want.shape == (2, 5, 18, 16)
+    torch.testing.assert_close(out, want, **TIGHT)
+    for got, ref in zip(leaves, refs):
+        torch.testing.assert_close(got.grad, ref.grad, **TIGHT)
+
+
+def test_absorbed_reference_is_sparse_attention_between_the_projections():
+    tensors, idx = _absorbed_inputs(1, 4, 3, 8, 8, 16, 8, 6, 0, seed=7)
+    q_nope, q_rope, kv, w_uk, w_uv = tensors
+    q_abs = torch.cat([torch.einsum("bshd,hdc->bshc", q_nope, w_uk), q_rope], -1)
+    o_lat = dsa.sparse_mla_attention(q_abs, kv, idx, 0.5, 16)
+    want = torch.einsum("bshc,hvc->bshv", o_lat, w_uv)
+    torch.testing.assert_close(dsa.sparse_mla_absorbed_attention(q_nope, q_rope, kv, idx, w_uk, w_uv, 0.5), want, **TIGHT)
 
 
 def _indexer_inputs(b, s, hi, di, extra_kv=0, dtype=torch.float32, seed=0):

@@ -111,6 +111,16 @@ def sparse_mla_attention(
 
 
 @_by_device
+def sparse_mla_absorbed_attention(
+    q_nope: torch.Tensor, q_rope: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor, w_uk: torch.Tensor,
+    w_uv: torch.Tensor, softmax_scale: float,
+) -> torch.Tensor:
+    from loongforge.kernels.sparse_mla_absorbed import sparse_mla_absorbed_attention as fused
+
+    return fused(q_nope, q_rope, kv, indices, w_uk, w_uv, softmax_scale)
+
+
+@_by_device
 def dsa_indexer_topk(q_idx: torch.Tensor, k_idx: torch.Tensor, w_idx: torch.Tensor, topk: int) -> torch.Tensor:
     from loongforge.kernels.dsa_indexer import dsa_indexer_topk as fused
 
@@ -222,7 +232,8 @@ def supports_fp8(accelerator) -> bool:
 
 
 _OPS = (
-    rms_norm, add_rms_norm, rope, grouped_qkv_rope, swiglu, linear_cross_entropy, sparse_mla_attention, dsa_indexer_topk, dsa_indexer_loss,
+    rms_norm, add_rms_norm, rope, grouped_qkv_rope, swiglu, linear_cross_entropy, sparse_mla_attention,
+    sparse_mla_absorbed_attention, dsa_indexer_topk, dsa_indexer_loss,
     gelu_tanh_backward, qk_norm_rope, qk_norm_rope_backward, modulated_layer_norm, modulated_layer_norm_backward,
     adamw_step,
 )

@@ -8,8 +8,9 @@ once, uses them as keys (two dots: latent and rope parts) and as values, and kee
 (running-max) softmax in fp32. The forward saves one log-sum-exp per (token, head).
 
 The backward recomputes the probabilities from the saved log-sum-exp in two kernels. The query
-grad: one program per (token, head block) walks the token's key blocks as the forward does and
-accumulates it in registers. The key/value grad: one program per (token, block of its selected
+grad: one program per (token, head block) forms its heads' ``delta = rowsum(out * dout)`` in fp32
+registers (stored for the second kernel), walks the token's key blocks as the forward does and
+accumulates the grad in registers. The key/value grad: one program per (token, block of its selected
 keys) loops over all head blocks, recomputing the logits and ``dp`` once more, sums the block's
 grad over every head in fp32 registers and scatters it into an fp32 ``dkv`` with one atomic add
 per (key, dim) (a key row is selected by many queries). When one head block holds every head,
@@ -113,12 +114,12 @@ def _sparse_mla_fwd(
 
 @triton.jit
 def _load_heads(
-    Q, DO, LSE, DELTA, b, t, heads, n_heads,
+    Q, DO, LSE, b, t, heads, n_heads,
     stride_qb, stride_qs, stride_qh, stride_dob, stride_dos, stride_doh, stride_lb, stride_ls,
     D_V: tl.constexpr, D_ROPE: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_DR: tl.constexpr,
 ):
-    """One token's rows for a block of heads: query (latent, rope), output grad, log-sum-exp and
-    delta; masked heads get zeros and an infinite log-sum-exp (probability 0)."""
+    """One token's rows for a block of heads: query (latent, rope), output grad and log-sum-exp;
+    masked heads get zeros and an infinite log-sum-exp (probability 0)."""
     dv = tl.arange(0, BLOCK_DV)
     dr = tl.arange(0, BLOCK_DR)
     head_ok = heads < n_heads
@@ -128,8 +129,7 @@ def _load_heads(
     q_rope = tl.load(q_row + D_V + dr[None, :], mask=head_ok[:, None] & (dr[None, :] < D_ROPE), other=0.0)
     do = tl.load(DO + b * stride_dob + t * stride_dos + heads[:, None] * stride_doh + dv[None, :], mask=lat_mask, other=0.0)
     lse = tl.load(LSE + b * stride_lb + t * stride_ls + heads, mask=head_ok, other=float("inf"))
-    delta = tl.load(DELTA + b * stride_lb + t * stride_ls + heads, mask=head_ok, other=0.0)
-    return q_lat, q_rope, do, lse, delta
+    return q_lat, q_rope, do, lse
 
 
 @triton.jit
@@ -170,11 +170,12 @@ def _scatter_key_grad(
 
 @triton.jit
 def _sparse_mla_bwd_dq(
-    Q, KV, IDX, DO, LSE, DELTA, DQ, DKV,
+    Q, KV, IDX, O, DO, LSE, DELTA, DQ, DKV,
     n_heads, topk, scale, scale_log2,
     stride_qb, stride_qs, stride_qh,
     stride_kvb, stride_kvs,
     stride_ib, stride_is,
+    stride_ob, stride_os, stride_oh,
     stride_dob, stride_dos, stride_doh,
     stride_lb, stride_ls,
     stride_dqb, stride_dqs, stride_dqh,
@@ -183,16 +184,25 @@ def _sparse_mla_bwd_dq(
     BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_DR: tl.constexpr,
     PRECISION: tl.constexpr, WITH_DKV: tl.constexpr,
 ):
-    """The query grad of one (token, head block). With ``WITH_DKV`` (launched only when this block
-    holds every head) it also scatters each gathered key block's grad into ``DKV``; otherwise
+    """The query grad of one (token, head block). Its ``delta = rowsum(out * dout)`` per head is
+    computed here from the output and its grad (fp32 in registers) and stored for the key-grad
+    kernel. With ``WITH_DKV`` it also scatters each gathered key block's grad, summed over this
+    block's heads, into ``DKV`` (one atomic add per (key, dim) and head block); otherwise
     ``_sparse_mla_bwd_dkv`` does."""
     t = tl.program_id(0).to(tl.int64)
     b = tl.program_id(2).to(tl.int64)
     heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
-    q_lat, q_rope, do, lse, delta = _load_heads(
-        Q, DO, LSE, DELTA, b, t, heads, n_heads, stride_qb, stride_qs, stride_qh, stride_dob, stride_dos, stride_doh,
+    q_lat, q_rope, do, lse = _load_heads(
+        Q, DO, LSE, b, t, heads, n_heads, stride_qb, stride_qs, stride_qh, stride_dob, stride_dos, stride_doh,
         stride_lb, stride_ls, D_V, D_ROPE, BLOCK_DV, BLOCK_DR,
     )
+    dv = tl.arange(0, BLOCK_DV)
+    dr = tl.arange(0, BLOCK_DR)
+    head_ok = heads < n_heads
+    o = tl.load(O + b * stride_ob + t * stride_os + heads[:, None] * stride_oh + dv[None, :],
+                mask=head_ok[:, None] & (dv[None, :] < D_V), other=0.0)
+    delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), axis=1)
+    tl.store(DELTA + b * stride_lb + t * stride_ls + heads, delta, mask=head_ok)
     kv_base = KV + b * stride_kvb
     dkv_base = DKV + b * stride_dkvb
     idx_base = IDX + b * stride_ib + t * stride_is
@@ -213,9 +223,6 @@ def _sparse_mla_bwd_dq(
                 p, ds, q_lat, q_rope, do, scale, PRECISION,
             )
             _scatter_key_grad(dkv_base, rows, valid, stride_dkvs, dk_lat, dk_rope, D_V, D_ROPE, BLOCK_DV, BLOCK_DR)
-    dv = tl.arange(0, BLOCK_DV)
-    dr = tl.arange(0, BLOCK_DR)
-    head_ok = heads < n_heads
     dq_row = DQ + b * stride_dqb + t * stride_dqs + heads[:, None] * stride_dqh
     dq_type = DQ.dtype.element_ty
     tl.store(dq_row + dv[None, :], (dq_lat * scale).to(dq_type), mask=head_ok[:, None] & (dv[None, :] < D_V))
@@ -250,10 +257,12 @@ def _sparse_mla_bwd_dkv(
     dk_rope = tl.zeros([BLOCK_N, BLOCK_DR], dtype=tl.float32)
     h_end = tl.where(tl.max(valid.to(tl.int32)) > 0, n_heads, 0)  # a block of -1 entries only: no grad
     for h0 in range(0, h_end, BLOCK_H):
-        q_lat, q_rope, do, lse, delta = _load_heads(
-            Q, DO, LSE, DELTA, b, t, h0 + tl.arange(0, BLOCK_H), n_heads, stride_qb, stride_qs, stride_qh,
+        heads = h0 + tl.arange(0, BLOCK_H)
+        q_lat, q_rope, do, lse = _load_heads(
+            Q, DO, LSE, b, t, heads, n_heads, stride_qb, stride_qs, stride_qh,
             stride_dob, stride_dos, stride_doh, stride_lb, stride_ls, D_V, D_ROPE, BLOCK_DV, BLOCK_DR,
         )
+        delta = tl.load(DELTA + b * stride_lb + t * stride_ls + heads, mask=heads < n_heads, other=0.0)
         p, ds = _probs_and_logit_grads(q_lat, q_rope, do, lse, delta, valid, k_lat, k_rope, scale_log2, PRECISION)
         dk_lat, dk_rope = _add_key_grad(dk_lat, dk_rope, p, ds, q_lat, q_rope, do, scale, PRECISION)
     _scatter_key_grad(DKV + b * stride_dkvb, rows, valid, stride_dkvs, dk_lat, dk_rope, D_V, D_ROPE, BLOCK_DV, BLOCK_DR)
@@ -338,27 +347,87 @@ def _last_dim_contiguous(t: torch.Tensor) -> torch.Tensor:
     return t if t.stride(-1) == 1 else t.contiguous()
 
 
+KEY_GRADS = ("head_summed", "per_head_block")
+
+
+def attention_forward(
+    q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor, softmax_scale: float, d_v: int,
+    out: torch.Tensor | None = None, lse: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The forward kernel: ``(out [B, S, H, d_v], lse [B, S, H] fp32, log2 domain)``, written into
+    ``out``/``lse`` when given (views with a unit last stride, e.g. one chunk of queries' rows of
+    whole-sequence buffers)."""
+    b, s, h, d = q.shape
+    d_rope = d - d_v
+    block_h, block_dv, block_dr = _block_sizes(h, d_v, d_rope, q.element_size(), backward=False)
+    out = torch.empty((b, s, h, d_v), dtype=q.dtype, device=q.device) if out is None else out
+    lse = torch.empty((b, s, h), dtype=torch.float32, device=q.device) if lse is None else lse
+    if out.numel():
+        _sparse_mla_fwd[(s, triton.cdiv(h, block_h), b)](
+            q, kv, indices, out, lse,
+            h, indices.shape[-1], softmax_scale * LOG2E,
+            q.stride(0), q.stride(1), q.stride(2), kv.stride(0), kv.stride(1),
+            indices.stride(0), indices.stride(1), out.stride(0), out.stride(1), out.stride(2),
+            lse.stride(0), lse.stride(1),
+            D_V=d_v, D_ROPE=d_rope, BLOCK_H=block_h, BLOCK_N=BLOCK_N_FWD, BLOCK_DV=block_dv, BLOCK_DR=block_dr,
+            PRECISION=dot_precision(q.dtype),
+            num_warps=4 if block_dv <= 128 else 8, num_stages=2,
+        )
+    return out, lse
+
+
+def attention_backward(
+    q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
+    dout: torch.Tensor, softmax_scale: float, d_v: int, dkv: torch.Tensor, key_grad: str = "head_summed",
+) -> torch.Tensor:
+    """The backward kernels: returns ``dq`` and adds the key/value grad into ``dkv`` (fp32, the shape
+    of ``kv``; a caller running query chunks passes the same buffer to every chunk).
+
+    ``key_grad``: ``"head_summed"`` sums each key block's grad over every head in a second kernel
+    before one atomic add per (key, dim), recomputing the logits there; ``"per_head_block"`` has the
+    query-grad kernel scatter it per head block (no second kernel, one atomic add per (key, dim)
+    and head block). With a single head block both are the same kernel."""
+    if key_grad not in KEY_GRADS:
+        raise ValueError(f"sparse_mla_attention: key_grad must be one of {KEY_GRADS}, got {key_grad!r}")
+    b, s, h, d = q.shape
+    d_rope, topk = d - d_v, indices.shape[-1]
+    dq = torch.empty_like(q)
+    if not dq.numel():
+        return dq
+    if not topk:
+        return dq.zero_()
+    lse = lse.contiguous()  # (a chunk's rows of a whole-sequence buffer) delta is written with its strides
+    delta = torch.empty_like(lse)  # rowwise sum(p * dp) = sum(out * dout), from the query-grad kernel
+    block_h, block_dv, block_dr = _block_sizes(h, d_v, d_rope, q.element_size(), backward=True)
+    with_dkv = key_grad == "per_head_block" or triton.cdiv(h, block_h) == 1
+    scales = (softmax_scale, softmax_scale * LOG2E)
+    q_strides = (q.stride(0), q.stride(1), q.stride(2), kv.stride(0), kv.stride(1), indices.stride(0), indices.stride(1))
+    grad_strides = (dout.stride(0), dout.stride(1), dout.stride(2), lse.stride(0), lse.stride(1))
+    sizes = dict(D_V=d_v, D_ROPE=d_rope, BLOCK_DV=block_dv, BLOCK_DR=block_dr, PRECISION=dot_precision(q.dtype))
+    _sparse_mla_bwd_dq[(s, triton.cdiv(h, block_h), b)](
+        q, kv, indices, out, dout, lse, delta, dq, dkv, h, topk, *scales, *q_strides,
+        out.stride(0), out.stride(1), out.stride(2), *grad_strides,
+        dq.stride(0), dq.stride(1), dq.stride(2), dkv.stride(0), dkv.stride(1),
+        BLOCK_H=block_h, BLOCK_N=BLOCK_N_BWD, WITH_DKV=with_dkv, **sizes,
+        num_warps=4 if block_dv <= 128 else 8, num_stages=1,
+    )
+    if not with_dkv:
+        dkv_h, dkv_n, warps, stages = _dkv_launch(q.element_size())
+        n_key_blocks = triton.cdiv(topk, dkv_n)
+        _sparse_mla_bwd_dkv[(s * n_key_blocks, b)](
+            q, kv, indices, dout, lse, delta, dkv, h, topk, n_key_blocks, *scales, *q_strides, *grad_strides,
+            dkv.stride(0), dkv.stride(1),
+            BLOCK_H=dkv_h, BLOCK_N=dkv_n, **sizes, num_warps=warps if block_dv > 128 else 4, num_stages=stages,
+        )
+    return dq
+
+
 class _SparseMLA(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, kv, indices, softmax_scale, d_v):
         _check(q, kv, indices, d_v)
         q, kv, indices = _last_dim_contiguous(q), _last_dim_contiguous(kv), _last_dim_contiguous(indices)
-        b, s, h, d = q.shape
-        d_rope = d - d_v
-        block_h, block_dv, block_dr = _block_sizes(h, d_v, d_rope, q.element_size(), backward=False)
-        out = torch.empty((b, s, h, d_v), dtype=q.dtype, device=q.device)
-        lse = torch.empty((b, s, h), dtype=torch.float32, device=q.device)
-        if out.numel():
-            _sparse_mla_fwd[(s, triton.cdiv(h, block_h), b)](
-                q, kv, indices, out, lse,
-                h, indices.shape[-1], softmax_scale * LOG2E,
-                q.stride(0), q.stride(1), q.stride(2), kv.stride(0), kv.stride(1),
-                indices.stride(0), indices.stride(1), out.stride(0), out.stride(1), out.stride(2),
-                lse.stride(0), lse.stride(1),
-                D_V=d_v, D_ROPE=d_rope, BLOCK_H=block_h, BLOCK_N=BLOCK_N_FWD, BLOCK_DV=block_dv, BLOCK_DR=block_dr,
-                PRECISION=dot_precision(q.dtype),
-                num_warps=4 if block_dv <= 128 else 8, num_stages=2,
-            )
+        out, lse = attention_forward(q, kv, indices, softmax_scale, d_v)
         ctx.save_for_backward(q, kv, indices, out, lse)
         ctx.softmax_scale, ctx.d_v = softmax_scale, d_v
         return out
@@ -366,37 +435,8 @@ class _SparseMLA(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dout):
         q, kv, indices, out, lse = ctx.saved_tensors
-        b, s, h, d = q.shape
-        d_v = ctx.d_v
-        dout = _last_dim_contiguous(dout)
-        delta = (out.float() * dout.float()).sum(-1)  # [B, S, H], rowwise sum(p * dp)
-        dq = torch.empty_like(q)
         dkv = torch.zeros(kv.shape, dtype=torch.float32, device=kv.device)
-        d_rope, topk = d - d_v, indices.shape[-1]
-        block_h, block_dv, block_dr = _block_sizes(h, d_v, d_rope, q.element_size(), backward=True)
-        with_dkv = triton.cdiv(h, block_h) == 1  # one head block: it already adds each key grad once
-        if out.numel():
-            scales = (ctx.softmax_scale, ctx.softmax_scale * LOG2E)
-            in_strides = (q.stride(0), q.stride(1), q.stride(2), kv.stride(0), kv.stride(1),
-                          indices.stride(0), indices.stride(1), dout.stride(0), dout.stride(1), dout.stride(2),
-                          lse.stride(0), lse.stride(1))
-            sizes = dict(D_V=d_v, D_ROPE=d_rope, BLOCK_DV=block_dv, BLOCK_DR=block_dr, PRECISION=dot_precision(q.dtype))
-            _sparse_mla_bwd_dq[(s, triton.cdiv(h, block_h), b)](
-                q, kv, indices, dout, lse, delta, dq, dkv, h, topk, *scales, *in_strides,
-                dq.stride(0), dq.stride(1), dq.stride(2), dkv.stride(0), dkv.stride(1),
-                BLOCK_H=block_h, BLOCK_N=BLOCK_N_BWD, WITH_DKV=with_dkv, **sizes,
-                num_warps=4 if block_dv <= 128 else 8, num_stages=1,
-            )
-            if not with_dkv and topk:
-                dkv_h, dkv_n, warps, stages = _dkv_launch(q.element_size())
-                n_key_blocks = triton.cdiv(topk, dkv_n)
-                _sparse_mla_bwd_dkv[(s * n_key_blocks, b)](
-                    q, kv, indices, dout, lse, delta, dkv, h, topk, n_key_blocks, *scales, *in_strides,
-                    dkv.stride(0), dkv.stride(1),
-                    BLOCK_H=dkv_h, BLOCK_N=dkv_n, **sizes, num_warps=warps if block_dv > 128 else 4, num_stages=stages,
-                )
-        else:
-            dq.zero_()
+        dq = attention_backward(q, kv, indices, out, lse, _last_dim_contiguous(dout), ctx.softmax_scale, ctx.d_v, dkv)
         return dq, dkv.to(kv.dtype), None, None, None
 
 

@@ -27,8 +27,13 @@ import torch.nn.functional as F
 from torch import nn
 
 from loongforge.core.kernels import KernelPolicy
+from loongforge.llm.ops.dsa import absorb_query
 
 MODES = ("dense", "warmup", "sparse")
+
+# The sparse stage's indexer-loss target is computed for chunks of queries whose absorbed queries
+# ([chunk, heads, latent + rope]) hold about this many elements (512 MiB in bf16)
+TARGET_CHUNK_ELEMENTS = 1 << 28
 
 
 @dataclass
@@ -83,7 +88,7 @@ class DSAttention(nn.Module):
         c = self.config = config
         self._rms_norm, self._rope = kernels.get("rms_norm"), kernels.get("rope")
         self._indexer_topk, self._indexer_loss = kernels.get("dsa_indexer_topk"), kernels.get("dsa_indexer_loss")
-        self._sparse_attention = kernels.get("sparse_mla_attention")
+        self._sparse_attention = kernels.get("sparse_mla_absorbed_attention")
         h = c.num_heads
         self.wq_a = nn.Linear(c.hidden_size, c.q_lora_rank, bias=False)
         self.q_norm = nn.Parameter(torch.ones(c.q_lora_rank))
@@ -128,14 +133,13 @@ class DSAttention(nn.Module):
 
         if mode in ("sparse", "warmup"):
             # absorbed form: q . k = (q_nope W_uk) . c_kv + q_rope . k_rope, one latent KV row per key
-            q_abs = torch.cat([torch.einsum("bshd,hdc->bshc", q_nope, w_uk), q_rope], dim=-1)
             kv_abs = torch.cat([c_kv, k_rope], dim=-1)
             q_idx, k_idx, w_idx = self._indexer_inputs(x, c_q, cos, sin)
         if mode == "sparse":
             indices = self._indexer_topk(q_idx, k_idx, w_idx, c.index_topk)
-            o_lat = self._sparse_attention(q_abs, kv_abs, indices, c.softmax_scale, c.kv_lora_rank)
-            o = torch.einsum("bshc,hdc->bshd", o_lat, w_uv)
-            loss = self._indexer_loss(q_idx, k_idx, w_idx, q_abs, kv_abs, c.softmax_scale, indices)
+            # the op absorbs the queries (and un-absorbs the output) itself, a chunk of queries at a time
+            o = self._sparse_attention(q_nope, q_rope, kv_abs, indices, w_uk, w_uv, c.softmax_scale)
+            loss = self._sparse_indexer_loss(q_idx, k_idx, w_idx, q_nope, q_rope, w_uk, kv_abs, indices)
         else:
             k_nope = torch.einsum("bsc,hdc->bshd", c_kv, w_uk)
             v = torch.einsum("bsc,hdc->bshd", c_kv, w_uv)
@@ -146,9 +150,25 @@ class DSAttention(nn.Module):
             ).transpose(1, 2)
             loss = None
             if mode == "warmup":
-                loss = self._indexer_loss(q_idx, k_idx, w_idx, q_abs, kv_abs, c.softmax_scale)
+                loss = self._indexer_loss(q_idx, k_idx, w_idx, absorb_query(q_nope, q_rope, w_uk).detach(), kv_abs,
+                                          c.softmax_scale)
         out = self.wo(o.reshape(b, s, h * c.v_head_dim))
         return out, None if loss is None else loss.mean()
+
+    def _sparse_indexer_loss(self, q_idx, k_idx, w_idx, q_nope, q_rope, w_uk, kv, indices):
+        """The sparse stage's indexer loss ``[B, S]``, per chunk of queries: each chunk's absorbed
+        queries (the target's, detached) exist only while its loss is computed."""
+        c = self.config
+        s = q_nope.shape[1]
+        chunk = max(1, TARGET_CHUNK_ELEMENTS // (c.num_heads * kv.shape[-1]))
+        q_nope, q_rope, w_uk, kv = q_nope.detach(), q_rope.detach(), w_uk.detach(), kv.detach()
+        losses = []
+        for t0 in range(0, s, chunk):
+            t1 = min(t0 + chunk, s)
+            q_abs = absorb_query(q_nope[:, t0:t1], q_rope[:, t0:t1], w_uk)
+            losses.append(self._indexer_loss(q_idx[:, t0:t1], k_idx, w_idx[:, t0:t1], q_abs, kv, c.softmax_scale,
+                                             indices[:, t0:t1]))
+        return torch.cat(losses, dim=1)
 
     def _indexer_inputs(self, x, c_q, cos, sin):
         """Indexer queries ``[B, S, HI, DI]``, keys ``[B, S, DI]`` and fp32 head weights ``[B, S, HI]``."""

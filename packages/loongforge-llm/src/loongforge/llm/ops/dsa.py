@@ -22,7 +22,8 @@ largest intermediate stays within ``S * topk`` elements (``S * DENSE_CHUNK_KEYS`
 warm-up loss), and each chunk of a differentiable op is
 wrapped in ``torch.utils.checkpoint``, so its backward recomputes that chunk (autograd gives the
 exact gradient) instead of keeping every chunk's intermediates alive. These functions define the
-contracts of the ops ``dsa_indexer_topk``, ``dsa_indexer_loss`` and ``sparse_mla_attention``
+contracts of the ops ``dsa_indexer_topk``, ``dsa_indexer_loss``, ``sparse_mla_attention`` and
+``sparse_mla_absorbed_attention``
 (``loongforge.ops`` entry points of loongforge-llm), which the fused kernels in
 ``loongforge-kernels`` are tested against; they are slow but correct, and run on any device.
 """
@@ -149,6 +150,59 @@ def sparse_mla_attention(
         for t0, t1 in _chunks(s, chunk)
     ]
     return torch.cat(outs, dim=1)
+
+
+def absorb_query(q_nope: torch.Tensor, q_rope: torch.Tensor, w_uk: torch.Tensor) -> torch.Tensor:
+    """MLA's absorbed query ``[B, S, H, C + d_rope]``: ``q_nope[b, t, h] @ w_uk[h]`` (into the latent
+    space, ``w_uk`` ``[H, d_nope, C]``) next to the rope part."""
+    return torch.cat([torch.einsum("bshd,hdc->bshc", q_nope, w_uk), q_rope], dim=-1)
+
+
+def _absorbed_attention_chunk(q_nope, q_rope, kv, indices, w_uk, w_uv, softmax_scale):
+    q = absorb_query(q_nope, q_rope, w_uk)
+    o_lat = _sparse_attention_chunk(q, kv, indices, softmax_scale, w_uk.shape[-1])
+    return torch.einsum("bshc,hvc->bshv", o_lat, w_uv)
+
+
+def check_absorbed(op: str, q_nope, q_rope, kv, w_uk, w_uv) -> dict[str, int]:
+    dims = check_shapes(op, q_nope=(q_nope, "B S H DN"), q_rope=(q_rope, "B S H DR"), kv=(kv, "B S_kv D"),
+                        w_uk=(w_uk, "H DN C"), w_uv=(w_uv, "H DV C"))
+    if dims["C"] + dims["DR"] != dims["D"]:
+        raise ValueError(f"{op}: latent {dims['C']} + rope {dims['DR']} != the key row's {dims['D']}")
+    return dims
+
+
+def sparse_mla_absorbed_attention(
+    q_nope: torch.Tensor,
+    q_rope: torch.Tensor,
+    kv: torch.Tensor,
+    indices: torch.Tensor,
+    w_uk: torch.Tensor,
+    w_uv: torch.Tensor,
+    softmax_scale: float,
+) -> torch.Tensor:
+    """Sparse MLA from the per-head query to the per-head output, with the absorption inside the op.
+
+    ``out[b, t, h] = w_uv[h] @ sparse_mla_attention(absorb_query(q_nope, q_rope, w_uk), kv, indices,
+    softmax_scale, C)[b, t, h]``: queries ``q_nope`` ``[B, S, H, DN]`` and ``q_rope`` ``[B, S, H, DR]``,
+    latent rows ``kv`` ``[B, S_kv, C + DR]``, the key up-projection ``w_uk`` ``[H, DN, C]`` and the
+    value up-projection ``w_uv`` ``[H, DV, C]``; returns ``[B, S, H, DV]``. Grads flow to all five
+    tensors. The op owns the ``[B, S, H, C + DR]`` absorbed queries and ``[B, S, H, C]`` latent
+    outputs, so an implementation may keep them per chunk of queries only (they are 3-4x the size of
+    the per-head query and output at DeepSeek's sizes).
+    """
+    dims = check_absorbed("sparse_mla_absorbed_attention", q_nope, q_rope, kv, w_uk, w_uv)
+    b, s = dims["B"], dims["S"]
+    if indices.dim() != 3 or tuple(indices.shape[:2]) != (b, s):
+        raise ValueError(
+            f"sparse_mla_absorbed_attention: indices must be [B, S, topk] = [{b}, {s}, k], got {tuple(indices.shape)}"
+        )
+    chunk = query_chunk(s, indices.shape[-1] * max(dims["H"], dims["D"]), s * indices.shape[-1])
+    return torch.cat([
+        checkpoint(_absorbed_attention_chunk, q_nope[:, t0:t1], q_rope[:, t0:t1], kv, indices[:, t0:t1], w_uk, w_uv,
+                   softmax_scale, use_reentrant=False)
+        for t0, t1 in _chunks(s, chunk)
+    ], dim=1)
 
 
 def _kl(p: torch.Tensor, logits: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,53 @@
+#!/usr/bin/env bash
+# DeepSeek sparse attention (DSA) on one CUDA machine (H100 or H200), in one device call of < 9 minutes:
+#
+#   bash bench/dsa_batch.sh
+#
+# 1. the DSA kernels' GPU tests (bf16 at V3.2's sizes against the fp32 references: top-k, sparse MLA,
+#    the absorbed op DSAttention runs, both key-grad forms of the backward, the indexer loss) and the
+#    interpreter tests of test_sparse_mla.py compiled for the GPU;
+# 2. bench/dsa_throughput.py, 128 heads, one layer: dense against DSA at 16K, 32K and 64K tokens, with
+#    where DSA's time goes at 32K (top-k, attention fwd / fwd+bwd, indexer loss, the two key-grad
+#    forms) and a profiler table of one DSA step at 32K;
+# 3. 128K tokens (DSA, and dense beside it) where the GPU has more than 100 GiB (an H200).
+#
+# The machine has torch and triton but no PyPI: LoongForge's wheels travel in .whl/ (`uv build --wheel
+# --package loongforge-<name> -o .whl` for core, llm and kernels), with pytest and its plugins. Everything
+# printed also goes to $OUT/dsa.log.
+set -uo pipefail
+OUT=${OUT:-/tmp/lf-dsa-bench}
+mkdir -p "$OUT"
+exec > >(tee "$OUT/dsa.log") 2>&1
+
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
+export PYTHONPATH=/tmp/site PYTHONUNBUFFERED=1 TRITON_INTERPRET=0 LOONGFORGE_CACHE=/tmp/lf-cache
+repo=$PWD
+cd "$(mktemp -d)"
+
+section() { printf '\n===== %s =====\n' "$*"; }
+bench() {  # a command under a time limit (seconds), so the batch fits its device call
+  local limit=$1; shift
+  section "$* (limit ${limit}s)"
+  local t0=$SECONDS
+  timeout "$limit" "$@"; echo "exit code: $? after $((SECONDS - t0)) s"
+}
+
+section environment
+nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.max.sm --format=csv,noheader
+python3 -c 'import torch, triton; print("torch", torch.__version__, "triton", triton.__version__)'
+
+tests="$repo/packages/loongforge-kernels/tests"
+(cd "$repo" && bench 150 python3 -m pytest -q -s -p no:cacheprovider -n 0 -o addopts="--import-mode=importlib" \
+    "$tests/test_dsa_gpu.py" -k "8192-128" 2>&1 | tail -n 30)
+(cd "$repo" && bench 60 python3 -m pytest -q -p no:cacheprovider -n 0 -o addopts="--import-mode=importlib" \
+    "$tests/test_sparse_mla.py" 2>&1 | tail -n 5)
+
+bench 200 python3 "$repo/bench/dsa_throughput.py" --seqs 16384,32768,65536 --heads 128 --layers 1 --iters 2 \
+    --variants dense,dsa --breakdown-seq 32768 --profile-seq 32768 --profile-rows 30
+
+if python3 -c 'import sys, torch; sys.exit(torch.cuda.get_device_properties(0).total_memory < 100 * 2**30)'; then
+  bench 90 python3 "$repo/bench/dsa_throughput.py" --seqs 131072 --heads 128 --layers 1 --iters 1 \
+      --variants dense,dsa --breakdown-seq 0
+else
+  echo "131072 tokens: left out (this GPU has less than 100 GiB)"
+fi
