@@ -10,10 +10,8 @@ import pytest
 import torch
 
 from lerobot_reference import build_lerobot_pi05
-from loongforge.core.distributed import init_distributed
-from loongforge.core.training.schema import TrainConfig
-from loongforge.embodied.bench import build_lerobot_pi05_released, lerobot_recipe, run_bench
-from loongforge.embodied.policies import policy_config
+from loongforge.core.parallel import init_parallel
+from loongforge.embodied.bench import build_lerobot_pi05_released, lerobot_recipe, load_runs, run_bench
 
 
 def test_lerobot_recipe_is_its_gpu_training_recipe():
@@ -39,16 +37,14 @@ def test_lerobot_compile_mode_is_marked_as_a_departure_from_its_default():
 
 
 def _tiny(cfg, recipe, device_type):
-    torch.manual_seed(0)
     return build_lerobot_pi05(cfg)
 
 
 def test_both_sides_same_weights_first_losses_agree_and_order_alternates():
-    cfg = policy_config("pi05", image_size=16, chunk_size=4, max_token_len=12)
-    init_distributed(group_for_world_of_one=False)
+    cfgs = load_runs(None, ["policy.image_size=16", "policy.chunk_size=4", "policy.max_token_len=12"],
+                     ["full=train.recompute=full"], batch_size=2)
     lines = []
-    trains = {"ours": TrainConfig(), "full": TrainConfig(recompute="full")}
-    results = run_bench(cfg, trains, batch_size=2, steps=2, warmup=1, rounds=2, against_lerobot=True,
+    results = run_bench(cfgs, init_parallel(seed=0), steps=2, warmup=1, rounds=2, against_lerobot=True,
                         build_baseline=_tiny, report=lines.append)
     out = "\n".join(lines)
     assert list(results) == ["lerobot", "ours", "full"]
@@ -59,7 +55,21 @@ def test_both_sides_same_weights_first_losses_agree_and_order_alternates():
     assert "round 1 of 2: lerobot, ours, full" in out and "round 2 of 2: ours, full, lerobot" in out
     assert "baseline: LeRobot PI05Pytorch" in out and "tf32 = True  (requested" in out
     with pytest.raises(ValueError, match="pi05_base"):
-        build_lerobot_pi05_released(cfg)
+        build_lerobot_pi05_released(cfgs["ours"].policy)
+
+
+def test_bench_times_the_step_lf_embodied_train_takes(tmp_path):
+    """Ours in the bench is lf-embodied train's step: from the same config, seed and data its
+    first-step loss is the one the training run logs for step 1, to the last bit."""
+    from loongforge.core.metrics import read_metrics
+    from loongforge.embodied.cli import main
+
+    overrides = ["train.global_batch_size=2", "policy.image_size=16", "policy.chunk_size=4", "policy.max_token_len=12"]
+    assert main(["train", *overrides, "train.steps=1", f"log.run_dir={tmp_path / 'run'}", "checkpoint.save=false"]) == 0
+    logged = [r for r in read_metrics(tmp_path / "run") if r.get("step") == 1]
+    results = run_bench(load_runs(None, overrides, []), init_parallel(seed=1234), steps=1, warmup=1, rounds=1,
+                        report=lambda line: None)
+    assert results["ours"].first_loss == logged[0]["loss"]
 
 
 @pytest.mark.parametrize(("argv", "message"), [

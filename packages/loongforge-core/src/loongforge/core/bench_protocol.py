@@ -6,17 +6,22 @@
   ``alternating_orders``), and a run's step time is the median over all its timed steps;
 - ``--processes N`` repeats the whole bench in N fresh processes, one after the other
   (``in_fresh_processes``), and ``spread_lines`` prints each run's median and spread across them,
-  for a baseline whose step time varies from process to process.
+  for a baseline whose step time varies from process to process;
+- ``run_rounds`` runs the sides (``Side``: the baseline's step, ours) round by round, each built
+  afresh and released after its steps; ours is ``training_step``: ``Trainer.train_step`` of the
+  task ``lf-X train`` trains, on the engine it builds.
 """
 
 from __future__ import annotations
 
+import gc
 import json
 import math
 import multiprocessing
 import statistics
 import tempfile
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -150,3 +155,97 @@ def add_protocol_arguments(parser, rounds: int = DEFAULT_ROUNDS) -> None:
                         help=f"rounds of all runs, alternating baseline first / ours first (default {rounds})")
     parser.add_argument("--processes", type=int, default=1,
                         help="repeat the bench in this many fresh processes and print each run's median and spread")
+
+
+# -- the runs of a bench ----------------------------------------------------------------------
+@dataclass
+class Side:
+    """One run of a bench: ``start()`` builds it on the device and returns its step (a call that
+    trains one step and returns that step's loss, before its update) and a ``release()`` that
+    hands back what outlives the run (e.g. a baseline model kept on the host between rounds; what
+    only the step holds is dropped with it); ``tf32`` turns on TF32 matmuls around it (a baseline
+    whose recipe asks for it)."""
+
+    name: str
+    start: Callable[[], tuple[Callable[[], object], Callable[[], None]]]
+    tf32: bool = False
+
+
+@dataclass
+class SideTimes:
+    """A run's measurements over every round: the first round's first-step loss, every timed
+    step's seconds, and the largest peak of allocated device memory (NaN on the CPU)."""
+
+    name: str
+    first_loss: float
+    seconds: list[float]
+    peak_gib: float
+
+    @property
+    def step_s(self) -> float:
+        return statistics.median(self.seconds)
+
+
+def free_device_memory(accel) -> None:
+    """What a finished run left: collected, and the device allocator's cache emptied."""
+    gc.collect()
+    if accel.device().type == "cuda":
+        torch.cuda.empty_cache()
+
+
+def run_rounds(sides: Sequence[Side], baselines: Sequence[str], rounds: int, steps: int, warmup: int,
+               report: Callable[[str], None] = print) -> dict[str, SideTimes]:
+    """Every side in ``rounds`` rounds of ``alternating_orders`` (``baselines``, the names of the
+    baseline sides, first in even rounds): each run built afresh (``Side.start``), its first step
+    (the loss reported), ``warmup - 1`` more, then ``steps`` timed ones (``timed_steps``), and
+    released before the next; a side's times gather over the rounds."""
+    from loongforge.core.accelerators import get_accelerator
+    from loongforge.core.baseline_recipe import tf32_matmuls
+
+    accel = get_accelerator()
+    tracks_memory = accel.device().type != "cpu"
+    by_name = {s.name: s for s in sides}
+    out: dict[str, SideTimes] = {}
+    ours = [s.name for s in sides if s.name not in baselines]
+    for r, order in enumerate(alternating_orders([b for b in baselines if b in by_name], ours, rounds)):
+        report(f"round {r + 1} of {rounds}: {', '.join(order)}")
+        for name in order:
+            side = by_name[name]
+            if tracks_memory:
+                accel.reset_peak_memory_stats()
+            with tf32_matmuls(side.tf32):
+                step, release = side.start()
+                try:
+                    first, seconds = timed_steps(step, steps, warmup, accel.synchronize)
+                    peak = accel.memory_stats().peak_allocated / 2**30 if tracks_memory else float("nan")
+                finally:
+                    release()
+                    del step, release
+                    free_device_memory(accel)
+            if name in out:
+                out[name].seconds += seconds
+                out[name].peak_gib = max(out[name].peak_gib, peak)
+            else:
+                out[name] = SideTimes(name, first, list(seconds), peak)
+            report(f"  {name}: {statistics.median(seconds) * 1e3:.1f} ms/step (median of {len(seconds)}), "
+                   f"first-step loss {first:.5f}")
+    return {s.name: out[s.name] for s in sides}
+
+
+def training_step(task, ctx, cfg, step_batch=None):
+    """Ours in a bench: ``task`` trained by ``Trainer.train_step`` on the engine ``lf-X train``
+    builds for ``cfg`` (its precision, compilation, recomputation, optimizer), on ``step_batch`` or,
+    when None, on the task's own first step (``task.prepare(ctx)`` then ``task.steps(ctx, 0)``: the
+    data ``lf-X train`` trains on). Returns the step (its loss, before the update) and the trainer;
+    ``cfg`` should neither resume nor save (the bench passes ``checkpoint.resume=false``)."""
+    from loongforge.core.training.loop import Trainer
+
+    if step_batch is None:
+        task.prepare(ctx)
+        step_batch = next(iter(task.steps(ctx, 0)))
+    trainer = Trainer(task, ctx, cfg, report=lambda line: None)
+
+    def step() -> float:
+        return trainer.train_step(step_batch).loss
+
+    return step, trainer

@@ -1,24 +1,28 @@
 """``lf-embodied bench``: training-step throughput (samples/s) of a policy, and of LeRobot's own
 Pi0.5 for the same config, batch and image size, in the same process.
 
-LeRobot runs as its ``lerobot_train.py`` runs it on a GPU (``lerobot_recipe``: ``policy.dtype=
-bfloat16`` with Accelerate's bf16 autocast around the forward, TF32 matmuls, ``compile_model=true``
-in its ``max-autotune`` mode, gradient clipping at the preset's norm) plus fused AdamW. Both sides
-start from the same weights (LeRobot's random initialisation, read into ours through the
-``lerobot-to-lf`` mapping) and get the same preprocessed synthetic batch (cameras in [-1, 1],
-full-length prompts, padded state/actions); the first-step losses must agree. The runs alternate
-order round by round (``--rounds``); each run's step time is the median of its timed steps over
-all rounds and its peak memory the largest of its rounds. ``--variant NAME=KEY=VALUE,...`` adds
-runs of ours with ``train.*`` overrides (the policy must stay the same: the weights are shared).
-LeRobot's ``PI05Pytorch`` constructor builds only the released sizes (``gemma_2b`` + ``gemma_300m``),
-so ``--against-lerobot`` needs ``policy=pi05_base``. ``--lerobot-compile-mode`` picks another of
-``torch.compile``'s modes for LeRobot's ``compile_mode`` (its default, ``max-autotune``, is what
-the recipe requests; the printed recipe marks a different mode as a departure from it).
+Ours is what ``lf-embodied train`` runs: ``Trainer.train_step`` of the policy task on the torch
+engine built from the config (its precision, compilation, recomputation, fused AdamW, clipping),
+on the first step of the data ``lf-embodied train`` trains on (``data.root``, else the bundled
+synthetic dataset; ``--batch-size`` sets ``train.global_batch_size``). LeRobot runs as its
+``lerobot_train.py`` runs it on a GPU (``lerobot_recipe``: ``policy.dtype=bfloat16`` with
+Accelerate's bf16 autocast around the forward, TF32 matmuls, ``compile_model=true`` in its
+``max-autotune`` mode, gradient clipping at the preset's norm) plus fused AdamW, on the same batch
+and loss (the masked flow-matching mean). Both sides start from the same weights: LeRobot's random
+initialisation, which ours reads as a LeRobot checkpoint (``policy.pretrained_format=lerobot``, the
+fine-tuning path); the first-step losses must agree. The runs alternate order round by round
+(``--rounds``, ``core.bench_protocol.run_rounds``); each run's step time is the median of its timed
+steps over all rounds and its peak memory the largest of its rounds. ``--variant
+NAME=KEY=VALUE,...`` adds runs of ours with ``train.*`` overrides (the policy and data must stay
+the same: the weights and the batch are shared). LeRobot's ``PI05Pytorch`` constructor builds only
+the released sizes (``gemma_2b`` + ``gemma_300m``), so ``--against-lerobot`` needs
+``policy=pi05_base``. ``--lerobot-compile-mode`` picks another of ``torch.compile``'s modes for
+LeRobot's ``compile_mode`` (its default, ``max-autotune``, is what the recipe requests; the printed
+recipe marks a different mode as a departure from it).
 """
 
 from __future__ import annotations
 
-import statistics
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
@@ -26,12 +30,10 @@ import torch
 import torch.nn as nn
 
 from loongforge.core.baseline_recipe import BaselineRecipe, tf32_matmuls
-from loongforge.core.bench_protocol import alternating_orders, check_first_losses, timed_steps
+from loongforge.core.bench_protocol import check_first_losses
 from loongforge.core.benchmarking import profile_tables
 from loongforge.core.config import ConfigError
-from loongforge.core.training import torch_parallel
 from loongforge.core.training.engine import resolve_dtype
-from loongforge.core.training.schema import TrainConfig
 from loongforge.embodied.config import PolicyConfig
 
 BASELINE = "lerobot"
@@ -59,55 +61,13 @@ def lerobot_recipe(compile_mode: str = LEROBOT_COMPILE_MODE) -> BaselineRecipe:
     )
 
 
-def synthetic_batch(cfg: PolicyConfig, batch_size: int, device: torch.device, seed: int = 0) -> dict[str, torch.Tensor]:
-    g = torch.Generator().manual_seed(seed)
-    b, n, s = batch_size, cfg.num_cameras, cfg.image_size
-    batch = {
-        "images": torch.rand(b, n, 3, s, s, generator=g) * 2 - 1,
-        "image_mask": torch.ones(b, n, dtype=torch.bool),
-        "tokens": torch.randint(4, min(cfg.vocab_size, 516), (b, cfg.max_token_len), generator=g),
-        "token_mask": torch.ones(b, cfg.max_token_len, dtype=torch.bool),
-        "state": torch.rand(b, cfg.max_state_dim, generator=g) * 2 - 1,
-        "actions": torch.rand(b, cfg.chunk_size, cfg.max_action_dim, generator=g) * 2 - 1,
-        "noise": torch.randn(b, cfg.chunk_size, cfg.max_action_dim, generator=g),
-        "time": torch.rand(b, generator=g) * 0.999 + 0.001,
-    }
-    return {k: v.to(device) for k, v in batch.items()}
-
-
-def loongforge_step(policy: nn.Module, train: TrainConfig, device: torch.device, batch: dict,
-                    lr: float = 1e-5) -> Callable[[], torch.Tensor]:
-    """Our training step as the engine runs it on one process: ``train.recompute``, regional
-    compilation per ``train.compile`` (null: on CUDA), autocast per ``train.precision``, clipping
-    to ``train.clip_grad``, AdamW (fused on CUDA). The step returns its loss (before the update)."""
-    model = policy.to(device)
-    model.set_recompute(train.recompute)
-    if train.compile if train.compile is not None else device.type == "cuda":
-        for block in model.repeated_blocks():
-            block.compile()
-    model.train()
-    dtype = resolve_dtype(train.precision, device)
-    params = [p for p in model.parameters() if p.requires_grad]
-    opt = torch.optim.AdamW(params, lr=lr, fused=device.type == "cuda")
-
-    def step():
-        with torch_parallel.autocast(device.type, dtype):
-            loss = model(batch, batch["noise"], batch["time"]).mean()
-        loss.backward()
-        if train.clip_grad > 0:
-            torch.nn.utils.clip_grad_norm_(params, train.clip_grad)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        return loss.detach()
-
-    return step
-
-
 def lerobot_step(model: nn.Module, batch: dict, recipe: BaselineRecipe, device: torch.device,
+                 loss_fn: Callable[[dict, torch.Tensor], tuple[torch.Tensor, torch.Tensor]],
                  lr: float = 1e-5) -> Callable[[], torch.Tensor]:
-    """A training step of LeRobot's ``PI05Pytorch`` (``forward`` returns per-element losses) with
-    the recipe's settings that apply on ``device``: bf16 autocast, clipping, fused AdamW. TF32
-    is the caller's (``tf32_matmuls`` around the run); compilation is the model's own."""
+    """A training step of LeRobot's ``PI05Pytorch`` (``forward`` returns per-element losses,
+    reduced by ``loss_fn(batch, per_element) -> (sum, count)``: the masked mean ours trains on)
+    with the recipe's settings that apply on ``device``: bf16 autocast, clipping, fused AdamW.
+    TF32 is the caller's (``tf32_matmuls`` around the run); compilation is the model's own."""
     applied = recipe.applied(device.type)
     model.train()
     params = [p for p in model.parameters() if p.requires_grad]
@@ -117,8 +77,10 @@ def lerobot_step(model: nn.Module, batch: dict, recipe: BaselineRecipe, device: 
 
     def step():
         with torch.autocast(device.type, dtype=autocast_dtype or torch.float32, enabled=autocast_dtype is not None):
-            loss = model.forward(images, masks, batch["tokens"], batch["token_mask"], batch["actions"],
-                                 batch["noise"], batch["time"]).mean()
+            per_element = model.forward(images, masks, batch["tokens"], batch["token_mask"], batch["actions"],
+                                        batch["noise"], batch["time"])
+        total, count = loss_fn(batch, per_element.float())
+        loss = total / count
         loss.backward()
         if applied["grad_clip_norm"]:
             torch.nn.utils.clip_grad_norm_(params, applied["grad_clip_norm"])
@@ -164,124 +126,129 @@ class EmbodiedRun:
     first_loss: float
 
 
-@dataclass
-class _Side:
-    name: str
-    model: nn.Module  # kept on the CPU between rounds
-    initial: dict  # its initial weights (CPU), loaded again before each round
-    make_step: Callable[[nn.Module], Callable[[], torch.Tensor]]
-    tf32: bool = False
+def bench_config(cfg, scratch: str, pretrained: str | None = None):
+    """``cfg`` as the bench trains it: its run directory in ``scratch`` (no resume, no checkpoint) and,
+    with ``pretrained``, LeRobot's initial weights read through ``policy.pretrained_format=lerobot``
+    (the same path as fine-tuning a LeRobot checkpoint)."""
+    import copy
+
+    cfg = copy.deepcopy(cfg)
+    cfg.log.run_dir = scratch
+    cfg.checkpoint.resume = False
+    cfg.checkpoint.save = False
+    if pretrained is not None:
+        cfg.policy.pretrained, cfg.policy.pretrained_format = pretrained, "lerobot"
+    return cfg
 
 
-def run_bench(policy_cfg: PolicyConfig, trains: Mapping[str, TrainConfig], batch_size: int, steps: int = 10,
-              warmup: int = 3, rounds: int = 2, against_lerobot: bool = False,
+def run_bench(cfgs: Mapping[str, object], ctx, steps: int = 10, warmup: int = 3, rounds: int = 2,
+              against_lerobot: bool = False,
               build_baseline: Callable[[PolicyConfig, BaselineRecipe, str], nn.Module] = build_lerobot_for_recipe,
               report: Callable[[str], None] = print, seed: int = 0, profile_rows: int = 0,
               trace: str | None = None, lerobot_compile_mode: str = LEROBOT_COMPILE_MODE) -> dict[str, EmbodiedRun]:
-    """Ours (``trains["ours"]``), its variants (the other ``trains``) and, with ``against_lerobot``,
-    LeRobot's Pi0.5 (``build_baseline``), alternating order round by round; then, on CUDA with
-    ``profile_rows``, the profiler tables of two more steps of ours. Raises ``FirstLossMismatch``
-    when a first-step loss differs from the baseline's (else from ours)."""
-    from loongforge.core.accelerators import get_accelerator
-    from loongforge.embodied.convert.lerobot_pi05 import from_lerobot_pi05
-    from loongforge.embodied.policies import build_policy
+    """Ours (``cfgs["ours"]``, a whole ``lf-embodied train`` config) and its variants (the other
+    ``cfgs``), each ``Trainer.train_step`` of the policy task on the first step of the data
+    ``lf-embodied train`` trains on, and, with ``against_lerobot``, LeRobot's Pi0.5
+    (``build_baseline``) on the same batch from the same weights, alternating order round by
+    round; then, on CUDA with ``profile_rows``, the profiler tables of two more steps of ours.
+    Raises ``FirstLossMismatch`` when a first-step loss differs from the baseline's (else from ours)."""
+    import tempfile
 
-    accel = get_accelerator()
-    device = accel.device()
-    dtype = resolve_dtype(trains["ours"].precision, device)
-    for name, train in trains.items():
-        if resolve_dtype(train.precision, device) != dtype:
+    from safetensors.torch import save_file
+
+    from loongforge.core.bench_protocol import Side, run_rounds, training_step
+    from loongforge.embodied.cli import make_task
+    from loongforge.embodied.task import masked_flow_loss
+
+    device = ctx.device
+    ours_cfg = cfgs["ours"]
+    dtype = resolve_dtype(ours_cfg.train.precision, device)
+    for name, cfg in cfgs.items():
+        if resolve_dtype(cfg.train.precision, device) != dtype:
             raise ValueError(f"run {name}: train.precision must be the same as ours' (the first-step losses are compared)")
-    batch = synthetic_batch(policy_cfg, batch_size, device, seed=seed)
+    scratch = tempfile.TemporaryDirectory(prefix="lf-embodied-bench-")
+    task = make_task(bench_config(ours_cfg, scratch.name))
+    task.prepare(ctx)
+    step_batch = next(iter(task.steps(ctx, 0)))  # the first step lf-embodied train takes
+    batch = {k: torch.cat([m[k] for m in step_batch.micro_batches]) for k in step_batch.micro_batches[0]}
+    batch_size = len(batch["actions"])
     recipe = lerobot_recipe(lerobot_compile_mode)
-    sides: list[_Side] = []
-    torch.manual_seed(seed)
+    sides: list[Side] = []
+    pretrained = None
     if against_lerobot:
         for line in recipe.lines(device.type):
             report(line)
+        torch.manual_seed(seed)
         with tf32_matmuls(recipe.applies("tf32", device.type)):  # LeRobot's constructor may set it when compiling
-            ref = build_baseline(policy_cfg, recipe, device.type)
-        initial = {k: v.detach().clone() for k, v in ref.state_dict().items()}
-        sides.append(_Side(BASELINE, ref, initial, lambda m: lerobot_step(m, batch, recipe, device),
-                           tf32=bool(recipe.applied(device.type)["tf32"])))
-        ours_initial = from_lerobot_pi05(initial)
-    else:
-        ours_initial = {k: v.detach().clone() for k, v in build_policy(policy_cfg).state_dict().items()}
-    for name, train in trains.items():
-        policy = build_policy(policy_cfg)
-        sides.append(_Side(name, policy, ours_initial,
-                           lambda m, train=train: loongforge_step(m, train, device, batch)))
+            ref = build_baseline(ours_cfg.policy, recipe, device.type)
+        initial = {k: v.detach().clone().contiguous() for k, v in ref.state_dict().items()}
+        pretrained = f"{scratch.name}/lerobot_initial.safetensors"
+        save_file(initial, pretrained)
 
-    by_name = {s.name: s for s in sides}
-    times: dict[str, list[float]] = {s.name: [] for s in sides}
-    peaks: dict[str, float] = {s.name: float("nan") if device.type == "cpu" else 0.0 for s in sides}
-    firsts: dict[str, float] = {}
-    baselines = [BASELINE] if against_lerobot else []
-    for r, order in enumerate(alternating_orders(baselines, list(trains), rounds)):
-        report(f"round {r + 1} of {rounds}: {', '.join(order)}")
-        for name in order:
-            side = by_name[name]
-            side.model.load_state_dict(side.initial)
-            if device.type != "cpu":
-                accel.reset_peak_memory_stats()
-            with tf32_matmuls(side.tf32):
-                step = side.make_step(side.model.to(device))
-                first, seconds = timed_steps(step, steps, warmup, accel.synchronize)
-            del step
-            side.model.to("cpu")
-            if device.type != "cpu":
-                peaks[name] = max(peaks[name], accel.memory_stats().peak_allocated / 2**30)
-                if device.type == "cuda":
-                    torch.cuda.empty_cache()
-            firsts.setdefault(name, first)
-            times[name] += seconds
-            report(f"  {name}: {statistics.median(seconds) * 1e3:.1f} ms/step (median of {len(seconds)}), first-step loss {first:.5f}")
-    results = {}
-    for name in times:
-        step_s = statistics.median(times[name])
-        results[name] = EmbodiedRun(name, batch_size / step_s, step_s, peaks[name], firsts[name])
+        def lerobot_start():
+            ref.load_state_dict(initial)
+            return lerobot_step(ref.to(device), batch, recipe, device, masked_flow_loss), lambda: ref.to("cpu")
+
+        sides.append(Side(BASELINE, lerobot_start, tf32=bool(recipe.applied(device.type)["tf32"])))
+
+    def ours_start(cfg):
+        run_cfg = bench_config(cfg, scratch.name, pretrained)
+        step, _ = training_step(make_task(run_cfg), ctx, run_cfg, step_batch)
+        return step, lambda: None
+
+    for name, cfg in cfgs.items():
+        sides.append(Side(name, lambda cfg=cfg: ours_start(cfg)))
+    timed = run_rounds(sides, [BASELINE] if against_lerobot else [], rounds, steps, warmup, report)
+    results = {name: EmbodiedRun(name, batch_size / t.step_s, t.step_s, t.peak_gib, t.first_loss)
+               for name, t in timed.items()}
     reference = BASELINE if against_lerobot else "ours"
-    for line in check_first_losses(firsts, reference, dtype):
+    for line in check_first_losses({n: r.first_loss for n, r in results.items()}, reference, dtype):
         report(line)
     if profile_rows and device.type == "cuda":
-        ours = by_name["ours"]
-        with tf32_matmuls(ours.tf32):
-            step = ours.make_step(ours.model.to(device))
+        step, release = ours_start(ours_cfg)
+        try:
             step()  # compiled already: this warms the fresh optimizer
             report("\nours, torch.profiler:\n" + profile_tables(step, profile_rows, trace))
-        del step
-        ours.model.to("cpu")
+        finally:
+            release()
+            del step
+    scratch.cleanup()
     return results
 
 
 # -- the command --------------------------------------------------------------------------------
-def load_runs(config: str | None, overrides: list[str], variants: list[str]):
-    """The bench config and ``{run name: TrainConfig}``: ours, then each ``--variant NAME=KEY=VALUE,...``
-    (``train.*`` overrides on top of ``overrides``; the policy must stay ours: the runs share weights)."""
+def load_runs(config: str | None, overrides: list[str], variants: list[str], batch_size: int | None = None):
+    """``{run name: config}``: ours (the config with ``overrides``, and ``train.global_batch_size``
+    set to ``batch_size`` when given), then each ``--variant NAME=KEY=VALUE,...`` (``train.*``
+    overrides on top; the policy must stay ours: the runs share weights)."""
     from loongforge.core.benchmarking import parse_variant
     from loongforge.embodied.config import load_train_config
 
+    if batch_size is not None:
+        overrides = [*overrides, f"train.global_batch_size={batch_size}"]
     cfg = load_train_config(config, overrides)
-    trains = {"ours": cfg.train}
+    cfgs = {"ours": cfg}
     for spec in variants:
-        name, items = parse_variant(spec, [BASELINE, *trains], reserved_prefix=BASELINE)
+        name, items = parse_variant(spec, [BASELINE, *cfgs], reserved_prefix=BASELINE)
         variant = load_train_config(config, [*overrides, *items])
-        if variant.policy != cfg.policy:
-            raise ConfigError(f"--variant {spec!r}: a variant changes train.* only (the runs share the policy's weights)")
-        trains[name] = variant.train
-    return cfg, trains
+        if variant.policy != cfg.policy or variant.data != cfg.data:
+            raise ConfigError(f"--variant {spec!r}: a variant changes train.* only (the runs share the policy's "
+                              f"weights and the batch)")
+        cfgs[name] = variant
+    return cfgs
 
 
-def bench_from_config(config: str | None, overrides: list[str], variants: list[str], batch_size: int, steps: int,
+def bench_from_config(config: str | None, overrides: list[str], variants: list[str], batch_size: int | None, steps: int,
                       warmup: int, rounds: int, against_lerobot: bool, profile_rows: int = 0, trace: str | None = None,
                       lerobot_compile_mode: str = LEROBOT_COMPILE_MODE,
                       report: Callable[[str], None] = print) -> dict[str, EmbodiedRun]:
-    """``lf-embodied bench`` in this process: the runs of ``load_runs``, timed by ``run_bench``."""
-    from loongforge.core.distributed import init_distributed
+    """``lf-embodied bench`` in this process: the runs of ``load_runs``, timed by ``run_bench`` in the
+    process groups ``lf-embodied train`` makes (a world of one)."""
+    from loongforge.core.parallel import init_parallel
 
-    cfg, trains = load_runs(config, overrides, variants)
-    init_distributed(group_for_world_of_one=False)
-    return run_bench(cfg.policy, trains, batch_size, steps, warmup, rounds, against_lerobot, report=report,
+    cfgs = load_runs(config, overrides, variants, batch_size)
+    ctx = init_parallel(seed=cfgs["ours"].train.seed)
+    return run_bench(cfgs, ctx, steps, warmup, rounds, against_lerobot, report=report,
                      profile_rows=profile_rows, trace=trace, lerobot_compile_mode=lerobot_compile_mode)
 
 

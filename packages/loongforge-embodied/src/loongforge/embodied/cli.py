@@ -57,7 +57,8 @@ def cmd_eval(args) -> int:
 
 def bench_options(parser) -> None:
     parser.add_argument("--against-lerobot", action="store_true", help="also time LeRobot's PI05Pytorch (needs policy=pi05_base)")
-    parser.add_argument("--batch-size", type=int, default=8)
+    parser.add_argument("--batch-size", type=int, default=None,
+                        help="samples a step (train.global_batch_size; default: the config's)")
     parser.add_argument("--lerobot-compile-mode", default=None,
                         help="with --against-lerobot: a torch.compile mode for LeRobot's PI05 other than its own default")
 
