@@ -124,6 +124,31 @@ def test_bench_and_info_run(capsys):
     assert "parameters per expert: 1419.00M" in capsys.readouterr().out  # Wan 2.1 T2V 1.3B
 
 
+def test_bench_ours_is_the_trainers_step(tmp_path):
+    """The bench's ours is ``Trainer.train_step`` of ``WanTask`` (the torch engine lf-diffusion
+    train builds): one call trains one step, and its loss is the packed model's MSE on the bench's
+    batch from the shared initial weights."""
+    import torch.nn.functional as F
+
+    from loongforge.core.bench_protocol import bench_run_config
+    from loongforge.core.parallel import init_parallel
+    from loongforge.diffusion.bench import Bench
+    from loongforge.diffusion.cli import load_recipe
+    from loongforge.diffusion.model import WanDiT
+
+    recipe = load_recipe(None, ["sample.num_frames=5", "sample.height=32", "sample.width=48"])
+    bench = Bench(recipe, steps=1, warmup=1)
+    step, trainer = bench.ours_step(bench_run_config(recipe, str(tmp_path)), init_parallel(seed=recipe.train.seed))
+    loss = step()
+    assert trainer.step == 1 and trainer.engine.name == "torch"
+    model = WanDiT(recipe.model)
+    model.load_state_dict(bench.initial_state)
+    with torch.no_grad():
+        expected = F.mse_loss(model(bench.batch), bench.packed_target)
+    assert loss == pytest.approx(float(expected), rel=1e-5)
+    assert not any(tmp_path.iterdir())  # no checkpoint, no record: the bench's trainer only steps
+
+
 @pytest.mark.parametrize("recompute", ["selective", "none"])
 def test_bench_baseline_recipe_is_diffusers_gpu_training_with_our_checkpointing(recompute):
     from loongforge.diffusion.bench import diffusers_recipe, headline_recompute

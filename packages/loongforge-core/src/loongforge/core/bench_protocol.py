@@ -232,12 +232,25 @@ def run_rounds(sides: Sequence[Side], baselines: Sequence[str], rounds: int, ste
     return {s.name: out[s.name] for s in sides}
 
 
+def bench_run_config(cfg, run_dir: str):
+    """A copy of the run config ``cfg`` for a bench's trainer: its run directory ``run_dir`` (a
+    scratch one), no resume, no checkpoint (``checkpoint.load`` and the rest as the config says)."""
+    import copy
+
+    cfg = copy.deepcopy(cfg)
+    cfg.log.run_dir = run_dir
+    cfg.checkpoint.dir = None
+    cfg.checkpoint.resume = False
+    cfg.checkpoint.save = False
+    return cfg
+
+
 def training_step(task, ctx, cfg, step_batch=None):
     """Ours in a bench: ``task`` trained by ``Trainer.train_step`` on the engine ``lf-X train``
     builds for ``cfg`` (its precision, compilation, recomputation, optimizer), on ``step_batch`` or,
     when None, on the task's own first step (``task.prepare(ctx)`` then ``task.steps(ctx, 0)``: the
     data ``lf-X train`` trains on). Returns the step (its loss, before the update) and the trainer;
-    ``cfg`` should neither resume nor save (the bench passes ``checkpoint.resume=false``)."""
+    ``cfg`` neither resumes nor saves (``bench_run_config``)."""
     from loongforge.core.training.loop import Trainer
 
     if step_batch is None:

@@ -8,15 +8,18 @@ AdamW and TF32 on CUDA, bf16 autocast, on a ``[B, C, F, H, W]`` batch, MSE to th
 headline row compares ours with the same gradient-checkpointing policy: diffusers checkpoints
 whole blocks (``enable_gradient_checkpointing``) when the config recomputes anything, and the
 headline ``loongforge`` run then uses ``train.recompute=full``; the preset's own policy (e.g.
-``selective``) runs as ``loongforge_preset`` after it. Ours is the packed ``WanDiT`` (regional
-``torch.compile``, the ``auto`` attention backend, kernels from the registry, fused AdamW on CUDA).
+``selective``) runs as ``loongforge_preset`` after it. Ours is what ``lf-diffusion train`` runs:
+``Trainer.train_step`` of ``WanTask`` on the torch engine built from the config (its precision,
+regional ``torch.compile``, recomputation, fused AdamW, clipping; the packed ``WanDiT`` with the
+``auto`` attention backend and kernels from the registry), with the task's loss weights, on the
+bench's packed batch, from the weights diffusers starts from.
 An image-to-video config (``model.condition=i2v``, Wan 2.1 I2V) runs the same way on image-conditioned
 inputs (``conditioning.model_input``: mask and condition latents on channels, and with
 ``model.image_dim`` the image's CLIP tokens); TI2V's per-token timesteps are not benchmarked.
 
 The runs alternate order round by round (``--rounds``: diffusers first, then ours first, ...);
-a run's step time is the mean over its timed steps of all rounds, split into forward (with the
-loss), backward and optimizer from CUDA events on a GPU (wall clock elsewhere), and its peak
+a run's step time is the mean over its timed steps of all rounds (diffusers' split into forward
+with the loss, backward and optimizer from CUDA events on a GPU, wall clock elsewhere), and its peak
 memory the largest of its rounds. Every run's first-step loss must agree with the baseline's
 (``FirstLossMismatch`` otherwise) and its last timed step's must be finite. Extra variants of
 ours (config overrides, e.g. ``train.recompute=none``) run after the headline ones; the profiler
@@ -27,6 +30,7 @@ reported without hiding it.
 from __future__ import annotations
 
 import math
+import tempfile
 import time
 import traceback
 from collections.abc import Callable
@@ -214,24 +218,25 @@ class Bench:
 
         return model, forward_loss, torch.optim.AdamW(model.parameters(), lr=1e-5, fused=bool(applied["fused_adamw"]))
 
-    def ours_model(self, recipe):
-        model = WanDiT(recipe.model)
-        model.load_state_dict(self.initial_state)
-        model.set_recompute(recipe.train.recompute)
-        model = model.to(self.device)
-        if compiles(recipe, self.device.type):
-            import torch._dynamo as dynamo
+    def ours_step(self, recipe, ctx):
+        """Ours as ``lf-diffusion train`` runs it: ``Trainer.train_step`` of ``WanTask`` on the torch
+        engine built from ``recipe`` (precision, regional compilation, recomputation, fused AdamW,
+        clipping), the task's loss (per-token weights of ``train.loss_reduction``) on the bench's
+        packed batch, from the shared initial weights. Returns the step and the trainer."""
+        from loongforge.core.bench_protocol import training_step
+        from loongforge.core.training.task import StepBatch
+        from loongforge.diffusion.objective import token_weights
+        from loongforge.diffusion.task import WanTask
 
-            dynamo.reset()  # each variant compiles afresh (and stays under the recompile limit)
-            model.compile_regions(dynamic=False)  # one pack shape
-
-        def forward_loss():
-            with self._autocast():
-                pred = model(self.batch)
-            return F.mse_loss(pred.float(), self.packed_target.float())
-
-        opt = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=self.device.type == "cuda")
-        return model, forward_loss, opt
+        task = WanTask(recipe)
+        expert = task.trainable[0]
+        weights = token_weights([self.tokens // self.batch_size] * self.batch_size, self.batch.num_pad,
+                                recipe.objective.loss_reduction, task.features)
+        micro = {"batch": self.batch, "target": self.packed_target, "weights": weights.to(self.device), "cp": None}
+        step, trainer = training_step(task, ctx, recipe, StepBatch(micro_batches=[micro], tokens=self.tokens, part=expert))
+        with torch.no_grad():
+            trainer.inner_model.expert(expert).load_state_dict(self.initial_state)
+        return step, trainer
 
     # -- timing ----------------------------------------------------------------------------
     @staticmethod
@@ -264,6 +269,22 @@ class Bench:
         phases = [sum(clock.seconds(m[i], m[i + 1]) for m in marks) / self.steps for i in range(3)]
         return RunResult(name, step_s, *phases, float(self.accel.memory_stats().peak_allocated), first, float(loss))
 
+    def time_step(self, name: str, step) -> RunResult:
+        """Ours' first step (compiles where compiled), warm-up, then ``steps`` timed steps of
+        ``step`` (``Trainer.train_step``: no phase split, the trainer synchronises after each)."""
+        first = float(step())
+        for _ in range(max(self.warmup - 1, 0)):
+            step()
+        self.accel.synchronize()
+        self.accel.reset_peak_memory_stats()
+        t0 = time.perf_counter()
+        for _ in range(self.steps):
+            loss = step()
+        self.accel.synchronize()
+        step_s = (time.perf_counter() - t0) / self.steps
+        nan = float("nan")
+        return RunResult(name, step_s, nan, nan, nan, float(self.accel.memory_stats().peak_allocated), first, float(loss))
+
     def release(self, model, opt) -> None:
         model.to("cpu")
         del opt
@@ -271,10 +292,6 @@ class Bench:
             torch.cuda.empty_cache()
 
     # -- diagnostics -----------------------------------------------------------------------
-    def profile(self, forward_loss, opt, rows: int, trace: str | None = None) -> str:
-        """The shared profiler tables (``profile_tables``) of two of ours' steps."""
-        return profile_tables(lambda: self._step(forward_loss, opt, _Clock(self.device)), rows, trace)
-
     def attention_kernels(self, iters: int = 10) -> list[tuple[str, float, float]]:
         """(kernel, ms per forward+backward, TFLOP/s) of the self-attention of this shape with
         each CUDA kernel ours can use: SDPA's default pick (cuDNN on Hopper), SDPA flash, and
@@ -335,8 +352,13 @@ def run_bench(recipe, steps: int = 10, warmup: int = 3, batch_size: int = 1,
     configs = [(name, o, variant_recipe(recipe, o)) for name, o in variants]  # bad overrides fail before any run
     for r in [recipe] + [c for _, _, c in configs]:
         r.model.check_device(get_accelerator().device_type)
+    from loongforge.core.bench_protocol import bench_run_config, free_device_memory
+    from loongforge.core.parallel import init_parallel
+
     bench = Bench(recipe, steps, warmup, batch_size)
     device_type = bench.device.type
+    ctx = init_parallel(seed=recipe.train.seed)  # the world of one lf-diffusion train makes
+    scratch = tempfile.TemporaryDirectory(prefix="lf-diffusion-bench-")
     baseline = diffusers_recipe(recipe)
     headline = variant_recipe(recipe, [f"train.recompute={headline_recompute(recipe)}"])
     ours_runs = {"loongforge": headline}
@@ -365,6 +387,14 @@ def run_bench(recipe, steps: int = 10, warmup: int = 3, batch_size: int = 1,
             text += f"  speed-up {base.step_s / r.step_s:.2f}x{agree}"
         return text
 
+    def ours_run(name: str, run_recipe) -> RunResult:
+        step, _ = bench.ours_step(bench_run_config(run_recipe, scratch.name), ctx)
+        try:
+            return bench.time_step(name, step)
+        finally:
+            del step
+            free_device_memory(bench.accel)
+
     def diffusers_run() -> RunResult:
         with tf32_matmuls(bool(baseline.applied(device_type)["tf32"])):
             model, forward_loss, opt = bench.diffusers_model(baseline)
@@ -379,9 +409,7 @@ def run_bench(recipe, steps: int = 10, warmup: int = 3, batch_size: int = 1,
             if name == "diffusers":
                 per_round[name].append(diffusers_run())
             else:
-                model, forward_loss, opt = bench.ours_model(ours_runs[name])
-                per_round[name].append(bench.time_run(name, model, forward_loss, opt))
-                bench.release(model, opt)
+                per_round[name].append(ours_run(name, ours_runs[name]))
             r = per_round[name][-1]
             report(f"  {name}: {r.step_s * 1e3:.1f} ms/step, first loss {r.first_loss:.5f}")
 
@@ -396,10 +424,11 @@ def run_bench(recipe, steps: int = 10, warmup: int = 3, batch_size: int = 1,
     report(f"speed-up (diffusers step time / loongforge step time, same checkpointing): {base.step_s / ours.step_s:.2f}x")
 
     if profile_rows and device_type == "cuda":
-        model, forward_loss, opt = bench.ours_model(headline)
+        step, _ = bench.ours_step(bench_run_config(headline, scratch.name), ctx)
         try:
             report("loongforge, torch.profiler:")
-            report(bench.profile(forward_loss, opt, profile_rows, trace))
+            step()  # compiled and warm
+            report(profile_tables(step, profile_rows, trace))
         except Exception:
             report("profiler failed (the results above stand):\n" + traceback.format_exc())
         try:
@@ -408,18 +437,18 @@ def run_bench(recipe, steps: int = 10, warmup: int = 3, batch_size: int = 1,
                 report(f"  {name:<24} {ms:8.2f} ms  {tflops:6.0f} TFLOP/s")
         except Exception:
             report("attention-kernel timing failed (the results above stand):\n" + traceback.format_exc())
-        bench.release(model, opt)
+        del step
+        free_device_memory(bench.accel)
 
     for name, overrides, variant in configs:
         try:
-            model, forward_loss, opt = bench.ours_model(variant)
-            results[name] = bench.time_run(name, model, forward_loss, opt)
-            bench.release(model, opt)
+            results[name] = ours_run(name, variant)
             report(f"  {name}: {','.join(overrides)} ({describe(variant, device_type)})")
             report(line(results[name], base))
         except Exception:
             report(f"{name} ({overrides}) failed:\n" + traceback.format_exc())
 
+    scratch.cleanup()
     bad = [r.name for r in results.values() if not agrees(r)]
     if bad:
         raise FirstLossMismatch(f"first-step losses disagree with diffusers ({base.first_loss:.6f}) or the last is not finite: "

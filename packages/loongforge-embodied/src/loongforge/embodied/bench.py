@@ -127,15 +127,12 @@ class EmbodiedRun:
 
 
 def bench_config(cfg, scratch: str, pretrained: str | None = None):
-    """``cfg`` as the bench trains it: its run directory in ``scratch`` (no resume, no checkpoint) and,
-    with ``pretrained``, LeRobot's initial weights read through ``policy.pretrained_format=lerobot``
-    (the same path as fine-tuning a LeRobot checkpoint)."""
-    import copy
+    """``cfg`` as the bench trains it (``bench_run_config``: a scratch run directory, no resume, no
+    checkpoint) and, with ``pretrained``, LeRobot's initial weights read through
+    ``policy.pretrained_format=lerobot`` (the same path as fine-tuning a LeRobot checkpoint)."""
+    from loongforge.core.bench_protocol import bench_run_config
 
-    cfg = copy.deepcopy(cfg)
-    cfg.log.run_dir = scratch
-    cfg.checkpoint.resume = False
-    cfg.checkpoint.save = False
+    cfg = bench_run_config(cfg, scratch)
     if pretrained is not None:
         cfg.policy.pretrained, cfg.policy.pretrained_format = pretrained, "lerobot"
     return cfg
