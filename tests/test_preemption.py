@@ -200,7 +200,23 @@ def test_the_launcher_forwards_a_stop_signal_and_says_so(tmp_path, monkeypatch):
     assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
 
 
-@pytest.mark.slow
+def test_ranks_agree_on_a_signal_only_one_of_them_got(tmp_path):
+    """SIGTERM to rank 1 of two (``agree_probe``): both stop after the same step, on SIGTERM."""
+    job = Job(["python", str(TESTS / "agree_probe.py"), str(tmp_path)], nproc=2, log_dir=tmp_path)
+    deadline = time.monotonic() + 60
+    while len(list(tmp_path.glob("ready-*"))) < 2:
+        assert time.monotonic() < deadline and job.poll() == [None, None], (tmp_path / "rank0.log").read_text()
+        time.sleep(0.02)
+    time.sleep(0.3)
+    os.kill(job.procs[1].pid, signal.SIGTERM)
+    assert job.wait(timeout=60) == [0, 0], (tmp_path / "rank1.log").read_text()
+    ranks = [json.loads((tmp_path / f"rank-{r}.json").read_text()) for r in range(2)]
+    assert ranks[0]["step"] == ranks[1]["step"] > 0
+    assert [r["signal"] for r in ranks] == [signal.SIGTERM] * 2
+    assert [r["received"] for r in ranks] == [0, signal.SIGTERM]
+
+
+@pytest.mark.long  # two lf-llm processes, ~50 s; test_ranks_agree_on_a_signal_only_one_of_them_got is its quick sibling
 def test_a_signal_to_one_rank_stops_every_rank_after_the_same_step(tmp_path):
     """SIGTERM to rank 1 only: both ranks agree at the next step boundary, save that step together
     and exit 75; rank 0 names the checkpoint."""
