@@ -28,6 +28,7 @@ from collections.abc import Sequence
 from contextlib import contextmanager
 
 from loongforge.core.config import ConfigError
+from loongforge.core.training.preemption import SignalScope
 
 FLAG = "--nproc-per-node"
 
@@ -74,32 +75,16 @@ def signal_name(exitcode: int) -> str:
         return f"signal {-exitcode}"
 
 
-class SignalForwarder:
+class SignalForwarder(SignalScope):
     """While entered (in the main thread), the stop signals (``preemption.STOP_SIGNALS``) sent to
     this process go on to its workers: its child processes that run ``python -m module``.
     ``received``: the first one's number (0: none came). The previous handlers come back on exit."""
 
     def __init__(self, module: str):
+        super().__init__()
         self.module = module
-        self.received = 0
-        self._previous: dict[int, object] = {}
 
-    def __enter__(self) -> SignalForwarder:
-        import threading
-
-        from loongforge.core.training.preemption import STOP_SIGNALS
-
-        if threading.current_thread() is threading.main_thread():
-            for sig in STOP_SIGNALS:
-                self._previous[sig] = signal.signal(sig, self._forward)
-        return self
-
-    def __exit__(self, *exc) -> None:
-        for sig, handler in self._previous.items():
-            signal.signal(sig, handler if handler is not None else signal.SIG_DFL)
-        self._previous.clear()
-
-    def _forward(self, signum: int, frame) -> None:
+    def _handle(self, signum: int, frame) -> None:
         import psutil
 
         self.received = self.received or signum

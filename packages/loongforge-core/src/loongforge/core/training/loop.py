@@ -249,6 +249,7 @@ class Trainer:
             while self.step < end:
                 stop = agreed_stop(signals.received, self.ctx.device)  # every rank, at every step boundary
                 if stop:
+                    bar.close()  # the stop's line is the run's last
                     self._stop(stop)
                 batch = next(self.data)
                 try:

@@ -26,6 +26,7 @@ import os
 import signal
 import threading
 import time
+from contextlib import contextmanager
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
 REQUEUE_EXIT_CODE = 75  # EX_TEMPFAIL: stopped whole by a scheduler's signal; run the same command again
@@ -43,26 +44,48 @@ def describe(signum: int) -> str:
     return "Ctrl-C (SIGINT)" if signum == signal.SIGINT else signal.Signals(signum).name
 
 
-class StopSignals:
-    """The stop requests that arrive while it is entered (``received``: the first one's signal
-    number, 0 while none came). Installs its handlers only in the main thread, where Python runs
-    signal handlers; elsewhere it records nothing and the signals keep their handlers."""
+@contextmanager
+def handling(handler, signals=STOP_SIGNALS):
+    """``handler`` takes ``signals`` while entered, and the previous handlers come back on exit.
+    Only in the main thread, where Python runs signal handlers; elsewhere nothing changes."""
+    previous = {}
+    if threading.current_thread() is threading.main_thread():
+        for sig in signals:
+            previous[sig] = signal.signal(sig, handler)
+    try:
+        yield
+    finally:
+        for sig, old in previous.items():
+            signal.signal(sig, old if old is not None else signal.SIG_DFL)
+
+
+class SignalScope:
+    """Its ``_handle(signum, frame)`` takes the stop signals while it is entered (``handling``);
+    ``received``: the first one's number (0 while none came)."""
 
     def __init__(self):
         self.received = 0
-        self._first_at = 0.0
-        self._previous: dict[int, object] = {}
+        self._scope = None
 
-    def __enter__(self) -> StopSignals:
-        if threading.current_thread() is threading.main_thread():
-            for sig in STOP_SIGNALS:
-                self._previous[sig] = signal.signal(sig, self._handle)
+    def __enter__(self):
+        self._scope = handling(self._handle)
+        self._scope.__enter__()
         return self
 
     def __exit__(self, *exc) -> None:
-        for sig, handler in self._previous.items():
-            signal.signal(sig, handler if handler is not None else signal.SIG_DFL)
-        self._previous.clear()
+        self._scope.__exit__(*exc)
+
+    def _handle(self, signum: int, frame) -> None:
+        raise NotImplementedError
+
+
+class StopSignals(SignalScope):
+    """The loop's stop requests: the first is recorded, the same one again within
+    ``REPEAT_WINDOW_S`` is ignored, another stops the process at once."""
+
+    def __init__(self):
+        super().__init__()
+        self._first_at = 0.0
 
     def _handle(self, signum: int, frame) -> None:
         now = time.monotonic()
