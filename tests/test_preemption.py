@@ -25,6 +25,7 @@ import threading
 import time
 from pathlib import Path
 
+import psutil
 import pytest
 import torch
 
@@ -89,6 +90,7 @@ def test_sigterm_saves_the_step_reached_and_the_resume_is_bitwise(cli, tmp_path,
     want = records(tmp_path / "straight")
 
     run = tmp_path / "stopped"
+    handler = signal.getsignal(signal.SIGTERM)
     with monkeypatch.context() as patch:
         signal_after_step(patch, signal.SIGTERM, 2)
         code, out, err = train(capsys, cli, run, *steps)
@@ -99,7 +101,7 @@ def test_sigterm_saves_the_step_reached_and_the_resume_is_bitwise(cli, tmp_path,
     assert (f"stopped by SIGTERM at step 2: checkpoint {run / 'checkpoints' / 'step_00000002'} saved; "
             f"exit {REQUEUE_EXIT_CODE} (requeue") in line[0]
     assert Checkpoint(run / "checkpoints").step == 2 and sorted(records(run)) == [1, 2]
-    assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL  # the loop's handler is gone with it
+    assert signal.getsignal(signal.SIGTERM) is handler  # the loop's handler is gone with it
 
     code, _, err = train(capsys, cli, run, *steps)  # the same command again
     assert code == 0, err
@@ -113,6 +115,7 @@ def test_sigterm_saves_the_step_reached_and_the_resume_is_bitwise(cli, tmp_path,
 @pytest.mark.parametrize("cli", CLIS)
 def test_ctrl_c_is_one_line_and_a_checkpoint(cli, tmp_path, capsys, monkeypatch):
     run = tmp_path / "run"
+    handler = signal.getsignal(signal.SIGINT)
     signal_after_step(monkeypatch, signal.SIGINT, 1)
     code, out, err = train(capsys, cli, run, "train.steps=5")
     assert code == INTERRUPT_EXIT_CODE
@@ -121,7 +124,7 @@ def test_ctrl_c_is_one_line_and_a_checkpoint(cli, tmp_path, capsys, monkeypatch)
     assert lines == [f"{cli}: stopped by Ctrl-C (SIGINT) at step 1: checkpoint "
                      f"{run / 'checkpoints' / 'step_00000001'} saved; the same command resumes it"]
     assert Checkpoint(run / "checkpoints").step == 1
-    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    assert signal.getsignal(signal.SIGINT) is handler
 
 
 def test_a_stop_with_no_step_since_the_last_checkpoint_saves_nothing_new(tmp_path, capsys, monkeypatch):
@@ -182,6 +185,7 @@ def test_the_launcher_forwards_a_stop_signal_and_says_so(tmp_path, monkeypatch):
     loop does (exit 75); one line from the launcher, no traceback."""
     monkeypatch.setenv("PYTHONPATH", str(TESTS))
     lines: list[str] = []
+    handler = signal.getsignal(signal.SIGTERM)
 
     def preempt():
         deadline = time.monotonic() + 60
@@ -197,7 +201,7 @@ def test_the_launcher_forwards_a_stop_signal_and_says_so(tmp_path, monkeypatch):
     assert lines == ["lf-test: SIGTERM: forwarded to the 2 workers; they stopped together after a step (the line "
                      f"above names the checkpoint); exit {REQUEUE_EXIT_CODE} (requeue)"]
     assert sorted(p.name for p in tmp_path.glob("stopped-*")) == ["stopped-0", "stopped-1"]
-    assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
+    assert signal.getsignal(signal.SIGTERM) is handler
 
 
 def test_ranks_agree_on_a_signal_only_one_of_them_got(tmp_path):
@@ -258,6 +262,7 @@ def test_sigterm_to_the_launcher_checkpoints_and_the_resume_is_bitwise(tmp_path)
     assert launcher.returncode == REQUEUE_EXIT_CODE, err[-3000:]
     assert "Traceback" not in err and "SignalException" not in err
     assert sum("forwarded to the 2 workers" in line for line in err.splitlines()) == 1
+    assert not [p.pid for p in psutil.process_iter(["cmdline"]) if f"log.run_dir={run}" in (p.info["cmdline"] or [])]
     step = Checkpoint(run / "checkpoints").step
     assert 2 <= step < 40 and step == max(records(run))
     again = subprocess.run([*command, f"log.run_dir={run}"], env=cli_env(), capture_output=True, text=True,
