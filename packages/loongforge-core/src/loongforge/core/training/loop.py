@@ -12,8 +12,12 @@ engine (``engine.make_engine``) does the rest of a step.
 A run starts by checking what its directories hold, before it writes anything: a run that does not
 resume refuses a checkpoint directory with an earlier run's checkpoints unless told to start over
 (``checkpoint.overwrite=true``, which removes them once the config is accepted); a resume checks the
-checkpoint against the config. Only then is ``config.yaml`` written and ``metrics.jsonl`` cut back to
-the step the run starts at (``metrics.cut_back``), so every step appears once in it.
+checkpoint against the config (``resume_settings``: the schedule may change, the data position may
+not). Only then is ``config.yaml`` written and ``metrics.jsonl`` cut back to the step the run starts
+at (``metrics.cut_back``), so every step appears once in it.
+
+While ``fit`` runs, SIGTERM, SIGUSR1 and Ctrl-C stop the run at the next step boundary, every rank
+together, with a checkpoint of the step reached (``preemption``).
 """
 
 from __future__ import annotations
@@ -293,14 +297,14 @@ class Trainer:
     def _stop(self, signum: int) -> None:
         """Stop on ``signum`` after this step: a checkpoint of it when a step has finished since the
         last one (every rank, the normal atomic save), one line on the main rank, ``TrainingStopped``."""
-        if self.ckpt_cfg.save and self.step > 0 and self.step != self.saved_step:
-            kept = f"checkpoint {self.save()} saved"
-        elif self.last_checkpoint is not None:
+        if self.step == self.saved_step:
             kept = f"no step since the last checkpoint (step {self.saved_step}, {self.last_checkpoint})"
         elif not self.ckpt_cfg.save:
             kept = "no checkpoint (checkpoint.save=false)"
-        else:
+        elif self.step == 0:
             kept = "no step had finished: no checkpoint"
+        else:
+            kept = f"checkpoint {self.save()} saved"
         code = exit_code(signum)
         then = (f"exit {code} (requeue: the same command resumes it)" if code == REQUEUE_EXIT_CODE
                 else "the same command resumes it")
