@@ -165,6 +165,22 @@ def _not_a_lerobot_dataset(tmp: Path) -> tuple[list[str], list[str]]:
     return [f"data.root={tmp / 'ds'}"], ["data.root=", "meta/info.json"]
 
 
+def _truncated_lerobot_file(rel: str):
+    """A copy of the synthetic LeRobot dataset whose ``rel`` lost its second half."""
+    def case(tmp: Path) -> tuple[list[str], list[str]]:
+        import shutil
+
+        from loongforge.embodied.data.synthetic import ensure_synthetic_dataset
+
+        root = tmp / "ds"
+        shutil.copytree(ensure_synthetic_dataset(), root)  # a copy: the cached set stays whole
+        data = (root / rel).read_bytes()
+        (root / rel).write_bytes(data[: len(data) // 2])
+        return [f"data.root={root}"], [str(root / rel), "truncated"]
+
+    return case
+
+
 def _empty_sft_file(tmp: Path) -> tuple[list[str], list[str]]:
     path = tmp / "empty.jsonl"
     path.write_text("")
@@ -216,6 +232,8 @@ DATA_CASES = {
     ("lf-diffusion", "truncated latent shard"): _truncated_shards,
     ("lf-embodied", "data root is not a directory"): lambda tmp: ([f"data.root={tmp / 'none'}"], ["data.root=", "not a directory"]),
     ("lf-embodied", "not a LeRobot dataset"): _not_a_lerobot_dataset,
+    ("lf-embodied", "truncated meta/info.json"): _truncated_lerobot_file("meta/info.json"),
+    ("lf-embodied", "truncated meta/tasks.parquet"): _truncated_lerobot_file("meta/tasks.parquet"),
     ("lf-llm", "empty SFT file"): _empty_sft_file,
     ("lf-llm", "tokenizer larger than the model's vocabulary"): lambda tmp: (
         ["model.vocab_size=64"], ["tokenizer", "model.vocab_size=64"]),

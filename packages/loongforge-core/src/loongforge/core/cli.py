@@ -307,7 +307,8 @@ class _ModalityCommands:
         check_not_launched(n, world_size_from_env())
         p = cfg.parallel
         ParallelLayout(tp=p.tp, pp=p.pp, cp=p.cp, ep=p.ep).validate(n)
-        return launch_local(self.app.module, worker_argv(args.argv), n, verbose=args.verbose or args.debug)
+        return launch_local(self.app.module, worker_argv(args.argv), n, verbose=args.verbose or args.debug,
+                            prog=self.app.prog)
 
     def info(self, args) -> int:
         self.app.info(args, self.config(args))
@@ -461,7 +462,7 @@ def build_cli(make_app: Callable[[], ModalityCLI]) -> Callable[[list[str] | None
         with library_output(verbose="--verbose" in argv or debug):
             app = make_app()
             args = _parse(build_parser(app), argv)
-            return run_main(lambda: args.fn(args), debug=debug)
+            return run_main(lambda: args.fn(args), debug=debug, prog=app.prog)
 
     return main
 
@@ -505,16 +506,27 @@ def report_error(message: str) -> None:
     print(f"error: {message}", file=sys.stderr, flush=True)
 
 
-def run_main(fn, debug: bool = False) -> int:
+def run_main(fn, debug: bool = False, prog: str | None = None) -> int:
     """Run a CLI body under the error contract (``loongforge.core.errors``): a ``UserError`` and a
     file system refusal (disk full, read-only, permission) print one ``error:``
     line and exit 2; a run stopped by a non-finite loss, gradient norm or weights prints one line
-    and exits 1; anything else is a bug and keeps its traceback. ``debug``: every traceback shown."""
+    and exits 1; a run stopped by a signal (``training.preemption``; it has said so) exits 75
+    (SIGTERM, SIGUSR1: requeue) or 130 (Ctrl-C); Ctrl-C anywhere else is one line and exit 130;
+    anything else is a bug and keeps its traceback. ``debug``: every traceback shown."""
     from loongforge.core.errors import UserError, storage_error
-    from loongforge.core.training.errors import NonFiniteError
+    from loongforge.core.training.errors import NonFiniteError, TrainingStopped
+    from loongforge.core.training.preemption import INTERRUPT_EXIT_CODE
 
     try:
         return fn() or 0
+    except TrainingStopped as exc:
+        return exc.exit_code
+    except KeyboardInterrupt:
+        if debug:
+            raise
+        if not int(os.environ.get("RANK", "0") or 0):  # once per job
+            print(f"{prog + ': ' if prog else ''}interrupted (Ctrl-C)", file=sys.stderr, flush=True)
+        return INTERRUPT_EXIT_CODE
     except UserError as exc:
         if debug:
             raise

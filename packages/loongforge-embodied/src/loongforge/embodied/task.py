@@ -147,7 +147,6 @@ class PolicyTask:
         saved, now = manifest["config"], to_dict(self.cfg)
         diff = sorted(f"data.{k}" for k in set(saved["data"]) | set(now["data"])
                       if k not in NOT_DATA and saved["data"].get(k) != now["data"].get(k))
-        diff += [f"train.{k}" for k in ("global_batch_size", "seed") if saved["train"][k] != now["train"][k]]
         if diff:
             raise ValueError(f"the run's {', '.join(diff)} differ from the checkpoint's")
 

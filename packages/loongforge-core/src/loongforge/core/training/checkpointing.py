@@ -145,9 +145,14 @@ def _open(trainer, path) -> Checkpoint:
 
 
 def resume(trainer, root: str | Path) -> None:
-    """Everything, from ``root``'s latest checkpoint."""
+    """Everything, from ``root``'s latest checkpoint, with this run's schedule settings
+    (``resume_settings``: what may change, what is refused)."""
+    from loongforge.core.training.resume_settings import check_fixed_settings, schedule_changes
+
     ckpt = _open(trainer, root)
     check_lora(ckpt, trainer.config_record)
+    saved_config = ckpt.manifest.get("config") or {}
+    check_fixed_settings(saved_config, trainer.config_record, ckpt.directory)
     check = getattr(trainer.task, "check_resume", None)
     if check is not None:
         try:
@@ -163,6 +168,7 @@ def resume(trainer, root: str | Path) -> None:
     trainer.resumed_data_state = mine.get("data")
     if same_layout:
         engine.set_rng_state(mine["rng"])
+    trainer.resume_changes = schedule_changes(saved_config, trainer.config_record)
 
 
 def load_weights(trainer, path: str | Path) -> None:

@@ -28,3 +28,16 @@ class NonFiniteError(RuntimeError):
             row = f" ({streak} steps in a row, train.nonfinite_patience)" if streak > 1 else ""
             what = f"step {step}: {metric} is {value} (not finite){row}; stopped before applying its update"
         super().__init__(f"{what}; {kept}")
+
+
+class TrainingStopped(Exception):
+    """The run stopped on a signal (``preemption``) after ``step``, its state saved in
+    ``checkpoint`` (None: no checkpoint). The trainer has said so in one line; the CLI exits with
+    ``exit_code`` (75 for SIGTERM / SIGUSR1: requeue the job; 130 for Ctrl-C)."""
+
+    def __init__(self, signum: int, step: int, checkpoint: Path | None, line: str):
+        from loongforge.core.training.preemption import exit_code
+
+        self.signum, self.step, self.checkpoint = signum, step, checkpoint
+        self.exit_code = exit_code(signum)
+        super().__init__(line)

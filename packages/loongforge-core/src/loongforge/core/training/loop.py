@@ -12,8 +12,12 @@ engine (``engine.make_engine``) does the rest of a step.
 A run starts by checking what its directories hold, before it writes anything: a run that does not
 resume refuses a checkpoint directory with an earlier run's checkpoints unless told to start over
 (``checkpoint.overwrite=true``, which removes them once the config is accepted); a resume checks the
-checkpoint against the config. Only then is ``config.yaml`` written and ``metrics.jsonl`` cut back to
-the step the run starts at (``metrics.cut_back``), so every step appears once in it.
+checkpoint against the config (``resume_settings``: the schedule may change, the data position may
+not). Only then is ``config.yaml`` written and ``metrics.jsonl`` cut back to the step the run starts
+at (``metrics.cut_back``), so every step appears once in it.
+
+While ``fit`` runs, SIGTERM, SIGUSR1 and Ctrl-C stop the run at the next step boundary, every rank
+together, with a checkpoint of the step reached (``preemption``).
 """
 
 from __future__ import annotations
@@ -29,7 +33,8 @@ from loongforge.core.errors import storage_error
 from loongforge.core.metrics import MetricsLogger, cut_back, progress
 from loongforge.core.training import checkpointing
 from loongforge.core.training.engine import StepOutput, make_engine
-from loongforge.core.training.errors import NonFiniteError
+from loongforge.core.training.errors import NonFiniteError, TrainingStopped
+from loongforge.core.training.preemption import REQUEUE_EXIT_CODE, StopSignals, agreed_stop, describe, exit_code
 from loongforge.core.training.schedule import lr_at
 from loongforge.core.training.task import StepBatch
 
@@ -75,6 +80,8 @@ class Trainer:
         self.data = None  # the task's step iterator (made in fit)
         self.resumed_data_state = None  # its state from the checkpoint resumed from, if any
         self.last_checkpoint: Path | None = None
+        self.saved_step: int | None = None  # the step of last_checkpoint
+        self.resume_changes: dict[str, tuple] = {}  # schedule settings this resume changed: key -> (old, new)
         self.nonfinite_streak = 0  # steps in a row whose update was skipped
         peak = ctx.accelerator.peak_flops(self.engine.dtype)
         self._peak_total = peak * ctx.world_size if peak else None
@@ -149,6 +156,7 @@ class Trainer:
         if self.resuming:
             checkpointing.resume(self, self.ckpt_dir)
             self.last_checkpoint = self.ckpt_dir
+            self.saved_step = self.step
         elif self.ckpt_cfg.load:
             checkpointing.load_weights(self, self.ckpt_cfg.load)
         # the config is accepted: from here on the run writes
@@ -160,6 +168,8 @@ class Trainer:
                             f"({f'steps {steps}' if steps else 'what unfinished saves left'})")
         if self.ctx.is_main:
             self._start_record()
+            if self.resuming:
+                self._record_resume()
         self.data = self.task.steps(self.ctx, self.step)
         if self.resumed_data_state is not None and hasattr(self.data, "load_state_dict"):
             self.data.load_state_dict(self.resumed_data_state)
@@ -180,6 +190,17 @@ class Trainer:
             self.report(f"{self.run_dir / 'metrics.jsonl'} cut back to its records up to step {self.step}, where this "
                         f"run resumes; the file as it was is kept as {backup.name}")
 
+    def _record_resume(self) -> None:
+        """One line per resume in ``RUN_DIR/resumes.jsonl`` (the step, the time, the schedule settings
+        it changed), and the changes said in one line."""
+        from loongforge.core.training.resume_settings import describe_changes, record_resume
+
+        record_resume(self.run_dir, self.step, self.resume_changes)
+        if self.resume_changes:
+            self.report(f"resumed at step {self.step} with {describe_changes(self.resume_changes)}; they apply from "
+                        f"step {self.step + 1} on (the optimizer state is the checkpoint's; noted in "
+                        f"{self.run_dir / 'resumes.jsonl'})")
+
     def save(self) -> Path:
         """A checkpoint of this step; refused (``NonFiniteError``) when any rank's weights are not
         finite, and a full or read-only disk is a ``StorageError``: either way the last checkpoint
@@ -188,6 +209,7 @@ class Trainer:
             raise NonFiniteError(self.step, "weights", float("nan"), self.last_checkpoint)
         try:
             self.last_checkpoint = checkpointing.save(self, self.ckpt_dir)
+            self.saved_step = self.step
         except OSError as exc:
             kept = f"the last checkpoint {self.last_checkpoint} is intact" if self.last_checkpoint else "none was saved before"
             refused = storage_error(exc, f"checkpoint of step {self.step} not saved under {self.ckpt_dir} ({kept})")
@@ -211,7 +233,13 @@ class Trainer:
 
     def fit(self) -> list[StepResult]:
         """Train from where the run stands to ``train.steps`` (or ``train.exit_interval`` steps
-        further), saving on the checkpoint cadence and at the end."""
+        further), saving on the checkpoint cadence and at the end. A stop signal (SIGTERM, SIGUSR1,
+        Ctrl-C: ``preemption``) ends it after the step under way, with a checkpoint of that step, by
+        ``TrainingStopped``."""
+        with StopSignals() as signals:
+            return self._fit(signals)
+
+    def _fit(self, signals: StopSignals) -> list[StepResult]:
         self._start()
         end = self.train.steps
         if self.train.exit_interval:
@@ -223,6 +251,10 @@ class Trainer:
         bar = progress(self.train.steps, "train", enabled=self.ctx.is_main and self.log_cfg.progress, initial=self.step)
         try:
             while self.step < end:
+                stop = agreed_stop(signals.received, self.ctx.device)  # every rank, at every step boundary
+                if stop:
+                    bar.close()  # the stop's line is the run's last
+                    self._stop(stop)
                 batch = next(self.data)
                 try:
                     result = self.train_step(batch)
@@ -250,6 +282,8 @@ class Trainer:
                 interval = self.ckpt_cfg.interval
                 if self.ckpt_cfg.save and ((interval and self.step % interval == 0) or self.step == end):
                     self.save()
+        except TrainingStopped:
+            raise  # a stop asked for, not a failure: the run resumes
         except BaseException:
             logger.close(failed=True)
             raise
@@ -259,6 +293,25 @@ class Trainer:
             if samples_log is not None:
                 samples_log.close()
         return results
+
+    def _stop(self, signum: int) -> None:
+        """Stop on ``signum`` after this step: a checkpoint of it when a step has finished since the
+        last one (every rank, the normal atomic save), one line on the main rank, ``TrainingStopped``."""
+        if self.step == self.saved_step:
+            kept = f"no step since the last checkpoint (step {self.saved_step}, {self.last_checkpoint})"
+        elif not self.ckpt_cfg.save:
+            kept = "no checkpoint (checkpoint.save=false)"
+        elif self.step == 0:
+            kept = "no step had finished: no checkpoint"
+        else:
+            kept = f"checkpoint {self.save()} saved"
+        code = exit_code(signum)
+        then = (f"exit {code} (requeue: the same command resumes it)" if code == REQUEUE_EXIT_CODE
+                else "the same command resumes it")
+        line = f"stopped by {describe(signum)} at step {self.step}: {kept}; {then}"
+        if self.ctx.is_main:
+            self.report(line)
+        raise TrainingStopped(signum, self.step, self.last_checkpoint, line)
 
     def _wandb_run(self):
         """Rank 0's W&B run with the composed config (``log.wandb``), or None."""

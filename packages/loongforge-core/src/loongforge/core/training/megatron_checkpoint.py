@@ -88,6 +88,33 @@ def _sub_optimizer_states(optimizer, state_dict) -> list[tuple[object, dict]]:
     return list(zip(optimizers, (state_dict[k] for k in sorted(state_dict))))
 
 
+# megatron's per-group LR-scheduler values; this loop's schedule is ``train.*`` (``schedule.lr_at``)
+SCHEDULE_GROUP_KEYS = ("max_lr", "min_lr")
+
+
+def _group_identity(group: dict) -> tuple:
+    """What pairs a saved param group with the optimizer's: megatron's identifier keys less the
+    schedule values (a missing key and None alike, as megatron takes them)."""
+    from megatron.core.optimizer.optimizer import param_group_identifier_keys
+
+    return tuple(group.get(key, group.get(f"pre_{key}")) for key in param_group_identifier_keys
+                 if key not in SCHEDULE_GROUP_KEYS)
+
+
+def _take_this_runs_schedule(optimizer, state_dict: dict) -> None:
+    """Saved param groups carry the LR their run was started with (``max_lr``, ``min_lr``), and
+    megatron pairs saved groups with the optimizer's by keys that include them, so a resume with
+    another ``train.lr`` would find no group. The loop, not megatron's scheduler, sets the LR: each
+    saved group takes the values of the optimizer's group it pairs with by the other keys."""
+    for opt, sd in _sub_optimizer_states(optimizer, state_dict):
+        saved_groups = (sd["optimizer"] if "optimizer" in sd else sd)["param_groups"]
+        current = {_group_identity(group): group for group in opt.optimizer.param_groups}
+        for group in saved_groups:
+            mine = current.get(_group_identity(group))
+            if mine is not None:
+                group.update({key: mine.get(key) for key in SCHEDULE_GROUP_KEYS})
+
+
 def _load_optimizer(optimizer, state_dict: dict, source: Path) -> None:
     """Load megatron optimizer state, the distributed optimizer's parameter state included.
 
@@ -107,6 +134,7 @@ def _load_optimizer(optimizer, state_dict: dict, source: Path) -> None:
                 raise CheckpointReadError(f"{source}: distributed optimizer state of sharding type {kind!r}; expected "
                                           f"{OPTIM_METADATA['distrib_optim_sharding_type']!r}")
             param_states.append((opt, sd.pop("param_state")))
+    _take_this_runs_schedule(optimizer, state_dict)
     optimizer.load_state_dict(state_dict)
     for opt, param_state in param_states:
         steps = {p: st.pop("step") for p, st in opt.optimizer.state.items() if "step" in st}
@@ -136,5 +164,6 @@ def load(engine, ckpt: Checkpoint, with_optimizer: bool) -> None:
     engine.inner_model.load_state_dict(state["model"], strict=True)
     if with_optimizer:
         _load_optimizer(engine.optimizer, state["optimizer"], ckpt.directory)
+        engine.set_group_hyperparameters()  # the saved groups' AdamW settings give way to this run's
     else:
         engine.optimizer.reload_model_params()

@@ -183,8 +183,7 @@ class MegatronEngine:
         self._own_adamw = (train.optimizer_kernel == "loongforge" and ctx.device.type == "cuda"
                            and grad_update.adamw_applies(self.optimizer)
                            and self._adamw_step is not get_op("adamw_step").reference)
-        for group in self.optimizer.param_groups:
-            group["weight_decay"] = train.weight_decay * group.get("wd_mult", 1.0)
+        self.set_group_hyperparameters()
         cfg = self.transformer_config
         self._finalize_model_grads = finalize_model_grads
         cfg.finalize_model_grads_func = self._finalize_grads_timed
@@ -198,6 +197,16 @@ class MegatronEngine:
         cfg.no_sync_func = self.model.no_sync
         if train.overlap_grad_reduce:
             cfg.grad_sync_func = self.model.start_grad_sync
+
+    def set_group_hyperparameters(self) -> None:
+        """AdamW's settings of every param group from ``train`` (weight decay times the group's
+        ``wd_mult``, betas, epsilon); again after a resume has loaded the saved groups, so the
+        config's values hold, as on the PyTorch-native engine. The LR is set at every step."""
+        train = self.train
+        for group in self.optimizer.param_groups:
+            group["weight_decay"] = train.weight_decay * group.get("wd_mult", 1.0)
+            group["betas"] = (train.adam_beta1, train.adam_beta2)
+            group["eps"] = train.adam_eps
 
     # -- one step ---------------------------------------------------------------------------
     def _finalize_grads_timed(self, model, num_tokens=None, **kwargs):

@@ -7,6 +7,7 @@ first, so a missing file is an error naming it instead of a network request.
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 from loongforge.core.errors import DataError
@@ -15,7 +16,8 @@ META_FILES = ("meta/info.json", "meta/stats.json", "meta/tasks.parquet")
 
 
 def check_local_dataset(root: Path) -> None:
-    """Raise ``FileNotFoundError`` naming the first missing metadata file under ``root``."""
+    """Raise ``DataError`` naming the first metadata file under ``root`` that is missing or does
+    not read (a JSON file that does not parse, a parquet file without its footer: truncated copies)."""
     if not root.is_dir():
         raise DataError(f"data.root={str(root)!r}: not a directory")
     for rel in META_FILES:
@@ -23,6 +25,27 @@ def check_local_dataset(root: Path) -> None:
             raise DataError(f"data.root={str(root)!r}: missing {rel} (not a LeRobot v3 dataset?)")
     if not (root / "meta/episodes").is_dir():
         raise DataError(f"data.root={str(root)!r}: missing meta/episodes/")
+    for rel in META_FILES:
+        check_readable(root / rel)
+    for path in sorted((root / "meta/episodes").rglob("*.parquet")):
+        check_readable(path)
+
+
+def check_readable(path: Path) -> None:
+    """``path`` (a ``.json`` or ``.parquet`` metadata file) parses; else a ``DataError`` naming it."""
+    if path.suffix == ".json":
+        try:
+            json.loads(path.read_text())
+        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+            raise DataError(f"{path}: not valid JSON ({exc}); the file may be truncated") from None
+    elif path.suffix == ".parquet":
+        import pyarrow
+        import pyarrow.parquet as pq
+
+        try:
+            pq.ParquetFile(path).close()
+        except pyarrow.ArrowException as exc:
+            raise DataError(f"{path}: not a readable parquet file ({exc}); the file may be truncated") from None
 
 
 def open_metadata(root: str | Path, repo_id: str):
