@@ -150,8 +150,9 @@ def describe_schema(schema: type, prefix: str = "", instance: object = None) -> 
     return out
 
 
-def format_keys(docs: list[KeyDoc], width: int = 100) -> str:
-    """The keys grouped by their first part, one line each: ``key  type = default  description``."""
+def format_keys(docs: list[KeyDoc], changed: typing.Mapping[str, str] | None = None) -> str:
+    """The keys grouped by their first part, one line each: ``key (type) = value  -- description``;
+    a key in ``changed`` (key -> the value before the overrides) is marked ``[override; was V]``."""
     lines: list[str] = []
     group = None
     for doc in docs:
@@ -159,5 +160,6 @@ def format_keys(docs: list[KeyDoc], width: int = 100) -> str:
         if head != group:
             group = head
             lines.append(f"\n{head or 'top level'}:")
-        lines.append(f"  {doc.key} ({doc.type}) = {doc.default}" + (f"  -- {doc.help}" if doc.help else ""))
+        mark = f"  [override; was {changed[doc.key]}]" if changed and doc.key in changed else ""
+        lines.append(f"  {doc.key} ({doc.type}) = {doc.default}{mark}" + (f"  -- {doc.help}" if doc.help else ""))
     return "\n".join(lines).lstrip("\n")
