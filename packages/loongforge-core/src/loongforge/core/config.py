@@ -83,10 +83,12 @@ def _check_group_options(group_overrides: list[str], path: Path, config_dirs: Se
         group = key.strip().lstrip("+~")
         if key.strip().startswith("~") or option.strip() in ("", "null"):
             continue
-        choices = sorted({name for d in [path.parent, *map(Path, config_dirs)] for name in _yaml_names(d / group)})
-        if option.strip() not in choices:
-            raise ConfigError(f"{group}={option}: no such option of config group {group!r}"
-                              f"{did_you_mean(option.strip(), choices)}; choices: {', '.join(choices) or 'none'}")
+        dirs = [path.parent, *map(Path, config_dirs)]
+        if any((d / group / f"{option.strip()}{suffix}").is_file() for d in dirs for suffix in (".yaml", ".yml")):
+            continue
+        choices = sorted({name for d in dirs for name in _yaml_names(d / group)})
+        raise ConfigError(f"{group}={option}: no such option of config group {group!r}"
+                          f"{did_you_mean(option.strip(), choices)}; choices: {', '.join(choices) or 'none'}")
 
 
 def _compose(path: Path, group_overrides: list[str], config_dirs: Sequence[Path]) -> DictConfig:

@@ -51,9 +51,9 @@ class EncoderParallel:
     the micro-batch's images (data parallel across the foundation's TP group). With ``decoupled``
     the tower runs once per step outside the pipeline schedule (``loongforge.vlm.encoder_stage``)."""
 
-    tp: int = 1
-    recompute: str = "none"
-    split_across_foundation_tp: bool = True
+    tp: int = 1  # tensor parallel size of the vision tower: 1 or the foundation's
+    recompute: str = "none"  # activation recomputation of the vision tower: none | selective | full
+    split_across_foundation_tp: bool = True  # with tp=1: the foundation's TP ranks encode disjoint shares of the images
     # encode all of a step's micro-batches' images in one batched forward before the (pipeline) schedule
     # and run the tower's backward once after it, instead of once per micro-batch inside it
     decoupled: bool = False
@@ -92,7 +92,7 @@ class VLMDataConfig:
     chat_template: str | None = None  # a Jinja file to use instead of the tokenizer's template
     cache_dir: str | None = None  # media indices and the shipped set; null: $LOONGFORGE_CACHE/vlm-data
     too_long: str = "skip"  # a sample over balance.token_cap: skip | error
-    num_workers: int = 0
+    num_workers: int = 0  # DataLoader worker processes; 0: load in the training process
     media: MediaConfig = field(default_factory=MediaConfig)
 
     def __post_init__(self):
@@ -109,6 +109,7 @@ class VLMConfig:
     foundation: GPTConfig = field(default_factory=GPTConfig)
     vision: VisionTokensConfig = field(default_factory=VisionTokensConfig)
     parallel: VLMParallelConfig = field(default_factory=VLMParallelConfig)
+    # the parts trained (encoder, projector, foundation); the others are frozen
     trainable: list[str] = field(default_factory=lambda: list(PARTS))
     data: VLMDataConfig = field(default_factory=VLMDataConfig)
     train: SequenceTrainConfig = field(default_factory=SequenceTrainConfig)
