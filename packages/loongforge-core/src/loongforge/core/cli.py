@@ -357,8 +357,13 @@ class _ModalityCommands:
 
         converter = next(c for c in all_converters(self.app) if c.direction == args.direction)
         check_output_path(args.out, f"convert {args.direction} OUT")
+        source = args.source
+        if args.direction.startswith("hf-to-"):  # a Hugging Face model: a directory or a hub id
+            from loongforge.core.hub import resolve_local
+
+            source = resolve_local(source, key=f"convert {args.direction} SOURCE")
         try:
-            print(converter.run(args.source, args.out, args))
+            print(converter.run(source, args.out, args))
         except (FileNotFoundError, FileExistsError) as exc:  # a missing source, an output that exists
             raise ConfigError(str(exc)) from exc
         return 0
@@ -435,7 +440,8 @@ def build_parser(app: ModalityCLI, command: str | None = None) -> argparse.Argum
                               allow_abbrev=False)
         conv.add_argument("direction", choices=[c.direction for c in converters],
                           help="; ".join(f"{c.direction}: {c.help}" for c in converters))
-        conv.add_argument("source")
+        conv.add_argument("source", help="what the direction converts from (an hf-to-* SOURCE may be a Hugging Face "
+                                          "Hub id, owner/name[@revision], resolved from the hub cache or downloaded)")
         conv.add_argument("out", help="output path (must not exist)")
         conv.add_argument("--dtype", choices=["bf16", "fp16", "fp32"], help="cast floating-point weights (default: keep)")
         conv.add_argument("--no-progress", action="store_true", help="no progress bar")

@@ -24,8 +24,9 @@ class GPTConfig:
     qk_layernorm: bool = False  # Qwen3
     add_qkv_bias: bool = False  # Qwen2.5
     init_method_std: float = 0.02  # standard deviation of the random weight init
-    # An HF model directory to start from: the architecture comes from its config.json (the rest of
-    # the model section is ignored) and the weights from its safetensors, read per TP/PP/EP shard.
+    # An HF model directory or Hugging Face Hub id (owner/name[@revision]) to start from: the
+    # architecture comes from its config.json (the rest of the model section is ignored) and the
+    # weights from its safetensors, read per TP/PP/EP shard.
     # Not part of the architecture record that checkpoints compare (see ``architecture``).
     init_from_hf: str | None = None
 

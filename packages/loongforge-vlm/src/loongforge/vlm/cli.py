@@ -51,7 +51,11 @@ def load_vlm_config(name: str | None, overrides: list[str]):
         parts["foundation"] = get_model_spec(family).config_class()
     except ModelRegistryError as exc:
         raise ConfigError(f"foundation.family={family!r}: {exc}") from exc
-    return load_config(VLMConfig(**parts), name, overrides, dirs)
+    from loongforge.core.hub import resolve_local
+
+    cfg = load_config(VLMConfig(**parts), name, overrides, dirs)
+    cfg.data.tokenizer = resolve_local(cfg.data.tokenizer, key="data.tokenizer")  # owner/name: its hub snapshot
+    return cfg
 
 
 def cmd_info(args, cfg) -> None:
@@ -149,7 +153,8 @@ def describe_cli():
         config_dirs=config_dirs()[:1], default_config=DEFAULT_CONFIG, load_config=load_vlm_config,
         make_task=make_task, info=cmd_info,
         example="foundation=qwen3_debug encoder=siglip_vit_debug parallel.tp=2 parallel.encoder.tp=1",
-        converters=[Converter("hf-to-lf", "a Qwen2.5-VL or Qwen3-VL Hugging Face directory -> a LoongForge checkpoint",
+        converters=[Converter("hf-to-lf", "a Qwen2.5-VL or Qwen3-VL Hugging Face directory or hub id (owner/name) -> a "
+                              "LoongForge checkpoint",
                               hf_to_lf_command),
                     Converter("lf-to-hf", "a LoongForge VLM checkpoint (a LoRA one merged) -> a Qwen2.5-VL or "
                               "Qwen3-VL Hugging Face directory (by its encoder)",
