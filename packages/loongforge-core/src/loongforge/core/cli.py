@@ -384,14 +384,14 @@ def selected_command(argv: Sequence[str]) -> str | None:
     return next((a for a in argv if not a.startswith("-")), None)
 
 
-def build_parser(app: ModalityCLI, command: str | None = None) -> argparse.ArgumentParser:
-    """The parser of ``app``'s CLI. ``command``: the subcommand the command line runs; only its own
+def build_parser(app: ModalityCLI, chosen: str | None = None) -> argparse.ArgumentParser:
+    """The parser of ``app``'s CLI. ``chosen``: the subcommand the command line runs; only its own
     options are added (what a modality's option hooks import is imported only for the command that
     needs it), every command's when None."""
     commands = _ModalityCommands(app)
 
     def wanted(name: str) -> bool:
-        return command is None or command == name
+        return chosen is None or chosen == name
 
     parser = argparse.ArgumentParser(prog=app.prog, description=app.description, allow_abbrev=False,
                                      epilog=_config_epilog(app), formatter_class=argparse.RawDescriptionHelpFormatter)
