@@ -183,3 +183,34 @@ def test_config_docs_takes_a_groups_defaults_from_its_parent():
     assert docs["family.name"].default == "'fam'" and "family.extra" not in docs
     added = describe_fields(_Family, _Family(), "family.", skip={f.name for f in dataclasses.fields(_Group)})
     assert [(d.key, d.type, d.value, d.help) for d in added] == [("family.extra", "bool", False, "a key only this family has")]
+
+
+@pytest.mark.parametrize("cli", list(CLIS))
+def test_configs_describes_each_config_in_whole_sentences(cli, capsys):
+    text = output(capsys, CLIS[cli][0], "configs")
+    described = [line.split(None, 1)[1] for line in text.splitlines()
+                 if line and not line.startswith((cli, "for "))]
+    assert described and not [d for d in described if d.endswith((":", ",", ";", " on", " and"))], described
+
+
+def test_a_config_of_another_command_is_listed_apart_and_refused_by_train(capsys, tmp_path):
+    """lf-diffusion's ``preprocess`` config is ``lf-diffusion preprocess``'s, not a training config."""
+    text = output(capsys, lf_diffusion, "configs")
+    assert "for lf-diffusion preprocess: preprocess  " in text
+    assert not any(line.startswith("preprocess ") for line in text.splitlines())
+    assert "preprocess" not in output(capsys, lf_diffusion, "--help").split("shipped configs:")[1].splitlines()[0]
+    assert lf_diffusion(["train", "--config", "preprocess", f"log.run_dir={tmp_path}/run"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err == ("error: --config preprocess: a config of `lf-diffusion preprocess`, not of `lf-diffusion train` "
+                   "(see `lf-diffusion configs`)")
+
+
+def test_llm_bench_defaults_to_the_debug_config_without_a_gpu(capsys):
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is here: the default is the GPU case")
+    assert lf_llm(["bench", "--variant", "x=train.lr"]) == 2  # refused before any run, after the default is chosen
+    out = capsys.readouterr()
+    assert "lf-llm bench: no GPU here: --config train_debug (on a GPU the default is train_0_5b)" in out.out
+    assert "'train.lr' is not of the form key=value" in out.err

@@ -35,10 +35,11 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import re
 import sys
 import time
 import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -108,6 +109,9 @@ class ModalityCLI:
     lora_layouts: Callable[[dict, list[str]], list] | None = None
     lora_library: str = ""  # the target library of lora_layouts, for --help
     module: str = ""  # the module `python -m` runs this CLI from: the workers of `train --nproc-per-node N`
+    # shipped configs another command reads ({config name: command}, e.g. a preprocess config): `configs`
+    # lists them apart, and `train --config NAME` refuses them naming that command
+    command_configs: Mapping[str, str] = field(default_factory=dict)
 
 
 LORA_TO_PEFT = "lora-to-peft"
@@ -139,18 +143,36 @@ def convert_dtype(name: str | None):
     return {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[name]
 
 
-def shipped_configs(config_dirs: Sequence[Path]) -> list[str]:
-    return [name for name, _ in describe_configs(config_dirs)]
+def shipped_configs(config_dirs: Sequence[Path], exclude: Collection[str] = ()) -> list[str]:
+    return [name for name, _ in describe_configs(config_dirs) if name not in exclude]
 
 
 def describe_configs(config_dirs: Sequence[Path]) -> list[tuple[str, str]]:
-    """``(name, first comment line)`` of every shipped config."""
+    """``(name, first sentence of its leading comment)`` of every shipped config."""
     out = {}
     for d in config_dirs:
         for path in sorted(Path(d).glob("*.y*ml")):
-            first = next((line.lstrip("#").strip() for line in path.read_text().splitlines() if line.startswith("#")), "")
-            out.setdefault(path.stem, first)
+            out.setdefault(path.stem, _first_sentence(path.read_text()))
     return sorted(out.items())
+
+
+def _first_sentence(text: str) -> str:
+    """The first sentence of a YAML file's leading comment paragraph (an indented example command
+    or a blank comment line ends the paragraph)."""
+    words = []
+    for line in text.splitlines():
+        if not line.startswith("#"):
+            if words or line.strip():
+                break
+            continue
+        body = line[1:]
+        if not body.strip() or body.startswith("   "):
+            break
+        words.append(body.strip())
+    paragraph = " ".join(words)
+    end = re.search(r"\.(\s|$)", paragraph)
+    sentence = paragraph[:end.start() + 1] if end else paragraph
+    return sentence[:-1] + "." if sentence.endswith(":") else sentence  # it introduced an example
 
 
 def keys_epilog(app: ModalityCLI, config: str | None, cfg: Any, base: Any = None) -> str:
@@ -171,17 +193,17 @@ def keys_epilog(app: ModalityCLI, config: str | None, cfg: Any, base: Any = None
 
 
 def _config_epilog(app: ModalityCLI) -> str:
-    return (f"shipped configs: {', '.join(shipped_configs(app.config_dirs)) or 'none'}\n"
+    return (f"shipped configs: {', '.join(shipped_configs(app.config_dirs, app.command_configs)) or 'none'}\n"
             f"shared config groups (the same keys in every lf-* CLI): {', '.join(SHARED_GROUPS)}\n"
             f"example: {app.prog} train {app.example}\n"
             f"`{app.prog} info --config NAME [key=value ...]` prints what a config builds.")
 
 
-def add_config_arguments(parser: argparse.ArgumentParser, default: str | None) -> None:
+def add_config_arguments(parser: argparse.ArgumentParser, default: str | None, default_help: str = "") -> None:
     """``--config NAME|PATH``; the rest of the command line is config overrides (``key=value``,
     ``--key value``, or ``group=option`` to swap a config group), kept in order."""
     parser.add_argument("--config", default=default,
-                        help=f"config name (shipped) or YAML path (default: {default})")
+                        help=f"config name (shipped) or YAML path (default: {default_help or default})")
     parser.set_defaults(takes_overrides=True)
 
 
@@ -277,6 +299,10 @@ class _ModalityCommands:
                   flush=True)
 
     def config(self, args) -> Any:
+        command = self.app.command_configs.get(args.config or "")
+        if command is not None:
+            raise ConfigError(f"--config {args.config}: a config of `{self.app.prog} {command}`, not of "
+                              f"`{self.app.prog} {args.command}` (see `{self.app.prog} configs`)")
         return self.app.load_config(args.config, normalise_overrides(args.overrides))
 
     def train_help(self, args) -> int:
@@ -374,7 +400,16 @@ class _ModalityCommands:
 
         check_timing(args.steps, args.warmup)
         check_protocol(args.rounds, args.processes)
-        self.app.bench(args, args.config, normalise_overrides(args.overrides))
+        config = args.config
+        if config is None:  # the GPU case, or the default config where the accelerator is the CPU
+            from loongforge.core.accelerators import get_accelerator
+
+            config = self.app.default_bench_config
+            if get_accelerator().device_type == "cpu":
+                config = self.app.default_config
+                print(f"{self.app.prog} bench: no GPU here: --config {config} (on a GPU the default is "
+                      f"{self.app.default_bench_config})", flush=True)
+        self.app.bench(args, config, normalise_overrides(args.overrides))
         return 0
 
 
@@ -454,7 +489,10 @@ def build_parser(app: ModalityCLI, chosen: str | None = None) -> argparse.Argume
         bench = command("bench", "time our training step against the reference implementation, in one process",
                         usage="%(prog)s [--config NAME|PATH] [--steps N] [--warmup N] [--variant NAME=KEY=VALUE,...] "
                               "[key=value ...]")
-        add_config_arguments(bench, app.default_bench_config or app.default_config)
+        if app.default_bench_config:  # a GPU case: where no GPU is, the default config instead
+            add_config_arguments(bench, None, f"{app.default_bench_config} on a GPU, {app.default_config} without one")
+        else:
+            add_config_arguments(bench, app.default_config)
         bench.add_argument("--steps", type=int, default=10, help="timed steps per run")
         bench.add_argument("--warmup", type=int, default=3, help="untimed steps before them")
         bench.add_argument("--variant", action="append", default=[], metavar="NAME=KEY=VALUE,...",
@@ -485,8 +523,12 @@ def _cmd_configs(app: ModalityCLI) -> int:
     described = describe_configs(app.config_dirs)
     width = max((len(name) for name, _ in described), default=0)
     for name, line in described:
-        print(f"{name:<{width}}  {line}")
+        if name not in app.command_configs:
+            print(f"{name:<{width}}  {line}")
     print(f"\n{app.prog} train --config NAME [key=value ...]; {app.prog} info --config NAME shows what it builds")
+    for name, line in described:
+        if name in app.command_configs:
+            print(f"for {app.prog} {app.command_configs[name]}: {name}  {line}")
     return 0
 
 

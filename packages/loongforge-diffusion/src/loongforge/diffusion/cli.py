@@ -249,6 +249,7 @@ def describe_cli():
         lora_layouts=lora_layouts, lora_library="diffusers",
         convert_options=convert_options, bench_options=bench_options, bench=bench, commands=commands,
         packages=["loongforge-core", "loongforge-diffusion", "loongforge-kernels"],
+        command_configs={DEFAULT_PREPROCESS: "preprocess"},
         libraries=("torch", "diffusers", "transformers"),
     )
 
