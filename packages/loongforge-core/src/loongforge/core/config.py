@@ -142,13 +142,25 @@ def _leaves(value, key: str) -> list[str]:
     return [key]
 
 
+def _closest_key(key: str, keys: Sequence[str]) -> str:
+    """``did_you_mean`` for a dotted key: a near name in the same group (``train.stpes``), else a near
+    whole key (``trian.steps``)."""
+    group, _, name = key.rpartition(".")
+    siblings = {k.rpartition(".")[2]: k for k in keys if k.rpartition(".")[0] == group}
+    close = difflib.get_close_matches(name, list(siblings), n=1, cutoff=0.6)
+    if close:
+        return f" (did you mean {siblings[close[0]]!r}?)"
+    close = difflib.get_close_matches(key, list(keys), n=1, cutoff=0.85)
+    return f" (did you mean {close[0]!r}?)" if close else ""
+
+
 def _unknown_key_message(exc: OmegaConfBaseException, cfg: DictConfig | None = None) -> str:
     """``unknown key 'a.b' (did you mean 'a.c'?)`` for a key the schema does not have, else the
     first line of omegaconf's message naming the key (never its internal class names)."""
     key = getattr(exc, "full_key", None) or getattr(exc, "key", None)
     msg = (getattr(exc, "msg", None) or str(exc)).splitlines()[0]
     if key and cfg is not None and isinstance(exc, ConfigKeyError):
-        return f"unknown key {key!r}{did_you_mean(str(key), leaf_keys(cfg))}"
+        return f"unknown key {key!r}{_closest_key(str(key), leaf_keys(cfg))}"
     return f"key {key!r}: {msg}" if key else msg
 
 
@@ -187,8 +199,9 @@ def load_config(
         try:
             structured = OmegaConf.merge(structured, OmegaConf.from_dotlist([item]))
         except OmegaConfBaseException as exc:
-            if isinstance(exc, ConfigKeyError):
-                raise ConfigError(_unknown_key_message(exc, structured)) from exc
+            if isinstance(exc, ConfigKeyError):  # named as the user wrote it (foo.bar, not only foo)
+                key = item.split("=", 1)[0].strip().lstrip("+~")
+                raise ConfigError(f"unknown key {key!r}{_closest_key(key, leaf_keys(structured))}") from exc
             raise ConfigError(f"override {item!r} ({source}): {_unknown_key_message(exc)}") from exc
     try:
         return OmegaConf.to_object(structured)
