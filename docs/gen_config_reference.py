@@ -24,7 +24,7 @@ import sys
 import typing
 from pathlib import Path
 
-from loongforge.core.config_docs import describe_fields
+from loongforge.core.config_docs import describe_fields, unsettable
 
 OUT = Path(__file__).resolve().parent / "config-reference.md"
 
@@ -92,11 +92,13 @@ def _cell(text: str) -> str:
 
 
 def _rows(cls: type, instance, prefix: str, skip: set[str] = frozenset(),
-          notes: dict[str, str] | None = None) -> tuple[list[str], list[tuple]]:
+          notes: dict[str, str] | None = None, hidden=frozenset()) -> tuple[list[str], list[tuple]]:
     """Table rows of ``instance``'s scalar fields (``notes`` adds to a field's description) and
-    the nested dataclass groups to expand."""
+    the nested dataclass groups to expand; the CLI's unsettable keys are left out."""
     rows = []
     for doc in describe_fields(cls, instance, prefix, skip=skip):
+        if doc.key in hidden:
+            continue
         name = doc.key[len(prefix):]
         text = "; ".join(s for s in (doc.help, (notes or {}).get(name, "")) if s)
         rows.append(f"| `{doc.key}` | {_cell(doc.type)} | {_cell(f'`{_value(doc.value)}`')} | {_cell(text)} |")
@@ -111,7 +113,8 @@ def _rows(cls: type, instance, prefix: str, skip: set[str] = frozenset(),
 TABLE_HEAD = ["| key | type | default | description |", "|---|---|---|---|"]
 
 
-def _group(lines: list[str], key: str, owner: type, name: str, value, level: int, families: dict) -> None:
+def _group(lines: list[str], key: str, owner: type, name: str, value, level: int, families: dict,
+           hidden=frozenset()) -> None:
     """Write group ``key`` (``owner.name`` holds ``value``), its nested groups, and the keys that
     registered families add when the group's class is chosen by one."""
     cls = type(value)
@@ -130,11 +133,11 @@ def _group(lines: list[str], key: str, owner: type, name: str, value, level: int
         names = sorted(n for c, ns in _registered(*families[key]).items()
                        if isinstance(c, type) and issubclass(c, base) for n in ns)
         notes["family"] = "one of " + ", ".join(f"`{n}`" for n in names)
-    rows, nested = _rows(base, value, f"{key}.", notes=notes)
+    rows, nested = _rows(base, value, f"{key}.", notes=notes, hidden=hidden)
     if rows:
         lines += TABLE_HEAD + rows
     for sub_key, sub_owner, sub_name, sub_value in nested:
-        _group(lines, sub_key, sub_owner, sub_name, sub_value, min(level + 1, 6), families)
+        _group(lines, sub_key, sub_owner, sub_name, sub_value, min(level + 1, 6), families, hidden)
     if key in families:
         _family_keys(lines, key, base, families[key], level)
 
@@ -181,15 +184,16 @@ def render() -> str:
     lines = [HEADER.rstrip("\n")]
     for cli, module, name, families in MODALITIES:
         cls = getattr(importlib.import_module(module), name)
+        hidden = set(unsettable(cls))
         instance = cls()
         lines += ["", f"## {cli}", "", f"`{module}.{name}`.", ""]
-        top_rows, nested = _rows(cls, instance, "")
+        top_rows, nested = _rows(cls, instance, "", hidden=hidden)
         if top_rows:
             lines += ["Top-level keys:", ""] + TABLE_HEAD + top_rows
         # the modality's own groups first, the shared ones after
         nested.sort(key=lambda item: (item[0] in SHARED, SHARED.index(item[0]) if item[0] in SHARED else 0))
         for key, owner, field_name, value in nested:
-            _group(lines, key, owner, field_name, value, 3, families)
+            _group(lines, key, owner, field_name, value, 3, families, hidden)
     return "\n".join(lines) + "\n"
 
 

@@ -1,12 +1,18 @@
 """The four CLIs explain themselves: ``--version``, ``env``, ``configs``, and ``train --help``
-listing every key of the run config's dataclasses with its type and default."""
+listing every key of the run config's dataclasses with its type, the value the run would use and a
+description; ``train --print-config`` prints the resolved config. The commands that need no torch
+import none of the heavy libraries."""
 
 from __future__ import annotations
 
 import dataclasses
+import re
+import subprocess
+import sys
 import typing
 
 import pytest
+import yaml
 
 from loongforge.core.config_docs import describe_schema
 from loongforge.diffusion.cli import describe_cli as diffusion_cli
@@ -44,18 +50,80 @@ def leaf_keys(schema: type, prefix: str = "") -> set[str]:
     return keys
 
 
+def key_lines(text: str) -> dict[str, str]:
+    """``train --help``'s key listing: ``{key: its line}``."""
+    return {m.group(1): line for line in text.splitlines() if (m := re.match(r"  (\S+) \(.+\) = ", line))}
+
+
 @pytest.mark.parametrize("cli", list(CLIS))
-def test_train_help_lists_every_key_with_type_and_default(cli, capsys):
+def test_train_help_lists_every_key_with_type_value_and_help(cli, capsys):
     main, describe = CLIS[cli]
-    schema = describe().schema
+    app = describe()
+    cfg = app.load_config(app.default_config, [])
     text = output(capsys, main, "train", "--help")
-    keys = leaf_keys(schema)
+    keys = leaf_keys(type(cfg)) - set(getattr(type(cfg), "UNSETTABLE", {}))
     assert {"train.lr", "train.steps", "parallel.timeout_s", "checkpoint.interval", "log.run_dir"} <= keys
-    listed = {line.split()[0] for line in text.splitlines() if line.startswith("  ") and " = " in line}
-    assert keys <= listed, sorted(keys - listed)
+    listed = key_lines(text)
+    assert keys <= set(listed), sorted(keys - set(listed))
+    assert not set(getattr(type(cfg), "UNSETTABLE", {})) & set(listed)
+    assert [key for key in keys if "  -- " not in listed[key]] == []  # every key has a help text
     assert "  train.lr (float) = " in text and "peak learning rate" in text
     assert "  train.nonfinite_patience (int) = 1  -- " in text
-    assert "shipped configs:" in text
+    assert "shipped configs:" in text and "--print-config" in text
+    # the values are the default config's, not the dataclass defaults
+    assert f"  train.steps (int) = {cfg.train.steps}  -- " in text
+    assert f"  log.run_dir (str) = {cfg.log.run_dir!r}  -- " in text
+
+
+def test_train_help_shows_the_chosen_config_and_marks_overrides(capsys):
+    default = key_lines(output(capsys, lf_llm, "train", "--help"))
+    assert default["train.steps"].startswith("  train.steps (int) = 80  ")
+    assert "train.lr (float) = 0.003" in default["train.lr"] and "'runs/llm-debug'" in default["log.run_dir"]
+    sft = key_lines(output(capsys, lf_llm, "train", "--config", "sft_debug", "--help", "train.steps=3"))
+    assert sft["recipe"].startswith("  recipe (str) = 'sft'")
+    assert "train.steps (int) = 3  [override; was 40]" in sft["train.steps"]
+    assert "[override" not in sft["train.lr"]
+
+
+@pytest.mark.parametrize("cli", list(CLIS))
+def test_print_config_prints_the_resolved_config_and_trains_nothing(cli, capsys, tmp_path):
+    main, describe = CLIS[cli]
+    text = output(capsys, main, "train", "--print-config", "train.steps=7", f"log.run_dir={tmp_path / 'run'}")
+    printed = yaml.safe_load(text)
+    assert printed["train"]["steps"] == 7 and printed["log"]["run_dir"] == str(tmp_path / "run")
+    app = describe()
+    assert set(printed) == {f.name for f in dataclasses.fields(type(app.load_config(app.default_config, [])))}
+    assert not (tmp_path / "run").exists()
+
+
+HEAVY = ("torch", "megatron", "transformers", "diffusers", "lerobot")
+PROBE = """
+import contextlib, io, sys
+from loongforge.{name}.cli import main
+for argv in (["--version"], ["--help"], ["configs"], ["plot", "--help"]):
+    with contextlib.redirect_stdout(io.StringIO()):
+        try:
+            main(argv)
+        except SystemExit as exc:
+            assert exc.code == 0, (argv, exc.code)
+print(sorted(m for m in {heavy} if m in sys.modules))
+with contextlib.redirect_stdout(io.StringIO()):
+    assert main(["env"]) == 0
+print(sorted(m for m in {heavy} if m in sys.modules))
+"""
+
+
+@pytest.mark.parametrize("cli", list(CLIS))
+def test_commands_that_need_no_torch_import_none(cli):
+    """``--version``, ``--help``, ``configs`` (and a command's own ``--help``) import neither torch,
+    megatron-core, transformers, diffusers nor lerobot: they answer at once. ``env`` reports torch's
+    devices, so it imports torch, and nothing heavier."""
+    name = cli.removeprefix("lf-")
+    probe = PROBE.format(name=name, heavy=HEAVY)
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split("\n")[:2] == ["[]", "['torch']"], out.stdout
+    assert "cpp_extension" not in out.stderr and "Traceback" not in out.stderr
 
 
 @pytest.mark.parametrize("cli", list(CLIS))
@@ -115,3 +183,34 @@ def test_config_docs_takes_a_groups_defaults_from_its_parent():
     assert docs["family.name"].default == "'fam'" and "family.extra" not in docs
     added = describe_fields(_Family, _Family(), "family.", skip={f.name for f in dataclasses.fields(_Group)})
     assert [(d.key, d.type, d.value, d.help) for d in added] == [("family.extra", "bool", False, "a key only this family has")]
+
+
+@pytest.mark.parametrize("cli", list(CLIS))
+def test_configs_describes_each_config_in_whole_sentences(cli, capsys):
+    text = output(capsys, CLIS[cli][0], "configs")
+    described = [line.split(None, 1)[1] for line in text.splitlines()
+                 if line and not line.startswith((cli, "for "))]
+    assert described and not [d for d in described if d.endswith((":", ",", ";", " on", " and"))], described
+
+
+def test_a_config_of_another_command_is_listed_apart_and_refused_by_train(capsys, tmp_path):
+    """lf-diffusion's ``preprocess`` config is ``lf-diffusion preprocess``'s, not a training config."""
+    text = output(capsys, lf_diffusion, "configs")
+    assert "for lf-diffusion preprocess: preprocess  " in text
+    assert not any(line.startswith("preprocess ") for line in text.splitlines())
+    assert "preprocess" not in output(capsys, lf_diffusion, "--help").split("shipped configs:")[1].splitlines()[0]
+    assert lf_diffusion(["train", "--config", "preprocess", f"log.run_dir={tmp_path}/run"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err == ("error: --config preprocess: a config of `lf-diffusion preprocess`, not of `lf-diffusion train` "
+                   "(see `lf-diffusion configs`)")
+
+
+def test_llm_bench_defaults_to_the_debug_config_without_a_gpu(capsys):
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is here: the default is the GPU case")
+    assert lf_llm(["bench", "--variant", "x=train.lr"]) == 2  # refused before any run, after the default is chosen
+    out = capsys.readouterr()
+    assert "lf-llm bench: no GPU here: --config train_debug (on a GPU the default is train_0_5b)" in out.out
+    assert "'train.lr' is not of the form key=value" in out.err

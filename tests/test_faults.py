@@ -77,6 +77,36 @@ def test_config_mistakes_are_one_line(cli, case, tmp_path, capsys):
     assert not (tmp_path / "run" / "checkpoints").exists()
 
 
+# a group each CLI swaps with group=option, and a near miss of one of its options
+GROUPS = {"lf-llm": ("model", "qwen3_debg", "qwen3_debug"), "lf-vlm": ("foundation", "qwen3_debg", "qwen3_debug"),
+          "lf-diffusion": ("model", "nope", None), "lf-embodied": ("policy", "pi05_bse", "pi05_base")}
+DEFAULT_CONFIGS = {"lf-llm": "train_debug", "lf-vlm": "vlm_debug", "lf-diffusion": "tiny", "lf-embodied": "train"}
+
+
+@pytest.mark.parametrize("cli", CLIS)
+def test_a_first_hours_mistakes_are_one_line_that_says_what_was_meant(cli, tmp_path, capsys):
+    """A misspelt key, group option or config name is one line with the nearest match (no internal
+    class name, no file path); a YAML file given where an override goes points at ``--config``."""
+    run = f"log.run_dir={tmp_path / 'run'}"
+    code, err = run_inproc(capsys, cli, "train", "train.stpes=3", run)
+    assert code == 2
+    line = assert_one_error_line(err, "unknown key 'train.stpes' (did you mean 'train.steps'?)")
+    assert "Config" not in line and "/" not in line
+    group, option, meant = GROUPS[cli]
+    code, err = run_inproc(capsys, cli, "train", f"{group}={option}", run)
+    assert code == 2
+    line = assert_one_error_line(err, f"{group}={option}", "choices:", *([f"did you mean {meant!r}"] if meant else []))
+    assert "search path" not in err
+    name = DEFAULT_CONFIGS[cli]
+    code, err = run_inproc(capsys, cli, "train", "--config", name[:-1], run)
+    assert code == 2
+    assert_one_error_line(err, f"no config named {name[:-1]!r} (did you mean {name!r}?)")
+    code, err = run_inproc(capsys, cli, "train", "my.yaml", run)
+    assert code == 2
+    assert_one_error_line(err, "'my.yaml'", "did you mean --config my.yaml?")
+    assert not (tmp_path / "run").exists()
+
+
 @pytest.mark.parametrize("key", ["log.run_dir", "checkpoint.dir"])
 @pytest.mark.parametrize("cli", CLIS)
 def test_a_directory_key_naming_a_file_is_one_line(cli, key, tmp_path, capsys):

@@ -82,3 +82,58 @@ def test_embodied_dataset_and_policy_ids(hub):
     tokenizer = snapshot(hub, "model", "google/paligemma-3b-pt-224")  # policy.tokenizer: a model repository
     (tokenizer / "tokenizer.json").write_text("{}")
     assert load_train_config("train", ["policy.tokenizer=google/paligemma-3b-pt-224"]).policy.tokenizer == str(tokenizer)
+
+
+def _word_tokenizer(path, words: int) -> None:
+    """A word-level tokenizer of ``words`` tokens (+ the end-of-document token) in ``path``."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    vocab = {"<|endoftext|>": 0, "[UNK]": 1, **{f"w{i}": i + 2 for i in range(words)}}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.save(str(path / "tokenizer.json"))
+
+
+def test_convert_and_preprocess_take_hub_ids(hub, tmp_path, capsys):
+    """``convert hf-to-lf OWNER/NAME OUT`` and ``preprocess --tokenizer OWNER/NAME`` read the cached
+    snapshot (they refused an id as "not a directory"); an uncached id is one line naming it."""
+    from loongforge.llm.data.shipped import bundled_tokenizer_path
+
+    tiny_qwen2(bundled_tokenizer_path(), snapshot(hub, "model", "acme/tiny-qwen2"))
+    assert lf_llm(["convert", "hf-to-lf", "acme/tiny-qwen2", str(tmp_path / "lf"), "--no-progress"]) == 0
+    assert (tmp_path / "lf" / "latest").exists() and (tmp_path / "lf" / "train.yaml").is_file()
+    text = tmp_path / "doc.txt"
+    text.write_text("hello world\n\nanother paragraph\n")
+    assert lf_llm(["preprocess", "--input", str(text), "--tokenizer", "acme/tiny-qwen2",
+                   "--output-prefix", str(tmp_path / "doc")]) == 0
+    assert (tmp_path / "doc.bin").is_file()
+    capsys.readouterr()
+    assert lf_llm(["convert", "hf-to-lf", "acme/not-cached", str(tmp_path / "lf2")]) == 2
+    line = capsys.readouterr().err.strip()
+    assert line.startswith("error: convert hf-to-lf SOURCE=acme/not-cached") and "not a directory" not in line
+
+
+def test_llm_data_tokenizer_is_resolved_and_honoured(hub, tmp_path, capsys):
+    """``data.tokenizer`` (a hub id too) is the tokenizer of the run: it tokenizes the bundled corpus
+    and must fit the model's vocabulary (it was silently replaced by the bundled one)."""
+    from megatron.core.datasets.indexed_dataset import IndexedDataset
+
+    from loongforge.llm.data.shipped import bundled_prefix, bundled_tokenizer_path
+
+    small = snapshot(hub, "model", "acme/words")
+    _word_tokenizer(small, 50)
+    assert load_llm_config("train_debug", ["data.tokenizer=acme/words"]).data.tokenizer == str(small)
+    ours, bundled = bundled_prefix(tmp_path / "cache", small), bundled_prefix(tmp_path / "cache", None)
+    assert ours != bundled
+    top = {}
+    for name, prefix in (("ours", ours), ("bundled", bundled)):
+        dataset = IndexedDataset(str(prefix))  # held while its memory-mapped documents are read
+        top[name] = max(int(dataset[i].max()) for i in range(20))
+    assert top["ours"] < 52 <= top["bundled"]  # the word tokenizer's ids, not the bundled one's
+    big = snapshot(hub, "model", "acme/big-words")
+    _word_tokenizer(big, 5000)
+    capsys.readouterr()
+    assert lf_llm(["train", "data.tokenizer=acme/big-words", f"log.run_dir={tmp_path / 'run'}"]) == 2
+    line = capsys.readouterr().err.strip()
+    assert line.startswith(f"error: tokenizer data.tokenizer={big} has 5002 tokens, more than model.vocab_size=4096")
+    assert not (tmp_path / "run").exists()

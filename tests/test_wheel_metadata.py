@@ -1,6 +1,7 @@
 """The wheels as pip users get them: every package is built with ``uv build --wheel`` and its
 METADATA and contents checked (license, project URLs, classifiers, pinned siblings, the ``gpu``
-extras, loongforge-core's optional ``plot``/``tensorboard``/``wandb`` extras, tested upper bounds
+extras, loongforge-core's optional ``plot``/``tensorboard``/``wandb`` extras and every modality's
+``wandb`` extra, tested upper bounds
 for torch and transformers, a README that reads on its own)."""
 
 from __future__ import annotations
@@ -139,6 +140,9 @@ def test_wheel_requirements(wheels, name):
         assert "gpu" in (meta.get_all("Provides-Extra") or [])
         gpu = [r for r in requirements if _extra_of(r) == "gpu"]
         assert any(r.name == "loongforge-kernels" and str(r.specifier) == f"=={version}" for r in gpu), gpu
+        # `pip install loongforge-X[wandb]` installs W&B (through loongforge-core's extra)
+        (wandb,) = [r for r in requirements if _extra_of(r) == "wandb"]
+        assert wandb.name == "loongforge-core" and wandb.extras == {"wandb"} and str(wandb.specifier) == f"=={version}"
     if name == "loongforge-diffusion":
         assert "accelerate" in base  # diffusers' from_pretrained of the exported WanTransformer3DModel
 

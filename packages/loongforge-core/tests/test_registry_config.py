@@ -107,7 +107,7 @@ def test_fixed_section_keeps_the_given_value(tmp_path):
 
 def test_errors_name_key_and_file(tmp_path):
     (tmp_path / "bad.yaml").write_text("stepz: 2\n")
-    with pytest.raises(ConfigError, match=r"bad\.yaml: key 'stepz'"):
+    with pytest.raises(ConfigError, match=r"bad\.yaml: unknown key 'stepz' \(did you mean 'steps'\?\)"):
         load_config(Top, str(tmp_path / "bad.yaml"))
     with pytest.raises(ConfigError, match="steps=0: must be >= 1"):
         load_config(Top, None, ["steps=0"])

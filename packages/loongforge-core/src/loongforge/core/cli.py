@@ -5,6 +5,8 @@ A modality describes itself as a ``ModalityCLI`` (its configs, how a config beco
 ``build_cli`` turns that into ``main(argv)`` with the same shapes everywhere::
 
     lf-X train   [--config NAME|PATH] [--nproc-per-node N] [key=value | --key value | group=option ...]
+    lf-X train   [--config NAME|PATH] --print-config [key=value ...]   # the resolved config as YAML
+    lf-X train   [--config NAME|PATH] --help [key=value ...]           # every key with the run's value
     lf-X info    [--config NAME|PATH] [key=value ...]
     lf-X convert DIRECTION SOURCE OUT [--dtype bf16|fp16|fp32] [--no-progress]
     lf-X convert lora-to-peft CHECKPOINT OUT     # a LoRA run's adapters in PEFT's format (see below)
@@ -17,7 +19,10 @@ A modality describes itself as a ``ModalityCLI`` (its configs, how a config beco
 ``train`` loads and validates the config (a bad key or value is one ``error:`` line naming it,
 exit 2, before any process group exists), builds the task the config's model family registers,
 and runs the shared loop (``loongforge.core.training.run``); ``train --help`` lists every key of
-the modality's schema (``config_docs``). ``train --nproc-per-node N`` starts the job's N processes
+the resolved config with the value the run would use (``config_docs``), marking what an override
+changed, and ``train --print-config`` prints the resolved config as YAML. A ``ModalityCLI`` imports
+nothing heavy when it is described, and an option hook runs only for its own command, so
+``--version``, ``--help`` and ``configs`` import no torch. ``train --nproc-per-node N`` starts the job's N processes
 on this machine itself (``loongforge.core.launch``), after checking the config and the layout.
 A modality that names its LoRA adapters in a target library (``lora_layouts``:
 ``loongforge.core.lora.AdapterLayout`` per model part) gets the ``lora-to-peft`` direction of
@@ -30,10 +35,11 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import re
 import sys
 import time
 import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -57,6 +63,8 @@ def normalise_overrides(items: list[str]) -> list[str]:
                 item = f"{item}={items[i + 1]}"
                 i += 1
         elif "=" not in item:
+            if item.endswith((".yaml", ".yml")) or Path(item).is_file():
+                raise ConfigError(f"cannot parse argument {item!r} (expected key=value); did you mean --config {item}?")
             raise ConfigError(f"cannot parse argument {item!r} (expected key=value)")
         out.append(item)
         i += 1
@@ -95,13 +103,15 @@ class ModalityCLI:
     default_bench_config: str | None = None
     commands: Callable[[Any], None] | None = None  # adds the modality's own subcommands (fn(args) -> int)
     packages: Sequence[str] = field(default_factory=lambda: ["loongforge-core"])  # for --version and env
-    schema: type | None = None  # the run config's dataclass: `train --help` lists its keys
     libraries: Sequence[str] = ("torch", "megatron-core", "transformers")  # more versions `env` reports
     # (checkpoint manifest, state-dict names) -> loongforge.core.lora.AdapterLayout per model part: how
     # the target library names a LoRA checkpoint's adapters; adds `convert lora-to-peft`
     lora_layouts: Callable[[dict, list[str]], list] | None = None
     lora_library: str = ""  # the target library of lora_layouts, for --help
     module: str = ""  # the module `python -m` runs this CLI from: the workers of `train --nproc-per-node N`
+    # shipped configs another command reads ({config name: command}, e.g. a preprocess config): `configs`
+    # lists them apart, and `train --config NAME` refuses them naming that command
+    command_configs: Mapping[str, str] = field(default_factory=dict)
 
 
 LORA_TO_PEFT = "lora-to-peft"
@@ -133,41 +143,67 @@ def convert_dtype(name: str | None):
     return {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[name]
 
 
-def shipped_configs(config_dirs: Sequence[Path]) -> list[str]:
-    return [name for name, _ in describe_configs(config_dirs)]
+def shipped_configs(config_dirs: Sequence[Path], exclude: Collection[str] = ()) -> list[str]:
+    return [name for name, _ in describe_configs(config_dirs) if name not in exclude]
 
 
 def describe_configs(config_dirs: Sequence[Path]) -> list[tuple[str, str]]:
-    """``(name, first comment line)`` of every shipped config."""
+    """``(name, first sentence of its leading comment)`` of every shipped config."""
     out = {}
     for d in config_dirs:
         for path in sorted(Path(d).glob("*.y*ml")):
-            first = next((line.lstrip("#").strip() for line in path.read_text().splitlines() if line.startswith("#")), "")
-            out.setdefault(path.stem, first)
+            out.setdefault(path.stem, _first_sentence(path.read_text()))
     return sorted(out.items())
 
 
-def _keys_epilog(app: ModalityCLI) -> str:
-    if app.schema is None:
-        return ""
+def _first_sentence(text: str) -> str:
+    """The first sentence of a YAML file's leading comment paragraph (an indented example command
+    or a blank comment line ends the paragraph)."""
+    words = []
+    for line in text.splitlines():
+        if not line.startswith("#"):
+            if words or line.strip():
+                break
+            continue
+        body = line[1:]
+        if not body.strip() or body.startswith("   "):
+            break
+        words.append(body.strip())
+    paragraph = " ".join(words)
+    end = re.search(r"\.(\s|$)", paragraph)
+    sentence = paragraph[:end.start() + 1] if end else paragraph
+    return sentence[:-1] + "." if sentence.endswith(":") else sentence  # it introduced an example
+
+
+def keys_epilog(app: ModalityCLI, config: str | None, cfg: Any, base: Any = None) -> str:
+    """``train --help``'s key listing: every key of the resolved config ``cfg`` with the value the run
+    would use; a key whose value differs from ``base`` (the config without the command line's
+    overrides) is marked with the config's own value."""
     from loongforge.core.config_docs import describe_schema, format_keys
 
-    return ("\n\nconfig keys (override any with key=value; the shipped config sets its own defaults, "
-            f"see `{app.prog} info`):\n" + format_keys(describe_schema(app.schema)))
+    docs = describe_schema(type(cfg), instance=cfg)
+    changed = {}
+    if base is not None:
+        before = {d.key: d.default for d in describe_schema(type(base), instance=base)}
+        changed = {d.key: before.get(d.key, "(not in the config)") for d in docs if before.get(d.key) != d.default}
+    source = f"--config {config}" if config else "the defaults"
+    return (f"\n\nconfig keys, with the values of {source}{' and the overrides' if base is not None else ''} "
+            f"(override any with key=value; `{app.prog} train --print-config [key=value ...]` prints the "
+            f"resolved config as YAML):\n" + format_keys(docs, changed=changed))
 
 
 def _config_epilog(app: ModalityCLI) -> str:
-    return (f"shipped configs: {', '.join(shipped_configs(app.config_dirs)) or 'none'}\n"
+    return (f"shipped configs: {', '.join(shipped_configs(app.config_dirs, app.command_configs)) or 'none'}\n"
             f"shared config groups (the same keys in every lf-* CLI): {', '.join(SHARED_GROUPS)}\n"
             f"example: {app.prog} train {app.example}\n"
             f"`{app.prog} info --config NAME [key=value ...]` prints what a config builds.")
 
 
-def add_config_arguments(parser: argparse.ArgumentParser, default: str | None) -> None:
+def add_config_arguments(parser: argparse.ArgumentParser, default: str | None, default_help: str = "") -> None:
     """``--config NAME|PATH``; the rest of the command line is config overrides (``key=value``,
     ``--key value``, or ``group=option`` to swap a config group), kept in order."""
     parser.add_argument("--config", default=default,
-                        help=f"config name (shipped) or YAML path (default: {default})")
+                        help=f"config name (shipped) or YAML path (default: {default_help or default})")
     parser.set_defaults(takes_overrides=True)
 
 
@@ -248,6 +284,7 @@ class _ModalityCommands:
     def __init__(self, app: ModalityCLI):
         self.app = app
         self.convert_parser: argparse.ArgumentParser | None = None  # set by build_parser
+        self.train_parser: argparse.ArgumentParser | None = None
 
     def _export(self, trainer, converter: Converter, out: Path, progress: bool) -> None:
         """Rank 0 runs ``convert lf-to-FORMAT LAST_CHECKPOINT OUT`` (with that command's defaults)
@@ -262,15 +299,43 @@ class _ModalityCommands:
                   flush=True)
 
     def config(self, args) -> Any:
+        command = self.app.command_configs.get(args.config or "")
+        if command is not None:
+            raise ConfigError(f"--config {args.config}: a config of `{self.app.prog} {command}`, not of "
+                              f"`{self.app.prog} {args.command}` (see `{self.app.prog} configs`)")
         return self.app.load_config(args.config, normalise_overrides(args.overrides))
 
+    def train_help(self, args) -> int:
+        """``train --help``: the options, then every key with the value this command line would use."""
+        cfg = self.config(args)
+        base = None
+        if args.overrides:
+            try:
+                base = self.app.load_config(args.config, [])
+            except ConfigError:  # the config needs the overrides (a required key): nothing to compare with
+                base = None
+        parser = self.train_parser
+        parser.epilog = _config_epilog(self.app) + keys_epilog(self.app, args.config, cfg, base)
+        parser.print_help()
+        return 0
+
     def train(self, args) -> int:
+        if args.show_help:
+            return self.train_help(args)
+        cfg = self.config(args)  # fails here, before any process group, on a bad config
+        if args.print_config:
+            from loongforge.core.config import to_yaml
+
+            print(to_yaml(cfg), end="")
+            return 0
+        return self._train(args, cfg)
+
+    def _train(self, args, cfg) -> int:
         from loongforge.core.training.run import run_training
         from loongforge.core.training.run_dir import check_run_directories
         from loongforge.core.wandb_run import require_wandb
 
         app = self.app
-        cfg = self.config(args)  # fails here, before any process group, on a bad config
         check_run_directories(cfg)  # and on a log.run_dir or checkpoint.dir that is a file
         if args.nproc_per_node != 1:
             return self._launch(args, cfg)
@@ -319,8 +384,13 @@ class _ModalityCommands:
 
         converter = next(c for c in all_converters(self.app) if c.direction == args.direction)
         check_output_path(args.out, f"convert {args.direction} OUT")
+        source = args.source
+        if args.direction.startswith("hf-to-"):  # a Hugging Face model: a directory or a hub id
+            from loongforge.core.hub import resolve_local
+
+            source = resolve_local(source, key=f"convert {args.direction} SOURCE")
         try:
-            print(converter.run(args.source, args.out, args))
+            print(converter.run(source, args.out, args))
         except (FileNotFoundError, FileExistsError) as exc:  # a missing source, an output that exists
             raise ConfigError(str(exc)) from exc
         return 0
@@ -331,12 +401,34 @@ class _ModalityCommands:
 
         check_timing(args.steps, args.warmup)
         check_protocol(args.rounds, args.processes)
-        self.app.bench(args, args.config, normalise_overrides(args.overrides))
+        config = args.config
+        if config is None:  # the GPU case, or the default config where the accelerator is the CPU
+            from loongforge.core.accelerators import get_accelerator
+
+            config = self.app.default_bench_config
+            if get_accelerator().device_type == "cpu":
+                config = self.app.default_config
+                print(f"{self.app.prog} bench: no GPU here: --config {config} (on a GPU the default is "
+                      f"{self.app.default_bench_config})", flush=True)
+        self.app.bench(args, config, normalise_overrides(args.overrides))
         return 0
 
 
-def build_parser(app: ModalityCLI) -> argparse.ArgumentParser:
+def selected_command(argv: Sequence[str]) -> str | None:
+    """The subcommand of a command line: its first argument that is not an option (the top-level
+    options take no value)."""
+    return next((a for a in argv if not a.startswith("-")), None)
+
+
+def build_parser(app: ModalityCLI, chosen: str | None = None) -> argparse.ArgumentParser:
+    """The parser of ``app``'s CLI. ``chosen``: the subcommand the command line runs; only its own
+    options are added (what a modality's option hooks import is imported only for the command that
+    needs it), every command's when None."""
     commands = _ModalityCommands(app)
+
+    def wanted(name: str) -> bool:
+        return chosen is None or chosen == name
+
     parser = argparse.ArgumentParser(prog=app.prog, description=app.description, allow_abbrev=False,
                                      epilog=_config_epilog(app), formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--version", action="version", version=_versions(app.packages))
@@ -349,9 +441,16 @@ def build_parser(app: ModalityCLI) -> argparse.ArgumentParser:
         return sub.add_parser(name, help=help, allow_abbrev=False, epilog=_config_epilog(app) + more_epilog,
                               formatter_class=argparse.RawDescriptionHelpFormatter, **kw)
 
-    usage = "%(prog)s [--config NAME|PATH] [key=value | --key value | group=option ...]"
-    train = command("train", f"train (no arguments: {app.default_config})", _keys_epilog(app), usage=usage)
+    usage = "%(prog)s [--config NAME|PATH] [--print-config] [key=value | --key value | group=option ...]"
+    train = command("train", f"train (no arguments: {app.default_config})", usage=usage, add_help=False)
+    commands.train_parser = train
+    train.add_argument("-h", "--help", dest="show_help", action="store_true",
+                       help="show this help and every config key with the value the run would use (with "
+                            "--config and the overrides given), then exit")
     add_config_arguments(train, app.default_config)
+    train.add_argument("--print-config", action="store_true",
+                       help="print the resolved config (--config, group choices and overrides applied) as YAML, "
+                            "then exit without training")
     train.add_argument("--nproc-per-node", type=int, default=1, metavar="N",
                        help="start the job's N processes on this machine (as torchrun --standalone would), "
                             "after checking the config and the layout; for several machines use torchrun")
@@ -361,13 +460,13 @@ def build_parser(app: ModalityCLI) -> argparse.ArgumentParser:
         train.add_argument(f"--save-{fmt}", dest="save_export", metavar="OUT", default=None,
                            help=f"at the end, also write the final checkpoint to OUT as `{app.prog} convert "
                                 f"{converter.direction}` does")
-    if app.train_options is not None:
+    if app.train_options is not None and wanted("train"):
         app.train_options(train)
     train.set_defaults(fn=commands.train)
 
     info = command("info", "what a config builds: parts, parameters, FLOPs (nothing is allocated)", usage=usage)
     add_config_arguments(info, app.default_config)
-    if app.info_options is not None:
+    if app.info_options is not None and wanted("info"):
         app.info_options(info)
     info.set_defaults(fn=commands.info)
 
@@ -377,31 +476,36 @@ def build_parser(app: ModalityCLI) -> argparse.ArgumentParser:
                               allow_abbrev=False)
         conv.add_argument("direction", choices=[c.direction for c in converters],
                           help="; ".join(f"{c.direction}: {c.help}" for c in converters))
-        conv.add_argument("source")
+        conv.add_argument("source", help="what the direction converts from (an hf-to-* SOURCE may be a Hugging Face "
+                                          "Hub id, owner/name[@revision], resolved from the hub cache or downloaded)")
         conv.add_argument("out", help="output path (must not exist)")
         conv.add_argument("--dtype", choices=["bf16", "fp16", "fp32"], help="cast floating-point weights (default: keep)")
         conv.add_argument("--no-progress", action="store_true", help="no progress bar")
-        if app.convert_options is not None:
+        if app.convert_options is not None and wanted("convert"):
             app.convert_options(conv)
         conv.set_defaults(fn=commands.convert)
         commands.convert_parser = conv
 
     if app.bench is not None:
-        from loongforge.core.bench_protocol import add_protocol_arguments
-
         bench = command("bench", "time our training step against the reference implementation, in one process",
                         usage="%(prog)s [--config NAME|PATH] [--steps N] [--warmup N] [--variant NAME=KEY=VALUE,...] "
                               "[key=value ...]")
-        add_config_arguments(bench, app.default_bench_config or app.default_config)
+        if app.default_bench_config:  # a GPU case: where no GPU is, the default config instead
+            add_config_arguments(bench, None, f"{app.default_bench_config} on a GPU, {app.default_config} without one")
+        else:
+            add_config_arguments(bench, app.default_config)
         bench.add_argument("--steps", type=int, default=10, help="timed steps per run")
         bench.add_argument("--warmup", type=int, default=3, help="untimed steps before them")
         bench.add_argument("--variant", action="append", default=[], metavar="NAME=KEY=VALUE,...",
                            help="one more run of ours with these config overrides (repeatable)")
-        add_protocol_arguments(bench)  # --rounds, --processes
+        if wanted("bench"):
+            from loongforge.core.bench_protocol import add_protocol_arguments
+
+            add_protocol_arguments(bench)  # --rounds, --processes
         bench.add_argument("--profile-rows", type=int, default=25,
                            help="rows of the torch.profiler tables of ours (top kernels and ops, on CUDA); 0: none")
         bench.add_argument("--trace", default=None, metavar="FILE", help="also write a Chrome trace of ours' profiled steps")
-        if app.bench_options is not None:
+        if app.bench_options is not None and wanted("bench"):
             app.bench_options(bench)
         bench.set_defaults(fn=commands.bench)
 
@@ -420,8 +524,12 @@ def _cmd_configs(app: ModalityCLI) -> int:
     described = describe_configs(app.config_dirs)
     width = max((len(name) for name, _ in described), default=0)
     for name, line in described:
-        print(f"{name:<{width}}  {line}")
+        if name not in app.command_configs:
+            print(f"{name:<{width}}  {line}")
     print(f"\n{app.prog} train --config NAME [key=value ...]; {app.prog} info --config NAME shows what it builds")
+    for name, line in described:
+        if name in app.command_configs:
+            print(f"for {app.prog} {app.command_configs[name]}: {name}  {line}")
     return 0
 
 
@@ -461,16 +569,20 @@ def build_cli(make_app: Callable[[], ModalityCLI]) -> Callable[[list[str] | None
         debug = "--debug" in argv or os.environ.get(DEBUG_ENV, "") not in ("", "0")
         with library_output(verbose="--verbose" in argv or debug):
             app = make_app()
-            args = _parse(build_parser(app), argv)
+            args = _parse(build_parser(app, selected_command(argv)), argv)
             return run_main(lambda: args.fn(args), debug=debug, prog=app.prog)
 
     return main
 
 
 DEBUG_ENV = "LOONGFORGE_DEBUG"
-# the libraries whose import-time warnings and WARNING log records a normal run does not show
-LIBRARY_LOGGERS = ("megatron", "torch", "transformers", "diffusers", "lerobot", "torchcodec", "huggingface_hub",
-                   "datasets", "accelerate")
+# the libraries whose import-time warnings and WARNING log records a normal run does not show.
+# torch sets its own "torch" logger's level when it is imported (torch._logging), so a command that
+# imports torch inside the quiet scope gets it back at WARNING: the torch loggers that warn at import
+# are named too (torch.utils.cpp_extension, imported by megatron-core, warns "No CUDA runtime is
+# found" on a machine with a CUDA toolkit and no GPU)
+LIBRARY_LOGGERS = ("megatron", "torch", "torch.utils.cpp_extension", "transformers", "diffusers", "lerobot",
+                   "torchcodec", "huggingface_hub", "datasets", "accelerate")
 RANK_REPORT_DELAY_S = 10.0
 
 

@@ -20,6 +20,7 @@ All of this happens before any process group is made, so a bad config costs no c
 
 from __future__ import annotations
 
+import difflib
 from collections.abc import Mapping, Sequence
 from dataclasses import fields, is_dataclass, make_dataclass
 from pathlib import Path
@@ -27,15 +28,28 @@ from typing import Any, TypeVar
 
 import yaml
 from omegaconf import DictConfig, OmegaConf
-from omegaconf.errors import OmegaConfBaseException
+from omegaconf.errors import ConfigKeyError, OmegaConfBaseException
 
 from loongforge.core.errors import UserError
 
 T = TypeVar("T")
 
+__all__ = ["ConfigError", "find_config", "load_config", "read_section", "to_dict", "to_yaml", "field_names",
+           "leaf_keys", "did_you_mean", "yaml_error_message"]
+
 
 class ConfigError(UserError, ValueError):
     """A configuration that cannot be used; the message names the key and where it came from."""
+
+
+def did_you_mean(value: str, choices: Sequence[str]) -> str:
+    """`` (did you mean 'X'?)`` for the choice closest to ``value``, or ``""`` when none is close."""
+    close = difflib.get_close_matches(value, list(choices), n=1, cutoff=0.6)
+    return f" (did you mean {close[0]!r}?)" if close else ""
+
+
+def _yaml_names(directory: Path) -> list[str]:
+    return sorted(p.stem for p in Path(directory).glob("*.y*ml"))
 
 
 def find_config(name_or_path: str, config_dirs: Sequence[Path]) -> Path:
@@ -50,14 +64,38 @@ def find_config(name_or_path: str, config_dirs: Sequence[Path]) -> Path:
             path = Path(d) / f"{name_or_path}{suffix}"
             if path.is_file():
                 return path.resolve()
-    available = sorted({p.stem for d in config_dirs for p in Path(d).glob("*.y*ml")})
-    raise ConfigError(f"no config named {name_or_path!r}; available: {', '.join(available) or 'none'}")
+    available = sorted({name for d in config_dirs for name in _yaml_names(d)})
+    raise ConfigError(f"no config named {name_or_path!r}{did_you_mean(name_or_path, available)}; "
+                      f"available: {', '.join(available) or 'none'}")
+
+
+def config_label(path: Path, config_dirs: Sequence[Path]) -> str:
+    """A config as a user named it: a shipped config by its name, any other by its path."""
+    if any(path.parent == Path(d).resolve() for d in config_dirs):
+        return f"config {path.stem}"
+    return str(path)
+
+
+def _check_group_options(group_overrides: list[str], path: Path, config_dirs: Sequence[Path]) -> None:
+    """``group=option`` names an option of the group: a YAML in ``GROUP/`` of a config directory."""
+    for item in group_overrides:
+        key, _, option = item.partition("=")
+        group = key.strip().lstrip("+~")
+        if key.strip().startswith("~") or option.strip() in ("", "null"):
+            continue
+        dirs = [path.parent, *map(Path, config_dirs)]
+        if any((d / group / f"{option.strip()}{suffix}").is_file() for d in dirs for suffix in (".yaml", ".yml")):
+            continue
+        choices = sorted({name for d in dirs for name in _yaml_names(d / group)})
+        raise ConfigError(f"{group}={option}: no such option of config group {group!r}"
+                          f"{did_you_mean(option.strip(), choices)}; choices: {', '.join(choices) or 'none'}")
 
 
 def _compose(path: Path, group_overrides: list[str], config_dirs: Sequence[Path]) -> DictConfig:
     from hydra import compose, initialize_config_dir
     from hydra.errors import HydraException
 
+    _check_group_options(group_overrides, path, config_dirs)
     search = [d for d in {Path(d).resolve() for d in config_dirs} if d != path.parent]
     overrides = list(group_overrides)
     if search:
@@ -66,7 +104,8 @@ def _compose(path: Path, group_overrides: list[str], config_dirs: Sequence[Path]
         with initialize_config_dir(config_dir=str(path.parent), version_base=None):
             cfg = compose(config_name=path.stem, overrides=overrides)
     except (HydraException, OmegaConfBaseException) as exc:
-        raise ConfigError(f"{path}: cannot compose config: {exc}") from exc
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise ConfigError(f"{path}: cannot compose config: {first}") from exc
     except yaml.YAMLError as exc:
         raise ConfigError(yaml_error_message(exc, path)) from exc
     cfg = OmegaConf.create(OmegaConf.to_container(cfg, resolve=False))
@@ -89,9 +128,39 @@ def _is_group(key: str, path: Path, config_dirs: Sequence[Path]) -> bool:
     return "." not in key.lstrip("+~") and any((d / key.lstrip("+~")).is_dir() for d in dirs)
 
 
-def _unknown_key_message(exc: OmegaConfBaseException) -> str:
+def leaf_keys(cfg: DictConfig, prefix: str = "") -> list[str]:
+    """Every dotted leaf key of a (structured) config; a group's own keys, not a list's items."""
+    out = []
+    for key, value in OmegaConf.to_container(cfg, resolve=False, throw_on_missing=False).items():
+        out += _leaves(value, f"{prefix}{key}")
+    return out
+
+
+def _leaves(value, key: str) -> list[str]:
+    if isinstance(value, dict) and value:
+        return [k for sub, v in value.items() for k in _leaves(v, f"{key}.{sub}")]
+    return [key]
+
+
+def _closest_key(key: str, keys: Sequence[str]) -> str:
+    """``did_you_mean`` for a dotted key: a near name in the same group (``train.stpes``), else a near
+    whole key (``trian.steps``)."""
+    group, _, name = key.rpartition(".")
+    siblings = {k.rpartition(".")[2]: k for k in keys if k.rpartition(".")[0] == group}
+    close = difflib.get_close_matches(name, list(siblings), n=1, cutoff=0.6)
+    if close:
+        return f" (did you mean {siblings[close[0]]!r}?)"
+    close = difflib.get_close_matches(key, list(keys), n=1, cutoff=0.85)
+    return f" (did you mean {close[0]!r}?)" if close else ""
+
+
+def _unknown_key_message(exc: OmegaConfBaseException, cfg: DictConfig | None = None) -> str:
+    """``unknown key 'a.b' (did you mean 'a.c'?)`` for a key the schema does not have, else the
+    first line of omegaconf's message naming the key (never its internal class names)."""
     key = getattr(exc, "full_key", None) or getattr(exc, "key", None)
     msg = (getattr(exc, "msg", None) or str(exc)).splitlines()[0]
+    if key and cfg is not None and isinstance(exc, ConfigKeyError):
+        return f"unknown key {key!r}{_closest_key(str(key), leaf_keys(cfg))}"
     return f"key {key!r}: {msg}" if key else msg
 
 
@@ -116,7 +185,7 @@ def load_config(
     value_overrides = list(overrides)
     if name_or_path is not None:
         path = find_config(name_or_path, config_dirs)
-        source = str(path)
+        source = config_label(path, config_dirs)
         groups = [o for o in overrides if _is_group(o.split("=", 1)[0], path, config_dirs)]
         value_overrides = [o for o in overrides if o not in groups]
         composed = _compose(path, groups, config_dirs)
@@ -125,12 +194,15 @@ def load_config(
         try:
             structured = OmegaConf.merge(structured, composed)
         except OmegaConfBaseException as exc:
-            raise ConfigError(f"{path}: {_unknown_key_message(exc)}") from exc
+            raise ConfigError(f"{path}: {_unknown_key_message(exc, structured)}") from exc
     for item in value_overrides:
         try:
             structured = OmegaConf.merge(structured, OmegaConf.from_dotlist([item]))
         except OmegaConfBaseException as exc:
-            raise ConfigError(f"override {item!r} (config {source}): {_unknown_key_message(exc)}") from exc
+            if isinstance(exc, ConfigKeyError):  # named as the user wrote it (foo.bar, not only foo)
+                key = item.split("=", 1)[0].strip().lstrip("+~")
+                raise ConfigError(f"unknown key {key!r}{_closest_key(key, leaf_keys(structured))}") from exc
+            raise ConfigError(f"override {item!r} ({source}): {_unknown_key_message(exc)}") from exc
     try:
         return OmegaConf.to_object(structured)
     except OmegaConfBaseException as exc:

@@ -3,7 +3,8 @@
 The description of a field is its comment in the dataclass source: the comment at the end of its
 line, else the comment lines right above it. ``train --help``, the config reference of the docs
 (``docs/gen_config_reference.py``, which lists a group's keys with ``describe_fields``) and the
-tests that check both list every key come from here.
+tests that check both list every key come from here. A schema's ``UNSETTABLE`` class attribute
+(``{dotted key: why}``) names keys its groups hold but the CLI refuses: they are not listed.
 """
 
 from __future__ import annotations
@@ -147,11 +148,17 @@ def describe_schema(schema: type, prefix: str = "", instance: object = None) -> 
         default = getattr(instance, f.name) if instance is not None else _default(f)
         nested = _nested(hints.get(f.name, f.type), default)
         out.extend(describe_schema(nested, f"{key}.", default if is_dataclass(default) else None))
-    return out
+    return [d for d in out if d.key[len(prefix):] not in unsettable(schema)]
 
 
-def format_keys(docs: list[KeyDoc], width: int = 100) -> str:
-    """The keys grouped by their first part, one line each: ``key  type = default  description``."""
+def unsettable(schema: type) -> typing.Mapping[str, str]:
+    """``{dotted key: why}``: the keys under ``schema`` that its CLI refuses (not documented)."""
+    return getattr(schema, "UNSETTABLE", {})
+
+
+def format_keys(docs: list[KeyDoc], changed: typing.Mapping[str, str] | None = None) -> str:
+    """The keys grouped by their first part, one line each: ``key (type) = value  -- description``;
+    a key in ``changed`` (key -> the value before the overrides) is marked ``[override; was V]``."""
     lines: list[str] = []
     group = None
     for doc in docs:
@@ -159,5 +166,6 @@ def format_keys(docs: list[KeyDoc], width: int = 100) -> str:
         if head != group:
             group = head
             lines.append(f"\n{head or 'top level'}:")
-        lines.append(f"  {doc.key} ({doc.type}) = {doc.default}" + (f"  -- {doc.help}" if doc.help else ""))
+        mark = f"  [override; was {changed[doc.key]}]" if changed and doc.key in changed else ""
+        lines.append(f"  {doc.key} ({doc.type}) = {doc.default}{mark}" + (f"  -- {doc.help}" if doc.help else ""))
     return "\n".join(lines).lstrip("\n")

@@ -25,6 +25,8 @@ from loongforge.core.kernels.policy import KernelPolicy
 
 TE_ATTENTION_FLAGS = ("NVTE_FLASH_ATTN", "NVTE_FUSED_ATTN", "NVTE_UNFUSED_ATTN")
 
+__all__ = ["ParallelLayout", "ParallelContext", "init_parallel", "destroy_parallel"]
+
 
 @dataclass(frozen=True)
 class ParallelLayout:

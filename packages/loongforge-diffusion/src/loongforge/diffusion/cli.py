@@ -13,8 +13,6 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-import torch.distributed as dist
-
 from loongforge.core.cli import add_config_arguments, normalise_overrides
 from loongforge.core.config import ConfigError
 
@@ -189,6 +187,8 @@ def bench(args, config: str, overrides: list[str]) -> None:
 
 
 def cmd_preprocess(args) -> int:
+    import torch.distributed as dist
+
     from loongforge.core.config import load_config
     from loongforge.core.distributed import init_distributed
     from loongforge.diffusion.preprocess import PreprocessConfig, preprocess
@@ -239,7 +239,6 @@ def commands(sub) -> None:
 def describe_cli():
     """This package's ``ModalityCLI`` (``loongforge.core.cli``)."""
     from loongforge.core.cli import Converter, ModalityCLI
-    from loongforge.diffusion.schema import DiffusionRecipe
 
     return ModalityCLI(
         prog="lf-diffusion", module="loongforge.diffusion.cli", description="LoongForge Wan-style video diffusion",
@@ -249,7 +248,8 @@ def describe_cli():
                               "WanTransformer3DModel directories (a LoRA run's adapters merged)", lf_to_diffusers_command)],
         lora_layouts=lora_layouts, lora_library="diffusers",
         convert_options=convert_options, bench_options=bench_options, bench=bench, commands=commands,
-        packages=["loongforge-core", "loongforge-diffusion", "loongforge-kernels"], schema=DiffusionRecipe,
+        packages=["loongforge-core", "loongforge-diffusion", "loongforge-kernels"],
+        command_configs={DEFAULT_PREPROCESS: "preprocess"},
         libraries=("torch", "diffusers", "transformers"),
     )
 

@@ -23,11 +23,11 @@ import torch
 
 @dataclass
 class ObjectiveConfig:
-    num_train_timesteps: int = 1000
-    shift: float = 3.0
+    num_train_timesteps: int = 1000  # discrete timesteps of the flow-matching schedule
+    shift: float = 3.0  # timestep shift of the schedule (> 1 moves samples toward high noise)
     weighting: str = "logit_normal"  # logit_normal | uniform
-    logit_mean: float = 0.0
-    logit_std: float = 1.0
+    logit_mean: float = 0.0  # mean of the logit-normal timestep density (weighting=logit_normal)
+    logit_std: float = 1.0  # standard deviation of the logit-normal timestep density
     loss_reduction: str = "token"  # token: every latent element weighs the same; sample: every sample
     text_dropout: float = 0.0  # probability of training a sample with an all-zero prompt (for CFG)
 

@@ -34,11 +34,11 @@ class DataConfig:
 
 @dataclass
 class SampleConfig:
-    num_samples: int = 4
-    num_steps: int = 20
+    num_samples: int = 4  # videos `lf-diffusion sample` draws
+    num_steps: int = 20  # denoising steps per video
     shift: float = 3.0  # sampling schedule shift (FlowMatchEulerDiscreteScheduler)
     guidance_scale: float = 1.0  # > 1: classifier-free guidance against the empty (zero) prompt
-    seed: int = 0
+    seed: int = 0  # seed of the initial noise
     use_ema: bool = True  # use EMA weights when the checkpoint has them
     # prompts to encode with the dataset's text encoder; empty: the first dataset samples' prompts
     # and sizes (their decoded latents are drawn as a reference row)
@@ -48,9 +48,9 @@ class SampleConfig:
     # the dataset samples' own first frames (stored conditions)
     image: str | None = None
     num_frames: int = 9  # video size for `prompts` and `image`
-    height: int = 32
-    width: int = 32
-    fps: int = 4
+    height: int = 32  # video height in pixels (for `prompts` and `image`)
+    width: int = 32  # video width in pixels (for `prompts` and `image`)
+    fps: int = 4  # frames per second of the written GIF
 
     def __post_init__(self):
         for key in ("num_samples", "num_steps", "num_frames", "height", "width", "fps"):

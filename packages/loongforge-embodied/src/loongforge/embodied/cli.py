@@ -25,6 +25,12 @@ from loongforge.core.cli import normalise_overrides
 CONFIG_DIR = Path(__file__).parent / "configs"
 
 
+def load_config(name_or_path: str | None, overrides: list[str]):
+    from loongforge.embodied.config import load_train_config
+
+    return load_train_config(name_or_path, overrides)
+
+
 def make_task(cfg):
     """The task the config's policy family registers (``ModelSpec.task``)."""
     from loongforge.core.models import get_model_spec
@@ -119,18 +125,17 @@ def commands(sub) -> None:
 def describe_cli():
     """This package's ``ModalityCLI`` (``loongforge.core.cli``)."""
     from loongforge.core.cli import Converter, ModalityCLI
-    from loongforge.embodied.config import EmbodiedConfig, load_train_config
 
     return ModalityCLI(
         prog="lf-embodied", module="loongforge.embodied.cli", description="LoongForge embodied (VLA) policies",
-        config_dirs=[CONFIG_DIR], default_config="train", load_config=load_train_config, make_task=make_task,
+        config_dirs=[CONFIG_DIR], default_config="train", load_config=load_config, make_task=make_task,
         info=cmd_info, example="--policy groot data.root=/data/lerobot_dataset train.steps=2000",
         converters=[Converter("lf-to-lerobot", "a pi0 or pi05 checkpoint (or run dir) -> LeRobot's PI0Policy / PI05Policy model.safetensors "
                               "(a LoRA run's adapters merged)", lf_to_lerobot),
                     Converter("lerobot-to-lf", "LeRobot's pi0 or pi05 model.safetensors -> the same weights in LoongForge "
                               "names (for policy.pretrained)", lerobot_to_lf)],
         bench_options=bench_options, bench=bench, commands=commands, lora_layouts=lora_layouts, lora_library="LeRobot",
-        packages=["loongforge-core", "loongforge-embodied", "loongforge-kernels"], schema=EmbodiedConfig,
+        packages=["loongforge-core", "loongforge-embodied", "loongforge-kernels"],
         libraries=("torch", "lerobot", "transformers"),
     )
 

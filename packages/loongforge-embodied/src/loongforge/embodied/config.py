@@ -44,13 +44,13 @@ class DatasetConfig:
     root: str | None = None  # a LeRobot dataset directory; None = the synthetic demo dataset (cache dir)
     repo_id: str = "local/dataset"  # name recorded in the dataset metadata; never downloaded
     image_keys: list[str] | None = None  # cameras to use, in order; None = every camera of the dataset
-    state_key: str = "observation.state"
-    action_key: str = "action"
-    state_norm: str = "quantiles"
-    action_norm: str = "quantiles"
+    state_key: str = "observation.state"  # the dataset feature holding the robot state
+    action_key: str = "action"  # the dataset feature holding the actions
+    state_norm: str = "quantiles"  # state normalisation: mean_std | min_max | quantiles | quantile10 | identity
+    action_norm: str = "quantiles"  # action normalisation: mean_std | min_max | quantiles | quantile10 | identity
     eval_episodes: int = 1  # the last N episodes are held out from training for `lf-embodied eval`
-    num_workers: int = 0
-    video_backend: str = "pyav"
+    num_workers: int = 0  # DataLoader worker processes; 0: load in the training process
+    video_backend: str = "pyav"  # video decoder of LeRobot's dataset (pyav | torchcodec)
 
     def __post_init__(self):
         for key in ("state_norm", "action_norm"):
@@ -64,12 +64,12 @@ class DatasetConfig:
 class VisionConfig:
     """A SigLIP vision tower (transformers ``SiglipVisionModel``)."""
 
-    hidden_size: int = 32
-    num_layers: int = 2
-    num_heads: int = 2
-    intermediate_size: int = 64
-    patch_size: int = 8
-    layer_norm_eps: float = 1e-6
+    hidden_size: int = 32  # hidden size of the vision tower
+    num_layers: int = 2  # transformer layers
+    num_heads: int = 2  # attention heads
+    intermediate_size: int = 64  # hidden width of the MLP
+    patch_size: int = 8  # side of a square patch in pixels
+    layer_norm_eps: float = 1e-6  # epsilon of the LayerNorms
 
     def __post_init__(self):
         positive("policy.vision", self, "hidden_size", "num_layers", "num_heads", "intermediate_size", "patch_size")
@@ -81,14 +81,14 @@ class VisionConfig:
 class GemmaConfig:
     """A Gemma-style decoder stack (RMSNorm with 1+w scale, GeGLU MLP, RoPE, multi-query attention)."""
 
-    width: int = 64
-    depth: int = 2
-    mlp_dim: int = 128
-    num_heads: int = 8
-    num_kv_heads: int = 1
-    head_dim: int = 8
-    rms_norm_eps: float = 1e-6
-    rope_theta: float = 10000.0
+    width: int = 64  # hidden size
+    depth: int = 2  # decoder layers
+    mlp_dim: int = 128  # hidden width of the GeGLU MLP
+    num_heads: int = 8  # query heads
+    num_kv_heads: int = 1  # key/value heads (1: multi-query attention)
+    head_dim: int = 8  # width of one head
+    rms_norm_eps: float = 1e-6  # epsilon of the RMSNorms
+    rope_theta: float = 10000.0  # RoPE base frequency
 
     def __post_init__(self):
         positive("policy gemma", self, "width", "depth", "mlp_dim", "num_heads", "num_kv_heads", "head_dim")
@@ -105,7 +105,7 @@ class PolicyConfig:
     family: str = "pi05"  # the registered policy family (loongforge.models)
     chunk_size: int = 8  # action horizon predicted per observation
     max_state_dim: int = 8  # state/action vectors are zero-padded to these sizes
-    max_action_dim: int = 8
+    max_action_dim: int = 8  # actions are zero-padded to this size
     num_cameras: int = 2  # image slots; absent cameras are filled with masked -1 images
     image_size: int = 32  # square input side; camera frames are resized (with padding) to it
     max_token_len: int = 48  # language tokens (instruction + discretised state), padded
@@ -115,13 +115,13 @@ class PolicyConfig:
     vlm: GemmaConfig = field(default_factory=GemmaConfig)
     # flow matching (pi convention: x_t = t * noise + (1 - t) * actions, target u = noise - actions)
     time_sampling: str = "beta"  # beta | uniform
-    time_beta_alpha: float = 1.5
-    time_beta_beta: float = 1.0
-    time_scale: float = 0.999
-    time_offset: float = 0.001
-    min_period: float = 4e-3
-    max_period: float = 4.0
-    num_inference_steps: int = 10
+    time_beta_alpha: float = 1.5  # alpha of the Beta distribution of flow-matching times (time_sampling=beta)
+    time_beta_beta: float = 1.0  # beta of the Beta distribution of flow-matching times (time_sampling=beta)
+    time_scale: float = 0.999  # a sampled time t becomes t * time_scale + time_offset
+    time_offset: float = 0.001  # added to the scaled time (keeps t away from 0)
+    min_period: float = 4e-3  # shortest period of the sinusoidal time embedding
+    max_period: float = 4.0  # longest period of the sinusoidal time embedding
+    num_inference_steps: int = 10  # Euler steps of the flow when sampling actions (eval)
     pretrained: str | None = None  # weights to start from: a safetensors file
     pretrained_format: str = "loongforge"  # loongforge | lerobot (LeRobot's pi0 / pi05 state-dict names)
     # a tokenizer directory (PaliGemma's tokenizer.json / tokenizer.model / tokenizer_config.json), loaded
@@ -149,8 +149,8 @@ class EmbodiedEvalConfig(EvalConfig):
     """``eval``: the shared evaluation cadence plus the policy evaluation hook and its sampling."""
 
     hook: str = "offline_mse"  # an EvalHook name (built in or from the loongforge.embodied.eval_hooks group)
-    batch_size: int = 8
-    seed: int = 0
+    batch_size: int = 8  # samples per evaluation batch
+    seed: int = 0  # seed of the evaluation's noise and sampling
 
 
 @dataclass

@@ -16,11 +16,16 @@ import json
 import sys
 
 from loongforge.core.config import ConfigError
-from loongforge.llm import recipe
-from loongforge.llm.recipe import LLMConfig
+from loongforge.llm.shipped_configs import CONFIG_DIR
 
 
-def cmd_info(args, cfg: LLMConfig) -> None:
+def load_config(name_or_path: str | None, overrides: list[str]):
+    from loongforge.llm.recipe import load_llm_config
+
+    return load_llm_config(name_or_path, overrides)
+
+
+def cmd_info(args, cfg) -> None:
     from loongforge.core.parallel import ParallelLayout
     from loongforge.llm.sizing import size_report
 
@@ -51,7 +56,7 @@ def cmd_preprocess(args) -> int:
     return 0
 
 
-def make_task(cfg: LLMConfig):
+def make_task(cfg):
     """The task of the config's model family (``ModelSpec.task``: pre-training or SFT by ``recipe``)."""
     from loongforge.core.models import get_model_spec
 
@@ -104,13 +109,12 @@ def describe_cli():
 
     return ModalityCLI(
         prog="lf-llm", module="loongforge.llm.cli", description="LoongForge LLM training on megatron-core",
-        config_dirs=[recipe.CONFIG_DIR], default_config="train_debug", load_config=recipe.load_llm_config,
+        config_dirs=[CONFIG_DIR], default_config="train_debug", load_config=load_config,
         make_task=make_task, info=cmd_info, info_options=info_options, example="train.steps=200 parallel.tp=2",
         converters=converters("lf-llm"), convert_options=convert_options,
         lora_layouts=lora_layouts, lora_library="transformers",
         bench_options=bench_options, bench=bench, default_bench_config="train_0_5b",
         commands=commands, packages=["loongforge-core", "loongforge-llm", "loongforge-kernels"],
-        schema=recipe.LLMConfig,
     )
 
 

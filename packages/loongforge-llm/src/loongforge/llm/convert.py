@@ -65,7 +65,8 @@ def lf_to_hf_command(source: str, out: str, args) -> str:
 def converters(prog: str = "lf-llm"):
     from loongforge.core.cli import Converter
 
-    return [Converter("hf-to-lf", "a Hugging Face model directory -> a LoongForge checkpoint (+ OUT/train.yaml)",
+    return [Converter("hf-to-lf", "a Hugging Face model directory or hub id (owner/name[@revision]) -> a LoongForge "
+                      "checkpoint (+ OUT/train.yaml)",
                       hf_to_lf_command),
             Converter("lf-to-hf", "a LoongForge checkpoint (step directory or root; a LoRA one merged) -> a Hugging Face directory",
                       lf_to_hf_command)]

@@ -7,24 +7,26 @@ from dataclasses import dataclass
 
 @dataclass
 class GPTConfig:
+    # the registered model family (loongforge.models): llama, qwen2, qwen3, mistral, qwen3_moe, deepseek_v3
     family: str = "llama"
-    num_layers: int = 2
-    hidden_size: int = 64
-    num_attention_heads: int = 4
+    num_layers: int = 2  # transformer layers
+    hidden_size: int = 64  # model width
+    num_attention_heads: int = 4  # query heads
     num_query_groups: int = 2  # KV heads (GQA); == num_attention_heads for MHA
-    ffn_hidden_size: int = 128
+    ffn_hidden_size: int = 128  # hidden width of the (SwiGLU) MLP
     vocab_size: int = 4096  # model vocab (>= tokenizer vocab; padded for TP)
-    max_position_embeddings: int = 4096
+    max_position_embeddings: int = 4096  # longest sequence the RoPE tables cover
     kv_channels: int | None = None  # head dim; default hidden_size // num_attention_heads
-    rotary_base: float = 10000.0
-    rotary_percent: float = 1.0
-    norm_epsilon: float = 1e-5
-    tie_embeddings: bool = False
+    rotary_base: float = 10000.0  # RoPE base frequency (rope_theta)
+    rotary_percent: float = 1.0  # share of each head's dims that get RoPE
+    norm_epsilon: float = 1e-5  # epsilon of the RMSNorms
+    tie_embeddings: bool = False  # the output layer shares the input embedding's weights
     qk_layernorm: bool = False  # Qwen3
     add_qkv_bias: bool = False  # Qwen2.5
-    init_method_std: float = 0.02
-    # An HF model directory to start from: the architecture comes from its config.json (the rest of
-    # the model section is ignored) and the weights from its safetensors, read per TP/PP/EP shard.
+    init_method_std: float = 0.02  # standard deviation of the random weight init
+    # An HF model directory or Hugging Face Hub id (owner/name[@revision]) to start from: the
+    # architecture comes from its config.json (the rest of the model section is ignored) and the
+    # weights from its safetensors, read per TP/PP/EP shard.
     # Not part of the architecture record that checkpoints compare (see ``architecture``).
     init_from_hf: str | None = None
 

@@ -26,7 +26,7 @@ class MoEConfig(GPTConfig):
     family: str = "qwen3_moe"
     num_experts: int = 4  # routed experts per MoE layer
     moe_ffn_hidden_size: int = 32  # hidden size of one routed expert
-    moe_router_topk: int = 2
+    moe_router_topk: int = 2  # routed experts per token
     moe_shared_expert_ffn_hidden_size: int = 0  # all shared experts together; 0: none
     first_k_dense: int = 0  # the first k layers keep a dense MLP of ffn_hidden_size
     moe_router_score_function: str = "softmax"  # softmax (Qwen3-MoE) | sigmoid (DeepSeek-V3)
@@ -35,11 +35,11 @@ class MoEConfig(GPTConfig):
     moe_router_num_groups: int = 0  # group-limited routing: expert groups (0: off)
     moe_router_group_topk: int = 0  # groups each token may use
     moe_router_enable_expert_bias: bool = False  # aux-loss-free balancing bias (sigmoid only)
-    moe_router_bias_update_rate: float = 1e-3
-    moe_router_load_balancing_type: str = "aux_loss"
-    moe_aux_loss_coeff: float = 1e-3
+    moe_router_bias_update_rate: float = 1e-3  # step size of the expert bias (moe_router_enable_expert_bias)
+    moe_router_load_balancing_type: str = "aux_loss"  # aux_loss | seq_aux_loss | global_aux_loss | none
+    moe_aux_loss_coeff: float = 1e-3  # weight of the load-balancing loss
     moe_z_loss_coeff: float = 0.0  # 0: no router z-loss
-    moe_token_dispatcher: str = "alltoall"
+    moe_token_dispatcher: str = "alltoall"  # alltoall | allgather
     # overlap the expert-parallel all-to-all of one micro-batch with the computation of another
     # (megatron-core's combined 1F1B schedule; needs parallel.ep > 1, bf16, no recomputation)
     moe_a2a_overlap: bool = False
@@ -183,17 +183,17 @@ class MLAMoEConfig(MoEConfig):
     num_query_groups: int = 4  # == num_attention_heads: one key/value head per query head
     qk_layernorm: bool = True  # the RMSNorms on the compressed query and key/value latents
     q_lora_rank: int = 32  # rank of the compressed query (the local backend has no uncompressed MLA query)
-    kv_lora_rank: int = 16
+    kv_lora_rank: int = 16  # rank of the compressed key/value latent
     qk_nope_head_dim: int = 16  # per-head query/key dims without rotary embedding
     qk_rope_head_dim: int = 8  # per-head query/key dims with rotary embedding
-    v_head_dim: int = 16
+    v_head_dim: int = 16  # per-head value dims
     rope_type: str = "rope"  # rope | yarn
     rotary_scaling_factor: float = 40.0  # yarn only
     original_max_position_embeddings: int = 4096  # yarn only
-    beta_fast: float = 32.0
-    beta_slow: float = 1.0
-    mscale: float = 1.0
-    mscale_all_dim: float = 1.0
+    beta_fast: float = 32.0  # yarn only: fast rotation boundary
+    beta_slow: float = 1.0  # yarn only: slow rotation boundary
+    mscale: float = 1.0  # yarn only: attention scale factor
+    mscale_all_dim: float = 1.0  # yarn only: attention scale factor over all dims
     attention_variant: str = "mla"  # mla | dsa (DeepSeek-V3.2 sparse attention)
     dsa_indexer_n_heads: int = 4  # dsa only: the indexer's heads (V3.2: 64)
     dsa_indexer_head_dim: int = 32  # dsa only: per indexer head; the first qk_rope_head_dim get RoPE (V3.2: 128)

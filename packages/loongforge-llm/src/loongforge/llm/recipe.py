@@ -34,7 +34,10 @@ class DataConfig:
     # Indexed datasets (prefixes of .bin/.idx written by `lf-llm preprocess`); empty: the bundled corpus.
     prefixes: list[str] = field(default_factory=list)
     weights: list[float] = field(default_factory=list)  # blend weights, one per prefix (default equal)
-    tokenizer: str | None = None  # local tokenizer dir; default: the bundled tokenizer
+    # a tokenizer directory (or tokenizer.json), or a Hugging Face Hub id (owner/name); default: the
+    # bundled tokenizer. With data.prefixes empty it tokenizes the bundled corpus; with data.prefixes
+    # it must be the tokenizer they were preprocessed with (its end-of-document id is read)
+    tokenizer: str | None = None
     cache_dir: str | None = None  # tokenized corpora and sample indices; null: $LOONGFORGE_CACHE/llm-data
 
     def __post_init__(self):
@@ -177,9 +180,19 @@ def load_llm_config(name_or_path: str | None, overrides: Sequence[str] = ()) -> 
         rest = [o for o in overrides if o.split("=", 1)[0].strip().lstrip("+~") != "model.init_from_hf"]
         reason = (f"model.init_from_hf={model['init_from_hf']} sets the whole model section from "
                   f"{hf_model.init_from_hf}/config.json")
-        return load_config(LLMConfig(model=hf_model), name_or_path, rest, [CONFIG_DIR], fixed={"model": reason})
+        return resolve_tokenizer(load_config(LLMConfig(model=hf_model), name_or_path, rest, [CONFIG_DIR],
+                                             fixed={"model": reason}))
     config_class = _config_class(model.get("family", GPTConfig.family))
-    return load_config(LLMConfig(model=config_class()), name_or_path, overrides, [CONFIG_DIR])
+    return resolve_tokenizer(load_config(LLMConfig(model=config_class()), name_or_path, overrides, [CONFIG_DIR]))
+
+
+def resolve_tokenizer(cfg: LLMConfig) -> LLMConfig:
+    """``data.tokenizer=owner/name``: the local snapshot of that hub repository (before any group)."""
+    from loongforge.core.hub import resolve_local
+
+    if cfg.data.tokenizer:
+        cfg.data.tokenizer = resolve_local(cfg.data.tokenizer, key="data.tokenizer")
+    return cfg
 
 
 def make_task(cfg: LLMConfig):
@@ -225,6 +238,12 @@ class LLMTask:
             from loongforge.llm.data.gpt import resolve_blend
 
             resolve_blend(self._blend())
+        if cfg.data.tokenizer:  # it loads and fits model.vocab_size, before any process group
+            from loongforge.llm.data import load_tokenizer
+            from loongforge.llm.data.vocabulary import check_tokenizer_fits
+
+            check_tokenizer_fits(f"data.tokenizer={cfg.data.tokenizer}", load_tokenizer(cfg.data.tokenizer).vocab_size,
+                                 cfg.model.vocab_size)
         # fp8=adaptive: the run's FP8Plan (layers.fp8_plan), measured when the model is built or
         # restored from the checkpoint a run resumes; saved in every checkpoint's manifest
         self.fp8_plan = None
@@ -351,8 +370,9 @@ class LLMTask:
                     tokenizer=tokenizer, cache_dir=self.cfg.data.resolved_cache_dir(),
                 )
             else:
-                self._dataset = shipped.bundled_dataset(
-                    self.cfg.data.resolved_cache_dir(), seq_length=train.seq_length, num_samples=num_samples, seed=train.seed
+                self._dataset = shipped.bundled_dataset(  # tokenized here, with data.tokenizer when set
+                    self.cfg.data.resolved_cache_dir(), seq_length=train.seq_length, num_samples=num_samples,
+                    seed=train.seed, tokenizer=self.tokenizer_ref(),
                 )
         return self._dataset
 

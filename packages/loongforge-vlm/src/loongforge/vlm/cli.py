@@ -21,12 +21,12 @@ from loongforge.core.cli import convert_dtype
 
 DEFAULT_CONFIG = "vlm_debug"
 TRAIN_CONFIG = "train.yaml"
+CONFIG_DIR = Path(__file__).resolve().parent / "configs"  # loongforge.vlm.recipe's, without its imports
 
 
 def config_dirs() -> list[Path]:
     """The VLM's configs, and loongforge-llm's (the ``foundation`` group reuses its model configs)."""
     from loongforge.llm.api import CONFIG_DIR as LLM_CONFIG_DIR
-    from loongforge.vlm.recipe import CONFIG_DIR
 
     return [CONFIG_DIR, LLM_CONFIG_DIR]
 
@@ -51,7 +51,11 @@ def load_vlm_config(name: str | None, overrides: list[str]):
         parts["foundation"] = get_model_spec(family).config_class()
     except ModelRegistryError as exc:
         raise ConfigError(f"foundation.family={family!r}: {exc}") from exc
-    return load_config(VLMConfig(**parts), name, overrides, dirs)
+    from loongforge.core.hub import resolve_local
+
+    cfg = load_config(VLMConfig(**parts), name, overrides, dirs)
+    cfg.data.tokenizer = resolve_local(cfg.data.tokenizer, key="data.tokenizer")  # owner/name: its hub snapshot
+    return cfg
 
 
 def cmd_info(args, cfg) -> None:
@@ -128,25 +132,35 @@ def bench(args, config: str, overrides: list[str]) -> None:
     run_bench(args, config, overrides)
 
 
+def bench_options(parser) -> None:
+    from loongforge.vlm.bench import add_bench_arguments
+
+    add_bench_arguments(parser)
+
+
+def lora_layouts(manifest: dict, names: list[str]):
+    from loongforge.vlm.lora import lora_layouts as layouts
+
+    return layouts(manifest, names)
+
+
 def describe_cli():
     """This package's ``ModalityCLI`` (``loongforge.core.cli``)."""
     from loongforge.core.cli import Converter, ModalityCLI
-    from loongforge.vlm.bench import add_bench_arguments
-    from loongforge.vlm.lora import lora_layouts
-    from loongforge.vlm.recipe import VLMConfig
 
     return ModalityCLI(
         prog="lf-vlm", module="loongforge.vlm.cli", description="LoongForge vision-language models on megatron-core",
         config_dirs=config_dirs()[:1], default_config=DEFAULT_CONFIG, load_config=load_vlm_config,
         make_task=make_task, info=cmd_info,
         example="foundation=qwen3_debug encoder=siglip_vit_debug parallel.tp=2 parallel.encoder.tp=1",
-        converters=[Converter("hf-to-lf", "a Qwen2.5-VL or Qwen3-VL Hugging Face directory -> a LoongForge checkpoint",
+        converters=[Converter("hf-to-lf", "a Qwen2.5-VL or Qwen3-VL Hugging Face directory or hub id (owner/name) -> a "
+                              "LoongForge checkpoint",
                               hf_to_lf_command),
                     Converter("lf-to-hf", "a LoongForge VLM checkpoint (a LoRA one merged) -> a Qwen2.5-VL or "
                               "Qwen3-VL Hugging Face directory (by its encoder)",
                               lf_to_hf_command)],
-        bench_options=add_bench_arguments, bench=bench, lora_layouts=lora_layouts, lora_library="transformers",
-        packages=["loongforge-core", "loongforge-llm", "loongforge-vlm", "loongforge-kernels"], schema=VLMConfig,
+        bench_options=bench_options, bench=bench, lora_layouts=lora_layouts, lora_library="transformers",
+        packages=["loongforge-core", "loongforge-llm", "loongforge-vlm", "loongforge-kernels"],
     )
 
 

@@ -28,16 +28,16 @@ class EncoderConfig:
     with its own fields and says how its layers compute through the class attributes below."""
 
     family: str = "qwen2_5_vit"  # the registered component (loongforge.components)
-    num_layers: int = 2
-    hidden_size: int = 32
-    num_attention_heads: int = 2
-    ffn_hidden_size: int = 64
-    in_channels: int = 3
-    patch_size: int = 8
-    temporal_patch_size: int = 2
-    spatial_merge_size: int = 2
-    norm_epsilon: float = 1e-6
-    init_method_std: float = 0.02
+    num_layers: int = 2  # vision transformer layers
+    hidden_size: int = 32  # vision tower width
+    num_attention_heads: int = 2  # attention heads
+    ffn_hidden_size: int = 64  # hidden width of the MLP
+    in_channels: int = 3  # image channels
+    patch_size: int = 8  # side of a square patch in pixels
+    temporal_patch_size: int = 2  # video frames per patch (1: images only, frame by frame)
+    spatial_merge_size: int = 2  # side of the square of patches merged into one LLM token
+    norm_epsilon: float = 1e-6  # epsilon of the norms
+    init_method_std: float = 0.02  # standard deviation of the random weight init
 
     normalization: ClassVar[str] = "LayerNorm"  # RMSNorm | LayerNorm
     gated_mlp: ClassVar[bool] = False  # SwiGLU-style (two input projections)
@@ -112,7 +112,7 @@ class ProjectorConfig:
 
     family: str = "patch_merge_mlp"  # the registered component (loongforge.components)
     ffn_hidden_size: int | None = None  # null: the family's default (default_ffn)
-    norm_epsilon: float = 1e-6
+    norm_epsilon: float = 1e-6  # epsilon of the projector's norm
 
     def __post_init__(self):
         if self.ffn_hidden_size is not None and self.ffn_hidden_size < 1:
@@ -157,11 +157,11 @@ class VisionTokensConfig:
 
     rope: str = "mrope"  # mrope (Qwen2/2.5-VL) | mrope_interleaved (Qwen3-VL) | rope
     mrope_section: list[int] | None = None  # default: head_dim/2 split 1/4, 3/8, 3/8 (Qwen2.5-VL's 16/24/24 of 64)
-    tokens_per_second: float = 2.0
+    tokens_per_second: float = 2.0  # video: temporal RoPE positions per second of video
     image_token_id: int | None = None  # default: from the tokenizer
-    video_token_id: int | None = None
-    vision_start_token_id: int | None = None
-    vision_end_token_id: int | None = None
+    video_token_id: int | None = None  # default: from the tokenizer
+    vision_start_token_id: int | None = None  # default: from the tokenizer
+    vision_end_token_id: int | None = None  # default: from the tokenizer
 
     def __post_init__(self):
         if self.rope not in ROPES:

@@ -18,6 +18,7 @@ summed over assistant tokens and normalised by their count over the whole global
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import ClassVar
 from functools import partial
 from pathlib import Path
 
@@ -51,9 +52,9 @@ class EncoderParallel:
     the micro-batch's images (data parallel across the foundation's TP group). With ``decoupled``
     the tower runs once per step outside the pipeline schedule (``loongforge.vlm.encoder_stage``)."""
 
-    tp: int = 1
-    recompute: str = "none"
-    split_across_foundation_tp: bool = True
+    tp: int = 1  # tensor parallel size of the vision tower: 1 or the foundation's
+    recompute: str = "none"  # activation recomputation of the vision tower: none | selective | full
+    split_across_foundation_tp: bool = True  # with tp=1: the foundation's TP ranks encode disjoint shares of the images
     # encode all of a step's micro-batches' images in one batched forward before the (pipeline) schedule
     # and run the tower's backward once after it, instead of once per micro-batch inside it
     decoupled: bool = False
@@ -88,11 +89,12 @@ class VLMParallelConfig(ParallelConfig):
 class VLMDataConfig:
     path: str | None = None  # JSONL of conversations with images/videos; null: the shipped shapes set
     media_root: str | None = None  # base of relative media paths (default: the JSONL's directory)
-    tokenizer: str | None = None  # local tokenizer dir; default: loongforge-llm's bundled one + vision tokens
+    # a tokenizer directory or a Hugging Face Hub id (owner/name); default: loongforge-llm's bundled one + vision tokens
+    tokenizer: str | None = None
     chat_template: str | None = None  # a Jinja file to use instead of the tokenizer's template
     cache_dir: str | None = None  # media indices and the shipped set; null: $LOONGFORGE_CACHE/vlm-data
     too_long: str = "skip"  # a sample over balance.token_cap: skip | error
-    num_workers: int = 0
+    num_workers: int = 0  # DataLoader worker processes; 0: load in the training process
     media: MediaConfig = field(default_factory=MediaConfig)
 
     def __post_init__(self):
@@ -104,11 +106,18 @@ class VLMDataConfig:
 
 @dataclass
 class VLMConfig:
+    # keys the groups hold (the foundation is an LLM config) that this recipe refuses, with why:
+    # `lf-vlm train --help` and the config reference leave them out (loongforge.core.config_docs)
+    UNSETTABLE: ClassVar[dict[str, str]] = {
+        "foundation.init_from_hf": "the VLM recipe does not read HF directories online; convert the model "
+                                   "(lf-vlm convert hf-to-lf) and set checkpoint.load"}
+
     encoder: EncoderConfig = field(default_factory=QwenViTConfig)  # a registered encoder's config class
     projector: ProjectorConfig = field(default_factory=PatchMergeMLPConfig)
     foundation: GPTConfig = field(default_factory=GPTConfig)
     vision: VisionTokensConfig = field(default_factory=VisionTokensConfig)
     parallel: VLMParallelConfig = field(default_factory=VLMParallelConfig)
+    # the parts trained (encoder, projector, foundation); the others are frozen
     trainable: list[str] = field(default_factory=lambda: list(PARTS))
     data: VLMDataConfig = field(default_factory=VLMDataConfig)
     train: SequenceTrainConfig = field(default_factory=SequenceTrainConfig)
@@ -133,8 +142,8 @@ class VLMConfig:
             raise ValueError(f"train.micro_batch_size={self.train.micro_batch_size}: the VLM recipe packs micro-batches "
                              f"by tokens (balance.token_cap); leave it null (or 1)")
         if self.foundation.init_from_hf:
-            raise ValueError(f"foundation.init_from_hf={self.foundation.init_from_hf}: the VLM recipe does not read HF "
-                             f"directories online; convert the model (lf-vlm convert) and set checkpoint.load")
+            raise ValueError(f"foundation.init_from_hf={self.foundation.init_from_hf}: "
+                             f"{self.UNSETTABLE['foundation.init_from_hf']}")
         encoder_hf = getattr(self.encoder, "init_from_hf", None)
         for key, value in (("checkpoint.load", self.checkpoint.load), ("lora.base", self.lora.base)):
             if encoder_hf and value:

@@ -14,7 +14,7 @@ from loongforge.core.training.sharding import local
 @dataclass
 class EmaConfig:
     decay: float = 0.0  # 0: no EMA weights
-    update_interval: int = 1
+    update_interval: int = 1  # steps between EMA updates (each update uses decay ** update_interval)
 
     def __post_init__(self):
         if not 0.0 <= self.decay < 1.0:

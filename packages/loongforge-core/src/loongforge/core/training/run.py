@@ -111,6 +111,18 @@ def claim_run_dir(lock: RunDirLock, ctx) -> Holder | None:
     return outcome if ctx.is_main else None
 
 
+def loss_trend(results: list[StepResult]) -> str:
+    """The mean loss of the run's first and last tenth of steps (at least 2 steps each): a step's
+    loss is one batch's, so with small batches two single steps say little about the trend."""
+    if len(results) < 10:
+        return ""
+    n = max(2, len(results) // 10)
+    first, last = results[:n], results[-n:]
+    return (f"mean loss of steps {first[0].step}-{first[-1].step} {statistics.fmean(r.loss for r in first):.4f} -> "
+            f"steps {last[0].step}-{last[-1].step} {statistics.fmean(r.loss for r in last):.4f} "
+            f"(each step's loss is one batch's)")
+
+
 def print_summary(prog: str, summary: RunSummary) -> None:
     results = summary.results
     if not results:
@@ -121,6 +133,9 @@ def print_summary(prog: str, summary: RunSummary) -> None:
             else f"median {statistics.median([r.samples / r.seconds for r in late]):.1f} samples/s")
     print(f"{prog}: step {results[0].step} loss {results[0].loss:.4f} -> step {results[-1].step} loss "
           f"{results[-1].loss:.4f}; {rate}", flush=True)
+    trend = loss_trend(results)
+    if trend:
+        print(f"{prog}: {trend}", flush=True)
     where = f"last checkpoint {summary.last_checkpoint}" if summary.last_checkpoint else "no checkpoint saved"
     print(f"{prog}: run dir {summary.run_dir} (metrics.jsonl, config.yaml); {where}", flush=True)
     print(f"{prog}: resume: the same command (it continues from {summary.checkpoint_dir / 'latest'}); "

@@ -101,7 +101,7 @@ class TrainConfig:
 class SequenceTrainConfig(TrainConfig):
     """``train`` of token-sequence models (LLM, VLM): adds the sequence length."""
 
-    seq_length: int = 128
+    seq_length: int = 128  # tokens per training sequence (sample length)
     # ChunkPipe: each sequence goes through the model in N equal chunks, each attending to the keys
     # and values of the chunks before it; activation memory follows the chunk, not the sequence, for
     # one more forward per chunk (exact gradients; lf-llm's dense families, see loongforge.llm.chunk_pipe)

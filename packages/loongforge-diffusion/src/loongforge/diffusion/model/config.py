@@ -48,18 +48,18 @@ FP8_MODES = ("none", "tensorwise")
 class WanConfig:
     # architecture (diffusers names and meanings)
     patch_size: list[int] = field(default_factory=lambda: [1, 2, 2])
-    num_attention_heads: int = 2
-    attention_head_dim: int = 32
-    in_channels: int = 4
-    out_channels: int = 4
-    text_dim: int = 32
-    freq_dim: int = 32
-    ffn_dim: int = 128
-    num_layers: int = 2
-    cross_attn_norm: bool = True
-    qk_norm: str = "rms_norm_across_heads"
-    eps: float = 1e-6
-    rope_max_seq_len: int = 1024
+    num_attention_heads: int = 2  # attention heads per block
+    attention_head_dim: int = 32  # width of one head (hidden size = heads * head dim)
+    in_channels: int = 4  # latent channels in (with image conditioning: the concatenated condition channels too)
+    out_channels: int = 4  # latent channels predicted
+    text_dim: int = 32  # width of the text encoder's prompt embeddings
+    freq_dim: int = 32  # width of the sinusoidal timestep embedding
+    ffn_dim: int = 128  # hidden width of each block's feed-forward
+    num_layers: int = 2  # transformer blocks
+    cross_attn_norm: bool = True  # a LayerNorm before the cross-attention on the prompt
+    qk_norm: str = "rms_norm_across_heads"  # query/key normalisation (diffusers' name: rms_norm_across_heads)
+    eps: float = 1e-6  # epsilon of the norms
+    rope_max_seq_len: int = 1024  # positions of the 3-D RoPE table per axis
     # Wan 2.1 I2V: width of the CLIP image tokens (1280; the image embedder maps them to the hidden
     # size); null for every other variant
     image_dim: int | None = None

@@ -16,10 +16,10 @@ from loongforge.embodied.config import positive
 class DiTConfig:
     """The GR00T-style action head: DiT blocks with adaLN timestep conditioning and cross-attention."""
 
-    width: int = 64
-    depth: int = 2
-    num_heads: int = 4
-    mlp_ratio: float = 4.0
+    width: int = 64  # hidden size of the DiT blocks
+    depth: int = 2  # DiT blocks
+    num_heads: int = 4  # attention heads
+    mlp_ratio: float = 4.0  # MLP hidden width as a multiple of width
     vlm_layer: int = -1  # backbone layer whose hidden states the head attends to (-1 = last)
 
     def __post_init__(self):

@@ -204,9 +204,10 @@ def add_preprocess_arguments(parser: argparse.ArgumentParser) -> argparse.Argume
     """Arguments of ``lf-llm preprocess`` (for a subcommand parser or a standalone one)."""
     parser.add_argument("--input", nargs="+", required=True, type=Path, metavar="FILE",
                         help="text (.txt) and JSONL (.jsonl) files, tokenized in the order given")
-    parser.add_argument("--tokenizer", type=Path, default=None, metavar="PATH",
-                        help="tokenizer.json or a directory holding one (default: the bundled tokenizer, "
-                             "which is also what training uses when data.tokenizer is not set)")
+    parser.add_argument("--tokenizer", default=None, metavar="PATH|ID",
+                        help="tokenizer.json, a directory holding one, or a Hugging Face Hub id (owner/name) "
+                             "(default: the bundled tokenizer, which is also what training uses when "
+                             "data.tokenizer is not set)")
     parser.add_argument("--output-prefix", required=True, type=Path, metavar="PREFIX",
                         help="writes PREFIX.bin and PREFIX.idx")
     parser.add_argument("--json-key", default="text", help="JSONL field holding the document (default: text)")
@@ -222,7 +223,9 @@ def preprocess_from_args(args: argparse.Namespace) -> Path:
 
     from loongforge.llm.data.shipped import bundled_tokenizer_path
 
-    tokenizer = args.tokenizer if args.tokenizer is not None else bundled_tokenizer_path()
+    from loongforge.core.hub import resolve_local
+
+    tokenizer = resolve_local(args.tokenizer, key="--tokenizer") if args.tokenizer is not None else bundled_tokenizer_path()
     prefix = preprocess(args.input, tokenizer, args.output_prefix, json_key=args.json_key,
                         append_eod=not args.no_eod, txt_unit=args.txt_unit)
     written = IndexedDataset(str(prefix))
@@ -235,9 +238,11 @@ def preprocess_cli(argv: Sequence[str] | None = None) -> int:
     parser = add_preprocess_arguments(argparse.ArgumentParser(
         prog="lf-llm preprocess", description="Tokenize text/JSONL files into a megatron-core indexed dataset."))
     args = parser.parse_args(argv)
+    from loongforge.core.errors import UserError
+
     try:
         preprocess_from_args(args)
-    except DataError as err:
+    except UserError as err:  # bad data, a tokenizer that cannot be found
         print(f"error: {err}", file=sys.stderr)
         return 1
     return 0

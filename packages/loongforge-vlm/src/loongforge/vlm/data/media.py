@@ -31,18 +31,20 @@ CLIP_STD = (0.26862954, 0.26130258, 0.27577711)
 class MediaConfig:
     """Pixel budgets and sampling of images and videos (the ``data.media`` group)."""
 
-    min_pixels: int = 64 * 64
-    max_pixels: int = 128 * 128
-    video_min_pixels: int = 32 * 32
-    video_max_pixels: int = 64 * 64
-    video_fps: float = 2.0
-    video_max_frames: int = 8
+    min_pixels: int = 64 * 64  # an image is resized to at least this many pixels
+    max_pixels: int = 128 * 128  # an image is resized to at most this many pixels
+    video_min_pixels: int = 32 * 32  # a video frame is resized to at least this many pixels
+    video_max_pixels: int = 64 * 64  # a video frame is resized to at most this many pixels
+    video_fps: float = 2.0  # frames per second sampled from a video
+    video_max_frames: int = 8  # the most frames taken from one video
     tile_size: int = 0  # > 0: images become tiles of this side (InternVL's dynamic tiling); 0: one resized frame
     min_tiles: int = 1  # the fewest tiles of an image (with tile_size)
     max_tiles: int = 12  # the most tiles of an image, the thumbnail not counted
     tile_thumbnail: bool = True  # a whole-image tile after the tiles of a multi-tile image
     placeholders: str = "qwen"  # media tokens: qwen (<|vision_start|><|image_pad|>...) | internvl (<img><IMG_CONTEXT>...)
+    # per-channel pixel mean subtracted (CLIP's by default)
     mean: list[float] = field(default_factory=lambda: list(CLIP_MEAN))
+    # per-channel pixel std divided by (CLIP's by default)
     std: list[float] = field(default_factory=lambda: list(CLIP_STD))
 
     def __post_init__(self):

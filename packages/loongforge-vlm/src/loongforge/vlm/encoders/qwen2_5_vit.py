@@ -18,7 +18,7 @@ class QwenViTConfig(EncoderConfig):
     family: str = "qwen2_5_vit"
     window_size: int = 32  # attention window side in pixels (0: no windows)
     full_attention_layers: list[int] = field(default_factory=lambda: [1])  # 0-based
-    rope_theta: float = 10000.0
+    rope_theta: float = 10000.0  # base frequency of the 2-D vision RoPE
 
     normalization = "RMSNorm"
     gated_mlp = True

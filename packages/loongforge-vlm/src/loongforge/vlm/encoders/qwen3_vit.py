@@ -25,7 +25,7 @@ class Qwen3ViTConfig(EncoderConfig):
     family: str = "qwen3_vit"
     num_position_embeddings: int = 16  # a square number: the learned grid is its root on a side
     deepstack_layers: list[int] = field(default_factory=lambda: [0])  # 0-based, increasing; DeepStack feature k joins after foundation layer k
-    rope_theta: float = 10000.0
+    rope_theta: float = 10000.0  # base frequency of the 2-D vision RoPE
 
     normalization = "LayerNorm"
     gated_mlp = False
