@@ -23,8 +23,10 @@ import tempfile
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:  # torch is imported where a bench runs, not where the CLI builds its options
+    import torch
 
 DEFAULT_ROUNDS = 2  # baseline first, then ours first
 
@@ -36,6 +38,8 @@ class FirstLossMismatch(AssertionError):
 def first_loss_tolerance(dtype: torch.dtype, fp8: bool = False) -> float:
     """Relative tolerance of first-step losses: 1e-4 in fp32, 5e-2 in bf16/fp16 or with FP8 GEMMs
     (one side's bf16 rounding differs from the other's where they fuse differently)."""
+    import torch
+
     return 1e-4 if dtype == torch.float32 and not fp8 else 5e-2
 
 
@@ -188,6 +192,8 @@ class SideTimes:
 
 def free_device_memory(accel) -> None:
     """What a finished run left: collected, and the device allocator's cache emptied."""
+    import torch
+
     gc.collect()
     if accel.device().type == "cuda":
         torch.cuda.empty_cache()

@@ -569,7 +569,8 @@ def build_cli(make_app: Callable[[], ModalityCLI]) -> Callable[[list[str] | None
         debug = "--debug" in argv or os.environ.get(DEBUG_ENV, "") not in ("", "0")
         with library_output(verbose="--verbose" in argv or debug):
             app = make_app()
-            args = _parse(build_parser(app, selected_command(argv)), argv)
+            # no subcommand (--version, --help): no command's own options are needed
+            args = _parse(build_parser(app, selected_command(argv) or ""), argv)
             return run_main(lambda: args.fn(args), debug=debug, prog=app.prog)
 
     return main
