@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # DeepSeek sparse attention (DSA) on one CUDA machine (H100 or H200), in one device call of < 9 minutes:
 #
-#   bash bench/dsa_batch.sh
+#   bash bench/dsa_batch.sh          (quick: only the absorbed op's GPU tests and 16K-64K, ~4 minutes)
 #
 # 1. the DSA kernels' GPU tests (bf16 at V3.2's sizes against the fp32 references: top-k, sparse MLA,
 #    the absorbed op DSAttention runs, both key-grad forms of the backward, the indexer loss) and the
@@ -37,6 +37,13 @@ nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.max.sm --format=c
 python3 -c 'import torch, triton; print("torch", torch.__version__, "triton", triton.__version__)'
 
 tests="$repo/packages/loongforge-kernels/tests"
+if [ "${1:-}" = quick ]; then  # the GPU tests of the absorbed op and dense vs DSA at 16K-64K: ~4 minutes
+  (cd "$repo" && bench 90 python3 -m pytest -q -p no:cacheprovider -n 0 -o addopts="--import-mode=importlib" \
+      "$tests/test_dsa_gpu.py" -k "8192-128" 2>&1 | tail -n 12)
+  bench 150 python3 "$repo/bench/dsa_throughput.py" --seqs 16384,32768,65536 --heads 128 --layers 1 --iters 2 \
+      --variants dense,dsa --breakdown-seq 0
+  exit 0
+fi
 (cd "$repo" && bench 150 python3 -m pytest -q -s -p no:cacheprovider -n 0 -o addopts="--import-mode=importlib" \
     "$tests/test_dsa_gpu.py" -k "8192-128" 2>&1 | tail -n 30)
 (cd "$repo" && bench 60 python3 -m pytest -q -p no:cacheprovider -n 0 -o addopts="--import-mode=importlib" \

@@ -13,6 +13,7 @@
 #   bash bench/llm_batch.sh short    # the kernels' GPU tests, then both cases in both recipes against hf_liger
 #                                    # only (no compile), the 1B case with FP8 beside it, then bench_qwen3_4b
 #                                    # in pure bf16: ~8 minutes
+#   bash bench/llm_batch.sh pair     # the 1B case in both recipes against hf_liger: ~3 minutes
 #   bash bench/llm_batch.sh shortest # the AdamW kernel's GPU test, the 1B case in both recipes against hf_liger
 #                                    # (FP8 beside mixed), then train_0_5b in pure bf16: ~5 minutes
 #
@@ -25,7 +26,7 @@
 # LoongForge's own wheels from `uv build --wheel --package loongforge-<name> -o .whl` for core, llm
 # and kernels). Everything printed also goes to $OUT/<stage>.log.
 set -uo pipefail
-stage=${1:?usage: llm_batch.sh profile|cases-a|cases-b|short|shortest}
+stage=${1:?usage: llm_batch.sh profile|cases-a|cases-b|short|shortest|pair}
 OUT=${OUT:-/tmp/lf-llm-bench}
 mkdir -p "$OUT"
 exec > >(tee "$OUT/$stage.log") 2>&1
@@ -100,6 +101,11 @@ shortest)
       train.precision=bf16-pure
   llm_bench 120 --config bench_llama_1b $liger_only --profile-rows 0 --fp8 blockwise train.precision=bf16
   llm_bench 80 --config train_0_5b $liger_only --profile-rows 0 train.precision=bf16-pure
+  ;;
+pair)
+  liger_only="--skip hf_eager --skip hf_compile --rounds 1"
+  llm_bench 100 --config bench_llama_1b $liger_only --profile-rows 0 train.precision=bf16-pure
+  llm_bench 90 --config bench_llama_1b $liger_only --profile-rows 0 train.precision=bf16
   ;;
 *)
   echo "unknown stage $stage"; exit 2
