@@ -130,16 +130,16 @@ def test_bench_ours_is_the_trainers_step(tmp_path):
     batch from the shared initial weights."""
     import torch.nn.functional as F
 
-    from loongforge.core.bench_protocol import bench_run_config
-    from loongforge.core.parallel import init_parallel
+    from loongforge.core.bench_protocol import bench_run_config, bench_world
     from loongforge.diffusion.bench import Bench
     from loongforge.diffusion.cli import load_recipe
     from loongforge.diffusion.model import WanDiT
 
     recipe = load_recipe(None, ["sample.num_frames=5", "sample.height=32", "sample.width=48"])
     bench = Bench(recipe, steps=1, warmup=1)
-    step, trainer = bench.ours_step(bench_run_config(recipe, str(tmp_path)), init_parallel(seed=recipe.train.seed))
-    loss = step()
+    with bench_world(recipe.train.seed) as ctx:
+        step, trainer = bench.ours_step(bench_run_config(recipe, str(tmp_path)), ctx)
+        loss = step()
     assert trainer.step == 1 and trainer.engine.name == "torch"
     model = WanDiT(recipe.model)
     model.load_state_dict(bench.initial_state)

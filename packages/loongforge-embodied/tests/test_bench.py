@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from lerobot_reference import build_lerobot_pi05
-from loongforge.core.parallel import init_parallel
+from loongforge.core.bench_protocol import bench_world
 from loongforge.embodied.bench import build_lerobot_pi05_released, lerobot_recipe, load_runs, run_bench
 
 
@@ -44,8 +44,9 @@ def test_both_sides_same_weights_first_losses_agree_and_order_alternates():
     cfgs = load_runs(None, ["policy.image_size=16", "policy.chunk_size=4", "policy.max_token_len=12"],
                      ["full=train.recompute=full"], batch_size=2)
     lines = []
-    results = run_bench(cfgs, init_parallel(seed=0), steps=2, warmup=1, rounds=2, against_lerobot=True,
-                        build_baseline=_tiny, report=lines.append)
+    with bench_world(seed=0) as ctx:
+        results = run_bench(cfgs, ctx, steps=2, warmup=1, rounds=2, against_lerobot=True, build_baseline=_tiny,
+                            report=lines.append)
     out = "\n".join(lines)
     assert list(results) == ["lerobot", "ours", "full"]
     assert all(math.isfinite(r.samples_per_s) and r.samples_per_s > 0 for r in results.values())
@@ -67,8 +68,8 @@ def test_bench_times_the_step_lf_embodied_train_takes(tmp_path):
     overrides = ["train.global_batch_size=2", "policy.image_size=16", "policy.chunk_size=4", "policy.max_token_len=12"]
     assert main(["train", *overrides, "train.steps=1", f"log.run_dir={tmp_path / 'run'}", "checkpoint.save=false"]) == 0
     logged = [r for r in read_metrics(tmp_path / "run") if r.get("step") == 1]
-    results = run_bench(load_runs(None, overrides, []), init_parallel(seed=1234), steps=1, warmup=1, rounds=1,
-                        report=lambda line: None)
+    with bench_world(seed=1234) as ctx:
+        results = run_bench(load_runs(None, overrides, []), ctx, steps=1, warmup=1, rounds=1, report=lambda line: None)
     assert results["ours"].first_loss == logged[0]["loss"]
 
 

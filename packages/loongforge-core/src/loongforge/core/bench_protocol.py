@@ -21,6 +21,7 @@ import multiprocessing
 import statistics
 import tempfile
 from collections.abc import Callable, Mapping, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -236,6 +237,24 @@ def run_rounds(sides: Sequence[Side], baselines: Sequence[str], rounds: int, ste
             report(f"  {name}: {statistics.median(seconds) * 1e3:.1f} ms/step (median of {len(seconds)}), "
                    f"first-step loss {first:.5f}")
     return {s.name: out[s.name] for s in sides}
+
+
+@contextmanager
+def bench_world(seed: int):
+    """The process groups ``lf-X train`` makes for a world of one (``init_parallel``), as a bench's
+    trainers need them; torn down afterwards when this made them (a process already in a group
+    stays in it)."""
+    import torch.distributed as dist
+
+    from loongforge.core.parallel import destroy_parallel, init_parallel
+
+    owned = not dist.is_initialized()
+    ctx = init_parallel(seed=seed)
+    try:
+        yield ctx
+    finally:
+        if owned:
+            destroy_parallel()
 
 
 def bench_run_config(cfg, run_dir: str):

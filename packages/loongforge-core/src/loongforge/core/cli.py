@@ -481,7 +481,8 @@ def build_parser(app: ModalityCLI, chosen: str | None = None) -> argparse.Argume
         conv.add_argument("out", help="output path (must not exist)")
         conv.add_argument("--dtype", choices=["bf16", "fp16", "fp32"], help="cast floating-point weights (default: keep)")
         conv.add_argument("--no-progress", action="store_true", help="no progress bar")
-        if app.convert_options is not None and wanted("convert"):
+        # train --save-FORMAT runs the converter with convert's parser: its options too
+        if app.convert_options is not None and (wanted("convert") or wanted("train")):
             app.convert_options(conv)
         conv.set_defaults(fn=commands.convert)
         commands.convert_parser = conv

@@ -344,6 +344,18 @@ def run_bench(recipe, steps: int = 10, warmup: int = 3, batch_size: int = 1,
               variants: list[tuple[str, list[str]]] = (), rounds: int = 2,
               profile_rows: int = 25, trace: str | None = None,
               report: Callable[[str], None] = print) -> dict[str, RunResult]:
+    """``bench_in_world`` in the process groups ``lf-diffusion train`` makes for a world of one
+    (``bench_world``: torn down afterwards when it made them)."""
+    from loongforge.core.bench_protocol import bench_world
+
+    with bench_world(recipe.train.seed) as ctx:
+        return bench_in_world(recipe, ctx, steps, warmup, batch_size, variants, rounds, profile_rows, trace, report)
+
+
+def bench_in_world(recipe, ctx, steps: int = 10, warmup: int = 3, batch_size: int = 1,
+                   variants: list[tuple[str, list[str]]] = (), rounds: int = 2,
+                   profile_rows: int = 25, trace: str | None = None,
+                   report: Callable[[str], None] = print) -> dict[str, RunResult]:
     """Time the diffusers step, ours at the same checkpointing (and at the preset's where that
     differs) in ``rounds`` alternating rounds, then each variant of ours; ``report`` gets every
     line as soon as it is known. Raises ``FirstLossMismatch`` (after reporting everything) when a
@@ -353,11 +365,9 @@ def run_bench(recipe, steps: int = 10, warmup: int = 3, batch_size: int = 1,
     for r in [recipe] + [c for _, _, c in configs]:
         r.model.check_device(get_accelerator().device_type)
     from loongforge.core.bench_protocol import bench_run_config, free_device_memory
-    from loongforge.core.parallel import init_parallel
 
     bench = Bench(recipe, steps, warmup, batch_size)
     device_type = bench.device.type
-    ctx = init_parallel(seed=recipe.train.seed)  # the world of one lf-diffusion train makes
     scratch = tempfile.TemporaryDirectory(prefix="lf-diffusion-bench-")
     baseline = diffusers_recipe(recipe)
     headline = variant_recipe(recipe, [f"train.recompute={headline_recompute(recipe)}"])

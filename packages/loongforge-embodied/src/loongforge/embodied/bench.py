@@ -241,12 +241,12 @@ def bench_from_config(config: str | None, overrides: list[str], variants: list[s
                       report: Callable[[str], None] = print) -> dict[str, EmbodiedRun]:
     """``lf-embodied bench`` in this process: the runs of ``load_runs``, timed by ``run_bench`` in the
     process groups ``lf-embodied train`` makes (a world of one)."""
-    from loongforge.core.parallel import init_parallel
+    from loongforge.core.bench_protocol import bench_world
 
     cfgs = load_runs(config, overrides, variants, batch_size)
-    ctx = init_parallel(seed=cfgs["ours"].train.seed)
-    return run_bench(cfgs, ctx, steps, warmup, rounds, against_lerobot, report=report,
-                     profile_rows=profile_rows, trace=trace, lerobot_compile_mode=lerobot_compile_mode)
+    with bench_world(cfgs["ours"].train.seed) as ctx:
+        return run_bench(cfgs, ctx, steps, warmup, rounds, against_lerobot, report=report,
+                         profile_rows=profile_rows, trace=trace, lerobot_compile_mode=lerobot_compile_mode)
 
 
 def step_seconds_from_config(**kwargs) -> dict[str, float]:
