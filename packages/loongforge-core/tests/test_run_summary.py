@@ -17,7 +17,8 @@ def steps(losses):
 
 def test_the_summary_compares_window_means():
     assert loss_trend(steps(NOISY)) == ("mean loss of steps 1-2 1.1700 -> steps 19-20 0.4800 "
-                                        "(each step's loss is one batch's)")
+                                        "(each step's loss is one batch's; metrics.jsonl's loss_avg is the mean "
+                                        "since its previous record)")
     assert loss_trend(steps(NOISY * 3)).startswith("mean loss of steps 1-6 1.0583 -> steps 55-60 ")
 
 

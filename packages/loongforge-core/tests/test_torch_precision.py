@@ -84,12 +84,13 @@ def world():
     destroy_parallel()
 
 
-def trainer(ctx, run_dir, precision: str, **train):
+def trainer(ctx, run_dir, precision: str, log_interval: int = 1, **train):
     from loongforge.core.training.loop import Trainer
 
     options = dict(steps=STEPS, global_batch_size=2, micro_batch_size=1, lr=1e-2, warmup_steps=1, compile=False, seed=3)
     cfg = RunConfig(train=TrainConfig(**{**options, **train}, precision=precision),
-                    log=LogConfig(run_dir=str(run_dir), progress=False, tensorboard=False, interval=1))
+                    log=LogConfig(run_dir=str(run_dir), progress=False, tensorboard=False,
+                                                          interval=log_interval))
     torch.manual_seed(cfg.train.seed)
     return Trainer(ToyTask(), ctx, cfg, config_record={"precision": precision})
 
@@ -128,3 +129,18 @@ def test_mixed_keeps_fp32_weights(world, tmp_path):
     assert run.engine.precision == "mixed"
     assert all(p.dtype == torch.float32 for p in run.engine.named_trainable.values())
     assert results[0].loss == pytest.approx(trainer(world, tmp_path / "p", "bf16-pure", steps=1).fit()[0].loss, rel=2e-2)
+
+
+def test_records_carry_the_mean_loss_since_the_previous_record(world, tmp_path):
+    """``loss`` is the logged step's (one batch's); ``loss_avg`` the mean of the steps since the
+    previous record (every ``log.interval`` steps, and the last step)."""
+    import json
+    import statistics
+
+    results = trainer(world, tmp_path / "run", "fp32", log_interval=2, steps=5).fit()
+    records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    losses = [r.loss for r in results]
+    assert [r["step"] for r in records] == [2, 4, 5]
+    assert [r["loss"] for r in records] == pytest.approx([losses[1], losses[3], losses[4]])
+    assert [r["loss_avg"] for r in records] == pytest.approx(
+        [statistics.fmean(losses[0:2]), statistics.fmean(losses[2:4]), losses[4]])

@@ -542,7 +542,7 @@ def _cmd_env(app: ModalityCLI) -> int:
     print(f"{app.prog} environment")
     print(f"python: {platform.python_version()} ({sys.executable})")
     print(f"platform: {platform.platform()}")
-    for key, value in describe_environment([*app.packages, *app.libraries]):
+    for key, value in describe_environment([*app.packages, *app.libraries, "triton"]):
         print(f"{key}: {value}")
     return 0
 

@@ -1,9 +1,23 @@
-"""What ``lf-* env`` reports: package versions, the accelerators found and the kernels in use."""
+"""What ``lf-* env`` reports: package versions, the GPUs found, the accelerator a run would use and
+the kernel providers installed. It imports no torch (nor any plugin or provider module), so it
+answers at once: versions come from the installed distributions' metadata, GPUs from
+``nvidia-smi`` where it exists, plugins and providers from their entry points."""
 
 from __future__ import annotations
 
+import ast
+import os
+import shutil
+import subprocess
 from collections.abc import Iterable
-from importlib.metadata import PackageNotFoundError, version
+from importlib.metadata import PackageNotFoundError, distribution, entry_points, version
+
+from loongforge.core.accelerators.registry import ENTRY_POINT_GROUP as ACCELERATORS_GROUP
+from loongforge.core.accelerators.registry import ENV_VAR as ACCELERATOR_ENV_VAR
+from loongforge.core.kernels.registry import ENTRY_POINT_GROUP as PROVIDERS_GROUP
+from loongforge.core.kernels.registry import OPS_GROUP
+
+NVIDIA_SMI_TIMEOUT_S = 1.5
 
 
 def package_version(name: str) -> str:
@@ -13,44 +27,71 @@ def package_version(name: str) -> str:
         return "not installed"
 
 
-def describe_environment(packages: Iterable[str]) -> list[tuple[str, str]]:
-    """``(what, value)`` lines: each package's version, torch's CUDA build and devices, every
-    installed accelerator plugin (and whether it has a device here), the one a run would use, and
-    which ops run a fused kernel on it (the rest run their torch reference)."""
-    import torch
-
-    from loongforge.core.accelerators import get_accelerator
-    from loongforge.core.accelerators.registry import (
-        AcceleratorError,
-        installed_accelerators,
-        load_accelerator,
-    )
-    from loongforge.core.kernels.registry import installed_ops, installed_registry
-
-    lines = [(name, package_version(name)) for name in dict.fromkeys(packages)]
-    lines.append(("torch CUDA build", torch.version.cuda or "none"))
-    if torch.cuda.is_available():
-        names = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
-        lines.append(("CUDA devices", f"{len(names)}: {', '.join(names)}"))
-    else:
-        lines.append(("CUDA devices", "none"))
-    found = []
-    for name in sorted(installed_accelerators()):
-        try:
-            found.append(f"{name} ({'available' if load_accelerator(name).is_available() else 'no device'})")
-        except AcceleratorError as exc:
-            found.append(f"{name} (cannot load: {str(exc).splitlines()[0][:80]})")
-    lines.append(("accelerator plugins", ", ".join(found) or "none"))
+def torch_cuda_build() -> str | None:
+    """The CUDA version the installed torch was built for (``torch.version.cuda``), read from its
+    ``version.py`` without importing torch; None for a CPU build or where torch is not installed."""
     try:
-        accelerator = get_accelerator()
-        lines.append(("accelerator in use", accelerator.name))
-    except AcceleratorError as exc:
-        lines.append(("accelerator in use", f"none: {exc}"))
-        return lines
-    registry = installed_registry()
-    fused = sorted(name for name in installed_ops() if registry.resolve(name, accelerator) is not registry.contract(name).reference)
-    reference = sorted(set(installed_ops()) - set(fused))
-    lines.append(("fused kernels", ", ".join(fused) or "none (the loongforge-kernels wheel is not installed, or "
-                                                      "its kernels do not run here)"))
-    lines.append(("torch reference ops", ", ".join(reference) or "none"))
+        source = distribution("torch").locate_file("torch/version.py").read_text()
+    except (PackageNotFoundError, OSError):
+        return None
+    for node in ast.parse(source).body:
+        target = node.targets[0] if isinstance(node, ast.Assign) else getattr(node, "target", None)
+        if isinstance(node, ast.Assign | ast.AnnAssign) and isinstance(target, ast.Name) and target.id == "cuda":
+            value = node.value
+            return value.value if isinstance(value, ast.Constant) and isinstance(value.value, str) else None
+    return None
+
+
+def nvidia_gpus(timeout: float = NVIDIA_SMI_TIMEOUT_S) -> tuple[list[str], str]:
+    """``(["NAME, MEMORY", ...], why_none)``: the NVIDIA GPUs ``nvidia-smi`` lists, else no GPUs and
+    the reason (no nvidia-smi, it failed, or it did not answer within ``timeout`` seconds)."""
+    smi = shutil.which("nvidia-smi")
+    if smi is None:
+        return [], "none found (no nvidia-smi on PATH)"
+    try:
+        out = subprocess.run([smi, "--query-gpu=name,memory.total", "--format=csv,noheader"],
+                             capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        return [], f"unknown (nvidia-smi did not answer within {timeout:g} s)"
+    except OSError as exc:
+        return [], f"unknown (nvidia-smi: {exc})"
+    if out.returncode != 0:
+        return [], f"none found (nvidia-smi: {(out.stderr or out.stdout).strip().splitlines()[:1] or out.returncode})"
+    return [line.strip() for line in out.stdout.splitlines() if line.strip()], "none found"
+
+
+def _providers(group: str) -> list[str]:
+    """``NAME (DISTRIBUTION VERSION)`` for each entry point of ``group``, none of them loaded."""
+    found = []
+    for ep in sorted(entry_points(group=group), key=lambda ep: ep.name):
+        dist = getattr(ep, "dist", None)
+        found.append(f"{ep.name} ({dist.name} {dist.version})" if dist is not None else ep.name)
+    return found
+
+
+def describe_environment(packages: Iterable[str]) -> list[tuple[str, str]]:
+    """``(what, value)`` lines: each package's version, torch's CUDA build, the NVIDIA GPUs found,
+    every installed accelerator plugin, the one a run would use (``$LOONGFORGE_ACCELERATOR``, or
+    auto: cuda where torch has a CUDA build and a GPU is found, else cpu), the kernel providers and
+    the ops defined. Which ops run a fused kernel is decided when a run looks them up on its device."""
+    lines = [(name, package_version(name)) for name in dict.fromkeys(packages)]
+    cuda = torch_cuda_build()
+    lines.append(("torch CUDA build", cuda or "none"))
+    gpus, why_none = nvidia_gpus()
+    lines.append(("NVIDIA GPUs", f"{len(gpus)}: {'; '.join(gpus)}" if gpus else why_none))
+    plugins = _providers(ACCELERATORS_GROUP)
+    lines.append(("accelerator plugins", ", ".join(plugins) or "none"))
+    requested = (os.environ.get(ACCELERATOR_ENV_VAR) or "auto").strip().lower()
+    if requested != "auto":
+        installed = {p.split()[0] for p in plugins}
+        note = "" if requested in installed else " (not installed: a run stops with an error)"
+        lines.append(("accelerator in use", f"{requested} (set by {ACCELERATOR_ENV_VAR}){note}"))
+    elif cuda and gpus:
+        lines.append(("accelerator in use", f"cuda ({ACCELERATOR_ENV_VAR} unset or auto; torch has CUDA {cuda} and a GPU is found)"))
+    else:
+        why = "no GPU found" if cuda else "torch has no CUDA build"
+        lines.append(("accelerator in use", f"cpu ({ACCELERATOR_ENV_VAR} unset or auto; {why})"))
+    lines.append(("kernel providers", ", ".join(_providers(PROVIDERS_GROUP))
+                  or "none (the loongforge-kernels wheel is not installed: every op runs its torch reference)"))
+    lines.append(("ops defined", ", ".join(sorted({ep.name for ep in entry_points(group=OPS_GROUP)})) or "none"))
     return lines

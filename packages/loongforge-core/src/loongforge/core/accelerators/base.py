@@ -11,8 +11,10 @@ from __future__ import annotations
 import os
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:  # torch is imported where a device is made, so `lf-X env` can list plugins without it
+    import torch
 
 
 @dataclass(frozen=True)
@@ -45,6 +47,8 @@ class Accelerator(ABC):
 
     def device(self, local_rank: int | None = None) -> torch.device:
         """The torch device a process with this local rank computes on."""
+        import torch
+
         rank = self.local_rank() if local_rank is None else local_rank
         return torch.device(self.device_type, rank % max(self.device_count(), 1))
 

@@ -2,7 +2,7 @@
 
 It owns the step accounting (steps, consumed samples, ``train.exit_interval``), the LR schedule
 (``schedule.lr_at``), the check that every step's loss and gradient norm are finite (a non-finite
-one's update is skipped, and ``train.nonfinite_patience`` of them in a row stop the run), metrics (progress bar, ``RUN_DIR/metrics.jsonl``, TensorBoard: loss, grad norm, LR,
+one's update is skipped, and ``train.nonfinite_patience`` of them in a row stop the run), metrics (progress bar, ``RUN_DIR/metrics.jsonl``, TensorBoard: loss, its mean since the last record, grad norm, LR,
 step time, samples/s, tokens/s for token data, MFU where FLOPs are known, the task's own step
 metrics), the evaluation hook (``eval.interval``), checkpoint cadence and exact resume through the
 core format (``checkpointing``; a save is refused when the weights are not finite, so ``keep_last``
@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import json
 import math
+import statistics
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -249,6 +250,7 @@ class Trainer:
                                wandb=self._wandb_run())
         samples_log = self._open_sample_log()
         bar = progress(self.train.steps, "train", enabled=self.ctx.is_main and self.log_cfg.progress, initial=self.step)
+        window: list[float] = []  # the finite losses of the steps since the last metrics record
         try:
             while self.step < end:
                 stop = agreed_stop(signals.received, self.ctx.device)  # every rank, at every step boundary
@@ -272,10 +274,17 @@ class Trainer:
                     samples_log.write(json.dumps({"step": self.step, "dp_rank": self.ctx.dp_rank,
                                                   "ids": [int(i) for i in batch.sample_ids]}) + "\n")
                 metrics.update(self._evaluate())
+                if math.isfinite(result.loss):
+                    window.append(result.loss)
+                if window:  # a step's loss is one batch's: their mean since the last record is the trend
+                    metrics["loss_avg"] = statistics.fmean(window)
                 if self.step % self.log_cfg.interval == 0 or self.step == end:
                     logger.log(self.step, metrics)
+                    window = []
                 bar.update(1)
                 postfix = {"loss": f"{result.loss:.4f}"}
+                if "loss_avg" in metrics:
+                    postfix["loss_avg"] = f"{metrics['loss_avg']:.4f}"
                 if "tokens_per_s" in metrics:
                     postfix["tok_s"] = f"{metrics['tokens_per_s']:.0f}"
                 bar.set_postfix(postfix)

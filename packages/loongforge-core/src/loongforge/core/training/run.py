@@ -120,7 +120,7 @@ def loss_trend(results: list[StepResult]) -> str:
     first, last = results[:n], results[-n:]
     return (f"mean loss of steps {first[0].step}-{first[-1].step} {statistics.fmean(r.loss for r in first):.4f} -> "
             f"steps {last[0].step}-{last[-1].step} {statistics.fmean(r.loss for r in last):.4f} "
-            f"(each step's loss is one batch's)")
+            f"(each step's loss is one batch's; metrics.jsonl's loss_avg is the mean since its previous record)")
 
 
 def print_summary(prog: str, summary: RunSummary) -> None:
