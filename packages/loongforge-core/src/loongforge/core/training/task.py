@@ -1,7 +1,10 @@
 """What a modality hands the loop: a task, built from the run's config by the model family's spec.
 
-A task says which engine runs it (``engine``: ``"megatron"`` or ``"torch"``), builds the model
-the way that engine wants it, yields each step's micro-batches, and scores a micro-batch:
+Every task subclasses ``MegatronTask`` or ``TorchTask`` (both ``TrainTask``), which declare every
+hook the loop and the engines call: the required ones abstract, the optional ones with a neutral
+default (the loop never probes a task with ``getattr``). A task says which engine runs it
+(``engine``: ``"megatron"`` or ``"torch"``, set by its base class), builds the model the way that
+engine wants it, yields each step's micro-batches, and scores a micro-batch:
 
 - ``steps(ctx, start_step)`` yields, per optimizer step, a ``StepBatch`` of this DP rank's
   micro-batches (every rank of one DP replica, i.e. its TP, PP and CP ranks, gets the same ones).

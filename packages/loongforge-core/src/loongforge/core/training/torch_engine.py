@@ -7,7 +7,8 @@ train). Context parallelism (``parallel.cp``) is the model's to implement (the t
 declares ``context_parallel = True`` and reads the CP group from ``ctx.pgs.cp``); tensor, pipeline
 and expert parallelism belong to the megatron-core engine.
 
-What the engine asks of the model (the task's ``build_model``):
+What the engine asks of the model (the task's ``build_model``), declared with neutral defaults by
+``loongforge.core.training.torch_model.TorchModel``, which every model it trains subclasses:
 
 - ``repeated_blocks()``: its repeated blocks, FSDP2's sharding units and the compile units;
 - ``recompute_modes`` (the ``train.recompute`` values it implements besides ``none``) and
