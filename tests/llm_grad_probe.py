@@ -94,9 +94,7 @@ def main(out: str, config: str, overrides: list[str]) -> None:
     task = make_task(cfg)
     p = cfg.parallel
     ctx = init_parallel(tp=p.tp, pp=p.pp, cp=p.cp, ep=p.ep, seed=cfg.train.seed)
-    prepare = getattr(task, "prepare", None)
-    if prepare is not None:
-        prepare(ctx)
+    task.prepare(ctx)
     trainer = Trainer(task, ctx, cfg, config_record=to_dict(cfg))
     module = trainer.inner_model
     captured = {}

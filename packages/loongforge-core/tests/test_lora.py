@@ -180,11 +180,12 @@ from loongforge.core.config import ConfigError
 from loongforge.core.lora import LoRAConfig
 from loongforge.core.parallel import destroy_parallel, init_parallel
 from loongforge.core.training.schema import ParallelConfig, TrainConfig
-from loongforge.core.training.task import StepBatch
+from loongforge.core.training.task import StepBatch, TorchTask
+from loongforge.core.training.torch_model import TorchModel
 from loongforge.core.training.torch_engine import TorchEngine
 
 
-class Model(nn.Module):
+class Model(TorchModel):
     def __init__(self):
         super().__init__()
         self.used = nn.Linear(4, 4)
@@ -197,8 +198,14 @@ class Model(nn.Module):
         return nn.functional.linear(self.used(x), self.fused.weight, self.fused.bias)
 
 
-class Task:
-    family, engine, has_pretrained = "toy", "torch", False
+class Task(TorchTask):
+    family = "toy"
+
+    def model_config_dict(self):
+        return {}
+
+    def steps(self, ctx, start_step):
+        return iter(())
 
     def build_model(self, ctx):
         return Model()

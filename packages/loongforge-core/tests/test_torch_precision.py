@@ -14,7 +14,8 @@ import torch.nn as nn
 from loongforge.core.checkpoint import Checkpoint, CheckpointReadError
 from loongforge.core.training.ema import EmaConfig
 from loongforge.core.training.schema import CheckpointConfig, LogConfig, ParallelConfig, TrainConfig
-from loongforge.core.training.task import StepBatch
+from loongforge.core.training.task import StepBatch, TorchTask
+from loongforge.core.training.torch_model import TorchModel
 
 STEPS = 4
 
@@ -28,7 +29,7 @@ class Block(nn.Module):
         return x + self.down(torch.nn.functional.gelu(self.up(x)))
 
 
-class Toy(nn.Module):
+class Toy(TorchModel):
     def __init__(self):
         super().__init__()
         self.blocks = nn.ModuleList([Block(), Block()])
@@ -43,8 +44,8 @@ class Toy(nn.Module):
         return self.head(x)
 
 
-class ToyTask:
-    family, engine, has_pretrained = "toy", "torch", False
+class ToyTask(TorchTask):
+    family = "toy"
 
     def model_config_dict(self) -> dict:
         return {"width": 16}

@@ -12,6 +12,7 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 from loongforge.core.models import ModelSpec
+from loongforge.core.training.torch_model import TorchModel
 from loongforge.embodied.config import PolicyConfig
 from loongforge.embodied.policies.flow_matching import (
     euler_integrate,
@@ -40,7 +41,7 @@ class Block(nn.Module):
         return x + self.down(F.gelu(self.up(self.norm(x))))
 
 
-class MLPPolicy(nn.Module):
+class MLPPolicy(TorchModel):
     family = "mlp_policy"
     recompute_modes = ("full",)
     fsdp_forward_methods = ("sample_actions",)

@@ -42,10 +42,9 @@ class ModelSpec:
     repeated blocks). ``task(run_config)`` makes the task the loop runs (the family's data pipeline
     and loss: ``loongforge.core.training.task``). ``layer_spec(model_config)`` gives the megatron
     ``ModuleSpec`` of one layer. ``flavours`` maps names ("debug", "0.5b") to ready model
-    configs. ``flops_per_token(model_config, seq_length)`` is the training FLOPs per token
-    (forward + backward) used for MFU and the balancer's cost model. ``hf_adapter`` converts to
-    and from the family's outside layout (Hugging Face, diffusers, LeRobot) through
-    ``loongforge.core.hf_mapping``; ``data_pipeline`` builds the family's default dataset.
+    configs. ``hf_adapter`` converts to and from the family's outside layout (Hugging Face,
+    diffusers, LeRobot) through ``loongforge.core.hf_mapping``. What the loop reads from a run
+    (its FLOPs per token, its data) the task says (``loongforge.core.training.task.TrainTask``).
     """
 
     name: str
@@ -55,9 +54,7 @@ class ModelSpec:
     task: Callable[[Any], Any] | None = None
     flavours: dict[str, Any] = field(default_factory=dict)
     layer_spec: Callable[[Any], Any] | None = None
-    flops_per_token: Callable[[Any, int], float] | None = None
     hf_adapter: Any = None
-    data_pipeline: Callable[..., Any] | None = None
 
     def __post_init__(self):
         if self.engine not in ("megatron", "torch"):

@@ -21,7 +21,7 @@ import torch.distributed as dist
 
 from loongforge.core.balance import CostModel
 from loongforge.core.errors import DataError
-from loongforge.core.training.task import StepBatch
+from loongforge.core.training.task import StepBatch, TorchTask
 from loongforge.diffusion.conditioning import dataset_condition, given_tokens, model_input, token_timesteps
 from loongforge.diffusion.context_parallel import ContextParallel
 from loongforge.diffusion.data.batching import generator, plan, step_samples
@@ -54,9 +54,8 @@ def resolve_data_root(recipe: DiffusionRecipe, is_main: bool, progress: bool = T
     return cache_root() / f"n{recipe.data.synthetic_clips}" / "latents"
 
 
-class WanTask:
+class WanTask(TorchTask):
     family = FAMILY
-    engine = "torch"
     context_parallel = True
     variable_micro_batches = True
     loads_into_shards = True  # the diffusers checkpoint holds every tensor of the DiT

@@ -21,7 +21,7 @@ from torch.utils.data import DataLoader
 
 from loongforge.core.config import to_dict
 from loongforge.core.training.sharding import local, region
-from loongforge.core.training.task import StepBatch
+from loongforge.core.training.task import StepBatch, TorchTask
 from loongforge.embodied.data.dataset import EmbodiedDataset
 from loongforge.embodied.data.sampler import StepBatchSampler
 from loongforge.embodied.data.synthetic import ensure_synthetic_dataset
@@ -96,8 +96,7 @@ def load_state_into(model: torch.nn.Module, state: dict[str, torch.Tensor], sour
         local(target).copy_(value.to(local(target).dtype))
 
 
-class PolicyTask:
-    engine = "torch"
+class PolicyTask(TorchTask):
     variable_micro_batches = False
     model_section = "policy"
 

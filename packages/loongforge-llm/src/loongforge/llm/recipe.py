@@ -22,7 +22,7 @@ from loongforge.core.training.schema import (
     ParallelConfig,
     SequenceTrainConfig,
 )
-from loongforge.core.training.task import StepBatch
+from loongforge.core.training.task import MegatronTask, StepBatch
 from loongforge.llm.data.sft import SFTDataConfig
 from loongforge.llm.lora import DEFAULT_TARGETS, LoRAConfig
 from loongforge.llm.model_config import GPTConfig
@@ -223,10 +223,9 @@ class GlobalBatchSampler:
         return [idx[i : i + self.mbs] for i in range(0, per_rank, self.mbs)]
 
 
-class LLMTask:
+class LLMTask(MegatronTask):
     """GPT pre-training on an indexed dataset: next-token loss over ``loss_mask`` tokens."""
 
-    engine = "megatron"
     variable_micro_batches = False
 
     def __init__(self, cfg: LLMConfig):

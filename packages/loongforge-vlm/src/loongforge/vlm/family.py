@@ -17,11 +17,6 @@ def build_vlm(cfg: VLMModelConfig, ctx, transformer_config, pre_process: bool = 
                                pre_process=pre_process, post_process=post_process)
 
 
-def flops_per_token(cfg: VLMModelConfig, seq_length: int) -> float:
-    """The foundation's training FLOPs per token (the vision tower's are counted per patch)."""
-    return cfg.foundation.flops_per_token(seq_length)
-
-
 def make_task(cfg):
     """The VLM SFT task of an ``lf-vlm`` config."""
     from loongforge.vlm.recipe import VLMTask
@@ -35,6 +30,5 @@ VLM_SPEC = ModelSpec(
     build=build_vlm,
     engine="megatron",
     task=make_task,
-    flops_per_token=flops_per_token,
     hf_adapter=VLM_HF_ADAPTER,
 )

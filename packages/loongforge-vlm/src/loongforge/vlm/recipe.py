@@ -33,6 +33,7 @@ from loongforge.core.training.schema import (
     ParallelConfig,
     SequenceTrainConfig,
 )
+from loongforge.core.training.task import MegatronTask
 from loongforge.llm.api import GPTConfig
 from loongforge.vlm.data.media import MediaConfig
 from loongforge.vlm.lora import DEFAULT_TARGETS as DEFAULT_LORA_TARGETS
@@ -173,11 +174,10 @@ class VLMConfig:
                               vision=self.vision)
 
 
-class VLMTask:
+class VLMTask(MegatronTask):
     """SFT of a composed VLM on image/video conversations (assistant tokens only)."""
 
     family = "vlm"
-    engine = "megatron"
     model_section = None  # the model config is the encoder/projector/foundation/vision groups
     variable_micro_batches = True
 

@@ -52,11 +52,6 @@ def start_over(trainer) -> list[Path]:
     return removed
 
 
-def _optional(task, name: str, default=None):
-    fn = getattr(task, name, None)
-    return fn() if callable(fn) else default
-
-
 def save(trainer, root: str | Path) -> Path:
     engine, task = trainer.engine, trainer.task
     state = engine.checkpoint_state()
@@ -74,8 +69,8 @@ def save(trainer, root: str | Path) -> Path:
         "config": trainer.config_record,
         "layout": engine.layout_record(),
         "consumed_samples": trainer.consumed_samples,
-        "tokenizer": _optional(task, "tokenizer_ref"),
-        **_optional(task, "manifest_fields", {}),
+        "tokenizer": task.tokenizer_ref(),
+        **task.manifest_fields(),
         **state.manifest,
     }
     return save_checkpoint(root, trainer.step, state.pieces, manifest=manifest, objects=per_rank,
@@ -86,18 +81,16 @@ def restore_task_state(task, root: str | Path) -> None:
     """``task.restore(manifest)`` with the latest checkpoint's manifest, for a task that saves
     state of its own through ``manifest_fields()`` which its model build depends on (e.g. a plan
     measured at the start of the run); called before the engine builds the model."""
-    restore = getattr(task, "restore", None)
-    if restore is not None:
-        from loongforge.core.checkpoint import read_manifest
+    from loongforge.core.checkpoint import read_manifest
 
-        restore(read_manifest(latest_checkpoint(root)))
+    task.restore(read_manifest(latest_checkpoint(root)))
 
 
 def check_model_config(ckpt: Checkpoint, task) -> None:
     saved, current = ckpt.manifest.get("model_config", {}), task.model_config_dict()
     diff = {k: (saved.get(k), current.get(k)) for k in sorted(set(saved) | set(current)) if saved.get(k) != current.get(k)}
     if diff:
-        section = getattr(task, "model_section", "model")  # the config group the model config lives in
+        section = task.model_section  # the config group the model config lives in
         prefix = f"{section}." if section else ""
         detail = ", ".join(f"{prefix}{k}: checkpoint {a!r} vs config {b!r}" for k, (a, b) in diff.items())
         raise CheckpointReadError(f"{ckpt.directory / 'manifest.json'}: model config does not match ({detail})")
@@ -153,12 +146,10 @@ def resume(trainer, root: str | Path) -> None:
     check_lora(ckpt, trainer.config_record)
     saved_config = ckpt.manifest.get("config") or {}
     check_fixed_settings(saved_config, trainer.config_record, ckpt.directory)
-    check = getattr(trainer.task, "check_resume", None)
-    if check is not None:
-        try:
-            check(ckpt.manifest)
-        except ValueError as exc:
-            raise CheckpointReadError(f"cannot resume from {ckpt.directory}: {exc}") from exc
+    try:
+        trainer.task.check_resume(ckpt.manifest)
+    except ValueError as exc:
+        raise CheckpointReadError(f"cannot resume from {ckpt.directory}: {exc}") from exc
     engine = trainer.engine
     engine.load_checkpoint(ckpt, with_optimizer=True)
     same_layout = ckpt.manifest.get("layout") == engine.layout_record()

@@ -86,9 +86,8 @@ class Trainer:
         self.nonfinite_streak = 0  # steps in a row whose update was skipped
         peak = ctx.accelerator.peak_flops(self.engine.dtype)
         self._peak_total = peak * ctx.world_size if peak else None
-        flops_per_token = getattr(task, "flops_per_token", None)
-        seq_length = getattr(self.train, "seq_length", None)
-        self._flops_per_token = flops_per_token(seq_length) if flops_per_token and seq_length else None
+        seq_length = getattr(self.train, "seq_length", None)  # (a schema without one: no per-token FLOPs)
+        self._flops_per_token = task.flops_per_token(seq_length) if seq_length else None
 
     @property
     def dtype(self):
@@ -332,10 +331,9 @@ class Trainer:
 
     def _evaluate(self) -> dict[str, float]:
         interval = self.eval_cfg.interval if self.eval_cfg is not None else 0
-        evaluate = getattr(self.task, "evaluate", None)
-        if not interval or evaluate is None or self.step % interval:
+        if not interval or self.step % interval:
             return {}
-        return {f"eval/{k}": v for k, v in evaluate(self.engine.inner_model, self.ctx).items()}
+        return {f"eval/{k}": v for k, v in self.task.evaluate(self.engine.inner_model, self.ctx).items()}
 
     def _open_sample_log(self):
         """``RUN_DIR/sample_ids/dp_rank_<r>.jsonl`` (appended), written by the first rank of each DP replica."""

@@ -109,7 +109,7 @@ class MegatronEngine:
         self.task, self.ctx, self.train = task, ctx, train
         self.seq_length = getattr(train, "seq_length", 1)
         dp = ctx.dp_size
-        self.variable_micro_batches = bool(getattr(task, "variable_micro_batches", False))
+        self.variable_micro_batches = task.variable_micro_batches
         if self.variable_micro_batches:
             self.num_microbatches = None  # the task plans each step's micro-batches
             self.micro_batch_size = 1
@@ -261,8 +261,7 @@ class MegatronEngine:
         t0 = time.perf_counter()
         self.model.zero_grad_buffer()
         self.optimizer.zero_grad()
-        before = getattr(self.task, "before_schedule", None)
-        scheduled = before(self.inner_model, micro_batches) if before is not None else None
+        scheduled = self.task.before_schedule(self.inner_model, micro_batches)
         self._after_schedule = scheduled.after_schedule if scheduled is not None else None
         if scheduled is not None:
             micro_batches = scheduled.micro_batches

@@ -63,14 +63,11 @@ def run_training(cfg, task, prog: str, after: Callable[[Trainer], None] | None =
         if previous is not None and ctx.is_main:
             print(f"{prog}: {cfg.log.run_dir} was held by {previous}, which is no longer running; this run takes "
                   f"it over", flush=True)
-        prepare = getattr(task, "prepare", None)
-        if prepare is not None:  # collective set-up (e.g. a data index every rank builds together)
-            prepare(ctx)
+        task.prepare(ctx)  # collective set-up (e.g. a data index every rank builds together)
         trainer = Trainer(task, ctx, cfg, config_record=to_dict(cfg),
                           report=lambda line: print(f"{prog}: {line}", flush=True))
         if ctx.is_main:
-            what = task.describe() if hasattr(task, "describe") else task.family
-            print(f"{prog}: {what} on {describe_layout(ctx)}, {trainer.engine.name} engine, {trainer.dtype} "
+            print(f"{prog}: {task.describe()} on {describe_layout(ctx)}, {trainer.engine.name} engine, {trainer.dtype} "
                   f"({trainer.engine.precision} precision), "
                   f"run dir {cfg.log.run_dir}", flush=True)
             notice = reference_kernels_notice(ctx.accelerator.name, installed_kernel_providers(),

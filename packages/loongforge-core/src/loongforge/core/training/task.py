@@ -1,7 +1,10 @@
 """What a modality hands the loop: a task, built from the run's config by the model family's spec.
 
-A task says which engine runs it (``engine``: ``"megatron"`` or ``"torch"``), builds the model
-the way that engine wants it, yields each step's micro-batches, and scores a micro-batch:
+Every task subclasses ``MegatronTask`` or ``TorchTask`` (both ``TrainTask``), which declare every
+hook the loop and the engines call: the required ones abstract, the optional ones with a neutral
+default (the loop never probes a task with ``getattr``). A task says which engine runs it
+(``engine``: ``"megatron"`` or ``"torch"``, set by its base class), builds the model the way that
+engine wants it, yields each step's micro-batches, and scores a micro-batch:
 
 - ``steps(ctx, start_step)`` yields, per optimizer step, a ``StepBatch`` of this DP rank's
   micro-batches (every rank of one DP replica, i.e. its TP, PP and CP ranks, gets the same ones).
@@ -27,9 +30,10 @@ before the schedule starts, and its backward after the schedule's last backward.
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any
 
 import torch
 
@@ -49,27 +53,69 @@ class StepBatch:
 LossFn = Callable[[Any], tuple[torch.Tensor, torch.Tensor | float]]
 
 
-class TrainTask(Protocol):
-    family: str  # registry name of the model family (recorded in checkpoints)
-    engine: str  # "megatron" | "torch"
-    variable_micro_batches: bool = False
+class TrainTask(ABC):
+    """Base of every task. A subclass sets ``family`` and implements ``model_config_dict``,
+    ``steps`` and ``forward`` (and its engine's base class's ``build_model``); every other hook
+    below has a neutral default that it may override. The loop and the engines call exactly these
+    hooks (``tests/test_task_contract.py``)."""
 
+    family: str
+    """Registry name of the model family (recorded in checkpoints)."""
+
+    engine: str
+    """``"megatron"`` or ``"torch"``: set by ``MegatronTask`` / ``TorchTask``."""
+
+    variable_micro_batches: bool = False
+    """Whether the number of micro-batches may differ between steps and ranks (see the module docstring)."""
+
+    model_section: str | None = "model"
+    """The config group the model config lives in, named in the resume check's errors (None: the
+    model config's keys are groups of their own)."""
+
+    @abstractmethod
     def model_config_dict(self) -> dict:
         """The full model config, recorded in checkpoint manifests and checked on resume."""
 
+    @abstractmethod
     def steps(self, ctx, start_step: int) -> Iterator[StepBatch]:
         """This rank's ``StepBatch`` of every step from ``start_step`` (0-based) on."""
 
+    @abstractmethod
     def forward(self, model, micro_batch) -> tuple[Any, LossFn]:
         """Run one micro-batch; see the module docstring."""
 
-    # Optional hooks (looked up with getattr; a task leaves out what it does not need):
-    #   tokenizer_ref() -> str | None           recorded in checkpoint manifests
-    #   manifest_fields() -> dict                more manifest entries (e.g. the data root)
-    #   restore(manifest: dict) -> None          a resumed run's saved entries, before the model is built
-    #   check_resume(manifest: dict) -> None     refuse a checkpoint it cannot continue (ValueError)
-    #   evaluate(model, ctx) -> dict[str, float] the evaluation hook (eval.interval)
-    #   flops_per_token(seq_length) -> float     MFU of token models
+    def prepare(self, ctx) -> None:
+        """Collective set-up every rank runs before the trainer is built (e.g. a data index the ranks
+        build together). Default: nothing."""
+
+    def describe(self) -> str:
+        """What the run trains, in the first line a run prints. Default: ``family``."""
+        return self.family
+
+    def tokenizer_ref(self) -> str | None:
+        """The tokenizer recorded in checkpoint manifests (None: the task has none)."""
+        return None
+
+    def manifest_fields(self) -> dict:
+        """More checkpoint manifest entries (e.g. the data root, a measured plan). Default: none."""
+        return {}
+
+    def restore(self, manifest: dict) -> None:
+        """A resumed run's latest manifest, before the model is built: state the task saved through
+        ``manifest_fields`` which its model build depends on. Default: nothing."""
+
+    def check_resume(self, manifest: dict) -> None:
+        """Refuse (``ValueError``) a checkpoint the task cannot continue. Default: accept."""
+
+    def evaluate(self, model, ctx) -> dict[str, float]:
+        """The evaluation hook, every ``eval.interval`` steps: metric name -> value (logged as
+        ``eval/<name>``). Default: no metric."""
+        return {}
+
+    def flops_per_token(self, seq_length: int) -> float | None:
+        """Training FLOPs per token at ``seq_length`` (MFU of token models; used when a step reports
+        no ``flops``). None: unknown."""
+        return None
 
 
 @dataclass
@@ -83,29 +129,49 @@ class ScheduledStep:
     after_schedule: Callable[[], None]
 
 
-class MegatronTask(TrainTask, Protocol):
-    # Optional hook (looked up with getattr):
-    #   before_schedule(model, micro_batches) -> ScheduledStep | None
-    #       called with this rank's model chunk as ``build_model`` made it (the engine's ``inner_model``,
-    #       without megatron's DDP and Float16Module wrappers) and the step's micro-batches, before
-    #       megatron's schedule starts; None: the schedule runs the micro-batches as they are
+class MegatronTask(TrainTask):
+    """Base of a task on the megatron-core engine."""
 
+    engine = "megatron"
+
+    @abstractmethod
     def transformer_config_kwargs(self) -> dict:
         """Architecture fields of megatron's TransformerConfig."""
 
+    @abstractmethod
     def build_model(self, ctx, transformer_config, pre_process: bool, post_process: bool,
                     load_initial_weights: bool = True) -> torch.nn.Module:
         """This rank's model chunk. ``load_initial_weights`` is False when the run resumes from its
         own checkpoint, which holds every weight: pretrained weights the task would read (a Hugging
         Face model, a LoRA base) are not read again."""
 
+    def before_schedule(self, model, micro_batches: list[Any]) -> ScheduledStep | None:
+        """Called with this rank's model chunk as ``build_model`` made it (the engine's
+        ``inner_model``, without megatron's DDP and Float16Module wrappers) and the step's
+        micro-batches, before megatron's schedule starts. Default None: the schedule runs the
+        micro-batches as they are."""
+        return None
 
-class TorchTask(TrainTask, Protocol):
-    has_pretrained: bool  # whether load_pretrained has weights to read
-    # load_pretrained fills every tensor of the state dict (buffers included) into FSDP2 shards, so
-    # the engine may build the model on the meta device first (default False: built on the host)
+
+class TorchTask(TrainTask):
+    """Base of a task on the PyTorch-native engine; its model is a
+    ``loongforge.core.training.torch_model.TorchModel``."""
+
+    engine = "torch"
+
+    context_parallel: bool = False
+    """Whether the model implements context parallelism (``parallel.cp > 1`` is refused otherwise)."""
+
     loads_into_shards: bool = False
+    """``load_pretrained`` fills every tensor of the state dict (buffers included) into FSDP2 shards,
+    so the engine may build the model on the meta device first (default: built on the host)."""
 
+    @property
+    def has_pretrained(self) -> bool:
+        """Whether ``load_pretrained`` has weights to read. Default: no."""
+        return False
+
+    @abstractmethod
     def build_model(self, ctx) -> torch.nn.Module:
         """The whole model, freshly initialised from the current RNG (the engine may build it under
         ``torch.device("meta")`` and materialise it after sharding)."""
@@ -113,3 +179,8 @@ class TorchTask(TrainTask, Protocol):
     def load_pretrained(self, model: torch.nn.Module) -> None:
         """Fill ``model`` (possibly FSDP-sharded: each rank fills what it holds) with the task's
         pretrained weights. Called only when ``has_pretrained`` and the run does not resume."""
+        raise NotImplementedError(f"task {type(self).__name__}: has_pretrained but no load_pretrained")
+
+    def compile_default(self, ctx) -> bool:
+        """Whether to compile when ``train.compile`` is null. Default: on CUDA."""
+        return ctx.device.type == "cuda"

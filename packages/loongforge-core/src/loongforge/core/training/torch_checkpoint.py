@@ -49,7 +49,7 @@ def engine_state(engine) -> EngineState:
         if engine.ema is not None:
             pieces += _piece(EMA_PREFIX + name, p, engine.ema.shadow[name], is_main)
     manifest = {"adam_steps": steps, "ema": engine.ema is not None, "precision": engine.precision}
-    lora = getattr(engine, "lora", None)
+    lora = engine.lora
     if lora is not None:
         manifest["lora"] = {"rank": lora.rank, "alpha": lora.alpha, "dropout": lora.dropout,
                             "target_modules": list(lora.target_modules), "layers": list(engine.adapted)}

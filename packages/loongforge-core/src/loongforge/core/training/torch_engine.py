@@ -7,7 +7,8 @@ train). Context parallelism (``parallel.cp``) is the model's to implement (the t
 declares ``context_parallel = True`` and reads the CP group from ``ctx.pgs.cp``); tensor, pipeline
 and expert parallelism belong to the megatron-core engine.
 
-What the engine asks of the model (the task's ``build_model``):
+What the engine asks of the model (the task's ``build_model``), declared with neutral defaults by
+``loongforge.core.training.torch_model.TorchModel``, which every model it trains subclasses:
 
 - ``repeated_blocks()``: its repeated blocks, FSDP2's sharding units and the compile units;
 - ``recompute_modes`` (the ``train.recompute`` values it implements besides ``none``) and
@@ -41,6 +42,7 @@ from loongforge.core.training.engine import EngineState, StepOutput, precision_r
 from loongforge.core.training.schema import ParallelConfig, TrainConfig
 from loongforge.core.training.sharding import local
 from loongforge.core.training.task import StepBatch, TorchTask
+from loongforge.core.training.torch_model import TorchModel
 
 
 def check_parallel_config(parallel: ParallelConfig, context_parallel: bool) -> None:
@@ -59,8 +61,8 @@ def check_train_config(train: TrainConfig) -> None:
                          "options; shard the optimizer state with parallel.data_parallel=fsdp")
 
 
-def model_parts(model: torch.nn.Module) -> dict[str, torch.nn.Module]:
-    return model.parts() if hasattr(model, "parts") else {"model": model}
+def model_parts(model: TorchModel) -> dict[str, TorchModel]:
+    return model.parts()
 
 
 class TorchEngine:
@@ -68,7 +70,7 @@ class TorchEngine:
 
     def __init__(self, task: TorchTask, ctx, train: TrainConfig, parallel: ParallelConfig, resuming: bool = False,
                  ema=None, lora=None):
-        check_parallel_config(parallel, bool(getattr(task, "context_parallel", False)))
+        check_parallel_config(parallel, task.context_parallel)
         check_train_config(train)
         self.task, self.ctx, self.train, self.parallel = task, ctx, train, parallel
         self.device = ctx.device
@@ -80,11 +82,11 @@ class TorchEngine:
         self.group = ctx.pgs.dp_cp
         self.world = dist.get_world_size(self.group)
         self.mode = torch_parallel.data_parallel_mode(parallel.data_parallel, self.world)
-        pretrained = bool(getattr(task, "has_pretrained", False)) and not resuming
+        pretrained = task.has_pretrained and not resuming
         # pretrained weights under FSDP2, for a task whose load fills every tensor (buffers too): build
         # on the meta device, shard, then each rank reads only its rows; otherwise build on the host
         # (same seed: the same init on every rank)
-        sharded_init = pretrained and self.mode in ("fsdp", "hsdp") and bool(getattr(task, "loads_into_shards", False))
+        sharded_init = pretrained and self.mode in ("fsdp", "hsdp") and task.loads_into_shards
         torch.manual_seed(train.seed)
         with torch.device("meta") if sharded_init else contextlib.nullcontext():
             model = task.build_model(ctx)
@@ -138,30 +140,24 @@ class TorchEngine:
         compile_requested = train.compile
         self.offloads = []
         for name, part in self.parts.items():
-            modes = ("none", *getattr(part, "recompute_modes", ()))
+            modes = ("none", *part.recompute_modes)
             if train.recompute not in modes:
                 raise ValueError(f"train.recompute={train.recompute!r}: model family {self.task.family!r} implements "
                                  f"{', '.join(modes)}")
-            if train.recompute != "none" or hasattr(part, "set_recompute"):
-                part.set_recompute(train.recompute)
+            part.set_recompute(train.recompute)
             offload = offload_first(part.repeated_blocks(), train.offload_layers, self.device)
             if offload is not None:
                 self.offloads.append(offload)
         if self.compiles(compile_requested):
             for part in self.parts.values():
-                if hasattr(part, "compile_regions"):
-                    part.compile_regions()
-                else:
-                    for block in part.repeated_blocks():
-                        block.compile()
+                part.compile_regions()
 
     def compiles(self, requested: bool | None) -> bool:
         """``train.compile``; when null, on CUDA unless the task says its model cannot be compiled in
         this run (``compile_default(ctx)``)."""
         if requested is not None:
             return requested
-        default = getattr(self.task, "compile_default", None)
-        return default(self.ctx) if default is not None else self.device.type == "cuda"
+        return self.task.compile_default(self.ctx)
 
     @property
     def inner_model(self) -> torch.nn.Module:

@@ -18,6 +18,8 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+from loongforge.core.training.torch_model import TorchModel
+
 
 def data_parallel_mode(requested: str, world: int) -> str:
     """``parallel.data_parallel`` for a job whose gradient group has ``world`` ranks: ``none`` for a
@@ -41,7 +43,7 @@ def device_mesh(mode: str, group, device_type: str, dp_replicate: int):
     return init_device_mesh(device_type, (dp_replicate, world // dp_replicate), mesh_dim_names=("replicate", "shard"))
 
 
-def wrap(part: nn.Module, mode: str, group, device: torch.device, compute_dtype: torch.dtype,
+def wrap(part: TorchModel, mode: str, group, device: torch.device, compute_dtype: torch.dtype,
          dp_replicate: int = 1, pure: bool = False) -> nn.Module:
     """``part`` (on ``device``, or on the meta device for FSDP) ready for data-parallel training over
     ``group``; returns the module to call. FSDP2/HSDP also shard frozen parts (they only cost
@@ -65,7 +67,7 @@ def wrap(part: nn.Module, mode: str, group, device: torch.device, compute_dtype:
         for block in part.repeated_blocks():
             fully_shard(block, mesh=mesh, mp_policy=mp)
         fully_shard(part, mesh=mesh, mp_policy=mp)
-        for method in getattr(part, "fsdp_forward_methods", ()):
+        for method in part.fsdp_forward_methods:
             from torch.distributed.fsdp import register_fsdp_forward_method
 
             register_fsdp_forward_method(part, method)

@@ -65,6 +65,7 @@ from loongforge.core.kernels.feed_forward import feed_forward_kernels, gelu_feed
 from loongforge.core.kernels.fp8_tensorwise import fp8_linear_tensorwise
 from loongforge.core.kernels.modulated_norm import normalize_and_modulate
 from loongforge.core.lora import LoRALinear, lora_delta
+from loongforge.core.training.torch_model import TorchModel
 from loongforge.diffusion.context_parallel import ContextParallel, heads_to_seq, seq_to_heads
 from loongforge.diffusion.model.attention import Segments, packed_attention
 from loongforge.diffusion.model.config import CHECKPOINTING, WanConfig
@@ -308,7 +309,7 @@ class WanBlock(nn.Module):
 INDUCTOR_OPTIONS = {"triton.mix_order_reduction_split_size": 64}
 
 
-class WanDiT(nn.Module):
+class WanDiT(TorchModel):
     def __init__(self, cfg: WanConfig):
         super().__init__()
         self.config = cfg

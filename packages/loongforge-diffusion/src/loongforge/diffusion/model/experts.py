@@ -6,13 +6,14 @@ from __future__ import annotations
 
 import torch.nn as nn
 
+from loongforge.core.training.torch_model import TorchModel
 from loongforge.diffusion.model.config import WanConfig
 from loongforge.diffusion.model.dit import WanDiT
 
 EXPERT_NAMES = ("transformer", "transformer_2")  # high-noise, low-noise
 
 
-class WanExperts(nn.Module):
+class WanExperts(TorchModel):
     def __init__(self, cfg: WanConfig):
         super().__init__()
         self.config = cfg

@@ -8,7 +8,6 @@ from loongforge.core.models import ModelSpec
 from loongforge.diffusion.model import convert
 from loongforge.diffusion.model.config import WanConfig
 from loongforge.diffusion.model.experts import WanExperts
-from loongforge.diffusion.model.flops import cost_model
 
 MODEL_CONFIGS = Path(__file__).resolve().parent.parent / "configs" / "model"
 
@@ -25,22 +24,10 @@ def make_task(recipe):
     return WanTask(recipe)
 
 
-def flops_per_token(model_config: WanConfig, seq_length: int) -> float:
-    """Training FLOPs per token of a sample of ``seq_length`` tokens."""
-    m = cost_model(model_config)
-    return m.a * seq_length + m.b + m.c / seq_length
-
-
 def load_flavour(name: str) -> WanConfig:
     from loongforge.core.config import load_config
 
     return load_config(WanConfig, str(MODEL_CONFIGS / f"{WAN_SPEC.flavour(name)}.yaml"))
-
-
-def default_data(num_clips: int = 48):
-    from loongforge.diffusion.data.synthetic import builtin_dataset
-
-    return builtin_dataset(num_clips)
 
 
 WAN_SPEC = ModelSpec(
@@ -52,7 +39,5 @@ WAN_SPEC = ModelSpec(
     flavours={"debug": "tiny", "debug-i2v": "tiny_i2v", "debug-ti2v": "tiny_ti2v",
               "wan2.1-t2v-1.3b": "wan2_1_t2v_1_3b", "wan2.1-i2v-14b": "wan2_1_i2v_14b",
               "wan2.2-t2v-a14b": "wan2_2_t2v_a14b", "wan2.2-ti2v-5b": "wan2_2_ti2v_5b"},
-    flops_per_token=flops_per_token,
     hf_adapter=convert,
-    data_pipeline=default_data,
 )

@@ -21,6 +21,7 @@ import torch
 import torch.nn as nn
 from torch.utils.checkpoint import checkpoint
 
+from loongforge.core.training.torch_model import TorchModel
 from loongforge.embodied.config import GemmaConfig, PolicyConfig
 from loongforge.embodied.policies.backbone import PrefixEmbedder
 from loongforge.embodied.policies.flow_matching import euler_integrate, interpolate, velocity_target
@@ -63,7 +64,7 @@ def suffix_masks(lengths: tuple[int, ...], batch: int, device: torch.device) -> 
     return pad, att
 
 
-class ActionExpertPolicy(nn.Module, ABC):
+class ActionExpertPolicy(TorchModel, ABC):
     """Backbone + action expert; a family adds its suffix embedding (``embed_suffix``) and heads,
     then calls ``finish_init``."""
 

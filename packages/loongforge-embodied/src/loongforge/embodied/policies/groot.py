@@ -19,6 +19,7 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 from loongforge.core.models import ModelSpec
+from loongforge.core.training.torch_model import TorchModel
 from loongforge.embodied.config import PolicyConfig
 from loongforge.embodied.policies.backbone import PrefixEmbedder
 from loongforge.embodied.policies.dit import DiTBlock, DiTConfig, modulate, zero_init_adaln
@@ -47,7 +48,7 @@ class GrootConfig(PolicyConfig):
             raise ValueError(f"policy.dit.vlm_layer={self.dit.vlm_layer}: out of range for policy.vlm.depth={self.vlm.depth}")
 
 
-class GrootPolicy(nn.Module):
+class GrootPolicy(TorchModel):
     family = "groot"
     recompute_modes = ("full",)  # train.recompute=full: each repeated block recomputed in the backward
     fsdp_forward_methods = ("sample_actions",)

@@ -22,7 +22,6 @@ DEEPSEEK_V3_SPEC = ModelSpec(
               "v3.2-debug": "deepseek_v3_2_debug", "v3.2-671b": "deepseek_v3_2_671b"},
     layer_spec=layer_spec,
     hf_adapter=DEEPSEEK_V3_HF,
-    flops_per_token=MLAMoEConfig.flops_per_token,
 )
 
 

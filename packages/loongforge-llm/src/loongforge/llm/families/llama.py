@@ -16,7 +16,6 @@ LLAMA_SPEC = ModelSpec(
     task=make_task,
     flavours={"debug": "llama_debug", "0.5b": "llama_0_5b"},
     layer_spec=layer_spec,
-    flops_per_token=GPTConfig.flops_per_token,
     hf_adapter=gpt_hf_adapter("llama", "LlamaForCausalLM", "LlamaConfig",
                               unsupported={"attention_bias": False, "mlp_bias": False}),
 )

@@ -18,7 +18,6 @@ MISTRAL_SPEC = ModelSpec(
     task=make_task,
     flavours={"debug": "mistral_debug", "7b": "mistral_7b"},
     layer_spec=layer_spec,
-    flops_per_token=GPTConfig.flops_per_token,
     hf_adapter=gpt_hf_adapter("mistral", "MistralForCausalLM", "MistralConfig",
                               unsupported={"sliding_window": None, "attention_dropout": 0.0}),
 )

@@ -16,7 +16,6 @@ QWEN2_SPEC = ModelSpec(
     task=make_task,
     flavours={"debug": "qwen2_debug", "0.5b": "qwen2_5_0_5b"},
     layer_spec=layer_spec,
-    flops_per_token=GPTConfig.flops_per_token,
     hf_adapter=gpt_hf_adapter("qwen2", "Qwen2ForCausalLM", "Qwen2Config", add_qkv_bias=True,
                               unsupported={"use_sliding_window": False}),
 )

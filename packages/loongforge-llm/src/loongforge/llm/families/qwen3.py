@@ -17,7 +17,6 @@ QWEN3_SPEC = ModelSpec(
     task=make_task,
     flavours={"debug": "qwen3_debug", "0.6b": "qwen3_0_6b"},
     layer_spec=layer_spec,
-    flops_per_token=GPTConfig.flops_per_token,
     hf_adapter=gpt_hf_adapter("qwen3", "Qwen3ForCausalLM", "Qwen3Config", qk_layernorm=True,
                               unsupported={"attention_bias": False, "use_sliding_window": False}),
 )

@@ -18,7 +18,6 @@ QWEN3_MOE_SPEC = ModelSpec(
     flavours={"debug": "qwen3_moe_debug", "30b-a3b": "qwen3_moe_30b_a3b"},
     layer_spec=layer_spec,
     hf_adapter=QWEN3_MOE_HF,
-    flops_per_token=MoEConfig.flops_per_token,
 )
 
 
