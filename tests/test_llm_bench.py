@@ -19,6 +19,8 @@ def test_bench_runs_ours_variant_and_hf_baseline():
     assert proc.returncode == 0, proc.stderr[-5000:]
     out = proc.stdout
     assert "512 tokens/step (train_debug)" in out  # global batch 4 x 128 tokens
+    # the baseline's weights are written and read without transformers' progress bars
+    assert "Loading weights" not in proc.stdout + proc.stderr and "Writing model shards" not in proc.stdout + proc.stderr
     order = ["hf_eager", "ours", "selective", "big", "unfused"]
     per_run = {name: (int(tps.replace(",", "")), int(tokens), float(loss)) for name, tps, tokens, loss in re.findall(
         r"^(\w+): [\d.]+ ms/step, ([\d,]+) tokens/s \((\d+) a step\), \S+ GiB, first-step loss ([\d.]+)$",

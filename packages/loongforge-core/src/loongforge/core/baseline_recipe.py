@@ -59,3 +59,19 @@ def tf32_matmuls(enabled: bool) -> Iterator[None]:
         yield
     finally:
         torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = before
+
+
+@contextmanager
+def quiet_transformers_progress() -> Iterator[None]:
+    """transformers' progress bars (``Loading weights``, ``Writing model shards``) off inside the
+    block, as a bench saves and loads its baseline's weights; the previous setting comes back on
+    exit."""
+    from transformers.utils import logging as hf_logging
+
+    was_enabled = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        if was_enabled:
+            hf_logging.enable_progress_bar()

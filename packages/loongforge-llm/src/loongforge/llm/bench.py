@@ -57,7 +57,7 @@ from dataclasses import dataclass
 
 import torch
 
-from loongforge.core.baseline_recipe import BaselineRecipe, tf32_matmuls
+from loongforge.core.baseline_recipe import BaselineRecipe, quiet_transformers_progress, tf32_matmuls
 from loongforge.core.bench_protocol import (alternating_orders, check_first_losses, check_protocol, in_fresh_process,
                                             timed_steps)
 from loongforge.core.benchmarking import (BenchDevice, ExtraColumn, RunResult, check_timing, parse_variant,
@@ -183,7 +183,8 @@ def save_hf_model(cfg: LLMConfig, directory: str, dtype: torch.dtype) -> None:
     from transformers import AutoModelForCausalLM
 
     torch.manual_seed(cfg.train.seed)
-    AutoModelForCausalLM.from_config(hf_config(cfg)).to(dtype).save_pretrained(directory)
+    with quiet_transformers_progress():
+        AutoModelForCausalLM.from_config(hf_config(cfg)).to(dtype).save_pretrained(directory)
 
 
 def compute_dtype(cfg: LLMConfig, device: torch.device) -> torch.dtype:
@@ -213,8 +214,9 @@ def hf_step(cfg: LLMConfig, hf_dir: str, dev: BenchDevice, recipe: BaselineRecip
     applied = recipe.applied(dev.device.type)
     mixed = run_precision(cfg, dev.device) == "mixed"
     dtype = compute_dtype(cfg, dev.device)
-    model = AutoModelForCausalLM.from_pretrained(hf_dir, attn_implementation=applied["attn_implementation"] or "sdpa",
-                                                 dtype=torch.float32 if mixed else dtype).to(dev.device)
+    with quiet_transformers_progress():
+        model = AutoModelForCausalLM.from_pretrained(hf_dir, attn_implementation=applied["attn_implementation"] or "sdpa",
+                                                     dtype=torch.float32 if mixed else dtype).to(dev.device)
     if liger:
         patch = getattr(importlib.import_module("liger_kernel.transformers"), HF_CLASSES[cfg.model.family][1])
         patch(model=model)

@@ -54,7 +54,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from loongforge.core.baseline_recipe import BaselineRecipe, tf32_matmuls
+from loongforge.core.baseline_recipe import BaselineRecipe, quiet_transformers_progress, tf32_matmuls
 from loongforge.core.bench_protocol import alternating_orders, check_first_losses, timed_steps
 from loongforge.core.benchmarking import (BenchDevice, ExtraColumn, RunResult, check_timing, parse_variant,
                                           profile_tables, results_table)
@@ -171,7 +171,8 @@ def save_hf_model(cfg, case: Case, directory: Path) -> None:
     torch.manual_seed(0)
     with torch.device(case.device):
         model = Qwen2_5_VLForConditionalGeneration(Qwen2_5_VLConfig.from_dict(config_to_hf(cfg.model())))
-    model.to(case.dtype).save_pretrained(directory)
+    with quiet_transformers_progress():
+        model.to(case.dtype).save_pretrained(directory)
     del model
 
 
@@ -179,8 +180,9 @@ def hf_step(hf_dir: Path, batch: Batch, case: Case, recipe: BaselineRecipe, comp
     from transformers import Qwen2_5_VLForConditionalGeneration
 
     applied = recipe.applied(case.device.type)
-    model = Qwen2_5_VLForConditionalGeneration.from_pretrained(
-        hf_dir, attn_implementation=applied["attn_implementation"] or "sdpa", dtype=case.dtype)
+    with quiet_transformers_progress():
+        model = Qwen2_5_VLForConditionalGeneration.from_pretrained(
+            hf_dir, attn_implementation=applied["attn_implementation"] or "sdpa", dtype=case.dtype)
     model.to(case.device).train()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=bool(applied["fused_adamw"]))
     forward = torch.compile(model) if compile_ else model
