@@ -16,21 +16,8 @@
 # printed also goes to $OUT/dsa.log.
 set -uo pipefail
 OUT=${OUT:-/tmp/lf-dsa-bench}
-mkdir -p "$OUT"
-exec > >(tee "$OUT/dsa.log") 2>&1
-
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
-export PYTHONPATH=/tmp/site PYTHONUNBUFFERED=1 TRITON_INTERPRET=0 LOONGFORGE_CACHE=/tmp/lf-cache
-repo=$PWD
-cd "$(mktemp -d)"
-
-section() { printf '\n===== %s =====\n' "$*"; }
-bench() {  # a command under a time limit (seconds), so the batch fits its device call
-  local limit=$1; shift
-  section "$* (limit ${limit}s)"
-  local t0=$SECONDS
-  timeout "$limit" "$@"; echo "exit code: $? after $((SECONDS - t0)) s"
-}
+LOG=dsa.log
+source "$(dirname "$0")/device_batch.sh"
 
 section environment
 nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.max.sm --format=csv,noheader

@@ -28,21 +28,8 @@
 set -uo pipefail
 stage=${1:?usage: llm_batch.sh profile|cases-a|cases-b|short|shortest|pair}
 OUT=${OUT:-/tmp/lf-llm-bench}
-mkdir -p "$OUT"
-exec > >(tee "$OUT/$stage.log") 2>&1
-
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
-export PYTHONPATH=/tmp/site PYTHONUNBUFFERED=1 TRITON_INTERPRET=0 LOONGFORGE_CACHE=/tmp/lf-cache
-repo=$PWD
-cd "$(mktemp -d)"
-
-section() { printf '\n===== %s =====\n' "$*"; }
-bench() {  # a bench under a time limit (seconds), so the stage fits its device call
-  local limit=$1; shift
-  section "$* (limit ${limit}s)"
-  local t0=$SECONDS
-  timeout "$limit" "$@"; echo "exit code: $? after $((SECONDS - t0)) s"
-}
+LOG=$stage.log
+source "$(dirname "$0")/device_batch.sh"
 llm_bench() { local limit=$1; shift; bench "$limit" python3 -m loongforge.llm.cli bench "$@"; }
 
 section environment

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import os
 import signal
+from abc import ABC, abstractmethod
 import threading
 import time
 from contextlib import contextmanager
@@ -59,8 +60,8 @@ def handling(handler, signals=STOP_SIGNALS):
             signal.signal(sig, old if old is not None else signal.SIG_DFL)
 
 
-class SignalScope:
-    """Its ``_handle(signum, frame)`` takes the stop signals while it is entered (``handling``);
+class SignalScope(ABC):
+    """Its ``_handle(signum, frame)`` (what a subclass does with a signal) takes the stop signals while it is entered (``handling``);
     ``received``: the first one's number (0 while none came)."""
 
     def __init__(self):
@@ -75,8 +76,8 @@ class SignalScope:
     def __exit__(self, *exc) -> None:
         self._scope.__exit__(*exc)
 
-    def _handle(self, signum: int, frame) -> None:
-        raise NotImplementedError
+    @abstractmethod
+    def _handle(self, signum: int, frame) -> None: ...
 
 
 class StopSignals(SignalScope):
