@@ -41,13 +41,16 @@ import time
 import warnings
 from collections.abc import Callable, Collection, Mapping, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
 from loongforge.core.config import ConfigError
 
-SHARED_GROUPS = ("train", "parallel", "checkpoint", "log", "balance", "eval")
+# the config groups every lf-* CLI has, with the same keys (tests/test_shared_vocabulary.py); a
+# modality's own groups (``balance`` where samples differ in length, ``eval`` where the task has an
+# evaluation) are listed by its ``train --help``
+SHARED_GROUPS = ("train", "parallel", "checkpoint", "log", "lora")
 
 
 def normalise_overrides(items: list[str]) -> list[str]:
@@ -192,9 +195,13 @@ def keys_epilog(app: ModalityCLI, config: str | None, cfg: Any, base: Any = None
             f"resolved config as YAML):\n" + format_keys(docs, changed=changed))
 
 
-def _config_epilog(app: ModalityCLI) -> str:
+def _config_epilog(app: ModalityCLI, cfg: Any = None) -> str:
+    """The shipped configs, the shared config groups and (given the run's config ``cfg``) the
+    modality's own groups."""
+    own = [f.name for f in fields(cfg) if f.name not in SHARED_GROUPS] if cfg is not None else []
     return (f"shipped configs: {', '.join(shipped_configs(app.config_dirs, app.command_configs)) or 'none'}\n"
             f"shared config groups (the same keys in every lf-* CLI): {', '.join(SHARED_GROUPS)}\n"
+            + (f"{app.prog}'s own config groups: {', '.join(own)}\n" if own else "") +
             f"example: {app.prog} train {app.example}\n"
             f"`{app.prog} info --config NAME [key=value ...]` prints what a config builds.")
 
@@ -315,7 +322,7 @@ class _ModalityCommands:
             except ConfigError:  # the config needs the overrides (a required key): nothing to compare with
                 base = None
         parser = self.train_parser
-        parser.epilog = _config_epilog(self.app) + keys_epilog(self.app, args.config, cfg, base)
+        parser.epilog = _config_epilog(self.app, cfg) + keys_epilog(self.app, args.config, cfg, base)
         parser.print_help()
         return 0
 

@@ -158,7 +158,7 @@ class EmbodiedConfig:
     policy: PolicyConfig = field(default_factory=PolicyConfig)
     data: DatasetConfig = field(default_factory=DatasetConfig)
     train: TrainConfig = field(default_factory=lambda: TrainConfig(
-        steps=100, global_batch_size=8, lr=3e-3, min_lr=1e-4, warmup_steps=5, weight_decay=0.01, adam_beta2=0.95))
+        steps=100, global_batch_size=8, lr=3e-3, min_lr_ratio=1 / 30, warmup_steps=5, weight_decay=0.01, adam_beta2=0.95))
     # rank > 0: train low-rank adapters of the policy's attention projections only
     lora: LoRAConfig = field(default_factory=lambda: LoRAConfig(target_modules=list(POLICY_LORA_TARGETS)))
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
