@@ -300,7 +300,7 @@ def read_section(schema: type, section: str, name_or_path: str | None, overrides
                  config_dirs: Sequence[Path] = (), renamed: Mapping[str, str] | None = None) -> dict:
     """The composed config's ``section``, read with every section of ``schema`` untyped: how a
     recipe learns which family's config class validates that section (``model.family``,
-    ``policy.family``) before the typed load. Overrides of keys outside the schema's sections are
+    ``model.family``) before the typed load. Overrides of keys outside the schema's sections are
     left to that load too (a misspelt ``foo.bar=1`` must not hide which family ``section`` names).
     Empty when the config does not compose (the typed load then reports the error against the real
     schema)."""

@@ -26,19 +26,19 @@ def load_recipe(config: str | None, overrides: list[str]):
     come from DIR's config.json (over the YAML's); one also given on the command line must agree
     with it."""
     from loongforge.core.config import load_config, read_section
-    from loongforge.diffusion.schema import DiffusionRecipe
+    from loongforge.diffusion.schema import RENAMED_KEYS, DiffusionRecipe
 
     from loongforge.core.hub import is_hub_id, resolve_local
 
     overrides = list(overrides)
-    model = read_section(DiffusionRecipe, "model", config, overrides, [CONFIG_DIR])
+    model = read_section(DiffusionRecipe, "model", config, overrides, [CONFIG_DIR], renamed=RENAMED_KEYS)
     if model.get("pretrained"):
         pretrained = str(model["pretrained"])
         if is_hub_id(pretrained):  # owner/name: its snapshot in the hub cache
             pretrained = resolve_local(pretrained, key="model.pretrained")
             overrides.append(f"model.pretrained={pretrained}")
         overrides += pretrained_overrides(pretrained, model, overrides)
-    return load_config(DiffusionRecipe, config, overrides, config_dirs=[CONFIG_DIR])
+    return load_config(DiffusionRecipe, config, overrides, config_dirs=[CONFIG_DIR], renamed=RENAMED_KEYS)
 
 
 # model.condition values a pretrained model's pipeline suggests but a command-line override may

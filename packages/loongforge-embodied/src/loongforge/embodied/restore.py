@@ -31,7 +31,7 @@ def restore_policy(path: str | Path, overrides: Sequence[str] = ()) -> tuple[nn.
     """The policy saved at ``path`` (a checkpoint directory or root), its run config and the checkpoint."""
     ckpt = Checkpoint(path)
     cfg = config_from_checkpoint(ckpt, overrides)
-    policy = get_model_spec(cfg.policy.family).build(cfg.policy)
+    policy = get_model_spec(cfg.model.family).build(cfg.model)
     lora = lora_record(ckpt.manifest)
     if lora:  # a LoRA run: the same adapted layers (merge_lora folds them for an export)
         apply_lora(policy, LoRAConfig(rank=lora["rank"], alpha=lora["alpha"], target_modules=lora["target_modules"]))
