@@ -571,7 +571,7 @@ def test_skipping_non_finite_steps_keeps_the_run_going_and_every_checkpoint_fini
     normally, and the weights it saves are the last finite ones."""
     run = tmp_path / "run"
     code, _ = run_inproc(capsys, "lf-llm", "train", "train.steps=4", "train.global_batch_size=4", "train.lr=1e30",
-                         "train.min_lr=0", "train.warmup_steps=0", "train.nonfinite_patience=0",
+                         "train.min_lr_ratio=0", "train.warmup_steps=0", "train.nonfinite_patience=0",
                          "checkpoint.interval=1", "log.progress=false", "log.interval=1", f"log.run_dir={run}")
     assert code == 0
     logged = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
@@ -586,7 +586,7 @@ def test_skipping_non_finite_steps_keeps_the_run_going_and_every_checkpoint_fini
 def test_patience_stops_after_that_many_bad_steps_in_a_row(tmp_path, capsys):
     run = tmp_path / "run"
     code, err = run_inproc(capsys, "lf-llm", "train", "train.steps=8", "train.global_batch_size=4", "train.lr=1e30",
-                           "train.min_lr=0", "train.warmup_steps=0", "train.nonfinite_patience=3",
+                           "train.min_lr_ratio=0", "train.warmup_steps=0", "train.nonfinite_patience=3",
                            "checkpoint.save=false", "log.progress=false", "log.interval=1", f"log.run_dir={run}")
     assert code == 1
     line = assert_one_error_line(err, "not finite", "3 steps in a row", "train.nonfinite_patience")

@@ -56,7 +56,8 @@ def run_training(cfg, task, prog: str, after: Callable[[Trainer], None] | None =
     check_run_directories(cfg)
     owned = not dist.is_initialized()
     p = cfg.parallel
-    ctx = init_parallel(tp=p.tp, pp=p.pp, cp=p.cp, ep=p.ep, seed=cfg.train.seed, timeout_s=p.timeout_s)
+    ctx = init_parallel(tp=p.tp, pp=p.pp, cp=p.cp, ep=p.ep, seed=cfg.train.seed, timeout_s=p.timeout_s,
+                        engine=task.engine)
     lock = RunDirLock(cfg.log.run_dir)
     try:
         previous = claim_run_dir(lock, ctx)
