@@ -26,9 +26,11 @@ All of this happens before any process group is made, so a bad config costs no c
 from __future__ import annotations
 
 import difflib
+import json
 import os
 import sys
-from collections.abc import Mapping, Sequence
+import tempfile
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import fields, is_dataclass, make_dataclass
 from pathlib import Path
 from typing import Any, TypeVar
@@ -41,7 +43,7 @@ from loongforge.core.errors import UserError
 
 T = TypeVar("T")
 
-__all__ = ["ConfigError", "DEPRECATED_KEYS", "find_config", "load_config", "rename_overrides", "read_section", "to_dict", "to_yaml", "field_names",
+__all__ = ["ConfigError", "find_config", "load_config", "load_saved_config", "rename_overrides", "read_section", "to_dict", "to_yaml", "field_names",
            "leaf_keys", "did_you_mean", "yaml_error_message"]
 
 
@@ -294,6 +296,21 @@ def load_config(
         raise ConfigError(f"{source}: {_unknown_key_message(exc)}") from exc
     except (ValueError, TypeError) as exc:  # raised by a schema's __post_init__
         raise ConfigError(f"{source}: {exc}") from exc
+
+
+def load_saved_config(saved: Mapping, load: Callable[[str, list[str]], T], overrides: Sequence[str] = (),
+                      source: str = "the checkpoint's config") -> T:
+    """A run config saved as a plain dict (a checkpoint manifest's ``config``), with ``key=value``
+    overrides, read back through the CLI's own ``load(config path, overrides)`` from a YAML file of
+    it: the renamed keys, family dispatch and checks are the ones a fresh run gets. An error names
+    ``source`` rather than the temporary file."""
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "saved_config.yaml"
+        path.write_text(json.dumps(dict(saved)))  # JSON is YAML
+        try:
+            return load(str(path), list(overrides))
+        except ConfigError as exc:
+            raise ConfigError(str(exc).replace(str(path), source)) from exc
 
 
 def read_section(schema: type, section: str, name_or_path: str | None, overrides: Sequence[str] = (),

@@ -55,7 +55,6 @@ __all__ = [
     "adapter_modules",
     "adapter_renames",
     "apply_lora",
-    "checkpoint_of",
     "export_checkpoint_adapter",
     "export_peft_adapter",
     "initial_a",
@@ -345,7 +344,7 @@ def transformers_layout(manifest: Mapping, *, leave_out: Callable[[str], bool] |
     layers (LoongForge weight names) transformers has no module for, ``unnamed`` says why;
     ``module_name(name)``: the model's module path of an HF checkpoint name where the two differ
     (transformers' Qwen2.5-VL saves ``model.layers.0...`` from ``model.language_model.layers.0...``)."""
-    from loongforge.core.hf_mapping.convert import bind_checkpoint
+    from loongforge.core.hf_mapping.checkpoint_binding import bind_checkpoint
 
     _, adapter, cfg, bound = bind_checkpoint(dict(manifest), "the checkpoint's manifest.json")
     architecture = adapter.config_to_hf(cfg)["architectures"][0]  # refuses a model transformers cannot express
@@ -433,12 +432,6 @@ def export_peft_adapter(names: Iterable[str], get: Callable[[str], torch.Tensor]
 
 
 # -- from a checkpoint of the loop -------------------------------------------------------------
-def checkpoint_of(source: str | Path) -> Path:
-    """A run directory's ``checkpoints``, or the checkpoint (root or step directory) itself."""
-    source = Path(source)
-    return source / "checkpoints" if (source / "checkpoints").is_dir() else source
-
-
 def export_checkpoint_adapter(source: str | Path, out: str | Path,
                               layouts: Callable[[Mapping, list[str]], list[AdapterLayout]], *, ema: bool = False,
                               dtype: torch.dtype | None = None, command: str | None = None) -> list[Path]:
@@ -446,9 +439,9 @@ def export_checkpoint_adapter(source: str | Path, out: str | Path,
     directory, checkpoint root or step directory) in PEFT's format; ``layouts(manifest, names)``
     is the modality's naming. ``ema``: the EMA of the adapters (a run with ``ema.decay > 0``).
     ``command``: the ``lf-*`` command whose checkpoints ``layouts`` names (another's are refused)."""
-    from loongforge.core.checkpoint import Checkpoint, CheckpointReadError
+    from loongforge.core.checkpoint import Checkpoint, CheckpointReadError, checkpoint_root
 
-    ckpt = Checkpoint(checkpoint_of(source))
+    ckpt = Checkpoint(checkpoint_root(source))
     if command is not None:
         from loongforge.core.checkpoint_owner import check_checkpoint_command
 
@@ -475,7 +468,7 @@ def _megatron_state(ckpt) -> tuple[list[str], Callable[[str], torch.Tensor]]:
     """A megatron-engine LoRA checkpoint as per-layer state-dict names (the family's HF mapping's
     LoongForge names, global layer and expert indices, adapters as ``<layer>.lora_A.weight``) and
     their reader."""
-    from loongforge.core.hf_mapping.convert import OPTIMIZER_PREFIX, bind_checkpoint, read_at
+    from loongforge.core.hf_mapping.checkpoint_binding import OPTIMIZER_PREFIX, bind_checkpoint, read_at
 
     _, _, _, bound = bind_checkpoint(ckpt.manifest, ckpt.directory / "manifest.json")
     keys = {k for k in ckpt.reader.keys() if not k.startswith(OPTIMIZER_PREFIX)}

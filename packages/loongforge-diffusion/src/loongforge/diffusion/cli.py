@@ -93,29 +93,17 @@ def cmd_info(args, recipe) -> None:
     print(f"accelerator: {get_accelerator()!r}")
 
 
-def checkpoint_root(source: str | Path) -> Path:
-    """A run directory's ``checkpoints``, or the checkpoint (root or step directory) itself."""
-    source = Path(source)
-    return source / "checkpoints" if (source / "checkpoints").is_dir() else source
-
-
 def recipe_of(manifest: dict, overrides: list[str] = ()):
     """The run config a checkpoint was trained with (its manifest), with ``key=value`` overrides."""
-    from omegaconf import OmegaConf
+    from loongforge.core.config import load_config, load_saved_config
+    from loongforge.diffusion.schema import RENAMED_KEYS, DiffusionRecipe
 
-    from loongforge.core.config import ConfigError
-    from loongforge.diffusion.schema import DiffusionRecipe
-
-    try:
-        merged = OmegaConf.merge(OmegaConf.structured(DiffusionRecipe), manifest["config"],
-                                 OmegaConf.from_dotlist(list(overrides)))
-        return OmegaConf.to_object(merged)
-    except Exception as exc:  # an omegaconf error or a __post_init__ check
-        raise ConfigError(f"the checkpoint's config with {list(overrides)}: {str(exc).splitlines()[0]}") from exc
+    return load_saved_config(manifest["config"], lambda path, more: load_config(
+        DiffusionRecipe, path, more, renamed=RENAMED_KEYS), overrides)
 
 
 def lf_to_diffusers_command(source: str, out: str, args) -> str:
-    from loongforge.core.checkpoint import Checkpoint
+    from loongforge.core.checkpoint import Checkpoint, checkpoint_root
     from loongforge.core.checkpoint_owner import check_checkpoint_command
     from loongforge.core.cli import convert_dtype
     from loongforge.core.config import ConfigError
@@ -209,7 +197,7 @@ def cmd_preprocess(args) -> int:
 
 
 def cmd_sample(args) -> int:
-    from loongforge.core.checkpoint import Checkpoint
+    from loongforge.core.checkpoint import Checkpoint, checkpoint_root
     from loongforge.core.checkpoint_owner import check_checkpoint_command
     from loongforge.diffusion.sampling import sample_run
 

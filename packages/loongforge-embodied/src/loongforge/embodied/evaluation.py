@@ -78,9 +78,6 @@ def get_eval_hook(name: str) -> EvalHook:
 
 def evaluate_checkpoint(path: str | Path, overrides: Sequence[str] = ()) -> dict[str, float]:
     """Run ``eval.hook`` on the policy saved at ``path`` (a run directory, checkpoint root or step directory)."""
-    path = Path(path)
-    if (path / "checkpoints").is_dir():
-        path = path / "checkpoints"
     policy, cfg, ckpt = restore_policy(path, overrides)
     device = get_accelerator().device()
     policy.to(device)

@@ -30,12 +30,6 @@ from loongforge.embodied.config import saved_model_section
 from loongforge.embodied.restore import restore_policy
 
 
-def checkpoint_path(path: str | Path) -> Path:
-    """A run directory's ``checkpoints``, or the checkpoint (root or step directory) itself."""
-    path = Path(path)
-    return path / "checkpoints" if (path / "checkpoints").is_dir() else path
-
-
 def _new_file(out: str | Path) -> Path:
     out = Path(out)
     if out.exists():
@@ -59,7 +53,7 @@ def export_lerobot(path: str | Path, out: str | Path, dtype=None) -> Path:
     (floating-point tensors cast to ``dtype`` when given)."""
     from loongforge.core.config import ConfigError
 
-    policy, cfg, ckpt = restore_policy(checkpoint_path(path))
+    policy, cfg, ckpt = restore_policy(path)
     adapter = lerobot_adapter(cfg.model.family)
     if adapter is None:
         raise ConfigError(f"lf-to-lerobot: {path} is a model.family={cfg.model.family} checkpoint; only "
