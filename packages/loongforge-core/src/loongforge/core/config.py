@@ -33,7 +33,7 @@ import tempfile
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import fields, is_dataclass, make_dataclass
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, TypeVar, cast
 
 import yaml
 from omegaconf import DictConfig, OmegaConf
@@ -185,9 +185,10 @@ def _compose(path: Path, group_overrides: list[str], config_dirs: Sequence[Path]
         raise ConfigError(f"{path}: cannot compose config: {first}") from exc
     except yaml.YAMLError as exc:
         raise ConfigError(yaml_error_message(exc, path)) from exc
-    cfg = OmegaConf.create(OmegaConf.to_container(cfg, resolve=False))
-    cfg.pop("hydra", None)
-    return cfg
+    plain = OmegaConf.create(OmegaConf.to_container(cfg, resolve=False))
+    assert isinstance(plain, DictConfig)  # a composed config is a mapping
+    plain.pop("hydra", None)
+    return plain
 
 
 def yaml_error_message(exc: yaml.YAMLError, path: Path) -> str:
@@ -207,9 +208,11 @@ def _is_group(key: str, path: Path, config_dirs: Sequence[Path]) -> bool:
 
 def leaf_keys(cfg: DictConfig, prefix: str = "") -> list[str]:
     """Every dotted leaf key of a (structured) config; a group's own keys, not a list's items."""
-    out = []
-    for key, value in OmegaConf.to_container(cfg, resolve=False, throw_on_missing=False).items():
-        out += _leaves(value, f"{prefix}{key}")
+    out: list[str] = []
+    container = OmegaConf.to_container(cfg, resolve=False, throw_on_missing=False)
+    assert isinstance(container, dict)  # a DictConfig's container
+    for key, value in container.items():
+        out += _leaves(value, f"{prefix}{key!s}")
     return out
 
 
@@ -291,7 +294,7 @@ def load_config(
                 raise ConfigError(f"unknown key {key!r}{_closest_key(key, leaf_keys(structured))}") from exc
             raise ConfigError(f"override {item!r} ({source}): {_unknown_key_message(exc)}") from exc
     try:
-        return OmegaConf.to_object(structured)
+        return cast(T, OmegaConf.to_object(structured))
     except OmegaConfBaseException as exc:
         raise ConfigError(f"{source}: {_unknown_key_message(exc)}") from exc
     except (ValueError, TypeError) as exc:  # raised by a schema's __post_init__
@@ -334,7 +337,7 @@ def read_section(schema: type, section: str, name_or_path: str | None, overrides
 
 def to_dict(cfg: Any) -> dict:
     """A plain, JSON-serialisable dict of a config dataclass."""
-    return OmegaConf.to_container(OmegaConf.structured(cfg), resolve=True)
+    return cast(dict, OmegaConf.to_container(OmegaConf.structured(cfg), resolve=True))
 
 
 def to_yaml(cfg: Any) -> str:

@@ -39,6 +39,7 @@ import re
 import zlib
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -285,8 +286,12 @@ def adapter_renames(bound) -> dict[str, str | RowSplit]:
         if isinstance(c.transform, Identity) and len(c.hf) == 1:
             out[c.lf[0]] = c.hf[0]
         elif c.transform.splits_rows:
-            out[c.lf[0]] = RowSplit(tuple(c.hf), lambda t, c=c: c.to_hf([t]))
+            out[c.lf[0]] = RowSplit(tuple(c.hf), partial(_to_hf, c))
     return out
+
+
+def _to_hf(conversion, t: torch.Tensor) -> list[torch.Tensor]:
+    return conversion.to_hf([t])
 
 
 def one_to_one_names(bound) -> dict[str, str]:
@@ -310,7 +315,7 @@ class AdapterLayout:
     header, keys prefixed with the component (``transformer``), None for none."""
 
     prefix: str
-    rename: Callable[[list[str]], Mapping[str, str]]
+    rename: Callable[[list[str]], Mapping[str, str | RowSplit]]
     library: str
     directory: str = ""
     key_prefix: str = ""
@@ -433,7 +438,7 @@ def export_peft_adapter(names: Iterable[str], get: Callable[[str], torch.Tensor]
 
 # -- from a checkpoint of the loop -------------------------------------------------------------
 def export_checkpoint_adapter(source: str | Path, out: str | Path,
-                              layouts: Callable[[Mapping, list[str]], list[AdapterLayout]], *, ema: bool = False,
+                              layouts: Callable[[dict, list[str]], list[AdapterLayout]], *, ema: bool = False,
                               dtype: torch.dtype | None = None, command: str | None = None) -> list[Path]:
     """``lf-X convert lora-to-peft``: the adapters of a LoRA checkpoint of the loop (a run
     directory, checkpoint root or step directory) in PEFT's format; ``layouts(manifest, names)``
@@ -489,7 +494,8 @@ def megatron_adapters(bound, keys: Iterable[str], source) -> dict:
     from loongforge.core.hf_mapping.transforms import MappingError
 
     keys = set(keys)
-    out, placed = {}, set()
+    out: dict = {}
+    placed: set[str] = set()
     for name in bound.lf_names:
         loc = bound.location(name)
         if not (name.endswith(".weight") and loc.key.endswith(".weight")):

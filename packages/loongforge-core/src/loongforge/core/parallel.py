@@ -17,6 +17,7 @@ from __future__ import annotations
 import os
 import sys
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -102,7 +103,7 @@ class ParallelContext:
     world_size: int
     local_rank: int
     dp_size: int
-    pgs: object  # megatron.core.process_groups_config.ProcessGroupCollection, or MeshGroups (torch engine)
+    pgs: Any  # megatron.core.process_groups_config.ProcessGroupCollection, or MeshGroups (torch engine)
     # how the modules built with this context choose their registry ops (a task's build_model
     # hands its own to the family's build with dataclasses.replace)
     kernels: KernelPolicy = field(default_factory=KernelPolicy)
