@@ -139,6 +139,7 @@ def _read_lf(ckpt: Checkpoint, bound: BoundMapping):
         weight = read_at(ckpt, bound.location(name))
         if name not in adapters:
             return weight
+        assert lora is not None  # adapters without a lora record were refused above
         a, b = (read_at(ckpt, loc) for loc in adapters[name])
         return merged_weight(weight, a, b, lora["alpha"] / lora["rank"])
 
