@@ -29,6 +29,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from loongforge.core.checkpoint.storage import RUN_CHECKPOINTS
 from loongforge.core.errors import storage_error
@@ -80,7 +81,7 @@ class Trainer:
         self.engine = make_engine(task, ctx, cfg, resuming=self.resuming)
         self.step = 0
         self.consumed_samples = 0
-        self.data = None  # the task's step iterator (made in fit)
+        self.data: Any = None  # the task's step iterator (made in fit)
         self.resumed_data_state = None  # its state from the checkpoint resumed from, if any
         self.last_checkpoint: Path | None = None
         self.saved_step: int | None = None  # the step of last_checkpoint
