@@ -60,7 +60,7 @@ class BalancedBatchSampler(Sampler[list[int]]):
 
     def __init__(
         self,
-        lengths: Sequence[SampleLength] | SampleSizes,
+        lengths: Sequence[SampleLength] | np.ndarray | SampleSizes,
         *,
         samples_per_step: int,
         dp_rank: int,
