@@ -16,6 +16,11 @@ grad over every head in fp32 registers and scatters it into an fp32 ``dkv`` with
 per (key, dim) (a key row is selected by many queries). When one head block holds every head,
 the query-grad kernel scatters the key grad itself (each key is then added once per query
 already) and the second kernel is skipped.
+
+The key-grad kernel comes in two forms: head-major (logits ``[heads, keys]``, as the query grad
+has them) and key-major (``[keys, heads]``: 64 keys are the rows of every dot, a warpgroup MMA's
+64, and ``ds^T`` feeds the key-grad dot from registers). ``BACKWARD_LAUNCHES`` names the block
+sizes of each launch, so a bench can time them in one process.
 """
 
 from __future__ import annotations
@@ -397,15 +402,17 @@ class BackwardLaunch:
 
 
 # The backward's launches at DeepSeek's sizes (latent 512 + rope 64, bf16) on sm_90, with ptxas'
-# counts. "warpgroup": the query grad takes 64 heads x 32 keys a step, so its dots are warpgroup
-# MMAs (wgmma; 255 registers, 68 bytes spilled); the key grad is the key-major kernel, 64 keys
-# per program (wgmma rows), 32 heads a step (255 registers, about 6 KiB spilled per thread).
-# "warpgroup_head_major": the same query grad with the first key-grad kernel. "mma": the first
-# launch, 32 heads x 16 keys and 32 x 32 (no spills), whose dots are below the warpgroup MMA's 64
-# rows and run as mma.sync.
+# counts (255 registers at most a thread). "warpgroup" (the default): the query grad takes 64 heads
+# x 32 keys a step, so its dots are warpgroup MMAs (wgmma, 172 KiB of shared memory, 68 bytes
+# spilled) and a query's key rows are gathered for two head blocks instead of four; then the
+# head-major key-grad kernel, 32 heads x 32 keys (mma.sync, no spills). "warpgroup_key_major": the
+# same query grad, then the key-major kernel, 64 keys (wgmma rows) x 32 heads a step; ptxas spills
+# about 6 KiB a thread there, all from the ``p^T @ do`` dot (without it: 32 bytes), so it is timed
+# beside the others rather than the default. "mma": the first launch, 32 heads x 16 keys and
+# 32 x 32, whose dots are below the warpgroup MMA's 64 rows and run as mma.sync.
 BACKWARD_LAUNCHES = {
-    "warpgroup": BackwardLaunch(64, 32, 8, 1, "key_major", 32, 64, 8, 2),
-    "warpgroup_head_major": BackwardLaunch(64, 32, 8, 1, "head_major", 32, 32, 8, 1),
+    "warpgroup": BackwardLaunch(64, 32, 8, 1, "head_major", 32, 32, 8, 1),
+    "warpgroup_key_major": BackwardLaunch(64, 32, 8, 1, "key_major", 32, 64, 8, 2),
     "mma": BackwardLaunch(32, 16, 8, 1, "head_major", 32, 32, 8, 1),
 }
 DEFAULT_BACKWARD = "warpgroup"
