@@ -12,9 +12,8 @@
 #    where DSA's time goes at 32K (top-k, attention fwd / fwd+bwd, indexer loss, the two key-grad
 #    forms) and a profiler table of one DSA step at 32K;
 # 3. bench/dsa_kernel_launches.py: the sparse MLA kernels alone on the last chunk of queries at 16K-64K,
-#    forward, each backward launch (sparse_mla.BACKWARD_LAUNCHES, and the default with its kernels
-#    software-pipelined: 2 stages, ptxas: 492 bytes spilled in the query grad, none in the key grad)
-#    and the one-kernel form;
+#    forward, each backward launch (sparse_mla.BACKWARD_LAUNCHES, and two with the query grad
+#    software-pipelined, 2 stages: ptxas spills 492 bytes there) and the one-kernel form;
 # 4. 128K tokens (DSA, and dense beside it) where the GPU has more than 100 GiB (an H200).
 #
 # The machine has torch and triton but no PyPI: LoongForge's wheels travel in .whl/ (`uv build --wheel
@@ -36,7 +35,7 @@ if [ "${1:-}" = quick ]; then  # the GPU tests of the absorbed op and dense vs D
   bench 150 python3 "$repo/bench/dsa_throughput.py" --seqs 16384,32768,65536 --heads 128 --layers 1 --iters 2 \
       --variants dense,dsa --breakdown-seq 0
   bench 120 python3 "$repo/bench/dsa_kernel_launches.py" --seqs 16384,32768,65536 --iters 2 \
-      --launch dq_2_stages=64,32,8,2,head_major,32,32,8,1 --launch both_2_stages=64,32,8,2,head_major,32,32,8,2
+      --launch dq_2_stages=64,32,8,2,key_major,32,64,8,2 --launch head_major_2_stages=64,32,8,2,head_major,32,32,8,2
   exit 0
 fi
 (cd "$repo" && bench 150 python3 -m pytest -q -s -p no:cacheprovider -n 0 -o addopts="--import-mode=importlib" \
@@ -47,7 +46,7 @@ fi
 bench 200 python3 "$repo/bench/dsa_throughput.py" --seqs 16384,32768,65536 --heads 128 --layers 1 --iters 2 \
     --variants dense,dsa --breakdown-seq 32768 --profile-seq 32768 --profile-rows 30
 bench 120 python3 "$repo/bench/dsa_kernel_launches.py" --seqs 16384,32768,65536 --iters 2 \
-    --launch dq_2_stages=64,32,8,2,head_major,32,32,8,1 --launch both_2_stages=64,32,8,2,head_major,32,32,8,2
+    --launch dq_2_stages=64,32,8,2,key_major,32,64,8,2 --launch head_major_2_stages=64,32,8,2,head_major,32,32,8,2
 
 if python3 -c 'import sys, torch; sys.exit(torch.cuda.get_device_properties(0).total_memory < 100 * 2**30)'; then
   bench 90 python3 "$repo/bench/dsa_throughput.py" --seqs 131072 --heads 128 --layers 1 --iters 1 \

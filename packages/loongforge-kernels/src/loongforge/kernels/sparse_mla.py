@@ -314,8 +314,11 @@ def _sparse_mla_bwd_dkv_keys(
         p_t = tl.where(valid[:, None], tl.exp2(s_t * scale_log2 - lse[None, :]), 0.0)
         dp_t = tl.dot(k_lat, tl.trans(do), input_precision=PRECISION)
         ds_t = (p_t * (dp_t - delta[None, :]) * scale).to(q_lat.dtype)
-        dk_lat = tl.dot(ds_t, q_lat, dk_lat, input_precision=PRECISION)
-        dk_lat = tl.dot(p_t.to(do.dtype), do, dk_lat, input_precision=PRECISION)
+        # dk_lat += ds^T q_lat + p^T do as one dot over 2 * BLOCK_H: [ds^T | p^T] @ [q_lat; do] (two
+        # dots into one accumulator spill about 6 KiB a thread on sm_90, this one about 0.3)
+        a = tl.reshape(tl.permute(tl.join(ds_t, p_t.to(do.dtype)), (0, 2, 1)), (BLOCK_N, 2 * BLOCK_H))
+        b_mat = tl.reshape(tl.permute(tl.join(q_lat, do), (2, 0, 1)), (2 * BLOCK_H, BLOCK_DV))
+        dk_lat = tl.dot(a, b_mat, dk_lat, input_precision=PRECISION)
         dk_rope = tl.dot(ds_t, q_rope, dk_rope, input_precision=PRECISION)
     _scatter_key_grad(DKV + b * stride_dkvb, rows, valid, stride_dkvs, dk_lat, dk_rope, D_V, D_ROPE, BLOCK_DV, BLOCK_DR)
 
@@ -405,14 +408,14 @@ class BackwardLaunch:
 # counts (255 registers at most a thread). "warpgroup" (the default): the query grad takes 64 heads
 # x 32 keys a step, so its dots are warpgroup MMAs (wgmma, 172 KiB of shared memory, 68 bytes
 # spilled) and a query's key rows are gathered for two head blocks instead of four; then the
-# head-major key-grad kernel, 32 heads x 32 keys (mma.sync, no spills). "warpgroup_key_major": the
-# same query grad, then the key-major kernel, 64 keys (wgmma rows) x 32 heads a step; ptxas spills
-# about 6 KiB a thread there, all from the ``p^T @ do`` dot (without it: 32 bytes), so it is timed
-# beside the others rather than the default. "mma": the first launch, 32 heads x 16 keys and
-# 32 x 32, whose dots are below the warpgroup MMA's 64 rows and run as mma.sync.
+# key-major key-grad kernel, 64 keys a program (the wgmma's 64 rows) x 32 heads a step, software-
+# pipelined (2 stages, 208 KiB, 344 bytes spilled), which re-reads each query's heads once per 64
+# keys instead of 32. "warpgroup_head_major": the same query grad, then the head-major key-grad
+# kernel, 32 heads x 32 keys (mma.sync, no spills). "mma": the first launch, 32 heads x 16 keys
+# and 32 x 32, whose dots are below the warpgroup MMA's 64 rows and run as mma.sync.
 BACKWARD_LAUNCHES = {
-    "warpgroup": BackwardLaunch(64, 32, 8, 1, "head_major", 32, 32, 8, 1),
-    "warpgroup_key_major": BackwardLaunch(64, 32, 8, 1, "key_major", 32, 64, 8, 2),
+    "warpgroup": BackwardLaunch(64, 32, 8, 1, "key_major", 32, 64, 8, 2),
+    "warpgroup_head_major": BackwardLaunch(64, 32, 8, 1, "head_major", 32, 32, 8, 1),
     "mma": BackwardLaunch(32, 16, 8, 1, "head_major", 32, 32, 8, 1),
 }
 DEFAULT_BACKWARD = "warpgroup"
