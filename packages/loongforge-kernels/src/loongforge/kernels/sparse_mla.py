@@ -290,8 +290,8 @@ def _sparse_mla_bwd_dkv_keys(
 ):
     """``_sparse_mla_bwd_dkv`` in key-major form: the logits and their grads are formed transposed,
     ``[BLOCK_N keys, BLOCK_H heads]``, so the keys are every dot's rows (``BLOCK_N`` = 64 keys: one
-    warpgroup MMA tile on Hopper) and ``ds^T`` / ``p^T`` enter the key-grad dots straight from the
-    accumulator's registers, with no transpose."""
+    warpgroup MMA tile on Hopper) and ``ds^T`` / ``p^T`` enter the key-grad dot from registers,
+    with no transpose through shared memory."""
     pid = tl.program_id(0)
     t = (pid // n_key_blocks).to(tl.int64)
     b = tl.program_id(1).to(tl.int64)
