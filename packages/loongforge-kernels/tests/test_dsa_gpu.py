@@ -105,10 +105,10 @@ def test_dsa_kernels_match_the_references(seq, heads):
 def test_absorbed_sparse_mla_matches_the_reference(seq, heads):
     """The op DSAttention's sparse stage runs (queries absorbed per chunk inside it), bf16 at
     DeepSeek-V3.2's sizes: output and the grads of the per-head queries, the latent rows and both
-    up-projections against the fp32 reference on the selected queries; and the backward's two
-    key-grad forms agree."""
+    up-projections against the fp32 reference on the selected queries; and the backward's forms
+    (single kernel, and every two-kernel launch) agree."""
     from loongforge.kernels.dsa_indexer import dsa_indexer_topk
-    from loongforge.kernels.sparse_mla import attention_backward, attention_forward
+    from loongforge.kernels.sparse_mla import BACKWARD_LAUNCHES, attention_backward, attention_forward
     from loongforge.kernels.sparse_mla_absorbed import sparse_mla_absorbed_attention
 
     q, kv, q_idx, k_idx, w_idx, sel = _problem(seq, heads, seed=1)
@@ -139,8 +139,12 @@ def test_absorbed_sparse_mla_matches_the_reference(seq, heads):
     q_abs = torch.cat([torch.einsum("bshd,hdc->bshc", q_nope, w_uk), tensors[1]], -1)
     o, lse = attention_forward(q_abs, kv, idx, scale, D_V)
     do = torch.randn_like(o)
-    grads = []
-    for key_grad in ("head_summed", "per_head_block"):
+    grads = {}
+    forms = [("per_head_block", BACKWARD_LAUNCHES["mma"])] + [("head_summed", l) for l in BACKWARD_LAUNCHES.values()]
+    for key_grad, launch in forms:
         dkv = torch.zeros(kv.shape, dtype=torch.float32, device="cuda")
-        grads.append((attention_backward(q_abs, kv, idx, o, lse, do, scale, D_V, dkv, key_grad), dkv))
-    assert _rel(grads[1][0], grads[0][0]) < 1e-2 and _rel(grads[1][1], grads[0][1]) < 1e-3
+        grads[key_grad, launch] = (attention_backward(q_abs, kv, idx, o, lse, do, scale, D_V, dkv, key_grad, launch), dkv)
+    (dq0, dkv0), *rest = grads.values()
+    diffs = {form[1]: (_rel(dq, dq0), _rel(dkv, dkv0)) for form, (dq, dkv) in zip(list(grads)[1:], rest)}
+    print(f"backward forms: relative difference to the single-kernel form (dq, dkv) {diffs}")
+    assert all(e_dq < 1e-2 and e_dkv < 1e-3 for e_dq, e_dkv in diffs.values()), diffs

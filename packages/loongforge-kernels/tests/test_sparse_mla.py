@@ -10,7 +10,13 @@ import pytest
 import torch
 
 from loongforge.kernels.dsa_indexer import dsa_indexer_loss, dsa_indexer_topk, indexer_scores_chunk
-from loongforge.kernels.sparse_mla import attention_backward, attention_forward, head_mean_probs, sparse_mla_attention
+from loongforge.kernels.sparse_mla import (
+    BACKWARD_LAUNCHES,
+    attention_backward,
+    attention_forward,
+    head_mean_probs,
+    sparse_mla_attention,
+)
 from loongforge.kernels.sparse_mla_absorbed import sparse_mla_absorbed_attention
 from loongforge.llm.ops import dsa
 
@@ -67,6 +73,24 @@ def test_key_grad_per_head_block_matches_the_reference():
     out, lse = attention_forward(q, kv, idx, scale, 32)
     dkv = torch.zeros(kv.shape)
     dq = attention_backward(q, kv, idx, out, lse, dout, scale, 32, dkv, key_grad="per_head_block")
+    torch.testing.assert_close(dq, dq_ref, **TIGHT)
+    torch.testing.assert_close(dkv, dkv_ref, **TIGHT)
+
+
+
+@pytest.mark.parametrize("launch", sorted(BACKWARD_LAUNCHES))
+def test_every_backward_launch_matches_the_reference(launch):
+    """Three head blocks through the two-kernel backward, its key grad from the key-major and the
+    head-major kernel (in fp32 every launch runs 16 x 16 blocks; their bf16 block sizes are checked
+    on a GPU)."""
+    q, kv, idx = _attention_inputs(1, 4, 40, 32, 16, 37, 2, seed=4)
+    idx[0, 3, -16:] = -1  # a last key block of -1 entries only
+    scale = 0.2
+    dout = torch.randn(1, 4, 40, 32)
+    _, dq_ref, dkv_ref = _run(dsa.sparse_mla_attention, q, kv, idx, scale, 32, dout)
+    out, lse = attention_forward(q, kv, idx, scale, 32)
+    dkv = torch.zeros(kv.shape)
+    dq = attention_backward(q, kv, idx, out, lse, dout, scale, 32, dkv, key_grad="head_summed", launch=launch)
     torch.testing.assert_close(dq, dq_ref, **TIGHT)
     torch.testing.assert_close(dkv, dkv_ref, **TIGHT)
 

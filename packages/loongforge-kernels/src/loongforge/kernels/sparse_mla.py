@@ -16,11 +16,17 @@ grad over every head in fp32 registers and scatters it into an fp32 ``dkv`` with
 per (key, dim) (a key row is selected by many queries). When one head block holds every head,
 the query-grad kernel scatters the key grad itself (each key is then added once per query
 already) and the second kernel is skipped.
+
+The key-grad kernel comes in two forms: head-major (logits ``[heads, keys]``, as the query grad
+has them) and key-major (``[keys, heads]``: 64 keys are the rows of every dot, a warpgroup MMA's
+64, and ``ds^T`` feeds the key-grad dot from registers). ``BACKWARD_LAUNCHES`` names the block
+sizes of each launch, so a bench can time them in one process.
 """
 
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass, replace
 
 import torch
 import triton
@@ -269,6 +275,55 @@ def _sparse_mla_bwd_dkv(
 
 
 @triton.jit
+def _sparse_mla_bwd_dkv_keys(
+    Q, KV, IDX, DO, LSE, DELTA, DKV,
+    n_heads, topk, n_key_blocks, scale, scale_log2,
+    stride_qb, stride_qs, stride_qh,
+    stride_kvb, stride_kvs,
+    stride_ib, stride_is,
+    stride_dob, stride_dos, stride_doh,
+    stride_lb, stride_ls,
+    stride_dkvb, stride_dkvs,
+    D_V: tl.constexpr, D_ROPE: tl.constexpr,
+    BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_DR: tl.constexpr,
+    PRECISION: tl.constexpr,
+):
+    """``_sparse_mla_bwd_dkv`` in key-major form: the logits and their grads are formed transposed,
+    ``[BLOCK_N keys, BLOCK_H heads]``, so the keys are every dot's rows (``BLOCK_N`` = 64 keys: one
+    warpgroup MMA tile on Hopper) and ``ds^T`` / ``p^T`` enter the key-grad dot from registers,
+    with no transpose through shared memory."""
+    pid = tl.program_id(0)
+    t = (pid // n_key_blocks).to(tl.int64)
+    b = tl.program_id(1).to(tl.int64)
+    valid, rows, k_lat, k_rope = _gather_keys(
+        KV + b * stride_kvb, IDX + b * stride_ib + t * stride_is, (pid % n_key_blocks) * BLOCK_N, topk, stride_kvs,
+        D_V, D_ROPE, BLOCK_N, BLOCK_DV, BLOCK_DR,
+    )
+    dk_lat = tl.zeros([BLOCK_N, BLOCK_DV], dtype=tl.float32)
+    dk_rope = tl.zeros([BLOCK_N, BLOCK_DR], dtype=tl.float32)
+    h_end = tl.where(tl.max(valid.to(tl.int32)) > 0, n_heads, 0)  # a block of -1 entries only: no grad
+    for h0 in range(0, h_end, BLOCK_H):
+        heads = h0 + tl.arange(0, BLOCK_H)
+        q_lat, q_rope, do, lse = _load_heads(
+            Q, DO, LSE, b, t, heads, n_heads, stride_qb, stride_qs, stride_qh,
+            stride_dob, stride_dos, stride_doh, stride_lb, stride_ls, D_V, D_ROPE, BLOCK_DV, BLOCK_DR,
+        )
+        delta = tl.load(DELTA + b * stride_lb + t * stride_ls + heads, mask=heads < n_heads, other=0.0)
+        s_t = tl.dot(k_lat, tl.trans(q_lat), input_precision=PRECISION)
+        s_t += tl.dot(k_rope, tl.trans(q_rope), input_precision=PRECISION)
+        p_t = tl.where(valid[:, None], tl.exp2(s_t * scale_log2 - lse[None, :]), 0.0)
+        dp_t = tl.dot(k_lat, tl.trans(do), input_precision=PRECISION)
+        ds_t = (p_t * (dp_t - delta[None, :]) * scale).to(q_lat.dtype)
+        # dk_lat += ds^T q_lat + p^T do as one dot over 2 * BLOCK_H: [ds^T | p^T] @ [q_lat; do] (two
+        # dots into one accumulator spill about 6 KiB a thread on sm_90, this one about 0.3)
+        a = tl.reshape(tl.permute(tl.join(ds_t, p_t.to(do.dtype)), (0, 2, 1)), (BLOCK_N, 2 * BLOCK_H))
+        b_mat = tl.reshape(tl.permute(tl.join(q_lat, do), (2, 0, 1)), (2 * BLOCK_H, BLOCK_DV))
+        dk_lat = tl.dot(a, b_mat, dk_lat, input_precision=PRECISION)
+        dk_rope = tl.dot(ds_t, q_rope, dk_rope, input_precision=PRECISION)
+    _scatter_key_grad(DKV + b * stride_dkvb, rows, valid, stride_dkvs, dk_lat, dk_rope, D_V, D_ROPE, BLOCK_DV, BLOCK_DR)
+
+
+@triton.jit
 def _sparse_mla_head_mean_probs(
     Q, KV, IDX, P,
     n_heads, topk, scale_log2, inv_heads,
@@ -320,16 +375,50 @@ def _sparse_mla_head_mean_probs(
 
 
 BLOCK_N_FWD = 32
-BLOCK_N_BWD = 16
+BLOCK_N_FUSED = 16  # keys per step of the query-grad kernel when it also scatters the key grad
 
 
-def _dkv_launch(elem_bytes: int) -> tuple[int, int, int, int]:
-    """``(BLOCK_H, BLOCK_N, num_warps, num_stages)`` of ``_sparse_mla_bwd_dkv`` (``compile_for_gpu``
-    builds the same), whose fp32 key-grad ``[BLOCK_N, d_v + d_rope]`` stays in registers through
-    the head loop. bf16 at DeepSeek's sizes: 198 registers, no spills, 106 KiB of shared memory on
-    sm_90 (64 keys or a second pipeline stage spill or hit 255 registers); 16 x 16 for fp32 (tests),
-    as in the other kernels. Latent widths of 128 or less (tests) launch 4 warps."""
-    return (16, 16, 8, 1) if elem_bytes > 2 else (32, 32, 8, 1)
+@dataclass(frozen=True)
+class BackwardLaunch:
+    """Block sizes and launch parameters of the two backward kernels in bf16/fp16 (fp32, for the
+    tests, always runs 16 heads x 16 keys, whose tiles fit shared memory at DeepSeek's sizes).
+
+    ``dq_*``: ``_sparse_mla_bwd_dq`` (heads per program, keys per step). ``dkv_form``:
+    ``"head_major"`` (``_sparse_mla_bwd_dkv``: logits ``[heads, keys]``) or ``"key_major"``
+    (``_sparse_mla_bwd_dkv_keys``: ``[keys, heads]``); ``dkv_*``: its heads per step and keys per
+    program."""
+
+    dq_heads: int
+    dq_keys: int
+    dq_warps: int
+    dq_stages: int
+    dkv_form: str
+    dkv_heads: int
+    dkv_keys: int
+    dkv_warps: int
+    dkv_stages: int
+
+    def for_dtype(self, elem_bytes: int) -> BackwardLaunch:
+        if elem_bytes <= 2:
+            return self
+        return replace(self, dq_heads=16, dq_keys=16, dkv_heads=16, dkv_keys=16)
+
+
+# The backward's launches at DeepSeek's sizes (latent 512 + rope 64, bf16) on sm_90, with ptxas'
+# counts (255 registers at most a thread). "warpgroup" (the default): the query grad takes 64 heads
+# x 32 keys a step, so its dots are warpgroup MMAs (wgmma, 172 KiB of shared memory, 68 bytes
+# spilled) and a query's key rows are gathered for two head blocks instead of four; then the
+# key-major key-grad kernel, 64 keys a program (the wgmma's 64 rows) x 32 heads a step, software-
+# pipelined (2 stages, 208 KiB, 344 bytes spilled), which re-reads each query's heads once per 64
+# keys instead of 32. "warpgroup_head_major": the same query grad, then the head-major key-grad
+# kernel, 32 heads x 32 keys (mma.sync, no spills). "mma": the first launch, 32 heads x 16 keys
+# and 32 x 32, whose dots are below the warpgroup MMA's 64 rows and run as mma.sync.
+BACKWARD_LAUNCHES = {
+    "warpgroup": BackwardLaunch(64, 32, 8, 1, "key_major", 32, 64, 8, 2),
+    "warpgroup_head_major": BackwardLaunch(64, 32, 8, 1, "head_major", 32, 32, 8, 1),
+    "mma": BackwardLaunch(32, 16, 8, 1, "head_major", 32, 32, 8, 1),
+}
+DEFAULT_BACKWARD = "warpgroup"
 
 
 def _check(q, kv, indices, d_v):
@@ -379,6 +468,7 @@ def attention_forward(
 def attention_backward(
     q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
     dout: torch.Tensor, softmax_scale: float, d_v: int, dkv: torch.Tensor, key_grad: str = "head_summed",
+    launch: BackwardLaunch | str = DEFAULT_BACKWARD,
 ) -> torch.Tensor:
     """The backward kernels: returns ``dq`` and adds the key/value grad into ``dkv`` (fp32, the shape
     of ``kv``; a caller running query chunks passes the same buffer to every chunk).
@@ -386,9 +476,15 @@ def attention_backward(
     ``key_grad``: ``"head_summed"`` sums each key block's grad over every head in a second kernel
     before one atomic add per (key, dim), recomputing the logits there; ``"per_head_block"`` has the
     query-grad kernel scatter it per head block (no second kernel, one atomic add per (key, dim)
-    and head block). With a single head block both are the same kernel."""
+    and head block; 32 heads x 16 keys a step, whose fp32 key-grad tile leaves no room for more).
+    With at most one such head block both are that one kernel. ``launch``: the two-kernel form's
+    block sizes, a ``BackwardLaunch`` or a name in ``BACKWARD_LAUNCHES``."""
     if key_grad not in KEY_GRADS:
         raise ValueError(f"sparse_mla_attention: key_grad must be one of {KEY_GRADS}, got {key_grad!r}")
+    if isinstance(launch, str):
+        if launch not in BACKWARD_LAUNCHES:
+            raise ValueError(f"sparse_mla_attention: launch must be one of {tuple(BACKWARD_LAUNCHES)}, got {launch!r}")
+        launch = BACKWARD_LAUNCHES[launch]
     b, s, h, d = q.shape
     d_rope, topk = d - d_v, indices.shape[-1]
     dq = torch.empty_like(q)
@@ -398,26 +494,34 @@ def attention_backward(
         return dq.zero_()
     lse = lse.contiguous()  # (a chunk's rows of a whole-sequence buffer) delta is written with its strides
     delta = torch.empty_like(lse)  # rowwise sum(p * dp) = sum(out * dout), from the query-grad kernel
-    block_h, block_dv, block_dr = _block_sizes(h, d_v, d_rope, q.element_size(), backward=True)
-    with_dkv = key_grad == "per_head_block" or triton.cdiv(h, block_h) == 1
+    fused_h, block_dv, block_dr = _block_sizes(h, d_v, d_rope, q.element_size(), backward=True)
+    with_dkv = key_grad == "per_head_block" or triton.cdiv(h, fused_h) == 1
+    launch = launch.for_dtype(q.element_size())
+    if with_dkv:
+        dq_h, dq_n, dq_warps, dq_stages = fused_h, BLOCK_N_FUSED, 8, 1
+    else:
+        dq_h, dq_n = min(launch.dq_heads, max(16, triton.next_power_of_2(h))), launch.dq_keys
+        dq_warps, dq_stages = launch.dq_warps, launch.dq_stages
+    small = block_dv <= 128  # latent widths of 128 or less (tests): 4 warps
     scales = (softmax_scale, softmax_scale * LOG2E)
     q_strides = (q.stride(0), q.stride(1), q.stride(2), kv.stride(0), kv.stride(1), indices.stride(0), indices.stride(1))
     grad_strides = (dout.stride(0), dout.stride(1), dout.stride(2), lse.stride(0), lse.stride(1))
     sizes = dict(D_V=d_v, D_ROPE=d_rope, BLOCK_DV=block_dv, BLOCK_DR=block_dr, PRECISION=dot_precision(q.dtype))
-    _sparse_mla_bwd_dq[(s, triton.cdiv(h, block_h), b)](
+    _sparse_mla_bwd_dq[(s, triton.cdiv(h, dq_h), b)](
         q, kv, indices, out, dout, lse, delta, dq, dkv, h, topk, *scales, *q_strides,
         out.stride(0), out.stride(1), out.stride(2), *grad_strides,
         dq.stride(0), dq.stride(1), dq.stride(2), dkv.stride(0), dkv.stride(1),
-        BLOCK_H=block_h, BLOCK_N=BLOCK_N_BWD, WITH_DKV=with_dkv, **sizes,
-        num_warps=4 if block_dv <= 128 else 8, num_stages=1,
+        BLOCK_H=dq_h, BLOCK_N=dq_n, WITH_DKV=with_dkv, **sizes,
+        num_warps=4 if small else dq_warps, num_stages=dq_stages,
     )
     if not with_dkv:
-        dkv_h, dkv_n, warps, stages = _dkv_launch(q.element_size())
-        n_key_blocks = triton.cdiv(topk, dkv_n)
-        _sparse_mla_bwd_dkv[(s * n_key_blocks, b)](
+        kernel = _sparse_mla_bwd_dkv_keys if launch.dkv_form == "key_major" else _sparse_mla_bwd_dkv
+        n_key_blocks = triton.cdiv(topk, launch.dkv_keys)
+        kernel[(s * n_key_blocks, b)](
             q, kv, indices, dout, lse, delta, dkv, h, topk, n_key_blocks, *scales, *q_strides, *grad_strides,
             dkv.stride(0), dkv.stride(1),
-            BLOCK_H=dkv_h, BLOCK_N=dkv_n, **sizes, num_warps=warps if block_dv > 128 else 4, num_stages=stages,
+            BLOCK_H=launch.dkv_heads, BLOCK_N=launch.dkv_keys, **sizes,
+            num_warps=4 if small else launch.dkv_warps, num_stages=launch.dkv_stages,
         )
     return dq
 
