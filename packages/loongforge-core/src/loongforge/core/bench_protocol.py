@@ -323,15 +323,16 @@ def bench_run_config(cfg, run_dir: str):
 def training_step(task, ctx, cfg, step_batch=None):
     """Ours in a bench: ``task`` trained by ``Trainer.train_step`` on the engine ``lf-X train``
     builds for ``cfg`` (its precision, compilation, recomputation, optimizer), on ``step_batch`` or,
-    when None, on the task's own first step (``task.prepare(ctx)`` then ``task.steps(ctx, 0)``: the
-    data ``lf-X train`` trains on). Returns the step (its loss, before the update) and the trainer;
+    when None, on the task's own first step (``task.prepare(ctx)``, then the first step of the
+    trainer's data, ``task.steps(ctx, 0)``: what ``lf-X train`` trains on, drawn as it draws it). Returns the step (its loss, before the update) and the trainer;
     ``cfg`` neither resumes nor saves (``bench_run_config``)."""
     from loongforge.core.training.loop import Trainer
 
     if step_batch is None:
         task.prepare(ctx)
-        step_batch = next(iter(task.steps(ctx, 0)))
     trainer = Trainer(task, ctx, cfg, report=lambda line: None)
+    if step_batch is None:  # the trainer's own data (task.steps(ctx, 0)), read as lf-X train reads it
+        step_batch = next(iter(task.steps(ctx, 0)))
 
     def step() -> float:
         return trainer.train_step(step_batch).loss
