@@ -112,7 +112,7 @@ def test_bench_and_info_run(capsys):
     rows = [line for line in out.splitlines() if "tokens/s " in line]
     headline = ["diffusers", "loongforge"] + (["loongforge_preset"] if preset not in ("none", "full") else [])
     assert [r.split(":")[0].strip() for r in rows] == [*headline, "v1", "v2"]
-    assert all("forward" in r and "backward" in r and "optimizer" in r and "peak" in r for r in rows)
+    assert all("peak" in r and "first loss" in r and "last" in r for r in rows)
     assert "recompute=selective" in out and "MISMATCH" not in out
     # two rounds, alternating which side runs first
     assert f"round 1 of 2: diffusers, {', '.join(headline[1:])}" in out
@@ -147,6 +147,22 @@ def test_bench_ours_is_the_trainers_step(tmp_path):
         expected = F.mse_loss(model(bench.batch), bench.packed_target)
     assert loss == pytest.approx(float(expected), rel=1e-5)
     assert not any(tmp_path.iterdir())  # no checkpoint, no record: the bench's trainer only steps
+
+
+def test_bench_harness_step_is_lf_diffusion_train_step(tmp_path, synthetic_overrides):
+    """The harness's ours (``training_step``: the task's trainer on the task's own first step) is
+    lf-diffusion train's step: from the same config and seed its first-step loss is the one the
+    training run logs for step 1."""
+    from loongforge.core.bench_protocol import bench_run_config, bench_world, training_step
+    from loongforge.diffusion.cli import DEFAULT_TRAIN, load_recipe, make_task
+
+    overrides = [*synthetic_overrides, "train.steps=1", "checkpoint.save=false", "log.tensorboard=false"]
+    assert main(["train", *overrides, f"log.run_dir={tmp_path / 'run'}"]) == 0
+    logged = [r for r in read_metrics(tmp_path / "run") if r.get("step") == 1]
+    recipe = bench_run_config(load_recipe(DEFAULT_TRAIN, overrides), str(tmp_path / "bench"))
+    with bench_world(recipe.train.seed) as ctx:
+        step, _ = training_step(make_task(recipe), ctx, recipe)
+        assert step() == logged[0]["loss"]
 
 
 @pytest.mark.parametrize("recompute", ["selective", "none"])
