@@ -165,6 +165,25 @@ def test_bench_harness_step_is_lf_diffusion_train_step(tmp_path, synthetic_overr
         assert step() == logged[0]["loss"]
 
 
+@pytest.mark.parametrize(("config", "side", "tokens"), [("bench_wan2_1_t2v_1_3b", 32, 8), ("bench_wan2_2_ti2v_5b", 64, 8)])
+def test_shipped_bench_cases_run_cut_down(config, side, tokens, capsys):
+    """The shipped bench cases (whole Wan 2.1 1.3B; Wan 2.2 TI2V 5B's transformer text-to-video,
+    its latents through the 16x VAE) run against diffusers, cut down to one small layer on CPU; their
+    full shapes are the configs' (2 latent frames x 2 x 2 patches here: the 5B's side of 64 px is
+    4 latents through its VAE, the 1.3B's 32 px through Wan 2.1's)."""
+    from loongforge.diffusion.cli import load_recipe
+
+    full = load_recipe(config, [])
+    assert full.model.num_layers == 30 and full.train.recompute == "full" and full.model.condition == "none"
+    cut = ["model.num_layers=1", "model.num_attention_heads=2", "model.attention_head_dim=16", "model.ffn_dim=64",
+           "model.text_dim=32", "model.text_len=8", "model.freq_dim=32", "sample.num_frames=5",
+           f"sample.height={side}", f"sample.width={side}"]
+    assert main(["bench", "--config", config, "--steps", "1", "--warmup", "1", "--rounds", "1", "--profile-rows", "0",
+                 *cut]) == 0
+    out = capsys.readouterr().out
+    assert f"{tokens} tokens/step, 1 layers" in out and "speed-up (diffusers" in out and "MISMATCH" not in out
+
+
 @pytest.mark.parametrize("recompute", ["selective", "none"])
 def test_bench_baseline_recipe_is_diffusers_gpu_training_with_our_checkpointing(recompute):
     from loongforge.diffusion.bench import diffusers_recipe, headline_recompute

@@ -71,11 +71,23 @@ CLIP_TOKENS = 257
 DIFFUSERS_I2V_TEXT_LEN = 512
 
 
+# The Wan VAE a model's latents come from, by their channels: Wan 2.1's (16 channels) compresses
+# 8x spatially, Wan 2.2's (48, of TI2V 5B) 16x; both 4x in time
+VAE_SPATIAL = {16: 8, 48: 16}
+
+
 def _latent_shape(recipe) -> tuple[int, int, int, int]:
     """The noisy latent of one sample, ``[C, F, h, w]`` (C: the model's output channels; an I2V
-    model's input adds its mask and condition channels)."""
+    model's input adds its mask and condition channels), of a ``sample.num_frames x height x
+    width`` video through the Wan VAE of C latent channels (``VAE_SPATIAL``)."""
+    from loongforge.core.config import ConfigError
+
     s, m = recipe.sample, recipe.model
-    return (m.out_channels, 1 + (s.num_frames - 1) // 4, s.height // 8, s.width // 8)
+    if m.out_channels not in VAE_SPATIAL:
+        raise ConfigError(f"model.out_channels={m.out_channels}: lf-diffusion bench knows the latents of Wan VAEs of "
+                          f"{' or '.join(map(str, VAE_SPATIAL))} channels")
+    f = VAE_SPATIAL[m.out_channels]
+    return (m.out_channels, 1 + (s.num_frames - 1) // 4, s.height // f, s.width // f)
 
 
 def check_benchmarkable(m) -> None:
@@ -84,7 +96,8 @@ def check_benchmarkable(m) -> None:
 
     if m.condition == "ti2v":
         raise ConfigError("model.condition='ti2v': lf-diffusion bench measures text-to-video and Wan 2.1 "
-                          "image-to-video (i2v) configs, not TI2V's per-token timesteps")
+                          "image-to-video (i2v) configs, not TI2V's per-token timesteps (model.condition=none "
+                          "benches the same model text-to-video: --config bench_wan2_2_ti2v_5b)")
     if m.condition == "i2v" and m.image_dim is not None and m.text_len != DIFFUSERS_I2V_TEXT_LEN:
         raise ConfigError(f"model.text_len={m.text_len}: diffusers' Wan I2V attention reads the last "
                           f"{DIFFUSERS_I2V_TEXT_LEN} context tokens as the prompt, so the I2V baseline needs "
