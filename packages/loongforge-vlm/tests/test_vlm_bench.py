@@ -93,7 +93,7 @@ def test_bench_cases_and_sizes_fail_before_any_run(capsys, monkeypatch):
     assert "positive multiple of patch_size x spatial_merge_size" in capsys.readouterr().err
     assert main(["bench", "--tiny", "--image-sizes", "64x64", "--seq-tokens", "10"]) == 2
     assert "leaving" in capsys.readouterr().err
-    assert main(["bench", "--case", "qwen2_5_vl_3b", "--config", "vlm_debug"]) == 2
+    assert main(["bench", "--case", "qwen2_5_vl_3b", "--config", "qwen3_vl_debug"]) == 2
     assert "the case names its config" in capsys.readouterr().err
 
 

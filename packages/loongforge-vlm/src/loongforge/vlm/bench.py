@@ -351,8 +351,8 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
 
 def make_case(args, device: torch.device, config: str, overrides: list[str]) -> Case:
     shipped = CASES.get(getattr(args, "case", None))
-    if shipped is not None and getattr(args, "config", None):
-        raise ConfigError(f"--case {args.case} --config {args.config}: the case names its config (give one of them)")
+    if shipped is not None and config not in (None, DEFAULT_CONFIG):
+        raise ConfigError(f"--case {args.case} --config {config}: the case names its config (give one of them)")
     given = {o.split("=", 1)[0] for o in overrides}
     # the default config's parts swapped for real ones (or the debug ones, --tiny); a case's or another config's stay
     parts = {} if shipped or config != DEFAULT_CONFIG else {"encoder": "qwen2_5_vit_debug" if args.tiny else "qwen2_5_vit",
