@@ -237,6 +237,8 @@ def measure_side(side: Side, steps: int, warmup: int) -> Measured:
     from loongforge.core.accelerators import get_accelerator
     from loongforge.core.baseline_recipe import tf32_matmuls
 
+    if side.start is None:
+        raise ValueError(f"side {side.name!r} is measured elsewhere (Side.measure), not built here")
     accel = get_accelerator()
     tracks_memory = accel.device().type != "cpu"
     if tracks_memory:
