@@ -122,3 +122,26 @@ def test_bench_takes_a_config_path_model_overrides_and_the_pure_recipe(tmp_path)
     three = load_llm_config(str(config), ["model.num_layers=3"]).model
     flops = three.flops_per_token(64) / 1e9
     assert f"{flops:.3f} GFLOP/token" in out
+
+
+def test_bench_times_the_step_lf_llm_train_takes(tmp_path):
+    """Ours in the bench is lf-llm train's step: from the same config, weights (the HF checkpoint
+    the bench writes) and data, its first-step loss is the one the training run logs for step 1."""
+    import torch
+
+    from loongforge.core.metrics import read_metrics
+    from loongforge.core.parallel import destroy_parallel
+    from loongforge.llm.bench import Run, our_step, save_hf_model
+    from loongforge.llm.recipe import load_llm_config
+
+    overrides = ["train.steps=1", "train.global_batch_size=4", "train.micro_batch_size=2", "checkpoint.save=false",
+                 f"model.init_from_hf={tmp_path / 'hf'}"]
+    save_hf_model(load_llm_config("train_debug", overrides[:-1]), str(tmp_path / "hf"), torch.float32)
+    assert main(["train", "--config", "train_debug", *overrides, f"log.run_dir={tmp_path / 'run'}"]) == 0
+    logged = [r for r in read_metrics(tmp_path / "run") if r.get("step") == 1]
+    cfg = load_llm_config("train_debug", [*overrides, f"log.run_dir={tmp_path / 'bench'}"])
+    step, _ = our_step(Run("ours", cfg, {}))
+    try:
+        assert step() == logged[0]["loss"]
+    finally:
+        destroy_parallel()

@@ -57,8 +57,43 @@ def test_timed_steps_returns_the_first_loss_and_one_time_per_timed_step():
         calls.append(1)
         return torch.tensor(3.0 - len(calls))
 
-    first, times = timed_steps(step, steps=4, warmup=2, synchronize=lambda: None)
-    assert first == 2.0 and len(times) == 4 and len(calls) == 6
+    first, times, last = timed_steps(step, steps=4, warmup=2, synchronize=lambda: None)
+    assert first == 2.0 and len(times) == 4 and len(calls) == 6 and last == -3.0
+
+
+def test_run_rounds_alternates_builds_afresh_and_leaves_out_a_failing_baseline():
+    """Each round builds every side afresh and releases it; a side measured elsewhere gives its own
+    times; a baseline allowed to fail is reported and left out, ours failing raises."""
+    from loongforge.core.bench_protocol import Measured, Side, run_rounds
+
+    events = []
+
+    def start(name, losses):
+        def begin():
+            events.append(f"start {name}")
+            values = iter(losses)
+            return (lambda: torch.tensor(next(values))), (lambda: events.append(f"release {name}"))
+        return begin
+
+    def broken():
+        raise RuntimeError("this version cannot run it")
+
+    elsewhere = lambda steps, warmup: Measured(5.0, [0.5] * steps, 4.0, float("nan"))  # noqa: E731
+    lines = []
+    sides = [Side("base", start("base", [2.0, 1.9, 1.8, 1.7] * 2)), Side("broken", broken, may_fail=True),
+             Side("fresh", measure=elsewhere), Side("ours", start("ours", [2.0, 1.5, 1.2, 1.0] * 2))]
+    out = run_rounds(sides, ["base", "broken", "fresh"], rounds=2, steps=2, warmup=2, report=lines.append)
+    assert list(out) == ["base", "fresh", "ours"]  # the failing baseline is left out
+    assert lines[0] == "round 1 of 2: base, broken, fresh, ours" and "round 2 of 2: ours, base, fresh" in lines
+    assert any(line == "  broken: failed: RuntimeError: this version cannot run it" for line in lines)
+    assert events == ["start base", "release base", "start ours", "release ours"] * 1 + [
+        "start ours", "release ours", "start base", "release base"]
+    assert out["ours"].first_loss == 2.0 and len(out["ours"].seconds) == 4 and out["ours"].last_loss == 1.0
+    assert out["fresh"].first_loss == 5.0 and out["fresh"].seconds == [0.5] * 4 and out["fresh"].last_loss == 4.0
+    with pytest.raises(RuntimeError, match="cannot run"):
+        run_rounds([Side("ours", broken)], [], rounds=1, steps=1, warmup=1, report=lines.append)
+    with pytest.raises(ValueError, match="start or measure"):
+        Side("both", broken, measure=elsewhere)
 
 
 def test_spread_lines_give_median_spread_and_ratio_over_the_baseline():

@@ -110,3 +110,15 @@ def test_results_table_baselines_by_prefix():
     results = {"ours": RESULTS["ours"], "base": RESULTS["hf_sdpa"]}
     header, ours, _ = results_table(results, baseline_prefix="base")
     assert header.split()[-2:] == ["x", "base"] and ours.split()[-1] == "1.18"
+
+
+def test_counted_flops_of_a_linear_training_step_are_six_m_n_k():
+    """One forward and backward of ``x @ w`` (M x K by K x N): 2MNK forward, 2MNK for each of the
+    input's and the weight's gradients."""
+    import torch
+
+    from loongforge.core.benchmarking import counted_flops
+
+    m, k, n = 8, 16, 4
+    x, w = torch.randn(m, k, requires_grad=True), torch.randn(k, n, requires_grad=True)
+    assert counted_flops(lambda: (x @ w).sum().backward()) == 6 * m * n * k

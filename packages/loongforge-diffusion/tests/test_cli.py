@@ -112,7 +112,7 @@ def test_bench_and_info_run(capsys):
     rows = [line for line in out.splitlines() if "tokens/s " in line]
     headline = ["diffusers", "loongforge"] + (["loongforge_preset"] if preset not in ("none", "full") else [])
     assert [r.split(":")[0].strip() for r in rows] == [*headline, "v1", "v2"]
-    assert all("forward" in r and "backward" in r and "optimizer" in r and "peak" in r for r in rows)
+    assert all("peak" in r and "first loss" in r and "last" in r for r in rows)
     assert "recompute=selective" in out and "MISMATCH" not in out
     # two rounds, alternating which side runs first
     assert f"round 1 of 2: diffusers, {', '.join(headline[1:])}" in out
@@ -147,6 +147,41 @@ def test_bench_ours_is_the_trainers_step(tmp_path):
         expected = F.mse_loss(model(bench.batch), bench.packed_target)
     assert loss == pytest.approx(float(expected), rel=1e-5)
     assert not any(tmp_path.iterdir())  # no checkpoint, no record: the bench's trainer only steps
+
+
+def test_bench_harness_step_is_lf_diffusion_train_step(tmp_path, synthetic_overrides):
+    """The harness's ours (``training_step``: the task's trainer on the task's own first step) is
+    lf-diffusion train's step: from the same config and seed its first-step loss is the one the
+    training run logs for step 1."""
+    from loongforge.core.bench_protocol import bench_run_config, bench_world, training_step
+    from loongforge.diffusion.cli import DEFAULT_TRAIN, load_recipe, make_task
+
+    overrides = [*synthetic_overrides, "train.steps=1", "checkpoint.save=false", "log.tensorboard=false"]
+    assert main(["train", *overrides, f"log.run_dir={tmp_path / 'run'}"]) == 0
+    logged = [r for r in read_metrics(tmp_path / "run") if r.get("step") == 1]
+    recipe = bench_run_config(load_recipe(DEFAULT_TRAIN, overrides), str(tmp_path / "bench"))
+    with bench_world(recipe.train.seed) as ctx:
+        step, _ = training_step(make_task(recipe), ctx, recipe)
+        assert step() == logged[0]["loss"]
+
+
+@pytest.mark.parametrize(("config", "side", "tokens"), [("bench_wan2_1_t2v_1_3b", 32, 8), ("bench_wan2_2_ti2v_5b", 64, 8)])
+def test_shipped_bench_cases_run_cut_down(config, side, tokens, capsys):
+    """The shipped bench cases (whole Wan 2.1 1.3B; Wan 2.2 TI2V 5B's transformer text-to-video,
+    its latents through the 16x VAE) run against diffusers, cut down to one small layer on CPU; their
+    full shapes are the configs' (2 latent frames x 2 x 2 patches here: the 5B's side of 64 px is
+    4 latents through its VAE, the 1.3B's 32 px through Wan 2.1's)."""
+    from loongforge.diffusion.cli import load_recipe
+
+    full = load_recipe(config, [])
+    assert full.model.num_layers == 30 and full.train.recompute == "full" and full.model.condition == "none"
+    cut = ["model.num_layers=1", "model.num_attention_heads=2", "model.attention_head_dim=16", "model.ffn_dim=64",
+           "model.text_dim=32", "model.text_len=8", "model.freq_dim=32", "sample.num_frames=5",
+           f"sample.height={side}", f"sample.width={side}"]
+    assert main(["bench", "--config", config, "--steps", "1", "--warmup", "1", "--rounds", "1", "--profile-rows", "0",
+                 *cut]) == 0
+    out = capsys.readouterr().out
+    assert f"{tokens} tokens/step, 1 layers" in out and "speed-up (diffusers" in out and "MISMATCH" not in out
 
 
 @pytest.mark.parametrize("recompute", ["selective", "none"])

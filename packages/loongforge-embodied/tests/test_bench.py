@@ -100,3 +100,10 @@ def test_bench_command_runs_ours_and_a_variant():
     assert header.split()[:5] == ["run", "samples/s", "ms/step", "peak", "GiB"]
     assert [r.split()[0] for r in rows] == ["ours", "full"]
     assert "first-step loss full" in proc.stdout and "agrees with ours" in proc.stdout
+    # MFU from the FLOPs torch counts in one step: the same model FLOPs for both runs (recomputation is not counted)
+    assert header.split()[-2:] == ["TFLOP/s", "MFU"] and "model FLOPs: " in proc.stdout
+    import json
+
+    runs = json.loads(proc.stdout[proc.stdout.index("\n{") + 1 :])
+    flops = [r["tflops"] * r["step_s"] for r in runs.values()]
+    assert all(f > 0 for f in flops) and flops[0] == pytest.approx(flops[1], rel=1e-9)

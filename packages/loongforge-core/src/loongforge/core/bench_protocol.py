@@ -8,8 +8,10 @@
   (``in_fresh_processes``), and ``spread_lines`` prints each run's median and spread across them,
   for a baseline whose step time varies from process to process;
 - ``run_rounds`` runs the sides (``Side``: the baseline's step, ours) round by round, each built
-  afresh and released after its steps; ours is ``training_step``: ``Trainer.train_step`` of the
-  task ``lf-X train`` trains, on the engine it builds.
+  afresh and released after its steps (or measured in a process of its own: ``Side.measure``);
+  ours is ``training_step``: ``Trainer.train_step`` of the task ``lf-X train`` trains, on the
+  engine it builds. Every bench (``lf-llm``, ``lf-vlm``, ``lf-diffusion``, ``lf-embodied``) times
+  its runs this way and keeps only its baseline and its case.
 """
 
 from __future__ import annotations
@@ -134,16 +136,23 @@ def spread_lines(per_process: Sequence[Mapping[str, float]], baselines: Sequence
 
 # -- one run's timed steps ----------------------------------------------------------------------
 def timed_steps(step: Callable[[], Any], steps: int, warmup: int,
-                synchronize: Callable[[], None]) -> tuple[float, list[float]]:
+                synchronize: Callable[[], None]) -> tuple[float, list[float], float]:
     """The first step's loss (``float`` of what the first call returns: the loss before any
     update; that call also compiles where compiled), ``warmup - 1`` more untimed calls, then the
-    seconds of each of ``steps`` timed calls (host clock, synchronised after each)."""
+    seconds of each of ``steps`` timed calls (host clock, synchronised after each) and the last
+    timed call's loss (training stayed finite, or not)."""
     from loongforge.core.benchmarking import timed_calls
 
     first = float(step())
     for _ in range(max(warmup - 1, 0)):
         step()
-    return first, timed_calls(step, steps, synchronize)
+    last: list[Any] = []
+
+    def tracked() -> None:
+        last[:] = [step()]
+
+    seconds = timed_calls(tracked, steps, synchronize)
+    return first, seconds, float(last[0])
 
 
 def check_protocol(rounds: int, processes: int) -> None:
@@ -169,22 +178,44 @@ class Side:
     trains one step and returns that step's loss, before its update) and a ``release()`` that
     hands back what outlives the run (e.g. a baseline model kept on the host between rounds; what
     only the step holds is dropped with it); ``tf32`` turns on TF32 matmuls around it (a baseline
-    whose recipe asks for it)."""
+    whose recipe asks for it). A side timed elsewhere (e.g. in a fresh process, for a library that
+    patches others process-wide) gives ``measure(steps, warmup)`` instead of ``start``: its
+    ``Measured``. With ``may_fail``, an exception in the run is reported and the side left out of
+    the later rounds and the results (a baseline a library version cannot run); otherwise it raises."""
 
     name: str
-    start: Callable[[], tuple[Callable[[], object], Callable[[], None]]]
+    start: Callable[[], tuple[Callable[[], object], Callable[[], None]]] | None = None
     tf32: bool = False
+    measure: Callable[[int, int], Measured] | None = None
+    may_fail: bool = False
+
+    def __post_init__(self):
+        if (self.start is None) == (self.measure is None):
+            raise ValueError(f"side {self.name!r}: give start or measure, one of them")
+
+
+@dataclass
+class Measured:
+    """One round of a run: its first-step loss, the seconds of each timed step, the last timed
+    step's loss and the peak of allocated device memory (NaN on the CPU)."""
+
+    first_loss: float
+    seconds: list[float]
+    last_loss: float
+    peak_gib: float
 
 
 @dataclass
 class SideTimes:
     """A run's measurements over every round: the first round's first-step loss, every timed
-    step's seconds, and the largest peak of allocated device memory (NaN on the CPU)."""
+    step's seconds, the last round's last loss and the largest peak of allocated device memory
+    (NaN on the CPU)."""
 
     name: str
     first_loss: float
     seconds: list[float]
     peak_gib: float
+    last_loss: float = float("nan")
 
     @property
     def step_s(self) -> float:
@@ -200,43 +231,64 @@ def free_device_memory(accel) -> None:
         torch.cuda.empty_cache()
 
 
-def run_rounds(sides: Sequence[Side], baselines: Sequence[str], rounds: int, steps: int, warmup: int,
-               report: Callable[[str], None] = print) -> dict[str, SideTimes]:
-    """Every side in ``rounds`` rounds of ``alternating_orders`` (``baselines``, the names of the
-    baseline sides, first in even rounds): each run built afresh (``Side.start``), its first step
-    (the loss reported), ``warmup - 1`` more, then ``steps`` timed ones (``timed_steps``), and
-    released before the next; a side's times gather over the rounds."""
+def measure_side(side: Side, steps: int, warmup: int) -> Measured:
+    """One round of ``side`` in this process: built (``Side.start``), its first step, ``warmup - 1``
+    more, ``steps`` timed ones (``timed_steps``), released and the device memory freed."""
     from loongforge.core.accelerators import get_accelerator
     from loongforge.core.baseline_recipe import tf32_matmuls
 
+    if side.start is None:
+        raise ValueError(f"side {side.name!r} is measured elsewhere (Side.measure), not built here")
     accel = get_accelerator()
     tracks_memory = accel.device().type != "cpu"
+    if tracks_memory:
+        accel.reset_peak_memory_stats()
+    with tf32_matmuls(side.tf32):
+        step, release = side.start()
+        try:
+            first, seconds, last = timed_steps(step, steps, warmup, accel.synchronize)
+            peak = accel.memory_stats().peak_allocated / 2**30 if tracks_memory else float("nan")
+        finally:
+            release()
+            del step, release
+            free_device_memory(accel)
+    return Measured(first, seconds, last, peak)
+
+
+def run_rounds(sides: Sequence[Side], baselines: Sequence[str], rounds: int, steps: int, warmup: int,
+               report: Callable[[str], None] = print) -> dict[str, SideTimes]:
+    """Every side in ``rounds`` rounds of ``alternating_orders`` (``baselines``, the names of the
+    baseline sides, first in even rounds): each run built afresh (``measure_side``, or the side's
+    own ``measure``), its first step (the loss reported), ``warmup - 1`` more, then ``steps`` timed
+    ones, and released before the next; a side's times gather over the rounds. A side with
+    ``may_fail`` that raises is reported and left out of the later rounds and of the result."""
     by_name = {s.name: s for s in sides}
     out: dict[str, SideTimes] = {}
+    failed: set[str] = set()
     ours = [s.name for s in sides if s.name not in baselines]
     for r, order in enumerate(alternating_orders([b for b in baselines if b in by_name], ours, rounds)):
+        order = [name for name in order if name not in failed]
         report(f"round {r + 1} of {rounds}: {', '.join(order)}")
         for name in order:
             side = by_name[name]
-            if tracks_memory:
-                accel.reset_peak_memory_stats()
-            with tf32_matmuls(side.tf32):
-                step, release = side.start()
-                try:
-                    first, seconds = timed_steps(step, steps, warmup, accel.synchronize)
-                    peak = accel.memory_stats().peak_allocated / 2**30 if tracks_memory else float("nan")
-                finally:
-                    release()
-                    del step, release
-                    free_device_memory(accel)
+            try:
+                m = side.measure(steps, warmup) if side.measure is not None else measure_side(side, steps, warmup)
+            except Exception as error:
+                if not side.may_fail:
+                    raise
+                report(f"  {name}: failed: {type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}")
+                failed.add(name)
+                out.pop(name, None)
+                continue
             if name in out:
-                out[name].seconds += seconds
-                out[name].peak_gib = max(out[name].peak_gib, peak)
+                out[name].seconds += m.seconds
+                out[name].peak_gib = max(out[name].peak_gib, m.peak_gib)
+                out[name].last_loss = m.last_loss
             else:
-                out[name] = SideTimes(name, first, list(seconds), peak)
-            report(f"  {name}: {statistics.median(seconds) * 1e3:.1f} ms/step (median of {len(seconds)}), "
-                   f"first-step loss {first:.5f}")
-    return {s.name: out[s.name] for s in sides}
+                out[name] = SideTimes(name, m.first_loss, list(m.seconds), m.peak_gib, m.last_loss)
+            report(f"  {name}: {statistics.median(m.seconds) * 1e3:.1f} ms/step (median of {len(m.seconds)}), "
+                   f"first-step loss {m.first_loss:.5f}")
+    return {s.name: out[s.name] for s in sides if s.name in out}
 
 
 @contextmanager
@@ -273,15 +325,16 @@ def bench_run_config(cfg, run_dir: str):
 def training_step(task, ctx, cfg, step_batch=None):
     """Ours in a bench: ``task`` trained by ``Trainer.train_step`` on the engine ``lf-X train``
     builds for ``cfg`` (its precision, compilation, recomputation, optimizer), on ``step_batch`` or,
-    when None, on the task's own first step (``task.prepare(ctx)`` then ``task.steps(ctx, 0)``: the
-    data ``lf-X train`` trains on). Returns the step (its loss, before the update) and the trainer;
+    when None, on the task's own first step (``task.prepare(ctx)``, then the first step of the
+    trainer's data, ``task.steps(ctx, 0)``: what ``lf-X train`` trains on, drawn as it draws it). Returns the step (its loss, before the update) and the trainer;
     ``cfg`` neither resumes nor saves (``bench_run_config``)."""
     from loongforge.core.training.loop import Trainer
 
     if step_batch is None:
         task.prepare(ctx)
-        step_batch = next(iter(task.steps(ctx, 0)))
     trainer = Trainer(task, ctx, cfg, report=lambda line: None)
+    if step_batch is None:  # the trainer's own data (task.steps(ctx, 0)), read as lf-X train reads it
+        step_batch = next(iter(task.steps(ctx, 0)))
 
     def step() -> float:
         return trainer.train_step(step_batch).loss

@@ -71,6 +71,19 @@ class BenchDevice:
         return 2 * n**3 / seconds
 
 
+def counted_flops(step: Callable[[], object]) -> float:
+    """The floating-point operations torch's ``FlopCounterMode`` counts in one call of ``step``
+    (matrix products, convolutions and attention, forward and backward): the model FLOPs of an
+    uncompiled step without recomputation (compiled code runs below the dispatcher it counts in,
+    and recomputed forwards would count twice)."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    counter = FlopCounterMode(display=False)
+    with counter:
+        step()
+    return float(counter.get_total_flops())
+
+
 def profile_tables(step: Callable[[], object], rows: int, trace: str | None = None) -> str:
     """Two profiled calls of ``step`` on the accelerator: the top GPU kernels and the top torch ops
     by the GPU time of the kernels they launched (on CPU: the top torch ops by their own CPU time);

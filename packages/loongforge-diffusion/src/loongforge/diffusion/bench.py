@@ -17,12 +17,12 @@ An image-to-video config (``model.condition=i2v``, Wan 2.1 I2V) runs the same wa
 inputs (``conditioning.model_input``: mask and condition latents on channels, and with
 ``model.image_dim`` the image's CLIP tokens); TI2V's per-token timesteps are not benchmarked.
 
-The runs alternate order round by round (``--rounds``: diffusers first, then ours first, ...);
-a run's step time is the mean over its timed steps of all rounds (diffusers' split into forward
-with the loss, backward and optimizer from CUDA events on a GPU, wall clock elsewhere), and its peak
-memory the largest of its rounds. Every run's first-step loss must agree with the baseline's
+The runs alternate order round by round (``--rounds``: diffusers first, then ours first, ...;
+``core.bench_protocol.run_rounds``), each built afresh in its round; a run's step time is the
+median over its timed steps of all rounds, and its peak memory the largest of its rounds. Every run's first-step loss must agree with the baseline's
 (``FirstLossMismatch`` otherwise) and its last timed step's must be finite. Extra variants of
-ours (config overrides, e.g. ``train.recompute=none``) run after the headline ones; the profiler
+ours (config overrides, e.g. ``train.recompute=none``) run after the headline ones, in one round
+of their own (a failing one is reported and left out); the profiler
 table and the attention-kernel timings come after the headline result, and a failure in them is
 reported without hiding it.
 """
@@ -40,8 +40,8 @@ import torch
 import torch.nn.functional as F
 
 from loongforge.core.accelerators import get_accelerator
-from loongforge.core.baseline_recipe import BaselineRecipe, tf32_matmuls
-from loongforge.core.bench_protocol import FirstLossMismatch, alternating_orders, first_loss_tolerance, losses_agree
+from loongforge.core.baseline_recipe import BaselineRecipe
+from loongforge.core.bench_protocol import FirstLossMismatch, first_loss_tolerance, losses_agree
 from loongforge.core.benchmarking import profile_tables
 from loongforge.core.training.engine import resolve_dtype
 from loongforge.diffusion.conditioning import ImageCondition, model_input
@@ -53,31 +53,15 @@ from loongforge.diffusion.packing import num_tokens, pack, pack_targets
 @dataclass
 class RunResult:
     name: str
-    step_s: float  # wall clock per step
-    forward_s: float  # per step, phase by phase
-    backward_s: float
-    optimizer_s: float
-    peak_bytes: float
+    step_s: float  # median seconds per step over every timed step of every round
+    peak_bytes: float  # the largest peak of allocated device memory of its rounds (NaN on the CPU)
     first_loss: float
     last_loss: float  # of the last timed step: training stayed finite
 
-
-class _Clock:
-    """Timestamps between the phases of a step: CUDA events on a GPU, the wall clock elsewhere
-    (where kernels run synchronously)."""
-
-    def __init__(self, device: torch.device):
-        self.cuda = device.type == "cuda"
-
-    def mark(self):
-        if not self.cuda:
-            return time.perf_counter()
-        event = torch.cuda.Event(enable_timing=True)
-        event.record()
-        return event
-
-    def seconds(self, a, b) -> float:
-        return a.elapsed_time(b) / 1e3 if self.cuda else b - a
+    @classmethod
+    def of(cls, times) -> RunResult:
+        """From ``run_rounds``' ``SideTimes``."""
+        return cls(times.name, times.step_s, times.peak_gib * 2**30, times.first_loss, times.last_loss)
 
 
 # Wan 2.1 I2V's image tokens: its CLIP ViT-H/14's penultimate hidden states at 224 px (256 patches + CLS)
@@ -87,11 +71,18 @@ CLIP_TOKENS = 257
 DIFFUSERS_I2V_TEXT_LEN = 512
 
 
+# The spatial compression of the Wan VAE a model's latents come from, by their channels: Wan 2.2's
+# (48 channels, of TI2V 5B) 16x; Wan 2.1's (16) and any other (the tiny test models') 8x; all 4x in time
+WAN22_VAE_CHANNELS = 48
+
+
 def _latent_shape(recipe) -> tuple[int, int, int, int]:
     """The noisy latent of one sample, ``[C, F, h, w]`` (C: the model's output channels; an I2V
-    model's input adds its mask and condition channels)."""
+    model's input adds its mask and condition channels), of a ``sample.num_frames x height x
+    width`` video through the Wan VAE of C latent channels (16x spatially for Wan 2.2's 48, else 8x)."""
     s, m = recipe.sample, recipe.model
-    return (m.out_channels, 1 + (s.num_frames - 1) // 4, s.height // 8, s.width // 8)
+    f = 16 if m.out_channels == WAN22_VAE_CHANNELS else 8
+    return (m.out_channels, 1 + (s.num_frames - 1) // 4, s.height // f, s.width // f)
 
 
 def check_benchmarkable(m) -> None:
@@ -100,7 +91,8 @@ def check_benchmarkable(m) -> None:
 
     if m.condition == "ti2v":
         raise ConfigError("model.condition='ti2v': lf-diffusion bench measures text-to-video and Wan 2.1 "
-                          "image-to-video (i2v) configs, not TI2V's per-token timesteps")
+                          "image-to-video (i2v) configs, not TI2V's per-token timesteps (model.condition=none "
+                          "benches the same model text-to-video: --config bench_wan2_2_ti2v_5b)")
     if m.condition == "i2v" and m.image_dim is not None and m.text_len != DIFFUSERS_I2V_TEXT_LEN:
         raise ConfigError(f"model.text_len={m.text_len}: diffusers' Wan I2V attention reads the last "
                           f"{DIFFUSERS_I2V_TEXT_LEN} context tokens as the prompt, so the I2V baseline needs "
@@ -194,7 +186,11 @@ class Bench:
     def _autocast(self):
         return torch.autocast(self.device.type, dtype=self.dtype, enabled=self.dtype != torch.float32)
 
-    def diffusers_model(self, baseline: BaselineRecipe):
+    def diffusers_step(self, baseline: BaselineRecipe):
+        """diffusers' training step per ``baseline`` (its checkpointing, regional compilation where
+        ours compiles, fused AdamW) from the shared initial weights, on the bench's batch: bf16
+        autocast, MSE to the velocity. Returns the step and a release that moves the model back
+        to the host."""
         from diffusers import WanTransformer3DModel
 
         m = self.recipe.model
@@ -210,13 +206,18 @@ class Bench:
             dynamo.reset()
             model.compile_repeated_blocks(dynamic=False)
         xt, target, timesteps, text = self.video
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=bool(applied["fused_adamw"]))
 
-        def forward_loss():
+        def step():
             with self._autocast():
                 pred = model(xt, timesteps, text, encoder_hidden_states_image=self.image, return_dict=False)[0]
-            return F.mse_loss(pred.float(), target.float())
+            loss = F.mse_loss(pred.float(), target.float())
+            loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            return loss.detach()
 
-        return model, forward_loss, torch.optim.AdamW(model.parameters(), lr=1e-5, fused=bool(applied["fused_adamw"]))
+        return step, lambda: model.to("cpu")
 
     def ours_step(self, recipe, ctx):
         """Ours as ``lf-diffusion train`` runs it: ``Trainer.train_step`` of ``WanTask`` on the torch
@@ -237,59 +238,6 @@ class Bench:
         with torch.no_grad():
             trainer.inner_model.expert(expert).load_state_dict(self.initial_state)
         return step, trainer
-
-    # -- timing ----------------------------------------------------------------------------
-    @staticmethod
-    def _step(forward_loss, opt, clock: _Clock):
-        t0 = clock.mark()
-        loss = forward_loss()
-        t1 = clock.mark()
-        loss.backward()
-        t2 = clock.mark()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        return loss.detach(), (t0, t1, t2, clock.mark())
-
-    def time_run(self, name: str, model, forward_loss, opt) -> RunResult:
-        """First step (compiles where compiled), warm-up, then ``steps`` timed steps."""
-        clock = _Clock(self.device)
-        first, _ = self._step(forward_loss, opt, clock)
-        first = float(first)
-        for _ in range(max(self.warmup - 1, 0)):
-            self._step(forward_loss, opt, clock)
-        self.accel.synchronize()
-        self.accel.reset_peak_memory_stats()
-        marks = []
-        t0 = time.perf_counter()
-        for _ in range(self.steps):
-            loss, step_marks = self._step(forward_loss, opt, clock)
-            marks.append(step_marks)
-        self.accel.synchronize()
-        step_s = (time.perf_counter() - t0) / self.steps
-        phases = [sum(clock.seconds(m[i], m[i + 1]) for m in marks) / self.steps for i in range(3)]
-        return RunResult(name, step_s, *phases, float(self.accel.memory_stats().peak_allocated), first, float(loss))
-
-    def time_step(self, name: str, step) -> RunResult:
-        """Ours' first step (compiles where compiled), warm-up, then ``steps`` timed steps of
-        ``step`` (``Trainer.train_step``: no phase split, the trainer synchronises after each)."""
-        first = float(step())
-        for _ in range(max(self.warmup - 1, 0)):
-            step()
-        self.accel.synchronize()
-        self.accel.reset_peak_memory_stats()
-        t0 = time.perf_counter()
-        for _ in range(self.steps):
-            loss = step()
-        self.accel.synchronize()
-        step_s = (time.perf_counter() - t0) / self.steps
-        nan = float("nan")
-        return RunResult(name, step_s, nan, nan, nan, float(self.accel.memory_stats().peak_allocated), first, float(loss))
-
-    def release(self, model, opt) -> None:
-        model.to("cpu")
-        del opt
-        if self.device.type == "cuda":
-            torch.cuda.empty_cache()
 
     # -- diagnostics -----------------------------------------------------------------------
     def attention_kernels(self, iters: int = 10) -> list[tuple[str, float, float]]:
@@ -331,15 +279,6 @@ class Bench:
         return out
 
 
-def merge_rounds(runs: list[RunResult]) -> RunResult:
-    """One run's rounds as one result: mean times (each round times the same number of steps), the
-    largest peak memory, the first round's first-step loss and the last round's last loss."""
-    n = len(runs)
-    return RunResult(runs[0].name, sum(r.step_s for r in runs) / n, sum(r.forward_s for r in runs) / n,
-                     sum(r.backward_s for r in runs) / n, sum(r.optimizer_s for r in runs) / n,
-                     max(r.peak_bytes for r in runs), runs[0].first_loss, runs[-1].last_loss)
-
-
 def run_bench(recipe, steps: int = 10, warmup: int = 3, batch_size: int = 1,
               variants: list[tuple[str, list[str]]] = (), rounds: int = 2,
               profile_rows: int = 25, trace: str | None = None,
@@ -356,16 +295,17 @@ def bench_in_world(recipe, ctx, steps: int = 10, warmup: int = 3, batch_size: in
                    variants: list[tuple[str, list[str]]] = (), rounds: int = 2,
                    profile_rows: int = 25, trace: str | None = None,
                    report: Callable[[str], None] = print) -> dict[str, RunResult]:
-    """Time the diffusers step, ours at the same checkpointing (and at the preset's where that
-    differs) in ``rounds`` alternating rounds, then each variant of ours; ``report`` gets every
-    line as soon as it is known. Raises ``FirstLossMismatch`` (after reporting everything) when a
-    run's first-step loss disagrees with the baseline's or its last is not finite."""
+    """Time the diffusers step and ours at the same checkpointing (and at the preset's where that
+    differs) in ``rounds`` alternating rounds (``run_rounds``), then each variant of ours in one
+    round of its own; ``report`` gets every line as soon as it is known. Raises
+    ``FirstLossMismatch`` (after reporting everything) when a run's first-step loss disagrees with
+    the baseline's or its last is not finite."""
+    from loongforge.core.bench_protocol import Side, bench_run_config, free_device_memory, run_rounds
+
     m = recipe.model
     configs = [(name, o, variant_recipe(recipe, o)) for name, o in variants]  # bad overrides fail before any run
     for r in [recipe] + [c for _, _, c in configs]:
         r.model.check_device(get_accelerator().device_type)
-    from loongforge.core.bench_protocol import bench_run_config, free_device_memory
-
     bench = Bench(recipe, steps, warmup, batch_size)
     device_type = bench.device.type
     scratch = tempfile.TemporaryDirectory(prefix="lf-diffusion-bench-")
@@ -389,41 +329,21 @@ def bench_in_world(recipe, ctx, steps: int = 10, warmup: int = 3, batch_size: in
 
     def line(r: RunResult, base: RunResult | None) -> str:
         text = (f"{r.name:>10}: {r.step_s * 1e3:8.1f} ms/step {bench.tokens / r.step_s:10.0f} tokens/s  "
-                f"peak {r.peak_bytes / 2**30:6.2f} GiB  forward {r.forward_s * 1e3:7.1f}  backward "
-                f"{r.backward_s * 1e3:7.1f}  optimizer {r.optimizer_s * 1e3:6.1f} ms  first loss {r.first_loss:.5f}  "
-                f"last {r.last_loss:.5f}")
+                f"peak {r.peak_bytes / 2**30:6.2f} GiB  first loss {r.first_loss:.5f}  last {r.last_loss:.5f}")
         if base is not None:
             agree = "" if agrees(r) else "  LOSS MISMATCH OR NOT FINITE"
             text += f"  speed-up {base.step_s / r.step_s:.2f}x{agree}"
         return text
 
-    def ours_run(name: str, run_recipe) -> RunResult:
-        step, _ = bench.ours_step(bench_run_config(run_recipe, scratch.name), ctx)
-        try:
-            return bench.time_step(name, step)
-        finally:
-            del step
-            free_device_memory(bench.accel)
+    def ours_side(name: str, run_recipe, may_fail: bool = False) -> Side:
+        def start():
+            step, _ = bench.ours_step(bench_run_config(run_recipe, scratch.name), ctx)
+            return step, lambda: None
+        return Side(name, start, may_fail=may_fail)
 
-    def diffusers_run() -> RunResult:
-        with tf32_matmuls(bool(baseline.applied(device_type)["tf32"])):
-            model, forward_loss, opt = bench.diffusers_model(baseline)
-            result = bench.time_run("diffusers", model, forward_loss, opt)
-        bench.release(model, opt)
-        return result
-
-    per_round: dict[str, list[RunResult]] = {"diffusers": [], **{name: [] for name in ours_runs}}
-    for i, order in enumerate(alternating_orders(["diffusers"], list(ours_runs), rounds)):
-        report(f"round {i + 1} of {rounds}: {', '.join(order)}")
-        for name in order:
-            if name == "diffusers":
-                per_round[name].append(diffusers_run())
-            else:
-                per_round[name].append(ours_run(name, ours_runs[name]))
-            r = per_round[name][-1]
-            report(f"  {name}: {r.step_s * 1e3:.1f} ms/step, first loss {r.first_loss:.5f}")
-
-    results: dict[str, RunResult] = {name: merge_rounds(runs) for name, runs in per_round.items()}
+    sides = [Side("diffusers", lambda: bench.diffusers_step(baseline), tf32=bool(baseline.applied(device_type)["tf32"]))]
+    sides += [ours_side(name, r) for name, r in ours_runs.items()]
+    results = {name: RunResult.of(t) for name, t in run_rounds(sides, ["diffusers"], rounds, steps, warmup, report).items()}
     base = results["diffusers"]
     report(f"  diffusers: {', '.join(f'{k}={v}' for k, v in baseline.applied(device_type).items())}")
     report(line(base, None))
@@ -450,13 +370,14 @@ def bench_in_world(recipe, ctx, steps: int = 10, warmup: int = 3, batch_size: in
         del step
         free_device_memory(bench.accel)
 
-    for name, overrides, variant in configs:
-        try:
-            results[name] = ours_run(name, variant)
-            report(f"  {name}: {','.join(overrides)} ({describe(variant, device_type)})")
-            report(line(results[name], base))
-        except Exception:
-            report(f"{name} ({overrides}) failed:\n" + traceback.format_exc())
+    if configs:  # the variants: one round of their own, after the headline; a failing one is reported
+        timed = run_rounds([ours_side(name, variant, may_fail=True) for name, _, variant in configs], [], 1, steps,
+                           warmup, report)
+        for name, overrides, variant in configs:
+            if name in timed:
+                results[name] = RunResult.of(timed[name])
+                report(f"  {name}: {','.join(overrides)} ({describe(variant, device_type)})")
+                report(line(results[name], base))
 
     scratch.cleanup()
     bad = [r.name for r in results.values() if not agrees(r)]

@@ -124,6 +124,8 @@ class EmbodiedRun:
     step_s: float  # median seconds per step over every timed step of every round
     peak_gib: float  # largest peak allocated memory of its rounds; NaN on CPU
     first_loss: float
+    tflops: float = float("nan")  # model TFLOP/s (``step_flops`` over the step time)
+    mfu: float = float("nan")  # model FLOP/s over the measured matmul peak of the run's dtype
 
 
 def bench_config(cfg, scratch: str, pretrained: str | None = None):
@@ -136,6 +138,28 @@ def bench_config(cfg, scratch: str, pretrained: str | None = None):
     if pretrained is not None:
         cfg.model.pretrained, cfg.model.pretrained_format = pretrained, "lerobot"
     return cfg
+
+
+def step_flops(cfg, ctx, scratch: str, batch_size: int) -> float:
+    """Model FLOPs of one training step of ``cfg``'s policy on ``batch_size`` samples: those torch
+    counts (``counted_flops``) in one step of ours on one sample, uncompiled and without
+    recomputation, times ``batch_size`` (every sample has the same shapes: images, padded prompt,
+    action chunk)."""
+    from loongforge.core.bench_protocol import training_step
+    from loongforge.core.benchmarking import counted_flops
+    from loongforge.embodied.cli import make_task
+
+    one = bench_config(cfg, scratch)
+    one.train.compile, one.train.recompute = False, "none"
+    one.train.global_batch_size, one.train.micro_batch_size = 1, None
+    step, _ = training_step(make_task(one), ctx, one)
+    try:
+        return counted_flops(step) * batch_size
+    finally:
+        del step
+        from loongforge.core.bench_protocol import free_device_memory
+
+        free_device_memory(ctx.accelerator)
 
 
 def run_bench(cfgs: Mapping[str, object], ctx, steps: int = 10, warmup: int = 3, rounds: int = 2,
@@ -196,7 +220,15 @@ def run_bench(cfgs: Mapping[str, object], ctx, steps: int = 10, warmup: int = 3,
     for name, cfg in cfgs.items():
         sides.append(Side(name, lambda cfg=cfg: ours_start(cfg)))
     timed = run_rounds(sides, [BASELINE] if against_lerobot else [], rounds, steps, warmup, report)
-    results = {name: EmbodiedRun(name, batch_size / t.step_s, t.step_s, t.peak_gib, t.first_loss)
+    from loongforge.core.benchmarking import BenchDevice
+
+    flops = step_flops(ours_cfg, ctx, scratch.name, batch_size)
+    dev = BenchDevice()
+    peak = dev.matmul_peak()
+    report(f"model FLOPs: {flops / 1e12:.4f} TFLOP/step (counted by torch in one uncompiled step of one sample, "
+           f"times {batch_size}); measured {str(dev.dtype).removeprefix('torch.')} matmul {peak / 1e12:.1f} TFLOP/s")
+    results = {name: EmbodiedRun(name, batch_size / t.step_s, t.step_s, t.peak_gib, t.first_loss,
+                                 flops / t.step_s / 1e12, flops / t.step_s / peak)
                for name, t in timed.items()}
     reference = BASELINE if against_lerobot else "ours"
     for line in check_first_losses({n: r.first_loss for n, r in results.items()}, reference, dtype):
@@ -255,10 +287,13 @@ def step_seconds_from_config(**kwargs) -> dict[str, float]:
 
 
 def results_lines(results: Mapping[str, EmbodiedRun]) -> list[str]:
-    """The final table: samples/s, step time, peak memory, first-step loss, and the speed-up over LeRobot."""
+    """The final table: samples/s, step time, peak memory, first-step loss, model TFLOP/s, MFU and
+    the speed-up over LeRobot."""
     base = results.get(BASELINE)
-    lines = [f"{'run':<16}{'samples/s':>11}{'ms/step':>10}{'peak GiB':>10}{'loss@1':>10}" + (f"{'x lerobot':>11}" if base else "")]
+    lines = [f"{'run':<16}{'samples/s':>11}{'ms/step':>10}{'peak GiB':>10}{'loss@1':>10}{'TFLOP/s':>9}{'MFU':>8}"
+             + (f"{'x lerobot':>11}" if base else "")]
     for name, r in results.items():
         ratio = f"{base.step_s / r.step_s:>11.2f}" if base else ""
-        lines.append(f"{name:<16}{r.samples_per_s:>11.2f}{r.step_s * 1e3:>10.1f}{r.peak_gib:>10.2f}{r.first_loss:>10.5f}{ratio}")
+        lines.append(f"{name:<16}{r.samples_per_s:>11.2f}{r.step_s * 1e3:>10.1f}{r.peak_gib:>10.2f}{r.first_loss:>10.5f}"
+                     f"{r.tflops:>9.2f}{r.mfu:>8.1%}{ratio}")
     return lines

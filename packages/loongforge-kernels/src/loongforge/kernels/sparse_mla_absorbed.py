@@ -19,16 +19,12 @@ from __future__ import annotations
 
 import torch
 
-from loongforge.core.kernels.shapes import check_shapes
+from loongforge.core.kernels.mla_absorbed import absorb_query, check_absorbed
 from loongforge.kernels.launch import check_tensors
 from loongforge.kernels.sparse_mla import attention_backward, attention_forward
 
 # Absorbed-query elements per chunk: 2**28 (512 MiB in bf16), about 3.6K tokens at 128 heads x 576
 CHUNK_ELEMENTS = 1 << 28
-
-
-def _absorb(q_nope: torch.Tensor, q_rope: torch.Tensor, w_uk: torch.Tensor) -> torch.Tensor:
-    return torch.cat([torch.einsum("bshd,hdc->bshc", q_nope, w_uk), q_rope], dim=-1)
 
 
 def _chunk_tokens(n_heads: int, row: int, chunk_elements: int) -> int:
@@ -45,7 +41,7 @@ class _AbsorbedSparseMLA(torch.autograd.Function):
         out = torch.empty((b, s, h, d_v), dtype=q_nope.dtype, device=q_nope.device)
         for t0 in range(0, s, chunk):
             t1 = min(t0 + chunk, s)
-            q = _absorb(q_nope[:, t0:t1], q_rope[:, t0:t1], w_uk)
+            q = absorb_query(q_nope[:, t0:t1], q_rope[:, t0:t1], w_uk)
             attention_forward(q, kv, indices[:, t0:t1], softmax_scale, d_c, out=o_lat[:, t0:t1], lse=lse[:, t0:t1])
             out[:, t0:t1] = torch.einsum("bshc,hvc->bshv", o_lat[:, t0:t1], w_uv)
         ctx.save_for_backward(q_nope, q_rope, kv, indices, w_uk, w_uv, o_lat, lse)
@@ -62,7 +58,7 @@ class _AbsorbedSparseMLA(torch.autograd.Function):
         dw_uv = torch.zeros(w_uv.shape, dtype=torch.float32, device=w_uv.device)
         for t0 in range(0, s, ctx.chunk):
             t1 = min(t0 + ctx.chunk, s)
-            q = _absorb(q_nope[:, t0:t1], q_rope[:, t0:t1], w_uk)
+            q = absorb_query(q_nope[:, t0:t1], q_rope[:, t0:t1], w_uk)
             do = dout[:, t0:t1]
             do_lat = torch.einsum("bshv,hvc->bshc", do, w_uv)
             dq = attention_backward(q, kv, indices[:, t0:t1], o_lat[:, t0:t1], lse[:, t0:t1], do_lat,
@@ -87,11 +83,7 @@ def sparse_mla_absorbed_attention(
     chunk_elements: int = CHUNK_ELEMENTS,
 ) -> torch.Tensor:
     """Fused ``sparse_mla_absorbed_attention``; ``chunk_elements``: absorbed-query elements per chunk."""
-    dims = check_shapes("sparse_mla_absorbed_attention", q_nope=(q_nope, "B S H DN"), q_rope=(q_rope, "B S H DR"),
-                        kv=(kv, "B S_kv D"), indices=(indices, "B S topk"), w_uk=(w_uk, "H DN C"),
-                        w_uv=(w_uv, "H DV C"))
-    if dims["C"] + dims["DR"] != dims["D"]:
-        raise ValueError(f"sparse_mla_absorbed_attention: latent {dims['C']} + rope {dims['DR']} != the key row's {dims['D']}")
+    dims = check_absorbed("sparse_mla_absorbed_attention", q_nope, q_rope, kv, indices, w_uk, w_uv)
     if indices.dtype not in (torch.int32, torch.int64):
         raise ValueError(f"sparse_mla_absorbed_attention: indices must be int32 or int64, got {indices.dtype}")
     if len({t.dtype for t in (q_nope, q_rope, kv, w_uk, w_uv)}) != 1:

@@ -15,15 +15,17 @@ sides; HF's model loaded in bf16). On the accelerator present, one after the oth
   the family's ``AutoModelForCausalLM`` of the same architecture set up as transformers recommends for training on
   a GPU (``hf_recipe``: FlashAttention-2 where flash-attn is installed, else SDPA; under
   ``torch.compile``; fused AdamW, TF32, gradient clipping at ``train.clip_grad``), in the
-  run's precision recipe, the same micro-batches per step; ``hf_liger`` is the model with Liger's Triton
+  run's precision recipe, on the micro-batches of ours' first step (its tokens, positions and
+  masked targets, the loss the per-token mean over the step as ours takes it); ``hf_liger`` is the model with Liger's Triton
   kernels (``apply_liger_kernel_to_<family>``: RoPE, RMSNorm, SwiGLU, fused linear cross-entropy) as
   Liger documents them, on the eager model (with torch 2.11 and liger-kernel 0.8.5 the compiled
   model with all four kernels returns a wrong loss while each kernel alone agrees:
   ``bench/liger_check.py``), in a fresh process of its own (Liger patches transformers' modules for
   the whole process); it is left out, with a line saying so, where liger-kernel is not installed;
   ``hf_eager`` is the uncompiled ``hf_compile``. ``hf_compile`` and ``hf_liger`` run on CUDA only;
-- ``ours``: the config's model and ``Trainer.train_step`` (megatron DDP, AdamW, grad clipping, LR
-  schedule, the config's precision recipe) on random tokens; ``--variant`` adds runs
+- ``ours``: what ``lf-llm train`` runs: ``Trainer.train_step`` of the lf-llm task (megatron DDP,
+  AdamW, grad clipping, LR schedule, the config's precision recipe) on the first step of the data
+  ``lf-llm train`` trains on (the bundled corpus, or ``data.prefixes``); ``--variant`` adds runs
   with more config overrides (``train.recompute=selective``; commas inside brackets or quotes stay
   in the value) or the bench's own knobs (``spec.recompute_elementwise=false``: the fast layer spec
   with that setting; ``attention_backend=flash|fused|unfused``);
@@ -37,7 +39,8 @@ Every run starts from the same weights: a random HF model saved once in the comp
 both recipes start from the same values), read by ours through ``model.init_from_hf`` (a variant
 that changes the model starts from random weights of its own, its loss not compared); every run's first-step loss must agree with the headline
 baseline's (``FirstLossMismatch`` beyond the precision's tolerance). The runs alternate order
-round by round (``--rounds``: the baselines first, then ours first, ...); ``--processes N``
+round by round (``--rounds``: the baselines first, then ours first, ...;
+``core.bench_protocol.run_rounds``), each built afresh in its round; ``--processes N``
 repeats the bench in N fresh processes and prints each run's median and spread.
 
 Each run: warm-up steps, then ``--steps`` timed steps (the median over all rounds); tokens/s,
@@ -49,7 +52,6 @@ kernels (CUDA). On CPU (fp32) it is a smoke run of the same code, e.g. ``--confi
 
 from __future__ import annotations
 
-import statistics
 import tempfile
 import warnings
 from collections.abc import Callable
@@ -57,14 +59,14 @@ from dataclasses import dataclass
 
 import torch
 
-from loongforge.core.baseline_recipe import BaselineRecipe, quiet_transformers_progress, tf32_matmuls
-from loongforge.core.bench_protocol import (alternating_orders, check_first_losses, check_protocol, in_fresh_process,
-                                            timed_steps)
+from loongforge.core.baseline_recipe import BaselineRecipe, quiet_transformers_progress
+from loongforge.core.bench_protocol import (Measured, Side, bench_world, check_first_losses, check_protocol,
+                                            in_fresh_process, run_rounds, training_step)
 from loongforge.core.benchmarking import (BenchDevice, ExtraColumn, RunResult, check_timing, parse_variant,
                                           profile_tables, results_table)
 from loongforge.core.device_peaks import spec_peak_bf16
 from loongforge.core.config import ConfigError
-from loongforge.llm.recipe import LLMConfig, load_llm_config
+from loongforge.llm.recipe import LLMConfig, LLMTask, load_llm_config
 
 BENCH_KNOBS = ("spec.recompute_elementwise", "attention_backend")
 BASELINES = ("hf_compile", "hf_liger", "hf_eager")  # the headline baseline first
@@ -139,21 +141,21 @@ def split_overrides(overrides: list[str]) -> tuple[list[str], dict]:
     return config, knobs
 
 
-def micro_batches(cfg: LLMConfig, device) -> list[dict]:
-    """One step's micro-batches of random tokens (one process; the same for every run of the bench):
-    next-token labels with the last position masked, the targets transformers takes from
-    ``labels=tokens`` (it shifts them itself)."""
-    t = cfg.train
-    count = t.global_batch_size // t.micro_batch_size
-    g = torch.Generator().manual_seed(t.seed)
-    out = []
-    for _ in range(count):
-        tokens = torch.randint(0, cfg.model.vocab_size, (t.micro_batch_size, t.seq_length), generator=g).to(device)
-        mask = torch.ones_like(tokens, dtype=torch.float32)
-        mask[:, -1] = 0
-        out.append({"tokens": tokens, "labels": torch.roll(tokens, -1, dims=1), "loss_mask": mask,
-                    "position_ids": torch.arange(t.seq_length, device=device).expand(t.micro_batch_size, -1).contiguous()})
-    return out
+def first_step(cfg: LLMConfig, ctx) -> list[dict]:
+    """The micro-batches of the first step ``lf-llm train`` takes with ``cfg`` (its data: the
+    bundled corpus or ``data.prefixes``, its seed, batch and sequence length), on the device."""
+    task = LLMTask(cfg)
+    task.prepare(ctx)
+    return next(iter(task.steps(ctx, 0))).micro_batches
+
+
+def hf_labels(batches: list[dict]) -> tuple[list[torch.Tensor], int]:
+    """Per micro-batch, the targets transformers' causal-LM loss takes as ``shift_labels`` (ours'
+    labels where ``loss_mask`` is set, -100 elsewhere), and the number of those targets over the
+    step (``num_items_in_batch``: the sum of each micro-batch's loss is then the step's per-token
+    mean, as ours reduces it)."""
+    labels = [torch.where(b["loss_mask"] > 0, b["labels"], -100) for b in batches]
+    return labels, sum(int((b["loss_mask"] > 0).sum()) for b in batches)
 
 
 def hf_config(cfg: LLMConfig):
@@ -201,40 +203,46 @@ def run_precision(cfg: LLMConfig, device: torch.device) -> str:
     return precision_recipe(cfg.train.precision, device)
 
 
-def hf_step(cfg: LLMConfig, hf_dir: str, dev: BenchDevice, recipe: BaselineRecipe, compile_: bool, liger: bool = False):
-    """A transformers training step per ``recipe`` on the bench's micro-batches (the loss of each
-    scaled by their count, as gradient accumulation does), in ``cfg``'s precision recipe: bf16
-    weights (pure), or fp32 weights with the forward under ``torch.autocast`` to bf16 (mixed, as
-    transformers' Trainer runs with ``bf16=True``); it returns the step's loss."""
+def hf_step(cfg: LLMConfig, hf_dir: str, device: torch.device, batches: list[dict], recipe: BaselineRecipe,
+            compile_: bool, liger: bool = False):
+    """A transformers training step per ``recipe`` on ``batches`` (the micro-batches of ours' first
+    step: its tokens, positions and masked next-token targets; the step's loss the per-token mean
+    over all of them, as gradient accumulation with ``num_items_in_batch`` gives it), in ``cfg``'s
+    precision recipe: bf16 weights (pure), or fp32 weights with the forward under ``torch.autocast``
+    to bf16 (mixed, as transformers' Trainer runs with ``bf16=True``). Returns the step and a
+    release (nothing outlives the run)."""
     import contextlib
     import importlib
 
     from transformers import AutoModelForCausalLM
 
-    applied = recipe.applied(dev.device.type)
-    mixed = run_precision(cfg, dev.device) == "mixed"
-    dtype = compute_dtype(cfg, dev.device)
+    applied = recipe.applied(device.type)
+    mixed = run_precision(cfg, device) == "mixed"
+    dtype = compute_dtype(cfg, device)
     with quiet_transformers_progress():
         model = AutoModelForCausalLM.from_pretrained(hf_dir, attn_implementation=applied["attn_implementation"] or "sdpa",
-                                                     dtype=torch.float32 if mixed else dtype).to(dev.device)
+                                                     dtype=torch.float32 if mixed else dtype).to(device)
     if liger:
         patch = getattr(importlib.import_module("liger_kernel.transformers"), HF_CLASSES[cfg.model.family][1])
         patch(model=model)
     model.train()
     params = list(model.parameters())
     opt = torch.optim.AdamW(params, lr=1e-4, fused=bool(applied["fused_adamw"]))
-    batches = [b["tokens"] for b in micro_batches(cfg, dev.device)]
+    batches = [{k: v.to(device) for k, v in b.items()} for b in batches]
+    labels, count = hf_labels(batches)
+    items = torch.tensor(count, device=device)
     forward = torch.compile(model) if compile_ else model
     clip = cfg.train.clip_grad if applied["clip_grad"] else 0
 
     def autocast():
-        return torch.autocast(dev.device.type, dtype=dtype) if mixed else contextlib.nullcontext()
+        return torch.autocast(device.type, dtype=dtype) if mixed else contextlib.nullcontext()
 
     def step():
         total = 0.0
-        for tokens in batches:
+        for batch, targets in zip(batches, labels):
             with autocast():
-                loss = forward(input_ids=tokens, labels=tokens).loss / len(batches)
+                loss = forward(input_ids=batch["tokens"], position_ids=batch["position_ids"], labels=batch["labels"],
+                               shift_labels=targets, num_items_in_batch=items).loss
             loss.backward()
             total = total + loss.detach()
         if clip > 0:
@@ -243,32 +251,33 @@ def hf_step(cfg: LLMConfig, hf_dir: str, dev: BenchDevice, recipe: BaselineRecip
         opt.zero_grad(set_to_none=True)
         return total
 
-    return step, (model, opt)
+    return step, lambda: None
 
 
-def hf_liger_run(config: str, overrides: list[str], hf_dir: str, steps: int, warmup: int) -> dict:
-    """``hf_liger`` in this (fresh) process: its first-step loss, step times and peak GiB."""
-    dev = BenchDevice()
+def hf_liger_run(config: str, overrides: list[str], hf_dir: str, batches: list[dict], steps: int, warmup: int) -> dict:
+    """``hf_liger`` in this (fresh) process on ``batches`` (host tensors): its first-step loss, step
+    times, last loss and peak GiB."""
+    from dataclasses import asdict
+
+    from loongforge.core.bench_protocol import measure_side
+
     cfg = load_llm_config(config, overrides)
     recipe = hf_recipe(cfg.model.family)
-    dev.fresh_memory()
-    with tf32_matmuls(bool(recipe.applied(dev.device.type)["tf32"])):
-        step, keep = hf_step(cfg, hf_dir, dev, recipe, compile_=False, liger=True)
-        first, times = timed_steps(step, steps, warmup, dev.accel.synchronize)
-    return {"first": first, "times": times, "peak": dev.peak_gib()}
+    device = BenchDevice().device
+    side = Side("hf_liger", lambda: hf_step(cfg, hf_dir, device, batches, recipe, compile_=False, liger=True),
+                tf32=bool(recipe.applied(device.type)["tf32"]))
+    return asdict(measure_side(side, steps, warmup))
 
 
-def our_step(run: Run):
+def bench_task(cfg: LLMConfig, knobs: dict) -> LLMTask:
+    """The lf-llm task of ``cfg`` with the bench's knobs applied to its TransformerConfig and its
+    family's build (no knob: ``LLMTask`` itself, the task ``lf-llm train`` trains)."""
+    if not knobs:
+        return LLMTask(cfg)
     from megatron.core.transformer.enums import AttnBackend
 
-    from loongforge.core.parallel import init_parallel
-    from loongforge.core.training.loop import Trainer
-    from loongforge.llm.recipe import LLMTask
-
-    cfg, knobs = run.cfg, run.knobs
-
     class BenchTask(LLMTask):
-        """The lf-llm task with the bench's knobs applied to the TransformerConfig and the family's build."""
+        """The lf-llm task with the bench's knobs."""
 
         def transformer_config_kwargs(self):
             kwargs = super().transformer_config_kwargs()
@@ -282,15 +291,19 @@ def our_step(run: Run):
                 kwargs["recompute_elementwise"] = knobs["spec.recompute_elementwise"]
             return kwargs
 
-    ctx = init_parallel(seed=cfg.train.seed)
-    task = BenchTask(cfg)
-    trainer = Trainer(task, ctx, cfg)
-    batches = micro_batches(cfg, ctx.accelerator.device())
+    return BenchTask(cfg)
 
-    def step():
-        return trainer.train_step(batches).loss
 
-    return step, (trainer, task, ctx)
+def our_step(run: Run):
+    """Ours: ``Trainer.train_step`` of the run's task on the first step ``lf-llm train`` takes with
+    its config (``training_step``), in the process groups ``lf-llm train`` makes (a world of one,
+    the caller's to destroy). Returns the step and the task."""
+    from loongforge.core.parallel import init_parallel
+
+    ctx = init_parallel(seed=run.cfg.train.seed)
+    task = bench_task(run.cfg, run.knobs)
+    step, _ = training_step(task, ctx, run.cfg)
+    return step, task
 
 
 def plan_runs(config: str, overrides: list[str], variants: list[str], fp8: list[str], skip: list[str], cuda: bool,
@@ -350,6 +363,7 @@ def run_bench(config: str = "train_0_5b", overrides: list[str] = (), steps: int 
     """Every run's tokens/s, TFLOP/s, MFU and peak memory; ``report`` gets each line when known.
     Tokens and FLOPs per step are each run's own (a variant may change the batch or the model; its
     first-step loss is then not compared). ``seconds_out``: also gets each run's median seconds per step."""
+    from loongforge.core.bench_protocol import free_device_memory
     from loongforge.core.parallel import destroy_parallel
 
     check_timing(steps, warmup)
@@ -375,48 +389,50 @@ def run_bench(config: str = "train_0_5b", overrides: list[str] = (), steps: int 
         if not dev.cuda:
             report("hf_compile, hf_liger: skipped (they run on CUDA only)")
         save_hf_model(base, f"{run_dir}/hf", compute_dtype(base, dev.device))
+        with bench_world(base.train.seed) as ctx:  # the baselines train on ours' first step
+            hf_batches = [{k: v.cpu() for k, v in b.items()} for b in first_step(base, ctx)]
         tf32 = bool(recipe.applied(dev.device.type)["tf32"])
 
-        by_name = {r.name: r for r in runs}
-        times: dict[str, list[float]] = {r.name: [] for r in runs}
-        peaks: dict[str, float] = {}
-        firsts: dict[str, float] = {}
-        profile, fp8_plan = None, None
-        baselines = [r.name for r in runs if r.baseline]
-        for i, order in enumerate(alternating_orders(baselines, [r.name for r in runs if not r.baseline], rounds)):
-            report(f"round {i + 1} of {rounds}: {', '.join(order)}")
-            for name in order:
-                run = by_name[name]
-                dev.fresh_memory()
-                if name == "hf_liger":  # Liger patches transformers for the whole process
-                    out = in_fresh_process(hf_liger_run, dict(config=config, overrides=list(overrides),
-                                                              hf_dir=f"{run_dir}/hf", steps=steps, warmup=warmup))
-                    first, seconds, memory = out["first"], out["times"], out["peak"]
-                else:
-                    try:
-                        with tf32_matmuls(tf32 and run.baseline):
-                            if run.baseline:
-                                step, keep = hf_step(run.cfg, f"{run_dir}/hf", dev, recipe, compile_=name == "hf_compile")
-                            else:
-                                step, keep = our_step(run)
-                                if name == "ours_fp8_adaptive":
-                                    fp8_plan = keep[1].fp8_plan  # the task's plan, made when its model was built
-                            first, seconds = timed_steps(step, steps, warmup, dev.accel.synchronize)
-                            memory = dev.peak_gib()
-                            if name == "ours" and profile_rows and dev.cuda and profile is None:
-                                profile = profile_tables(step, profile_rows, trace)
-                        del step, keep
-                    finally:
-                        if not run.baseline:
-                            destroy_parallel()
-                peaks[name] = max(peaks.get(name, float("-inf")), memory)
-                firsts.setdefault(name, first)
-                times[name] += seconds
-                report(f"  {name}: {statistics.median(seconds) * 1e3:.1f} ms/step, first-step loss {first:.5f}")
+        fp8_plans = {}  # the FP8 plan of ours_fp8_adaptive, made when its model was built
+
+        def ours_start(run: Run):
+            def start():  # a world of its own: megatron pins a world's models to one attention backend
+                step, task = our_step(run)
+                if run.name == "ours_fp8_adaptive":
+                    fp8_plans[run.name] = task.fp8_plan
+                return step, destroy_parallel
+            return start
+
+        def hf_start(run: Run):
+            return lambda: hf_step(run.cfg, f"{run_dir}/hf", dev.device, hf_batches, recipe,
+                                   compile_=run.name == "hf_compile")
+
+        def liger_measure(steps: int, warmup: int) -> Measured:  # Liger patches transformers for the whole process
+            return Measured(**in_fresh_process(hf_liger_run, dict(config=config, overrides=list(overrides),
+                                                                  hf_dir=f"{run_dir}/hf", batches=hf_batches,
+                                                                  steps=steps, warmup=warmup)))
+
+        sides = [Side(r.name, measure=liger_measure) if r.name == "hf_liger"
+                 else Side(r.name, hf_start(r), tf32=tf32) if r.baseline else Side(r.name, ours_start(r))
+                 for r in runs]
+        timed = run_rounds(sides, [r.name for r in runs if r.baseline], rounds, steps, warmup, report)
+        firsts = {name: t.first_loss for name, t in timed.items()}
+        peaks = {name: t.peak_gib for name, t in timed.items()}
+        profile = None
+        if profile_rows and dev.cuda:
+            step, _ = our_step(next(r for r in runs if r.name == "ours"))
+            try:
+                step()  # compiled and warm
+                profile = profile_tables(step, profile_rows, trace)
+            finally:
+                del step
+                destroy_parallel()
+                free_device_memory(dev.accel)
+        fp8_plan = fp8_plans.get("ours_fp8_adaptive")
 
         results: dict[str, RunResult] = {}
         for run in runs:
-            seconds = statistics.median(times[run.name])
+            seconds = timed[run.name].step_s
             t = run.cfg.train
             tokens = t.global_batch_size * t.seq_length
             tps, flops = tokens / seconds, tokens * run.cfg.model.flops_per_token(t.seq_length) / seconds

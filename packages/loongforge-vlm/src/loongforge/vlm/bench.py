@@ -1,50 +1,60 @@
-"""``lf-vlm bench``: lf-vlm's model and trainer step vs transformers' Qwen2.5-VL, in one process.
+"""``lf-vlm bench``: lf-vlm's model and trainer step vs transformers' model of the same layout
+(Qwen2.5-VL, Qwen3-VL), in one process.
 
-On a CUDA machine:  lf-vlm bench [--samples N] [--image-size PX] [--text-tokens T]
+On a CUDA machine:  lf-vlm bench [--case NAME] [--samples N] [--image-size PX | --image-sizes HxW,...]
+                    [--text-tokens T | --seq-tokens L] [train.precision=bf16-pure]
 Smoke run on CPU (tiny parts, fp32, under a minute):  LOONGFORGE_ACCELERATOR=cpu lf-vlm bench --tiny
 
-The model is a Qwen2.5-VL composition of lf-vlm's config groups: by default the real Qwen2.5-VL
-vision transformer (``encoder=qwen2_5_vit``: 32 layers, width 1280, window attention), its patch
-merger and the ``qwen2_5_0_5b`` foundation (``--tiny``: the ``*_debug`` parts; ``encoder=NAME`` /
-``foundation=NAME`` overrides pick other config groups for both sides). A step trains on a fixed batch of ``--samples`` samples, each one
-image of ``--image-size`` pixels square between ``--text-tokens`` random text tokens; the loss is
-on the text tokens. In one process, on the same device, one after the other:
+The model is a composition of lf-vlm's config groups: by default the real Qwen2.5-VL vision
+transformer (``encoder=qwen2_5_vit``: 32 layers, width 1280, window attention), its patch merger
+and the ``qwen2_5_0_5b`` foundation (``--tiny``: the ``*_debug`` parts; ``encoder=NAME`` /
+``foundation=NAME`` overrides pick other config groups for both sides). ``--case NAME`` runs a
+shipped case (``CASES``): ``qwen2_5_vl_3b`` (Qwen2.5-VL-3B's shape, config
+``bench_qwen2_5_vl_3b``: pure bf16, fits an 80 GB GPU) and ``qwen3_vl_8b`` (Qwen3-VL-8B's,
+``bench_qwen3_vl_8b``: pure bf16, an H200), each 4 samples of 2048 tokens with images of four
+sizes. A step trains on a fixed batch of ``--samples`` samples, each one image (the sizes of
+``--image-sizes`` cycle over the samples) between random text tokens (``--text-tokens`` of them,
+or as many as fill the sample to ``--seq-tokens``: every sample has one length, as transformers
+takes them in one batch); the loss is on the text tokens. In one process, on the same device:
 
-- ``hf_compile`` (the headline baseline) / ``hf_eager``: ``Qwen2_5_VLForConditionalGeneration``
-  (config from ``loongforge.vlm.hf.config_to_hf``) set up as transformers recommends for training
-  on a GPU (``hf_recipe``): ``attn_implementation="flash_attention_2"`` where flash-attn is
-  installed, else ``"sdpa"``; under ``torch.compile`` (``hf_eager``: the same uncompiled; on CPU
-  the compiled one runs only with ``--compile-on-cpu``); weights in the step's dtype; fused
-  ``torch.optim.AdamW`` and TF32 on CUDA; on the whole batch at once;
-- ``ours``: ``VLMTask``'s model and ``Trainer.train_step`` (megatron DDP, fp32 main
-  weights and grads, AdamW, grad clipping) on the same samples, all of them packed into one
-  micro-batch as training packs it (``VLMTask.collate``), as transformers gets them in one forward (``--pack K``:
-  K per packed micro-batch, ``--pack 1`` one sample each); ``--variant NAME=KEY=VALUE,...`` adds more of ours with config
-  overrides (``parallel.encoder.recompute=full``, ``train.recompute=selective``;
-  commas inside brackets or quotes stay in the value) or the bench's own knob ``pack=K``.
+- ``hf_compile`` (the headline baseline) / ``hf_eager``: the HF class of the composition's layout
+  (``Qwen2_5_VLForConditionalGeneration``, ``Qwen3VLForConditionalGeneration``; config from
+  ``loongforge.vlm.hf.config_to_hf``) set up as transformers recommends for training on a GPU
+  (``hf_recipe``): ``attn_implementation="flash_attention_2"`` where flash-attn is installed, else
+  ``"sdpa"``; under ``torch.compile`` (``hf_eager``: the same uncompiled; on CPU the compiled one
+  runs only with ``--compile-on-cpu``); fused ``torch.optim.AdamW`` and TF32 on CUDA; on the whole
+  batch at once, in ours' precision recipe (``train.precision``: mixed, fp32 weights under bf16
+  autocast; ``bf16-pure``, bf16 weights, gradients and AdamW state); a baseline that fails is
+  reported and left out;
+- ``ours``: what ``lf-vlm train`` runs, ``Trainer.train_step`` of the lf-vlm task (megatron DDP,
+  the precision recipe, AdamW, grad clipping) on the same samples, all of them packed into one
+  micro-batch as training packs it (``VLMTask.collate``), as transformers gets them in one forward
+  (``--pack K``: K per packed micro-batch, ``--pack 1`` one sample each); ``--variant
+  NAME=KEY=VALUE,...`` adds more of ours with config overrides (``parallel.encoder.recompute=full``,
+  ``train.recompute=selective``; commas inside brackets or quotes stay in the value) or the bench's
+  own knob ``pack=K``.
 
 Both models hold the same weights: the transformers model's random initialisation is saved and
 read into ours through the ``vlm`` family's HF mapping, and the positions given to transformers
 are the multimodal RoPE positions ours computes, so the first step's losses agree (printed).
 
 The runs alternate order round by round (``--rounds``: the baselines first, then ours first,
-...); a run's step time is the median of its timed steps over all rounds. The bench prints the
-baseline's settings and checks every run's first-step loss against the headline baseline's
-(``FirstLossMismatch`` beyond the precision's tolerance). ``--processes N`` repeats the bench in
-N fresh processes and prints each run's median and spread across them.
+...; ``core.bench_protocol.run_rounds``), each built afresh in its round; a run's step time is
+the median of its timed steps over all rounds. The bench prints the baseline's settings and checks
+every run's first-step loss against the headline baseline's (``FirstLossMismatch`` beyond the
+precision's tolerance). ``--processes N`` repeats the bench in N fresh processes and prints each
+run's median and spread across them.
 
 Each run: warm-up steps, then ``--steps`` timed steps; tokens/s (the foundation's tokens: text and
 image tokens), model TFLOP/s (the foundation's FLOPs per token plus the encoder's per patch), MFU
-against a measured bf16 matmul peak, and peak allocated memory since the run started. A
-torch.profiler table of ours' top kernels comes before the table with the ratios of ours to each
-baseline.
+against a measured bf16 matmul peak, and peak allocated memory. A torch.profiler table of ours'
+top kernels comes before the table with the ratios of ours to each baseline.
 """
 
 
 from __future__ import annotations
 
 import argparse
-import statistics
 import tempfile
 import warnings
 from collections.abc import Callable
@@ -54,13 +64,14 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from loongforge.core.baseline_recipe import BaselineRecipe, quiet_transformers_progress, tf32_matmuls
-from loongforge.core.bench_protocol import alternating_orders, check_first_losses, timed_steps
+from loongforge.core.baseline_recipe import BaselineRecipe, quiet_transformers_progress
+from loongforge.core.bench_protocol import Side, check_first_losses, run_rounds, training_step
 from loongforge.core.benchmarking import (BenchDevice, ExtraColumn, RunResult, check_timing, parse_variant,
                                           profile_tables, results_table)
 from loongforge.core.config import ConfigError
 
 BASELINES = ("hf_compile", "hf_eager")  # the headline baseline first
+DEFAULT_CONFIG = "vlm_debug"  # lf-vlm's default config: the bench swaps its parts for real ones
 
 
 def flash_attn_installed() -> bool:
@@ -85,6 +96,26 @@ def hf_recipe(flash_attn: bool | None = None) -> BaselineRecipe:
 
 
 # -- the case ----------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class ShippedCase:
+    """A shipped bench case (``--case NAME``): the config of its composition and its batch, each
+    sample one image (the sizes cycle over the samples) and text filling the sample to
+    ``seq_tokens`` tokens."""
+
+    config: str
+    samples: int
+    image_sizes: tuple[tuple[int, int], ...]  # (height, width) in pixels
+    seq_tokens: int
+
+
+CASES = {
+    # Qwen2.5-VL-3B's shape: 4 samples x 2048 tokens, images of four sizes (multiples of 28 px)
+    "qwen2_5_vl_3b": ShippedCase("bench_qwen2_5_vl_3b", 4, ((448, 448), (672, 448), (336, 504), (896, 672)), 2048),
+    # Qwen3-VL-8B's shape: 4 samples x 2048 tokens, images of four sizes (multiples of 32 px)
+    "qwen3_vl_8b": ShippedCase("bench_qwen3_vl_8b", 4, ((512, 512), (768, 512), (384, 576), (1024, 768)), 2048),
+}
+
+
 @dataclass
 class Case:
     """The composition, the batch and the device of every run."""
@@ -92,11 +123,11 @@ class Case:
     config: str  # the config the composition starts from
     overrides: list[str]  # config overrides selecting the parts
     samples: int
-    image_size: int
-    text_tokens: int
+    image_sizes: list[tuple[int, int]]  # (height, width) of each sample's image, cycled over the samples
+    text_tokens: int | None  # text tokens per sample; None: what fills the sample to seq_tokens
+    seq_tokens: int | None  # tokens per sample (with text_tokens None)
     pack: int
     device: torch.device
-    dtype: torch.dtype
 
 
 def load_config(case: Case, extra: list[str], run_dir: str, seq_length: int):
@@ -104,9 +135,15 @@ def load_config(case: Case, extra: list[str], run_dir: str, seq_length: int):
 
     return load_vlm_config(case.config, [
         *case.overrides, f"train.global_batch_size={case.samples}", f"train.seq_length={seq_length}",
-        f"train.precision={'bf16' if case.dtype == torch.bfloat16 else 'fp32'}", "train.warmup_steps=0",
-        "train.lr=1.0e-5", "train.min_lr=1.0e-5", f"log.run_dir={run_dir}", "log.tensorboard=false",
-        "log.progress=false", "checkpoint.save=false", "checkpoint.resume=false", *extra])
+        "train.warmup_steps=0", "train.lr=1.0e-5", "train.min_lr=1.0e-5", f"log.run_dir={run_dir}",
+        "log.tensorboard=false", "log.progress=false", "checkpoint.save=false", "checkpoint.resume=false", *extra])
+
+
+def precision(cfg, device: torch.device) -> tuple[str, torch.dtype]:
+    """The run's precision recipe (mixed, pure or fp32: ``train.precision``) and its compute dtype."""
+    from loongforge.core.training.engine import precision_recipe, resolve_dtype
+
+    return precision_recipe(cfg.train.precision, device), resolve_dtype(cfg.train.precision, device)
 
 
 @dataclass
@@ -114,38 +151,53 @@ class Batch:
     """The step's samples for both models: per-sample arrays (ours) and batched tensors (transformers)."""
 
     samples: list[dict]  # items of the shape ``VLMDataset`` yields, for ``VLMTask.collate``
-    hf_inputs: dict  # keyword arguments of ``Qwen2_5_VLForConditionalGeneration.forward``
+    hf_inputs: dict  # keyword arguments of the HF model's ``forward`` (pixel values in fp32)
     tokens: int  # foundation tokens per step
     patches: int  # vision patches per step
+    length: int  # tokens per sample
 
 
 def make_batch(cfg, vision_ids, case: Case) -> Batch:
-    """``case.samples`` samples: text, ``<vision_start>`` image tokens ``<vision_end>``, text; labels on text."""
+    """``case.samples`` samples, each text, ``<vision_start>`` image tokens ``<vision_end>``, text
+    (labels on text), the image sizes cycling; every sample the same length (transformers takes
+    them as one batch)."""
     from loongforge.vlm.positions import VisionItem, mrope_positions
 
     e = cfg.encoder
     unit = e.patch_size * e.spatial_merge_size
-    if case.image_size % unit:
-        raise ConfigError(f"--image-size {case.image_size} must be a multiple of patch_size x spatial_merge_size = {unit}")
-    grid = (1, case.image_size // e.patch_size, case.image_size // e.patch_size)
-    patches = grid[1] * grid[2]
+    for h, w in case.image_sizes:
+        if h % unit or w % unit or h < unit or w < unit:
+            raise ConfigError(f"image {h}x{w}: each side a positive multiple of patch_size x spatial_merge_size = {unit}")
     merge = e.spatial_merge_size
     rng = np.random.default_rng(0)
     special = {vision_ids.image, vision_ids.video, vision_ids.start, vision_ids.end}
     low = min(special)  # text ids below the tokenizer's vision tokens
-    samples, text_masks = [], []
-    for _ in range(case.samples):
-        before = case.text_tokens // 2
-        text = rng.integers(0, low, case.text_tokens)
-        tokens = np.concatenate([text[:before], [vision_ids.start], np.full(patches // merge**2, vision_ids.image),
+    samples, text_masks, grids = [], [], []
+    for i in range(case.samples):
+        h, w = case.image_sizes[i % len(case.image_sizes)]
+        grid = (1, h // e.patch_size, w // e.patch_size)
+        patches = grid[1] * grid[2]
+        image_tokens = patches // merge**2
+        text_tokens = case.text_tokens if case.seq_tokens is None else case.seq_tokens - image_tokens - 2
+        if text_tokens < 2:
+            raise ConfigError(f"--seq-tokens {case.seq_tokens}: a {h}x{w} image takes {image_tokens + 2} tokens, "
+                              f"leaving {text_tokens} for text (at least 2)")
+        before = text_tokens // 2
+        text = rng.integers(0, low, text_tokens)
+        tokens = np.concatenate([text[:before], [vision_ids.start], np.full(image_tokens, vision_ids.image),
                                  [vision_ids.end], text[before:]]).astype(np.int64)
         is_text = ~np.isin(tokens, list(special))
         text_masks.append(is_text)
         positions = mrope_positions(tokens, [VisionItem(grid)], (vision_ids.image, vision_ids.video), merge,
                                     cfg.vision.tokens_per_second)
         pixels = rng.standard_normal((patches, e.patch_dim), dtype=np.float32)
+        grids.append(grid)
         samples.append(dict(tokens=tokens, labels=np.append(tokens[1:], 0), loss_mask=np.append(is_text[1:], False),
                             position_ids=positions, pixel_values=pixels, grid_thw=np.asarray([grid], dtype=np.int64)))
+    lengths = {len(s["tokens"]) for s in samples}
+    if len(lengths) > 1:
+        raise ConfigError(f"images of {len(case.image_sizes)} sizes with --text-tokens: the samples' lengths differ "
+                          f"({sorted(lengths)}); give --seq-tokens (the text fills each sample to it)")
     device = case.device
     tokens = torch.from_numpy(np.stack([s["tokens"] for s in samples])).to(device)
     text = torch.from_numpy(np.stack(text_masks)).to(device)
@@ -153,48 +205,72 @@ def make_batch(cfg, vision_ids, case: Case) -> Batch:
         input_ids=tokens,
         labels=torch.where(text, tokens, -100),  # transformers shifts them: the same targets as ours
         position_ids=torch.from_numpy(np.stack([s["position_ids"] for s in samples], axis=1)).to(device),
-        pixel_values=torch.from_numpy(np.concatenate([s["pixel_values"] for s in samples])).to(device, case.dtype),
-        image_grid_thw=torch.tensor([grid] * case.samples, device=device),
+        pixel_values=torch.from_numpy(np.concatenate([s["pixel_values"] for s in samples])).to(device),
+        image_grid_thw=torch.tensor(grids, device=device),
         use_cache=False,
     )
-    return Batch(samples, hf_inputs, tokens=tokens.numel(), patches=patches * case.samples)
+    patches = sum(g[1] * g[2] for g in grids)
+    return Batch(samples, hf_inputs, tokens=tokens.numel(), patches=patches, length=lengths.pop())
 
 
 # -- transformers ------------------------------------------------------------------------------
-def save_hf_model(cfg, case: Case, directory: Path) -> None:
-    """A randomly initialised ``Qwen2_5_VLForConditionalGeneration`` of the composition, saved
-    in the step's dtype: the weights every run starts from."""
-    from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
+def hf_model_class(cfg):
+    """transformers' class of the composition's HF layout (``Qwen2_5_VLForConditionalGeneration``,
+    ``Qwen3VLForConditionalGeneration``, ...)."""
+    import transformers
+
+    from loongforge.vlm.hf import layout_of
+
+    return getattr(transformers, layout_of(cfg.model()).architecture)
+
+
+def save_hf_model(cfg, directory: Path, dtype: torch.dtype, device: torch.device) -> None:
+    """A randomly initialised HF model of the composition (its layout's class, config from
+    ``loongforge.vlm.hf.config_to_hf``), saved in ``dtype``: the weights every run starts from."""
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
     from loongforge.vlm.hf import config_to_hf
 
+    fields = config_to_hf(cfg.model())
+    hf_cfg = CONFIG_MAPPING[fields["model_type"]].from_dict(fields)
     torch.manual_seed(0)
-    with torch.device(case.device):
-        model = Qwen2_5_VLForConditionalGeneration(Qwen2_5_VLConfig.from_dict(config_to_hf(cfg.model())))
+    with torch.device(device):  # initialised where it runs: seconds, not minutes, for billions of weights
+        model = hf_model_class(cfg)(hf_cfg)
     with quiet_transformers_progress():
-        model.to(case.dtype).save_pretrained(directory)
+        model.to(dtype).save_pretrained(directory)
     del model
 
 
-def hf_step(hf_dir: Path, batch: Batch, case: Case, recipe: BaselineRecipe, compile_: bool):
-    from transformers import Qwen2_5_VLForConditionalGeneration
+def hf_step(cfg, hf_dir: Path, batch: Batch, device: torch.device, recipe: BaselineRecipe, compile_: bool):
+    """A transformers training step per ``recipe`` on the whole batch, in ``cfg``'s precision
+    recipe: bf16 weights and inputs (pure), or fp32 weights with the forward under
+    ``torch.autocast`` to bf16 (mixed, as transformers' Trainer runs with ``bf16=True``)."""
+    import contextlib
 
-    applied = recipe.applied(case.device.type)
+    applied = recipe.applied(device.type)
+    recipe_name, dtype = precision(cfg, device)
+    mixed = recipe_name == "mixed"
     with quiet_transformers_progress():
-        model = Qwen2_5_VLForConditionalGeneration.from_pretrained(
-            hf_dir, attn_implementation=applied["attn_implementation"] or "sdpa", dtype=case.dtype)
-    model.to(case.device).train()
+        model = hf_model_class(cfg).from_pretrained(
+            hf_dir, attn_implementation=applied["attn_implementation"] or "sdpa",
+            dtype=torch.float32 if mixed else dtype)
+    model.to(device).train()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=bool(applied["fused_adamw"]))
     forward = torch.compile(model) if compile_ else model
+    inputs = dict(batch.hf_inputs, pixel_values=batch.hf_inputs["pixel_values"].to(torch.float32 if mixed else dtype))
+
+    def autocast():
+        return torch.autocast(device.type, dtype=dtype) if mixed else contextlib.nullcontext()
 
     def step():
-        loss = forward(**batch.hf_inputs).loss
+        with autocast():
+            loss = forward(**inputs).loss
         loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
         return loss.detach()
 
-    return step, (model, opt)
+    return step, lambda: None
 
 
 # -- ours --------------------------------------------------------------------------------------
@@ -213,37 +289,59 @@ def split_overrides(overrides: list[str], default_pack: int) -> tuple[list[str],
     return config, pack
 
 
-def our_step(cfg, hf_dir: Path, batch: Batch, case: Case, pack_size: int):
+def our_step(cfg, hf_dir: Path | None = None, samples: list[dict] | None = None, pack_size: int = 1):
+    """Ours: ``Trainer.train_step`` of the lf-vlm task (``training_step``) in the process groups
+    ``lf-vlm train`` makes (a world of one, the caller's to destroy), from the weights in
+    ``hf_dir`` (read through the ``vlm`` family's HF mapping; None: the task's own initialisation)
+    on ``samples`` packed ``pack_size`` to a micro-batch as training packs them
+    (``VLMTask.collate``; None: the first step ``lf-vlm train`` takes). Returns the step."""
     from loongforge.core.hf_mapping.online import load_hf_weights
     from loongforge.core.parallel import init_parallel
-    from loongforge.core.training.loop import Trainer
+    from loongforge.vlm.cli import make_task
     from loongforge.vlm.hf import VLM_HF_ADAPTER
-    from loongforge.vlm.recipe import VLMTask
 
-    task = VLMTask(cfg)
     ctx = init_parallel(seed=cfg.train.seed)
-    trainer = Trainer(task, ctx, cfg)
-    load_hf_weights(trainer.inner_model, hf_dir, VLM_HF_ADAPTER, task.model_cfg)
-    trainer.engine.optimizer.reload_model_params()  # the fp32 main weights from the loaded ones
-    groups = [batch.samples[i:i + pack_size] for i in range(0, len(batch.samples), pack_size)]
-    collate = task.collate(ctx)  # the rows training packs
-    micro_batches = [{k: v.to(case.device) if isinstance(v, torch.Tensor) else v for k, v in collate(g).items()}
-                     for g in groups]
-    def step():
-        return trainer.train_step(micro_batches).loss
-
-    return step, (trainer, task, ctx)
+    task = make_task(cfg)
+    micro_batches = None
+    if samples is not None:
+        collate = task.collate(ctx)  # the rows training packs
+        micro_batches = [{k: v.to(ctx.device) if isinstance(v, torch.Tensor) else v
+                          for k, v in collate(samples[i:i + pack_size]).items()}
+                         for i in range(0, len(samples), pack_size)]
+    step, trainer = training_step(task, ctx, cfg, micro_batches)
+    if hf_dir is not None:
+        load_hf_weights(trainer.inner_model, hf_dir, VLM_HF_ADAPTER, task.model_cfg)
+        trainer.engine.optimizer.reload_model_params()  # the fp32 main weights from the loaded ones
+    return step
 
 
 # -- the command ---------------------------------------------------------------------------------
+def parse_sizes(text: str) -> list[tuple[int, int]]:
+    """``--image-sizes HxW,HxW,...`` (or ``S`` for a square) -> [(H, W), ...]."""
+    sizes = []
+    for item in text.split(","):
+        h, _, w = item.strip().lower().partition("x")
+        try:
+            sizes.append((int(h), int(w or h)))
+        except ValueError:
+            raise ConfigError(f"--image-sizes {text!r}: sizes are HxW pixels (or S for a square), comma-separated") from None
+    return sizes
+
+
 def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
     """The options of ``lf-vlm bench`` besides the shared ``--config``, ``--steps``, ``--warmup``,
     ``--variant`` and config overrides (``encoder=...``, ``foundation=...`` swap a part; any other
-    override applies to both models, e.g. ``encoder.num_layers=8``)."""
+    override applies to both models, e.g. ``encoder.num_layers=8``, ``train.precision=bf16-pure``)."""
+    parser.add_argument("--case", choices=sorted(CASES), default=None,
+                        help="a shipped case: its config and batch (images of mixed sizes, samples of one length)")
     parser.add_argument("--tiny", action="store_true", help="the debug parts (qwen2_5_vit_debug + qwen2_debug)")
     parser.add_argument("--samples", type=int, default=None, help="samples per step (default 8; --tiny: 2)")
     parser.add_argument("--image-size", type=int, default=None, help="image side in pixels (default 448; --tiny: 32)")
+    parser.add_argument("--image-sizes", default=None, metavar="HxW,...",
+                        help="images of these sizes, cycled over the samples (with --seq-tokens where they differ)")
     parser.add_argument("--text-tokens", type=int, default=None, help="text tokens per sample (default 768; --tiny: 24)")
+    parser.add_argument("--seq-tokens", type=int, default=None,
+                        help="tokens per sample: the text fills each sample to this length")
     parser.add_argument("--pack", type=int, default=None,
                         help="samples per packed micro-batch of ours (default: all samples of a step in one)")
     parser.add_argument("--skip", action="append", default=[], choices=BASELINES,
@@ -251,19 +349,30 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--compile-on-cpu", action="store_true")
 
 
-def make_case(args, dev: BenchDevice, config: str, overrides: list[str]) -> Case:
-    samples = args.samples or (2 if args.tiny else 8)
+def make_case(args, device: torch.device, config: str, overrides: list[str]) -> Case:
+    shipped = CASES.get(getattr(args, "case", None))
+    if shipped is not None and config not in (None, DEFAULT_CONFIG):
+        raise ConfigError(f"--case {args.case} --config {config}: the case names its config (give one of them)")
     given = {o.split("=", 1)[0] for o in overrides}
-    parts = {"encoder": "qwen2_5_vit_debug" if args.tiny else "qwen2_5_vit",
-             "foundation": "qwen2_debug" if args.tiny else "qwen2_5_0_5b"}
+    # the default config's parts swapped for real ones (or the debug ones, --tiny); a case's or another config's stay
+    parts = {} if shipped or config != DEFAULT_CONFIG else {"encoder": "qwen2_5_vit_debug" if args.tiny else "qwen2_5_vit",
+                                "foundation": "qwen2_debug" if args.tiny else "qwen2_5_0_5b"}
+    samples = args.samples or (shipped.samples if shipped else 2 if args.tiny else 8)
+    if args.image_sizes:
+        sizes = parse_sizes(args.image_sizes)
+    elif args.image_size:
+        sizes = [(args.image_size, args.image_size)]
+    else:
+        sizes = list(shipped.image_sizes) if shipped else [(32, 32)] if args.tiny else [(448, 448)]
+    seq_tokens = args.seq_tokens if args.seq_tokens is not None else shipped.seq_tokens if shipped and \
+        args.text_tokens is None else None
+    text_tokens = None if seq_tokens is not None else (
+        args.text_tokens if args.text_tokens is not None else (24 if args.tiny else 768))
     case = Case(
-        config=config,
+        config=shipped.config if shipped else config,
         overrides=[f"{part}={name}" for part, name in parts.items() if part not in given] + list(overrides),
-        samples=samples,
-        image_size=args.image_size or (32 if args.tiny else 448),
-        text_tokens=args.text_tokens if args.text_tokens is not None else (24 if args.tiny else 768),
-        pack=args.pack if args.pack is not None else samples,
-        device=dev.device, dtype=dev.dtype)
+        samples=samples, image_sizes=sizes, text_tokens=text_tokens, seq_tokens=seq_tokens,
+        pack=args.pack if args.pack is not None else samples, device=device)
     if case.samples < 1 or case.pack < 1 or case.samples % case.pack:
         raise ConfigError(f"--samples {case.samples} must be a positive multiple of --pack {case.pack}")
     return case
@@ -291,16 +400,21 @@ class VLMRunResult(RunResult):
     step_s: float  # median seconds per step
 
 
-def run_bench(args, config: str = "vlm_debug", overrides: list[str] = (),
+def size_text(sizes: list[tuple[int, int]]) -> str:
+    return ", ".join(f"{h}x{w}" for h, w in sizes)
+
+
+def run_bench(args, config: str = DEFAULT_CONFIG, overrides: list[str] = (),
               report: Callable[[str], None] = print) -> dict[str, VLMRunResult]:
     """Every run's tokens/s, TFLOP/s, MFU, peak GiB and first-step loss; ``report`` gets each line when known."""
-    from loongforge.core.bench_protocol import check_protocol
+    from loongforge.core.bench_protocol import check_protocol, free_device_memory
+    from loongforge.core.parallel import destroy_parallel
     from loongforge.vlm.recipe import VLMTask
 
     check_timing(args.steps, args.warmup)
     check_protocol(args.rounds, args.processes)
     dev = BenchDevice()
-    case = make_case(args, dev, config, list(overrides))
+    case = make_case(args, dev.device, config, list(overrides))
     runs = plan_runs(args, case)
     warnings.filterwarnings("ignore")
     with tempfile.TemporaryDirectory() as scratch:
@@ -310,85 +424,70 @@ def run_bench(args, config: str = "vlm_debug", overrides: list[str] = (),
         case.overrides += [f"vision.image_token_id={ids.image}", f"vision.video_token_id={ids.video}",
                            f"vision.vision_start_token_id={ids.start}", f"vision.vision_end_token_id={ids.end}"]
         batch = make_batch(cfg, ids, case)
-        length = batch.tokens // case.samples
+        length = batch.length
         cfg = load_config(case, [], scratch, seq_length=length * case.pack)
+        recipe_name, dtype = precision(cfg, case.device)
         ours_configs = {}  # every run of ours, loaded (and so checked) before any run
-        for name, overrides in runs:
-            if overrides is not None:
-                config_overrides, pack_size = split_overrides(overrides, case.pack)
-                ours_configs[name] = (load_config(case, config_overrides, str(Path(scratch) / name),
-                                                  seq_length=length * pack_size), pack_size)
+        for name, run_overrides in runs:
+            if run_overrides is not None:
+                config_overrides, pack_size = split_overrides(run_overrides, case.pack)
+                run_cfg = load_config(case, config_overrides, str(Path(scratch) / name), seq_length=length * pack_size)
+                if precision(run_cfg, case.device) != (recipe_name, dtype):
+                    raise ConfigError(f"--variant {name}: train.precision must be ours' (the first-step losses are "
+                                      f"compared)")
+                ours_configs[name] = (run_cfg, pack_size)
         f, e = cfg.foundation, cfg.encoder
         flops_per_step = batch.tokens * f.flops_per_token(length) + batch.patches * e.flops_per_patch()
         counts = cfg.model().parameter_counts()
         peak = dev.matmul_peak()
-        report(f"device: {dev.describe()}; {parts} ({', '.join(f'{k} {v / 1e6:.1f}M' for k, v in counts.items())} "
-               f"parameters); {case.samples} samples x {length} tokens ({batch.patches // case.samples} patches of a "
-               f"{case.image_size}px image each); {flops_per_step / 1e12:.2f} TFLOP/step; measured matmul "
-               f"{peak / 1e12:.2f} TFLOP/s")
+        report(f"device: {dev.describe()}; {args.case or parts or case.config} ({', '.join(f'{k} {v / 1e6:.1f}M' for k, v in counts.items())} "
+               f"parameters); {case.samples} samples x {length} tokens ({batch.patches} patches of images "
+               f"{size_text(case.image_sizes)}); {flops_per_step / 1e12:.2f} TFLOP/step; measured matmul "
+               f"{peak / 1e12:.2f} TFLOP/s; precision recipe {recipe_name} (train.precision={cfg.train.precision})")
         hf_dir = Path(scratch) / "hf"
-        save_hf_model(cfg, case, hf_dir)
-
+        save_hf_model(cfg, hf_dir, dtype, case.device)
         recipe = hf_recipe()
         for text in recipe.lines(case.device.type):
             report(text)
-        configs = dict(runs)
-        baselines = [name for name, o in runs if o is None]
-        times: dict[str, list[float]] = {name: [] for name, _ in runs}
-        peaks: dict[str, float] = {}
-        firsts: dict[str, float] = {}
-        failed: set[str] = set()
-        profile = None
-        for i, order in enumerate(alternating_orders(baselines, [n for n, o in runs if o is not None], args.rounds)):
-            report(f"round {i + 1} of {args.rounds}: {', '.join(order)}")
-            for name in order:
-                if name in failed:
-                    continue
-                overrides = configs[name]
-                dev.fresh_memory()
-                try:
-                    if overrides is None:
-                        with tf32_matmuls(bool(recipe.applied(case.device.type)["tf32"])):
-                            step, keep = hf_step(hf_dir, batch, case, recipe, compile_=name == "hf_compile")
-                            first, seconds = timed_steps(step, args.steps, args.warmup, dev.accel.synchronize)
-                    else:
-                        run_cfg, pack_size = ours_configs[name]
-                        step, keep = our_step(run_cfg, hf_dir, batch, case, pack_size)
-                        first, seconds = timed_steps(step, args.steps, args.warmup, dev.accel.synchronize)
-                        if name == "ours" and args.profile_rows and profile is None:
-                            profile = profile_tables(step, args.profile_rows, args.trace)
-                except Exception as error:  # a failing baseline is reported, the others still run
-                    if overrides is not None:
-                        raise
-                    report(f"{name}: failed: {type(error).__name__}: {error}")
-                    failed.add(name)
-                    continue
-                finally:
-                    if overrides is not None:
-                        from loongforge.core.parallel import destroy_parallel
 
-                        destroy_parallel()
-                peaks[name] = max(peaks.get(name, float("-inf")), dev.peak_gib())
-                firsts.setdefault(name, first)
-                times[name] += seconds
-                report(f"  {name}: {statistics.median(seconds) * 1e3:.1f} ms/step, first-step loss {first:.4f}")
-                del step, keep
+        def hf_start(name: str):
+            return lambda: hf_step(cfg, hf_dir, batch, case.device, recipe, compile_=name == "hf_compile")
+
+        def ours_start(name: str):
+            run_cfg, pack_size = ours_configs[name]
+
+            def start():  # a world of its own, as each lf-vlm train run
+                return our_step(run_cfg, hf_dir, batch.samples, pack_size), destroy_parallel
+            return start
+
+        tf32 = bool(recipe.applied(case.device.type)["tf32"])
+        sides = [Side(name, hf_start(name), tf32=tf32, may_fail=True) if o is None else Side(name, ours_start(name))
+                 for name, o in runs]
+        timed = run_rounds(sides, [name for name, o in runs if o is None], args.rounds, args.steps, args.warmup, report)
+        profile = None
+        if args.profile_rows and dev.cuda:
+            step = ours_start("ours")()[0]
+            try:
+                step()  # compiled and warm
+                profile = profile_tables(step, args.profile_rows, args.trace)
+            finally:
+                del step
+                destroy_parallel()
+                free_device_memory(dev.accel)
 
         results = {}
-        for name in times:
-            if name in failed:
-                continue
-            seconds = statistics.median(times[name])
+        for name, t in timed.items():
+            seconds = t.step_s
             tps, flops = batch.tokens / seconds, flops_per_step / seconds
-            results[name] = VLMRunResult(tps, flops / 1e12, flops / peak, peaks[name], firsts[name], seconds)
-            report(f"{name}: {seconds * 1e3:.1f} ms/step, {tps:,.0f} tokens/s, peak memory {peaks[name]:.1f} GiB, "
-                   f"first-step loss {firsts[name]:.4f}")
+            results[name] = VLMRunResult(tps, flops / 1e12, flops / peak, t.peak_gib, t.first_loss, seconds)
+            report(f"{name}: {seconds * 1e3:.1f} ms/step, {tps:,.0f} tokens/s, peak memory {t.peak_gib:.1f} GiB, "
+                   f"first-step loss {t.first_loss:.4f}")
     if profile:
         report("\nours, torch.profiler:\n" + profile)
     first_losses = ExtraColumn("loss@1", {name: r.first_loss for name, r in results.items()})
     report("\n" + "\n".join(results_table(results, tokens_decimals=1, extra=[first_losses])))
     reference = next((b for b in BASELINES if b in results), "ours")
-    for text in check_first_losses({n: r.first_loss for n, r in results.items()}, reference, case.dtype):
+    for text in check_first_losses({n: r.first_loss for n, r in results.items()}, reference, dtype):
         report(text)
     return results
 

@@ -33,6 +33,7 @@ from __future__ import annotations
 import torch
 from torch.utils.checkpoint import checkpoint
 
+from loongforge.core.kernels.mla_absorbed import absorb_query, check_absorbed  # absorb_query: the DSA attention too
 from loongforge.core.kernels.shapes import check_shapes
 
 # The dense warm-up loss has no top-k to bound its chunks: it sizes them as if ``topk`` were this.
@@ -152,24 +153,10 @@ def sparse_mla_attention(
     return torch.cat(outs, dim=1)
 
 
-def absorb_query(q_nope: torch.Tensor, q_rope: torch.Tensor, w_uk: torch.Tensor) -> torch.Tensor:
-    """MLA's absorbed query ``[B, S, H, C + d_rope]``: ``q_nope[b, t, h] @ w_uk[h]`` (into the latent
-    space, ``w_uk`` ``[H, d_nope, C]``) next to the rope part."""
-    return torch.cat([torch.einsum("bshd,hdc->bshc", q_nope, w_uk), q_rope], dim=-1)
-
-
 def _absorbed_attention_chunk(q_nope, q_rope, kv, indices, w_uk, w_uv, softmax_scale):
     q = absorb_query(q_nope, q_rope, w_uk)
     o_lat = _sparse_attention_chunk(q, kv, indices, softmax_scale, w_uk.shape[-1])
     return torch.einsum("bshc,hvc->bshv", o_lat, w_uv)
-
-
-def check_absorbed(op: str, q_nope, q_rope, kv, w_uk, w_uv) -> dict[str, int]:
-    dims = check_shapes(op, q_nope=(q_nope, "B S H DN"), q_rope=(q_rope, "B S H DR"), kv=(kv, "B S_kv D"),
-                        w_uk=(w_uk, "H DN C"), w_uv=(w_uv, "H DV C"))
-    if dims["C"] + dims["DR"] != dims["D"]:
-        raise ValueError(f"{op}: latent {dims['C']} + rope {dims['DR']} != the key row's {dims['D']}")
-    return dims
 
 
 def sparse_mla_absorbed_attention(
@@ -191,12 +178,8 @@ def sparse_mla_absorbed_attention(
     outputs, so an implementation may keep them per chunk of queries only (they are 3-4x the size of
     the per-head query and output at DeepSeek's sizes).
     """
-    dims = check_absorbed("sparse_mla_absorbed_attention", q_nope, q_rope, kv, w_uk, w_uv)
-    b, s = dims["B"], dims["S"]
-    if indices.dim() != 3 or tuple(indices.shape[:2]) != (b, s):
-        raise ValueError(
-            f"sparse_mla_absorbed_attention: indices must be [B, S, topk] = [{b}, {s}, k], got {tuple(indices.shape)}"
-        )
+    dims = check_absorbed("sparse_mla_absorbed_attention", q_nope, q_rope, kv, indices, w_uk, w_uv)
+    s = dims["S"]
     chunk = query_chunk(s, indices.shape[-1] * max(dims["H"], dims["D"]), s * indices.shape[-1])
     return torch.cat([
         checkpoint(_absorbed_attention_chunk, q_nope[:, t0:t1], q_rope[:, t0:t1], kv, indices[:, t0:t1], w_uk, w_uv,

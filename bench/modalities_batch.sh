@@ -1,0 +1,43 @@
+#!/usr/bin/env bash
+# The VLM, diffusion and robot-policy benches on one CUDA machine (an H100 or H200), in one device
+# call of under 9 minutes:
+#
+#   bash bench/modalities_batch.sh
+#
+#   1. lf-vlm bench --case qwen2_5_vl_3b: Qwen2.5-VL-3B's shape in pure bf16 (4 samples x 2048 tokens,
+#      images of four sizes), ours against transformers compiled (hf_compile);
+#   2. lf-diffusion bench --config bench_wan2_1_t2v_1_3b: the whole Wan 2.1 T2V 1.3B (30 layers) on 81
+#      frames of 480x832, ours against diffusers compiled (compile_repeated_blocks) at the same
+#      gradient checkpointing (whole blocks);
+#   3. lf-embodied bench model=groot_2b: a GR00T-style policy at a real size, ours' step time, samples/s
+#      and MFU (model FLOPs counted by torch); not against LeRobot, whose wheels (and the LeRobot
+#      dataset reader ours' data needs) do not travel in this call: without lerobot importable the
+#      stage says so and is skipped.
+#
+# Each runs one round (--rounds 1) under a time limit of its own; each prints its baseline's settings,
+# the first-step losses of both sides (checked), peak memory and the ratios. docs/benchmarks.md says
+# what each case is and how to run it alone.
+#
+# The machine has torch 2.11, triton 3.6 and transformers but no PyPI and no diffusers: the missing
+# wheels travel in .whl/ (carry it): megatron-core, omegaconf, hydra-core, antlr4-python3-runtime,
+# psutil, diffusers (pure Python, ~4 MB), and LoongForge's own, from
+# `uv build --wheel --package loongforge-<name> -o .whl` for core, llm, vlm, diffusion, embodied and
+# kernels. Wheels in a carried .whl-*/ folder (e.g. lerobot and its imports) are installed too.
+# Everything printed also goes to $OUT/modalities.log.
+set -uo pipefail
+OUT=${OUT:-/tmp/lf-modalities-bench}
+LOG=modalities.log
+source "$(dirname "$0")/device_batch.sh"
+
+section environment
+nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.max.sm --format=csv,noheader
+python3 -c 'import torch, triton, transformers, diffusers, megatron.core; print("torch", torch.__version__, "triton", triton.__version__, "transformers", transformers.__version__, "diffusers", diffusers.__version__, "megatron-core", megatron.core.__version__)'
+
+one_round="--rounds 1 --steps 5 --warmup 2 --profile-rows 0"
+bench 190 python3 -m loongforge.vlm.cli bench --case qwen2_5_vl_3b --skip hf_eager $one_round
+bench 210 python3 -m loongforge.diffusion.cli bench --config bench_wan2_1_t2v_1_3b $one_round
+if python3 -c 'import lerobot' 2>/dev/null; then
+  bench 110 python3 -m loongforge.embodied.cli bench model=groot_2b train.precision=bf16 --batch-size 8 $one_round
+else
+  section "lf-embodied bench model=groot_2b: skipped (lerobot is not installed: ours' data is a LeRobot dataset)"
+fi
