@@ -1,0 +1,152 @@
+"""The gated delta rule (Gated DeltaNet's token mixer) over packed sequences.
+
+``gated_delta_rule(q, k, v, g, beta, cu_seqlens=None, initial_state=None)`` returns
+``(out, final_state)`` for
+
+    q, k   [B, T, Hk, Dk]   queries and keys (L2-normalised here; queries also scaled by Dk^-1/2)
+    v      [B, T, Hv, Dv]   values; Hv is a multiple of Hk, each q/k head serving Hv / Hk
+                            consecutive value heads
+    g      [B, T, Hv]       the log decay of the state at each token (<= 0)
+    beta   [B, T, Hv]       the write strength of each token (0..1)
+
+where each head's state ``S`` (``[Dk, Dv]``, zero at the start of every sequence unless
+``initial_state`` gives it) evolves, token by token, as
+
+    S <- exp(g_t) S;  S <- S + beta_t k_t (v_t - k_t^T S);  out_t = q_t^T S
+
+With ``cu_seqlens`` (int ``[N + 1]``, B = 1) the row holds N packed sequences: the state starts
+afresh at each boundary, so no sequence sees another. ``initial_state`` is ``[N, Hv, Dk, Dv]``
+(N = B without ``cu_seqlens``) and ``final_state`` each sequence's last state, in fp32, as
+flash-linear-attention's ``chunk_gated_delta_rule`` takes and returns them (its
+``use_qk_l2norm_in_kernel=True`` form).
+
+This module is the op's contract (a ``loongforge.ops`` entry point of loongforge-llm) and its
+torch reference: a token loop in fp32, every sequence of a packed row stepped together. On CUDA,
+``fla_kernels`` (a ``loongforge.kernels`` provider) gives the registry fla's chunked Triton kernel.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+
+import torch
+import torch.nn.functional as F
+
+from loongforge.core.kernels import KernelImpl
+
+
+def _l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    return x * torch.rsqrt((x * x).sum(-1, keepdim=True) + eps)
+
+
+def _check(q, k, v, g, beta, cu_seqlens, initial_state) -> int:
+    """The number of sequences; raises ``ValueError`` naming what does not fit."""
+    b, t, hk, dk = q.shape
+    hv, dv = v.shape[-2:]
+    if k.shape != q.shape or v.shape[:2] != (b, t) or g.shape != (b, t, hv) or beta.shape != (b, t, hv):
+        raise ValueError(f"gated_delta_rule: shapes q {list(q.shape)}, k {list(k.shape)}, v {list(v.shape)}, "
+                         f"g {list(g.shape)}, beta {list(beta.shape)} do not fit [B, T, H, D]")
+    if hv % hk:
+        raise ValueError(f"gated_delta_rule: {hv} value heads are not a multiple of {hk} key heads")
+    n = b
+    if cu_seqlens is not None:
+        if b != 1:
+            raise ValueError(f"gated_delta_rule: cu_seqlens needs one packed row (B = 1), got B = {b}")
+        bounds = cu_seqlens.tolist()
+        if len(bounds) < 2 or bounds[0] != 0 or bounds[-1] != t or any(e < s for s, e in zip(bounds, bounds[1:])):
+            raise ValueError(f"gated_delta_rule: cu_seqlens={bounds} must rise from 0 to the row's {t} tokens")
+        n = len(bounds) - 1
+    if initial_state is not None and initial_state.shape != (n, hv, dk, dv):
+        raise ValueError(f"gated_delta_rule: initial_state {list(initial_state.shape)}, expected {[n, hv, dk, dv]}")
+    return n
+
+
+def gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+                     cu_seqlens: torch.Tensor | None = None, initial_state: torch.Tensor | None = None
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(out [B, T, Hv, Dv], final_state [N, Hv, Dk, Dv])`` (see the module docstring)."""
+    n = _check(q, k, v, g, beta, cu_seqlens, initial_state)
+    dtype = v.dtype
+    b, t, hk, dk = q.shape
+    hv, dv = v.shape[-2:]
+    rep = hv // hk
+    q = _l2norm(q.float()).repeat_interleave(rep, dim=2) * dk**-0.5
+    k = _l2norm(k.float()).repeat_interleave(rep, dim=2)
+    v, g, beta = v.float(), g.float(), beta.float()
+    if cu_seqlens is not None:  # one row of N sequences -> N rows, padded to the longest
+        bounds = cu_seqlens.tolist()
+        lengths = [e - s for s, e in zip(bounds, bounds[1:])]
+        longest = max(lengths) if lengths else 0
+        rows = torch.tensor([i for i, n_i in enumerate(lengths) for _ in range(n_i)], device=q.device)
+        cols = torch.cat([torch.arange(n_i, device=q.device) for n_i in lengths]) if lengths else rows
+
+        def unpack(x):
+            out = x.new_zeros(n, longest, *x.shape[2:])
+            return out.index_put((rows, cols), x[0])
+
+        q, k, v, g, beta = (unpack(x) for x in (q, k, v, g, beta))
+        steps = longest
+    else:
+        steps = t
+    state = initial_state.float() if initial_state is not None else q.new_zeros(n, hv, dk, dv)
+    outs = []
+    for i in range(steps):  # padded steps past a sequence's end are dropped below (and never read back)
+        q_i, k_i, v_i = q[:, i], k[:, i], v[:, i]  # [N, Hv, D]
+        state = state * g[:, i].exp()[..., None, None]
+        remembered = torch.einsum("nhk,nhkv->nhv", k_i, state)
+        delta = (v_i - remembered) * beta[:, i, :, None]
+        new_state = state + k_i[..., None] * delta[..., None, :]
+        if cu_seqlens is not None:  # a finished sequence keeps its last state
+            live = (torch.tensor(lengths, device=q.device) > i)[:, None, None, None]
+            new_state = torch.where(live, new_state, state)
+        state = new_state
+        outs.append(torch.einsum("nhk,nhkv->nhv", q_i, state))
+    out = torch.stack(outs, dim=1) if outs else v.new_zeros(n, 0, hv, dv)
+    if cu_seqlens is not None:
+        out = out[rows, cols][None]
+    return out.to(dtype), state
+
+
+def short_causal_conv(x: torch.Tensor, weight: torch.Tensor, positions: torch.Tensor,
+                      history: torch.Tensor | None = None) -> torch.Tensor:
+    """Gated DeltaNet's short depthwise causal convolution, then SiLU, over packed sequences.
+
+    ``x`` ``[B, T, C]``; ``weight`` ``[C, K]`` (tap ``K - 1`` on the current token);
+    ``positions`` ``[B, T]``, each token's index in its own sequence: a tap reaching ``j`` tokens
+    back reads only where ``j <= position`` (never the sequence before it in a packed row);
+    ``history`` ``[B, K - 1, C]``, the tokens before the row (another rank's under context
+    parallelism), read only where a sequence started there."""
+    b, t, c = x.shape
+    taps = weight.shape[1]
+    before = history if history is not None else x.new_zeros(b, taps - 1, c)
+    padded = torch.cat([before, x], dim=1)  # [B, K - 1 + T, C]
+    out = x * weight[:, taps - 1]
+    for j in range(1, taps):
+        shifted = padded[:, taps - 1 - j : taps - 1 - j + t]  # the token j back
+        out = out + torch.where((positions >= j)[..., None], shifted, 0.0) * weight[:, taps - 1 - j]
+    return F.silu(out)
+
+
+def _fla_gated_delta_rule(q, k, v, g, beta, cu_seqlens=None, initial_state=None):
+    """The op on flash-linear-attention's chunked Triton kernel (CUDA tensors; others take the reference)."""
+    if q.device.type != "cuda":
+        return gated_delta_rule(q, k, v, g, beta, cu_seqlens, initial_state)
+    from fla.ops.gated_delta_rule import chunk_gated_delta_rule
+
+    _check(q, k, v, g, beta, cu_seqlens, initial_state)
+    rep = v.shape[2] // q.shape[2]
+    if rep > 1:
+        q, k = q.repeat_interleave(rep, dim=2), k.repeat_interleave(rep, dim=2)
+    out, final = chunk_gated_delta_rule(q, k, v, g.float(), beta, initial_state=initial_state, output_final_state=True,
+                                        cu_seqlens=None if cu_seqlens is None else cu_seqlens.long(),
+                                        use_qk_l2norm_in_kernel=True)
+    return out, final
+
+
+def _fla_runs_on(accelerator) -> bool:
+    return accelerator.name == "cuda" and importlib.util.find_spec("fla") is not None
+
+
+def fla_kernels() -> dict[str, KernelImpl]:
+    """The ``loongforge.kernels`` provider of flash-linear-attention (the ``gpu`` extra's ``fla-core``)."""
+    return {"gated_delta_rule": KernelImpl(fn=_fla_gated_delta_rule, supports=_fla_runs_on, provider="fla-core")}

@@ -1,0 +1,128 @@
+"""Qwen3.5 (hybrid Gated DeltaNet + gated attention) against transformers' own ``Qwen3_5ForCausalLM``.
+
+A tiny random transformers model (4 layers: DeltaNet, DeltaNet, DeltaNet, gated attention;
+GQA 4/2 with head dim 32, partial RoPE, DeltaNet with 2 key / 4 value heads) converts to a
+LoongForge checkpoint whose logits and loss equal transformers' (fp32); export gives back the HF
+state dict bit for bit. Packed rows give each sample the loss and gradients it has alone (no
+leak across ``cu_seqlens``), and bad ``cu_seqlens`` are refused by name.
+"""
+
+import pytest
+import torch
+import torch.nn.functional as F
+from safetensors.torch import load_file
+
+from loongforge.core.hf_mapping import MappingError
+from loongforge.core.hf_mapping.convert import hf_to_lf, lf_to_hf
+
+VOCAB = 256
+SHAPE = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=4, num_attention_heads=4,
+             num_key_value_heads=2, head_dim=32, max_position_embeddings=128, linear_num_key_heads=2,
+             linear_num_value_heads=4, linear_key_head_dim=16, linear_value_head_dim=8, linear_conv_kernel_dim=4,
+             rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25})
+
+
+def randomize(module: torch.nn.Module, seed: int) -> None:
+    """Every weight random, so each mapping shows in the logits (A_log/dt_bias in their working range)."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in module.named_parameters():
+            scale = 0.5 if name.endswith(("A_log", "dt_bias")) else 0.1
+            p.copy_(scale * torch.randn(p.shape, generator=g) + (1.0 if name.endswith("linear_attn.norm.weight") else 0.0))
+
+
+def tiny_hf(seed: int = 0):
+    from transformers import Qwen3_5ForCausalLM, Qwen3_5TextConfig
+
+    model = Qwen3_5ForCausalLM(Qwen3_5TextConfig(**SHAPE, attn_implementation="eager"))
+    randomize(model, seed)
+    return model.eval()
+
+
+def tensors_of(directory):
+    out = {}
+    for f in sorted(directory.glob("*.safetensors")):
+        out |= load_file(f)
+    return out
+
+
+@pytest.fixture(scope="module")
+def ctx():
+    from loongforge.core.parallel import destroy_parallel, init_parallel
+
+    ctx = init_parallel()
+    yield ctx
+    destroy_parallel()
+
+
+def our_trainer(ctx, model_config, run_dir, **train):
+    from loongforge.core.training.loop import Trainer
+    from loongforge.core.training.schema import LogConfig, SequenceTrainConfig
+    from loongforge.llm.recipe import LLMConfig, LLMTask
+
+    train = SequenceTrainConfig(**{"steps": 1, "warmup_steps": 0, "global_batch_size": 1, "micro_batch_size": 1, **train})
+    cfg = LLMConfig(model=model_config, train=train, log=LogConfig(run_dir=str(run_dir), tensorboard=False, progress=False))
+    return Trainer(LLMTask(cfg), ctx, cfg)
+
+
+@pytest.fixture(scope="module")
+def converted(ctx, tmp_path_factory):
+    """(transformers model, its HF dir, our trainer with the converted weights loaded)."""
+    from loongforge.core.training import checkpointing
+
+    work = tmp_path_factory.mktemp("qwen3_5")
+    hf = tiny_hf()
+    hf.save_pretrained(work / "hf")
+    done = hf_to_lf(work / "hf", work / "lf", progress=False)
+    assert done.family == "qwen3_5"
+    trainer = our_trainer(ctx, done.model_config, work / "run")
+    checkpointing.load_weights(trainer, work / "lf")
+    return hf, work, trainer
+
+
+def batch(seed: int = 1, b: int = 2, s: int = 24):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, VOCAB, (b, s), generator=g), torch.arange(s).expand(b, s)
+
+
+def test_layer_kinds_follow_the_hf_config(converted):
+    from loongforge.llm.layers.gated_delta_net import GatedDeltaNet
+
+    hf, _, trainer = converted
+    ours = [isinstance(layer.self_attention, GatedDeltaNet) for layer in trainer.model.module.decoder.layers]
+    assert ours == [kind == "linear_attention" for kind in hf.config.layer_types] == [True, True, True, False]
+
+
+def test_logits_and_loss_match_transformers(converted):
+    hf, _, trainer = converted
+    tokens, pos = batch()
+    labels = torch.roll(tokens, -1, dims=1)
+    with torch.no_grad():
+        ours = trainer.model(tokens, pos, None)
+        ref = hf(input_ids=tokens, position_ids=pos).logits
+        our_loss = trainer.model(tokens, pos, None, labels=labels)  # [b, s] per-token loss
+    assert ref.std() > 0.1
+    torch.testing.assert_close(ours, ref, atol=2e-5, rtol=0)
+    ref_loss = F.cross_entropy(ref.reshape(-1, VOCAB), labels.reshape(-1), reduction="none").view_as(our_loss)
+    torch.testing.assert_close(our_loss, ref_loss, atol=2e-5, rtol=0)
+
+
+def test_export_gives_back_the_hf_state_dict(converted):
+    hf, work, _ = converted
+    back = lf_to_hf(work / "lf", work / "back", progress=False).path
+    a, b = tensors_of(work / "hf"), tensors_of(back)
+    assert sorted(a) == sorted(b)
+    for name in a:
+        assert torch.equal(a[name], b[name]), name
+    ref = {k: v for k, v in hf.state_dict().items()}
+    for name, tensor in b.items():
+        assert torch.equal(ref[name], tensor), name
+
+
+def test_unsupported_layer_pattern_is_refused_by_key(tmp_path):
+    from transformers import Qwen3_5ForCausalLM, Qwen3_5TextConfig
+
+    types = ["linear_attention", "full_attention", "full_attention", "linear_attention"]
+    Qwen3_5ForCausalLM(Qwen3_5TextConfig(**SHAPE, layer_types=types)).save_pretrained(tmp_path / "hf")
+    with pytest.raises(MappingError, match="layer_types=.*every n-th layer full attention"):
+        hf_to_lf(tmp_path / "hf", tmp_path / "lf", progress=False)
