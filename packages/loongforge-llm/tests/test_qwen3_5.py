@@ -126,3 +126,61 @@ def test_unsupported_layer_pattern_is_refused_by_key(tmp_path):
     Qwen3_5ForCausalLM(Qwen3_5TextConfig(**SHAPE, layer_types=types)).save_pretrained(tmp_path / "hf")
     with pytest.raises(MappingError, match="layer_types=.*every n-th layer full attention"):
         hf_to_lf(tmp_path / "hf", tmp_path / "lf", progress=False)
+
+
+def _packed(cu: list[int]):
+    from megatron.core.packed_seq_params import PackedSeqParams
+
+    bounds = torch.tensor(cu, dtype=torch.int32)
+    longest = max(e - s for s, e in zip(cu, cu[1:]))
+    return PackedSeqParams(qkv_format="thd", cu_seqlens_q=bounds, cu_seqlens_kv=bounds, max_seqlen_q=longest,
+                           max_seqlen_kv=longest)
+
+
+def _grads(model) -> dict[str, torch.Tensor]:
+    return {n: p.main_grad.detach().clone() for n, p in model.named_parameters()}
+
+
+def test_packed_samples_do_not_leak(converted):
+    """Two samples packed in one row (``cu_seqlens``) give each the per-token loss and the gradients
+    it gives alone: the DeltaNet state and convolution restart at the bound, attention stays inside."""
+    _, _, trainer = converted
+    model = trainer.model
+    lengths = (10, 14)
+    tokens, _ = batch(seed=3, b=1, s=sum(lengths))
+    labels = torch.roll(tokens, -1, dims=1)
+    samples = [(tokens[:, :10], labels[:, :10]), (tokens[:, 10:], labels[:, 10:])]
+    pos = torch.cat([torch.arange(n) for n in lengths])[None]
+
+    alone_loss, alone_grads = [], []
+    for t, y in samples:
+        model.zero_grad_buffer()
+        loss = model(t, torch.arange(t.shape[1])[None], None, labels=y)
+        loss.sum().backward()
+        alone_loss.append(loss.detach())
+        alone_grads.append(_grads(model))
+
+    for which in range(2):  # each sample's loss in the packed row: its gradients alone
+        model.zero_grad_buffer()
+        loss = model(tokens, pos, None, labels=labels, packed_seq_params=_packed([0, 10, 24]))
+        torch.testing.assert_close(loss.detach(), torch.cat(alone_loss, dim=1), atol=2e-5, rtol=0)
+        (loss[:, :10] if which == 0 else loss[:, 10:]).sum().backward()
+        got = _grads(model)
+        assert any(g.abs().max() > 0 for g in got.values())
+        for name, g in got.items():
+            torch.testing.assert_close(g, alone_grads[which][name], atol=2e-5, rtol=1e-4, msg=name)
+
+
+@pytest.mark.parametrize("cu", [[0, 10, 30], [0, 14, 10, 24], [3, 24], [0]])
+def test_invalid_cu_seqlens_are_refused_by_name(converted, cu):
+    _, _, trainer = converted
+    tokens, _ = batch(seed=3, b=1, s=24)
+    with pytest.raises(ValueError, match=r"cu_seqlens_q=\[.*must rise from 0 to the packed row's 24 tokens"):
+        trainer.model(tokens, torch.arange(24)[None], None, packed_seq_params=_packed_raw(cu))
+
+
+def _packed_raw(cu):
+    from megatron.core.packed_seq_params import PackedSeqParams
+
+    bounds = torch.tensor(cu, dtype=torch.int32)
+    return PackedSeqParams(qkv_format="thd", cu_seqlens_q=bounds, cu_seqlens_kv=bounds, max_seqlen_q=24, max_seqlen_kv=24)
