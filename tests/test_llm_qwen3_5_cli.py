@@ -1,0 +1,20 @@
+"""`lf-llm train --config train_qwen3_5_debug`: the hybrid Qwen3.5 debug model trains on the bundled
+corpus on CPU (the DeltaNet's torch reference), its loss falls and it checkpoints."""
+
+import json
+
+import pytest
+from cli_runner import run_cli
+
+
+@pytest.mark.long  # about a minute on two shared CPU cores: the DeltaNet reference steps token by token
+def test_qwen3_5_debug_trains(tmp_path, llm_data_cache):
+    proc = run_cli(["lf-llm", "train", "--config", "train_qwen3_5_debug", "train.steps=8", "train.global_batch_size=4",
+                    "train.micro_batch_size=4", "train.warmup_steps=2", f"log.run_dir={tmp_path}",
+                    f"data.cache_dir={llm_data_cache}", "log.interval=1", "log.tensorboard=false"])
+    assert proc.returncode == 0, proc.stderr[-5000:]
+    assert "qwen3_5 on cpu" in proc.stdout + proc.stderr
+    records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == list(range(1, 9))
+    assert records[-1]["loss"] < records[0]["loss"] - 0.5
+    assert (tmp_path / "checkpoints" / "latest").read_text().strip() == "step_00000008"
