@@ -3,7 +3,8 @@
 A tiny random transformers model (4 layers: DeltaNet, DeltaNet, DeltaNet, gated attention;
 GQA 4/2 with head dim 32, partial RoPE, DeltaNet with 2 key / 4 value heads) converts to a
 LoongForge checkpoint whose logits and loss equal transformers' (fp32); export gives back the HF
-state dict bit for bit. Packed rows give each sample the loss and gradients it has alone (no
+state dict bit for bit; the same for Qwen3.5-MoE (``Qwen3_5MoeForCausalLM``: 4 experts, top-2, a gated shared
+expert). Packed rows give each sample the loss and gradients it has alone (no
 leak across ``cu_seqlens``), and bad ``cu_seqlens`` are refused by name.
 """
 
@@ -184,3 +185,33 @@ def _packed_raw(cu):
 
     bounds = torch.tensor(cu, dtype=torch.int32)
     return PackedSeqParams(qkv_format="thd", cu_seqlens_q=bounds, cu_seqlens_kv=bounds, max_seqlen_q=24, max_seqlen_kv=24)
+
+
+MOE = dict(SHAPE, moe_intermediate_size=32, shared_expert_intermediate_size=48, num_experts=4, num_experts_per_tok=2)
+
+
+def test_moe_import_matches_transformers_and_exports_back(ctx, tmp_path):
+    from transformers import Qwen3_5MoeForCausalLM, Qwen3_5MoeTextConfig
+
+    from loongforge.core.training import checkpointing
+
+    hf = Qwen3_5MoeForCausalLM(Qwen3_5MoeTextConfig(**MOE, attn_implementation="eager"))
+    randomize(hf, seed=0)
+    hf.eval().save_pretrained(tmp_path / "hf")
+    done = hf_to_lf(tmp_path / "hf", tmp_path / "lf", progress=False)
+    assert done.family == "qwen3_5_moe"
+    assert done.model_config.moe_shared_expert_ffn_hidden_size == 48 and done.model_config.moe_shared_expert_gate
+    trainer = our_trainer(ctx, done.model_config, tmp_path / "run")
+    checkpointing.load_weights(trainer, tmp_path / "lf")
+    tokens, pos = batch(seed=4)
+    with torch.no_grad():
+        ours = trainer.model(tokens, pos, None)
+        ref = hf(input_ids=tokens, position_ids=pos).logits
+    assert ref.std() > 0.1 and ours.shape[-1] == VOCAB
+    torch.testing.assert_close(ours, ref, atol=2e-5, rtol=0)
+
+    back = lf_to_hf(tmp_path / "lf", tmp_path / "back", progress=False).path
+    a, b = tensors_of(tmp_path / "hf"), tensors_of(back)
+    assert sorted(a) == sorted(b)
+    for name in a:
+        assert torch.equal(a[name], b[name]), name

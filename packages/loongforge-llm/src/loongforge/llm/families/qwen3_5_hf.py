@@ -204,3 +204,55 @@ def qwen3_5_to_hf(cfg: Qwen35Config) -> dict:
 QWEN3_5_HF = HFAdapter(architectures=("Qwen3_5ForCausalLM",), mapping=QWEN3_5_MAPPING, config_from_hf=qwen3_5_from_hf,
                        config_to_hf=qwen3_5_to_hf)
 
+
+
+def _moe_rules() -> tuple[Rule, ...]:
+    from loongforge.llm.families.moe_hf import gate_up, moe_rules
+
+    shared = LAYER + "mlp.shared_expert."
+    return (*moe_rules(router_bias=False),
+            gate_up(shared, OURS + "mlp.shared_experts.linear_fc1.weight"),
+            Rule(shared + "down_proj.weight", OURS + "mlp.shared_experts.linear_fc2.weight"),
+            Rule(LAYER + "mlp.shared_expert_gate.weight", OURS + "mlp.shared_experts.gate_weight"))
+
+
+def _moe_mapping() -> HybridLayerMapping:
+    from loongforge.llm.families.moe_hf import EXPERT_AXIS
+
+    return hybrid_mapping(_moe_rules(), {"layer": "num_layers", "expert": "num_experts"}, stacked=(EXPERT_AXIS,))
+
+
+QWEN3_5_MOE_MAPPING = _moe_mapping()
+
+
+def qwen3_5_moe_from_hf(raw: dict) -> Qwen35MoEConfig:
+    """Every layer's MLP is the sparse block: softmax top-k over the routed experts (renormalised),
+    plus one shared expert scaled by a sigmoid gate."""
+    source = "config.json of Qwen3_5MoeForCausalLM"
+    hf = text_config("Qwen3_5MoeTextConfig", raw)
+    shared = hf.shared_expert_intermediate_size or 0
+    return Qwen35MoEConfig(
+        **common_fields(hf, source, "qwen3_5_moe"), ffn_hidden_size=hf.moe_intermediate_size,
+        num_experts=hf.num_experts, moe_ffn_hidden_size=hf.moe_intermediate_size, moe_router_topk=hf.num_experts_per_tok,
+        moe_router_norm_topk_prob=True, moe_shared_expert_ffn_hidden_size=shared, moe_shared_expert_gate=bool(shared),
+        moe_aux_loss_coeff=float(getattr(hf, "router_aux_loss_coef", 1e-3)),
+    )
+
+
+def qwen3_5_moe_to_hf(cfg: Qwen35MoEConfig) -> dict:
+    import transformers
+
+    if cfg.moe_router_score_function != "softmax" or not cfg.moe_router_norm_topk_prob or cfg.first_k_dense \
+            or cfg.moe_router_num_groups or cfg.moe_router_topk_scaling_factor != 1.0 \
+            or cfg.moe_shared_expert_gate != bool(cfg.moe_shared_expert_ffn_hidden_size):
+        raise MappingError("model: Qwen3_5MoeForCausalLM has renormalised softmax top-k routing in every layer, "
+                           "without groups or scaling, and a gated shared expert; this config differs")
+    hf = transformers.Qwen3_5MoeTextConfig(
+        **common_hf_kwargs(cfg, "Qwen3_5MoeForCausalLM"), moe_intermediate_size=cfg.moe_ffn_hidden_size,
+        shared_expert_intermediate_size=cfg.moe_shared_expert_ffn_hidden_size, num_experts=cfg.num_experts,
+        num_experts_per_tok=cfg.moe_router_topk, router_aux_loss_coef=cfg.moe_aux_loss_coeff)
+    return hf.to_dict()
+
+
+QWEN3_5_MOE_HF = HFAdapter(architectures=("Qwen3_5MoeForCausalLM",), mapping=QWEN3_5_MOE_MAPPING,
+                           config_from_hf=qwen3_5_moe_from_hf, config_to_hf=qwen3_5_moe_to_hf)
