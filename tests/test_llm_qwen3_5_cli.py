@@ -18,3 +18,16 @@ def test_qwen3_5_debug_trains(tmp_path, llm_data_cache):
     assert [r["step"] for r in records] == list(range(1, 9))
     assert records[-1]["loss"] < records[0]["loss"] - 0.5
     assert (tmp_path / "checkpoints" / "latest").read_text().strip() == "step_00000008"
+
+
+@pytest.mark.parametrize("cp", [2])
+def test_delta_net_context_parallel_equals_one_process(cp):
+    """A Gated DeltaNet layer under CP (gloo, sequential state passing) gives each rank the output
+    rows, input gradients and (summed) parameter gradients of the whole sequence run in one process."""
+    from pathlib import Path
+
+    from cli_runner import run_script
+
+    proc = run_script(Path(__file__).parent / "gdn_cp_probe.py", [str(cp)], nproc=cp)
+    assert proc.returncode == 0, proc.stderr[-5000:]
+    assert proc.stdout.count("ok") == cp
