@@ -215,3 +215,21 @@ def test_moe_import_matches_transformers_and_exports_back(ctx, tmp_path):
     assert sorted(a) == sorted(b)
     for name in a:
         assert torch.equal(a[name], b[name]), name
+
+
+@pytest.mark.parametrize("family", ["qwen3_5", "qwen3_5_moe"])
+def test_meta_build_matches_analytic_counts(family):
+    """The debug flavours built on the meta device have the parameters ``parameter_counts`` gives
+    (what ``lf-llm info`` and the MFU's FLOPs use)."""
+    from loongforge.core.models import get_model_spec
+    from loongforge.llm.families.gpt import MODEL_CONFIG_DIR
+    from loongforge.core.config import load_config
+    from loongforge.llm.sizing import meta_parameters
+
+    spec = get_model_spec(family)
+    cfg = load_config(spec.config_class, spec.flavour("debug"), config_dirs=[MODEL_CONFIG_DIR])
+    params = meta_parameters(cfg)
+    counts = cfg.parameter_counts()
+    assert sum(p.numel for p in params) == sum(counts.values())
+    assert sum(p.numel for p in params if p.part == "embedding") == counts["embedding"]
+    assert cfg.flops_per_token(128) > 6 * sum(counts.values()) - 6 * counts["embedding"] - 6 * counts.get("experts", 0)

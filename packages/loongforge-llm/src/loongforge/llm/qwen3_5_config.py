@@ -119,5 +119,14 @@ class Qwen35MoEConfig(LinearAttentionFields, MoEConfig):
         return {**super().transformer_config_kwargs(), **self._gated_attention_kwargs(),
                 "moe_shared_expert_gate": self.moe_shared_expert_gate and bool(self.moe_shared_expert_ffn_hidden_size)}
 
-    def _attention_parameters(self) -> int:
-        return self._mixer_parameters() // self.num_layers  # the mean over layers (parameter_counts multiplies back)
+    def parameter_counts(self) -> dict[str, int]:
+        """``MoEConfig``'s parts, the token mixers Qwen3.5's and the shared expert's gate (one
+        weight row per MoE layer) in ``layers``."""
+        counts = super().parameter_counts()
+        gate = self.hidden_size * (self.num_layers - self.first_k_dense) if self.moe_shared_expert_gate \
+            and self.moe_shared_expert_ffn_hidden_size else 0
+        counts["layers"] += self._mixer_parameters() - self.num_layers * self._attention_parameters() + gate
+        return counts
+
+    def _attention_score_flops(self, seq_length: int) -> float:
+        return self._mixer_flops_per_token(seq_length)
