@@ -22,17 +22,14 @@ flash-linear-attention's ``chunk_gated_delta_rule`` takes and returns them (its
 
 This module is the op's contract (a ``loongforge.ops`` entry point of loongforge-llm) and its
 torch reference: a token loop in fp32, every sequence of a packed row stepped together. On CUDA,
-``fla_kernels`` (a ``loongforge.kernels`` provider) gives the registry fla's chunked Triton kernel.
+loongforge-kernels gives the registry flash-linear-attention's chunked Triton kernel (``fla-core``,
+in loongforge-llm's ``gpu`` extra).
 """
 
 from __future__ import annotations
 
-import importlib.util
-
 import torch
 import torch.nn.functional as F
-
-from loongforge.core.kernels import KernelImpl
 
 
 def _l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
@@ -126,27 +123,3 @@ def short_causal_conv(x: torch.Tensor, weight: torch.Tensor, positions: torch.Te
         out = out + torch.where((positions >= j)[..., None], shifted, 0.0) * weight[:, taps - 1 - j]
     return F.silu(out)
 
-
-def _fla_gated_delta_rule(q, k, v, g, beta, cu_seqlens=None, initial_state=None):
-    """The op on flash-linear-attention's chunked Triton kernel (CUDA tensors; others take the reference)."""
-    if q.device.type != "cuda":
-        return gated_delta_rule(q, k, v, g, beta, cu_seqlens, initial_state)
-    from fla.ops.gated_delta_rule import chunk_gated_delta_rule
-
-    _check(q, k, v, g, beta, cu_seqlens, initial_state)
-    rep = v.shape[2] // q.shape[2]
-    if rep > 1:
-        q, k = q.repeat_interleave(rep, dim=2), k.repeat_interleave(rep, dim=2)
-    out, final = chunk_gated_delta_rule(q, k, v, g.float(), beta, initial_state=initial_state, output_final_state=True,
-                                        cu_seqlens=None if cu_seqlens is None else cu_seqlens.long(),
-                                        use_qk_l2norm_in_kernel=True)
-    return out, final
-
-
-def _fla_runs_on(accelerator) -> bool:
-    return accelerator.name == "cuda" and importlib.util.find_spec("fla") is not None
-
-
-def fla_kernels() -> dict[str, KernelImpl]:
-    """The ``loongforge.kernels`` provider of flash-linear-attention (the ``gpu`` extra's ``fla-core``)."""
-    return {"gated_delta_rule": KernelImpl(fn=_fla_gated_delta_rule, supports=_fla_runs_on, provider="fla-core")}
