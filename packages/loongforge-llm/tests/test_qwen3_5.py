@@ -169,7 +169,8 @@ def test_packed_samples_do_not_leak(converted):
         got = _grads(model)
         assert any(g.abs().max() > 0 for g in got.values())
         for name, g in got.items():
-            torch.testing.assert_close(g, alone_grads[which][name], atol=2e-5, rtol=1e-4, msg=name)
+            torch.testing.assert_close(g, alone_grads[which][name], atol=1e-4, rtol=1e-3,
+                                       msg=lambda m, name=name: f"{name}: {m}")
 
 
 @pytest.mark.parametrize("cu", [[0, 10, 30], [0, 14, 10, 24], [3, 24], [0]])
@@ -233,3 +234,39 @@ def test_meta_build_matches_analytic_counts(family):
     assert sum(p.numel for p in params) == sum(counts.values())
     assert sum(p.numel for p in params if p.part == "embedding") == counts["embedding"]
     assert cfg.flops_per_token(128) > 6 * sum(counts.values()) - 6 * counts["embedding"] - 6 * counts.get("experts", 0)
+
+
+def test_gated_delta_rule_matches_transformers_recurrence():
+    """The op's chunked reference against transformers' token-by-token recurrence
+    (``torch_recurrent_gated_delta_rule``), per packed sequence (the state restarting at each bound,
+    from its own initial state), outputs, final states and gradients; 150 tokens span 3 chunks."""
+    from transformers.models.qwen3_5.modeling_qwen3_5 import torch_recurrent_gated_delta_rule
+
+    from loongforge.llm.ops.gated_delta_rule import gated_delta_rule
+
+    g_ = torch.Generator().manual_seed(5)
+    bounds = [0, 70, 71, 150]
+    t, hk, hv, dk, dv = 150, 2, 4, 8, 6
+    leaves = [torch.randn(1, t, hk, dk, generator=g_), torch.randn(1, t, hk, dk, generator=g_),
+              torch.randn(1, t, hv, dv, generator=g_), -torch.rand(1, t, hv, generator=g_),
+              torch.rand(1, t, hv, generator=g_), torch.randn(3, hv, dk, dv, generator=g_)]
+    leaves = [x.requires_grad_() for x in leaves]
+    q, k, v, g, beta, h0 = leaves
+    out, final = gated_delta_rule(q, k, v, g, beta, torch.tensor(bounds), h0)
+    (out.square().sum() + final.square().sum()).backward()
+    ours = [x.grad.clone() for x in leaves]
+    for x in leaves:
+        x.grad = None
+    refs, finals = [], []
+    for i, (s, e) in enumerate(zip(bounds, bounds[1:])):
+        o, f = torch_recurrent_gated_delta_rule(q[:, s:e], k[:, s:e], v[:, s:e], g[:, s:e], beta[:, s:e],
+                                                initial_state=h0[i : i + 1], output_final_state=True,
+                                                use_qk_l2norm_in_kernel=True)
+        refs.append(o)
+        finals.append(f)
+    ref, ref_final = torch.cat(refs, dim=1), torch.cat(finals)
+    (ref.square().sum() + ref_final.square().sum()).backward()
+    torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(final, ref_final, atol=1e-5, rtol=1e-5)
+    for name, mine, x in zip("q k v g beta h0".split(), ours, leaves):
+        torch.testing.assert_close(mine, x.grad, atol=1e-4, rtol=1e-4, msg=name)

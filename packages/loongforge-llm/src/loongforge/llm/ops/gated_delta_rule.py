@@ -21,7 +21,8 @@ flash-linear-attention's ``chunk_gated_delta_rule`` takes and returns them (its
 ``use_qk_l2norm_in_kernel=True`` form).
 
 This module is the op's contract (a ``loongforge.ops`` entry point of loongforge-llm) and its
-torch reference: a token loop in fp32, every sequence of a packed row stepped together. On CUDA,
+torch reference: fp32, in chunks of ``CHUNK`` tokens (the closed form of ``_chunk``), every
+sequence of a packed row stepped together. On CUDA,
 loongforge-kernels gives the registry flash-linear-attention's chunked Triton kernel (``fla-core``,
 in loongforge-llm's ``gpu`` extra).
 """
@@ -58,6 +59,32 @@ def _check(q, k, v, g, beta, cu_seqlens, initial_state) -> int:
     return n
 
 
+CHUNK = 64  # tokens per step of the reference's chunked form
+
+
+def _chunk(q, k, v, g, beta, state):
+    """One chunk of the rule in closed form: ``(out [N, C, H, Dv], state after it)``.
+
+    With ``c_t`` the decay's running sum over the chunk and ``u_t = beta_t (v_t - k_t^T S_{t-1}')``
+    (``S'`` decayed to step t) the value each token writes, the state after token ``t`` is
+    ``exp(c_t) S_0 + sum_{i<=t} exp(c_t - c_i) k_i u_i^T``, so ``(I + A) U = beta V - beta exp(c) K S_0``
+    with ``A[t, i] = beta_t exp(c_t - c_i) k_t . k_i`` (i < t): one triangular solve per chunk."""
+    q, k, v, g, beta = (x.transpose(1, 2) for x in (q, k, v, g, beta))  # [N, H, C, ...]
+    c = g.cumsum(-1)
+    size = c.shape[-1]
+    lower = torch.ones(size, size, dtype=torch.bool, device=q.device).tril()
+    decay = torch.where(lower, c[..., :, None] - c[..., None, :], float("-inf")).exp()  # exp(c_t - c_i), i <= t
+    strict = decay.masked_fill(torch.eye(size, dtype=torch.bool, device=q.device), 0.0)
+    a = beta[..., None] * strict * (k @ k.transpose(-1, -2))
+    rhs = beta[..., None] * (v - c.exp()[..., None] * (k @ state))
+    eye = torch.eye(size, dtype=q.dtype, device=q.device)
+    u = torch.linalg.solve_triangular(eye + a, rhs, upper=False, unitriangular=True)
+    out = c.exp()[..., None] * (q @ state) + (decay * (q @ k.transpose(-1, -2))) @ u
+    last = c[..., -1:]
+    state = last.exp()[..., None] * state + (k * (last - c).exp()[..., None]).transpose(-1, -2) @ u
+    return out.transpose(1, 2), state
+
+
 def gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
                      cu_seqlens: torch.Tensor | None = None, initial_state: torch.Tensor | None = None
                      ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -87,18 +114,11 @@ def gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch
         steps = t
     state = initial_state.float() if initial_state is not None else q.new_zeros(n, hv, dk, dv)
     outs = []
-    for i in range(steps):  # padded steps past a sequence's end are dropped below (and never read back)
-        q_i, k_i, v_i = q[:, i], k[:, i], v[:, i]  # [N, Hv, D]
-        state = state * g[:, i].exp()[..., None, None]
-        remembered = torch.einsum("nhk,nhkv->nhv", k_i, state)
-        delta = (v_i - remembered) * beta[:, i, :, None]
-        new_state = state + k_i[..., None] * delta[..., None, :]
-        if cu_seqlens is not None:  # a finished sequence keeps its last state
-            live = (torch.tensor(lengths, device=q.device) > i)[:, None, None, None]
-            new_state = torch.where(live, new_state, state)
-        state = new_state
-        outs.append(torch.einsum("nhk,nhkv->nhv", q_i, state))
-    out = torch.stack(outs, dim=1) if outs else v.new_zeros(n, 0, hv, dv)
+    for start in range(0, steps, CHUNK):  # padding past a sequence's end has g = beta = 0: it leaves the state be
+        part = slice(start, min(start + CHUNK, steps))
+        out_c, state = _chunk(q[:, part], k[:, part], v[:, part], g[:, part], beta[:, part], state)
+        outs.append(out_c)
+    out = torch.cat(outs, dim=1) if outs else v.new_zeros(n, 0, hv, dv)
     if cu_seqlens is not None:
         out = out[rows, cols][None]
     return out.to(dtype), state
