@@ -16,9 +16,10 @@ convolution reads no token of an earlier sequence and the delta rule's state res
 to it). Bounds that do not rise from 0 to the row's length are refused by name.
 
 Under context parallelism each rank holds megatron's load-balanced share of every sequence: chunks
-``r`` and ``2 cp - 1 - r`` of ``2 cp``. ``context_parallel_delta_net`` runs them in sequence order,
-each chunk starting from the state (and the convolution's last inputs) of the chunk before it,
-handed over from the rank that ran it. Tensor parallelism is not supported (refused when built).
+``r`` and ``2 cp - 1 - r`` of ``2 cp`` (of every packed sequence, for a packed row).
+``context_parallel_delta_net`` runs them in sequence order, each chunk starting from the state (and
+the convolution's last inputs) of the chunk before it, handed over from the rank that ran it.
+Tensor parallelism is not supported (refused when built).
 """
 
 from __future__ import annotations
@@ -126,17 +127,25 @@ class GatedDeltaNet(MegatronModule):
         """``(o [b, s, Hv, Dv], final_state)`` of the convolution and the delta rule over tokens at
         ``positions`` within their sequences, after ``history`` (the convolution's inputs just
         before) and ``initial_state`` (the rule's state, one per sequence)."""
-        qkv = features["qkv"]
-        b, s, _ = qkv.shape
+        return self.rule(self.conv(features["qkv"], positions, history), features["g"], features["beta"], cu_seqlens,
+                         initial_state)
+
+    def conv(self, qkv: torch.Tensor, positions: torch.Tensor, history: torch.Tensor | None) -> torch.Tensor:
+        """The short causal convolution and SiLU over ``qkv`` ``[b, s, C]`` (``short_causal_conv``)."""
         from loongforge.llm.ops.gated_delta_rule import short_causal_conv
 
-        mixed = short_causal_conv(qkv, self.conv1d.weight[:, 0], positions, history)
+        return short_causal_conv(qkv, self.conv1d.weight[:, 0], positions, history)
+
+    def rule(self, mixed: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, cu_seqlens: torch.Tensor | None,
+             initial_state: torch.Tensor | None):
+        """The registry's ``gated_delta_rule`` on the convolved ``mixed`` ``[b, s, C]`` split into heads."""
+        b, s, _ = mixed.shape
         qk = self.num_key_heads * self.key_head_dim
         q, k, v = mixed.split([qk, qk, mixed.shape[-1] - 2 * qk], dim=-1)
         q = q.reshape(b, s, self.num_key_heads, self.key_head_dim)
         k = k.reshape(b, s, self.num_key_heads, self.key_head_dim)
         v = v.reshape(b, s, self.num_value_heads, self.value_head_dim)
-        return self._rule(q, k, v, features["g"], features["beta"].to(v.dtype), cu_seqlens, initial_state)
+        return self._rule(q, k, v, g, beta.to(v.dtype), cu_seqlens, initial_state)
 
     def output(self, o: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
         """The gated RMSNorm per value head and the output projection: ``[b, s, h]``."""

@@ -1,5 +1,6 @@
-"""`lf-llm train --config train_qwen3_5_debug`: the hybrid Qwen3.5 debug model trains on the bundled
-corpus on CPU (the DeltaNet's torch reference), its loss falls and it checkpoints."""
+"""Qwen3.5 end to end: `lf-llm train --config train_qwen3_5_debug` (the hybrid debug model on the
+bundled corpus, on CPU: the DeltaNet's torch reference) learns and checkpoints; a Gated DeltaNet
+layer under context parallelism (processes on gloo) equals the same layer in one process."""
 
 import json
 
@@ -20,10 +21,13 @@ def test_qwen3_5_debug_trains(tmp_path, llm_data_cache):
     assert (tmp_path / "checkpoints" / "latest").read_text().strip() == "step_00000008"
 
 
-@pytest.mark.parametrize("cp", [2])
+@pytest.mark.slow
+@pytest.mark.parametrize("cp", [2, pytest.param(3, marks=pytest.mark.long)])
 def test_delta_net_context_parallel_equals_one_process(cp):
     """A Gated DeltaNet layer under CP (gloo, sequential state passing) gives each rank the output
-    rows, input gradients and (summed) parameter gradients of the whole sequence run in one process."""
+    rows, input gradients and (summed) parameter gradients of the whole sequences run in one
+    process, for dense rows and for a packed row (one sequence's chunks shorter than the
+    convolution's reach)."""
     from pathlib import Path
 
     from cli_runner import run_script
