@@ -62,8 +62,9 @@ class FuseGatedQKV(Transform):
         rest = qkv.shape[1:]
         q, gate, k, v = qkv.reshape(groups, (2 * per + 2) * d, *rest).split([per * d, per * d, d, d], dim=1)
         q_gate = torch.stack([q.reshape(groups, per, d, *rest), gate.reshape(groups, per, d, *rest)], dim=2)
-        return [q_gate.reshape(2 * heads * d, *rest).clone(), k.reshape(groups * d, *rest).clone(),
-                v.reshape(groups * d, *rest).clone()]
+        own = dict(memory_format=torch.contiguous_format)  # each its own storage (safetensors refuses shared memory)
+        return [q_gate.reshape(2 * heads * d, *rest).clone(**own), k.reshape(groups * d, *rest).clone(**own),
+                v.reshape(groups * d, *rest).clone(**own)]
 
 
 register_transform("fuse_gated_qkv", FuseGatedQKV())
@@ -127,10 +128,9 @@ QWEN3_5_MAPPING = hybrid_mapping(DENSE_MLP_RULES, {"layer": "num_layers"})
 
 
 def text_config(config_class: str, raw: dict):
-    """transformers' config of ``raw`` (defaults filled); a multimodal config's ``text_config``."""
+    """transformers' ``config_class`` of ``raw`` (defaults filled, RoPE settings normalised)."""
     import transformers
 
-    raw = raw.get("text_config", raw) if isinstance(raw.get("text_config"), dict) else raw
     return getattr(transformers, config_class).from_dict(raw)
 
 

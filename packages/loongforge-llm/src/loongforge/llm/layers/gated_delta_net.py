@@ -72,7 +72,8 @@ class GatedDeltaNet(MegatronModule):
         self.in_proj_a = linear(h, num_value_heads)
         self.conv1d = torch.nn.Conv1d(2 * qk + v, 2 * qk + v, conv_kernel, groups=2 * qk + v, bias=False, dtype=dtype)
         self.dt_bias = torch.nn.Parameter(torch.ones(num_value_heads, dtype=dtype))
-        self.A_log = torch.nn.Parameter(torch.empty(num_value_heads, dtype=dtype).uniform_(1, 16).log_())
+        # the decay rates exp(A_log) start in [0.01, 16], as Hugging Face initialises them
+        self.A_log = torch.nn.Parameter(torch.empty(num_value_heads, dtype=dtype).uniform_(0.01, 16).log_())
         self.norm = torch.nn.Module()
         self.norm.weight = torch.nn.Parameter(torch.ones(value_head_dim, dtype=dtype))
         self.out_proj = linear(v, h)
