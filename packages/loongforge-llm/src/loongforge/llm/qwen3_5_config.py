@@ -17,8 +17,8 @@ from loongforge.llm.moe_config import MoEConfig
 
 
 @dataclass
-class LinearAttentionFields:
-    """The Gated DeltaNet fields both Qwen3.5 configs share."""
+class LinearAttentionFields(GPTConfig):
+    """The Gated DeltaNet fields both Qwen3.5 configs share, on the GPT config they extend."""
 
     linear_num_key_heads: int = 2  # DeltaNet query/key heads
     linear_num_value_heads: int = 4  # DeltaNet value heads (a multiple of the key heads)
@@ -66,7 +66,7 @@ class LinearAttentionFields:
     def _mixer_flops_per_token(self, seq_length: int) -> float:
         """Training FLOPs per token beyond the matmul parameters: causal attention in the full
         layers, the state read and update (about 4 Dk x Dv per value head and token) in DeltaNet."""
-        full = sum(not self.is_linear_layer(i) for i in range(self.num_layers))
+        full = sum(1 for i in range(self.num_layers) if not self.is_linear_layer(i))
         linear = self.num_layers - full
         state = 4 * self.linear_num_value_heads * self.linear_key_head_dim * self.linear_value_head_dim
         return 6.0 * full * seq_length * self.num_attention_heads * self.head_dim + 3.0 * linear * state

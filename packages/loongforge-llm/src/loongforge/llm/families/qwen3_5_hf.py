@@ -14,7 +14,10 @@ key (attention biases, RoPE scaling, layer patterns other than every n-th layer 
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
+
 import torch
 
 from loongforge.core.hf_mapping import BoundMapping, HFAdapter, HFMapping, Ignore, MappingError, Rule
@@ -101,30 +104,30 @@ def _of_layers(bound: BoundMapping, keep) -> BoundMapping:
 
 
 @dataclass(frozen=True)
-class HybridLayerMapping:
-    """``common`` rules for every layer, ``full`` for the full-attention layers and ``linear`` for
-    the DeltaNet ones (``cfg.is_linear_layer``); each table is bound over all layers and the
-    other kind's layers dropped."""
+class HybridLayerAdapter(HFAdapter):
+    """The adapter of a hybrid family: ``mapping`` holds the rules of every layer, ``full`` those
+    of the full-attention layers and ``linear`` those of the DeltaNet ones
+    (``cfg.is_linear_layer``); each table is bound over all layers and the other kind's layers
+    dropped."""
 
-    common: HFMapping
     full: HFMapping
     linear: HFMapping
 
     def bind(self, cfg: LinearAttentionFields) -> BoundMapping:
-        bound = (self.common.bind(cfg) + _of_layers(self.full.bind(cfg), lambda i: not cfg.is_linear_layer(i))
+        bound = (self.mapping.bind(cfg) + _of_layers(self.full.bind(cfg), lambda i: not cfg.is_linear_layer(i))
                  + _of_layers(self.linear.bind(cfg), cfg.is_linear_layer))
         return BoundMapping(bound.conversions, bound.locations, bound.ignore + (MULTI_TOKEN_PREDICTION,))
 
 
-def hybrid_mapping(mlp_rules: tuple[Rule, ...], ranges: dict, stacked=()) -> HybridLayerMapping:
+def hybrid_adapter(architecture: str, mlp_rules: tuple[Rule, ...], ranges: dict, config_from_hf: Callable[[dict], Any],
+                   config_to_hf: Callable[[Any], dict], stacked=()) -> HybridLayerAdapter:
+    """The adapter of a Qwen3.5 family reading ``architecture``, its MLPs mapped by ``mlp_rules``."""
     def table(rules, **kw):
         return HFMapping(rules=rules, ranges=ranges, stacked=stacked, **kw)
 
-    return HybridLayerMapping(common=table(COMMON_RULES + mlp_rules, ignore=IGNORED), full=table(FULL_ATTENTION_RULES),
-                              linear=table(DELTA_NET_RULES))
-
-
-QWEN3_5_MAPPING = hybrid_mapping(DENSE_MLP_RULES, {"layer": "num_layers"})
+    return HybridLayerAdapter(architectures=(architecture,), mapping=table(COMMON_RULES + mlp_rules, ignore=IGNORED),
+                              full=table(FULL_ATTENTION_RULES), linear=table(DELTA_NET_RULES),
+                              config_from_hf=config_from_hf, config_to_hf=config_to_hf)
 
 
 def text_config(config_class: str, raw: dict):
@@ -201,9 +204,8 @@ def qwen3_5_to_hf(cfg: Qwen35Config) -> dict:
     return hf.to_dict()
 
 
-QWEN3_5_HF = HFAdapter(architectures=("Qwen3_5ForCausalLM",), mapping=QWEN3_5_MAPPING, config_from_hf=qwen3_5_from_hf,
-                       config_to_hf=qwen3_5_to_hf)
-
+QWEN3_5_HF = hybrid_adapter("Qwen3_5ForCausalLM", DENSE_MLP_RULES, {"layer": "num_layers"}, qwen3_5_from_hf,
+                            qwen3_5_to_hf)
 
 
 def _moe_rules() -> tuple[Rule, ...]:
@@ -214,15 +216,6 @@ def _moe_rules() -> tuple[Rule, ...]:
             gate_up(shared, OURS + "mlp.shared_experts.linear_fc1.weight"),
             Rule(shared + "down_proj.weight", OURS + "mlp.shared_experts.linear_fc2.weight"),
             Rule(LAYER + "mlp.shared_expert_gate.weight", OURS + "mlp.shared_experts.gate_weight"))
-
-
-def _moe_mapping() -> HybridLayerMapping:
-    from loongforge.llm.families.moe_hf import EXPERT_AXIS
-
-    return hybrid_mapping(_moe_rules(), {"layer": "num_layers", "expert": "num_experts"}, stacked=(EXPERT_AXIS,))
-
-
-QWEN3_5_MOE_MAPPING = _moe_mapping()
 
 
 def qwen3_5_moe_from_hf(raw: dict) -> Qwen35MoEConfig:
@@ -254,5 +247,11 @@ def qwen3_5_moe_to_hf(cfg: Qwen35MoEConfig) -> dict:
     return hf.to_dict()
 
 
-QWEN3_5_MOE_HF = HFAdapter(architectures=("Qwen3_5MoeForCausalLM",), mapping=QWEN3_5_MOE_MAPPING,
-                           config_from_hf=qwen3_5_moe_from_hf, config_to_hf=qwen3_5_moe_to_hf)
+def _moe_adapter() -> HybridLayerAdapter:
+    from loongforge.llm.families.moe_hf import EXPERT_AXIS
+
+    return hybrid_adapter("Qwen3_5MoeForCausalLM", _moe_rules(), {"layer": "num_layers", "expert": "num_experts"},
+                          qwen3_5_moe_from_hf, qwen3_5_moe_to_hf, stacked=(EXPERT_AXIS,))
+
+
+QWEN3_5_MOE_HF = _moe_adapter()

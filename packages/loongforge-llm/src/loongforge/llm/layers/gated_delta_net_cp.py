@@ -87,6 +87,7 @@ def _packed(layer, features: dict, n: list[int], cp: int, rank: int) -> torch.Te
         if chunk == 2 * cp - 1 or chunk_owner(chunk + 1, cp) == owner:
             continue  # the end, or the next chunk is the same rank's: nothing to hand over
         if owner == rank:
+            assert state is not None  # this rank ran chunk ``chunk`` just above
             made = torch.cat([state.reshape(-1), tail.float().reshape(-1)])
         elif carried is not None:
             made = carried
