@@ -2,7 +2,11 @@
 rows and packed SFT rows: the same losses, grad norms and first-step gradient of every parameter
 (``tests/llm_grad_probe.py``; ``assert_same_gradients`` for the gradients' tolerance). The Gated
 DeltaNet layers hand their recurrent state and convolution tail from rank to rank; the gated
-attention layers attend over the whole sequences (the fast layer's CP path)."""
+attention layers attend over the whole sequences (the fast layer's CP path).
+
+Each test is two training runs (one of them two processes), a minute or more alone: they are
+marked ``long``. The default run's CP check is the one-layer
+``tests/test_llm_qwen3_5.py::test_delta_net_context_parallel_equals_one_process[2]``."""
 
 import pytest
 import torch
@@ -22,6 +26,7 @@ def assert_same_gradients(got: dict, want: dict) -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.long  # ~65 s alone
 def test_qwen3_5_pretraining_cp2_matches_one_process(tmp_path_factory):
     cache, work = tmp_path_factory.mktemp("llm-data"), tmp_path_factory.mktemp("qwen3_5_cp")
     want = probe(work / "cp1" / "grads.pt", "train_qwen3_5_debug", PRETRAIN, cache)
@@ -33,6 +38,7 @@ def test_qwen3_5_pretraining_cp2_matches_one_process(tmp_path_factory):
 
 
 @pytest.mark.slow
+@pytest.mark.long  # ~70 s alone
 def test_qwen3_5_packed_sft_cp2_matches_one_process(tmp_path_factory):
     """Conversations of uneven lengths packed into rows (each padded to a multiple of 2*cp and split
     per sequence): the DeltaNet's state and tail hand-overs run per packed sequence."""
@@ -45,6 +51,7 @@ def test_qwen3_5_packed_sft_cp2_matches_one_process(tmp_path_factory):
 
 
 @pytest.mark.slow
+@pytest.mark.long  # ~110 s alone
 def test_qwen3_5_moe_pretraining_cp2_matches_one_process(tmp_path_factory):
     """The MoE family (megatron's MoE layers and attention) under CP: the same DeltaNet hand-overs."""
     cache, work = tmp_path_factory.mktemp("llm-data"), tmp_path_factory.mktemp("qwen3_5_moe_cp")
