@@ -8,7 +8,7 @@ import pytest
 from cli_runner import run_cli
 
 
-@pytest.mark.long  # about a minute on two shared CPU cores: the DeltaNet reference steps token by token
+@pytest.mark.slow  # one CLI run, ~15 s alone (the DeltaNet reference runs in chunks)
 def test_qwen3_5_debug_trains(tmp_path, llm_data_cache):
     proc = run_cli(["lf-llm", "train", "--config", "train_qwen3_5_debug", "train.steps=8", "train.global_batch_size=4",
                     "train.micro_batch_size=4", "train.warmup_steps=2", f"log.run_dir={tmp_path}",
