@@ -1,8 +1,10 @@
 """The ``loongforge.kernels`` entry point: which fused ops this wheel provides and where they run.
 
 The registry in ``loongforge.core.kernels`` calls :func:`fused_kernels` when it first looks for
-fused ops. The ops are those of any package (core's generic ones, loongforge-llm's DSA and
-blockwise FP8 ops, loongforge-diffusion's ``qk_norm_rope``): this wheel depends on core alone and
+fused ops. The ops are those of any package (core's generic ones, loongforge-llm's DSA,
+blockwise FP8 and gated delta rule ops, loongforge-diffusion's ``qk_norm_rope``; the gated delta
+rule is flash-linear-attention's kernel, ``fla-core``, which loongforge-llm's ``gpu`` extra
+installs): this wheel depends on core alone and
 names them; the registry refuses an implementation whose op no installed package defines. The op
 functions here import their Triton module on first call, so loading the provider on a machine
 that never runs them (CPU, a device without Triton) costs nothing, and it imports no package
@@ -222,6 +224,29 @@ def adamw_step(params, grads, exp_avgs, exp_avg_sqs, steps, lr: float, beta1: fl
     return get_op("adamw_step").reference(*args)
 
 
+def gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+                     cu_seqlens: torch.Tensor | None = None, initial_state: torch.Tensor | None = None):
+    """flash-linear-attention's chunked ``chunk_gated_delta_rule`` (``fla-core``, which
+    loongforge-llm's ``gpu`` extra installs) for CUDA tensors; the reference elsewhere (fla's
+    kernels are CUDA-only, also under Triton's interpreter)."""
+    reference = get_op("gated_delta_rule").reference
+    if q.device.type != "cuda":
+        return reference(q, k, v, g, beta, cu_seqlens, initial_state)
+    if importlib.util.find_spec("fla") is None:
+        raise RuntimeError("gated_delta_rule on CUDA needs fla-core (flash-linear-attention's kernels): "
+                           "pip install 'loongforge-llm[gpu]'")
+    from fla.ops.gated_delta_rule import chunk_gated_delta_rule
+
+    if v.shape[2] % q.shape[2]:
+        raise ValueError(f"gated_delta_rule: {v.shape[2]} value heads are not a multiple of {q.shape[2]} key heads")
+    rep = v.shape[2] // q.shape[2]
+    if rep > 1:  # each q/k head serves rep consecutive value heads
+        q, k = q.repeat_interleave(rep, dim=2), k.repeat_interleave(rep, dim=2)
+    return chunk_gated_delta_rule(q, k, v, g.float(), beta, initial_state=initial_state, output_final_state=True,
+                                  cu_seqlens=None if cu_seqlens is None else cu_seqlens.long(),
+                                  use_qk_l2norm_in_kernel=True)
+
+
 def supports_fp8(accelerator) -> bool:
     """Where Triton runs, except CUDA GPUs older than compute capability 8.9 (no FP8 tensor cores)."""
     if not supports(accelerator):
@@ -235,7 +260,7 @@ _OPS = (
     rms_norm, add_rms_norm, rope, grouped_qkv_rope, swiglu, linear_cross_entropy, sparse_mla_attention,
     sparse_mla_absorbed_attention, dsa_indexer_topk, dsa_indexer_loss,
     gelu_tanh_backward, qk_norm_rope, qk_norm_rope_backward, modulated_layer_norm, modulated_layer_norm_backward,
-    adamw_step,
+    adamw_step, gated_delta_rule,
 )
 _FP8_OPS = (fp8_linear, fp8_cast_transpose, gelu_fp8_cast_transpose)
 

@@ -40,11 +40,16 @@ class FusedLossGPTModel(GPTModel):
             self.rotary_pos_emb.cp_group = None  # the whole sequence's angles (see the module docstring)
 
     def _fast_attention(self) -> bool:
-        """Whether this stage's layers attend through ``FusedSelfAttention`` (its RoPE takes global positions)."""
+        """Whether this stage's attention layers attend through ``FusedSelfAttention`` (its RoPE takes
+        global positions); token mixers that are no megatron ``Attention`` (Qwen3.5's Gated DeltaNet)
+        take no RoPE and do not count."""
+        from megatron.core.transformer.attention import Attention
+
         from loongforge.llm.layers.self_attention import FusedSelfAttention
 
         layers = getattr(getattr(self, "decoder", None), "layers", [])
-        fused = [isinstance(getattr(layer, "self_attention", None), FusedSelfAttention) for layer in layers]
+        mixers = [getattr(layer, "self_attention", None) for layer in layers]
+        fused = [isinstance(mixer, FusedSelfAttention) for mixer in mixers if isinstance(mixer, Attention)]
         if any(fused) and not all(fused):
             raise ValueError("FusedLossGPTModel: context parallelism needs every layer on FusedSelfAttention or none")
         return hasattr(self, "rotary_pos_emb") and all(fused) and bool(fused)

@@ -33,3 +33,19 @@ class FusedRMSNorm(torch.nn.Module):
         if residual is None:
             return self._rms_norm(x, self.weight, self.eps)
         return self._add_rms_norm(x, residual, self.weight, self.eps)
+
+
+class ZeroCenteredRMSNorm(FusedRMSNorm):
+    """``FusedRMSNorm`` whose ``weight`` is stored zero-centred: it scales by ``1 + weight``
+    (Qwen3.5's norms; its checkpoints store them so). Starts at zero, i.e. at unit scale."""
+
+    def __init__(self, config, hidden_size: int, eps: float = 1e-5, kernels: KernelPolicy = KernelPolicy()):
+        super().__init__(config, hidden_size, eps=eps, kernels=kernels)
+        with torch.no_grad():
+            self.weight.zero_()
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+        scale = 1.0 + self.weight
+        if residual is None:
+            return self._rms_norm(x, scale, self.eps)
+        return self._add_rms_norm(x, residual, scale, self.eps)

@@ -6,8 +6,11 @@ Here the registry's ``grouped_qkv_rope`` op reads each token's ``linear_qkv`` ro
 the rotated queries and keys and the values contiguous, in the layout SDPA reads, and its backward
 writes the ``linear_qkv`` gradient in one pass; nothing keeps the ``linear_qkv`` output alive for the
 backward. With q/k norms (Qwen3) the norms run between the split and the rotation: the fused
-``rope`` op then reads the normed queries and keys and the values get one contiguous copy. Inference, cross attention, output gates, interleaved rotary and
-TP ranks holding partial query groups take megatron's own path.
+``rope`` op then reads the normed queries and keys and the values get one contiguous copy. With
+megatron's output gate (``attention_output_gate``, Qwen3.5: ``linear_qkv`` holds per query group
+the query heads, their gates, the key and the value) the attention output is scaled by
+``sigmoid(gate)`` before ``linear_proj``, as megatron does. Inference, cross attention,
+interleaved rotary and TP ranks holding partial query groups take megatron's own path.
 
 Under context parallelism (``context_parallel_size > 1``) only this class's own path runs (the
 others are refused): the model hands it the whole sequence's RoPE angles (``gpt_model``) and each
@@ -53,7 +56,6 @@ class FusedSelfAttention(SelfAttention):
         if self._cp[0] > 1:
             cfg = self.config
             unsupported = [name for name, on in (
-                ("attention_output_gate", cfg.attention_output_gate),
                 ("rotary_interleaved", cfg.rotary_interleaved),
                 ("flash_decode", cfg.flash_decode),
                 (f"num_query_groups={cfg.num_query_groups} < tensor-parallel size {self.world_size}",
@@ -72,7 +74,6 @@ class FusedSelfAttention(SelfAttention):
             and inference_context is None
             and kwargs.get("inference_params") is None
             and kwargs.get("rotary_pos_cos") is None
-            and not cfg.attention_output_gate
             and not cfg.rotary_interleaved
             and not cfg.flash_decode
             and cfg.num_query_groups >= self.world_size
@@ -93,12 +94,18 @@ class FusedSelfAttention(SelfAttention):
             if thd or self._cp[0] > 1:
                 raise ValueError("FusedSelfAttention: ChunkPipe runs unpacked sequences without context parallelism")
             rotary_pos_emb = chunk.angles  # this chunk's rows of the whole sequence's angles
-        qkv, _ = self.linear_qkv(hidden_states)  # [s, b, groups * (heads_per_group + 2) * d]
+        qkv, _ = self.linear_qkv(hidden_states)  # [s, b, groups * (heads_per_group [* 2 gated] + 2) * d]
         s, b = qkv.shape[:2]
         groups = self.num_query_groups_per_partition
         per_group = self.num_attention_heads_per_partition // groups
         d = self.hidden_size_per_attention_head
-        qkv = qkv.view(s, b, groups, per_group + 2, d)
+        gate = None
+        if self.config.attention_output_gate:  # per group: query heads, their gates, key, value
+            qkv = qkv.view(s, b, groups, 2 * per_group + 2, d)
+            gate = qkv[..., per_group : 2 * per_group, :]
+            qkv = torch.cat([qkv[..., :per_group, :], qkv[..., 2 * per_group :, :]], dim=3)
+        else:
+            qkv = qkv.view(s, b, groups, per_group + 2, d)
         q_emb = k_emb = None
         if rotary_pos_emb is not None:
             q_emb, k_emb = rotary_pos_emb if isinstance(rotary_pos_emb, tuple) else (rotary_pos_emb, rotary_pos_emb)
@@ -137,6 +144,8 @@ class FusedSelfAttention(SelfAttention):
             context = self.core_attention(query, key, value, attention_mask, **attn_args)
         if thd:
             context = context.reshape(context.shape[0], 1, -1)
+        if gate is not None:  # megatron's output gate: context * sigmoid(gate), in fp32
+            context = (context * torch.sigmoid(gate.reshape(context.shape).float())).to(context.dtype)
         return self.linear_proj(context)
 
 
