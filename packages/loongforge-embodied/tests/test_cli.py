@@ -125,3 +125,37 @@ def test_pi0_trains_from_the_cli_then_converts_to_lerobot_and_back(tiny_dataset,
 
     with safe_open(str(back), "pt") as f:
         assert f.metadata()["family"] == "pi0"
+
+
+@pytest.mark.slow
+def test_smolvla_trains_from_the_cli_then_converts_to_lerobot_and_back(tiny_dataset, tmp_path):
+    """``--policy smolvla`` trains the debug SmolVLA on CPU (finite losses); ``lf-to-lerobot`` writes
+    what LeRobot's SmolVLA model (``VLAFlowMatching``) loads strictly, and ``lerobot-to-lf`` (the
+    family read off the file's names) gives the checkpoint back bitwise."""
+    from safetensors import safe_open
+
+    from embodied_helpers import tiny_overrides
+    from lerobot_smolvla_reference import build_lerobot_smolvla
+
+    run = tmp_path / "run"
+    args = tiny_overrides(tiny_dataset, run, "--policy", "smolvla", "train.steps=6", "log.interval=1",
+                          "log.tensorboard=false", "checkpoint.interval=6", "train.warmup_steps=2")
+    assert main(["train", *args]) == 0
+    losses = [json.loads(line)["loss"] for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert len(losses) == 6 and all(map(math.isfinite, losses))
+    cfg = load_train_config("train", normalise_overrides(args))
+    assert cfg.policy.family == "smolvla" and cfg.policy.image_size == 16
+    ours = {k[len("model."):]: v for k, v in Checkpoint(run / "checkpoints").tensors("model.").items()}
+
+    lerobot_file = tmp_path / "lerobot" / "model.safetensors"
+    assert main(["convert", "lf-to-lerobot", str(run), str(lerobot_file)]) == 0
+    exported = load_file(str(lerobot_file))
+    reference = build_lerobot_smolvla(cfg.policy)
+    reference.load_state_dict({k[len("model."):]: v for k, v in exported.items()}, strict=True)
+    assert torch.equal(exported["model.vlm_with_expert.lm_expert.norm.weight"], ours["expert_norm.weight"])
+    back = tmp_path / "back.safetensors"
+    assert main(["convert", "lerobot-to-lf", str(lerobot_file), str(back)]) == 0
+    converted = load_file(str(back))
+    assert set(converted) == set(ours) and all(torch.equal(converted[k], ours[k]) for k in ours)
+    with safe_open(str(back), "pt") as f:
+        assert f.metadata()["family"] == "smolvla"

@@ -1,10 +1,11 @@
-"""``lf-embodied convert``: a trained policy's weights <-> LeRobot's Pi0 / Pi0.5 layouts.
+"""``lf-embodied convert``: a trained policy's weights <-> LeRobot's layouts.
 
-``lf-to-lerobot`` writes a checkpoint's pi0 or pi05 policy as LeRobot's ``PI0Policy`` /
-``PI05Policy`` ``model.safetensors`` (a LoRA run's adapters merged into the weights);
-``lerobot-to-lf`` rewrites such a file in LoongForge names (the family read off the file's
-tensors: Pi0 has ``state_proj`` and the action-time MLP), a file ``policy.pretrained`` reads (or
-read LeRobot's file directly with ``policy.pretrained_format=lerobot``). ``lora-to-peft`` (the shared direction of
+Every policy family whose ``ModelSpec.hf_adapter`` is a ``LeRobotAdapter`` converts (Pi0, Pi0.5,
+SmolVLA, GR00T N1.5/N1.6's action head...): ``lf-to-lerobot`` writes a checkpoint's policy as LeRobot's
+``model.safetensors`` (a LoRA run's adapters merged into the weights); ``lerobot-to-lf`` rewrites
+such a file in LoongForge names (the family read off the file's tensors, each family's adapter
+saying which names are its own), a file ``policy.pretrained`` reads (or read LeRobot's file
+directly with ``policy.pretrained_format=lerobot``). ``lora-to-peft`` (the shared direction of
 ``loongforge.core.lora``) writes a LoRA run's adapters alone, named as ``lora_layouts`` says.
 """
 
@@ -19,10 +20,10 @@ from safetensors.torch import load_file, save_file
 from loongforge.core.errors import DataError, OutputExistsError
 from loongforge.core.lora import AdapterLayout, merge_lora, one_to_one_names
 from loongforge.embodied.convert.lerobot_layout import (
-    LEROBOT_POLICY_PREFIX,
-    LeRobotLayout,
     from_lerobot,
     lerobot_adapter,
+    lerobot_families,
+    lerobot_family,
     to_lerobot,
 )
 from loongforge.embodied.restore import restore_policy
@@ -42,18 +43,8 @@ def _new_file(out: str | Path) -> Path:
     return out
 
 
-LEROBOT_FAMILIES = ("pi0", "pi05")  # the families with a LeRobot layout (their hf_adapter)
-PI0_ONLY_HEADS = ("state_proj.", "action_time_mlp_")  # Pi0's heads; Pi0.5 has time_mlp_* instead
-
-
-def lerobot_family(names) -> str:
-    """``pi0`` or ``pi05``: which LeRobot policy a state dict's names are of."""
-    bare = (n.removeprefix(LEROBOT_POLICY_PREFIX) for n in names)
-    return "pi0" if any(n.startswith(PI0_ONLY_HEADS) for n in bare) else "pi05"
-
-
 def export_lerobot(path: str | Path, out: str | Path, dtype=None) -> Path:
-    """The Pi0 / Pi0.5 policy of checkpoint ``path`` as LeRobot's ``model.safetensors`` at ``out``
+    """The policy of checkpoint ``path`` as LeRobot's ``model.safetensors`` at ``out``
     (floating-point tensors cast to ``dtype`` when given)."""
     from loongforge.core.config import ConfigError
 
@@ -61,12 +52,12 @@ def export_lerobot(path: str | Path, out: str | Path, dtype=None) -> Path:
     adapter = lerobot_adapter(cfg.policy.family)
     if adapter is None:
         raise ConfigError(f"lf-to-lerobot: {path} is a policy.family={cfg.policy.family} checkpoint; only "
-                          f"{' and '.join(LEROBOT_FAMILIES)} have a LeRobot layout (the checkpoint itself is "
+                          f"{', '.join(lerobot_families())} have a LeRobot layout (the checkpoint itself is "
                           f"what `checkpoint.load` and `lf-embodied eval` read)")
     merge_lora(policy)  # a LoRA run: W + (alpha / rank) B A, an ordinary LeRobot policy
     state = {k: v.contiguous() if dtype is None or not v.is_floating_point() else v.to(dtype).contiguous()
              for k, v in policy.state_dict().items()}
-    state = to_lerobot(adapter.mapping, state, cfg.policy)
+    state = to_lerobot(adapter, state, cfg.policy)
     meta = {"format": "lerobot", "family": cfg.policy.family, "step": str(ckpt.step),
             "policy_config": json.dumps(ckpt.manifest["config"]["policy"]),
             "dataset": json.dumps(ckpt.manifest.get("dataset", {}))}
@@ -76,36 +67,33 @@ def export_lerobot(path: str | Path, out: str | Path, dtype=None) -> Path:
 
 
 def import_lerobot(src: str | Path, out: str | Path) -> Path:
-    """A LeRobot ``PI0Policy`` / ``PI05Policy`` ``model.safetensors`` rewritten in ``Pi0Policy`` /
-    ``Pi05Policy`` names."""
+    """A LeRobot policy's ``model.safetensors`` rewritten in the LoongForge names of its family."""
     src = Path(src)
     if not src.is_file():
-        raise DataError(f"{src}: no such file (a LeRobot pi0 or pi05 model.safetensors)")
+        raise DataError(f"{src}: no such file (a LeRobot policy model.safetensors)")
     try:
         theirs = load_file(str(src))
     except (SafetensorError, OSError) as exc:  # not a safetensors file, or a truncated one
-        raise DataError(f"{src}: not a safetensors file ({exc}); lerobot-to-lf reads a LeRobot pi0 or pi05 "
+        raise DataError(f"{src}: not a safetensors file ({exc}); lerobot-to-lf reads a LeRobot policy's "
                         f"model.safetensors") from exc
-    family = lerobot_family(theirs)
-    state = from_lerobot(lerobot_adapter(family).mapping, theirs, source=f"{src} (LeRobot {family})")
+    family, adapter = lerobot_family(theirs, source=str(src))
+    state = from_lerobot(adapter, theirs, source=f"{src} (LeRobot {family})")
     out = _new_file(out)
     save_file({k: v.contiguous() for k, v in state.items()}, str(out), metadata={"format": "loongforge", "family": family})
     return out
 
 
 def lora_layouts(manifest: dict, names: list[str]) -> list[AdapterLayout]:
-    """``convert lora-to-peft``: pi0 / pi05 adapters in LeRobot's names, as ``PeftModel.from_pretrained``
-    of LeRobot's ``PI0Policy`` / ``PI05Policy`` loads them (``base_model.model.model.paligemma_with_expert...``,
-    LeRobot's own PEFT route, ``policy.use_peft``); other families have no LeRobot layout and keep
+    """``convert lora-to-peft``: the adapters of a family with a LeRobot layout in LeRobot's names, as
+    ``PeftModel.from_pretrained`` of LeRobot's policy loads them (e.g. ``base_model.model.model.paligemma_with_expert...``
+    for ``PI05Policy``: LeRobot's own PEFT route, ``policy.use_peft``); other families have no LeRobot layout and keep
     LoongForge's names (``base_model.model.<name>``: a ``PeftModel`` of the LoongForge policy)."""
     family = ((manifest.get("config") or {}).get("policy") or {}).get("family", "pi05")
     adapter = lerobot_adapter(family)
     if adapter is None:
         return [AdapterLayout(prefix="", rename=lambda weights: {w: w for w in weights},
                               library=f"LoongForge {family}", key_prefix="base_model.model.")]
-    mapping = adapter.mapping
-    counts = mapping.counts_in([n for n in names if not n.endswith((".lora_A.weight", ".lora_B.weight"))], side="lf")
-    bound = mapping.bind(LeRobotLayout(counts["layer"], counts["vision_layer"]))
-    renames = one_to_one_names(bound)
+    base = [n for n in names if not n.endswith((".lora_A.weight", ".lora_B.weight"))]
+    renames = one_to_one_names(adapter.mapping.bind(adapter.layout_from_state(base, "lf")))
     return [AdapterLayout(prefix="", rename=lambda weights: {w: renames[w] for w in weights if w in renames},
-                          library=f"LeRobot {family.upper()}Policy", key_prefix="base_model.model.model.")]
+                          library=f"LeRobot {adapter.policy_class}", key_prefix="base_model.model." + adapter.policy_prefix)]

@@ -71,7 +71,7 @@ def read_pretrained(cfg) -> dict[str, torch.Tensor]:
         adapter = lerobot_adapter(cfg.family)
         if adapter is None:
             raise ValueError(f"policy.pretrained_format=lerobot: the {cfg.family!r} family has no LeRobot layout mapping")
-        state = from_lerobot(adapter.mapping, state, cfg, source=f"policy.pretrained={str(path)!r}")
+        state = from_lerobot(adapter, state, cfg, source=f"policy.pretrained={str(path)!r}")
     return state
 
 
