@@ -1,10 +1,10 @@
 """The ``lf-embodied`` config: the shared groups of every ``lf-*`` CLI (``train``, ``parallel``,
 ``checkpoint``, ``log``, ``eval``, ``lora``), ``data`` (a LeRobot dataset) and ``policy``, whose class is the
-selected policy family's own (``Pi0Config``, ``Pi05Config``, ``GrootConfig``, registered with their policies
-through ``loongforge.models``).
+selected policy family's own (``Pi0Config``, ``Pi05Config``, ``SmolVLAConfig``, ``GrootN17Config``,
+``Pi05DiTHeadConfig``, registered with their policies through ``loongforge.models``).
 
 ``load_train_config(name, overrides)`` composes ``configs/<name>.yaml`` (default ``train``) with
-its ``policy`` group (``policy=groot`` or ``--policy groot`` selects ``configs/policy/groot.yaml``)
+its ``policy`` group (``policy=smolvla`` or ``--policy smolvla`` selects ``configs/policy/smolvla.yaml``)
 and ``key=value`` overrides through ``loongforge.core.config``; the ``policy`` section is validated
 as the config class of ``policy.family``.
 """
@@ -100,7 +100,7 @@ class GemmaConfig:
 class PolicyConfig:
     """What every flow-matching policy shares: the action chunk, padding, cameras, prompt, the
     SigLIP + Gemma backbone and the flow-matching time distribution. A policy family extends it
-    with its own fields (``Pi0Config``, ``Pi05Config``, ``GrootConfig``)."""
+    with its own fields (``Pi0Config``, ``Pi05Config``, ``SmolVLAConfig``, ``GrootN17Config``...)."""
 
     family: str = "pi05"  # the registered policy family (loongforge.models)
     chunk_size: int = 8  # action horizon predicted per observation
@@ -173,11 +173,27 @@ class EmbodiedConfig:
         check_train_config(self.train)
 
 
+# policy families that were renamed: old name -> what to use instead
+RENAMED_POLICIES = {
+    "groot": "pi05_dit_head (the GR00T-style DiT head on the Pi0.5 backbone it always was); "
+             "GR00T N1.7's own action head is groot_n1_7",
+}
+
+
+def check_renamed_policy(family: str, key: str = "policy.family") -> None:
+    """A renamed policy family is refused naming the new one."""
+    from loongforge.core.config import ConfigError
+
+    if family in RENAMED_POLICIES:
+        raise ConfigError(f"{key}={family}: renamed; use {RENAMED_POLICIES[family]}")
+
+
 def policy_config_class(family: str) -> type[PolicyConfig]:
     """The config class the policy family registers (its ``ModelSpec.config_class``)."""
     from loongforge.core.config import ConfigError
     from loongforge.core.models import ModelRegistryError, get_model_spec
 
+    check_renamed_policy(family)
     try:
         config_class = get_model_spec(family).config_class
     except ModelRegistryError as exc:
@@ -190,6 +206,10 @@ def policy_config_class(family: str) -> type[PolicyConfig]:
 def load_train_config(name_or_path: str | None = "train", overrides: Sequence[str] = ()) -> EmbodiedConfig:
     """``configs/<name>.yaml`` (or a YAML path) + overrides, validated; the ``policy`` section as the
     config class of its ``family``."""
+    for override in overrides:
+        key, _, value = override.partition("=")
+        if key in ("policy", "policy.family"):
+            check_renamed_policy(value, key)
     family = read_section(EmbodiedConfig, "policy", name_or_path, overrides, [CONFIG_DIR]).get("family", "pi05")
     schema = EmbodiedConfig(policy=policy_config_class(family)())
     cfg = load_config(schema, name_or_path, overrides, config_dirs=[CONFIG_DIR])

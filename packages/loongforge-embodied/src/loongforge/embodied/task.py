@@ -6,7 +6,7 @@ micro-batches of ``train.micro_batch_size`` samples (null: one), with the noise 
 global batch ``s`` (``draw_noise_and_time``: a function of (seed, step), so any split and any
 resume see the same values). The loss is the per-element flow-matching error masked to real
 action dimensions and in-episode chunk steps; the loop normalises it by the global number of
-valid elements. Every policy family (``Pi0Config``, ``Pi05Config``, ``GrootConfig``...) trains through this task.
+valid elements. Every policy family (``Pi0Config``, ``Pi05Config``, ``SmolVLAConfig``, ``GrootN17Config``...) trains through this task.
 """
 
 from __future__ import annotations

@@ -116,6 +116,12 @@ class LeRobotAdapter(HFAdapter, ABC):
     def recognises(self, bare_names: list[str]) -> bool:
         """Whether a LeRobot state dict with these (unprefixed) names is this family's."""
 
+    def covers(self, name: str) -> bool:
+        """Whether the layout holds the tensor ``name`` (the same below the policy prefix on both
+        sides); every tensor by default. A family whose LeRobot counterpart is only a part of it
+        (GR00T's action head) says which."""
+        return True
+
     def bind(self, cfg) -> BoundMapping:
         return self.mapping.bind(self.layout(cfg))
 
@@ -148,6 +154,7 @@ def from_lerobot(adapter: LeRobotAdapter, state_dict: Mapping[str, torch.Tensor]
     for the policy config ``cfg`` (default: the layout its names show). ``partial`` converts the
     tensors that are there (gradients of a subset of parameters) instead of requiring all of them."""
     bare = {k.removeprefix(adapter.policy_prefix): v for k, v in state_dict.items()}
+    bare = {k: v for k, v in bare.items() if adapter.covers(k)}
     bound = adapter.mapping.bind(adapter.layout(cfg) if cfg is not None else adapter.layout_from_state(bare, "hf"))
     bound.check_hf(bare, source=source, partial=partial)
     return dict(bound.to_lf(bare.__getitem__, bare, partial=partial))
@@ -158,6 +165,7 @@ def to_lerobot(adapter: LeRobotAdapter, state_dict: Mapping[str, torch.Tensor], 
     """Policy weights in LeRobot's names (prefixed like a saved LeRobot policy, bare like its inner
     model with ``policy_prefix=False``), for the policy config ``cfg`` (default: the layout its
     names and shapes show)."""
+    state_dict = {k: v for k, v in state_dict.items() if adapter.covers(k)}
     bound = adapter.mapping.bind(adapter.layout(cfg) if cfg is not None else adapter.layout_from_state(state_dict, "lf"))
     bound.check_lf(state_dict, source=source)
     prefix = adapter.policy_prefix if policy_prefix else ""
