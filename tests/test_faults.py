@@ -129,9 +129,9 @@ def test_a_directory_key_naming_a_file_is_one_line(cli, key, tmp_path, capsys):
 
 
 def test_an_unknown_key_with_a_policy_group_names_the_key(capsys):
-    """``--policy groot`` swaps the policy group; a misspelt key elsewhere is named (and the groot
+    """``--policy smolvla`` swaps the policy group; a misspelt key elsewhere is named (and the smolvla
     keys are not reported against the default policy's config)."""
-    code, err = run_inproc(capsys, "lf-embodied", "train", "--policy", "groot", "foo.bar=1")
+    code, err = run_inproc(capsys, "lf-embodied", "train", "--policy", "smolvla", "foo.bar=1")
     assert code == 2
     line = assert_one_error_line(err, "foo.bar")
     assert "policy." not in line
