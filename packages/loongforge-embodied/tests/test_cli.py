@@ -138,7 +138,7 @@ def test_pi0_trains_from_the_cli_then_converts_to_lerobot_and_back(tiny_dataset,
 
 
 @pytest.mark.slow
-def test_smolvla_trains_from_the_cli_then_converts_to_lerobot_and_back(tiny_dataset, tmp_path):
+def test_smolvla_trains_from_the_cli_then_converts_to_lerobot_and_back(tiny_dataset, tmp_path, capsys):
     """``--policy smolvla`` trains the debug SmolVLA on CPU (finite losses); ``lf-to-lerobot`` writes
     what LeRobot's SmolVLA model (``VLAFlowMatching``) loads strictly, and ``lerobot-to-lf`` (the
     family read off the file's names) gives the checkpoint back bitwise."""
@@ -169,6 +169,12 @@ def test_smolvla_trains_from_the_cli_then_converts_to_lerobot_and_back(tiny_data
     assert set(converted) == set(ours) and all(torch.equal(converted[k], ours[k]) for k in ours)
     with safe_open(str(back), "pt") as f:
         assert f.metadata()["family"] == "smolvla"
+    # a directory OUT: model.safetensors as LeRobot saves it; no config.json for a size LeRobot cannot build
+    capsys.readouterr()
+    assert main(["convert", "lf-to-lerobot", str(run), str(tmp_path / "lerobot_dir")]) == 0
+    assert "no config.json" in capsys.readouterr().out and not (tmp_path / "lerobot_dir" / "config.json").exists()
+    assert set(load_file(str(tmp_path / "lerobot_dir" / "model.safetensors"))) == set(exported)
+    assert main(["convert", "lerobot-to-lf", str(tmp_path / "lerobot_dir"), str(tmp_path / "back2.safetensors")]) == 0
 
 
 @pytest.mark.slow
@@ -199,3 +205,14 @@ def test_groot_n1_7_trains_from_the_cli_then_its_head_converts_to_lerobot_and_ba
     converted = load_file(str(back))
     head = {k: v for k, v in ours.items() if k.startswith("action_head.")}
     assert set(converted) == set(head) and all(torch.equal(converted[k], head[k]) for k in head)
+
+    # a directory OUT: LeRobot's layout of a saved model, config.json (GR00T N1.7's head fields) included
+    from lerobot.policies.groot.groot_n1_7 import GR00TN17ActionHead, GR00TN17Config
+
+    saved = tmp_path / "lerobot_dir"
+    assert main(["convert", "lf-to-lerobot", str(run), str(saved)]) == 0
+    config = json.loads((saved / "config.json").read_text())
+    assert config["model_type"] == "Gr00tN1d7" and config["diffusion_model_cfg"]["num_layers"] == cfg.policy.head.dit_layers
+    head_ref = GR00TN17ActionHead(GR00TN17Config(**config))
+    head_ref.load_state_dict({k[len(prefix):]: v for k, v in load_file(str(saved / "model.safetensors")).items()}, strict=True)
+    assert main(["convert", "lerobot-to-lf", str(saved), str(tmp_path / "back_dir.safetensors")]) == 0

@@ -129,3 +129,19 @@ def test_head_round_trip_and_config(pair, tmp_path):
     assert all(again[k] == GR00T_N1_7_DEFAULTS[k] for k in ("hidden_size", "input_embedding_dim", "max_seq_len"))
     with pytest.raises(MappingError, match="use_alternate_vl_dit=False"):
         ADAPTER.config_from_hf({**GR00T_N1_7_DEFAULTS, "use_alternate_vl_dit": False})
+
+
+def test_a_lerobot_file_cannot_start_the_whole_policy(pair, tmp_path):
+    """``policy.pretrained_format=lerobot`` starts a whole policy; GR00T's layout covers the head only,
+    so it is refused naming a tensor outside it."""
+    from dataclasses import replace
+
+    from safetensors.torch import save_file
+
+    from loongforge.embodied.task import read_pretrained
+
+    cfg, _, ours = pair
+    path = tmp_path / "model.safetensors"
+    save_file({k: v.contiguous() for k, v in to_lerobot(ADAPTER, ours.state_dict(), cfg).items()}, str(path))
+    with pytest.raises(ValueError, match="covers only part of the policy.*prefix"):
+        read_pretrained(replace(cfg, pretrained=str(path), pretrained_format="lerobot"))

@@ -114,8 +114,9 @@ def test_saved_lerobot_policy_imports_and_exports(pair, tmp_path):
     policy._save_pretrained(tmp_path)
     raw = json.loads((tmp_path / "config.json").read_text())
     assert raw["type"] == "smolvla"
-    out = import_lerobot(tmp_path / "model.safetensors", tmp_path / "ours.safetensors")
+    out = import_lerobot(tmp_path, tmp_path / "ours.safetensors")  # the directory: config.json says smolvla
     ours = load_file(str(out))
+    assert set(load_file(str(import_lerobot(tmp_path / "model.safetensors", tmp_path / "b.safetensors")))) == set(ours)
     assert set(ours) == set(build_policy(cfg).state_dict())
     theirs = load_file(str(tmp_path / "model.safetensors"))
     back = to_lerobot(ADAPTER, ours, cfg)

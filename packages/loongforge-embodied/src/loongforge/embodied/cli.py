@@ -3,7 +3,7 @@ VLA policies, plus ``eval``.
 
     lf-embodied train [--config NAME|PATH] [--policy pi0|pi05|smolvla|groot_n1_7|pi05_dit_head] [--data.root PATH] [key=value ...]
     lf-embodied eval --checkpoint RUN_DIR|CKPT_DIR [--data.root PATH] [key=value ...]
-    lf-embodied convert lf-to-lerobot CHECKPOINT OUT.safetensors | lerobot-to-lf LEROBOT.safetensors OUT.safetensors
+    lf-embodied convert lf-to-lerobot CHECKPOINT OUT.safetensors|OUT_DIR | lerobot-to-lf LEROBOT.safetensors|LEROBOT_DIR OUT.safetensors
     lf-embodied convert lora-to-peft CHECKPOINT OUT    # a LoRA run's adapters, for PEFT on LeRobot's policy
     lf-embodied bench [--against-lerobot [--lerobot-compile-mode MODE]] [--batch-size B] [--steps N] [--rounds R]
                       [--processes P] [--variant NAME=KEY=VALUE,...] [key=value ...]
@@ -101,7 +101,8 @@ def lf_to_lerobot(source: str, out: str, args) -> str:
     from loongforge.core.cli import convert_dtype
     from loongforge.embodied.export import export_lerobot
 
-    return f"wrote {export_lerobot(source, out, dtype=convert_dtype(args.dtype))}"
+    written, note = export_lerobot(source, out, dtype=convert_dtype(args.dtype))
+    return f"wrote {written}{note}"
 
 
 def lerobot_to_lf(source: str, out: str, args) -> str:

@@ -43,9 +43,22 @@ def _new_file(out: str | Path) -> Path:
     return out
 
 
-def export_lerobot(path: str | Path, out: str | Path, dtype=None) -> Path:
-    """The policy of checkpoint ``path`` as LeRobot's ``model.safetensors`` at ``out``
-    (floating-point tensors cast to ``dtype`` when given)."""
+LEROBOT_WEIGHTS, LEROBOT_CONFIG = "model.safetensors", "config.json"  # a saved LeRobot policy's files
+
+
+def is_lerobot_directory(path: str | Path) -> bool:
+    """``OUT`` names a LeRobot policy directory (``config.json`` + ``model.safetensors``), not a file."""
+    return Path(path).suffix != ".safetensors"
+
+
+def export_lerobot(path: str | Path, out: str | Path, dtype=None) -> tuple[Path, str]:
+    """The policy of checkpoint ``path`` as LeRobot's ``model.safetensors`` at ``out`` (floating-point
+    tensors cast to ``dtype`` when given), and a note on what was written. An ``out`` without the
+    ``.safetensors`` suffix is a directory laid out as LeRobot saves a policy: ``model.safetensors``
+    and, when LeRobot can build the policy's config, ``config.json`` (the family adapter's
+    ``config_to_hf``; a tiny debug size has none, and the note says why)."""
+    from loongforge.core.hf_mapping import MappingError
+
     from loongforge.core.config import ConfigError
 
     policy, cfg, ckpt = restore_policy(checkpoint_path(path))
@@ -58,17 +71,41 @@ def export_lerobot(path: str | Path, out: str | Path, dtype=None) -> Path:
     state = {k: v.contiguous() if dtype is None or not v.is_floating_point() else v.to(dtype).contiguous()
              for k, v in policy.state_dict().items()}
     state = to_lerobot(adapter, state, cfg.policy)
+    config, note = None, ""
+    if is_lerobot_directory(out):
+        try:
+            config = adapter.config_to_hf(cfg.policy)
+        except MappingError as exc:
+            note = f" (no {LEROBOT_CONFIG}: {exc})"
     meta = {"format": "lerobot", "family": cfg.policy.family, "step": str(ckpt.step),
             "policy_config": json.dumps(ckpt.manifest["config"]["policy"]),
             "dataset": json.dumps(ckpt.manifest.get("dataset", {}))}
+    if is_lerobot_directory(out):
+        out = Path(out)
+        if out.exists():
+            raise OutputExistsError(f"{out} exists; the conversion writes a new directory")
+        out.mkdir(parents=True)
+        if config is not None:
+            (out / LEROBOT_CONFIG).write_text(json.dumps(config, indent=2) + "\n")
+        save_file(state, str(out / LEROBOT_WEIGHTS), metadata=meta)
+        return out, note
     out = _new_file(out)
     save_file(state, str(out), metadata=meta)
-    return out
+    return out, note
 
 
 def import_lerobot(src: str | Path, out: str | Path) -> Path:
-    """A LeRobot policy's ``model.safetensors`` rewritten in the LoongForge names of its family."""
+    """A LeRobot policy's ``model.safetensors`` rewritten in the LoongForge names of its family; ``src``
+    may be a saved LeRobot policy's directory, whose ``config.json`` ``type`` then says the family."""
     src = Path(src)
+    lerobot_type = None
+    if src.is_dir():
+        try:
+            if (src / LEROBOT_CONFIG).is_file():
+                lerobot_type = json.loads((src / LEROBOT_CONFIG).read_text()).get("type")
+        except (OSError, ValueError, AttributeError) as exc:
+            raise DataError(f"{src / LEROBOT_CONFIG}: not a LeRobot policy config ({exc})") from exc
+        src = src / LEROBOT_WEIGHTS
     if not src.is_file():
         raise DataError(f"{src}: no such file (a LeRobot policy model.safetensors)")
     try:
@@ -76,7 +113,7 @@ def import_lerobot(src: str | Path, out: str | Path) -> Path:
     except (SafetensorError, OSError) as exc:  # not a safetensors file, or a truncated one
         raise DataError(f"{src}: not a safetensors file ({exc}); lerobot-to-lf reads a LeRobot policy's "
                         f"model.safetensors") from exc
-    family, adapter = lerobot_family(theirs, source=str(src))
+    family, adapter = lerobot_family(theirs, source=str(src), lerobot_type=lerobot_type)
     state = from_lerobot(adapter, theirs, source=f"{src} (LeRobot {family})")
     out = _new_file(out)
     save_file({k: v.contiguous() for k, v in state.items()}, str(out), metadata={"format": "loongforge", "family": family})

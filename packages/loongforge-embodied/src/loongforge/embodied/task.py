@@ -71,6 +71,14 @@ def read_pretrained(cfg) -> dict[str, torch.Tensor]:
         adapter = lerobot_adapter(cfg.family)
         if adapter is None:
             raise ValueError(f"policy.pretrained_format=lerobot: the {cfg.family!r} family has no LeRobot layout mapping")
+        with torch.device("meta"):  # names only
+            from loongforge.core.models import get_model_spec
+
+            outside = [n for n in get_model_spec(cfg.family).build(cfg).state_dict() if not adapter.covers(n)]
+        if outside:
+            raise ValueError(f"policy.pretrained_format=lerobot: the {cfg.family} family's LeRobot layout covers "
+                             f"only part of the policy ({len(outside)} tensors outside it, e.g. {outside[0]}); "
+                             f"a LeRobot file cannot start the whole policy")
         state = from_lerobot(adapter, state, cfg, source=f"policy.pretrained={str(path)!r}")
     return state
 

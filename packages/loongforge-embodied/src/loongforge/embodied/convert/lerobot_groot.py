@@ -130,4 +130,4 @@ class GrootAdapter(LeRobotAdapter):
 
 LEROBOT_GROOT_ADAPTER = GrootAdapter(architectures=(), mapping=GROOT_MAPPING, config_from_hf=config_from_lerobot,
                                      config_to_hf=config_to_lerobot, policy_class="GrootPolicy",
-                                     policy_prefix="_groot_model.")
+                                     policy_prefix="_groot_model.", lerobot_type="groot")

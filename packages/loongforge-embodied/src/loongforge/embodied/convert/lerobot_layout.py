@@ -102,6 +102,7 @@ class LeRobotAdapter(HFAdapter, ABC):
 
     policy_class: str = ""
     policy_prefix: str = LEROBOT_POLICY_PREFIX
+    lerobot_type: str = ""  # the ``type`` of a saved LeRobot policy's config.json
 
     @abstractmethod
     def layout(self, cfg):
@@ -188,11 +189,21 @@ def lerobot_families() -> dict[str, LeRobotAdapter]:
             if isinstance(spec.hf_adapter, LeRobotAdapter)}
 
 
-def lerobot_family(names, source: str) -> tuple[str, LeRobotAdapter]:
-    """The installed family whose LeRobot layout a state dict's names are of."""
+def lerobot_family(names, source: str, lerobot_type: str | None = None) -> tuple[str, LeRobotAdapter]:
+    """The installed family whose LeRobot layout a state dict's names are of (of those whose
+    ``lerobot_type`` is the saved policy's ``type``, when its config.json gives one)."""
     from loongforge.core.hf_mapping import MappingError
 
     names = list(names)
+    if lerobot_type is not None:
+        typed = {f: a for f, a in lerobot_families().items() if a.lerobot_type == lerobot_type}
+        if not typed:
+            known = ", ".join(sorted({a.lerobot_type for a in lerobot_families().values()}))
+            raise MappingError(f"{source}: type={lerobot_type!r}; LeRobot policy types with a layout here: {known}")
+        found = [(f, a) for f, a in typed.items() if a.recognises([n.removeprefix(a.policy_prefix) for n in names])]
+        if len(found) == 1:
+            return found[0]
+        raise MappingError(f"{source}: its tensor names are not those of a LeRobot {lerobot_type} policy")
     found = [(family, adapter) for family, adapter in lerobot_families().items()
              if adapter.recognises([n.removeprefix(adapter.policy_prefix) for n in names])]
     if len(found) != 1:

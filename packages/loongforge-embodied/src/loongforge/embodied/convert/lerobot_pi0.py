@@ -33,7 +33,7 @@ PI0_MAPPING = lerobot_mapping(
 LEROBOT_PI0_ADAPTER = PaliGemmaAdapter(architectures=(), mapping=PI0_MAPPING,
                                      config_from_hf=bind_family(config_from_lerobot, family="pi0"),
                                      config_to_hf=bind_family(config_to_lerobot, family="pi0"),
-                                     policy_class="PI0Policy", marker="state_proj.")
+                                     policy_class="PI0Policy", marker="state_proj.", lerobot_type="pi0")
 
 
 def from_lerobot_pi0(state_dict: Mapping[str, torch.Tensor], cfg=None, *, partial: bool = False) -> dict[str, torch.Tensor]:

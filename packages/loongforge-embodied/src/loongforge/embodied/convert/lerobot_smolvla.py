@@ -185,4 +185,5 @@ class SmolVLAAdapter(LeRobotAdapter):
 
 
 LEROBOT_SMOLVLA_ADAPTER = SmolVLAAdapter(architectures=(), mapping=SMOLVLA_MAPPING, config_from_hf=config_from_lerobot,
-                                         config_to_hf=config_to_lerobot, policy_class="SmolVLAPolicy")
+                                         config_to_hf=config_to_lerobot, policy_class="SmolVLAPolicy",
+                                         lerobot_type="smolvla")
