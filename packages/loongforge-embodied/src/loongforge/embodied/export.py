@@ -125,7 +125,9 @@ def lora_layouts(manifest: dict, names: list[str]) -> list[AdapterLayout]:
     ``PeftModel.from_pretrained`` of LeRobot's policy loads them (e.g. ``base_model.model.model.paligemma_with_expert...``
     for ``PI05Policy``: LeRobot's own PEFT route, ``policy.use_peft``); other families have no LeRobot layout and keep
     LoongForge's names (``base_model.model.<name>``: a ``PeftModel`` of the LoongForge policy)."""
-    family = ((manifest.get("config") or {}).get("policy") or {}).get("family", "pi05")
+    from loongforge.embodied.config import PolicyConfig
+
+    family = ((manifest.get("config") or {}).get("policy") or {}).get("family", PolicyConfig.family)
     adapter = lerobot_adapter(family)
     if adapter is None:
         return [AdapterLayout(prefix="", rename=lambda weights: {w: w for w in weights},

@@ -31,8 +31,8 @@ PI0_MAPPING = lerobot_mapping(
 )
 
 LEROBOT_PI0_ADAPTER = PaliGemmaAdapter(architectures=(), mapping=PI0_MAPPING,
-                                     config_from_hf=bind_family(config_from_lerobot, family="pi0"),
-                                     config_to_hf=bind_family(config_to_lerobot, family="pi0"),
+                                     config_from_hf=bind_family(config_from_lerobot, family="pi0", discrete_state=False),
+                                     config_to_hf=bind_family(config_to_lerobot, family="pi0", discrete_state=False),
                                      policy_class="PI0Policy", marker="state_proj.", lerobot_type="pi0")
 
 

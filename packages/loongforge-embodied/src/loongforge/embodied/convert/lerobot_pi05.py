@@ -33,8 +33,8 @@ PI05_MAPPING = lerobot_mapping(
 )
 
 LEROBOT_PI05_ADAPTER = PaliGemmaAdapter(architectures=(), mapping=PI05_MAPPING,
-                                      config_from_hf=bind_family(config_from_lerobot, family="pi05"),
-                                      config_to_hf=bind_family(config_to_lerobot, family="pi05"),
+                                      config_from_hf=bind_family(config_from_lerobot, family="pi05", discrete_state=True),
+                                      config_to_hf=bind_family(config_to_lerobot, family="pi05", discrete_state=True),
                                      policy_class="PI05Policy", marker="time_mlp_in.",
                                       lerobot_type="pi05")
 
