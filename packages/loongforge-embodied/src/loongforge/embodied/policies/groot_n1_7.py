@@ -47,7 +47,7 @@ class GrootN17Config(PolicyConfig):
         super().__post_init__()
         if not -self.vlm.depth <= self.vlm_layer < self.vlm.depth:
             raise ValueError(f"policy.vlm_layer={self.vlm_layer}: out of range for policy.vlm.depth={self.vlm.depth}")
-        if self.time_sampling != "beta" or self.time_offset + self.time_scale != 1.0:
+        if self.time_sampling != "beta" or abs(self.time_offset + self.time_scale - 1.0) > 1e-9:
             raise ValueError("policy.time_sampling, time_scale, time_offset: GR00T draws tau = (1 - Beta) * s, "
                              "i.e. time_sampling=beta with time_scale + time_offset = 1")
 

@@ -31,9 +31,9 @@ from transformers.models.smolvlm.modeling_smolvlm import SmolVLMVisionTransforme
 
 from loongforge.core.models import ModelSpec
 from loongforge.core.training.torch_model import TorchModel
-from loongforge.embodied.config import GemmaConfig, PolicyConfig, positive
+from loongforge.embodied.config import GemmaConfig, positive
 from loongforge.embodied.convert.lerobot_smolvla import LEROBOT_SMOLVLA_ADAPTER
-from loongforge.embodied.policies.action_expert import suffix_masks
+from loongforge.embodied.policies.action_expert import ActionExpertConfig, suffix_masks
 from loongforge.embodied.policies.flow_matching import euler_integrate, interpolate, sinusoidal_embedding, velocity_target
 from loongforge.embodied.policies.layers import additive_mask, embed_scale, init_linear_weights, make_att_2d_masks, rope_cos_sin
 from loongforge.embodied.policies.smolvlm_expert import LlamaRMSNorm, SmolVLMExpertLayer
@@ -45,13 +45,13 @@ def _llama(width: int, mlp_dim: int) -> GemmaConfig:
 
 
 @dataclass
-class SmolVLAConfig(PolicyConfig):
+class SmolVLAConfig(ActionExpertConfig):
     """SmolVLA: SmolVLM (vision tower, pixel-shuffle connector, Llama text layers) with a narrower
-    Llama action expert; ``vlm``/``expert`` use the decoder-stack fields (Llama blocks here)."""
+    Llama action expert; ``vlm``/``expert`` use the decoder-stack fields (Llama blocks here), and
+    agree on heads, head size and depth (``ActionExpertConfig``)."""
 
     family: str = "smolvla"
     discrete_state: bool = False  # the state enters as one continuous token of the prefix
-    vocab_size: int = 520
     vlm: GemmaConfig = field(default_factory=lambda: _llama(64, 128))
     expert: GemmaConfig = field(default_factory=lambda: _llama(48, 256))
     scale_factor: int = 2  # pixel shuffle of the connector: scale_factor^2 patches per image token
@@ -65,10 +65,6 @@ class SmolVLAConfig(PolicyConfig):
         positive("policy", self, "scale_factor", "self_attn_every_n_layers")
         if self.discrete_state:
             raise ValueError("policy.discrete_state=true: SmolVLA reads the state as a continuous token, not in the prompt")
-        v, e = self.vlm, self.expert
-        if (v.num_heads, v.num_kv_heads, v.head_dim, v.depth) != (e.num_heads, e.num_kv_heads, e.head_dim, e.depth):
-            raise ValueError("policy.vlm and policy.expert must agree on num_heads, num_kv_heads, head_dim and depth "
-                             f"(the expert attends with the VLM layer by layer): vlm={v}, expert={e}")
         side = self.image_size // self.vision.patch_size
         if side % self.scale_factor:
             raise ValueError(f"policy.image_size={self.image_size}: {side} patches a side is not a multiple of "
