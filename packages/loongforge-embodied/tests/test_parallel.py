@@ -37,7 +37,7 @@ def test_two_processes_match_one(two_process_results, policy, mode):
     r = two_process_results[policy][mode]
     assert r["loss"] == pytest.approx(r["ref_loss"], rel=1e-4)
     assert r["grad_violation"] <= 1.0, r  # every gradient within rtol=1e-4 (atol=1e-7) of one process
-    assert r["num_grads"] > 50
+    assert r["num_grads"] > 40  # SmolVLA at LeRobot's defaults trains its expert and heads only: 47 tensors
 
 
 @pytest.mark.slow
