@@ -24,7 +24,7 @@ from loongforge.embodied.policies.smolvla import SmolVLAConfig
 
 
 def smolvlm_config(cfg: SmolVLAConfig) -> SmolVLMConfig:
-    """A tiny SmolVLM config (its text model at ``policy.vlm``'s full depth)."""
+    """A tiny SmolVLM config (its text model at ``model.vlm``'s full depth)."""
     v, t = cfg.vision, cfg.vlm
     return SmolVLMConfig(
         scale_factor=cfg.scale_factor,

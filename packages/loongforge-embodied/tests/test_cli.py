@@ -21,15 +21,16 @@ from loongforge.embodied.cli import main
 from loongforge.embodied.config import load_train_config
 
 
-def test_policy_flag_selects_the_policy():
+def test_model_flag_selects_the_policy():
     for name in ("smolvla", "groot_n1_7", "pi05_dit_head"):
-        assert load_train_config("train", normalise_overrides(["--policy", name])).policy.family == name
+        assert load_train_config("train", normalise_overrides(["--model", name])).model.family == name
 
 
 def test_the_renamed_groot_policy_is_refused_naming_the_new_one(capsys):
     """``groot`` was the GR00T-style head on the Pi0.5 backbone: the old name is one error line
-    pointing at ``pi05_dit_head`` (and at GR00T N1.7's head), from the flag or the key."""
-    for args in (["--policy", "groot"], ["policy.family=groot"]):
+    pointing at ``pi05_dit_head`` (and at GR00T N1.7's head), from the flag or the key (also under
+    the group's old name, ``policy``)."""
+    for args in (["--model", "groot"], ["model.family=groot"], ["policy=groot"]):
         assert main(["train", "--print-config", *args]) == 2
         err = capsys.readouterr().err.strip().splitlines()
         assert len(err) == 1 and err[0].startswith("error:") and "pi05_dit_head" in err[0] and "groot_n1_7" in err[0]
@@ -79,7 +80,7 @@ def test_train_with_no_arguments_then_export_convert_eval(tmp_path, capsys):
 
     capsys.readouterr()
     dataset_root = tmp_path / "cache" / "embodied-synthetic-v1"
-    assert main(["eval", "--checkpoint", str(run_dir), f"data.root={dataset_root}", "eval.max_batches=2"]) == 0
+    assert main(["eval", "--checkpoint", str(run_dir), f"data.path={dataset_root}", "eval.max_batches=2"]) == 0
     metrics = json.loads(capsys.readouterr().out)
     assert metrics["step"] == 100 and metrics["samples"] == 16 and metrics["episodes"] == 1
     assert metrics["action_mse"] > 0 and metrics["action_mse_normalized"] > 0
@@ -87,7 +88,7 @@ def test_train_with_no_arguments_then_export_convert_eval(tmp_path, capsys):
 
 @pytest.mark.slow
 def test_pi0_trains_from_the_cli_then_converts_to_lerobot_and_back(tiny_dataset, tmp_path):
-    """``--policy pi0`` trains the debug Pi0 on CPU (finite losses; lower on fixed noise and times);
+    """``--model pi0`` trains the debug Pi0 on CPU (finite losses; lower on fixed noise and times);
     ``lf-to-lerobot`` writes
     what LeRobot's PI0Pytorch loads strictly, and ``lerobot-to-lf`` gives the checkpoint back bitwise."""
     from torch.utils.data import default_collate
@@ -100,21 +101,21 @@ def test_pi0_trains_from_the_cli_then_converts_to_lerobot_and_back(tiny_dataset,
     from loongforge.embodied.task import masked_flow_loss
 
     run = tmp_path / "run"
-    args = tiny_overrides(tiny_dataset, run, "--policy", "pi0", "train.steps=16", "log.interval=1", "log.tensorboard=false",
+    args = tiny_overrides(tiny_dataset, run, "--model", "pi0", "train.steps=16", "log.interval=1", "log.tensorboard=false",
                           "checkpoint.interval=16", "train.warmup_steps=2", "train.lr=1e-2")
     assert main(["train", *args]) == 0
     losses = [json.loads(line)["loss"] for line in (run / "metrics.jsonl").read_text().splitlines()]
     assert len(losses) == 16 and all(map(math.isfinite, losses))
     cfg = load_train_config("train", normalise_overrides(args))
-    assert cfg.policy.family == "pi0" and not cfg.policy.discrete_state
+    assert cfg.model.family == "pi0" and not cfg.model.discrete_state
     ours = {k[len("model."):]: v for k, v in Checkpoint(run / "checkpoints").tensors("model.").items()}
     # the per-step losses are noisy (random times); on every training frame with fixed noise and
     # times, the trained weights beat the run's initial ones (seeded by train.seed)
-    data = EmbodiedDataset(cfg.data, cfg.policy, str(tiny_dataset))
+    data = EmbodiedDataset(cfg.data, cfg.model, str(tiny_dataset))
     batch = default_collate([data[i] for i in range(len(data))])
-    noise, t = draw_noise_and_time(0, 0, (len(data), 4, 4), **cfg.policy.time_kwargs())
+    noise, t = draw_noise_and_time(0, 0, (len(data), 4, 4), **cfg.model.time_kwargs())
     torch.manual_seed(cfg.train.seed)
-    policy = build_policy(cfg.policy).eval()
+    policy = build_policy(cfg.model).eval()
     with torch.no_grad():
         initial = masked_flow_loss(batch, policy(batch, noise, t))
         policy.load_state_dict(ours)
@@ -124,7 +125,7 @@ def test_pi0_trains_from_the_cli_then_converts_to_lerobot_and_back(tiny_dataset,
     lerobot_file = tmp_path / "lerobot" / "model.safetensors"
     assert main(["convert", "lf-to-lerobot", str(run), str(lerobot_file)]) == 0
     exported = load_file(str(lerobot_file))
-    reference = build_lerobot_pi0(cfg.policy)
+    reference = build_lerobot_pi0(cfg.model)
     reference.load_state_dict({k[len("model."):]: v for k, v in exported.items()}, strict=True)
     assert torch.equal(exported["model.state_proj.weight"], ours["state_proj.weight"])
     back = tmp_path / "back.safetensors"
@@ -139,7 +140,7 @@ def test_pi0_trains_from_the_cli_then_converts_to_lerobot_and_back(tiny_dataset,
 
 @pytest.mark.slow
 def test_smolvla_trains_from_the_cli_then_converts_to_lerobot_and_back(tiny_dataset, tmp_path, capsys):
-    """``--policy smolvla`` trains the debug SmolVLA on CPU (finite losses); ``lf-to-lerobot`` writes
+    """``--model smolvla`` trains the debug SmolVLA on CPU (finite losses); ``lf-to-lerobot`` writes
     what LeRobot's SmolVLA model (``VLAFlowMatching``) loads strictly, and ``lerobot-to-lf`` (the
     family read off the file's names) gives the checkpoint back bitwise."""
     from safetensors import safe_open
@@ -148,19 +149,19 @@ def test_smolvla_trains_from_the_cli_then_converts_to_lerobot_and_back(tiny_data
     from lerobot_smolvla_reference import build_lerobot_smolvla
 
     run = tmp_path / "run"
-    args = tiny_overrides(tiny_dataset, run, "--policy", "smolvla", "train.steps=6", "log.interval=1",
+    args = tiny_overrides(tiny_dataset, run, "--model", "smolvla", "train.steps=6", "log.interval=1",
                           "log.tensorboard=false", "checkpoint.interval=6", "train.warmup_steps=2")
     assert main(["train", *args]) == 0
     losses = [json.loads(line)["loss"] for line in (run / "metrics.jsonl").read_text().splitlines()]
     assert len(losses) == 6 and all(map(math.isfinite, losses))
     cfg = load_train_config("train", normalise_overrides(args))
-    assert cfg.policy.family == "smolvla" and cfg.policy.image_size == 16
+    assert cfg.model.family == "smolvla" and cfg.model.image_size == 16
     ours = {k[len("model."):]: v for k, v in Checkpoint(run / "checkpoints").tensors("model.").items()}
 
     lerobot_file = tmp_path / "lerobot" / "model.safetensors"
     assert main(["convert", "lf-to-lerobot", str(run), str(lerobot_file)]) == 0
     exported = load_file(str(lerobot_file))
-    reference = build_lerobot_smolvla(cfg.policy)
+    reference = build_lerobot_smolvla(cfg.model)
     reference.load_state_dict({k[len("model."):]: v for k, v in exported.items()}, strict=True)
     assert torch.equal(exported["model.vlm_with_expert.lm_expert.norm.weight"], ours["expert_norm.weight"])
     back = tmp_path / "back.safetensors"
@@ -179,14 +180,14 @@ def test_smolvla_trains_from_the_cli_then_converts_to_lerobot_and_back(tiny_data
 
 @pytest.mark.slow
 def test_groot_n1_7_trains_from_the_cli_then_its_head_converts_to_lerobot_and_back(tiny_dataset, tmp_path):
-    """``--policy groot_n1_7`` trains on CPU (finite losses); ``lf-to-lerobot`` writes the action head
+    """``--model groot_n1_7`` trains on CPU (finite losses); ``lf-to-lerobot`` writes the action head
     as a LeRobot ``GrootPolicy`` names it, which LeRobot's ``GR00TN17ActionHead`` loads strictly, and
     ``lerobot-to-lf`` gives the head back bitwise."""
     from embodied_helpers import tiny_overrides
     from lerobot_groot_reference import build_lerobot_groot_head
 
     run = tmp_path / "run"
-    args = tiny_overrides(tiny_dataset, run, "--policy", "groot_n1_7", "train.steps=6", "log.interval=1",
+    args = tiny_overrides(tiny_dataset, run, "--model", "groot_n1_7", "train.steps=6", "log.interval=1",
                           "log.tensorboard=false", "checkpoint.interval=6", "train.warmup_steps=2")
     assert main(["train", *args]) == 0
     losses = [json.loads(line)["loss"] for line in (run / "metrics.jsonl").read_text().splitlines()]
@@ -199,7 +200,7 @@ def test_groot_n1_7_trains_from_the_cli_then_its_head_converts_to_lerobot_and_ba
     exported = load_file(str(lerobot_file))
     prefix = "_groot_model.action_head."
     assert all(k.startswith(prefix) for k in exported)
-    build_lerobot_groot_head(cfg.policy).load_state_dict({k[len(prefix):]: v for k, v in exported.items()}, strict=True)
+    build_lerobot_groot_head(cfg.model).load_state_dict({k[len(prefix):]: v for k, v in exported.items()}, strict=True)
     back = tmp_path / "back.safetensors"
     assert main(["convert", "lerobot-to-lf", str(lerobot_file), str(back)]) == 0
     converted = load_file(str(back))
@@ -212,7 +213,7 @@ def test_groot_n1_7_trains_from_the_cli_then_its_head_converts_to_lerobot_and_ba
     saved = tmp_path / "lerobot_dir"
     assert main(["convert", "lf-to-lerobot", str(run), str(saved)]) == 0
     config = json.loads((saved / "config.json").read_text())
-    assert config["model_type"] == "Gr00tN1d7" and config["diffusion_model_cfg"]["num_layers"] == cfg.policy.head.dit_layers
+    assert config["model_type"] == "Gr00tN1d7" and config["diffusion_model_cfg"]["num_layers"] == cfg.model.head.dit_layers
     head_ref = GR00TN17ActionHead(GR00TN17Config(**config))
     head_ref.load_state_dict({k[len(prefix):]: v for k, v in load_file(str(saved / "model.safetensors")).items()}, strict=True)
     assert main(["convert", "lerobot-to-lf", str(saved), str(tmp_path / "back_dir.safetensors")]) == 0

@@ -132,7 +132,7 @@ def test_head_round_trip_and_config(pair, tmp_path):
 
 
 def test_a_lerobot_file_cannot_start_the_whole_policy(pair, tmp_path):
-    """``policy.pretrained_format=lerobot`` starts a whole policy; GR00T's layout covers the head only,
+    """``model.pretrained_format=lerobot`` starts a whole policy; GR00T's layout covers the head only,
     so it is refused naming a tensor outside it."""
     from dataclasses import replace
 

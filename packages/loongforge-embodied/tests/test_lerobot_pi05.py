@@ -88,15 +88,15 @@ def test_cached_sampling_matches_full_recompute(pair):
 
 
 def test_released_size_preset_has_lerobot_pi05_shapes():
-    """``policy=pi05_base`` against LeRobot's own ``PI05Pytorch(PI05Config())`` (gemma_2b +
+    """``model=pi05_base`` against LeRobot's own ``PI05Pytorch(PI05Config())`` (gemma_2b +
     gemma_300m), both built on the meta device: every released tensor maps onto a tensor of ours of
-    the same shape, so LeRobot's pi05 checkpoints load with ``policy.pretrained_format=lerobot``."""
+    the same shape, so LeRobot's pi05 checkpoints load with ``model.pretrained_format=lerobot``."""
     from lerobot.policies.pi05.configuration_pi05 import PI05Config
     from lerobot.policies.pi05.modeling_pi05 import PI05Pytorch
 
     from loongforge.embodied.config import load_train_config
 
-    cfg = load_train_config("train", ["policy=pi05_base"]).policy
+    cfg = load_train_config("train", ["model=pi05_base"]).model
     with torch.device("meta"):
         ref = PI05Pytorch(PI05Config(dtype="float32"))
         ours = build_policy(cfg)
@@ -128,7 +128,7 @@ def test_family_adapter_is_the_lerobot_table(tmp_path):
         names = set(build_policy(cfg).state_dict())
     assert set(adapter.bind(cfg).lf_names) == names
 
-    base = load_train_config("train", ["policy=pi05_base"]).policy
+    base = load_train_config("train", ["model=pi05_base"]).model
     PI05Config()._save_pretrained(tmp_path)  # LeRobot's own config.json of its released pi05
     released = adapter.config_from_hf(json.loads((tmp_path / "config.json").read_text()))
     assert to_dict(released) == to_dict(base)

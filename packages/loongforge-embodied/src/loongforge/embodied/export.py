@@ -1,11 +1,11 @@
 """``lf-embodied convert``: a trained policy's weights <-> LeRobot's layouts.
 
 Every policy family whose ``ModelSpec.hf_adapter`` is a ``LeRobotAdapter`` converts (Pi0, Pi0.5,
-SmolVLA, GR00T N1.5/N1.6's action head...): ``lf-to-lerobot`` writes a checkpoint's policy as LeRobot's
+SmolVLA, GR00T N1.7's action head...): ``lf-to-lerobot`` writes a checkpoint's policy as LeRobot's
 ``model.safetensors`` (a LoRA run's adapters merged into the weights); ``lerobot-to-lf`` rewrites
 such a file in LoongForge names (the family read off the file's tensors, each family's adapter
-saying which names are its own), a file ``policy.pretrained`` reads (or read LeRobot's file
-directly with ``policy.pretrained_format=lerobot``). ``lora-to-peft`` (the shared direction of
+saying which names are its own), a file ``model.pretrained`` reads (or read LeRobot's file
+directly with ``model.pretrained_format=lerobot``). ``lora-to-peft`` (the shared direction of
 ``loongforge.core.lora``) writes a LoRA run's adapters alone, named as ``lora_layouts`` says.
 """
 
@@ -17,6 +17,7 @@ from pathlib import Path
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
+from loongforge.core.config import to_dict
 from loongforge.core.errors import DataError, OutputExistsError
 from loongforge.core.lora import AdapterLayout, merge_lora, one_to_one_names
 from loongforge.embodied.convert.lerobot_layout import (
@@ -26,13 +27,8 @@ from loongforge.embodied.convert.lerobot_layout import (
     lerobot_family,
     to_lerobot,
 )
+from loongforge.embodied.config import saved_model_section
 from loongforge.embodied.restore import restore_policy
-
-
-def checkpoint_path(path: str | Path) -> Path:
-    """A run directory's ``checkpoints``, or the checkpoint (root or step directory) itself."""
-    path = Path(path)
-    return path / "checkpoints" if (path / "checkpoints").is_dir() else path
 
 
 def _new_file(out: str | Path) -> Path:
@@ -61,24 +57,24 @@ def export_lerobot(path: str | Path, out: str | Path, dtype=None) -> tuple[Path,
 
     from loongforge.core.config import ConfigError
 
-    policy, cfg, ckpt = restore_policy(checkpoint_path(path))
-    adapter = lerobot_adapter(cfg.policy.family)
+    policy, cfg, ckpt = restore_policy(path)
+    adapter = lerobot_adapter(cfg.model.family)
     if adapter is None:
-        raise ConfigError(f"lf-to-lerobot: {path} is a policy.family={cfg.policy.family} checkpoint; only "
+        raise ConfigError(f"lf-to-lerobot: {path} is a model.family={cfg.model.family} checkpoint; only "
                           f"{', '.join(lerobot_families())} have a LeRobot layout (the checkpoint itself is "
                           f"what `checkpoint.load` and `lf-embodied eval` read)")
     merge_lora(policy)  # a LoRA run: W + (alpha / rank) B A, an ordinary LeRobot policy
     state = {k: v.contiguous() if dtype is None or not v.is_floating_point() else v.to(dtype).contiguous()
              for k, v in policy.state_dict().items()}
-    state = to_lerobot(adapter, state, cfg.policy)
+    state = to_lerobot(adapter, state, cfg.model)
     config, note = None, ""
     if is_lerobot_directory(out):
         try:
-            config = adapter.config_to_hf(cfg.policy)
+            config = adapter.config_to_hf(cfg.model)
         except MappingError as exc:
             note = f" (no {LEROBOT_CONFIG}: {exc})"
-    meta = {"format": "lerobot", "family": cfg.policy.family, "step": str(ckpt.step),
-            "policy_config": json.dumps(ckpt.manifest["config"]["policy"]),
+    meta = {"format": "lerobot", "family": cfg.model.family, "step": str(ckpt.step),
+            "policy_config": json.dumps(to_dict(cfg.model)),
             "dataset": json.dumps(ckpt.manifest.get("dataset", {}))}
     if is_lerobot_directory(out):
         out = Path(out)
@@ -127,7 +123,7 @@ def lora_layouts(manifest: dict, names: list[str]) -> list[AdapterLayout]:
     LoongForge's names (``base_model.model.<name>``: a ``PeftModel`` of the LoongForge policy)."""
     from loongforge.embodied.config import PolicyConfig
 
-    family = ((manifest.get("config") or {}).get("policy") or {}).get("family", PolicyConfig.family)
+    family = saved_model_section(manifest.get("config") or {}).get("family", PolicyConfig.family)
     adapter = lerobot_adapter(family)
     if adapter is None:
         return [AdapterLayout(prefix="", rename=lambda weights: {w: w for w in weights},

@@ -78,12 +78,12 @@ def config_to_lerobot(cfg, family: str, discrete_state: bool) -> dict:
         ours = getattr(cfg, part)
         variants[key] = next((name for name, v in GEMMA_VARIANTS.items() if v == ours), None)
         if variants[key] is None:
-            raise MappingError(f"policy.{part}={ours}: {theirs} builds only the Gemma variants "
+            raise MappingError(f"model.{part}={ours}: {theirs} builds only the Gemma variants "
                                f"{', '.join(GEMMA_VARIANTS)}")
     fixed = {"vision": (cfg.vision, SIGLIP_SO400M), "vocab_size": (cfg.vocab_size, PALIGEMMA_VOCAB_SIZE),
              "discrete_state": (cfg.discrete_state, discrete_state), "time_sampling": (cfg.time_sampling, "beta")}
     for key, (value, needed) in fixed.items():
         if value != needed:
-            raise MappingError(f"policy.{key}={value!r}: {theirs} has {needed!r}")
+            raise MappingError(f"model.{key}={value!r}: {theirs} has {needed!r}")
     return {"type": family, **variants, **{key: getattr(cfg, ours) for key, ours in SAME.items()},
             "n_action_steps": cfg.chunk_size, "image_resolution": [cfg.image_size, cfg.image_size]}

@@ -1,6 +1,6 @@
 """LeRobot policy layouts as tables of the core mapping engine (``loongforge.core.hf_mapping``):
 what every family with a LeRobot layout registers (``LeRobotAdapter``, its ``ModelSpec.hf_adapter``:
-export, import, ``policy.pretrained_format=lerobot`` and the LoRA layout find a family's piece
+export, import, ``model.pretrained_format=lerobot`` and the LoRA layout find a family's piece
 through the registry, never by name), and the PaliGemma-with-expert table of ``lerobot.policies.pi0``
 and ``pi05`` (``PaliGemmaAdapter``).
 
@@ -95,7 +95,7 @@ def _rows(state, name: str) -> int | None:
 class LeRobotAdapter(HFAdapter, ABC):
     """The adapter of a policy family with a LeRobot layout (its ``ModelSpec.hf_adapter``): the
     family's table, ``config.json`` translation and the few facts conversion needs, so export,
-    import and ``policy.pretrained_format=lerobot`` work for any registered family alike.
+    import and ``model.pretrained_format=lerobot`` work for any registered family alike.
     ``architectures`` is empty: LeRobot's ``config.json`` names a policy ``type``, not a
     transformers architecture, so ``hf_to_lf`` never picks a policy family. ``policy_prefix`` is what
     a saved LeRobot policy puts before its inner model's names; ``policy_class`` its class name."""

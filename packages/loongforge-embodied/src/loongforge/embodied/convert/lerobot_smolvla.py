@@ -154,15 +154,15 @@ def config_to_lerobot(cfg) -> dict:
                                                                               cfg.vocab_size)
                  and {**asdict(v.text), "depth": cfg.vlm.depth} == asdict(cfg.vlm)), None)
     if name is None:
-        raise MappingError(f"policy.vlm={cfg.vlm}, policy.vision={cfg.vision}: {theirs} builds only the VLMs "
+        raise MappingError(f"model.vlm={cfg.vlm}, model.vision={cfg.vision}: {theirs} builds only the VLMs "
                            f"{', '.join(SMOLVLM_VARIANTS)} (cut to their first layers)")
     multiplier = cfg.expert.width / cfg.vlm.width
     expected = GemmaConfig(**{**asdict(cfg.vlm), "width": cfg.expert.width, "mlp_dim": get_intermediate_size(cfg.expert.width)})
     if cfg.expert != expected or int(cfg.vlm.width * multiplier) != cfg.expert.width:
-        raise MappingError(f"policy.expert={cfg.expert}: {theirs} derives the expert from the VLM ({expected})")
+        raise MappingError(f"model.expert={cfg.expert}: {theirs} derives the expert from the VLM ({expected})")
     for key, needed in FIXED.items():
         if getattr(cfg, key) != needed:
-            raise MappingError(f"policy.{key}={getattr(cfg, key)!r}: {theirs} has {needed!r}")
+            raise MappingError(f"model.{key}={getattr(cfg, key)!r}: {theirs} has {needed!r}")
     return {"type": "smolvla", "vlm_model_name": name, "num_vlm_layers": cfg.vlm.depth, "num_expert_layers": -1,
             "attention_mode": "cross_attn", "expert_width_multiplier": multiplier,
             **{key: getattr(cfg, ours) for key, ours in SAME.items()}, **UNSUPPORTED, "prefix_length": -1,

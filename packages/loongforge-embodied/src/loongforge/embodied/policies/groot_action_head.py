@@ -49,14 +49,14 @@ class GrootHeadConfig:
     state_dropout_prob: float = 0.0  # state_dropout_prob: training zeroes the state token this often
 
     def __post_init__(self):
-        positive("policy.head", self, "hidden_size", "input_embedding_dim", "dit_layers", "dit_heads", "dit_head_dim",
+        positive("model.head", self, "hidden_size", "input_embedding_dim", "dit_layers", "dit_heads", "dit_head_dim",
                  "vl_heads", "vl_head_dim", "attend_text_every_n_blocks", "max_seq_len", "max_num_embodiments",
                  "num_timestep_buckets")
         if self.dit_heads * self.dit_head_dim != self.input_embedding_dim:
-            raise ValueError(f"policy.head.dit_heads * dit_head_dim = {self.dit_heads * self.dit_head_dim} must equal "
+            raise ValueError(f"model.head.dit_heads * dit_head_dim = {self.dit_heads * self.dit_head_dim} must equal "
                              f"input_embedding_dim={self.input_embedding_dim}")
         if not 0 <= self.embodiment_id < self.max_num_embodiments:
-            raise ValueError(f"policy.head.embodiment_id={self.embodiment_id}: not below max_num_embodiments="
+            raise ValueError(f"model.head.embodiment_id={self.embodiment_id}: not below max_num_embodiments="
                              f"{self.max_num_embodiments}")
 
 
@@ -259,7 +259,7 @@ class GrootActionHead(nn.Module):
     def __init__(self, cfg: GrootHeadConfig, backbone_dim: int, state_dim: int, action_dim: int):
         super().__init__()
         if cfg.vl_layers and cfg.vl_heads * cfg.vl_head_dim != backbone_dim:
-            raise ValueError(f"policy.head.vl_heads * vl_head_dim = {cfg.vl_heads * cfg.vl_head_dim} must equal the "
+            raise ValueError(f"model.head.vl_heads * vl_head_dim = {cfg.vl_heads * cfg.vl_head_dim} must equal the "
                              f"backbone width {backbone_dim}")
         self.cfg = cfg
         self.model = AlternateVLDiT(cfg, backbone_dim)

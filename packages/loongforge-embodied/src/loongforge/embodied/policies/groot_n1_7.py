@@ -5,7 +5,7 @@ name (LeRobot's ``GR00TN17ActionHead``); ``convert.lerobot_groot`` maps it to an
 ``GrootPolicy``'s ``_groot_model.action_head.*``. The backbone is not GR00T's: N1.7 reads the
 hidden states of NVIDIA's Cosmos-Reason2-2B (a Qwen3-VL model, with its own image processor and
 multimodal RoPE), which LeRobot loads from the hub; here the hidden states of layer
-``policy.vlm_layer`` of the SigLIP + Gemma backbone (``PrefixEmbedder``, ``JointLayer``, as Pi0.5's
+``model.vlm_layer`` of the SigLIP + Gemma backbone (``PrefixEmbedder``, ``JointLayer``, as Pi0.5's
 prefix) stand in, with the image tokens first (the DiT's image cross-attention reads them) and
 the prompt after (its text cross-attention).
 
@@ -46,9 +46,9 @@ class GrootN17Config(PolicyConfig):
     def __post_init__(self):
         super().__post_init__()
         if not -self.vlm.depth <= self.vlm_layer < self.vlm.depth:
-            raise ValueError(f"policy.vlm_layer={self.vlm_layer}: out of range for policy.vlm.depth={self.vlm.depth}")
+            raise ValueError(f"model.vlm_layer={self.vlm_layer}: out of range for model.vlm.depth={self.vlm.depth}")
         if self.time_sampling != "beta" or abs(self.time_offset + self.time_scale - 1.0) > 1e-9:
-            raise ValueError("policy.time_sampling, time_scale, time_offset: GR00T draws tau = (1 - Beta) * s, "
+            raise ValueError("model.time_sampling, time_scale, time_offset: GR00T draws tau = (1 - Beta) * s, "
                              "i.e. time_sampling=beta with time_scale + time_offset = 1")
 
 

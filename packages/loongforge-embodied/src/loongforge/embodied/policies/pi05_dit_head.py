@@ -3,7 +3,7 @@ GR00T checkpoint loads into it; ``groot_n1_7`` is GR00T N1.7's action head).
 
 The backbone (SigLIP + Gemma layers, the same ``PrefixEmbedder``/``JointLayer`` as Pi0.5 but
 without an expert stream) encodes cameras and instruction once; the hidden states of layer
-``policy.dit.vlm_layer`` are layer-normed and projected into the head. The head embeds the
+``model.dit.vlm_layer`` are layer-normed and projected into the head. The head embeds the
 state (one token) and the noisy action chunk (actions + sinusoidal time, GR00T's action
 encoder), adds learned positions, and runs DiT blocks: adaLN-zero conditioning on the time
 embedding, self-attention over state + action tokens, cross-attention to the backbone
@@ -46,7 +46,7 @@ class Pi05DiTHeadConfig(PolicyConfig):
     def __post_init__(self):
         super().__post_init__()
         if not -self.vlm.depth <= self.dit.vlm_layer < self.vlm.depth:
-            raise ValueError(f"policy.dit.vlm_layer={self.dit.vlm_layer}: out of range for policy.vlm.depth={self.vlm.depth}")
+            raise ValueError(f"model.dit.vlm_layer={self.dit.vlm_layer}: out of range for model.vlm.depth={self.vlm.depth}")
 
 
 class Pi05DiTHeadPolicy(TorchModel):

@@ -62,13 +62,13 @@ class SmolVLAConfig(ActionExpertConfig):
 
     def __post_init__(self):
         super().__post_init__()
-        positive("policy", self, "scale_factor", "self_attn_every_n_layers")
+        positive("model", self, "scale_factor", "self_attn_every_n_layers")
         if self.discrete_state:
-            raise ValueError("policy.discrete_state=true: SmolVLA reads the state as a continuous token, not in the prompt")
+            raise ValueError("model.discrete_state=true: SmolVLA reads the state as a continuous token, not in the prompt")
         side = self.image_size // self.vision.patch_size
         if side % self.scale_factor:
-            raise ValueError(f"policy.image_size={self.image_size}: {side} patches a side is not a multiple of "
-                             f"policy.scale_factor={self.scale_factor}")
+            raise ValueError(f"model.image_size={self.image_size}: {side} patches a side is not a multiple of "
+                             f"model.scale_factor={self.scale_factor}")
 
 
 def vision_config(cfg: SmolVLAConfig) -> SmolVLMVisionConfig:
