@@ -17,6 +17,7 @@ LeRobot's ``get_intermediate_size`` of that width.
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
+from typing import Any
 
 from loongforge.core.hf_mapping import HFMapping, MappingError, Rule
 from loongforge.embodied.config import GemmaConfig, VisionConfig
@@ -132,10 +133,14 @@ def config_from_lerobot(raw: dict):
     features = raw.get("input_features") or {}
     cameras = sum(1 for f in features.values() if isinstance(f, dict) and f.get("type") == "VISUAL")
     cameras += int(raw.get("empty_cameras", 0))
+    # the fields read off LeRobot's config.json, as its JSON values
+    read: dict[str, Any] = {ours: _required(raw, key, source) for key, ours in SAME.items()
+                            if key != "self_attn_every_n_layers"}
+    read.update(FIXED)
+    if cameras:
+        read["num_cameras"] = cameras
     return SmolVLAConfig(
-        **{ours: _required(raw, key, source) for key, ours in SAME.items() if key != "self_attn_every_n_layers"},
-        **FIXED,
-        **({"num_cameras": cameras} if cameras else {}),
+        **read,
         self_attn_every_n_layers=every,
         image_size=variant.image_size,
         scale_factor=variant.scale_factor,

@@ -99,7 +99,8 @@ class SmolVLMExpertLayer(nn.Module):
         self.scale = vlm.head_dim**-0.5
         self._rope = get_kernel("rope")
 
-    def prefix_kv(self, prefix: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+    def prefix_kv(self, prefix: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+                  ) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
         """The prefix's normed input, rotated queries and rotated keys/values."""
         h = self.vlm.input_layernorm(prefix)
         k, v = self.vlm.self_attn.kv(h)
@@ -129,6 +130,7 @@ class SmolVLMExpertLayer(nn.Module):
             blk = self.expert
             h = blk.input_layernorm(suffix)
             q_s = self._rope(blk.self_attn.q(h), *suffix_rope)
+            assert prefix_kv is not None, "the suffix attends to the prefix: give it or its cached keys/values"
             k_p, v_p = prefix_kv
             if self.cross:  # the expert's key/value projections of the prefix's keys/values
                 k = blk.self_attn.k_proj(k_p.flatten(-2).to(h.dtype)).unflatten(-1, (-1, blk.self_attn.head_dim))
