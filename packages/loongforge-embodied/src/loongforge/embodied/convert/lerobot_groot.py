@@ -12,6 +12,7 @@ SigLIP + Gemma; import leaves GR00T's backbone out and export writes the head al
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 from loongforge.core.hf_mapping import HFMapping, MappingError, Rule
 from loongforge.embodied.convert.lerobot_layout import LeRobotAdapter, WB
@@ -93,14 +94,15 @@ def config_from_lerobot(raw: dict):
     """A LeRobot ``GR00TN17Config`` (a dict) -> ``GrootN17Config`` with that head; the backbone
     stays this package's (its fields at their defaults; ``max_state_dim``/``max_action_dim`` and
     the chunk from the config)."""
-    from loongforge.embodied.policies.groot_n1_7 import GrootN17Config
+    from loongforge.embodied.config import policy_config_class  # the family's class, through the registry
 
     for key in ("max_state_dim", "max_action_dim", "action_horizon"):
         if key not in raw:
             raise MappingError(f"LeRobot GR00T N1.7 config: no {key!r}")
-    return GrootN17Config(head=head_config_from_lerobot(raw), max_state_dim=raw["max_state_dim"],
-                          max_action_dim=raw["max_action_dim"], chunk_size=raw["action_horizon"],
-                          num_inference_steps=raw.get("num_inference_timesteps", 4))
+    fields: dict[str, Any] = dict(head=head_config_from_lerobot(raw), max_state_dim=raw["max_state_dim"],
+                                  max_action_dim=raw["max_action_dim"], chunk_size=raw["action_horizon"],
+                                  num_inference_steps=raw.get("num_inference_timesteps", 4))
+    return policy_config_class("groot_n1_7")(**fields)
 
 
 def config_to_lerobot(cfg) -> dict:

@@ -100,7 +100,7 @@ def _required(raw: dict, key: str, source: str):
 
 def config_from_lerobot(raw: dict):
     """LeRobot's ``SmolVLAConfig`` as a dict (its ``config.json``) -> ``SmolVLAConfig``."""
-    from loongforge.embodied.policies.smolvla import SmolVLAConfig
+    from loongforge.embodied.config import policy_config_class  # the family's class, through the registry
 
     source = "LeRobot smolvla config"
     if raw.get("type", "smolvla") != "smolvla":
@@ -133,14 +133,13 @@ def config_from_lerobot(raw: dict):
     features = raw.get("input_features") or {}
     cameras = sum(1 for f in features.values() if isinstance(f, dict) and f.get("type") == "VISUAL")
     cameras += int(raw.get("empty_cameras", 0))
-    # the fields read off LeRobot's config.json, as its JSON values
-    read: dict[str, Any] = {ours: _required(raw, key, source) for key, ours in SAME.items()
-                            if key != "self_attn_every_n_layers"}
-    read.update(FIXED)
+    # the config's fields: LeRobot's config.json values and the SmolVLM variant's sizes
+    fields: dict[str, Any] = {ours: _required(raw, key, source) for key, ours in SAME.items()
+                              if key != "self_attn_every_n_layers"}
+    fields.update(FIXED)
     if cameras:
-        read["num_cameras"] = cameras
-    return SmolVLAConfig(
-        **read,
+        fields["num_cameras"] = cameras
+    fields.update(
         self_attn_every_n_layers=every,
         image_size=variant.image_size,
         scale_factor=variant.scale_factor,
@@ -149,6 +148,7 @@ def config_from_lerobot(raw: dict):
         vlm=GemmaConfig(**{**text, "depth": depth}),
         expert=GemmaConfig(**{**text, "depth": depth, "width": expert_width, "mlp_dim": get_intermediate_size(expert_width)}),
     )
+    return policy_config_class("smolvla")(**fields)
 
 
 def config_to_lerobot(cfg) -> dict:
