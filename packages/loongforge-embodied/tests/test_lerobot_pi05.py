@@ -136,7 +136,7 @@ def test_family_adapter_is_the_lerobot_table(tmp_path):
     theirs = PreTrainedConfig.from_pretrained(tmp_path)  # LeRobot reads what we write
     assert isinstance(theirs, PI05Config) and (theirs.paligemma_variant, theirs.action_expert_variant) == ("gemma_2b", "gemma_300m")
     assert (theirs.chunk_size, theirs.max_action_dim, tuple(theirs.image_resolution)) == (50, 32, (224, 224))
-    with pytest.raises(MappingError, match=r"policy\.vlm=.*only the Gemma variants"):
+    with pytest.raises(MappingError, match=r"model\.vlm=.*only the Gemma variants"):
         adapter.config_to_hf(cfg)
     with pytest.raises(MappingError, match="paligemma_variant='gemma_7b'"):
         adapter.config_from_hf({**adapter.config_to_hf(base), "paligemma_variant": "gemma_7b"})

@@ -142,5 +142,5 @@ def test_config_translation_of_smolvla_base(tmp_path):
     assert (theirs.num_vlm_layers, theirs.expert_width_multiplier, tuple(theirs.resize_imgs_with_padding)) == (16, 0.75, (512, 512))
     with pytest.raises(MappingError, match="num_expert_layers=8"):
         ADAPTER.config_from_hf({**ADAPTER.config_to_hf(ours), "num_expert_layers": 8})
-    with pytest.raises(MappingError, match=r"policy\.vlm=.*builds only the VLMs"):
+    with pytest.raises(MappingError, match=r"model\.vlm=.*builds only the VLMs"):
         ADAPTER.config_to_hf(policy_config("smolvla"))
