@@ -129,9 +129,9 @@ def test_a_directory_key_naming_a_file_is_one_line(cli, key, tmp_path, capsys):
 
 
 def test_an_unknown_key_with_a_model_group_names_the_key(capsys):
-    """``--model groot`` swaps the model (policy) group; a misspelt key elsewhere is named (and the groot
-    keys are not reported against the default policy's config)."""
-    code, err = run_inproc(capsys, "lf-embodied", "train", "--model", "groot", "foo.bar=1")
+    """``--model smolvla`` swaps the model (policy) group; a misspelt key elsewhere is named (and the
+    smolvla keys are not reported against the default policy's config)."""
+    code, err = run_inproc(capsys, "lf-embodied", "train", "--model", "smolvla", "foo.bar=1")
     assert code == 2
     line = assert_one_error_line(err, "foo.bar")
     assert "model." not in line

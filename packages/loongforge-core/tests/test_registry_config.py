@@ -34,9 +34,9 @@ def test_one_family_loads_only_its_own_package():
 def test_every_modality_registers_its_families_and_each_loads_alone():
     """Wan and both policies register like the LLM families, each naming its engine and task; a
     lookup of one imports only its own modality package."""
-    engines = {name: get_model_spec(name).engine for name in ("llama", "vlm", "wan", "pi0", "pi05", "groot")}
+    engines = {name: get_model_spec(name).engine for name in ("llama", "vlm", "wan", "pi0", "pi05", "pi05_dit_head")}
     assert engines == {"llama": "megatron", "vlm": "megatron", "wan": "torch", "pi0": "torch", "pi05": "torch",
-                       "groot": "torch"}
+                       "pi05_dit_head": "torch"}
     others = {"pi05": ("loongforge.llm", "loongforge.vlm", "loongforge.diffusion", "diffusers", "megatron"),
               "wan": ("loongforge.llm", "loongforge.vlm", "loongforge.embodied", "lerobot")}
     for name, modules in others.items():

@@ -143,7 +143,7 @@ def resume_across_layouts(dataset_root, run_dir, *extra):
 def main():
     out = Path(sys.argv[1])
     ctx = init_parallel(seed=1234)
-    results = {name: equivalence(ctx, name) for name in ("pi0", "pi05", "groot")}
+    results = {name: equivalence(ctx, name) for name in ("pi0", "pi05", "pi05_dit_head", "smolvla", "groot_n1_7")}
     results["resume"] = resume_across_layouts(sys.argv[2], out / "run")
     results["resume_lora"] = resume_across_layouts(sys.argv[2], out / "run_lora", *LORA_OVERRIDES)
     if ctx.is_main:

@@ -21,8 +21,19 @@ from loongforge.embodied.cli import main
 from loongforge.embodied.config import load_train_config
 
 
-def test_policy_flag_selects_the_policy():
-    assert load_train_config("train", normalise_overrides(["--model", "groot"])).model.family == "groot"
+def test_model_flag_selects_the_policy():
+    for name in ("smolvla", "groot_n1_7", "pi05_dit_head"):
+        assert load_train_config("train", normalise_overrides(["--model", name])).model.family == name
+
+
+def test_the_renamed_groot_policy_is_refused_naming_the_new_one(capsys):
+    """``groot`` was the GR00T-style head on the Pi0.5 backbone: the old name is one error line
+    pointing at ``pi05_dit_head`` (and at GR00T N1.7's head), from the flag or the key (also under
+    the group's old name, ``policy``)."""
+    for args in (["--model", "groot"], ["model.family=groot"], ["policy=groot"]):
+        assert main(["train", "--print-config", *args]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and err[0].startswith("error:") and "pi05_dit_head" in err[0] and "groot_n1_7" in err[0]
 
 
 @pytest.mark.slow
@@ -125,3 +136,84 @@ def test_pi0_trains_from_the_cli_then_converts_to_lerobot_and_back(tiny_dataset,
 
     with safe_open(str(back), "pt") as f:
         assert f.metadata()["family"] == "pi0"
+
+
+@pytest.mark.slow
+def test_smolvla_trains_from_the_cli_then_converts_to_lerobot_and_back(tiny_dataset, tmp_path, capsys):
+    """``--model smolvla`` trains the debug SmolVLA on CPU (finite losses); ``lf-to-lerobot`` writes
+    what LeRobot's SmolVLA model (``VLAFlowMatching``) loads strictly, and ``lerobot-to-lf`` (the
+    family read off the file's names) gives the checkpoint back bitwise."""
+    from safetensors import safe_open
+
+    from embodied_helpers import tiny_overrides
+    from lerobot_smolvla_reference import build_lerobot_smolvla
+
+    run = tmp_path / "run"
+    args = tiny_overrides(tiny_dataset, run, "--model", "smolvla", "train.steps=6", "log.interval=1",
+                          "log.tensorboard=false", "checkpoint.interval=6", "train.warmup_steps=2")
+    assert main(["train", *args]) == 0
+    losses = [json.loads(line)["loss"] for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert len(losses) == 6 and all(map(math.isfinite, losses))
+    cfg = load_train_config("train", normalise_overrides(args))
+    assert cfg.model.family == "smolvla" and cfg.model.image_size == 16
+    ours = {k[len("model."):]: v for k, v in Checkpoint(run / "checkpoints").tensors("model.").items()}
+
+    lerobot_file = tmp_path / "lerobot" / "model.safetensors"
+    assert main(["convert", "lf-to-lerobot", str(run), str(lerobot_file)]) == 0
+    exported = load_file(str(lerobot_file))
+    reference = build_lerobot_smolvla(cfg.model)
+    reference.load_state_dict({k[len("model."):]: v for k, v in exported.items()}, strict=True)
+    assert torch.equal(exported["model.vlm_with_expert.lm_expert.norm.weight"], ours["expert_norm.weight"])
+    back = tmp_path / "back.safetensors"
+    assert main(["convert", "lerobot-to-lf", str(lerobot_file), str(back)]) == 0
+    converted = load_file(str(back))
+    assert set(converted) == set(ours) and all(torch.equal(converted[k], ours[k]) for k in ours)
+    with safe_open(str(back), "pt") as f:
+        assert f.metadata()["family"] == "smolvla"
+    # a directory OUT: model.safetensors as LeRobot saves it; no config.json for a size LeRobot cannot build
+    capsys.readouterr()
+    assert main(["convert", "lf-to-lerobot", str(run), str(tmp_path / "lerobot_dir")]) == 0
+    assert "no config.json" in capsys.readouterr().out and not (tmp_path / "lerobot_dir" / "config.json").exists()
+    assert set(load_file(str(tmp_path / "lerobot_dir" / "model.safetensors"))) == set(exported)
+    assert main(["convert", "lerobot-to-lf", str(tmp_path / "lerobot_dir"), str(tmp_path / "back2.safetensors")]) == 0
+
+
+@pytest.mark.slow
+def test_groot_n1_7_trains_from_the_cli_then_its_head_converts_to_lerobot_and_back(tiny_dataset, tmp_path):
+    """``--model groot_n1_7`` trains on CPU (finite losses); ``lf-to-lerobot`` writes the action head
+    as a LeRobot ``GrootPolicy`` names it, which LeRobot's ``GR00TN17ActionHead`` loads strictly, and
+    ``lerobot-to-lf`` gives the head back bitwise."""
+    from embodied_helpers import tiny_overrides
+    from lerobot_groot_reference import build_lerobot_groot_head
+
+    run = tmp_path / "run"
+    args = tiny_overrides(tiny_dataset, run, "--model", "groot_n1_7", "train.steps=6", "log.interval=1",
+                          "log.tensorboard=false", "checkpoint.interval=6", "train.warmup_steps=2")
+    assert main(["train", *args]) == 0
+    losses = [json.loads(line)["loss"] for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert len(losses) == 6 and all(map(math.isfinite, losses))
+    cfg = load_train_config("train", normalise_overrides(args))
+    ours = {k[len("model."):]: v for k, v in Checkpoint(run / "checkpoints").tensors("model.").items()}
+
+    lerobot_file = tmp_path / "lerobot" / "model.safetensors"
+    assert main(["convert", "lf-to-lerobot", str(run), str(lerobot_file)]) == 0
+    exported = load_file(str(lerobot_file))
+    prefix = "_groot_model.action_head."
+    assert all(k.startswith(prefix) for k in exported)
+    build_lerobot_groot_head(cfg.model).load_state_dict({k[len(prefix):]: v for k, v in exported.items()}, strict=True)
+    back = tmp_path / "back.safetensors"
+    assert main(["convert", "lerobot-to-lf", str(lerobot_file), str(back)]) == 0
+    converted = load_file(str(back))
+    head = {k: v for k, v in ours.items() if k.startswith("action_head.")}
+    assert set(converted) == set(head) and all(torch.equal(converted[k], head[k]) for k in head)
+
+    # a directory OUT: LeRobot's layout of a saved model, config.json (GR00T N1.7's head fields) included
+    from lerobot.policies.groot.groot_n1_7 import GR00TN17ActionHead, GR00TN17Config
+
+    saved = tmp_path / "lerobot_dir"
+    assert main(["convert", "lf-to-lerobot", str(run), str(saved)]) == 0
+    config = json.loads((saved / "config.json").read_text())
+    assert config["model_type"] == "Gr00tN1d7" and config["diffusion_model_cfg"]["num_layers"] == cfg.model.head.dit_layers
+    head_ref = GR00TN17ActionHead(GR00TN17Config(**config))
+    head_ref.load_state_dict({k[len(prefix):]: v for k, v in load_file(str(saved / "model.safetensors")).items()}, strict=True)
+    assert main(["convert", "lerobot-to-lf", str(saved), str(tmp_path / "back_dir.safetensors")]) == 0

@@ -12,7 +12,7 @@ from loongforge.embodied.policies import build_policy, policy_config
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", ["pi0", "pi05", "groot"])
+@pytest.mark.parametrize("name", ["pi0", "pi05", "pi05_dit_head", "smolvla", "groot_n1_7"])
 def test_compiled_checkpointed_blocks_match_eager(name):
     cfg = policy_config(name, chunk_size=4, max_action_dim=3, max_state_dim=3, num_cameras=1, image_size=16)
     torch.manual_seed(0)

@@ -69,7 +69,7 @@ def test_time_sampling_and_embedding():
 
 def test_policy_loss_is_squared_velocity_error():
     """The policy's per-element loss is (noise - actions - v(x_t, t))^2 with x_t built by hand."""
-    for name in ("pi0", "pi05", "groot"):
+    for name in ("pi0", "pi05", "pi05_dit_head"):
         torch.manual_seed(0)
         cfg = policy_config(name, chunk_size=4, max_action_dim=3, max_state_dim=3, num_cameras=1, image_size=16)
         policy = build_policy(cfg).eval()
@@ -86,7 +86,7 @@ def test_policy_loss_is_squared_velocity_error():
         x_t = t[:, None, None] * noise + (1 - t[:, None, None]) * batch["actions"]
         with torch.no_grad():
             loss = policy(batch, noise, t)
-            if name != "groot":
+            if name != "pi05_dit_head":
                 v = policy.velocity(batch, x_t, t)
             else:
                 feats, pad = policy.features(batch)

@@ -111,7 +111,7 @@ def test_cached_sampling_matches_full_recompute(pair):
 
 
 def test_released_size_preset_has_lerobot_pi0_shapes():
-    """``policy=pi0_base`` against LeRobot's own ``PI0Pytorch(PI0Config())`` on the meta device."""
+    """``model=pi0_base`` against LeRobot's own ``PI0Pytorch(PI0Config())`` on the meta device."""
     from lerobot.policies.pi0.configuration_pi0 import PI0Config
     from lerobot.policies.pi0.modeling_pi0 import PI0Pytorch
 

@@ -88,9 +88,9 @@ def test_cached_sampling_matches_full_recompute(pair):
 
 
 def test_released_size_preset_has_lerobot_pi05_shapes():
-    """``policy=pi05_base`` against LeRobot's own ``PI05Pytorch(PI05Config())`` (gemma_2b +
+    """``model=pi05_base`` against LeRobot's own ``PI05Pytorch(PI05Config())`` (gemma_2b +
     gemma_300m), both built on the meta device: every released tensor maps onto a tensor of ours of
-    the same shape, so LeRobot's pi05 checkpoints load with ``policy.pretrained_format=lerobot``."""
+    the same shape, so LeRobot's pi05 checkpoints load with ``model.pretrained_format=lerobot``."""
     from lerobot.policies.pi05.configuration_pi05 import PI05Config
     from lerobot.policies.pi05.modeling_pi05 import PI05Pytorch
 
@@ -136,7 +136,7 @@ def test_family_adapter_is_the_lerobot_table(tmp_path):
     theirs = PreTrainedConfig.from_pretrained(tmp_path)  # LeRobot reads what we write
     assert isinstance(theirs, PI05Config) and (theirs.paligemma_variant, theirs.action_expert_variant) == ("gemma_2b", "gemma_300m")
     assert (theirs.chunk_size, theirs.max_action_dim, tuple(theirs.image_resolution)) == (50, 32, (224, 224))
-    with pytest.raises(MappingError, match=r"policy\.vlm=.*only the Gemma variants"):
+    with pytest.raises(MappingError, match=r"model\.vlm=.*only the Gemma variants"):
         adapter.config_to_hf(cfg)
     with pytest.raises(MappingError, match="paligemma_variant='gemma_7b'"):
         adapter.config_from_hf({**adapter.config_to_hf(base), "paligemma_variant": "gemma_7b"})

@@ -108,13 +108,13 @@ def test_lora_trains_adapters_and_exports_for_lerobot(tiny_dataset, tmp_path, fa
         torch.testing.assert_close(lerobot_loss(lerobot.eval(), batch, noise, t), want, rtol=1e-4, atol=1e-5)
 
 
-def test_groot_lora_adapter_loads_with_peft_in_our_names(tiny_dataset, tmp_path, capsys):
-    """GR00T has no LeRobot layout: its adapters keep LoongForge's names, which PEFT loads onto
+def test_pi05_dit_head_lora_adapter_loads_with_peft_in_our_names(tiny_dataset, tmp_path, capsys):
+    """pi05_dit_head has no LeRobot layout: its adapters keep LoongForge's names, which PEFT loads onto
     our own policy; the merged policy gives the same loss."""
     from peft import PeftModel
 
     run = tmp_path / "run"
-    cfg = _train(tiny_dataset, run, "model=groot", r"lora.target_modules=[q_proj,v_proj,re:.*_attn\.(q|out)]")
+    cfg = _train(tiny_dataset, run, "model=pi05_dit_head", r"lora.target_modules=[q_proj,v_proj,re:.*_attn\.(q|out)]")
     ours, _, _ = restore_policy(run / "checkpoints")
     ours.eval()
     batch, noise, t = _batch(cfg.model)
@@ -132,7 +132,8 @@ def test_groot_lora_adapter_loads_with_peft_in_our_names(tiny_dataset, tmp_path,
     capsys.readouterr()
     assert main(["convert", "lf-to-lerobot", str(run), str(tmp_path / "x.safetensors")]) == 2  # one line, no traceback
     err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and "model.family=groot" in err[0] and "only pi0 and pi05 have a LeRobot layout" in err[0]
+    assert len(err) == 1 and "model.family=pi05_dit_head" in err[0] and "have a LeRobot layout" in err[0]
+    assert all(name in err[0] for name in ("pi0", "pi05", "smolvla", "groot_n1_7"))
 
 
 def test_targets_that_match_no_layer_are_one_error_line(tiny_dataset, tmp_path, capsys):

@@ -24,24 +24,24 @@ def two_process_results(tiny_dataset, tmp_path_factory):
     env = {**os.environ, "OMP_NUM_THREADS": "1", "LOONGFORGE_ACCELERATOR": "cpu"}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
            str(HERE / "dist_equivalence.py"), str(out), str(tiny_dataset)]
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=400)
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=700)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
     return json.loads((out / "results.json").read_text())
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("policy", ["pi0", "pi05", "groot"])
+@pytest.mark.parametrize("policy", ["pi0", "pi05", "pi05_dit_head", "smolvla", "groot_n1_7"])
 @pytest.mark.parametrize("mode", ["ddp", "fsdp", "hsdp", "fsdp_ac"])
 def test_two_processes_match_one(two_process_results, policy, mode):
     """fp32: the same loss and gradients (rtol 1e-4) as one process on the whole batch."""
     r = two_process_results[policy][mode]
     assert r["loss"] == pytest.approx(r["ref_loss"], rel=1e-4)
     assert r["grad_violation"] <= 1.0, r  # every gradient within rtol=1e-4 (atol=1e-7) of one process
-    assert r["num_grads"] > 50
+    assert r["num_grads"] > 40  # SmolVLA at LeRobot's defaults trains its expert and heads only: 47 tensors
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("policy", ["pi0", "pi05", "groot"])
+@pytest.mark.parametrize("policy", ["pi0", "pi05", "pi05_dit_head", "smolvla", "groot_n1_7"])
 def test_fsdp_bf16_mixed_precision_tracks_fp32(two_process_results, policy):
     """bf16 parameters/compute with fp32 gradient reduction: close to the fp32 one-process result
     (bf16 keeps ~3 digits: the loss within 3%, the full gradient within 15% in L2, i.e. cosine > 0.99;
@@ -61,7 +61,7 @@ def test_resume_across_layouts_follows_one_process(two_process_results, tiny_dat
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("policy", ["pi0", "pi05", "groot"])
+@pytest.mark.parametrize("policy", ["pi0", "pi05", "pi05_dit_head", "smolvla", "groot_n1_7"])
 def test_fsdp_lora_matches_one_process(two_process_results, policy):
     """LoRA adapters under FSDP2 with activation recomputation: the adapters' gradients (A's too:
     B starts nonzero here) equal one process's on the whole batch; nothing else has one."""

@@ -21,7 +21,7 @@ STEPS, SAVE_EVERY = 40, 4
 
 
 def cli_args(dataset, run_dir) -> list[str]:
-    return ["lf-embodied", "train", *tiny_overrides(dataset, run_dir, "log.tensorboard=false", "model=groot",
+    return ["lf-embodied", "train", *tiny_overrides(dataset, run_dir, "log.tensorboard=false", "model=pi05_dit_head",
                                                      f"train.steps={STEPS}", f"checkpoint.interval={SAVE_EVERY}",
                                                      "log.interval=1", "train.warmup_steps=2")]
 
@@ -62,12 +62,12 @@ def test_kill_and_resume_is_exact(tiny_dataset, tmp_path):
     assert sorted(got) == list(range(resumed_from + 1, STEPS + 1))
     assert got == {step: want[step] for step in got}  # exact equality
     manifest = json.loads((find_resume_checkpoint(killed) / "manifest.json").read_text())
-    assert manifest["step"] == STEPS and manifest["family"] == "groot"
+    assert manifest["step"] == STEPS and manifest["family"] == "pi05_dit_head"
     assert manifest["consumed_samples"] == STEPS * 4 and any(k.startswith("optim.") for k in manifest["tensors"])
 
 
 def run(dataset, run_dir, *extra):
-    return train(load_train_config("train", tiny_overrides(dataset, run_dir, "log.tensorboard=false", "model=groot", *extra)))
+    return train(load_train_config("train", tiny_overrides(dataset, run_dir, "log.tensorboard=false", "model=pi05_dit_head", *extra)))
 
 
 def test_a_finished_run_trains_no_more(tiny_dataset, tmp_path):
@@ -84,6 +84,6 @@ def test_resume_refuses_a_different_policy(tiny_dataset, tmp_path):
 
 def test_config_errors_name_the_key():
     with pytest.raises(ConfigError, match="model.dit.widht"):
-        load_train_config("train", ["model=groot", "model.dit.widht=3"])
+        load_train_config("train", ["model=pi05_dit_head", "model.dit.widht=3"])
     with pytest.raises(ConfigError, match="parallel.data_parallel='zero3'"):
         load_train_config("train", ["parallel.data_parallel=zero3"])

@@ -1,10 +1,10 @@
 """``lf-embodied``: the shared ``lf-*`` commands (train, info, convert, bench, plot, compare) for
 VLA policies, plus ``eval``.
 
-    lf-embodied train [--config NAME|PATH] [--model pi0|pi05|groot] [--data.path PATH] [key=value ...]
+    lf-embodied train [--config NAME|PATH] [--model pi0|pi05|smolvla|groot_n1_7|pi05_dit_head] [--data.path PATH] [key=value ...]
     lf-embodied eval --checkpoint RUN_DIR|CKPT_DIR [--data.path PATH] [key=value ...]
-    lf-embodied convert lf-to-lerobot CHECKPOINT OUT.safetensors | lerobot-to-lf LEROBOT.safetensors OUT.safetensors
-    lf-embodied convert lora-to-peft CHECKPOINT OUT    # a LoRA run's adapters, for PEFT on LeRobot's PI0Policy/PI05Policy
+    lf-embodied convert lf-to-lerobot CHECKPOINT OUT.safetensors|OUT_DIR | lerobot-to-lf LEROBOT.safetensors|LEROBOT_DIR OUT.safetensors
+    lf-embodied convert lora-to-peft CHECKPOINT OUT    # a LoRA run's adapters, for PEFT on LeRobot's policy
     lf-embodied bench [--against-lerobot [--lerobot-compile-mode MODE]] [--batch-size B] [--steps N] [--rounds R]
                       [--processes P] [--variant NAME=KEY=VALUE,...] [key=value ...]
 
@@ -101,7 +101,8 @@ def lf_to_lerobot(source: str, out: str, args) -> str:
     from loongforge.core.cli import convert_dtype
     from loongforge.embodied.export import export_lerobot
 
-    return f"wrote {export_lerobot(source, out, dtype=convert_dtype(args.dtype))}"
+    written, note = export_lerobot(source, out, dtype=convert_dtype(args.dtype))
+    return f"wrote {written}{note}"
 
 
 def lerobot_to_lf(source: str, out: str, args) -> str:
@@ -129,11 +130,11 @@ def describe_cli():
     return ModalityCLI(
         prog="lf-embodied", module="loongforge.embodied.cli", description="LoongForge embodied (VLA) policies",
         config_dirs=[CONFIG_DIR], default_config="train", load_config=load_config, make_task=make_task,
-        info=cmd_info, example="--model groot data.path=/data/lerobot_dataset train.steps=2000",
-        converters=[Converter("lf-to-lerobot", "a pi0 or pi05 checkpoint (or run dir) -> LeRobot's PI0Policy / PI05Policy model.safetensors "
-                              "(a LoRA run's adapters merged)", lf_to_lerobot),
-                    Converter("lerobot-to-lf", "LeRobot's pi0 or pi05 model.safetensors -> the same weights in LoongForge "
-                              "names (for model.pretrained)", lerobot_to_lf)],
+        info=cmd_info, example="--model smolvla data.path=/data/lerobot_dataset train.steps=2000",
+        converters=[Converter("lf-to-lerobot", "a checkpoint (or run dir) of a policy with a LeRobot layout (pi0, pi05, smolvla, "
+                              "groot_n1_7's head) -> LeRobot's model.safetensors (a LoRA run's adapters merged)", lf_to_lerobot),
+                    Converter("lerobot-to-lf", "a LeRobot policy's model.safetensors (pi0, pi05, smolvla, groot's N1.7 head) -> "
+                              "the same weights in LoongForge names (for model.pretrained)", lerobot_to_lf)],
         bench_options=bench_options, bench=bench, commands=commands, lora_layouts=lora_layouts, lora_library="LeRobot",
         packages=["loongforge-core", "loongforge-embodied", "loongforge-kernels"],
         libraries=("torch", "lerobot", "transformers"),

@@ -1,13 +1,14 @@
 """The ``lf-embodied`` config: the shared groups of every ``lf-*`` CLI (``train``, ``parallel``,
 ``checkpoint``, ``log``, ``lora``), ``eval``, ``data`` (a LeRobot dataset) and ``model`` (the policy), whose class is the
-selected policy family's own (``Pi0Config``, ``Pi05Config``, ``GrootConfig``, registered with their policies
-through ``loongforge.models``).
+selected policy family's own (``Pi0Config``, ``Pi05Config``, ``SmolVLAConfig``, ``GrootN17Config``,
+``Pi05DiTHeadConfig``, registered with their policies through ``loongforge.models``).
 
 ``load_train_config(name, overrides)`` composes ``configs/<name>.yaml`` (default ``train``) with
-its ``model`` group (``model=groot`` or ``--model groot`` selects ``configs/model/groot.yaml``)
+its ``model`` group (``model=smolvla`` or ``--model smolvla`` selects ``configs/model/smolvla.yaml``)
 and ``key=value`` overrides through ``loongforge.core.config``; the ``model`` section is validated
 as the config class of ``model.family``. The names of earlier releases (``policy``, ``data.root``,
-``policy.tokenizer``: ``RENAMED_KEYS``) are read with a note.
+``policy.tokenizer``: ``RENAMED_KEYS``) are read with a note; a renamed policy family
+(``RENAMED_POLICIES``) is refused naming its new name.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from loongforge.core.config import load_config, read_section
+from loongforge.core.config import load_config, read_section, rename_overrides
 from loongforge.core.training.schema import (
     CheckpointConfig,
     EvalConfig,
@@ -106,7 +107,7 @@ class GemmaConfig:
 class PolicyConfig:
     """What every flow-matching policy shares: the action chunk, padding, cameras, prompt, the
     SigLIP + Gemma backbone and the flow-matching time distribution. A policy family extends it
-    with its own fields (``Pi0Config``, ``Pi05Config``, ``GrootConfig``)."""
+    with its own fields (``Pi0Config``, ``Pi05Config``, ``SmolVLAConfig``, ``GrootN17Config``...)."""
 
     family: str = "pi05"  # the registered policy family (loongforge.models)
     chunk_size: int = 8  # action horizon predicted per observation
@@ -176,6 +177,21 @@ class EmbodiedConfig:
         check_train_config(self.train)
 
 
+# policy families that were renamed: old name -> what to use instead
+RENAMED_POLICIES = {
+    "groot": "pi05_dit_head (the GR00T-style DiT head on the Pi0.5 backbone it always was); "
+             "GR00T N1.7's own action head is groot_n1_7",
+}
+
+
+def check_renamed_policy(family: str, key: str = "model.family") -> None:
+    """A renamed policy family is refused naming the new one."""
+    from loongforge.core.config import ConfigError
+
+    if family in RENAMED_POLICIES:
+        raise ConfigError(f"{key}={family}: renamed; use {RENAMED_POLICIES[family]}")
+
+
 def saved_model_section(config: dict) -> dict:
     """The ``model`` section of a run config saved in a checkpoint (``policy`` before it was renamed)."""
     return config.get("model") or config.get("policy") or {}
@@ -186,6 +202,7 @@ def policy_config_class(family: str) -> type[PolicyConfig]:
     from loongforge.core.config import ConfigError
     from loongforge.core.models import ModelRegistryError, get_model_spec
 
+    check_renamed_policy(family)
     try:
         config_class = get_model_spec(family).config_class
     except ModelRegistryError as exc:
@@ -198,6 +215,10 @@ def policy_config_class(family: str) -> type[PolicyConfig]:
 def load_train_config(name_or_path: str | None = "train", overrides: Sequence[str] = ()) -> EmbodiedConfig:
     """``configs/<name>.yaml`` (or a YAML path) + overrides, validated; the ``model`` section as the
     config class of its ``family``."""
+    for given, override in zip(overrides, rename_overrides(overrides, RENAMED_KEYS, note=False)):
+        key, _, value = override.partition("=")  # under its new name: policy=groot is model=groot
+        if key.strip().lstrip("+~") in ("model", "model.family"):
+            check_renamed_policy(value.strip(), given.partition("=")[0].strip().lstrip("+~"))
     family = read_section(EmbodiedConfig, "model", name_or_path, overrides, [CONFIG_DIR],
                           renamed=RENAMED_KEYS).get("family", "pi05")
     schema = EmbodiedConfig(model=policy_config_class(family)())

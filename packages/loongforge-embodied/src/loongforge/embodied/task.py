@@ -6,7 +6,7 @@ micro-batches of ``train.micro_batch_size`` samples (null: one), with the noise 
 global batch ``s`` (``draw_noise_and_time``: a function of (seed, step), so any split and any
 resume see the same values). The loss is the per-element flow-matching error masked to real
 action dimensions and in-episode chunk steps; the loop normalises it by the global number of
-valid elements. Every policy family (``Pi0Config``, ``Pi05Config``, ``GrootConfig``...) trains through this task.
+valid elements. Every policy family (``Pi0Config``, ``Pi05Config``, ``SmolVLAConfig``, ``GrootN17Config``...) trains through this task.
 """
 
 from __future__ import annotations
@@ -71,7 +71,15 @@ def read_pretrained(cfg) -> dict[str, torch.Tensor]:
         adapter = lerobot_adapter(cfg.family)
         if adapter is None:
             raise ValueError(f"model.pretrained_format=lerobot: the {cfg.family!r} family has no LeRobot layout mapping")
-        state = from_lerobot(adapter.mapping, state, cfg, source=f"model.pretrained={str(path)!r}")
+        with torch.device("meta"):  # names only
+            from loongforge.core.models import get_model_spec
+
+            outside = [n for n in get_model_spec(cfg.family).build(cfg).state_dict() if not adapter.covers(n)]
+        if outside:
+            raise ValueError(f"model.pretrained_format=lerobot: the {cfg.family} family's LeRobot layout covers "
+                             f"only part of the policy ({len(outside)} tensors outside it, e.g. {outside[0]}); "
+                             f"a LeRobot file cannot start the whole policy")
+        state = from_lerobot(adapter, state, cfg, source=f"model.pretrained={str(path)!r}")
     return state
 
 

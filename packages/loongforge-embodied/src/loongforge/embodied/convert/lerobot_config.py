@@ -1,5 +1,6 @@
 """LeRobot's ``PI0Config`` / ``PI05Config`` (a saved policy's ``config.json``) <-> ``Pi0Config`` /
-``Pi05Config``: ``family`` (``pi0`` or ``pi05``, LeRobot's ``type``) says which.
+``Pi05Config``: the family's module binds ``family`` (its LeRobot ``type``) and ``discrete_state``
+(whether the family puts the 256-bin state in the prompt) into its adapter.
 
 LeRobot builds Pi0 and Pi0.5 only at the released sizes: a PaliGemma backbone and an action expert, each
 a named Gemma variant (``gemma_2b`` / ``gemma_300m``), with the SigLIP-so400m tower and
@@ -29,7 +30,6 @@ SAME = {"chunk_size": "chunk_size", "max_state_dim": "max_state_dim", "max_actio
         "time_sampling_offset": "time_offset", "min_period": "min_period", "max_period": "max_period",
         "tokenizer_max_length": "max_token_len"}
 VARIANT_KEYS = {"paligemma_variant": "vlm", "action_expert_variant": "expert"}
-DISCRETE_STATE = {"pi0": False, "pi05": True}  # Pi0.5 puts the 256-bin state in the prompt, Pi0 does not
 
 
 def _required(raw: dict, key: str, source: str):
@@ -38,7 +38,7 @@ def _required(raw: dict, key: str, source: str):
     return raw[key]
 
 
-def config_from_lerobot(raw: dict, family: str = "pi05"):
+def config_from_lerobot(raw: dict, family: str, discrete_state: bool):
     """A LeRobot ``PI0Config`` / ``PI05Config`` as a dict (its ``config.json``) -> the config of ``family``."""
     from loongforge.embodied.config import policy_config_class
 
@@ -63,13 +63,13 @@ def config_from_lerobot(raw: dict, family: str = "pi05"):
         **({"num_cameras": cameras} if cameras else {}),
         image_size=int(height),
         vocab_size=PALIGEMMA_VOCAB_SIZE,
-        discrete_state=DISCRETE_STATE[family],
+        discrete_state=discrete_state,
         time_sampling="beta",
         vision=VisionConfig(**asdict(SIGLIP_SO400M)),
     )
 
 
-def config_to_lerobot(cfg, family: str = "pi05") -> dict:
+def config_to_lerobot(cfg, family: str, discrete_state: bool) -> dict:
     """``Pi0Config`` / ``Pi05Config`` -> the fields of LeRobot's ``PI0Config`` / ``PI05Config`` it
     fixes (``type`` included)."""
     theirs = f"LeRobot's {family.upper()}Config"
@@ -78,12 +78,12 @@ def config_to_lerobot(cfg, family: str = "pi05") -> dict:
         ours = getattr(cfg, part)
         variants[key] = next((name for name, v in GEMMA_VARIANTS.items() if v == ours), None)
         if variants[key] is None:
-            raise MappingError(f"policy.{part}={ours}: {theirs} builds only the Gemma variants "
+            raise MappingError(f"model.{part}={ours}: {theirs} builds only the Gemma variants "
                                f"{', '.join(GEMMA_VARIANTS)}")
     fixed = {"vision": (cfg.vision, SIGLIP_SO400M), "vocab_size": (cfg.vocab_size, PALIGEMMA_VOCAB_SIZE),
-             "discrete_state": (cfg.discrete_state, DISCRETE_STATE[family]), "time_sampling": (cfg.time_sampling, "beta")}
+             "discrete_state": (cfg.discrete_state, discrete_state), "time_sampling": (cfg.time_sampling, "beta")}
     for key, (value, needed) in fixed.items():
         if value != needed:
-            raise MappingError(f"policy.{key}={value!r}: {theirs} has {needed!r}")
+            raise MappingError(f"model.{key}={value!r}: {theirs} has {needed!r}")
     return {"type": family, **variants, **{key: getattr(cfg, ours) for key, ours in SAME.items()},
             "n_action_steps": cfg.chunk_size, "image_resolution": [cfg.image_size, cfg.image_size]}

@@ -17,7 +17,7 @@ import torch
 from loongforge.embodied.convert.lerobot_config import config_from_lerobot, config_to_lerobot
 from loongforge.embodied.convert.lerobot_layout import (
     GEMMA_LAYER,
-    LeRobotAdapter,
+    PaliGemmaAdapter,
     from_lerobot,
     lerobot_mapping,
     same_names,
@@ -30,16 +30,17 @@ PI0_MAPPING = lerobot_mapping(
     heads=same_names("state_proj", "action_in_proj", "action_out_proj", "action_time_mlp_in", "action_time_mlp_out"),
 )
 
-LEROBOT_PI0_ADAPTER = LeRobotAdapter(architectures=(), mapping=PI0_MAPPING,
-                                     config_from_hf=bind_family(config_from_lerobot, family="pi0"),
-                                     config_to_hf=bind_family(config_to_lerobot, family="pi0"))
+LEROBOT_PI0_ADAPTER = PaliGemmaAdapter(architectures=(), mapping=PI0_MAPPING,
+                                     config_from_hf=bind_family(config_from_lerobot, family="pi0", discrete_state=False),
+                                     config_to_hf=bind_family(config_to_lerobot, family="pi0", discrete_state=False),
+                                     policy_class="PI0Policy", marker="state_proj.", lerobot_type="pi0")
 
 
 def from_lerobot_pi0(state_dict: Mapping[str, torch.Tensor], cfg=None, *, partial: bool = False) -> dict[str, torch.Tensor]:
     """A LeRobot ``PI0Policy`` / ``PI0Pytorch`` state dict in ``Pi0Policy`` names (``lerobot_layout.from_lerobot``)."""
-    return from_lerobot(PI0_MAPPING, state_dict, cfg, partial=partial, source="LeRobot pi0 state dict")
+    return from_lerobot(LEROBOT_PI0_ADAPTER, state_dict, cfg, partial=partial, source="LeRobot pi0 state dict")
 
 
 def to_lerobot_pi0(state_dict: Mapping[str, torch.Tensor], cfg=None, policy_prefix: bool = True) -> dict[str, torch.Tensor]:
     """``Pi0Policy`` weights in LeRobot's ``PI0Policy`` names (``lerobot_layout.to_lerobot``)."""
-    return to_lerobot(PI0_MAPPING, state_dict, cfg, policy_prefix, source="Pi0Policy state dict")
+    return to_lerobot(LEROBOT_PI0_ADAPTER, state_dict, cfg, policy_prefix, source="Pi0Policy state dict")

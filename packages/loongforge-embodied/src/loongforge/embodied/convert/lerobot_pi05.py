@@ -17,7 +17,7 @@ from loongforge.embodied.convert.lerobot_config import config_from_lerobot, conf
 from loongforge.embodied.convert.lerobot_layout import (
     EXPERT_ATTENTION_MLP,
     WB,
-    LeRobotAdapter,
+    PaliGemmaAdapter,
     from_lerobot,
     lerobot_mapping,
     same_names,
@@ -32,16 +32,18 @@ PI05_MAPPING = lerobot_mapping(
     heads=same_names("action_in_proj", "action_out_proj", "time_mlp_in", "time_mlp_out"),
 )
 
-LEROBOT_PI05_ADAPTER = LeRobotAdapter(architectures=(), mapping=PI05_MAPPING,
-                                      config_from_hf=bind_family(config_from_lerobot, family="pi05"),
-                                      config_to_hf=bind_family(config_to_lerobot, family="pi05"))
+LEROBOT_PI05_ADAPTER = PaliGemmaAdapter(architectures=(), mapping=PI05_MAPPING,
+                                      config_from_hf=bind_family(config_from_lerobot, family="pi05", discrete_state=True),
+                                      config_to_hf=bind_family(config_to_lerobot, family="pi05", discrete_state=True),
+                                     policy_class="PI05Policy", marker="time_mlp_in.",
+                                      lerobot_type="pi05")
 
 
 def from_lerobot_pi05(state_dict: Mapping[str, torch.Tensor], cfg=None, *, partial: bool = False) -> dict[str, torch.Tensor]:
     """A LeRobot ``PI05Policy`` / ``PI05Pytorch`` state dict in ``Pi05Policy`` names (``lerobot_layout.from_lerobot``)."""
-    return from_lerobot(PI05_MAPPING, state_dict, cfg, partial=partial, source="LeRobot pi05 state dict")
+    return from_lerobot(LEROBOT_PI05_ADAPTER, state_dict, cfg, partial=partial, source="LeRobot pi05 state dict")
 
 
 def to_lerobot_pi05(state_dict: Mapping[str, torch.Tensor], cfg=None, policy_prefix: bool = True) -> dict[str, torch.Tensor]:
     """``Pi05Policy`` weights in LeRobot's ``PI05Policy`` names (``lerobot_layout.to_lerobot``)."""
-    return to_lerobot(PI05_MAPPING, state_dict, cfg, policy_prefix, source="Pi05Policy state dict")
+    return to_lerobot(LEROBOT_PI05_ADAPTER, state_dict, cfg, policy_prefix, source="Pi05Policy state dict")

@@ -96,7 +96,7 @@ class EmbodiedDataset(Dataset):
             raise DataError(f"dataset {root}: meta/stats.json: {exc.args[0]}") from exc
         self.tokenizer = make_tokenizer(policy_cfg, data_cfg.tokenizer)
         if self.tokenizer.vocab_size > policy_cfg.vocab_size:
-            raise ConfigError(f"policy.vocab_size={policy_cfg.vocab_size} < tokenizer vocabulary {self.tokenizer.vocab_size}")
+            raise ConfigError(f"model.vocab_size={policy_cfg.vocab_size} < tokenizer vocabulary {self.tokenizer.vocab_size}")
         self.data_cfg = data_cfg
         self.policy_cfg = policy_cfg
 

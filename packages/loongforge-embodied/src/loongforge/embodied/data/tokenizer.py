@@ -59,7 +59,7 @@ class ByteTokenizer:
         room = self.max_len - 2 - len(tail)
         if room < 0:
             raise ValueError(
-                f"policy.max_token_len={self.max_len} is too short for {len(tail) - 1} state tokens plus BOS/SEP"
+                f"model.max_token_len={self.max_len} is too short for {len(tail) - 1} state tokens plus BOS/SEP"
             )
         text = list(clean_instruction(task).encode("utf-8"))[:room]
         ids = [BOS] + [BYTE_OFFSET + b for b in text] + [SEP] + tail

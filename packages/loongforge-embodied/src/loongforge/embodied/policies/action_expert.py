@@ -48,7 +48,7 @@ class ActionExpertConfig(PolicyConfig):
         v, e = self.vlm, self.expert
         if (v.num_heads, v.num_kv_heads, v.head_dim, v.depth) != (e.num_heads, e.num_kv_heads, e.head_dim, e.depth):
             raise ValueError(
-                "policy.vlm and policy.expert must agree on num_heads, num_kv_heads, head_dim and depth "
+                "model.vlm and model.expert must agree on num_heads, num_kv_heads, head_dim and depth "
                 f"(the action expert attends jointly with the backbone): vlm={v}, expert={e}"
             )
 

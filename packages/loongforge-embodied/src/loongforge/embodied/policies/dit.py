@@ -23,9 +23,9 @@ class DiTConfig:
     vlm_layer: int = -1  # backbone layer whose hidden states the head attends to (-1 = last)
 
     def __post_init__(self):
-        positive("policy.dit", self, "width", "depth", "num_heads")
+        positive("model.dit", self, "width", "depth", "num_heads")
         if self.width % self.num_heads:
-            raise ValueError(f"policy.dit.width={self.width} not divisible by num_heads={self.num_heads}")
+            raise ValueError(f"model.dit.width={self.width} not divisible by num_heads={self.num_heads}")
 
 
 def modulate(x: torch.Tensor, shift: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:

@@ -37,7 +37,7 @@ class Pi0Config(ActionExpertConfig):
     def __post_init__(self):
         super().__post_init__()
         if self.discrete_state:
-            raise ValueError("policy.discrete_state=true: Pi0 reads the state as a continuous token, not in the prompt")
+            raise ValueError("model.discrete_state=true: Pi0 reads the state as a continuous token, not in the prompt")
 
 
 class Pi0Policy(ActionExpertPolicy):

@@ -1,8 +1,9 @@
-"""GR00T-style policy: backbone features + a DiT flow-matching action head.
+"""Pi0.5's backbone with a DiT flow-matching action head (a GR00T-style design, not GR00T: no
+GR00T checkpoint loads into it; ``groot_n1_7`` is GR00T N1.7's action head).
 
 The backbone (SigLIP + Gemma layers, the same ``PrefixEmbedder``/``JointLayer`` as Pi0.5 but
 without an expert stream) encodes cameras and instruction once; the hidden states of layer
-``policy.dit.vlm_layer`` are layer-normed and projected into the head. The head embeds the
+``model.dit.vlm_layer`` are layer-normed and projected into the head. The head embeds the
 state (one token) and the noisy action chunk (actions + sinusoidal time, GR00T's action
 encoder), adds learned positions, and runs DiT blocks: adaLN-zero conditioning on the time
 embedding, self-attention over state + action tokens, cross-attention to the backbone
@@ -35,25 +36,25 @@ from loongforge.embodied.policies.layers import (
 
 
 @dataclass
-class GrootConfig(PolicyConfig):
-    """GR00T: the shared policy fields plus the DiT action head."""
+class Pi05DiTHeadConfig(PolicyConfig):
+    """The shared policy fields plus the DiT action head."""
 
-    family: str = "groot"
+    family: str = "pi05_dit_head"
     discrete_state: bool = False  # the state enters through the head's state encoder
     dit: DiTConfig = field(default_factory=DiTConfig)
 
     def __post_init__(self):
         super().__post_init__()
         if not -self.vlm.depth <= self.dit.vlm_layer < self.vlm.depth:
-            raise ValueError(f"policy.dit.vlm_layer={self.dit.vlm_layer}: out of range for policy.vlm.depth={self.vlm.depth}")
+            raise ValueError(f"model.dit.vlm_layer={self.dit.vlm_layer}: out of range for model.vlm.depth={self.vlm.depth}")
 
 
-class GrootPolicy(TorchModel):
-    family = "groot"
+class Pi05DiTHeadPolicy(TorchModel):
+    family = "pi05_dit_head"
     recompute_modes = ("full",)  # train.recompute=full: each repeated block recomputed in the backward
     fsdp_forward_methods = ("sample_actions",)
 
-    def __init__(self, cfg: GrootConfig):
+    def __init__(self, cfg: Pi05DiTHeadConfig):
         super().__init__()
         self.cfg = cfg
         vlm, dit = cfg.vlm, cfg.dit
@@ -132,4 +133,5 @@ class GrootPolicy(TorchModel):
         )
 
 
-GROOT_SPEC = ModelSpec(name="groot", config_class=GrootConfig, build=GrootPolicy, engine="torch", task=PolicyTask)
+PI05_DIT_HEAD_SPEC = ModelSpec(name="pi05_dit_head", config_class=Pi05DiTHeadConfig, build=Pi05DiTHeadPolicy, engine="torch",
+                               task=PolicyTask)
