@@ -9,7 +9,7 @@
 #   2. lf-diffusion bench --config bench_wan2_1_t2v_1_3b: the whole Wan 2.1 T2V 1.3B (30 layers) on 81
 #      frames of 480x832, ours against diffusers compiled (compile_repeated_blocks) at the same
 #      gradient checkpointing (whole blocks);
-#   3. lf-embodied bench model=groot_2b: a GR00T-style policy at a real size, ours' step time, samples/s
+#   3. lf-embodied bench model=pi05_dit_head_2b: a GR00T-style policy at a real size, ours' step time, samples/s
 #      and MFU (model FLOPs counted by torch); not against LeRobot, whose wheels (and the LeRobot
 #      dataset reader ours' data needs) do not travel in this call: without lerobot importable the
 #      stage says so and is skipped.
@@ -37,7 +37,7 @@ one_round="--rounds 1 --steps 5 --warmup 2 --profile-rows 0"
 bench 190 python3 -m loongforge.vlm.cli bench --case qwen2_5_vl_3b --skip hf_eager $one_round
 bench 210 python3 -m loongforge.diffusion.cli bench --config bench_wan2_1_t2v_1_3b $one_round
 if python3 -c 'import lerobot' 2>/dev/null; then
-  bench 110 python3 -m loongforge.embodied.cli bench model=groot_2b train.precision=bf16 --batch-size 8 $one_round
+  bench 110 python3 -m loongforge.embodied.cli bench model=pi05_dit_head_2b train.precision=bf16 --batch-size 8 $one_round
 else
-  section "lf-embodied bench model=groot_2b: skipped (lerobot is not installed: ours' data is a LeRobot dataset)"
+  section "lf-embodied bench model=pi05_dit_head_2b: skipped (lerobot is not installed: ours' data is a LeRobot dataset)"
 fi
