@@ -16,7 +16,7 @@ from loongforge.core.distributed import init_distributed
 from loongforge.core.training.run import run_training
 from loongforge.diffusion.cli import CONFIG_DIR, DEFAULT_TRAIN
 from loongforge.diffusion.schema import DiffusionRecipe
-from loongforge.diffusion.task import WanTask
+from loongforge.diffusion.task import FlowMatchingTask
 
 FLAG = "--cp2-config="
 out = sys.argv[1]
@@ -26,7 +26,7 @@ common = [a for a in sys.argv[2:] if not a.startswith(FLAG)]
 
 def run(name: str, *extra: str, config: str = DEFAULT_TRAIN) -> None:
     recipe = load_config(DiffusionRecipe, config, [f"log.run_dir={out}/{name}", *extra, *common], [CONFIG_DIR])
-    run_training(recipe, WanTask(recipe), "worker")
+    run_training(recipe, FlowMatchingTask(recipe), "worker")
 
 
 init_distributed(group_for_world_of_one=True)  # one group for all runs (run_training keeps it)

@@ -125,7 +125,7 @@ def test_bench_and_info_run(capsys):
 
 
 def test_bench_ours_is_the_trainers_step(tmp_path):
-    """The bench's ours is ``Trainer.train_step`` of ``WanTask`` (the torch engine lf-diffusion
+    """The bench's ours is ``Trainer.train_step`` of ``FlowMatchingTask`` (the torch engine lf-diffusion
     train builds): one call trains one step, and its loss is the packed model's MSE on the bench's
     batch from the shared initial weights."""
     import torch.nn.functional as F

@@ -26,19 +26,22 @@ def load_recipe(config: str | None, overrides: list[str]):
     come from DIR's config.json (over the YAML's); one also given on the command line must agree
     with it."""
     from loongforge.core.config import load_config, read_section
-    from loongforge.diffusion.schema import DiffusionRecipe
+    from loongforge.diffusion.model.family import DEFAULT_FAMILY
+    from loongforge.diffusion.schema import DiffusionRecipe, recipe_schema
 
     from loongforge.core.hub import is_hub_id, resolve_local
 
     overrides = list(overrides)
     model = read_section(DiffusionRecipe, "model", config, overrides, [CONFIG_DIR])
+    family = model.get("family") or DEFAULT_FAMILY
+    schema = recipe_schema(family)
     if model.get("pretrained"):
         pretrained = str(model["pretrained"])
         if is_hub_id(pretrained):  # owner/name: its snapshot in the hub cache
             pretrained = resolve_local(pretrained, key="model.pretrained")
             overrides.append(f"model.pretrained={pretrained}")
-        overrides += pretrained_overrides(pretrained, model, overrides)
-    return load_config(DiffusionRecipe, config, overrides, config_dirs=[CONFIG_DIR])
+        overrides += pretrained_overrides(family, pretrained, model, overrides)
+    return load_config(schema, config, overrides, config_dirs=[CONFIG_DIR])
 
 
 # model.condition values a pretrained model's pipeline suggests but a command-line override may
@@ -46,15 +49,15 @@ def load_recipe(config: str | None, overrides: list[str]):
 TRAINING_MODES = ("none", "ti2v")
 
 
-def pretrained_overrides(pretrained: str, model: dict, overrides: list[str]) -> list[str]:
+def pretrained_overrides(family: str, pretrained: str, model: dict, overrides: list[str]) -> list[str]:
     """The architecture of ``model.pretrained`` as overrides; an explicit ``model.KEY=V`` that
     differs from it is an error naming both."""
     import json
 
-    from loongforge.diffusion.model.convert import pretrained_architecture
+    from loongforge.diffusion.model.family import diffusers_adapter
 
     try:
-        arch, source = pretrained_architecture(pretrained)
+        arch, source = diffusers_adapter(family).pretrained_architecture(pretrained)
     except (FileNotFoundError, ValueError) as exc:
         raise ConfigError(str(exc)) from exc
     explicit = {o.split("=", 1)[0].strip().lstrip("+~").removeprefix("model.") for o in overrides
@@ -70,12 +73,12 @@ def pretrained_overrides(pretrained: str, model: dict, overrides: list[str]) -> 
 
 
 def make_task(recipe):
-    """The task of the ``wan`` family (``ModelSpec.task``), after the device check of ``model.fp8``."""
+    """The task of the config's ``model.family`` (``ModelSpec.task``), after the model's device checks."""
     from loongforge.core.accelerators import get_accelerator
     from loongforge.core.models import get_model_spec
 
     recipe.model.check_device(get_accelerator().device_type)
-    return get_model_spec("wan").make_task(recipe)
+    return get_model_spec(recipe.model.family).make_task(recipe)
 
 
 def cmd_info(args, recipe) -> None:
@@ -83,13 +86,14 @@ def cmd_info(args, recipe) -> None:
 
     from loongforge.core.accelerators import get_accelerator
     from loongforge.core.config import to_yaml
-    from loongforge.diffusion.model import WanExperts
+    from loongforge.core.models import get_model_spec
 
     with torch.device("meta"):
-        model = WanExperts(recipe.model)
-    per_expert = sum(p.numel() for p in model.expert(model.names[0]).parameters())
+        model = get_model_spec(recipe.model.family).build(recipe.model)
+    parts = model.parts()
+    per_part = sum(p.numel() for p in next(iter(parts.values())).parameters())
     print(to_yaml(recipe))
-    print(f"experts: {', '.join(model.names)}; parameters per expert: {per_expert / 1e6:.2f}M")
+    print(f"{recipe.model.describe()}; parts: {', '.join(parts)}; parameters per part: {per_part / 1e6:.2f}M")
     print(f"accelerator: {get_accelerator()!r}")
 
 
@@ -104,10 +108,12 @@ def recipe_of(manifest: dict, overrides: list[str] = ()):
     from omegaconf import OmegaConf
 
     from loongforge.core.config import ConfigError
-    from loongforge.diffusion.schema import DiffusionRecipe
+    from loongforge.diffusion.model.family import DEFAULT_FAMILY
+    from loongforge.diffusion.schema import recipe_schema
 
+    family = (manifest["config"].get("model") or {}).get("family") or DEFAULT_FAMILY
     try:
-        merged = OmegaConf.merge(OmegaConf.structured(DiffusionRecipe), manifest["config"],
+        merged = OmegaConf.merge(OmegaConf.structured(recipe_schema(family)), manifest["config"],
                                  OmegaConf.from_dotlist(list(overrides)))
         return OmegaConf.to_object(merged)
     except Exception as exc:  # an omegaconf error or a __post_init__ check
@@ -120,7 +126,7 @@ def lf_to_diffusers_command(source: str, out: str, args) -> str:
     from loongforge.core.cli import convert_dtype
     from loongforge.core.config import ConfigError
     from loongforge.core.lora import lora_record, merge_state
-    from loongforge.diffusion.model.convert import export_diffusers
+    from loongforge.diffusion.model.family import diffusers_adapter
 
     ckpt = Checkpoint(checkpoint_root(source))
     check_checkpoint_command(ckpt.manifest, "lf-diffusion", ckpt.directory)
@@ -136,7 +142,8 @@ def lf_to_diffusers_command(source: str, out: str, args) -> str:
     lora = lora_record(manifest)
     if lora:  # a LoRA run: W + (alpha / rank) B A, an ordinary diffusers model
         state = merge_state(state, lora["alpha"] / lora["rank"])
-    written = export_diffusers(state, recipe_of(manifest).model, out, dtype=convert_dtype(args.dtype))
+    model = recipe_of(manifest).model
+    written = diffusers_adapter(model.family).export_diffusers(state, model, out, dtype=convert_dtype(args.dtype))
     merged = f" (LoRA adapters merged, rank {lora['rank']})" if lora else ""
     return "\n".join(f"wrote {path}{merged}" for path in written)
 

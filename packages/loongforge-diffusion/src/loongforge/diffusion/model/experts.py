@@ -29,12 +29,3 @@ class WanExperts(TorchModel):
         if name not in self.names:
             raise KeyError(f"no expert {name!r}; this model has {self.names}")
         return getattr(self, name)
-
-    def boundary_timestep(self, num_train_timesteps: int) -> float | None:
-        r = self.config.boundary_ratio
-        return None if r is None else r * num_train_timesteps
-
-    def expert_for(self, timestep: float, num_train_timesteps: int) -> str:
-        """The expert that denoises at ``timestep`` (WanPipeline's rule)."""
-        boundary = self.boundary_timestep(num_train_timesteps)
-        return EXPERT_NAMES[0] if boundary is None or timestep >= boundary else EXPERT_NAMES[1]

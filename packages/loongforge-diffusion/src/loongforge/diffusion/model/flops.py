@@ -26,8 +26,3 @@ def cost_model(cfg: WanConfig) -> CostModel:
     b = k * (n * (6 * d * d + 2 * d * L + 2 * d * f) + d * p * (cfg.in_channels + cfg.out_channels))
     c = k * n * 2 * d * d * L
     return CostModel(a=float(a), b=float(b), c=float(c))
-
-
-def training_flops(cfg: WanConfig, token_counts: list[int]) -> float:
-    m = cost_model(cfg)
-    return float(sum(m.a * t * t + m.b * t + m.c for t in token_counts))
