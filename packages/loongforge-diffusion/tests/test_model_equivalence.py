@@ -150,7 +150,7 @@ def test_selective_checkpointing_keeps_fused_fp8_casts():
     """With the fused cast op (Triton interpreter here) ``selective`` recomputes no FP8 cast in
     the backward (it keeps their outputs), ``full`` recomputes every one, and both give the
     gradients of no checkpointing."""
-    from loongforge.core.kernels.feed_forward import FeedForwardKernels
+    from loongforge.diffusion.ops.feed_forward import FeedForwardKernels
     from loongforge.kernels.fp8_cast import fp8_cast_transpose
     from loongforge.kernels.gelu import gelu_fp8_cast_transpose, gelu_tanh_backward
 

@@ -22,11 +22,11 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from loongforge.core.kernels.fp8_tensorwise import (
-    ALIGN, E4M3, E5M2, cast_operand, check_tensorwise_linear, forward_gemm, forward_gemm_no_grad, linear_grads, quantize,
-    scale_from_amax, tensor_scale,
-)
+from loongforge.core.kernels.fp8_format import ALIGN, E4M3, E5M2, scale_from_amax, tensor_scale
 from loongforge.core.kernels.registry import get_kernel
+from loongforge.diffusion.ops.fp8_tensorwise import (
+    cast_operand, check_tensorwise_linear, forward_gemm, forward_gemm_no_grad, linear_grads, quantize,
+)
 
 
 @dataclass(frozen=True)
