@@ -27,10 +27,14 @@ class DataConfig:
     # (generated and preprocessed into the cache on first use)
     root: str | None = None
     synthetic_clips: int = 48  # size of the built-in set
+    # frames of each built-in clip at most (9: the whole clips; 1: their first frames, an image set)
+    synthetic_frames: int = 9
 
     def __post_init__(self):
         if self.synthetic_clips < 1:
             raise ValueError(f"data.synthetic_clips={self.synthetic_clips}: must be >= 1")
+        if self.synthetic_frames < 1 or (self.synthetic_frames - 1) % 4:
+            raise ValueError(f"data.synthetic_frames={self.synthetic_frames}: 1 + 4k frames (the VAE's temporal grid)")
 
 
 @dataclass

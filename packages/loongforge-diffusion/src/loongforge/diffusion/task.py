@@ -43,13 +43,13 @@ def resolve_data_root(recipe: DiffusionRecipe, is_main: bool, progress: bool = T
     """``data.root``, or the built-in moving-shapes set (written into the cache by the main rank)."""
     if recipe.data.root:
         return Path(recipe.data.root).expanduser()
-    from loongforge.diffusion.data.synthetic import builtin_dataset, cache_root
+    from loongforge.diffusion.data.synthetic import builtin_dataset, latents_dir
 
     if is_main:
-        builtin_dataset(recipe.data.synthetic_clips, show_progress=progress)
+        builtin_dataset(recipe.data.synthetic_clips, show_progress=progress, max_frames=recipe.data.synthetic_frames)
     if dist.is_available() and dist.is_initialized():
         dist.barrier()
-    return cache_root() / f"n{recipe.data.synthetic_clips}" / "latents"
+    return latents_dir(recipe.data.synthetic_clips, recipe.data.synthetic_frames)
 
 
 def packed_flops(cost: CostModel, token_counts: list[int]) -> float:
