@@ -184,3 +184,41 @@ def test_images_preprocess_to_one_frame_latents_of_the_qwen_image_vae(tmp_path, 
         mean, std = (torch.tensor(v).view(4, 1, 1, 1) for v in (vae.config.latents_mean, vae.config.latents_std))
         assert latent.shape[1] == 1
         torch.testing.assert_close(latent, (mu - mean) / std, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.slow
+def test_cli_trains_qwen_image_debug_then_exports_and_samples(tmp_path, synthetic_overrides):
+    """``lf-diffusion train --config qwen_image_debug`` on the built-in set encoded as images, then
+    ``convert lf-to-diffusers`` (a QwenImageTransformer2DModel diffusers loads), ``model.pretrained``
+    of the export, and ``sample``."""
+    from loongforge.core.checkpoint import load_checkpoint
+    from loongforge.core.config import ConfigError
+    from loongforge.core.metrics import read_metrics
+    from loongforge.diffusion.cli import load_recipe, main
+    from loongforge.diffusion.model.convert import read_diffusers_weights
+
+    run = tmp_path / "run"
+    assert main(["train", "--config", "qwen_image_debug", f"log.run_dir={run}", "train.steps=4", "checkpoint.interval=4",
+                 "train.global_batch_size=4", "ema.decay=0.5", *synthetic_overrides]) == 0
+    records = read_metrics(run)
+    assert [r["step"] for r in records] == [1, 2, 3, 4]
+    assert all(torch.isfinite(torch.tensor(r["loss"])) and r["grad_norm"] > 0 for r in records)
+    tensors, manifest, _ = load_checkpoint(run / "checkpoints")
+    assert manifest["family"] == "qwen_image" and manifest["config"]["model"]["family"] == "qwen_image"
+    assert manifest["config"]["data"]["synthetic_frames"] == 1
+
+    out = tmp_path / "hf"
+    assert main(["convert", "lf-to-diffusers", str(run), str(out), "--ema"]) == 0
+    exported = read_diffusers_weights(out)
+    for key, value in exported.items():  # EMA of the trained weights, model weights of the frozen tail
+        assert torch.equal(value, tensors.get(f"ema.{key}", tensors[f"model.{key}"])), key
+    loaded = QwenImageTransformer2DModel.from_pretrained(str(out))
+    assert set(loaded.state_dict()) == set(exported)
+
+    recipe = load_recipe("qwen_image_debug", [f"model.pretrained={out}"])
+    assert recipe.model.family == "qwen_image" and recipe.model.num_layers == 2
+    with pytest.raises(ConfigError, match="model.num_layers=3 but"):
+        load_recipe("qwen_image_debug", [f"model.pretrained={out}", "model.num_layers=3"])
+
+    assert main(["sample", "--run", str(run), "sample.num_steps=2", "sample.num_samples=2"]) == 0
+    assert (run / "samples" / "step_00000004.png").is_file()

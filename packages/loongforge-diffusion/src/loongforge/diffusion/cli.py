@@ -1,5 +1,6 @@
 """``lf-diffusion``: the shared ``lf-*`` commands (train, info, convert, bench, plot, compare) for
-the Wan DiT, plus ``preprocess`` (videos and captions -> latent shards) and ``sample``.
+the registered diffusion families (``model.family``: Wan, Qwen-Image, a plugin's DiT), plus
+``preprocess`` (videos, images and captions -> latent shards) and ``sample``.
 
     lf-diffusion train [--config NAME|PATH] [key=value ...]
     lf-diffusion convert lf-to-diffusers CHECKPOINT OUT [--ema]   # CHECKPOINT: a run dir, root or step dir
@@ -149,19 +150,27 @@ def lf_to_diffusers_command(source: str, out: str, args) -> str:
 
 
 def lora_layouts(manifest: dict, names: list[str]):
-    """``convert lora-to-peft``: each expert's adapters as diffusers names them
-    (``transformer.blocks.0.attn1.to_q.lora_A.weight``, the DiT's names being diffusers' own),
-    with the LoRA config in the file's header where ``WanTransformer3DModel.load_lora_adapter``
-    and ``WanPipeline.load_lora_weights`` read it; Wan 2.2's experts in ``transformer/`` and
+    """``convert lora-to-peft``: each part's adapters as diffusers names them
+    (``transformer.blocks.0.attn1.to_q.lora_A.weight``, the DiTs' names being diffusers' own),
+    with the LoRA config in the file's header where the transformer's ``load_lora_adapter`` and the
+    pipeline's ``load_lora_weights`` read it; Wan 2.2's experts in ``transformer/`` and
     ``transformer_2/`` (``load_lora_weights(..., load_into_transformer_2=True)`` for the second)."""
     from loongforge.core.lora import AdapterLayout
-    from loongforge.diffusion.model import EXPERT_NAMES
+    from loongforge.diffusion.model.family import DEFAULT_FAMILY, model_config_class
 
-    two = (manifest.get("model_config") or {}).get("boundary_ratio") is not None
-    return [AdapterLayout(prefix=f"{name}.", rename=lambda weights: {w: w for w in weights},
-                          library="diffusers WanTransformer3DModel", directory=name if two else "",
-                          key_prefix="transformer.", metadata_prefix="transformer")
-            for name in EXPERT_NAMES if any(k.startswith(f"{name}.") for k in names)]
+    model = (manifest.get("config") or {}).get("model") or {}
+    cfg = model_config_class(model.get("family") or DEFAULT_FAMILY)
+    parts = manifest.get("experts") or ["transformer"]
+    layouts = []
+    for name in parts:
+        prefixed = any(k.startswith(f"{name}.") for k in names)  # a model of several parts names them
+        if not prefixed and len(parts) > 1:
+            continue
+        layouts.append(AdapterLayout(prefix=f"{name}." if prefixed else "", rename=lambda weights: {w: w for w in weights},
+                                     library=f"diffusers {cfg.diffusers_class}",
+                                     directory=name if len(parts) > 1 else "", key_prefix="transformer.",
+                                     metadata_prefix="transformer"))
+    return layouts
 
 
 def convert_options(parser) -> None:
@@ -248,11 +257,11 @@ def describe_cli():
     from loongforge.core.cli import Converter, ModalityCLI
 
     return ModalityCLI(
-        prog="lf-diffusion", module="loongforge.diffusion.cli", description="LoongForge Wan-style video diffusion",
+        prog="lf-diffusion", module="loongforge.diffusion.cli", description="LoongForge video and image diffusion transformers",
         config_dirs=[CONFIG_DIR], default_config=DEFAULT_TRAIN, load_config=load_recipe, make_task=make_task,
         info=cmd_info, example="train.steps=100 parallel.data_parallel=fsdp train.recompute=selective",
-        converters=[Converter("lf-to-diffusers", "a LoongForge checkpoint (or run dir) -> diffusers "
-                              "WanTransformer3DModel directories (a LoRA run's adapters merged)", lf_to_diffusers_command)],
+        converters=[Converter("lf-to-diffusers", "a LoongForge checkpoint (or run dir) -> the family's diffusers "
+                              "transformer directories (a LoRA run's adapters merged)", lf_to_diffusers_command)],
         lora_layouts=lora_layouts, lora_library="diffusers",
         convert_options=convert_options, bench_options=bench_options, bench=bench, commands=commands,
         packages=["loongforge-core", "loongforge-diffusion", "loongforge-kernels"],

@@ -50,6 +50,7 @@ FP8_MODES = ("none", "tensorwise")
 @dataclass
 class WanConfig(DiTConfig):
     context_parallel: ClassVar[bool] = True
+    diffusers_class: ClassVar[str] = "WanTransformer3DModel"
 
     # architecture (diffusers names and meanings)
     patch_size: list[int] = field(default_factory=lambda: [1, 2, 2])

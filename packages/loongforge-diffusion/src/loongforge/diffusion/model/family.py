@@ -39,6 +39,7 @@ class DiTConfig:
     boundary_ratio: ClassVar[float | None] = None
     train_expert: ClassVar[str] = "all"
     context_parallel: ClassVar[bool] = False  # the model implements parallel.cp > 1 (Ulysses)
+    diffusers_class: ClassVar[str] = "transformer"  # the diffusers model class of its layout, for messages
 
     @property
     def patch(self) -> tuple[int, int, int]:

@@ -4,6 +4,7 @@ field names, plus what the shared task reads (prompt length, pretrained weights)
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import ClassVar
 
 from loongforge.core.balance import CostModel
 from loongforge.diffusion.model.attention import BACKENDS
@@ -21,6 +22,8 @@ CHECKPOINTING = ("none", "full")
 
 @dataclass
 class QwenImageConfig(DiTConfig):
+    diffusers_class: ClassVar[str] = "QwenImageTransformer2DModel"
+
     family: str = "qwen_image"
     patch_size: int = 2  # spatial patch of the 2x2-packed latents (one latent frame per token row)
     in_channels: int = 16  # packed input width: latent channels x patch_size^2
