@@ -204,8 +204,9 @@ class FlowMatchingTask(TorchTask):
         diffusers_adapter(self.family).load_pretrained(model, self.recipe.model.pretrained)
 
     def compile_default(self, ctx) -> bool:
-        """Compiled blocks on CUDA, except under context parallelism (the Ulysses all-to-alls stay eager)."""
-        return ctx.device.type == "cuda" and ctx.layout.cp == 1
+        """Compiled blocks on CUDA for a family whose compiled blocks are verified there, except under
+        context parallelism (the Ulysses all-to-alls stay eager)."""
+        return self.recipe.model.compile_on_cuda and ctx.device.type == "cuda" and ctx.layout.cp == 1
 
     def forward(self, model, micro: dict):
         pred = model(micro["batch"], micro["cp"])

@@ -51,6 +51,7 @@ FP8_MODES = ("none", "tensorwise")
 class WanConfig(DiTConfig):
     context_parallel: ClassVar[bool] = True
     diffusers_class: ClassVar[str] = "WanTransformer3DModel"
+    compile_on_cuda: ClassVar[bool] = True
 
     # architecture (diffusers names and meanings)
     patch_size: list[int] = field(default_factory=lambda: [1, 2, 2])

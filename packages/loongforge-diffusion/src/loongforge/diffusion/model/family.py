@@ -40,6 +40,7 @@ class DiTConfig:
     train_expert: ClassVar[str] = "all"
     context_parallel: ClassVar[bool] = False  # the model implements parallel.cp > 1 (Ulysses)
     diffusers_class: ClassVar[str] = "transformer"  # the diffusers model class of its layout, for messages
+    compile_on_cuda: ClassVar[bool] = False  # train.compile=null compiles its blocks on CUDA (verified there)
 
     @property
     def patch(self) -> tuple[int, int, int]:
