@@ -4,7 +4,7 @@ simulated at DP 8 / 64 / 512 and measured in a 2-process gloo run on CPU.
 Assignments of one step's samples to the DP ranks:
   plain     the contiguous split a distributed sampler makes (each rank takes the next
             samples_per_step / DP samples of the shuffled step)
-  lpt       largest-first greedy (``loongforge.core.balance.baselines.lpt_assignment``)
+  lpt       largest-first greedy (``bench/balance_baselines.py``: ``lpt_assignment``)
   kk        multiway Karmarkar-Karp differencing (``karmarkar_karp_assignment``; O(n x DP), so only
             up to DP 64, "-" above)
   balanced  ``loongforge.core.balance.plan_step`` (which also packs micro-batches under a token cap)
@@ -28,7 +28,7 @@ Length mixes (samples per rank per step, micro-batch token cap):
   mixed       70% text-sft, 25% image-text, 5% video in one step
 
 Measured: the "mixed" lengths scaled down 32x, run by 2 gloo processes on CPU
-(``loongforge.core.balance.cpu_step_times``: GEMMs linear in the length, attention quadratic,
+(``bench/cpu_step_times.py``: GEMMs linear in the length, attention quadratic,
 an all-reduce ending each step), the plain split, LPT and the balanced sampler taking turns step by
 step; median and mean step seconds. On a shared or busy machine these times are noisy.
 
@@ -45,7 +45,7 @@ from tqdm.auto import tqdm
 
 from loongforge.core.balance import CostModel, SampleSizes, plan_step, transformer_cost_model
 from loongforge.core.balance.assign import plain_assignment
-from loongforge.core.balance.baselines import karmarkar_karp_assignment, lpt_assignment
+from balance_baselines import karmarkar_karp_assignment, lpt_assignment
 
 FLOPS_PER_SECOND = 400e12  # achieved bf16 throughput per GPU assumed for the simulated seconds
 COST = transformer_cost_model(hidden_size=4096, num_layers=32, ffn_hidden_size=14336, num_attention_heads=32,
@@ -130,7 +130,7 @@ def run(trials: int, seed: int) -> list[dict]:
 
 def measured(steps: int, seed: int) -> dict[str, list[float]]:
     """Step seconds of the plain split, LPT and the balanced sampler, 2 gloo processes on CPU."""
-    from loongforge.core.balance.cpu_step_times import measure_step_times
+    from cpu_step_times import measure_step_times
 
     samples_per_step = 32
     rng = np.random.default_rng([seed, 2])

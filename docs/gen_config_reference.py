@@ -9,7 +9,7 @@ from the code:
     uv run python docs/gen_config_reference.py           # rewrite docs/config-reference.md
     uv run python docs/gen_config_reference.py --check   # exit 1 when the file is out of date
 
-Groups whose class a registered family or component picks (``model.family``, ``policy.family``,
+Groups whose class a registered family or component picks (``model.family``, ``model.family`` of a policy,
 an encoder's or projector's ``family``) list the base class's keys, then the keys each family's
 own config class adds.
 """
@@ -34,7 +34,7 @@ MODALITIES = [
     ("lf-vlm", "loongforge.vlm.recipe", "VLMConfig", {"encoder": ("loongforge.components", "vision_encoder"),
                                                       "projector": ("loongforge.components", "projector")}),
     ("lf-diffusion", "loongforge.diffusion.schema", "DiffusionRecipe", {}),
-    ("lf-embodied", "loongforge.embodied.config", "EmbodiedConfig", {"policy": ("loongforge.models", None)}),
+    ("lf-embodied", "loongforge.embodied.config", "EmbodiedConfig", {"model": ("loongforge.models", None)}),
 ]
 SHARED = ("train", "parallel", "checkpoint", "log", "balance", "eval")
 

@@ -79,7 +79,7 @@ def test_config_mistakes_are_one_line(cli, case, tmp_path, capsys):
 
 # a group each CLI swaps with group=option, and a near miss of one of its options
 GROUPS = {"lf-llm": ("model", "qwen3_debg", "qwen3_debug"), "lf-vlm": ("foundation", "qwen3_debg", "qwen3_debug"),
-          "lf-diffusion": ("model", "nope", None), "lf-embodied": ("policy", "pi05_bse", "pi05_base")}
+          "lf-diffusion": ("model", "nope", None), "lf-embodied": ("model", "pi05_bse", "pi05_base")}
 DEFAULT_CONFIGS = {"lf-llm": "train_debug", "lf-vlm": "vlm_debug", "lf-diffusion": "tiny", "lf-embodied": "train"}
 
 
@@ -128,13 +128,13 @@ def test_a_directory_key_naming_a_file_is_one_line(cli, key, tmp_path, capsys):
     assert not (tmp_path / "run").exists()
 
 
-def test_an_unknown_key_with_a_policy_group_names_the_key(capsys):
-    """``--policy groot`` swaps the policy group; a misspelt key elsewhere is named (and the groot
+def test_an_unknown_key_with_a_model_group_names_the_key(capsys):
+    """``--model groot`` swaps the model (policy) group; a misspelt key elsewhere is named (and the groot
     keys are not reported against the default policy's config)."""
-    code, err = run_inproc(capsys, "lf-embodied", "train", "--policy", "groot", "foo.bar=1")
+    code, err = run_inproc(capsys, "lf-embodied", "train", "--model", "groot", "foo.bar=1")
     assert code == 2
     line = assert_one_error_line(err, "foo.bar")
-    assert "policy." not in line
+    assert "model." not in line
 
 
 @pytest.mark.parametrize("cli", CLIS)
@@ -187,12 +187,12 @@ def _truncated_shards(tmp: Path) -> tuple[list[str], list[str]]:
     size = shard.stat().st_size
     with open(shard, "r+b") as f:
         f.truncate(size - 100)
-    return [f"data.root={root}"], [str(shard), "truncated", str(size), str(size - 100)]
+    return [f"data.path={root}"], [str(shard), "truncated", str(size), str(size - 100)]
 
 
 def _not_a_lerobot_dataset(tmp: Path) -> tuple[list[str], list[str]]:
     (tmp / "ds" / "meta").mkdir(parents=True)
-    return [f"data.root={tmp / 'ds'}"], ["data.root=", "meta/info.json"]
+    return [f"data.path={tmp / 'ds'}"], ["data.path=", "meta/info.json"]
 
 
 def _truncated_lerobot_file(rel: str):
@@ -206,7 +206,7 @@ def _truncated_lerobot_file(rel: str):
         shutil.copytree(ensure_synthetic_dataset(), root)  # a copy: the cached set stays whole
         data = (root / rel).read_bytes()
         (root / rel).write_bytes(data[: len(data) // 2])
-        return [f"data.root={root}"], [str(root / rel), "truncated"]
+        return [f"data.path={root}"], [str(root / rel), "truncated"]
 
     return case
 
@@ -258,9 +258,9 @@ DATA_CASES = {
     ("lf-vlm", "missing image"): lambda tmp: (
         [f"data.path={_vlm_jsonl(tmp, json.dumps({'image': 'gone.png', 'messages': [{'role': 'user', 'content': '<image>what?'}, {'role': 'assistant', 'content': 'a'}]}))}"],
         [f"{tmp / 'vlm.jsonl'}:2", "gone.png"]),
-    ("lf-diffusion", "missing data root"): lambda tmp: ([f"data.root={tmp / 'latents'}"], [str(tmp / "latents"), "missing"]),
+    ("lf-diffusion", "missing data root"): lambda tmp: ([f"data.path={tmp / 'latents'}"], [str(tmp / "latents"), "missing"]),
     ("lf-diffusion", "truncated latent shard"): _truncated_shards,
-    ("lf-embodied", "data root is not a directory"): lambda tmp: ([f"data.root={tmp / 'none'}"], ["data.root=", "not a directory"]),
+    ("lf-embodied", "data root is not a directory"): lambda tmp: ([f"data.path={tmp / 'none'}"], ["data.path=", "not a directory"]),
     ("lf-embodied", "not a LeRobot dataset"): _not_a_lerobot_dataset,
     ("lf-embodied", "truncated meta/info.json"): _truncated_lerobot_file("meta/info.json"),
     ("lf-embodied", "truncated meta/tasks.parquet"): _truncated_lerobot_file("meta/tasks.parquet"),
@@ -571,7 +571,7 @@ def test_skipping_non_finite_steps_keeps_the_run_going_and_every_checkpoint_fini
     normally, and the weights it saves are the last finite ones."""
     run = tmp_path / "run"
     code, _ = run_inproc(capsys, "lf-llm", "train", "train.steps=4", "train.global_batch_size=4", "train.lr=1e30",
-                         "train.min_lr=0", "train.warmup_steps=0", "train.nonfinite_patience=0",
+                         "train.min_lr_ratio=0", "train.warmup_steps=0", "train.nonfinite_patience=0",
                          "checkpoint.interval=1", "log.progress=false", "log.interval=1", f"log.run_dir={run}")
     assert code == 0
     logged = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
@@ -586,7 +586,7 @@ def test_skipping_non_finite_steps_keeps_the_run_going_and_every_checkpoint_fini
 def test_patience_stops_after_that_many_bad_steps_in_a_row(tmp_path, capsys):
     run = tmp_path / "run"
     code, err = run_inproc(capsys, "lf-llm", "train", "train.steps=8", "train.global_batch_size=4", "train.lr=1e30",
-                           "train.min_lr=0", "train.warmup_steps=0", "train.nonfinite_patience=3",
+                           "train.min_lr_ratio=0", "train.warmup_steps=0", "train.nonfinite_patience=3",
                            "checkpoint.save=false", "log.progress=false", "log.interval=1", f"log.run_dir={run}")
     assert code == 1
     line = assert_one_error_line(err, "not finite", "3 steps in a row", "train.nonfinite_patience")

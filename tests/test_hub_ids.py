@@ -1,7 +1,7 @@
 """Hugging Face Hub ids where configs take paths (``loongforge.core.hub``), resolved offline against a
 hub cache the test builds in the layout ``huggingface_hub`` reads (``models--owner--name/refs/main``
 and ``snapshots/<commit>/``): lf-llm's ``model.init_from_hf``, lf-diffusion's ``model.pretrained``,
-lf-embodied's ``data.root`` (a dataset repository) and ``policy.pretrained``; an id in neither the
+lf-embodied's ``data.path`` (a dataset repository) and ``model.pretrained``; an id in neither the
 cache nor reachable is one error line naming the key and the id."""
 
 from __future__ import annotations
@@ -74,14 +74,14 @@ def test_embodied_dataset_and_policy_ids(hub):
     (dataset / "meta").mkdir()
     policy = snapshot(hub, "model", "lerobot/pi05_base")
     (policy / "model.safetensors").write_bytes(b"")
-    cfg = load_train_config("train", ["data.root=lerobot/pusht", "policy.pretrained=lerobot/pi05_base"])
-    assert cfg.data.root == str(dataset)
-    assert cfg.policy.pretrained == str(policy / "model.safetensors")
-    local = load_train_config("train", [f"data.root={dataset}"])  # a path stays a path
-    assert local.data.root == str(dataset)
-    tokenizer = snapshot(hub, "model", "google/paligemma-3b-pt-224")  # policy.tokenizer: a model repository
+    cfg = load_train_config("train", ["data.path=lerobot/pusht", "model.pretrained=lerobot/pi05_base"])
+    assert cfg.data.path == str(dataset)
+    assert cfg.model.pretrained == str(policy / "model.safetensors")
+    local = load_train_config("train", [f"data.path={dataset}"])  # a path stays a path
+    assert local.data.path == str(dataset)
+    tokenizer = snapshot(hub, "model", "google/paligemma-3b-pt-224")  # data.tokenizer: a model repository
     (tokenizer / "tokenizer.json").write_text("{}")
-    assert load_train_config("train", ["policy.tokenizer=google/paligemma-3b-pt-224"]).policy.tokenizer == str(tokenizer)
+    assert load_train_config("train", ["data.tokenizer=google/paligemma-3b-pt-224"]).data.tokenizer == str(tokenizer)
 
 
 def _word_tokenizer(path, words: int) -> None:

@@ -67,7 +67,7 @@ def test_train_from_hf_at_tp2_and_export(hf_dir, tmp_path, llm_data_cache):
     run, out = tmp_path / "run", tmp_path / "exported"
     proc = run_cli(["lf-llm", "train", f"model.init_from_hf={path}", f"train.steps={STEPS}",
                     f"train.global_batch_size={BATCH}", "train.micro_batch_size=2", f"train.seq_length={SEQ}",
-                    "train.warmup_steps=0", "train.lr=0", "train.min_lr=0", f"log.run_dir={run}",
+                    "train.warmup_steps=0", "train.lr=0", "train.min_lr_ratio=0", f"log.run_dir={run}",
                     f"data.cache_dir={llm_data_cache}", "log.interval=1", "log.progress=false",
                     "log.tensorboard=false", "parallel.tp=2", "--save-hf", str(out)], nproc=2)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]

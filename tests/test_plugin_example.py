@@ -23,7 +23,7 @@ PLUGIN = Path(__file__).parent / "plugin_example"
 @pytest.mark.parametrize(("cli", "config", "part"), [
     ("lf-vlm", "vlm_plain_vit.yaml", ("encoder", "plain_vit")),
     ("lf-diffusion", "diffusion_mlp_dit.yaml", ("model", "mlp_dit")),
-    pytest.param("lf-embodied", "embodied_mlp_policy.yaml", ("policy", "mlp_policy"), marks=pytest.mark.long)])
+    pytest.param("lf-embodied", "embodied_mlp_policy.yaml", ("model", "mlp_policy"), marks=pytest.mark.long)])
 def test_a_plugin_part_trains_from_the_stock_cli(cli, config, part, tmp_path):
     run = tmp_path / "run"
     proc = run_cli([cli, "train", "--config", str(PLUGIN / "configs" / config), f"log.run_dir={run}", "log.interval=1",

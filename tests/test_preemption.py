@@ -292,7 +292,7 @@ NEW_LR = {"lf-llm": [], "lf-vlm": [], "lf-diffusion": [], "lf-embodied": [],
 def test_a_resume_with_a_new_lr_applies_it_from_the_resumed_step(case, tmp_path, capsys):
     cli = case.split()[0]
     run = tmp_path / "run"
-    first = ["train.steps=3", "checkpoint.interval=2", "checkpoint.keep_last=0", "train.lr=0.003", "train.min_lr=0.0003",
+    first = ["train.steps=3", "checkpoint.interval=2", "checkpoint.keep_last=0", "train.lr=0.003", "train.min_lr_ratio=0.1",
              *NEW_LR[case]]
     code, _, err = train(capsys, cli, run, *first)
     assert code == 0, err
@@ -310,7 +310,7 @@ def test_a_resume_with_a_new_lr_applies_it_from_the_resumed_step(case, tmp_path,
     from loongforge.core.training.schedule import lr_at
     from loongforge.core.training.schema import TrainConfig
 
-    new = TrainConfig(steps=4, lr=0.002, min_lr=0.0003, warmup_steps=1)
+    new = TrainConfig(steps=4, lr=0.002, min_lr_ratio=0.1, warmup_steps=1)
     assert [after[s]["lr"] for s in (3, 4)] == pytest.approx([lr_at(2, new), lr_at(3, new)], rel=1e-12)
     resumes = [json.loads(line) for line in (run / "resumes.jsonl").read_text().splitlines()]
     assert resumes[-1]["step"] == 2 and resumes[-1]["changed"]["train.lr"] == {"from": 0.003, "to": 0.002}

@@ -18,9 +18,9 @@ from loongforge.vlm.cli import main as lf_vlm
 
 pytestmark = pytest.mark.slow
 
-SHARED = ["train.steps=3", "train.global_batch_size=4", "train.lr=1e-2", "train.min_lr=1e-3", "train.warmup_steps=0",
+SHARED = ["train.steps=3", "train.global_batch_size=4", "train.lr=1e-2", "train.min_lr_ratio=0.1", "train.warmup_steps=0",
           "log.interval=1", "checkpoint.interval=2", "log.progress=false"]
-# the one schedule: cosine from lr at step 1 to min_lr at step 4 (never reached)
+# the one schedule: cosine from lr at step 1 to lr * min_lr_ratio at step 4 (never reached)
 LRS = [1e-2, 1e-3 + 9e-3 * 0.75, 1e-3 + 9e-3 * 0.25]
 # what only one modality needs to run small on CPU (none of them renames a shared key)
 CLIS = {"lf-llm": (lf_llm, []), "lf-vlm": (lf_vlm, []), "lf-diffusion": (lf_diffusion, ["data.synthetic_clips=12"]),
@@ -44,7 +44,7 @@ def test_shared_overrides_mean_the_same_in_every_cli(cli, tmp_path):
     steps 2 and 3; the same run at lr 0 sees the same batches and noise, so the trained run's
     step-3 loss below the untrained one's is the loss falling on the same data."""
     assert train(cli, tmp_path / "run") == 0
-    assert train(cli, tmp_path / "frozen", "train.lr=0", "train.min_lr=0") == 0
+    assert train(cli, tmp_path / "frozen", "train.lr=0", "train.min_lr_ratio=0") == 0
     got, frozen = records(tmp_path / "run"), records(tmp_path / "frozen")
     assert [r["step"] for r in got] == [1, 2, 3]
     for r in got:
@@ -63,13 +63,28 @@ def test_shared_overrides_mean_the_same_in_every_cli(cli, tmp_path):
 
 
 @pytest.mark.parametrize("cli", list(CLIS))
+def test_lr_alone_trains_each_clis_default_config(cli, tmp_path):
+    """``train.lr=1e-4`` and nothing else of the schedule trains every CLI's default config: the
+    last step's LR follows it (``train.min_lr_ratio``), the run ends at the rate the ratio gives."""
+    main, own = CLIS[cli]
+    run = tmp_path / "run"
+    assert main(["train", "train.lr=1e-4", "train.steps=2", "train.warmup_steps=0", "train.global_batch_size=2",
+                 *own, "log.interval=1", "log.progress=false", "checkpoint.save=false", f"log.run_dir={run}"]) == 0
+    got = records(run)
+    assert [r["step"] for r in got] == [1, 2] and all(math.isfinite(r["loss"]) for r in got)
+    ratio = 1 / 30 if cli == "lf-embodied" else 0.1
+    assert got[0]["lr"] == pytest.approx(1e-4, rel=1e-9)
+    assert got[1]["lr"] == pytest.approx(1e-4 * ratio + (1e-4 - 1e-4 * ratio) * 0.5, rel=1e-9)  # cosine halfway
+
+
+@pytest.mark.parametrize("cli", list(CLIS))
 def test_a_non_finite_run_stops_naming_the_step_and_keeps_the_last_good_checkpoint(cli, tmp_path, capsys):
     """lr 1e30: the first update makes the weights huge, a later step's loss or gradient norm is not
     finite; the run stops there with exit 1 and one error line, before that update, and the
     checkpoint of the step before is the latest and finite."""
     run = tmp_path / "run"
     capsys.readouterr()
-    assert train(cli, run, "train.steps=6", "train.lr=1e30", "train.min_lr=0", "checkpoint.interval=1") == 1
+    assert train(cli, run, "train.steps=6", "train.lr=1e30", "train.min_lr_ratio=0", "checkpoint.interval=1") == 1
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("error: step "), err
     bad_step = int(err[0].split()[2].rstrip(":"))

@@ -81,7 +81,7 @@ def test_an_offline_run_logs_every_step_and_a_resumed_run_continues_it(tmp_path,
 def test_a_run_stopped_by_a_non_finite_loss_is_a_failed_wandb_run(tmp_path, offline_wandb, capsys):
     run_dir = tmp_path / "run"
     capsys.readouterr()
-    assert lf_diffusion(["train", *TINY, "train.steps=6", "train.lr=1e30", "train.min_lr=0",
+    assert lf_diffusion(["train", *TINY, "train.steps=6", "train.lr=1e30", "train.min_lr_ratio=0",
                          "checkpoint.save=false", f"log.run_dir={run_dir}"]) == 1
     assert "not finite" in capsys.readouterr().err
     run_id = (run_dir / "wandb_run_id").read_text().strip()

@@ -1,6 +1,6 @@
 """The wheels as pip users get them: every package is built with ``uv build --wheel`` and its
 METADATA and contents checked (license, project URLs, classifiers, pinned siblings, the ``gpu``
-extras, loongforge-core's optional ``plot``/``tensorboard``/``wandb`` extras and every modality's
+extras, loongforge-core's optional ``megatron``/``plot``/``tensorboard``/``wandb`` extras and every modality's
 ``wandb`` extra, tested upper bounds
 for torch and transformers, a README that reads on its own)."""
 
@@ -132,11 +132,15 @@ def test_wheel_requirements(wheels, name):
     assert not base & {"matplotlib", "tensorboard", "wandb"}, f"{name}: plotting/TensorBoard/W&B outside an extra"
     if name == "loongforge-core":
         extras = {_extra_of(r): canonicalize_name(r.name) for r in requirements if _extra_of(r)}
-        assert extras == {"plot": "matplotlib", "tensorboard": "tensorboard", "wandb": "wandb"}, extras
+        assert extras == {"megatron": "megatron-core", "plot": "matplotlib", "tensorboard": "tensorboard",
+                          "wandb": "wandb"}, extras
+        assert "megatron-core" not in base  # the core alone runs the PyTorch-native engine
     if name in MODALITIES:
         (core,) = [r for r in siblings if r.name == "loongforge-core" and _extra_of(r) is None]
         assert {"plot", "tensorboard"} <= core.extras, core  # a training install logs and plots
         assert "wandb" not in core.extras, core  # W&B is the user's choice: loongforge-core[wandb]
+        # the megatron-core engine: what the LLM and VLM families train on, and only they
+        assert ("megatron" in core.extras) == (name in ("loongforge-llm", "loongforge-vlm")), core
         assert "gpu" in (meta.get_all("Provides-Extra") or [])
         gpu = [r for r in requirements if _extra_of(r) == "gpu"]
         assert any(r.name == "loongforge-kernels" and str(r.specifier) == f"=={version}" for r in gpu), gpu

@@ -80,7 +80,7 @@ class RunConfig:
 def world():
     from loongforge.core.parallel import destroy_parallel, init_parallel
 
-    ctx = init_parallel(seed=0)
+    ctx = init_parallel(seed=0, engine="torch")
     yield ctx
     destroy_parallel()
 

@@ -121,7 +121,7 @@ def test_bench_and_info_run(capsys):
     assert main(["bench", "--variant", "v=train.recompute=sometimes", *size]) == 2
     assert "train.recompute='sometimes'" in capsys.readouterr().err
     assert main(["info", "model=wan2_1_t2v_1_3b"]) == 0
-    assert "parameters per expert: 1419.00M" in capsys.readouterr().out  # Wan 2.1 T2V 1.3B
+    assert "parameters per part: 1419.00M" in capsys.readouterr().out  # Wan 2.1 T2V 1.3B
 
 
 def test_bench_ours_is_the_trainers_step(tmp_path):
@@ -246,11 +246,11 @@ def test_image_to_video_data_mismatches_are_one_error_line(tmp_path, builtin_lat
     shutil.copytree(builtin_latents, data)
     common = ["train", "--config", "tiny_i2v", f"log.run_dir={tmp_path / 'run'}", "log.progress=false"]
     capsys.readouterr()
-    assert main([*common, f"data.root={data}", "model.image_dim=16"]) == 2
+    assert main([*common, f"data.path={data}", "model.image_dim=16"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "manifest.json: image_dim=32" in err[0] and "model.image_dim=16" in err[0]
     manifest = json.loads((data / "manifest.json").read_text())
     (data / "manifest.json").write_text(json.dumps({**manifest, "image_condition": False}))
-    assert main([*common, f"data.root={data}"]) == 2
+    assert main([*common, f"data.path={data}"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "manifest.json: no I2V condition latents" in err[0] and "image_condition=true" in err[0]

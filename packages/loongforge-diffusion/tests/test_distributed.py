@@ -91,6 +91,7 @@ def test_cp2_equals_one_process_for_image_to_video(tmp_path, synthetic_overrides
 
 
 @pytest.mark.slow
+@pytest.mark.long  # two 2-process runs and a reference: minutes on 2 CPU cores (the Wan tests above cover the machinery)
 def test_qwen_image_dp2_ddp_and_fsdp2_equal_one_process(tmp_path, synthetic_overrides, cache_dir):
     """Qwen-Image's frozen last-block prompt tail leaves every trainable parameter used: DDP and
     FSDP2 over 2 processes give the 1-process run."""

@@ -284,7 +284,7 @@ def test_released_image_to_video_flavours_match_diffusers_on_meta(capsys):
         assert {k: tuple(v.shape) for k, v in ours.transformer.state_dict().items()} == {
             k: tuple(v.shape) for k, v in ref.state_dict().items()}, flavour
     assert main(["info", "model=wan2_1_i2v_14b"]) == 0
-    assert "parameters per expert: 16394.88M" in capsys.readouterr().out
+    assert "parameters per part: 16394.88M" in capsys.readouterr().out
     from loongforge.diffusion.cli import load_recipe
 
     for config, condition in (("tiny_i2v", "i2v"), ("tiny_ti2v", "ti2v"), ("wan2_1_i2v_14b", "i2v"),

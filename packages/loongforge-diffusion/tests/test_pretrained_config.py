@@ -36,7 +36,7 @@ def test_training_starts_from_the_pretrained_weights(tmp_path):
     ref = saved(tmp_path / "wan")
     run = tmp_path / "run"
     assert main(["train", f"model.pretrained={tmp_path / 'wan'}", "train.steps=1", "train.global_batch_size=4",
-                 "train.lr=0", "train.min_lr=0", "data.synthetic_clips=8", "log.progress=false",
+                 "train.lr=0", "train.min_lr_ratio=0", "data.synthetic_clips=8", "log.progress=false",
                  f"log.run_dir={run}", "--save-diffusers", str(tmp_path / "out")]) == 0
     back = WanTransformer3DModel.from_pretrained(str(tmp_path / "out"))
     for key, value in ref.state_dict().items():  # lr 0: the exported weights are the pretrained ones

@@ -104,7 +104,7 @@ def equivalence(ctx, name):
     lora_grads = full_grads(lora_ref)
     result = {}
     for mode, (parallel, train) in MODES.items():
-        run = EmbodiedConfig(policy=cfg, parallel=parallel, train=train)
+        run = EmbodiedConfig(model=cfg, parallel=parallel, train=train)
         lora = LORA if mode.endswith("lora") else None
         # builds after torch.manual_seed(train.seed=0), as ref
         engine = TorchEngine(PolicyTask(run), ctx, train, parallel, lora=lora)
@@ -126,8 +126,8 @@ def equivalence(ctx, name):
 
 
 def resume_across_layouts(dataset_root, run_dir, *extra):
-    base = [*extra, f"data.root={dataset_root}", "data.repo_id=local/tiny", f"log.run_dir={run_dir}", "policy.image_size=16",
-            "policy.chunk_size=4", "policy.max_state_dim=4", "policy.max_action_dim=4", "train.global_batch_size=4",
+    base = [*extra, f"data.path={dataset_root}", "data.repo_id=local/tiny", f"log.run_dir={run_dir}", "model.image_size=16",
+            "model.chunk_size=4", "model.max_state_dim=4", "model.max_action_dim=4", "train.global_batch_size=4",
             "log.progress=false", "log.tensorboard=false", "checkpoint.interval=2", "log.interval=1"]
 
     def train(overrides):

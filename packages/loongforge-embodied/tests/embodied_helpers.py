@@ -41,13 +41,13 @@ LORA_OVERRIDES = ("lora.rank=4", "lora.alpha=16", "train.lr=0.02")  # a LoRA run
 def tiny_overrides(dataset_root, run_dir, *extra: str) -> list[str]:
     """Config overrides for a fast CPU run on the tiny dataset."""
     return [
-        f"data.root={dataset_root}",
+        f"data.path={dataset_root}",
         "data.repo_id=local/tiny",
         f"log.run_dir={run_dir}",
-        "policy.image_size=16",
-        "policy.chunk_size=4",
-        "policy.max_state_dim=4",
-        "policy.max_action_dim=4",
+        "model.image_size=16",
+        "model.chunk_size=4",
+        "model.max_state_dim=4",
+        "model.max_action_dim=4",
         "train.global_batch_size=4",
         "log.progress=false",
         *extra,
@@ -59,7 +59,7 @@ def train(cfg):
     from loongforge.core.models import get_model_spec
     from loongforge.core.training.run import run_training
 
-    return run_training(cfg, get_model_spec(cfg.policy.family).make_task(cfg), "lf-embodied")
+    return run_training(cfg, get_model_spec(cfg.model.family).make_task(cfg), "lf-embodied")
 
 
 def policy_batch(cfg, b: int = 3, seed: int = 1, length: int = 20):

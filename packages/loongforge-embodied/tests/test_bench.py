@@ -41,7 +41,7 @@ def _tiny(cfg, recipe, device_type):
 
 
 def test_both_sides_same_weights_first_losses_agree_and_order_alternates():
-    cfgs = load_runs(None, ["policy.image_size=16", "policy.chunk_size=4", "policy.max_token_len=12"],
+    cfgs = load_runs(None, ["model.image_size=16", "model.chunk_size=4", "model.max_token_len=12"],
                      ["full=train.recompute=full"], batch_size=2)
     lines = []
     with bench_world(seed=0) as ctx:
@@ -65,7 +65,7 @@ def test_bench_times_the_step_lf_embodied_train_takes(tmp_path):
     from loongforge.core.metrics import read_metrics
     from loongforge.embodied.cli import main
 
-    overrides = ["train.global_batch_size=2", "policy.image_size=16", "policy.chunk_size=4", "policy.max_token_len=12"]
+    overrides = ["train.global_batch_size=2", "model.image_size=16", "model.chunk_size=4", "model.max_token_len=12"]
     assert main(["train", *overrides, "train.steps=1", f"log.run_dir={tmp_path / 'run'}", "checkpoint.save=false"]) == 0
     logged = [r for r in read_metrics(tmp_path / "run") if r.get("step") == 1]
     with bench_world(seed=1234) as ctx:
@@ -76,7 +76,7 @@ def test_bench_times_the_step_lf_embodied_train_takes(tmp_path):
 @pytest.mark.parametrize(("argv", "message"), [
     (["--variant", "lerobot_x=train.recompute=full"], "not starting with lerobot"),
     (["--variant", "ours=train.recompute=full"], "give it a name of its own"),
-    (["--variant", "v=policy.chunk_size=5"], "a variant changes train.* only"),
+    (["--variant", "v=model.chunk_size=5"], "a variant changes train.* only"),
     (["--variant", "v=train.recompte=full"], "recompte"),
     (["--rounds", "0"], "at least one round"),
     (["--against-lerobot", "--lerobot-compile-mode", "fast"], "--lerobot-compile-mode 'fast': one of max-autotune"),

@@ -22,7 +22,7 @@ from loongforge.embodied.config import load_train_config
 
 
 def test_policy_flag_selects_the_policy():
-    assert load_train_config("train", normalise_overrides(["--policy", "groot"])).policy.family == "groot"
+    assert load_train_config("train", normalise_overrides(["--model", "groot"])).model.family == "groot"
 
 
 @pytest.mark.slow
@@ -69,7 +69,7 @@ def test_train_with_no_arguments_then_export_convert_eval(tmp_path, capsys):
 
     capsys.readouterr()
     dataset_root = tmp_path / "cache" / "embodied-synthetic-v1"
-    assert main(["eval", "--checkpoint", str(run_dir), f"data.root={dataset_root}", "eval.max_batches=2"]) == 0
+    assert main(["eval", "--checkpoint", str(run_dir), f"data.path={dataset_root}", "eval.max_batches=2"]) == 0
     metrics = json.loads(capsys.readouterr().out)
     assert metrics["step"] == 100 and metrics["samples"] == 16 and metrics["episodes"] == 1
     assert metrics["action_mse"] > 0 and metrics["action_mse_normalized"] > 0
@@ -77,7 +77,7 @@ def test_train_with_no_arguments_then_export_convert_eval(tmp_path, capsys):
 
 @pytest.mark.slow
 def test_pi0_trains_from_the_cli_then_converts_to_lerobot_and_back(tiny_dataset, tmp_path):
-    """``--policy pi0`` trains the debug Pi0 on CPU (finite losses; lower on fixed noise and times);
+    """``--model pi0`` trains the debug Pi0 on CPU (finite losses; lower on fixed noise and times);
     ``lf-to-lerobot`` writes
     what LeRobot's PI0Pytorch loads strictly, and ``lerobot-to-lf`` gives the checkpoint back bitwise."""
     from torch.utils.data import default_collate
@@ -90,21 +90,21 @@ def test_pi0_trains_from_the_cli_then_converts_to_lerobot_and_back(tiny_dataset,
     from loongforge.embodied.task import masked_flow_loss
 
     run = tmp_path / "run"
-    args = tiny_overrides(tiny_dataset, run, "--policy", "pi0", "train.steps=16", "log.interval=1", "log.tensorboard=false",
+    args = tiny_overrides(tiny_dataset, run, "--model", "pi0", "train.steps=16", "log.interval=1", "log.tensorboard=false",
                           "checkpoint.interval=16", "train.warmup_steps=2", "train.lr=1e-2")
     assert main(["train", *args]) == 0
     losses = [json.loads(line)["loss"] for line in (run / "metrics.jsonl").read_text().splitlines()]
     assert len(losses) == 16 and all(map(math.isfinite, losses))
     cfg = load_train_config("train", normalise_overrides(args))
-    assert cfg.policy.family == "pi0" and not cfg.policy.discrete_state
+    assert cfg.model.family == "pi0" and not cfg.model.discrete_state
     ours = {k[len("model."):]: v for k, v in Checkpoint(run / "checkpoints").tensors("model.").items()}
     # the per-step losses are noisy (random times); on every training frame with fixed noise and
     # times, the trained weights beat the run's initial ones (seeded by train.seed)
-    data = EmbodiedDataset(cfg.data, cfg.policy, str(tiny_dataset))
+    data = EmbodiedDataset(cfg.data, cfg.model, str(tiny_dataset))
     batch = default_collate([data[i] for i in range(len(data))])
-    noise, t = draw_noise_and_time(0, 0, (len(data), 4, 4), **cfg.policy.time_kwargs())
+    noise, t = draw_noise_and_time(0, 0, (len(data), 4, 4), **cfg.model.time_kwargs())
     torch.manual_seed(cfg.train.seed)
-    policy = build_policy(cfg.policy).eval()
+    policy = build_policy(cfg.model).eval()
     with torch.no_grad():
         initial = masked_flow_loss(batch, policy(batch, noise, t))
         policy.load_state_dict(ours)
@@ -114,7 +114,7 @@ def test_pi0_trains_from_the_cli_then_converts_to_lerobot_and_back(tiny_dataset,
     lerobot_file = tmp_path / "lerobot" / "model.safetensors"
     assert main(["convert", "lf-to-lerobot", str(run), str(lerobot_file)]) == 0
     exported = load_file(str(lerobot_file))
-    reference = build_lerobot_pi0(cfg.policy)
+    reference = build_lerobot_pi0(cfg.model)
     reference.load_state_dict({k[len("model."):]: v for k, v in exported.items()}, strict=True)
     assert torch.equal(exported["model.state_proj.weight"], ours["state_proj.weight"])
     back = tmp_path / "back.safetensors"

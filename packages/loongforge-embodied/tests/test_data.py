@@ -32,7 +32,7 @@ def read_frames(root: Path):
 
 
 def make(root, split="train", **data_kw):
-    data = DatasetConfig(root=str(root), repo_id="local/tiny", **data_kw)
+    data = DatasetConfig(path=str(root), repo_id="local/tiny", **data_kw)
     policy = PolicyConfig(chunk_size=CHUNK, max_state_dim=4, max_action_dim=4, num_cameras=3, image_size=16)
     return EmbodiedDataset(data, policy, str(root), split)
 
@@ -135,7 +135,7 @@ def test_a_video_that_does_not_decode_names_the_episode_and_frame(tmp_path):
     write_synthetic_dataset(root, episodes=3, frames=8, image_size=64, use_videos=True)
     for video in (root / "videos").rglob("*.mp4"):
         video.write_bytes(video.read_bytes()[:200])  # truncated: the frames are gone
-    ds = EmbodiedDataset(DatasetConfig(root=str(root)), PolicyConfig(image_size=64), str(root), "train")
+    ds = EmbodiedDataset(DatasetConfig(path=str(root)), PolicyConfig(image_size=64), str(root), "train")
     with pytest.raises(DataError, match=rf"dataset {root}: episode 1 frame 2: cannot be read"):
         ds[10]
 
@@ -148,7 +148,7 @@ def test_video_cameras_decode_to_the_recorded_frames(tmp_path):
     root = tmp_path / "video"
     write_synthetic_dataset(root, episodes=3, frames=8, image_size=64, use_videos=True)
     assert len(list((root / "videos").rglob("*.mp4"))) == 2
-    ds = EmbodiedDataset(DatasetConfig(root=str(root)), PolicyConfig(image_size=64), str(root), "train")
+    ds = EmbodiedDataset(DatasetConfig(path=str(root)), PolicyConfig(image_size=64), str(root), "train")
     frames = read_frames(root)
 
     def rendered(idx, slot):

@@ -27,7 +27,7 @@ def test_offline_mse_matches_direct_computation(tiny_dataset, tmp_path):
 
     policy, cfg, _ = restore_policy(run_dir / "checkpoints", overrides)
     policy.eval()
-    ds = EmbodiedDataset(cfg.data, cfg.policy, str(tiny_dataset), "eval")
+    ds = EmbodiedDataset(cfg.data, cfg.model, str(tiny_dataset), "eval")
     frames = read_frames(tiny_dataset)
     stats = json.loads((tiny_dataset / "meta/stats.json").read_text())["action"]
     q01, q99 = np.array(stats["q01"]), np.array(stats["q99"])
@@ -37,7 +37,7 @@ def test_offline_mse_matches_direct_computation(tiny_dataset, tmp_path):
     for start in (0, 4):
         idx = list(range(start, min(start + 4, len(ds))))
         batch = default_collate([ds[i] for i in idx])
-        noise = torch.randn(len(idx), cfg.policy.chunk_size, cfg.policy.max_action_dim, generator=g)
+        noise = torch.randn(len(idx), cfg.model.chunk_size, cfg.model.max_action_dim, generator=g)
         pred = policy.sample_actions(batch, noise)[..., :2].double().numpy()
         pred = (pred + 1) / 2 * (q99 - q01) + q01  # undo the quantile normalisation by hand
         for row, i in enumerate(idx):

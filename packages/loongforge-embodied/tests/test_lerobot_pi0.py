@@ -117,7 +117,7 @@ def test_released_size_preset_has_lerobot_pi0_shapes():
 
     from loongforge.embodied.config import load_train_config
 
-    cfg = load_train_config("train", ["policy=pi0_base"]).policy
+    cfg = load_train_config("train", ["model=pi0_base"]).model
     with torch.device("meta"):
         ref = PI0Pytorch(PI0Config(dtype="float32"))
         ours = build_policy(cfg)
@@ -140,7 +140,7 @@ def test_family_adapter_translates_lerobot_pi0_config(tmp_path):
     with torch.device("meta"):
         names = set(build_policy(cfg).state_dict())
     assert set(adapter.bind(cfg).lf_names) == names
-    base = load_train_config("train", ["policy=pi0_base"]).policy
+    base = load_train_config("train", ["model=pi0_base"]).model
     PI0Config()._save_pretrained(tmp_path)  # LeRobot's own config.json of its released pi0
     assert to_dict(adapter.config_from_hf(json.loads((tmp_path / "config.json").read_text()))) == to_dict(base)
     (tmp_path / "config.json").write_text(json.dumps(adapter.config_to_hf(base)))

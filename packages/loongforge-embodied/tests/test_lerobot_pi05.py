@@ -96,7 +96,7 @@ def test_released_size_preset_has_lerobot_pi05_shapes():
 
     from loongforge.embodied.config import load_train_config
 
-    cfg = load_train_config("train", ["policy=pi05_base"]).policy
+    cfg = load_train_config("train", ["model=pi05_base"]).model
     with torch.device("meta"):
         ref = PI05Pytorch(PI05Config(dtype="float32"))
         ours = build_policy(cfg)
@@ -128,7 +128,7 @@ def test_family_adapter_is_the_lerobot_table(tmp_path):
         names = set(build_policy(cfg).state_dict())
     assert set(adapter.bind(cfg).lf_names) == names
 
-    base = load_train_config("train", ["policy=pi05_base"]).policy
+    base = load_train_config("train", ["model=pi05_base"]).model
     PI05Config()._save_pretrained(tmp_path)  # LeRobot's own config.json of its released pi05
     released = adapter.config_from_hf(json.loads((tmp_path / "config.json").read_text()))
     assert to_dict(released) == to_dict(base)

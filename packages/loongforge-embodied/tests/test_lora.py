@@ -45,13 +45,13 @@ def test_lora_trains_adapters_and_exports_for_lerobot(tiny_dataset, tmp_path, fa
     attention of Pi0 and Pi0.5 alike."""
     build_lerobot, to_lerobot = LEROBOT[family]
     run = tmp_path / "run"
-    cfg = _train(tiny_dataset, run, f"policy={family}")
-    assert cfg.policy.family == family
+    cfg = _train(tiny_dataset, run, f"model={family}")
+    assert cfg.model.family == family
     first = Checkpoint(run / "checkpoints" / "step_00000001").tensors("model.")
     last = Checkpoint(run / "checkpoints" / "step_00000002")
     state = {k[len("model."):]: v for k, v in last.tensors("model.").items()}
     torch.manual_seed(cfg.train.seed)
-    fresh = build_policy(cfg.policy).state_dict()
+    fresh = build_policy(cfg.model).state_dict()
     assert set(strip_adapters(state)) == set(fresh)
     for key, value in fresh.items():  # the base weights: bitwise their initial values after two updates
         assert torch.equal(state[key], value) and torch.equal(first[f"model.{key}"], value), key
@@ -60,17 +60,17 @@ def test_lora_trains_adapters_and_exports_for_lerobot(tiny_dataset, tmp_path, fa
     moved = [k for k in adapters if not torch.equal(state[k], first[f"model.{k}"])]
     assert moved and all(".lora_B." in k or ".lora_A." in k for k in moved)
     # the last backbone layer's output projection is unreachable (frozen), its adapter too
-    assert torch.equal(state["layers.1.vlm.self_attn.o_proj.lora_B.weight"], torch.zeros(cfg.policy.vlm.width, RANK))
+    assert torch.equal(state["layers.1.vlm.self_attn.o_proj.lora_B.weight"], torch.zeros(cfg.model.vlm.width, RANK))
     optimised = {k[len("optim."):].rsplit(".", 1)[0] for k in last.reader.keys() if k.startswith("optim.")}
     assert optimised == set(adapters) - {f"layers.1.vlm.self_attn.o_proj.lora_{f}.weight" for f in "AB"}
 
     ours, _, _ = restore_policy(run / "checkpoints")
     assert isinstance(ours.layers[0].expert.self_attn.q_proj, LoRALinear)
     ours.eval()
-    batch, noise, t = _batch(cfg.policy)
+    batch, noise, t = _batch(cfg.model)
     with torch.no_grad():
         want = ours(batch, noise, t)
-        base = build_policy(cfg.policy).eval()
+        base = build_policy(cfg.model).eval()
         base.load_state_dict(fresh)
         assert (want - base(batch, noise, t)).abs().max() > 1e-3  # the adapters matter
 
@@ -78,11 +78,11 @@ def test_lora_trains_adapters_and_exports_for_lerobot(tiny_dataset, tmp_path, fa
     out = tmp_path / "lerobot" / "model.safetensors"
     assert main(["convert", "lf-to-lerobot", str(run), str(out)]) == 0
     exported = load_file(str(out))
-    expected = to_lerobot(merge_state(state, SCALE), cfg.policy)
+    expected = to_lerobot(merge_state(state, SCALE), cfg.model)
     assert set(exported) == set(expected)
     for key, value in expected.items():
         torch.testing.assert_close(exported[key], value, rtol=0, atol=1e-7, msg=key)
-    lerobot = build_lerobot(cfg.policy)
+    lerobot = build_lerobot(cfg.model)
     lerobot.load_state_dict({k[len("model."):]: v for k, v in exported.items()}, strict=True)
     with torch.no_grad():
         torch.testing.assert_close(lerobot_loss(lerobot.eval(), batch, noise, t), want, rtol=1e-4, atol=1e-5)
@@ -99,8 +99,8 @@ def test_lora_trains_adapters_and_exports_for_lerobot(tiny_dataset, tmp_path, fa
     keys = load_file(str(adapter / "adapter_model.safetensors"))
     assert ("base_model.model.model.paligemma_with_expert.gemma_expert.model.layers.0.self_attn.q_proj.lora_A.weight"
             in keys)
-    lerobot = build_lerobot(cfg.policy)
-    lerobot.load_state_dict(to_lerobot(fresh, cfg.policy, policy_prefix=False), strict=True)
+    lerobot = build_lerobot(cfg.model)
+    lerobot.load_state_dict(to_lerobot(fresh, cfg.model, policy_prefix=False), strict=True)
     holder = nn.Module()
     holder.model = lerobot
     PeftModel.from_pretrained(holder, str(adapter))
@@ -114,17 +114,17 @@ def test_groot_lora_adapter_loads_with_peft_in_our_names(tiny_dataset, tmp_path,
     from peft import PeftModel
 
     run = tmp_path / "run"
-    cfg = _train(tiny_dataset, run, "policy=groot", r"lora.target_modules=[q_proj,v_proj,re:.*_attn\.(q|out)]")
+    cfg = _train(tiny_dataset, run, "model=groot", r"lora.target_modules=[q_proj,v_proj,re:.*_attn\.(q|out)]")
     ours, _, _ = restore_policy(run / "checkpoints")
     ours.eval()
-    batch, noise, t = _batch(cfg.policy)
+    batch, noise, t = _batch(cfg.model)
     with torch.no_grad():
         want = ours(batch, noise, t)
     adapter = tmp_path / "adapter"
     assert main(["convert", "lora-to-peft", str(run), str(adapter)]) == 0
     # the shortest suffixes that name exactly the adapted layers (the DiT's attention q and out)
     assert json.loads((adapter / "adapter_config.json").read_text())["target_modules"] == ["out", "q", "q_proj", "v_proj"]
-    base = build_policy(cfg.policy).eval()
+    base = build_policy(cfg.model).eval()
     base.load_state_dict(strip_adapters(ours.state_dict()))
     peft = PeftModel.from_pretrained(base, str(adapter))
     with torch.no_grad():
@@ -132,7 +132,7 @@ def test_groot_lora_adapter_loads_with_peft_in_our_names(tiny_dataset, tmp_path,
     capsys.readouterr()
     assert main(["convert", "lf-to-lerobot", str(run), str(tmp_path / "x.safetensors")]) == 2  # one line, no traceback
     err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and "policy.family=groot" in err[0] and "only pi0 and pi05 have a LeRobot layout" in err[0]
+    assert len(err) == 1 and "model.family=groot" in err[0] and "only pi0 and pi05 have a LeRobot layout" in err[0]
 
 
 def test_targets_that_match_no_layer_are_one_error_line(tiny_dataset, tmp_path, capsys):

@@ -21,7 +21,7 @@ STEPS, SAVE_EVERY = 40, 4
 
 
 def cli_args(dataset, run_dir) -> list[str]:
-    return ["lf-embodied", "train", *tiny_overrides(dataset, run_dir, "log.tensorboard=false", "policy=groot",
+    return ["lf-embodied", "train", *tiny_overrides(dataset, run_dir, "log.tensorboard=false", "model=groot",
                                                      f"train.steps={STEPS}", f"checkpoint.interval={SAVE_EVERY}",
                                                      "log.interval=1", "train.warmup_steps=2")]
 
@@ -67,7 +67,7 @@ def test_kill_and_resume_is_exact(tiny_dataset, tmp_path):
 
 
 def run(dataset, run_dir, *extra):
-    return train(load_train_config("train", tiny_overrides(dataset, run_dir, "log.tensorboard=false", "policy=groot", *extra)))
+    return train(load_train_config("train", tiny_overrides(dataset, run_dir, "log.tensorboard=false", "model=groot", *extra)))
 
 
 def test_a_finished_run_trains_no_more(tiny_dataset, tmp_path):
@@ -78,12 +78,12 @@ def test_a_finished_run_trains_no_more(tiny_dataset, tmp_path):
 
 def test_resume_refuses_a_different_policy(tiny_dataset, tmp_path):
     run(tiny_dataset, tmp_path / "c", "train.steps=1")
-    with pytest.raises(CheckpointReadError, match="policy.chunk_size"):
-        run(tiny_dataset, tmp_path / "c", "train.steps=2", "policy.chunk_size=3")
+    with pytest.raises(CheckpointReadError, match="model.chunk_size"):
+        run(tiny_dataset, tmp_path / "c", "train.steps=2", "model.chunk_size=3")
 
 
 def test_config_errors_name_the_key():
-    with pytest.raises(ConfigError, match="policy.dit.widht"):
-        load_train_config("train", ["policy=groot", "policy.dit.widht=3"])
+    with pytest.raises(ConfigError, match="model.dit.widht"):
+        load_train_config("train", ["model=groot", "model.dit.widht=3"])
     with pytest.raises(ConfigError, match="parallel.data_parallel='zero3'"):
         load_train_config("train", ["parallel.data_parallel=zero3"])

@@ -1,4 +1,4 @@
-"""Prompt tokenizers: a tokenizer directory (the pretrained checkpoint's, or ``policy.tokenizer``)
+"""Prompt tokenizers: a tokenizer directory (the pretrained checkpoint's, or ``data.tokenizer``)
 gives the ids LeRobot's own Pi0 / Pi0.5 processors give with that tokenizer; without one, the byte
 tokenizer; a configured tokenizer that does not load is one ``error:`` line naming it."""
 
@@ -41,8 +41,9 @@ def save_tiny_tokenizer(directory):
     return directory
 
 
-def dataset(root, policy):
-    return EmbodiedDataset(DatasetConfig(root=str(root), repo_id="local/tiny"), policy, str(root), "train")
+def dataset(root, policy, tokenizer=None):
+    return EmbodiedDataset(DatasetConfig(path=str(root), repo_id="local/tiny", tokenizer=tokenizer), policy, str(root),
+                           "train")
 
 
 def lerobot_tokens(steps, task, state=None):
@@ -73,9 +74,8 @@ def test_pi0_prompt_uses_the_pretrained_checkpoints_tokenizer(tiny_dataset, tmp_
 
 def test_pi05_prompt_with_the_state_uses_the_configured_tokenizer(tiny_dataset, tmp_path):
     directory = save_tiny_tokenizer(tmp_path / "tok")
-    policy = policy_config("pi05", image_size=16, chunk_size=4, max_state_dim=4, max_action_dim=4, max_token_len=MAX_LEN,
-                           tokenizer=str(directory))
-    ds = dataset(tiny_dataset, policy)
+    policy = policy_config("pi05", image_size=16, chunk_size=4, max_state_dim=4, max_action_dim=4, max_token_len=MAX_LEN)
+    ds = dataset(tiny_dataset, policy, tokenizer=str(directory))
     hf = AutoTokenizer.from_pretrained(str(directory))
     steps = [Pi05PrepareStateTokenizerProcessorStep(), TokenizerProcessorStep(tokenizer=hf, max_length=MAX_LEN)]
     for idx in (2, 9):
@@ -92,20 +92,20 @@ def test_byte_tokenizer_without_a_tokenizer_and_errors_naming_the_path(tmp_path)
     assert isinstance(make_tokenizer(policy_config("pi0", **fields)), ByteTokenizer)
     no_files = policy_config("pi0", pretrained=str(tmp_path / "plain" / "model.safetensors"), **fields)
     assert isinstance(make_tokenizer(no_files), ByteTokenizer)  # a checkpoint directory without tokenizer files
-    with pytest.raises(ConfigError, match=r"policy.tokenizer='.*missing': no such directory"):
-        make_tokenizer(policy_config("pi0", tokenizer=str(tmp_path / "missing"), **fields))
+    with pytest.raises(ConfigError, match=r"data.tokenizer='.*missing': no such directory"):
+        make_tokenizer(policy_config("pi0", **fields), str(tmp_path / "missing"))
     broken = tmp_path / "broken"
     broken.mkdir()
     (broken / "tokenizer.json").write_text("{not json")
-    with pytest.raises(ConfigError, match=r"policy.pretrained=.*its directory's tokenizer '.*broken': cannot be loaded"):
+    with pytest.raises(ConfigError, match=r"model.pretrained=.*its directory's tokenizer '.*broken': cannot be loaded"):
         make_tokenizer(policy_config("pi0", pretrained=str(broken / "model.safetensors"), **fields))
-    with pytest.raises(ConfigError, match=r"policy.tokenizer='.*broken': cannot be loaded"):
-        make_tokenizer(policy_config("pi05", tokenizer=str(broken), **fields))
+    with pytest.raises(ConfigError, match=r"data.tokenizer='.*broken': cannot be loaded"):
+        make_tokenizer(policy_config("pi05", **fields), str(broken))
 
 
 def test_bad_tokenizer_is_one_error_line(tiny_dataset, tmp_path, capsys):
-    args = tiny_overrides(tiny_dataset, tmp_path / "run", "--policy", "pi0", "train.steps=1",
-                          f"policy.tokenizer={tmp_path / 'nowhere'}")
+    args = tiny_overrides(tiny_dataset, tmp_path / "run", "--model", "pi0", "train.steps=1",
+                          f"data.tokenizer={tmp_path / 'nowhere'}")
     assert main(["train", *args]) == 2
     err = capsys.readouterr().err.strip().splitlines()
-    assert err[-1].startswith("error: policy.tokenizer=") and "nowhere" in err[-1]
+    assert err[-1].startswith("error: data.tokenizer=") and "nowhere" in err[-1]

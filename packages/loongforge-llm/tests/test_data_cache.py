@@ -5,7 +5,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from loongforge.llm.data.cache import build_once, save_token_arrays, write_atomically
+from loongforge.core.cache import build_once, write_atomically
+from loongforge.llm.data.cache import save_token_arrays
 from loongforge.llm.data.errors import DataError
 
 

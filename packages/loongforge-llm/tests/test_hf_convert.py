@@ -130,7 +130,7 @@ def test_bf16_weights_load_reaches_the_optimizer_main_params(ctx, tmp_path):
 
     hf_dir = save_hf(tiny_hf("llama"), tmp_path / "hf")
     done = hf_to_lf(hf_dir, tmp_path / "lf", progress=False)
-    trainer = our_trainer(ctx, done.model_config, tmp_path / "run", precision="bf16", lr=0.0, min_lr=0.0)
+    trainer = our_trainer(ctx, done.model_config, tmp_path / "run", precision="bf16", lr=0.0, min_lr_ratio=0.0)
     checkpointing.load_weights(trainer, tmp_path / "lf")
     loaded = {k: v.detach().clone() for k, v in trainer.model.state_dict().items() if torch.is_tensor(v)}
     tokens, pos = batch()

@@ -24,7 +24,7 @@ from collections.abc import Callable, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:  # torch is imported where a bench runs, not where the CLI builds its options
     import torch
@@ -85,7 +85,7 @@ def _child(target: Callable[..., object], kwargs: dict, path: str) -> None:
     Path(path).write_text(json.dumps(target(**kwargs)))
 
 
-def in_fresh_process(target: Callable[..., object], kwargs: dict) -> object:
+def in_fresh_process(target: Callable[..., Any], kwargs: dict) -> Any:
     """``target(**kwargs)`` (a module-level function returning JSON-able data) in a fresh (spawned)
     process, e.g. a run whose library changes process-wide state; its result."""
     ctx = multiprocessing.get_context("spawn")
@@ -133,7 +133,7 @@ def spread_lines(per_process: Sequence[Mapping[str, float]], baselines: Sequence
 
 
 # -- one run's timed steps ----------------------------------------------------------------------
-def timed_steps(step: Callable[[], object], steps: int, warmup: int,
+def timed_steps(step: Callable[[], Any], steps: int, warmup: int,
                 synchronize: Callable[[], None]) -> tuple[float, list[float]]:
     """The first step's loss (``float`` of what the first call returns: the loss before any
     update; that call also compiles where compiled), ``warmup - 1`` more untimed calls, then the

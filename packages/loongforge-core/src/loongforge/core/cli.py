@@ -41,13 +41,16 @@ import time
 import warnings
 from collections.abc import Callable, Collection, Mapping, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
 from loongforge.core.config import ConfigError
 
-SHARED_GROUPS = ("train", "parallel", "checkpoint", "log", "balance", "eval")
+# the config groups every lf-* CLI has, with the same keys (tests/test_shared_vocabulary.py); a
+# modality's own groups (``balance`` where samples differ in length, ``eval`` where the task has an
+# evaluation) are listed by its ``train --help``
+SHARED_GROUPS = ("train", "parallel", "checkpoint", "log", "lora")
 
 
 def normalise_overrides(items: list[str]) -> list[str]:
@@ -120,11 +123,12 @@ LORA_TO_PEFT = "lora-to-peft"
 def all_converters(app: ModalityCLI) -> list[Converter]:
     """The modality's ``convert`` directions plus the shared ``lora-to-peft`` where it has ``lora_layouts``."""
     converters = list(app.converters)
-    if app.lora_layouts is not None:
+    layouts = app.lora_layouts
+    if layouts is not None:
         def run(source: str, out: str, args: argparse.Namespace) -> str:
             from loongforge.core.lora import export_checkpoint_adapter
 
-            written = export_checkpoint_adapter(source, out, app.lora_layouts, ema=bool(getattr(args, "ema", False)),
+            written = export_checkpoint_adapter(source, out, layouts, ema=bool(getattr(args, "ema", False)),
                                                 dtype=convert_dtype(args.dtype), command=app.prog)
             return "\n".join(f"wrote {path}" for path in written)
 
@@ -149,7 +153,7 @@ def shipped_configs(config_dirs: Sequence[Path], exclude: Collection[str] = ()) 
 
 def describe_configs(config_dirs: Sequence[Path]) -> list[tuple[str, str]]:
     """``(name, first sentence of its leading comment)`` of every shipped config."""
-    out = {}
+    out: dict[str, str] = {}
     for d in config_dirs:
         for path in sorted(Path(d).glob("*.y*ml")):
             out.setdefault(path.stem, _first_sentence(path.read_text()))
@@ -159,7 +163,7 @@ def describe_configs(config_dirs: Sequence[Path]) -> list[tuple[str, str]]:
 def _first_sentence(text: str) -> str:
     """The first sentence of a YAML file's leading comment paragraph (an indented example command
     or a blank comment line ends the paragraph)."""
-    words = []
+    words: list[str] = []
     for line in text.splitlines():
         if not line.startswith("#"):
             if words or line.strip():
@@ -192,9 +196,13 @@ def keys_epilog(app: ModalityCLI, config: str | None, cfg: Any, base: Any = None
             f"resolved config as YAML):\n" + format_keys(docs, changed=changed))
 
 
-def _config_epilog(app: ModalityCLI) -> str:
+def _config_epilog(app: ModalityCLI, cfg: Any = None) -> str:
+    """The shipped configs, the shared config groups and (given the run's config ``cfg``) the
+    modality's own groups."""
+    own = [f.name for f in fields(cfg) if f.name not in SHARED_GROUPS] if cfg is not None else []
     return (f"shipped configs: {', '.join(shipped_configs(app.config_dirs, app.command_configs)) or 'none'}\n"
             f"shared config groups (the same keys in every lf-* CLI): {', '.join(SHARED_GROUPS)}\n"
+            + (f"{app.prog}'s own config groups: {', '.join(own)}\n" if own else "") +
             f"example: {app.prog} train {app.example}\n"
             f"`{app.prog} info --config NAME [key=value ...]` prints what a config builds.")
 
@@ -295,6 +303,7 @@ class _ModalityCommands:
             dist.barrier()
         if trainer.ctx.is_main and trainer.last_checkpoint is not None:
             argv = [converter.direction, str(trainer.last_checkpoint), str(out)] + ([] if progress else ["--no-progress"])
+            assert self.convert_parser is not None  # set by build_parser
             print(converter.run(str(trainer.last_checkpoint), str(out), self.convert_parser.parse_args(argv)),
                   flush=True)
 
@@ -315,7 +324,8 @@ class _ModalityCommands:
             except ConfigError:  # the config needs the overrides (a required key): nothing to compare with
                 base = None
         parser = self.train_parser
-        parser.epilog = _config_epilog(self.app) + keys_epilog(self.app, args.config, cfg, base)
+        assert parser is not None  # set by build_parser
+        parser.epilog = _config_epilog(self.app, cfg) + keys_epilog(self.app, args.config, cfg, base)
         parser.print_help()
         return 0
 
@@ -344,6 +354,7 @@ class _ModalityCommands:
         converter = export_converter(app)
         save_to = getattr(args, "save_export", None)
         if save_to is not None:
+            assert converter is not None  # --save-FORMAT is an option only where there is one
             option = "--save-" + converter.direction.removeprefix("lf-to-")
             save_to = check_export_target(option, save_to, cfg.checkpoint.save)
         task = app.make_task(cfg)  # the family's task: its data and tokenizer checks come before any group too
@@ -351,7 +362,7 @@ class _ModalityCommands:
         def after(trainer) -> None:
             if app.after_train is not None:
                 app.after_train(args, cfg, state, trainer)
-            if save_to is not None:
+            if save_to is not None and converter is not None:
                 self._export(trainer, converter, save_to, cfg.log.progress)
 
         summary = run_training(cfg, task, app.prog, after=after)
@@ -410,6 +421,7 @@ class _ModalityCommands:
                 config = self.app.default_config
                 print(f"{self.app.prog} bench: no GPU here: --config {config} (on a GPU the default is "
                       f"{self.app.default_bench_config})", flush=True)
+        assert self.app.bench is not None  # `bench` is a command only where there is one
         self.app.bench(args, config, normalise_overrides(args.overrides))
         return 0
 

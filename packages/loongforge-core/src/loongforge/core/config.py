@@ -10,6 +10,11 @@
 3. Every other ``key=value`` override is applied on top (a key the schema does not know is an
    error naming the override), then the dataclass is built, which runs each ``__post_init__``.
 
+``renamed`` maps a key's old dotted name (or a group's: ``policy``) to its new one: YAML and
+overrides that still use the old name are read under the new one, with a one-line ``note:`` on
+stderr, for one release. A key of ``DEPRECATED_KEYS`` (kept in the schema, with another meaning
+next to it) is read as it is, with its note.
+
 ``fixed`` maps top-level sections whose value is the one ``schema`` (an instance) already holds to
 the reason why: what the YAML composes for them is dropped, and an override of one of their keys
 is an error giving that reason. A recipe uses it for a section it derives from elsewhere (an LLM's
@@ -21,10 +26,14 @@ All of this happens before any process group is made, so a bad config costs no c
 from __future__ import annotations
 
 import difflib
-from collections.abc import Mapping, Sequence
+import json
+import os
+import sys
+import tempfile
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import fields, is_dataclass, make_dataclass
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, TypeVar, cast
 
 import yaml
 from omegaconf import DictConfig, OmegaConf
@@ -34,12 +43,80 @@ from loongforge.core.errors import UserError
 
 T = TypeVar("T")
 
-__all__ = ["ConfigError", "find_config", "load_config", "read_section", "to_dict", "to_yaml", "field_names",
+__all__ = ["ConfigError", "find_config", "load_config", "load_saved_config", "rename_overrides", "read_section", "to_dict", "to_yaml", "field_names",
            "leaf_keys", "did_you_mean", "yaml_error_message"]
 
 
 class ConfigError(UserError, ValueError):
     """A configuration that cannot be used; the message names the key and where it came from."""
+
+
+# keys still read for one release, with what replaces them (the schema keeps them: their meaning
+# differs from the replacement's, so they are not a plain rename)
+DEPRECATED_KEYS = {
+    "train.min_lr": "train.min_lr_ratio (the last step's learning rate as a fraction of train.lr)",
+}
+
+
+def deprecation_note(old: str, new: str, source: str) -> None:
+    """``note: OLD (SOURCE) is deprecated: use NEW`` on stderr, from the job's first rank only."""
+    if int(os.environ.get("RANK", "0") or 0) == 0:
+        print(f"note: {old} ({source}) is deprecated and read until the next release: use {new}", file=sys.stderr)
+
+
+def _renamed_key(key: str, renamed: Mapping[str, str]) -> str | None:
+    """``key`` under its new name when it, or a group holding it, was renamed (the longest old name
+    that matches wins); None when it was not."""
+    for old in sorted(renamed, key=len, reverse=True):
+        if key == old or key.startswith(old + "."):
+            return renamed[old] + key[len(old):]
+    return None
+
+
+def rename_overrides(overrides: Sequence[str], renamed: Mapping[str, str], note: bool = True) -> list[str]:
+    """``key=value`` overrides with renamed keys under their new names (a note for each, unless not ``note``)."""
+    out = []
+    for item in overrides:
+        key, sep, value = item.partition("=")
+        bare = key.strip()
+        prefix = bare[:len(bare) - len(bare.lstrip("+~"))]
+        new = _renamed_key(bare.lstrip("+~"), renamed) if sep else None
+        if new is None:
+            out.append(item)
+            continue
+        if note:
+            deprecation_note(bare.lstrip("+~"), new, "the command line")
+        out.append(f"{prefix}{new}={value}")
+    return out
+
+
+def _rename_composed(cfg: DictConfig, renamed: Mapping[str, str], path: Path, note: bool = True) -> None:
+    """Move the composed YAML's values from renamed keys to their new names (refusing both set)."""
+    absent = object()
+    for old in sorted(renamed, key=len, reverse=True):
+        value = OmegaConf.select(cfg, old, default=absent, throw_on_missing=False)
+        if value is absent:
+            continue
+        parent_key, _, leaf = old.rpartition(".")
+        parent = OmegaConf.select(cfg, parent_key) if parent_key else cfg
+        new = renamed[old]
+        existing = OmegaConf.select(cfg, new, default=None, throw_on_missing=False)
+        if existing is not None and not (isinstance(existing, DictConfig) and isinstance(value, DictConfig)):
+            raise ConfigError(f"{path}: both {old} and {new} are set; {old} is the old name of {new}: keep one")
+        parent.pop(leaf)
+        if value is None and existing is not None:
+            continue
+        OmegaConf.update(cfg, new, value, merge=True, force_add=True)
+        if note:
+            deprecation_note(old, new, str(path))
+
+
+def _note_deprecated(cfg: DictConfig | None, overrides: Sequence[str], source: str) -> None:
+    for key, new in DEPRECATED_KEYS.items():
+        if cfg is not None and OmegaConf.select(cfg, key, default=None, throw_on_missing=False) is not None:
+            deprecation_note(key, new, source)
+        elif any(o.partition("=")[0].strip().lstrip("+~") == key for o in overrides):
+            deprecation_note(key, new, "the command line")
 
 
 def did_you_mean(value: str, choices: Sequence[str]) -> str:
@@ -108,9 +185,10 @@ def _compose(path: Path, group_overrides: list[str], config_dirs: Sequence[Path]
         raise ConfigError(f"{path}: cannot compose config: {first}") from exc
     except yaml.YAMLError as exc:
         raise ConfigError(yaml_error_message(exc, path)) from exc
-    cfg = OmegaConf.create(OmegaConf.to_container(cfg, resolve=False))
-    cfg.pop("hydra", None)
-    return cfg
+    plain = OmegaConf.create(OmegaConf.to_container(cfg, resolve=False))
+    assert isinstance(plain, DictConfig)  # a composed config is a mapping
+    plain.pop("hydra", None)
+    return plain
 
 
 def yaml_error_message(exc: yaml.YAMLError, path: Path) -> str:
@@ -130,9 +208,11 @@ def _is_group(key: str, path: Path, config_dirs: Sequence[Path]) -> bool:
 
 def leaf_keys(cfg: DictConfig, prefix: str = "") -> list[str]:
     """Every dotted leaf key of a (structured) config; a group's own keys, not a list's items."""
-    out = []
-    for key, value in OmegaConf.to_container(cfg, resolve=False, throw_on_missing=False).items():
-        out += _leaves(value, f"{prefix}{key}")
+    out: list[str] = []
+    container = OmegaConf.to_container(cfg, resolve=False, throw_on_missing=False)
+    assert isinstance(container, dict)  # a DictConfig's container
+    for key, value in container.items():
+        out += _leaves(value, f"{prefix}{key!s}")
     return out
 
 
@@ -170,10 +250,16 @@ def load_config(
     overrides: Sequence[str] = (),
     config_dirs: Sequence[Path] = (),
     fixed: Mapping[str, str] | None = None,
+    renamed: Mapping[str, str] | None = None,
+    notes: bool = True,
 ) -> T:
-    """Compose, merge into ``schema`` (a dataclass), apply overrides, validate. See module doc."""
+    """Compose, merge into ``schema`` (a dataclass), apply overrides, validate. See module doc.
+    ``notes``: print the deprecation notes (off for a second load of the same command line)."""
     if not is_dataclass(schema):
         raise TypeError(f"config schema must be a dataclass, got {schema!r}")
+    overrides = rename_overrides(overrides, renamed or {}, note=notes)
+    if notes:
+        _note_deprecated(None, overrides, "the command line")
     for item in overrides:
         if "=" not in item:
             raise ConfigError(f"override {item!r} is not of the form key=value")
@@ -189,6 +275,10 @@ def load_config(
         groups = [o for o in overrides if _is_group(o.split("=", 1)[0], path, config_dirs)]
         value_overrides = [o for o in overrides if o not in groups]
         composed = _compose(path, groups, config_dirs)
+        if renamed:
+            _rename_composed(composed, renamed, path, note=notes)
+        if notes:
+            _note_deprecated(composed, (), str(path))
         for section in fixed or ():
             composed.pop(section, None)
         try:
@@ -204,26 +294,42 @@ def load_config(
                 raise ConfigError(f"unknown key {key!r}{_closest_key(key, leaf_keys(structured))}") from exc
             raise ConfigError(f"override {item!r} ({source}): {_unknown_key_message(exc)}") from exc
     try:
-        return OmegaConf.to_object(structured)
+        return cast(T, OmegaConf.to_object(structured))
     except OmegaConfBaseException as exc:
         raise ConfigError(f"{source}: {_unknown_key_message(exc)}") from exc
     except (ValueError, TypeError) as exc:  # raised by a schema's __post_init__
         raise ConfigError(f"{source}: {exc}") from exc
 
 
+def load_saved_config(saved: Mapping, load: Callable[[str, list[str]], T], overrides: Sequence[str] = (),
+                      source: str = "the checkpoint's config") -> T:
+    """A run config saved as a plain dict (a checkpoint manifest's ``config``), with ``key=value``
+    overrides, read back through the CLI's own ``load(config path, overrides)`` from a YAML file of
+    it: the renamed keys, family dispatch and checks are the ones a fresh run gets. An error names
+    ``source`` rather than the temporary file."""
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "saved_config.yaml"
+        path.write_text(json.dumps(dict(saved)))  # JSON is YAML
+        try:
+            return load(str(path), list(overrides))
+        except ConfigError as exc:
+            raise ConfigError(str(exc).replace(str(path), source)) from exc
+
+
 def read_section(schema: type, section: str, name_or_path: str | None, overrides: Sequence[str] = (),
-                 config_dirs: Sequence[Path] = ()) -> dict:
+                 config_dirs: Sequence[Path] = (), renamed: Mapping[str, str] | None = None) -> dict:
     """The composed config's ``section``, read with every section of ``schema`` untyped: how a
     recipe learns which family's config class validates that section (``model.family``,
-    ``policy.family``) before the typed load. Overrides of keys outside the schema's sections are
+    ``model.family``) before the typed load. Overrides of keys outside the schema's sections are
     left to that load too (a misspelt ``foo.bar=1`` must not hide which family ``section`` names).
     Empty when the config does not compose (the typed load then reports the error against the real
     schema)."""
     names = field_names(schema)
     sections = make_dataclass(f"{schema.__name__}Sections", [(name, Any, None) for name in names])
+    overrides = rename_overrides(overrides, renamed or {}, note=False)
     known = [o for o in overrides if "=" not in o or o.split("=", 1)[0].strip().lstrip("+~").split(".", 1)[0] in names]
     try:
-        value = getattr(load_config(sections, name_or_path, known, config_dirs), section)
+        value = getattr(load_config(sections, name_or_path, known, config_dirs, renamed=renamed, notes=False), section)
     except ConfigError:
         return {}
     return value if isinstance(value, dict) else {}
@@ -231,7 +337,7 @@ def read_section(schema: type, section: str, name_or_path: str | None, overrides
 
 def to_dict(cfg: Any) -> dict:
     """A plain, JSON-serialisable dict of a config dataclass."""
-    return OmegaConf.to_container(OmegaConf.structured(cfg), resolve=True)
+    return cast(dict, OmegaConf.to_container(OmegaConf.structured(cfg), resolve=True))
 
 
 def to_yaml(cfg: Any) -> str:

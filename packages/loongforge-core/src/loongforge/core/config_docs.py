@@ -41,10 +41,11 @@ def field_comments(cls: type) -> dict[str, str]:
     for node in body:
         if not (isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name)):
             continue
-        line = lines[node.end_lineno - 1]
+        line = lines[(node.end_lineno or node.lineno) - 1]
         text = _trailing_comment(line)
         if not text:  # the comment block right above the field
-            above, i = [], node.lineno - 2
+            above: list[str] = []
+            i = node.lineno - 2
             while i >= 0 and lines[i].strip().startswith("#"):
                 above.insert(0, lines[i].strip().lstrip("#").strip())
                 i -= 1
@@ -96,7 +97,7 @@ def schema_comments(schema: type) -> dict[str, str]:
     return comments
 
 
-def _nested(tp, default) -> type | None:
+def _nested(tp, default) -> typing.Any:
     """The dataclass a field is a group of, or None for a leaf: its annotation when that is a
     dataclass (a family's subclass as default is described as the annotated base), else its
     default's class."""

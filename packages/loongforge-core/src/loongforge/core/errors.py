@@ -40,7 +40,7 @@ STORAGE_ERRNOS = {errno.ENOSPC: "disk full", errno.EDQUOT: "disk quota exceeded"
 def storage_error(exc: OSError, what: str) -> StorageError | None:
     """``exc`` as a ``StorageError`` (``what``: the file and what was kept), or None when its errno
     is not one of the file system's refusals."""
-    reason = STORAGE_ERRNOS.get(exc.errno)
+    reason = STORAGE_ERRNOS.get(exc.errno) if exc.errno is not None else None
     if reason is None:
         return None
     return StorageError(f"{what}: {reason}" + (f" ({exc.filename})" if exc.filename else ""))

@@ -1,7 +1,7 @@
 """Hugging Face Hub ids where a config takes a local path.
 
-``model.init_from_hf`` (lf-llm), ``model.pretrained`` (lf-diffusion), ``policy.pretrained`` and
-``data.root`` (lf-embodied) accept ``owner/name`` (optionally ``owner/name@revision``) as well as a
+``model.init_from_hf`` (lf-llm), ``model.pretrained`` (lf-diffusion), ``model.pretrained`` and
+``data.path`` (lf-embodied) accept ``owner/name`` (optionally ``owner/name@revision``) as well as a
 path. ``resolve_local`` turns such an id into the directory of its snapshot through
 ``huggingface_hub``: from the hub cache first (``HF_HUB_CACHE`` / ``HF_HOME``, read when called),
 downloading only when the snapshot is not cached and ``HF_HUB_OFFLINE`` is off. A value that is an

@@ -39,6 +39,7 @@ import re
 import zlib
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -55,7 +56,6 @@ __all__ = [
     "adapter_modules",
     "adapter_renames",
     "apply_lora",
-    "checkpoint_of",
     "export_checkpoint_adapter",
     "export_peft_adapter",
     "initial_a",
@@ -286,8 +286,12 @@ def adapter_renames(bound) -> dict[str, str | RowSplit]:
         if isinstance(c.transform, Identity) and len(c.hf) == 1:
             out[c.lf[0]] = c.hf[0]
         elif c.transform.splits_rows:
-            out[c.lf[0]] = RowSplit(tuple(c.hf), lambda t, c=c: c.to_hf([t]))
+            out[c.lf[0]] = RowSplit(tuple(c.hf), partial(_to_hf, c))
     return out
+
+
+def _to_hf(conversion, t: torch.Tensor) -> list[torch.Tensor]:
+    return conversion.to_hf([t])
 
 
 def one_to_one_names(bound) -> dict[str, str]:
@@ -311,7 +315,7 @@ class AdapterLayout:
     header, keys prefixed with the component (``transformer``), None for none."""
 
     prefix: str
-    rename: Callable[[list[str]], Mapping[str, str]]
+    rename: Callable[[list[str]], Mapping[str, str | RowSplit]]
     library: str
     directory: str = ""
     key_prefix: str = ""
@@ -345,7 +349,7 @@ def transformers_layout(manifest: Mapping, *, leave_out: Callable[[str], bool] |
     layers (LoongForge weight names) transformers has no module for, ``unnamed`` says why;
     ``module_name(name)``: the model's module path of an HF checkpoint name where the two differ
     (transformers' Qwen2.5-VL saves ``model.layers.0...`` from ``model.language_model.layers.0...``)."""
-    from loongforge.core.hf_mapping.convert import bind_checkpoint
+    from loongforge.core.hf_mapping.checkpoint_binding import bind_checkpoint
 
     _, adapter, cfg, bound = bind_checkpoint(dict(manifest), "the checkpoint's manifest.json")
     architecture = adapter.config_to_hf(cfg)["architectures"][0]  # refuses a model transformers cannot express
@@ -433,22 +437,16 @@ def export_peft_adapter(names: Iterable[str], get: Callable[[str], torch.Tensor]
 
 
 # -- from a checkpoint of the loop -------------------------------------------------------------
-def checkpoint_of(source: str | Path) -> Path:
-    """A run directory's ``checkpoints``, or the checkpoint (root or step directory) itself."""
-    source = Path(source)
-    return source / "checkpoints" if (source / "checkpoints").is_dir() else source
-
-
 def export_checkpoint_adapter(source: str | Path, out: str | Path,
-                              layouts: Callable[[Mapping, list[str]], list[AdapterLayout]], *, ema: bool = False,
+                              layouts: Callable[[dict, list[str]], list[AdapterLayout]], *, ema: bool = False,
                               dtype: torch.dtype | None = None, command: str | None = None) -> list[Path]:
     """``lf-X convert lora-to-peft``: the adapters of a LoRA checkpoint of the loop (a run
     directory, checkpoint root or step directory) in PEFT's format; ``layouts(manifest, names)``
     is the modality's naming. ``ema``: the EMA of the adapters (a run with ``ema.decay > 0``).
     ``command``: the ``lf-*`` command whose checkpoints ``layouts`` names (another's are refused)."""
-    from loongforge.core.checkpoint import Checkpoint, CheckpointReadError
+    from loongforge.core.checkpoint import Checkpoint, CheckpointReadError, checkpoint_root
 
-    ckpt = Checkpoint(checkpoint_of(source))
+    ckpt = Checkpoint(checkpoint_root(source))
     if command is not None:
         from loongforge.core.checkpoint_owner import check_checkpoint_command
 
@@ -475,7 +473,7 @@ def _megatron_state(ckpt) -> tuple[list[str], Callable[[str], torch.Tensor]]:
     """A megatron-engine LoRA checkpoint as per-layer state-dict names (the family's HF mapping's
     LoongForge names, global layer and expert indices, adapters as ``<layer>.lora_A.weight``) and
     their reader."""
-    from loongforge.core.hf_mapping.convert import OPTIMIZER_PREFIX, bind_checkpoint, read_at
+    from loongforge.core.hf_mapping.checkpoint_binding import OPTIMIZER_PREFIX, bind_checkpoint, read_at
 
     _, _, _, bound = bind_checkpoint(ckpt.manifest, ckpt.directory / "manifest.json")
     keys = {k for k in ckpt.reader.keys() if not k.startswith(OPTIMIZER_PREFIX)}
@@ -496,7 +494,8 @@ def megatron_adapters(bound, keys: Iterable[str], source) -> dict:
     from loongforge.core.hf_mapping.transforms import MappingError
 
     keys = set(keys)
-    out, placed = {}, set()
+    out: dict = {}
+    placed: set[str] = set()
     for name in bound.lf_names:
         loc = bound.location(name)
         if not (name.endswith(".weight") and loc.key.endswith(".weight")):

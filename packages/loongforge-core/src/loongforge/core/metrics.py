@@ -43,6 +43,7 @@ class MetricsLogger:
             return
         clean = {k: (float(v) if isinstance(v, (int, float)) or hasattr(v, "item") else v) for k, v in metrics.items()}
         record = {"step": int(step), "time": time.time(), **clean}
+        assert self._file is not None  # open while enabled
         self._file.write(json.dumps(record, allow_nan=True) + "\n")
         if self._writer is not None:
             for key, value in clean.items():

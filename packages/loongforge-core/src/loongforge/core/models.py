@@ -76,9 +76,9 @@ class ModelRegistryError(UserError, LookupError):
     pass
 
 
-def collect(specs: list[tuple[str, object]], spec_type: type = ModelSpec, what: str = "model family") -> dict:
+def collect(specs: list[tuple[str, Any]], spec_type: type[Any] = ModelSpec, what: str = "model family") -> dict:
     """Index specs by name; a duplicate name is an error naming both sources."""
-    found: dict[str, tuple[str, object]] = {}
+    found: dict[str, tuple[str, Any]] = {}
     for source, spec in specs:
         if not isinstance(spec, spec_type):
             raise ModelRegistryError(f"{source} is not a {spec_type.__name__}")
@@ -88,7 +88,7 @@ def collect(specs: list[tuple[str, object]], spec_type: type = ModelSpec, what: 
     return {name: spec for name, (_, spec) in found.items()}
 
 
-def load_specs(entries, spec_type: type = ModelSpec, what: str = "model family") -> dict:
+def load_specs(entries, spec_type: type[Any] = ModelSpec, what: str = "model family") -> dict:
     """Load the specs of these entry points, each checked to be named after its entry point."""
     specs = []
     for ep in entries:

@@ -1,19 +1,23 @@
-"""Process groups for one training job, built once on top of ``megatron.core.parallel_state``.
+"""Process groups for one training job, built once for the engine that runs it.
 
 ``init_parallel`` validates the layout against the world size *before* any process group is
-made, installs the accelerator's megatron-core adaptations, joins the job through
-``loongforge.core.distributed.init_distributed`` (torch.distributed on the accelerator's backend:
-gloo on CPU, nccl on CUDA; a world of one gets a group too, as megatron needs one), builds
-megatron's TP/PP/CP/EP/DP groups, seeds the TP-aware RNG tracker, and returns an explicit
-``ParallelContext`` whose ``pgs`` (megatron-core's ``ProcessGroupCollection``) is what models and
-optimizers receive. Launch with ``torchrun`` for one or many nodes; a plain ``python`` process is
-a world of one.
+made and joins the job through ``loongforge.core.distributed.init_distributed`` (torch.distributed
+on the accelerator's backend: gloo on CPU, nccl on CUDA; a world of one gets a group too). Then,
+for the megatron-core engine (``engine="megatron"``), it installs the accelerator's megatron-core
+adaptations, builds megatron's TP/PP/CP/EP/DP groups (``megatron.core.parallel_state``) and seeds the
+TP-aware RNG tracker; for the PyTorch-native engine (``engine="torch"``) it builds a torch
+``DeviceMesh`` of ``(dp, cp)`` and imports no megatron. Either way it returns an explicit
+``ParallelContext`` whose ``pgs`` (megatron-core's ``ProcessGroupCollection``, or ``MeshGroups``
+of the mesh) is what models and optimizers receive. Launch with ``torchrun`` for one or many nodes;
+a plain ``python`` process is a world of one.
 """
 
 from __future__ import annotations
 
 import os
+import sys
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -25,7 +29,7 @@ from loongforge.core.kernels.policy import KernelPolicy
 
 TE_ATTENTION_FLAGS = ("NVTE_FLASH_ATTN", "NVTE_FUSED_ATTN", "NVTE_UNFUSED_ATTN")
 
-__all__ = ["ParallelLayout", "ParallelContext", "init_parallel", "destroy_parallel"]
+__all__ = ["ParallelLayout", "ParallelContext", "MeshGroups", "init_parallel", "destroy_parallel"]
 
 
 @dataclass(frozen=True)
@@ -57,6 +61,37 @@ class ParallelLayout:
             raise ConfigError(f"parallel.ep={self.ep} must divide dp*cp = {dp * self.cp} (world size {world_size})")
 
 
+class SingleRank:
+    """The tensor- or pipeline-parallel "group" of a layout without that parallelism: this rank alone."""
+
+    def rank(self) -> int:
+        return 0
+
+    def size(self) -> int:
+        return 1
+
+
+@dataclass(frozen=True)
+class MeshGroups:
+    """The PyTorch-native engine's groups, from a torch ``DeviceMesh`` of ``(dp, cp)``: the same
+    attribute names as megatron-core's ``ProcessGroupCollection`` (``dp``, ``cp``, ``dp_cp``; ``tp``
+    and ``pp`` are this rank alone), with the ranks of one CP group adjacent, as megatron orders them."""
+
+    mesh: object  # torch.distributed.device_mesh.DeviceMesh, dims ("dp", "cp")
+    dp: object
+    cp: object
+    dp_cp: object
+    tp: SingleRank = field(default_factory=SingleRank)
+    pp: SingleRank = field(default_factory=SingleRank)
+
+
+def mesh_groups(device_type: str, world_size: int, cp: int) -> MeshGroups:
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh(device_type, (world_size // cp, cp), mesh_dim_names=("dp", "cp"))
+    return MeshGroups(mesh=mesh, dp=mesh.get_group("dp"), cp=mesh.get_group("cp"), dp_cp=dist.group.WORLD)
+
+
 @dataclass
 class ParallelContext:
     """What one process knows about the job's layout."""
@@ -68,7 +103,7 @@ class ParallelContext:
     world_size: int
     local_rank: int
     dp_size: int
-    pgs: object  # megatron.core.process_groups_config.ProcessGroupCollection
+    pgs: Any  # megatron.core.process_groups_config.ProcessGroupCollection, or MeshGroups (torch engine)
     # how the modules built with this context choose their registry ops (a task's build_model
     # hands its own to the family's build with dataclasses.replace)
     kernels: KernelPolicy = field(default_factory=KernelPolicy)
@@ -107,12 +142,26 @@ def init_parallel(
     seed: int = 1234,
     accelerator: Accelerator | None = None,
     timeout_s: float | None = None,
+    engine: str = "megatron",
 ) -> ParallelContext:
+    """The process groups of one layout for ``engine`` (``"megatron"`` or ``"torch"``; see the module doc)."""
     layout = ParallelLayout(tp=tp, pp=pp, cp=cp, ep=ep)
     world_size = world_size_from_env()
     layout.validate(world_size)  # before any process group exists
+    if engine not in ("megatron", "torch"):
+        raise ValueError(f"engine={engine!r}: megatron or torch")
+    if engine == "torch" and (tp, pp, ep) != (1, 1, 1):
+        raise ConfigError(f"parallel.tp={tp} parallel.pp={pp} parallel.ep={ep}: the PyTorch-native engine shards "
+                          f"data and context only (tp, pp and ep must be 1)")
 
     accel = accelerator or get_accelerator()
+    if engine == "torch":
+        process = init_distributed(group_for_world_of_one=True, accelerator=accel, timeout_s=timeout_s)
+        accel.manual_seed(seed)
+        return ParallelContext(layout=layout, accelerator=accel, device=process.device, rank=process.rank,
+                               world_size=process.world_size, local_rank=process.local_rank,
+                               dp_size=layout.data_parallel_size(process.world_size),
+                               pgs=mesh_groups(process.device.type, process.world_size, cp))
     accel.install_megatron_adaptations()
     process = init_distributed(group_for_world_of_one=True, accelerator=accel, timeout_s=timeout_s)
 
@@ -144,6 +193,10 @@ def init_parallel(
 
 def destroy_parallel() -> None:
     """Tear down the world of :func:`init_parallel`, so that the process can build another."""
+    if "megatron.core.parallel_state" not in sys.modules:  # a torch-engine world: no megatron state to reset
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        return
     from megatron.core import parallel_state
     from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
 

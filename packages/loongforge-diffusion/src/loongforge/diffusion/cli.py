@@ -28,12 +28,12 @@ def load_recipe(config: str | None, overrides: list[str]):
     with it."""
     from loongforge.core.config import load_config, read_section
     from loongforge.diffusion.model.family import DEFAULT_FAMILY
-    from loongforge.diffusion.schema import DiffusionRecipe, recipe_schema
+    from loongforge.diffusion.schema import RENAMED_KEYS, DiffusionRecipe, recipe_schema
 
     from loongforge.core.hub import is_hub_id, resolve_local
 
     overrides = list(overrides)
-    model = read_section(DiffusionRecipe, "model", config, overrides, [CONFIG_DIR])
+    model = read_section(DiffusionRecipe, "model", config, overrides, [CONFIG_DIR], renamed=RENAMED_KEYS)
     family = model.get("family") or DEFAULT_FAMILY
     schema = recipe_schema(family)
     if model.get("pretrained"):
@@ -42,7 +42,7 @@ def load_recipe(config: str | None, overrides: list[str]):
             pretrained = resolve_local(pretrained, key="model.pretrained")
             overrides.append(f"model.pretrained={pretrained}")
         overrides += pretrained_overrides(family, pretrained, model, overrides)
-    return load_config(schema, config, overrides, config_dirs=[CONFIG_DIR])
+    return load_config(schema, config, overrides, config_dirs=[CONFIG_DIR], renamed=RENAMED_KEYS)
 
 
 # model.condition values a pretrained model's pipeline suggests but a command-line override may
@@ -98,31 +98,19 @@ def cmd_info(args, recipe) -> None:
     print(f"accelerator: {get_accelerator()!r}")
 
 
-def checkpoint_root(source: str | Path) -> Path:
-    """A run directory's ``checkpoints``, or the checkpoint (root or step directory) itself."""
-    source = Path(source)
-    return source / "checkpoints" if (source / "checkpoints").is_dir() else source
-
-
 def recipe_of(manifest: dict, overrides: list[str] = ()):
     """The run config a checkpoint was trained with (its manifest), with ``key=value`` overrides."""
-    from omegaconf import OmegaConf
-
-    from loongforge.core.config import ConfigError
+    from loongforge.core.config import load_config, load_saved_config
     from loongforge.diffusion.model.family import DEFAULT_FAMILY
-    from loongforge.diffusion.schema import recipe_schema
+    from loongforge.diffusion.schema import RENAMED_KEYS, recipe_schema
 
     family = (manifest["config"].get("model") or {}).get("family") or DEFAULT_FAMILY
-    try:
-        merged = OmegaConf.merge(OmegaConf.structured(recipe_schema(family)), manifest["config"],
-                                 OmegaConf.from_dotlist(list(overrides)))
-        return OmegaConf.to_object(merged)
-    except Exception as exc:  # an omegaconf error or a __post_init__ check
-        raise ConfigError(f"the checkpoint's config with {list(overrides)}: {str(exc).splitlines()[0]}") from exc
+    return load_saved_config(manifest["config"], lambda path, more: load_config(
+        recipe_schema(family), path, more, renamed=RENAMED_KEYS), overrides)
 
 
 def lf_to_diffusers_command(source: str, out: str, args) -> str:
-    from loongforge.core.checkpoint import Checkpoint
+    from loongforge.core.checkpoint import Checkpoint, checkpoint_root
     from loongforge.core.checkpoint_owner import check_checkpoint_command
     from loongforge.core.cli import convert_dtype
     from loongforge.core.config import ConfigError
@@ -225,7 +213,7 @@ def cmd_preprocess(args) -> int:
 
 
 def cmd_sample(args) -> int:
-    from loongforge.core.checkpoint import Checkpoint
+    from loongforge.core.checkpoint import Checkpoint, checkpoint_root
     from loongforge.core.checkpoint_owner import check_checkpoint_command
     from loongforge.diffusion.sampling import sample_run
 

@@ -21,11 +21,15 @@ from loongforge.diffusion.objective import ObjectiveConfig
 WAN_LORA_TARGETS = ("to_q", "to_k", "to_v", "to_out.0")  # self- and cross-attention of every block
 
 
+# old key names read under the new ones for one release (``loongforge.core.config.load_config``)
+RENAMED_KEYS = {"data.root": "data.path"}
+
+
 @dataclass
 class DataConfig:
     # a `lf-diffusion preprocess` output directory; null: the built-in moving-shapes set
     # (generated and preprocessed into the cache on first use)
-    root: str | None = None
+    path: str | None = None
     synthetic_clips: int = 48  # size of the built-in set
     # frames of each built-in clip at most (9: the whole clips; 1: their first frames, an image set)
     synthetic_frames: int = 9

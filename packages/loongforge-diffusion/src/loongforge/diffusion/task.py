@@ -40,9 +40,9 @@ from loongforge.diffusion.schema import DiffusionRecipe
 
 
 def resolve_data_root(recipe: DiffusionRecipe, is_main: bool, progress: bool = True) -> Path:
-    """``data.root``, or the built-in moving-shapes set (written into the cache by the main rank)."""
-    if recipe.data.root:
-        return Path(recipe.data.root).expanduser()
+    """``data.path``, or the built-in moving-shapes set (written into the cache by the main rank)."""
+    if recipe.data.path:
+        return Path(recipe.data.path).expanduser()
     from loongforge.diffusion.data.synthetic import builtin_dataset, latents_dir
 
     if is_main:

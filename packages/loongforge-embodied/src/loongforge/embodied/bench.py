@@ -3,20 +3,20 @@ Pi0.5 for the same config, batch and image size, in the same process.
 
 Ours is what ``lf-embodied train`` runs: ``Trainer.train_step`` of the policy task on the torch
 engine built from the config (its precision, compilation, recomputation, fused AdamW, clipping),
-on the first step of the data ``lf-embodied train`` trains on (``data.root``, else the bundled
+on the first step of the data ``lf-embodied train`` trains on (``data.path``, else the bundled
 synthetic dataset; ``--batch-size`` sets ``train.global_batch_size``). LeRobot runs as its
 ``lerobot_train.py`` runs it on a GPU (``lerobot_recipe``: ``policy.dtype=bfloat16`` with
 Accelerate's bf16 autocast around the forward, TF32 matmuls, ``compile_model=true`` in its
 ``max-autotune`` mode, gradient clipping at the preset's norm) plus fused AdamW, on the same batch
 and loss (the masked flow-matching mean). Both sides start from the same weights: LeRobot's random
-initialisation, which ours reads as a LeRobot checkpoint (``policy.pretrained_format=lerobot``, the
+initialisation, which ours reads as a LeRobot checkpoint (``model.pretrained_format=lerobot``, the
 fine-tuning path); the first-step losses must agree. The runs alternate order round by round
 (``--rounds``, ``core.bench_protocol.run_rounds``); each run's step time is the median of its timed
 steps over all rounds and its peak memory the largest of its rounds. ``--variant
 NAME=KEY=VALUE,...`` adds runs of ours with ``train.*`` overrides (the policy and data must stay
 the same: the weights and the batch are shared). LeRobot's ``PI05Pytorch`` constructor builds only
 the released sizes (``gemma_2b`` + ``gemma_300m``), so ``--against-lerobot`` needs
-``policy=pi05_base``. ``--lerobot-compile-mode`` picks another of ``torch.compile``'s modes for
+``model=pi05_base``. ``--lerobot-compile-mode`` picks another of ``torch.compile``'s modes for
 LeRobot's ``compile_mode`` (its default, ``max-autotune``, is what the recipe requests; the printed
 recipe marks a different mode as a departure from it).
 """
@@ -99,7 +99,7 @@ def build_lerobot_pi05_released(cfg: PolicyConfig, dtype: str = "bfloat16", comp
 
     released = (cfg.vlm.width, cfg.vlm.depth, cfg.expert.width, cfg.vision.hidden_size, cfg.vision.num_layers)
     if released != (2048, 18, 1024, 1152, 27) or cfg.vocab_size != 257152:
-        raise ValueError("LeRobot builds Pi0.5 only at its released size: use policy=pi05_base for --against-lerobot")
+        raise ValueError("LeRobot builds Pi0.5 only at its released size: use model=pi05_base for --against-lerobot")
     return PI05Pytorch(PI05Config(
         dtype=dtype, chunk_size=cfg.chunk_size, n_action_steps=cfg.chunk_size, max_state_dim=cfg.max_state_dim,
         max_action_dim=cfg.max_action_dim, image_resolution=(cfg.image_size, cfg.image_size), compile_model=compile_model,
@@ -129,12 +129,12 @@ class EmbodiedRun:
 def bench_config(cfg, scratch: str, pretrained: str | None = None):
     """``cfg`` as the bench trains it (``bench_run_config``: a scratch run directory, no resume, no
     checkpoint) and, with ``pretrained``, LeRobot's initial weights read through
-    ``policy.pretrained_format=lerobot`` (the same path as fine-tuning a LeRobot checkpoint)."""
+    ``model.pretrained_format=lerobot`` (the same path as fine-tuning a LeRobot checkpoint)."""
     from loongforge.core.bench_protocol import bench_run_config
 
     cfg = bench_run_config(cfg, scratch)
     if pretrained is not None:
-        cfg.policy.pretrained, cfg.policy.pretrained_format = pretrained, "lerobot"
+        cfg.model.pretrained, cfg.model.pretrained_format = pretrained, "lerobot"
     return cfg
 
 
@@ -177,7 +177,7 @@ def run_bench(cfgs: Mapping[str, object], ctx, steps: int = 10, warmup: int = 3,
             report(line)
         torch.manual_seed(seed)
         with tf32_matmuls(recipe.applies("tf32", device.type)):  # LeRobot's constructor may set it when compiling
-            ref = build_baseline(ours_cfg.policy, recipe, device.type)
+            ref = build_baseline(ours_cfg.model, recipe, device.type)
         initial = {k: v.detach().clone().contiguous() for k, v in ref.state_dict().items()}
         pretrained = f"{scratch.name}/lerobot_initial.safetensors"
         save_file(initial, pretrained)
@@ -228,7 +228,7 @@ def load_runs(config: str | None, overrides: list[str], variants: list[str], bat
     for spec in variants:
         name, items = parse_variant(spec, [BASELINE, *cfgs], reserved_prefix=BASELINE)
         variant = load_train_config(config, [*overrides, *items])
-        if variant.policy != cfg.policy or variant.data != cfg.data:
+        if variant.model != cfg.model or variant.data != cfg.data:
             raise ConfigError(f"--variant {spec!r}: a variant changes train.* only (the runs share the policy's "
                               f"weights and the batch)")
         cfgs[name] = variant

@@ -1,8 +1,8 @@
 """``lf-embodied``: the shared ``lf-*`` commands (train, info, convert, bench, plot, compare) for
 VLA policies, plus ``eval``.
 
-    lf-embodied train [--config NAME|PATH] [--policy pi0|pi05|groot] [--data.root PATH] [key=value ...]
-    lf-embodied eval --checkpoint RUN_DIR|CKPT_DIR [--data.root PATH] [key=value ...]
+    lf-embodied train [--config NAME|PATH] [--model pi0|pi05|groot] [--data.path PATH] [key=value ...]
+    lf-embodied eval --checkpoint RUN_DIR|CKPT_DIR [--data.path PATH] [key=value ...]
     lf-embodied convert lf-to-lerobot CHECKPOINT OUT.safetensors | lerobot-to-lf LEROBOT.safetensors OUT.safetensors
     lf-embodied convert lora-to-peft CHECKPOINT OUT    # a LoRA run's adapters, for PEFT on LeRobot's PI0Policy/PI05Policy
     lf-embodied bench [--against-lerobot [--lerobot-compile-mode MODE]] [--batch-size B] [--steps N] [--rounds R]
@@ -35,7 +35,7 @@ def make_task(cfg):
     """The task the config's policy family registers (``ModelSpec.task``)."""
     from loongforge.core.models import get_model_spec
 
-    return get_model_spec(cfg.policy.family).make_task(cfg)
+    return get_model_spec(cfg.model.family).make_task(cfg)
 
 
 def cmd_info(args, cfg) -> None:
@@ -46,11 +46,11 @@ def cmd_info(args, cfg) -> None:
     from loongforge.embodied.policies import build_policy
 
     with torch.device("meta"):  # shapes only: released sizes need no memory
-        policy = build_policy(cfg.policy)
+        policy = build_policy(cfg.model)
     n = sum(p.numel() for p in policy.parameters())
     trainable = sum(p.numel() for p in policy.parameters() if p.requires_grad)
     print(to_yaml(cfg))
-    print(f"policy {cfg.policy.family}: {n:,} parameters ({trainable:,} trainable); accelerator {get_accelerator()}; "
+    print(f"policy {cfg.model.family}: {n:,} parameters ({trainable:,} trainable); accelerator {get_accelerator()}; "
           f"torch {torch.__version__}")
 
 
@@ -62,7 +62,7 @@ def cmd_eval(args) -> int:
 
 
 def bench_options(parser) -> None:
-    parser.add_argument("--against-lerobot", action="store_true", help="also time LeRobot's PI05Pytorch (needs policy=pi05_base)")
+    parser.add_argument("--against-lerobot", action="store_true", help="also time LeRobot's PI05Pytorch (needs model=pi05_base)")
     parser.add_argument("--batch-size", type=int, default=None,
                         help="samples a step (train.global_batch_size; default: the config's)")
     parser.add_argument("--lerobot-compile-mode", default=None,
@@ -129,11 +129,11 @@ def describe_cli():
     return ModalityCLI(
         prog="lf-embodied", module="loongforge.embodied.cli", description="LoongForge embodied (VLA) policies",
         config_dirs=[CONFIG_DIR], default_config="train", load_config=load_config, make_task=make_task,
-        info=cmd_info, example="--policy groot data.root=/data/lerobot_dataset train.steps=2000",
+        info=cmd_info, example="--model groot data.path=/data/lerobot_dataset train.steps=2000",
         converters=[Converter("lf-to-lerobot", "a pi0 or pi05 checkpoint (or run dir) -> LeRobot's PI0Policy / PI05Policy model.safetensors "
                               "(a LoRA run's adapters merged)", lf_to_lerobot),
                     Converter("lerobot-to-lf", "LeRobot's pi0 or pi05 model.safetensors -> the same weights in LoongForge "
-                              "names (for policy.pretrained)", lerobot_to_lf)],
+                              "names (for model.pretrained)", lerobot_to_lf)],
         bench_options=bench_options, bench=bench, commands=commands, lora_layouts=lora_layouts, lora_library="LeRobot",
         packages=["loongforge-core", "loongforge-embodied", "loongforge-kernels"],
         libraries=("torch", "lerobot", "transformers"),

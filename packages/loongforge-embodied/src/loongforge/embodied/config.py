@@ -1,12 +1,13 @@
 """The ``lf-embodied`` config: the shared groups of every ``lf-*`` CLI (``train``, ``parallel``,
-``checkpoint``, ``log``, ``eval``, ``lora``), ``data`` (a LeRobot dataset) and ``policy``, whose class is the
+``checkpoint``, ``log``, ``lora``), ``eval``, ``data`` (a LeRobot dataset) and ``model`` (the policy), whose class is the
 selected policy family's own (``Pi0Config``, ``Pi05Config``, ``GrootConfig``, registered with their policies
 through ``loongforge.models``).
 
 ``load_train_config(name, overrides)`` composes ``configs/<name>.yaml`` (default ``train``) with
-its ``policy`` group (``policy=groot`` or ``--policy groot`` selects ``configs/policy/groot.yaml``)
-and ``key=value`` overrides through ``loongforge.core.config``; the ``policy`` section is validated
-as the config class of ``policy.family``.
+its ``model`` group (``model=groot`` or ``--model groot`` selects ``configs/model/groot.yaml``)
+and ``key=value`` overrides through ``loongforge.core.config``; the ``model`` section is validated
+as the config class of ``model.family``. The names of earlier releases (``policy``, ``data.root``,
+``policy.tokenizer``: ``RENAMED_KEYS``) are read with a note.
 """
 
 from __future__ import annotations
@@ -29,6 +30,8 @@ CONFIG_DIR = Path(__file__).parent / "configs"
 
 # the attention projections of the Gemma stacks (q/k/v/o_proj) and of the SigLIP tower (q/k/v/out_proj)
 POLICY_LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "out_proj")
+# old key names read under the new ones for one release (``loongforge.core.config.load_config``)
+RENAMED_KEYS = {"policy.tokenizer": "data.tokenizer", "policy": "model", "data.root": "data.path"}
 NORM_MODES = ("mean_std", "min_max", "quantiles", "quantile10", "identity")
 
 
@@ -41,7 +44,10 @@ def positive(group: str, obj, *names: str) -> None:
 
 @dataclass
 class DatasetConfig:
-    root: str | None = None  # a LeRobot dataset directory; None = the synthetic demo dataset (cache dir)
+    path: str | None = None  # a LeRobot dataset directory; None = the synthetic demo dataset (cache dir)
+    # a tokenizer directory (PaliGemma's tokenizer.json / tokenizer.model / tokenizer_config.json), loaded
+    # with transformers' AutoTokenizer; null: model.pretrained's directory when it holds one, else byte tokens
+    tokenizer: str | None = None
     repo_id: str = "local/dataset"  # name recorded in the dataset metadata; never downloaded
     image_keys: list[str] | None = None  # cameras to use, in order; None = every camera of the dataset
     state_key: str = "observation.state"  # the dataset feature holding the robot state
@@ -72,9 +78,9 @@ class VisionConfig:
     layer_norm_eps: float = 1e-6  # epsilon of the LayerNorms
 
     def __post_init__(self):
-        positive("policy.vision", self, "hidden_size", "num_layers", "num_heads", "intermediate_size", "patch_size")
+        positive("model.vision", self, "hidden_size", "num_layers", "num_heads", "intermediate_size", "patch_size")
         if self.hidden_size % self.num_heads:
-            raise ValueError(f"policy.vision.hidden_size={self.hidden_size} not divisible by num_heads={self.num_heads}")
+            raise ValueError(f"model.vision.hidden_size={self.hidden_size} not divisible by num_heads={self.num_heads}")
 
 
 @dataclass
@@ -91,7 +97,7 @@ class GemmaConfig:
     rope_theta: float = 10000.0  # RoPE base frequency
 
     def __post_init__(self):
-        positive("policy gemma", self, "width", "depth", "mlp_dim", "num_heads", "num_kv_heads", "head_dim")
+        positive("model.vlm", self, "width", "depth", "mlp_dim", "num_heads", "num_kv_heads", "head_dim")
         if self.num_heads % self.num_kv_heads:
             raise ValueError(f"num_heads={self.num_heads} is not a multiple of num_kv_heads={self.num_kv_heads}")
 
@@ -124,19 +130,16 @@ class PolicyConfig:
     num_inference_steps: int = 10  # Euler steps of the flow when sampling actions (eval)
     pretrained: str | None = None  # weights to start from: a safetensors file
     pretrained_format: str = "loongforge"  # loongforge | lerobot (LeRobot's pi0 / pi05 state-dict names)
-    # a tokenizer directory (PaliGemma's tokenizer.json / tokenizer.model / tokenizer_config.json), loaded
-    # with transformers' AutoTokenizer; null: policy.pretrained's directory when it holds one, else byte tokens
-    tokenizer: str | None = None
 
     def __post_init__(self):
-        positive("policy", self, "chunk_size", "max_state_dim", "max_action_dim", "num_cameras", "vocab_size",
+        positive("model", self, "chunk_size", "max_state_dim", "max_action_dim", "num_cameras", "vocab_size",
                   "num_inference_steps", "image_size", "max_token_len")
         if self.image_size % self.vision.patch_size:
-            raise ValueError(f"policy.image_size={self.image_size} is not a multiple of policy.vision.patch_size={self.vision.patch_size}")
+            raise ValueError(f"model.image_size={self.image_size} is not a multiple of model.vision.patch_size={self.vision.patch_size}")
         if self.time_sampling not in ("beta", "uniform"):
-            raise ValueError(f"policy.time_sampling={self.time_sampling!r}: one of beta, uniform")
+            raise ValueError(f"model.time_sampling={self.time_sampling!r}: one of beta, uniform")
         if self.pretrained_format not in ("loongforge", "lerobot"):
-            raise ValueError(f"policy.pretrained_format={self.pretrained_format!r}: one of loongforge, lerobot")
+            raise ValueError(f"model.pretrained_format={self.pretrained_format!r}: one of loongforge, lerobot")
 
     def time_kwargs(self) -> dict:
         """The flow-matching time distribution, as ``flow_matching.draw_noise_and_time`` takes it."""
@@ -155,10 +158,10 @@ class EmbodiedEvalConfig(EvalConfig):
 
 @dataclass
 class EmbodiedConfig:
-    policy: PolicyConfig = field(default_factory=PolicyConfig)
+    model: PolicyConfig = field(default_factory=PolicyConfig)  # the policy
     data: DatasetConfig = field(default_factory=DatasetConfig)
     train: TrainConfig = field(default_factory=lambda: TrainConfig(
-        steps=100, global_batch_size=8, lr=3e-3, min_lr=1e-4, warmup_steps=5, weight_decay=0.01, adam_beta2=0.95))
+        steps=100, global_batch_size=8, lr=3e-3, min_lr_ratio=1 / 30, warmup_steps=5, weight_decay=0.01, adam_beta2=0.95))
     # rank > 0: train low-rank adapters of the policy's attention projections only
     lora: LoRAConfig = field(default_factory=lambda: LoRAConfig(target_modules=list(POLICY_LORA_TARGETS)))
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
@@ -173,6 +176,11 @@ class EmbodiedConfig:
         check_train_config(self.train)
 
 
+def saved_model_section(config: dict) -> dict:
+    """The ``model`` section of a run config saved in a checkpoint (``policy`` before it was renamed)."""
+    return config.get("model") or config.get("policy") or {}
+
+
 def policy_config_class(family: str) -> type[PolicyConfig]:
     """The config class the policy family registers (its ``ModelSpec.config_class``)."""
     from loongforge.core.config import ConfigError
@@ -181,30 +189,31 @@ def policy_config_class(family: str) -> type[PolicyConfig]:
     try:
         config_class = get_model_spec(family).config_class
     except ModelRegistryError as exc:
-        raise ConfigError(f"policy.family={family!r}: {exc}") from exc
+        raise ConfigError(f"model.family={family!r}: {exc}") from exc
     if not (isinstance(config_class, type) and issubclass(config_class, PolicyConfig)):
-        raise ConfigError(f"policy.family={family!r} is not a policy (its config is {config_class.__name__})")
+        raise ConfigError(f"model.family={family!r} is not a policy (its config is {config_class.__name__})")
     return config_class
 
 
 def load_train_config(name_or_path: str | None = "train", overrides: Sequence[str] = ()) -> EmbodiedConfig:
-    """``configs/<name>.yaml`` (or a YAML path) + overrides, validated; the ``policy`` section as the
+    """``configs/<name>.yaml`` (or a YAML path) + overrides, validated; the ``model`` section as the
     config class of its ``family``."""
-    family = read_section(EmbodiedConfig, "policy", name_or_path, overrides, [CONFIG_DIR]).get("family", "pi05")
-    schema = EmbodiedConfig(policy=policy_config_class(family)())
-    cfg = load_config(schema, name_or_path, overrides, config_dirs=[CONFIG_DIR])
+    family = read_section(EmbodiedConfig, "model", name_or_path, overrides, [CONFIG_DIR],
+                          renamed=RENAMED_KEYS).get("family", "pi05")
+    schema = EmbodiedConfig(model=policy_config_class(family)())
+    cfg = load_config(schema, name_or_path, overrides, config_dirs=[CONFIG_DIR], renamed=RENAMED_KEYS)
     return resolve_hub_ids(cfg)
 
 
 def resolve_hub_ids(cfg: EmbodiedConfig) -> EmbodiedConfig:
-    """``data.root=owner/dataset``, ``policy.pretrained=owner/model`` and ``policy.tokenizer=owner/model``
+    """``data.path=owner/dataset``, ``model.pretrained=owner/model`` and ``data.tokenizer=owner/model``
     as their local hub snapshots (``loongforge.core.hub``); a model repository gives its
     ``model.safetensors`` (and its tokenizer files stay beside it)."""
     from loongforge.core.hub import is_hub_id, resolve_local
 
-    cfg.data.root = resolve_local(cfg.data.root, key="data.root", repo_type="dataset")  # a path stays as it is
-    if cfg.policy.pretrained and is_hub_id(cfg.policy.pretrained):  # a repository: its weights file
-        cfg.policy.pretrained = str(Path(resolve_local(cfg.policy.pretrained, key="policy.pretrained"))
-                                    / "model.safetensors")
-    cfg.policy.tokenizer = resolve_local(cfg.policy.tokenizer, key="policy.tokenizer")
+    cfg.data.path = resolve_local(cfg.data.path, key="data.path", repo_type="dataset")  # a path stays as it is
+    if cfg.model.pretrained and is_hub_id(cfg.model.pretrained):  # a repository: its weights file
+        cfg.model.pretrained = str(Path(resolve_local(cfg.model.pretrained, key="model.pretrained"))
+                                   / "model.safetensors")
+    cfg.data.tokenizer = resolve_local(cfg.data.tokenizer, key="data.tokenizer")
     return cfg

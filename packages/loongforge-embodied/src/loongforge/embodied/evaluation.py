@@ -36,8 +36,8 @@ class EvalHook(Protocol):
 def offline_action_mse(policy: nn.Module, cfg: EmbodiedConfig, device: torch.device) -> dict[str, float]:
     """MSE of sampled chunks vs. recorded actions on the held-out episodes (valid steps and real
     action dimensions only), in normalised units and in the dataset's own units."""
-    root = cfg.data.root or str(ensure_synthetic_dataset())
-    ds = EmbodiedDataset(cfg.data, cfg.policy, root, "eval")
+    root = cfg.data.path or str(ensure_synthetic_dataset())
+    ds = EmbodiedDataset(cfg.data, cfg.model, root, "eval")
     loader = DataLoader(ds, batch_size=cfg.eval.batch_size, shuffle=False, num_workers=cfg.data.num_workers)
     g = torch.Generator().manual_seed(cfg.eval.seed)
     key, adim = ds.spec.action_key, ds.spec.action_dim
@@ -48,7 +48,7 @@ def offline_action_mse(policy: nn.Module, cfg: EmbodiedConfig, device: torch.dev
         if i >= cfg.eval.max_batches:
             break
         b = batch["actions"].shape[0]
-        noise = torch.randn(b, cfg.policy.chunk_size, cfg.policy.max_action_dim, generator=g)
+        noise = torch.randn(b, cfg.model.chunk_size, cfg.model.max_action_dim, generator=g)
         batch = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
         pred = policy.sample_actions(batch, noise.to(device)).cpu()[..., :adim]
         target = batch["actions"].cpu()[..., :adim]
@@ -78,9 +78,6 @@ def get_eval_hook(name: str) -> EvalHook:
 
 def evaluate_checkpoint(path: str | Path, overrides: Sequence[str] = ()) -> dict[str, float]:
     """Run ``eval.hook`` on the policy saved at ``path`` (a run directory, checkpoint root or step directory)."""
-    path = Path(path)
-    if (path / "checkpoints").is_dir():
-        path = path / "checkpoints"
     policy, cfg, ckpt = restore_policy(path, overrides)
     device = get_accelerator().device()
     policy.to(device)

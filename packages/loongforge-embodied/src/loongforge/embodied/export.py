@@ -3,8 +3,8 @@
 ``lf-to-lerobot`` writes a checkpoint's pi0 or pi05 policy as LeRobot's ``PI0Policy`` /
 ``PI05Policy`` ``model.safetensors`` (a LoRA run's adapters merged into the weights);
 ``lerobot-to-lf`` rewrites such a file in LoongForge names (the family read off the file's
-tensors: Pi0 has ``state_proj`` and the action-time MLP), a file ``policy.pretrained`` reads (or
-read LeRobot's file directly with ``policy.pretrained_format=lerobot``). ``lora-to-peft`` (the shared direction of
+tensors: Pi0 has ``state_proj`` and the action-time MLP), a file ``model.pretrained`` reads (or
+read LeRobot's file directly with ``model.pretrained_format=lerobot``). ``lora-to-peft`` (the shared direction of
 ``loongforge.core.lora``) writes a LoRA run's adapters alone, named as ``lora_layouts`` says.
 """
 
@@ -16,6 +16,7 @@ from pathlib import Path
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
+from loongforge.core.config import to_dict
 from loongforge.core.errors import DataError, OutputExistsError
 from loongforge.core.lora import AdapterLayout, merge_lora, one_to_one_names
 from loongforge.embodied.convert.lerobot_layout import (
@@ -25,13 +26,8 @@ from loongforge.embodied.convert.lerobot_layout import (
     lerobot_adapter,
     to_lerobot,
 )
+from loongforge.embodied.config import saved_model_section
 from loongforge.embodied.restore import restore_policy
-
-
-def checkpoint_path(path: str | Path) -> Path:
-    """A run directory's ``checkpoints``, or the checkpoint (root or step directory) itself."""
-    path = Path(path)
-    return path / "checkpoints" if (path / "checkpoints").is_dir() else path
 
 
 def _new_file(out: str | Path) -> Path:
@@ -57,18 +53,18 @@ def export_lerobot(path: str | Path, out: str | Path, dtype=None) -> Path:
     (floating-point tensors cast to ``dtype`` when given)."""
     from loongforge.core.config import ConfigError
 
-    policy, cfg, ckpt = restore_policy(checkpoint_path(path))
-    adapter = lerobot_adapter(cfg.policy.family)
+    policy, cfg, ckpt = restore_policy(path)
+    adapter = lerobot_adapter(cfg.model.family)
     if adapter is None:
-        raise ConfigError(f"lf-to-lerobot: {path} is a policy.family={cfg.policy.family} checkpoint; only "
+        raise ConfigError(f"lf-to-lerobot: {path} is a model.family={cfg.model.family} checkpoint; only "
                           f"{' and '.join(LEROBOT_FAMILIES)} have a LeRobot layout (the checkpoint itself is "
                           f"what `checkpoint.load` and `lf-embodied eval` read)")
     merge_lora(policy)  # a LoRA run: W + (alpha / rank) B A, an ordinary LeRobot policy
     state = {k: v.contiguous() if dtype is None or not v.is_floating_point() else v.to(dtype).contiguous()
              for k, v in policy.state_dict().items()}
-    state = to_lerobot(adapter.mapping, state, cfg.policy)
-    meta = {"format": "lerobot", "family": cfg.policy.family, "step": str(ckpt.step),
-            "policy_config": json.dumps(ckpt.manifest["config"]["policy"]),
+    state = to_lerobot(adapter.mapping, state, cfg.model)
+    meta = {"format": "lerobot", "family": cfg.model.family, "step": str(ckpt.step),
+            "policy_config": json.dumps(to_dict(cfg.model)),
             "dataset": json.dumps(ckpt.manifest.get("dataset", {}))}
     out = _new_file(out)
     save_file(state, str(out), metadata=meta)
@@ -98,7 +94,7 @@ def lora_layouts(manifest: dict, names: list[str]) -> list[AdapterLayout]:
     of LeRobot's ``PI0Policy`` / ``PI05Policy`` loads them (``base_model.model.model.paligemma_with_expert...``,
     LeRobot's own PEFT route, ``policy.use_peft``); other families have no LeRobot layout and keep
     LoongForge's names (``base_model.model.<name>``: a ``PeftModel`` of the LoongForge policy)."""
-    family = ((manifest.get("config") or {}).get("policy") or {}).get("family", "pi05")
+    family = saved_model_section(manifest.get("config") or {}).get("family", "pi05")
     adapter = lerobot_adapter(family)
     if adapter is None:
         return [AdapterLayout(prefix="", rename=lambda weights: {w: w for w in weights},

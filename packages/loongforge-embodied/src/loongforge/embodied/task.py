@@ -45,7 +45,7 @@ def masked_flow_loss(batch: dict[str, torch.Tensor], per_element: torch.Tensor) 
 
 
 def resolve_dataset_root(root: str | None, is_main: bool) -> str:
-    """``data.root``, or the synthetic demo dataset (written by the main rank on first use)."""
+    """``data.path``, or the synthetic demo dataset (written by the main rank on first use)."""
     if root is not None:
         return root
     if is_main:
@@ -60,18 +60,18 @@ def to_device(batch: dict, device: torch.device) -> dict:
 
 
 def read_pretrained(cfg) -> dict[str, torch.Tensor]:
-    """``policy.pretrained`` in LoongForge names (the family's LeRobot layout mapped when asked)."""
+    """``model.pretrained`` in LoongForge names (the family's LeRobot layout mapped when asked)."""
     path = Path(cfg.pretrained)
     if not path.is_file():
-        raise FileNotFoundError(f"policy.pretrained={str(path)!r}: no such file")
+        raise FileNotFoundError(f"model.pretrained={str(path)!r}: no such file")
     state = load_file(str(path))
     if cfg.pretrained_format == "lerobot":
         from loongforge.embodied.convert.lerobot_layout import from_lerobot, lerobot_adapter
 
         adapter = lerobot_adapter(cfg.family)
         if adapter is None:
-            raise ValueError(f"policy.pretrained_format=lerobot: the {cfg.family!r} family has no LeRobot layout mapping")
-        state = from_lerobot(adapter.mapping, state, cfg, source=f"policy.pretrained={str(path)!r}")
+            raise ValueError(f"model.pretrained_format=lerobot: the {cfg.family!r} family has no LeRobot layout mapping")
+        state = from_lerobot(adapter.mapping, state, cfg, source=f"model.pretrained={str(path)!r}")
     return state
 
 
@@ -98,28 +98,28 @@ def load_state_into(model: torch.nn.Module, state: dict[str, torch.Tensor], sour
 
 class PolicyTask(TorchTask):
     variable_micro_batches = False
-    model_section = "policy"
+    model_section = "model"
 
     def __init__(self, cfg):
         self.cfg = cfg
-        self.family = cfg.policy.family
+        self.family = cfg.model.family
         self.dataset: EmbodiedDataset | None = None
 
     @property
     def has_pretrained(self) -> bool:
-        return self.cfg.policy.pretrained is not None
+        return self.cfg.model.pretrained is not None
 
     def describe(self) -> str:
         return f"{self.family} policy"
 
     # -- data ---------------------------------------------------------------------------------
     def prepare(self, ctx) -> None:
-        root = resolve_dataset_root(self.cfg.data.root, ctx.is_main)
-        self.dataset = EmbodiedDataset(self.cfg.data, self.cfg.policy, root, "train")
+        root = resolve_dataset_root(self.cfg.data.path, ctx.is_main)
+        self.dataset = EmbodiedDataset(self.cfg.data, self.cfg.model, root, "train")
 
     def steps(self, ctx, start_step: int):
         cfg = self.cfg
-        train, p = cfg.train, cfg.policy
+        train, p = cfg.train, cfg.model
         if train.global_batch_size % ctx.dp_size:
             raise ValueError(f"train.global_batch_size={train.global_batch_size} is not divisible by the "
                              f"{ctx.dp_size} data-parallel ranks")
@@ -151,15 +151,15 @@ class PolicyTask(TorchTask):
 
     # -- model --------------------------------------------------------------------------------
     def model_config_dict(self) -> dict:
-        return {k: v for k, v in to_dict(self.cfg.policy).items() if k not in NOT_ARCHITECTURE}
+        return {k: v for k, v in to_dict(self.cfg.model).items() if k not in NOT_ARCHITECTURE}
 
     def build_model(self, ctx) -> torch.nn.Module:
         from loongforge.core.models import get_model_spec
 
-        return get_model_spec(self.family).build(self.cfg.policy)
+        return get_model_spec(self.family).build(self.cfg.model)
 
     def load_pretrained(self, model: torch.nn.Module) -> None:
-        load_state_into(model, read_pretrained(self.cfg.policy), f"policy.pretrained={self.cfg.policy.pretrained!r}")
+        load_state_into(model, read_pretrained(self.cfg.model), f"model.pretrained={self.cfg.model.pretrained!r}")
 
     def forward(self, model, batch: dict):
         per_element = model(batch, batch["noise"], batch["time"])

@@ -85,12 +85,6 @@ _EXPORTS: dict[str, tuple[str, str, str]] = {
         "loongforge.llm.data.errors", "DataError",
         "The error of unusable data, tokenizers or caches; its message names the file, line or key."),
     # caches
-    "build_once": (
-        "loongforge.llm.data.cache", "build_once",
-        "Builds a cache directory unless complete, once per node, every rank waiting for it."),
-    "write_atomically": (
-        "loongforge.llm.data.cache", "write_atomically",
-        "Fills a temporary sibling of a directory and renames it into place (the first rename wins)."),
     "save_token_arrays": (
         "loongforge.llm.data.cache", "save_token_arrays",
         "Saves token sequences and their assistant masks as ``tokens.npy``, ``assistant.npy`` and ``offsets.npy``."),

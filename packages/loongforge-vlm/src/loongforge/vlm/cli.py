@@ -77,7 +77,7 @@ def write_train_config(converted, root: Path) -> Path:
     from loongforge.core.config import to_dict
 
     model = to_dict(converted.model_config)
-    doc = {**model, "train": {"seq_length": 2048, "lr": 1.0e-5, "min_lr": 1.0e-6},
+    doc = {**model, "train": {"seq_length": 2048, "lr": 1.0e-5, "min_lr_ratio": 0.1},
            "checkpoint": {"load": str(root.resolve())}, "log": {"run_dir": "runs/vlm-from-hf"}}
     from loongforge.vlm.hf import train_data
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import os
 from functools import cache
-from importlib.metadata import entry_points
+from importlib.metadata import EntryPoint, entry_points
 
 from loongforge.core.accelerators.base import Accelerator
 from loongforge.core.errors import UserError
@@ -22,7 +22,7 @@ class AcceleratorError(UserError, RuntimeError):
     """An accelerator was asked for that cannot be used here."""
 
 
-def installed_accelerators() -> dict[str, object]:
+def installed_accelerators() -> dict[str, EntryPoint]:
     """Entry points of every installed accelerator plugin, by name."""
     return {ep.name: ep for ep in entry_points(group=ENTRY_POINT_GROUP)}
 

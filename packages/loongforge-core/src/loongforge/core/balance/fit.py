@@ -39,8 +39,8 @@ class CostFitter:
 
     def __init__(self, *, fit_overhead: bool = True):
         self.fit_overhead = fit_overhead
-        self.xtx = np.zeros((4, 4), dtype=np.float64)
-        self.xty = np.zeros(4, dtype=np.float64)
+        self.xtx: np.ndarray = np.zeros((4, 4), dtype=np.float64)
+        self.xty: np.ndarray = np.zeros(4, dtype=np.float64)
         self.yty = 0.0
         self.count = 0
 
@@ -83,8 +83,9 @@ class CostFitter:
         scale = np.where(norms > 0, norms, 1.0)
         a_mat = self.xtx / np.outer(scale, scale)  # normal equations of the column-scaled problem
         rhs = self.xty / scale
-        tol = 1e-10 * max(self.yty, np.finfo(np.float64).tiny)
-        best_rss, best = np.inf, None
+        tol = 1e-10 * max(self.yty, float(np.finfo(np.float64).tiny))
+        best_rss: float = np.inf
+        best: np.ndarray | None = None
         for size in range(1, len(present) + 1):
             for support in combinations(present, size):
                 idx = list(support)

@@ -22,7 +22,12 @@ def _bits(max_value: int) -> int:
 def ordered(values: np.ndarray | None = None, *, groups: np.ndarray | None = None,
             descending: bool = True) -> np.ndarray:
     """Permutation by (``groups`` ascending, non-negative ``values`` descending or ascending, position)."""
-    n = len(values) if values is not None else len(groups)
+    if values is not None:
+        n = len(values)
+    elif groups is not None:
+        n = len(groups)
+    else:
+        raise ValueError("ordered: give values, groups or both")
     index_bits = _bits(max(n - 1, 1))
     group_bits = _bits(int(groups.max(initial=0))) if groups is not None else 0
     value_bits = min(52, 63 - index_bits - group_bits) if values is not None else 0

@@ -29,8 +29,8 @@ class Bins:
         self.rank_of = np.full(len(costs), -1, dtype=np.int64)
         self.bin_of = np.full(len(costs), -1, dtype=np.int64)
         self.load = np.zeros(num_ranks)
-        self.tok = np.zeros((num_ranks, 1))
-        self.bcost = np.zeros((num_ranks, 1))
+        self.tok: np.ndarray = np.zeros((num_ranks, 1))
+        self.bcost: np.ndarray = np.zeros((num_ranks, 1))
         self.used = np.zeros(num_ranks, dtype=np.int64)  # bins a rank may use (growable: opened so far)
 
     @property

@@ -33,7 +33,7 @@ class Members:
         order = ordered(groups=rank_of)
         ranks = rank_of[order]
         within = np.arange(len(order)) - (np.cumsum(self.count) - self.count)[ranks]
-        self.slots = np.full((num_ranks, max(4, 2 * int(self.count.max()))), -1, dtype=np.int64)
+        self.slots: np.ndarray = np.full((num_ranks, max(4, 2 * int(self.count.max()))), -1, dtype=np.int64)
         self.slots[ranks, within] = order
         self.pos = np.empty(len(rank_of), dtype=np.int64)
         self.pos[order] = within
@@ -128,7 +128,8 @@ def refine(bins: Bins, *, tolerance: float, max_rounds: int) -> int:
     if num_ranks < 2:
         return 0
     limit = bins.load.mean() * (1.0 + tolerance)
-    members = by_cost = None
+    members: Members | None = None
+    by_cost = np.arange(0)
     for rounds in range(max_rounds):
         over = int(np.count_nonzero(bins.load > limit))
         if over == 0:

@@ -60,7 +60,7 @@ class BalancedBatchSampler(Sampler[list[int]]):
 
     def __init__(
         self,
-        lengths: Sequence[SampleLength] | SampleSizes,
+        lengths: Sequence[SampleLength] | np.ndarray | SampleSizes,
         *,
         samples_per_step: int,
         dp_rank: int,
@@ -96,7 +96,8 @@ class BalancedBatchSampler(Sampler[list[int]]):
         self.shuffle, self.seed = shuffle, seed
         self.skip_threshold = skip_threshold
         self.steps_per_epoch = n // samples_per_step
-        self._perm_epoch, self._perm = -1, None
+        self._perm_epoch = -1
+        self._perm: np.ndarray = np.arange(0)  # the permutation of epoch _perm_epoch
         self._plans: OrderedDict[int, RankStep] = OrderedDict()
         self.set_cost_model(cost_model)
         self._consumed = 0

@@ -9,7 +9,7 @@ from loongforge.core.checkpoint.format import (
     save_checkpoint,
 )
 from loongforge.core.checkpoint.pieces import CheckpointNotFound, CheckpointReadError, Piece, PieceReader
-from loongforge.core.checkpoint.storage import CheckpointOrderError, latest_checkpoint
+from loongforge.core.checkpoint.storage import CheckpointOrderError, checkpoint_root, latest_checkpoint
 
 __all__ = [
     "FORMAT_VERSION",
@@ -19,6 +19,7 @@ __all__ = [
     "CheckpointReadError",
     "Piece",
     "PieceReader",
+    "checkpoint_root",
     "latest_checkpoint",
     "load_checkpoint",
     "read_manifest",

@@ -68,7 +68,7 @@ class PieceReader:
     def __init__(self, directory: Path, index: dict):
         self.directory = directory
         self.index = index
-        self._handles = {}
+        self._handles: dict = {}
 
     def _open(self, file: str):
         if file not in self._handles:

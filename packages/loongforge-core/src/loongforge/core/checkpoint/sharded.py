@@ -10,9 +10,27 @@ written under another layout reshards.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Protocol
+
 import torch
 
-from loongforge.core.checkpoint.pieces import CheckpointReadError, Piece, PieceReader
+from loongforge.core.checkpoint.pieces import CheckpointReadError, Piece
+
+
+class TensorSource(Protocol):
+    """What ``load_into`` reads regions from: a checkpoint's ``PieceReader``, or an HF directory
+    seen as one (``hf_mapping.online.HFPieceReader``)."""
+
+    directory: Path
+
+    def keys(self) -> Iterable[str]: ...
+
+    def global_shape(self, key: str) -> tuple[int, ...]: ...
+
+    def read(self, key: str, offset: tuple[int, ...] | None = None,
+             shape: tuple[int, ...] | None = None) -> torch.Tensor: ...
 
 
 def _is_primary(replica_id) -> bool:
@@ -28,7 +46,7 @@ MASTER_WEIGHT_ALIASES = {
 }
 
 
-def stored_key(key: str, reader: PieceReader) -> str:
+def stored_key(key: str, reader: TensorSource) -> str:
     if key in reader.keys():
         return key
     for prefix, alternatives in MASTER_WEIGHT_ALIASES.items():
@@ -71,7 +89,7 @@ def flatten_for_save(sharded_state_dict: dict) -> tuple[list[Piece], dict, dict]
     return pieces, objects, common
 
 
-def load_into(sharded_state_dict: dict, reader: PieceReader, objects: dict, common: dict) -> dict:
+def load_into(sharded_state_dict: dict, reader: TensorSource, objects: dict, common: dict) -> dict:
     """The plain state dict for ``sharded_state_dict`` (built with ``is_loading=True``), read
     from the checkpoint; fused tensors are merged back by megatron's factory merges."""
     from megatron.core.dist_checkpointing.dict_utils import dict_list_map_inplace, merge

@@ -30,6 +30,16 @@ class CheckpointOrderError(UserError):
     """A save that would move ``latest`` to a lower step (the root holds a later run's checkpoints)."""
 
 
+RUN_CHECKPOINTS = "checkpoints"  # a run directory's checkpoint root (the default checkpoint.dir)
+
+
+def checkpoint_root(source: str | Path) -> Path:
+    """What a command given a run directory or a checkpoint reads: a run directory's
+    ``checkpoints``, else ``source`` itself (a checkpoint root or step directory)."""
+    source = Path(source)
+    return source / RUN_CHECKPOINTS if (source / RUN_CHECKPOINTS).is_dir() else source
+
+
 def step_dir_name(step: int) -> str:
     return f"step_{step:08d}"
 

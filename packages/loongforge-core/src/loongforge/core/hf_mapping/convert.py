@@ -22,12 +22,12 @@ from tqdm import tqdm
 
 from loongforge.core.checkpoint import Checkpoint, Piece
 from loongforge.core.hf_mapping.adapter import HFAdapter, family_for_architectures
+from loongforge.core.hf_mapping.checkpoint_binding import OPTIMIZER_PREFIX, bind_checkpoint, read_at
 from loongforge.core.hf_mapping.hf_dir import CONFIG, HFReader, HFWriter, has_tokenizer, tokenizer_files
 from loongforge.core.hf_mapping.lf_writer import StreamingCheckpointWriter
-from loongforge.core.hf_mapping.table import BoundMapping, Location, summarize_names
+from loongforge.core.hf_mapping.table import BoundMapping, summarize_names
 from loongforge.core.hf_mapping.transforms import MappingError
 
-OPTIMIZER_PREFIX = "optimizer."
 TOKENIZER_DIR = "tokenizer"
 SINGLE_PROCESS_LAYOUT = {"tp": 1, "pp": 1, "cp": 1, "ep": 1, "dp": 1, "world_size": 1}
 
@@ -100,18 +100,6 @@ def hf_to_lf(hf_dir: str | Path, out: str | Path, *, dtype: torch.dtype | None =
     return Converted(path, family, cfg, len(bound.lf_names), tokenizer)
 
 
-def _adapter_of(family: str, source: Path):
-    from loongforge.core.models import get_model_spec
-
-    spec = get_model_spec(family)  # (adapter, spec)
-    if not isinstance(spec.hf_adapter, HFAdapter):
-        raise MappingError(f"{source}: model family {family!r} has no Hugging Face adapter")
-    if spec.engine != "megatron":  # its checkpoint keys are its module's, not megatron's sharded ones
-        raise MappingError(f"{source}: model family {family!r} is trained by the {spec.engine} engine; this conversion "
-                           f"reads megatron checkpoints (convert it with its own modality's `convert` command)")
-    return spec.hf_adapter, spec
-
-
 def _checkpoint_tokenizer(ckpt: Checkpoint) -> list[Path]:
     """The tokenizer files of a checkpoint: its own ``tokenizer/`` dir, else the manifest's
     reference (a directory or a ``tokenizer.json``)."""
@@ -151,20 +139,11 @@ def _read_lf(ckpt: Checkpoint, bound: BoundMapping):
         weight = read_at(ckpt, bound.location(name))
         if name not in adapters:
             return weight
+        assert lora is not None  # adapters without a lora record were refused above
         a, b = (read_at(ckpt, loc) for loc in adapters[name])
         return merged_weight(weight, a, b, lora["alpha"] / lora["rank"])
 
     return get
-
-
-def read_at(ckpt: Checkpoint, loc: Location) -> torch.Tensor:
-    """The tensor at ``loc`` of a checkpoint: one index of a stacked (per-layer, per-expert) key."""
-    shape = ckpt.reader.global_shape(loc.key)
-    k = len(loc.sizes)
-    if tuple(shape[:k]) != loc.sizes:
-        raise MappingError(f"{ckpt.directory}: tensor {loc.key!r} has leading shape {list(shape[:k])}, the model "
-                           f"config implies {list(loc.sizes)}")
-    return ckpt.reader.read(loc.key, loc.offsets + (0,) * (len(shape) - k), (1,) * k + tuple(shape[k:])).reshape(shape[k:])
 
 
 def _stream_to_hf(ckpt: Checkpoint, bound: BoundMapping, get, writer: HFWriter, adapter: HFAdapter, family: str, cfg,
@@ -187,20 +166,6 @@ def _stream_to_hf(ckpt: Checkpoint, bound: BoundMapping, get, writer: HFWriter, 
         config["dtype" if "dtype" in config or "torch_dtype" not in config else "torch_dtype"] = floating[0]
     tokenizer = _checkpoint_tokenizer(ckpt)
     return writer.finish(config, tokenizer), tokenizer
-
-
-def bind_checkpoint(manifest: dict, source: Path | str) -> tuple[str, HFAdapter, Any, BoundMapping]:
-    """``(family, HF adapter, model config, bound mapping)`` of the megatron family a checkpoint's
-    manifest (``source``, for errors) names, bound to its recorded model config."""
-    family = manifest.get("family")
-    if not family:
-        raise MappingError(f"{source}: no model family recorded")
-    adapter, spec = _adapter_of(family, Path(source))
-    try:
-        cfg = spec.config_class(**manifest.get("model_config", {}))
-    except (TypeError, ValueError) as exc:
-        raise MappingError(f"{source}: model_config does not fit {spec.config_class.__name__} ({exc})") from exc
-    return family, adapter, cfg, adapter.bind(cfg)
 
 
 def lf_to_hf(checkpoint: str | Path, out: str | Path, *, dtype: torch.dtype | None = None, progress: bool = True,

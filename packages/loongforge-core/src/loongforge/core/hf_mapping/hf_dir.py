@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+from collections.abc import Sequence
 from functools import cached_property
 from pathlib import Path
 
@@ -74,7 +75,7 @@ class HFReader:
         shards = sorted(self.directory.glob("*.safetensors"))
         if not shards:
             raise MappingError(f"{self.directory}: no *.safetensors weights (and no {INDEX})")
-        files = {}
+        files: dict = {}
         for shard in shards:
             for name in self._open(shard.name).keys():
                 if name in files:
@@ -149,7 +150,7 @@ class HFWriter:
         """Remove the unfinished output (the temp directory)."""
         shutil.rmtree(self.tmp, ignore_errors=True)
 
-    def finish(self, config: dict, tokenizer: list[Path] = ()) -> Path:
+    def finish(self, config: dict, tokenizer: Sequence[Path] = ()) -> Path:
         """Write the last shard, the index, ``config.json`` and the tokenizer files; publish."""
         if self._pending or not self._shards:
             self._flush()

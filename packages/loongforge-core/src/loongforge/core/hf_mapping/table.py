@@ -335,7 +335,8 @@ class BoundMapping:
         self.lf_names = [n for c in self.conversions for n in c.lf]
         self.export_names = self.hf_names + list(self.tied) + [z.hf for z in self.zeros]
         for side, names in (("HF", self.export_names), ("LF", self.lf_names)):
-            seen, dup = set(), set()
+            seen: set[str] = set()
+            dup: set[str] = set()
             for n in names:
                 (dup if n in seen else seen).add(n)
             if dup:

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import weakref
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 from torch import nn
@@ -38,7 +39,7 @@ class _Saved:
     def __init__(self, host: torch.Tensor, device: torch.device, copied):
         self.host, self.device, self.copied = host, device, copied
         self.reloaded: torch.Tensor | None = None
-        self.ready = None  # the event after which ``reloaded`` holds the values
+        self.ready: Any = None  # the event after which ``reloaded`` holds the values
 
 
 class _Group:
@@ -63,8 +64,9 @@ class ActivationOffload:
         self.device = device
         self.min_bytes = min_bytes
         self.cuda = device.type == "cuda"
-        self.d2h = torch.cuda.Stream(device) if self.cuda else None
-        self.h2d = torch.cuda.Stream(device) if self.cuda else None
+        # the copy streams (CUDA only: elsewhere the copies are plain clones)
+        self.d2h: Any = torch.cuda.Stream(device) if self.cuda else None
+        self.h2d: Any = torch.cuda.Stream(device) if self.cuda else None
         self.step_bytes = 0  # bytes moved off the device since the last ``reset_step``
         self._blocks: list[nn.Module] = []
         self._param_storages: set[int] = set()

@@ -26,7 +26,7 @@ exactly the steps it would have.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import numpy as np
@@ -37,6 +37,7 @@ from loongforge.core.balance import (
     BalancedBatchSampler,
     CostFitter,
     CostModel,
+    RankStep,
     SampleSizes,
     fit_and_broadcast,
     step_batches,
@@ -106,8 +107,9 @@ class BalancedSteps:
         self.loader = DataLoader(dataset, batch_sampler=self.sampler, collate_fn=collate_fn, num_workers=num_workers,
                                  pin_memory=device is not None and device.type == "cuda")
         self._handed = consumed_samples // samples_per_step  # steps handed to the trainer
-        self._steps = None  # made on first use, from the sampler's position
-        self._last = None
+        # made on first use, from the sampler's position
+        self._steps: Iterator[tuple[list[Any], RankStep]] | None = None
+        self._last: RankStep | None = None
         self._fitter = CostFitter() if config.enable and config.fit_steps else None
         self._measured = 0
         self._warm = False  # the first step of this process has been seen (not measured)
@@ -151,6 +153,7 @@ class BalancedSteps:
         if not self._warm:
             self._warm = True
             return
+        assert self._last is not None  # a step was handed out before its seconds are recorded
         self._fitter.add_sizes(self._last.sizes, seconds)
         self._measured += 1
         if self._measured < self.config.fit_steps:

@@ -11,7 +11,14 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from loongforge.core.checkpoint import Checkpoint, CheckpointReadError, latest_checkpoint, save_checkpoint, storage
+from loongforge.core.checkpoint import (
+    Checkpoint,
+    CheckpointNotFound,
+    CheckpointReadError,
+    latest_checkpoint,
+    save_checkpoint,
+    storage,
+)
 from loongforge.core.training.errors import EarlierRunError
 
 
@@ -83,7 +90,10 @@ def restore_task_state(task, root: str | Path) -> None:
     measured at the start of the run); called before the engine builds the model."""
     from loongforge.core.checkpoint import read_manifest
 
-    task.restore(read_manifest(latest_checkpoint(root)))
+    latest = latest_checkpoint(root)
+    if latest is None:
+        raise CheckpointNotFound(f"{root}: no checkpoint to restore the task's state from")
+    task.restore(read_manifest(latest))
 
 
 def check_model_config(ckpt: Checkpoint, task) -> None:

@@ -38,7 +38,7 @@ dropout): it runs twice.
 
 from __future__ import annotations
 
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
@@ -82,11 +82,13 @@ class Stage:
     def last(self) -> bool:
         return self.next is None
 
-    def send(self, tensor: torch.Tensor, to: int) -> None:
+    def send(self, tensor: torch.Tensor, to: int | None) -> None:
+        assert to is not None, "no stage to send to"  # callers check ``last`` first
         tensor = tensor.contiguous()
         self._sends.append((dist.isend(tensor, group=self.group, group_dst=to), tensor))
 
-    def recv(self, buffer: torch.Tensor, src: int) -> torch.Tensor:
+    def recv(self, buffer: torch.Tensor, src: int | None) -> torch.Tensor:
+        assert src is not None, "no stage to receive from"  # callers check ``first`` first
         dist.recv(buffer, group=self.group, group_src=src)
         return buffer
 
@@ -151,7 +153,7 @@ class _ChunkedLoss(torch.autograd.Function):
                     param_grads[k] = g if param_grads[k] is None else param_grads[k] + g
             leaf_grads = iter(grads[len(params):])
             for j, chunk in enumerate(leaves):
-                acc = carried_grads[j] if carried_grads[j] is not None else [None] * len(chunk)
+                acc: list[Any] = carried_grads[j] or [None] * len(chunk)
                 for k, leaf in enumerate(chunk):
                     if not leaf.requires_grad:
                         continue

@@ -1,4 +1,4 @@
-"""The interface between the loop and an engine, and how the loop picks one.
+"""The interface between the loop and an engine (``engine_choice.make_engine`` picks one).
 
 An engine holds the model (wrapped for its kind of parallelism) and the optimizer, and runs the
 two halves of a step:
@@ -60,7 +60,7 @@ class Engine(Protocol):
     def inner_model(self) -> torch.nn.Module:
         """The task's model inside the engine's wrappers."""
 
-    def forward_backward(self, step: StepBatch) -> StepOutput: ...
+    def forward_backward(self, step: StepBatch, measuring: bool = False) -> StepOutput: ...
 
     def apply_update(self, lr: float) -> None: ...
 
@@ -107,17 +107,3 @@ def check_precision(ckpt, precision: str) -> None:
             f"with the {precision} one (train.precision: bf16 is mixed, bf16-pure is pure); resume with the same "
             f"train.precision, or load the weights only with checkpoint.load=DIR and checkpoint.resume=false"
         )
-
-
-def make_engine(task, ctx, cfg, resuming: bool) -> Engine:
-    """The engine ``task.engine`` names, for the run config ``cfg`` (its ``train`` and ``parallel``)."""
-    if task.engine == "megatron":
-        from loongforge.core.training.megatron_engine import MegatronEngine
-
-        return MegatronEngine(task, ctx, cfg.train, cfg.parallel, resuming=resuming)
-    if task.engine == "torch":
-        from loongforge.core.training.torch_engine import TorchEngine
-
-        return TorchEngine(task, ctx, cfg.train, cfg.parallel, resuming=resuming, ema=getattr(cfg, "ema", None),
-                           lora=getattr(cfg, "lora", None))
-    raise ValueError(f"model family {task.family!r} names engine {task.engine!r}; one of {', '.join(ENGINES)}")

@@ -7,7 +7,7 @@ step time, samples/s, tokens/s for token data, MFU where FLOPs are known, the ta
 metrics), the evaluation hook (``eval.interval``), checkpoint cadence and exact resume through the
 core format (``checkpointing``; a save is refused when the weights are not finite, so ``keep_last``
 never prunes the last finite checkpoint), and ``RUN_DIR/config.yaml`` (the run's whole composed config). The
-engine (``engine.make_engine``) does the rest of a step.
+engine (``engine_choice.make_engine``) does the rest of a step.
 
 A run starts by checking what its directories hold, before it writes anything: a run that does not
 resume refuses a checkpoint directory with an earlier run's checkpoints unless told to start over
@@ -29,11 +29,14 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
+from loongforge.core.checkpoint.storage import RUN_CHECKPOINTS
 from loongforge.core.errors import storage_error
 from loongforge.core.metrics import MetricsLogger, cut_back, progress
 from loongforge.core.training import checkpointing
-from loongforge.core.training.engine import StepOutput, make_engine
+from loongforge.core.training.engine import StepOutput
+from loongforge.core.training.engine_choice import make_engine
 from loongforge.core.training.errors import NonFiniteError, TrainingStopped
 from loongforge.core.training.preemption import REQUEUE_EXIT_CODE, StopSignals, agreed_stop, describe, exit_code
 from loongforge.core.training.schedule import lr_at
@@ -71,14 +74,14 @@ class Trainer:
         self.eval_cfg = getattr(cfg, "eval", None)
         self.config_record = config_record or {}
         self.run_dir = Path(self.log_cfg.run_dir)
-        self.ckpt_dir = Path(self.ckpt_cfg.dir) if self.ckpt_cfg.dir else self.run_dir / "checkpoints"
+        self.ckpt_dir = Path(self.ckpt_cfg.dir) if self.ckpt_cfg.dir else self.run_dir / RUN_CHECKPOINTS
         self.resuming = bool(self.ckpt_cfg.resume) and checkpointing.has_checkpoint(self.ckpt_dir)
         if self.resuming:  # what the task saved in the manifest, back before the model is built
             checkpointing.restore_task_state(task, self.ckpt_dir)
         self.engine = make_engine(task, ctx, cfg, resuming=self.resuming)
         self.step = 0
         self.consumed_samples = 0
-        self.data = None  # the task's step iterator (made in fit)
+        self.data: Any = None  # the task's step iterator (made in fit)
         self.resumed_data_state = None  # its state from the checkpoint resumed from, if any
         self.last_checkpoint: Path | None = None
         self.saved_step: int | None = None  # the step of last_checkpoint

@@ -162,7 +162,7 @@ class MegatronEngine:
             OptimizerConfig(
                 optimizer="adam",
                 lr=train.lr,
-                min_lr=train.min_lr,
+                min_lr=train.final_lr,
                 weight_decay=train.weight_decay,
                 adam_beta1=train.adam_beta1,
                 adam_beta2=train.adam_beta2,

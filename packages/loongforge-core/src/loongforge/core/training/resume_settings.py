@@ -20,7 +20,7 @@ from pathlib import Path
 
 from loongforge.core.checkpoint import CheckpointReadError
 
-SCHEDULE_KEYS = ("lr", "min_lr", "warmup_steps", "lr_decay_style", "steps", "clip_grad", "weight_decay", "adam_beta1",
+SCHEDULE_KEYS = ("lr", "min_lr_ratio", "min_lr", "warmup_steps", "lr_decay_style", "steps", "clip_grad", "weight_decay", "adam_beta1",
                  "adam_beta2", "adam_eps")
 FIXED_KEYS = ("global_batch_size", "seed")
 RECORD = "resumes.jsonl"

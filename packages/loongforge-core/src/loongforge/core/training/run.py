@@ -56,7 +56,8 @@ def run_training(cfg, task, prog: str, after: Callable[[Trainer], None] | None =
     check_run_directories(cfg)
     owned = not dist.is_initialized()
     p = cfg.parallel
-    ctx = init_parallel(tp=p.tp, pp=p.pp, cp=p.cp, ep=p.ep, seed=cfg.train.seed, timeout_s=p.timeout_s)
+    ctx = init_parallel(tp=p.tp, pp=p.pp, cp=p.cp, ep=p.ep, seed=cfg.train.seed, timeout_s=p.timeout_s,
+                        engine=task.engine)
     lock = RunDirLock(cfg.log.run_dir)
     try:
         previous = claim_run_dir(lock, ctx)
@@ -126,7 +127,7 @@ def print_summary(prog: str, summary: RunSummary) -> None:
         print(f"{prog}: nothing to do: {summary.run_dir} is already at step {summary.start_step}", flush=True)
         return
     late = results[len(results) // 2:]
-    rate = (f"median {statistics.median([r.tokens / r.seconds for r in late]):.0f} tokens/s" if results[-1].tokens is not None
+    rate = (f"median {statistics.median([(r.tokens or 0) / r.seconds for r in late]):.0f} tokens/s" if results[-1].tokens is not None
             else f"median {statistics.median([r.samples / r.seconds for r in late]):.1f} samples/s")
     print(f"{prog}: step {results[0].step} loss {results[0].loss:.4f} -> step {results[-1].step} loss "
           f"{results[-1].loss:.4f}; {rate}", flush=True)

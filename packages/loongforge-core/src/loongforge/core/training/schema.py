@@ -1,11 +1,11 @@
-"""The config groups every ``lf-*`` CLI shares: ``train``, ``parallel``, ``checkpoint``, ``log``,
-``balance`` and ``eval``, and ``lora`` in the CLIs that train adapters (lf-llm, lf-diffusion,
-lf-embodied). A key here means the same thing in ``lf-llm``, ``lf-vlm``, ``lf-diffusion`` and
-``lf-embodied``; a modality adds groups of its own (``model``, ``data``,
-``objective``, ``ema``, ``policy``...) or extends one of these (``SequenceTrainConfig`` adds
-``seq_length`` for token-sequence models, ``lf-vlm`` adds ``parallel.encoder``), but never renames
-a key. Each modality's recipe chooses its own defaults through the shipped YAML and the dataclass
-``default_factory`` of its top-level config.
+"""The config groups of the ``lf-*`` CLIs. ``train``, ``parallel``, ``checkpoint``, ``log`` and
+``lora`` are in every CLI (``loongforge.core.cli.SHARED_GROUPS``); ``balance`` (the DP load
+balancer) is in the CLIs whose samples differ in length (lf-llm, lf-vlm, lf-diffusion) and ``eval``
+in the CLIs whose task has an evaluation (lf-embodied). A key here means the same thing wherever its
+group appears; a modality adds groups of its own (``model``, ``data``, ``objective``, ``ema``...)
+or extends one of these (``SequenceTrainConfig`` adds ``seq_length`` for token-sequence models,
+``lf-vlm`` adds ``parallel.encoder``), but never renames a key. Each modality's recipe chooses its
+own defaults through the shipped YAML and the dataclass ``default_factory`` of its top-level config.
 
 A key one engine cannot honour is refused by that engine with the key named (``parallel.tp=2`` on
 the PyTorch-native engine, ``parallel.data_parallel=fsdp`` on megatron-core), before any process
@@ -37,14 +37,18 @@ class TrainConfig:
     ``micro_batch_size`` samples go through the model at a time (null: a rank's whole share in one
     micro-batch, or as a recipe that packs by tokens plans them). The LR warms up linearly over
     ``warmup_steps`` (step ``s``, counted from 0, runs at ``lr * (s + 1) / warmup_steps``), then
-    decays to ``min_lr`` at ``steps`` (``loongforge.core.training.schedule``).
+    decays to ``lr * min_lr_ratio`` at ``steps`` (``final_lr``; ``loongforge.core.training.schedule``),
+    so a new ``lr`` alone scales the whole schedule.
     """
 
     steps: int = 100  # optimizer steps of the whole run
     global_batch_size: int = 8  # samples per optimizer step, over all data-parallel ranks
     micro_batch_size: int | None = None  # samples per forward/backward on a rank; null: a rank's whole share
     lr: float = 1e-3  # peak learning rate (AdamW)
-    min_lr: float = 1e-4  # learning rate reached at the last step
+    min_lr_ratio: float = 0.1  # the learning rate reached at the last step, as a fraction of lr
+    # deprecated (removed in the next release): the last step's learning rate as an absolute value,
+    # used instead of lr * min_lr_ratio when set
+    min_lr: float | None = None
     warmup_steps: int = 10  # linear warm-up: step s (from 0) runs at lr * (s + 1) / warmup_steps
     lr_decay_style: str = "cosine"  # cosine | linear | constant
     weight_decay: float = 0.01  # AdamW weight decay (not on biases and norms)
@@ -85,8 +89,11 @@ class TrainConfig:
         _one_of("train.lr_decay_style", self.lr_decay_style, DECAY_STYLES)
         _one_of("train.recompute", self.recompute, RECOMPUTE)
         _one_of("train.optimizer_kernel", self.optimizer_kernel, OPTIMIZER_KERNELS)
-        if not 0 <= self.min_lr <= self.lr:
-            raise ValueError(f"train.min_lr={self.min_lr} must be in [0, train.lr={self.lr}]")
+        if not 0 <= self.min_lr_ratio <= 1:
+            raise ValueError(f"train.min_lr_ratio={self.min_lr_ratio}: must be in [0, 1] (a fraction of train.lr)")
+        if self.min_lr is not None and not 0 <= self.min_lr <= self.lr:
+            raise ValueError(f"train.min_lr={self.min_lr} must be in [0, train.lr={self.lr}] "
+                             f"(or set train.min_lr_ratio instead)")
         if self.offload_layers and self.recompute == "full":
             raise ValueError(f"train.offload_layers={self.offload_layers} with train.recompute=full: full "
                              f"recomputation saves only each block's input; offload with none or selective")
@@ -95,6 +102,12 @@ class TrainConfig:
                 raise ValueError(f"train.{key}={getattr(self, key)}: must be >= 0")
         if self.clip_grad < 0 or self.weight_decay < 0:
             raise ValueError(f"train.clip_grad={self.clip_grad}, train.weight_decay={self.weight_decay}: must be >= 0")
+
+    @property
+    def final_lr(self) -> float:
+        """The learning rate reached at the last step: ``lr * min_lr_ratio`` (or the deprecated
+        absolute ``min_lr`` when set)."""
+        return self.min_lr if self.min_lr is not None else self.lr * self.min_lr_ratio
 
 
 @dataclass

@@ -228,6 +228,7 @@ class TorchEngine:
             from loongforge.core.config import ConfigError
 
             layers = sorted({n.rsplit(".", 2)[0] for n in unused}) or ["(on another rank)"]
+            assert self.lora is not None  # only a LoRA run has adapters to check
             raise ConfigError(f"lora.target_modules={list(self.lora.target_modules)}: the forward of model family "
                              f"{self.task.family!r} never ran the adapters of {layers[:4]}"
                              f"{' ...' if len(layers) > 4 else ''} (it uses those layers' weights directly); "

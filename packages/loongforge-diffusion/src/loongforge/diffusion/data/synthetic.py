@@ -65,13 +65,18 @@ def render_clip(rng: np.random.RandomState, height: int, width: int, frames: int
 
 
 def generate_clips(out_dir: Path, num_clips: int = 48, seed: int = 0) -> Path:
-    """Write the clips and ``metadata.jsonl`` (``file_name``, ``text``) into ``out_dir``."""
+    """The clips and ``metadata.jsonl`` (``file_name``, ``text``) in ``out_dir``, written there once
+    (``loongforge.core.cache.write_atomically``)."""
+    from loongforge.core.cache import write_atomically
+
+    if not (out_dir / "metadata.jsonl").is_file():
+        write_atomically(out_dir, lambda tmp: _write_clips(tmp, num_clips, seed))
+    return out_dir
+
+
+def _write_clips(out_dir: Path, num_clips: int, seed: int) -> None:
     from PIL import Image
 
-    marker = out_dir / ".complete"
-    if marker.is_file():
-        return out_dir
-    out_dir.mkdir(parents=True, exist_ok=True)
     rng = np.random.RandomState(seed)
     rows = []
     for i in range(num_clips):
@@ -86,8 +91,6 @@ def generate_clips(out_dir: Path, num_clips: int = 48, seed: int = 0) -> Path:
             write_video(out_dir / name, video)
         rows.append({"file_name": name, "text": caption})
     (out_dir / "metadata.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-    marker.write_text("ok\n")
-    return out_dir
 
 
 TINY_VAE = dict(base_dim=8, z_dim=4, dim_mult=[1, 2, 2, 2], num_res_blocks=1, attn_scales=[],
@@ -113,21 +116,26 @@ def build_tiny_tokenizer(out_dir: Path) -> None:
     fast.save_pretrained(str(out_dir))
 
 
-@torch.no_grad()
 def build_tiny_encoders(out_dir: Path, clips_dir: Path, seed: int = 0) -> Path:
     """A random tiny UMT5 encoder + word-level tokenizer, a random tiny Wan VAE and a random tiny
     CLIP vision encoder, saved in the diffusers pipeline layout (``vae/``, ``text_encoder/``,
-    ``tokenizer/``, ``image_encoder/``, ``image_processor/``). The VAE's
-    ``latents_mean``/``latents_std`` are measured on the clips so stored latents are ~unit scale."""
+    ``tokenizer/``, ``image_encoder/``, ``image_processor/``), written into ``out_dir`` once
+    (``loongforge.core.cache.write_atomically``). The VAE's ``latents_mean``/``latents_std`` are
+    measured on the clips so stored latents are ~unit scale."""
+    from loongforge.core.cache import write_atomically
+
+    if not (out_dir / "image_processor").is_dir():
+        write_atomically(out_dir, lambda tmp: _write_tiny_encoders(tmp, clips_dir, seed))
+    return out_dir
+
+
+@torch.no_grad()
+def _write_tiny_encoders(out_dir: Path, clips_dir: Path, seed: int) -> None:
     from diffusers import AutoencoderKLWan
     from transformers import CLIPImageProcessor, CLIPVisionConfig, CLIPVisionModel, UMT5Config, UMT5EncoderModel
 
     from loongforge.diffusion.data.video_io import read_frames, to_model_input
 
-    marker = out_dir / ".complete"
-    if marker.is_file():
-        return out_dir
-    out_dir.mkdir(parents=True, exist_ok=True)
     build_tiny_tokenizer(out_dir / "tokenizer")
     torch.manual_seed(seed)
     vocab_size = 3 + len(vocabulary())
@@ -147,8 +155,6 @@ def build_tiny_encoders(out_dir: Path, clips_dir: Path, seed: int = 0) -> Path:
     side = TINY_CLIP["image_size"]
     CLIPImageProcessor(size={"shortest_edge": side}, crop_size={"height": side, "width": side}).save_pretrained(
         str(out_dir / "image_processor"))
-    marker.write_text("ok\n")
-    return out_dir
 
 
 MAX_FRAMES = 9  # the longest clips
@@ -161,8 +167,10 @@ def latents_dir(num_clips: int, max_frames: int = MAX_FRAMES) -> Path:
 
 
 def builtin_dataset(num_clips: int = 48, show_progress: bool = True, max_frames: int = MAX_FRAMES) -> Path:
-    """The preprocessed built-in set (built into the cache on first use); returns its latents dir.
-    ``max_frames=1`` encodes every clip's first frame alone: an image set of one-frame latents."""
+    """The preprocessed built-in set (built into the cache on first use, each part written once:
+    ``loongforge.core.cache.write_atomically``); returns its latents dir. ``max_frames=1`` encodes
+    every clip's first frame alone: an image set of one-frame latents."""
+    from loongforge.core.cache import write_atomically
     from loongforge.diffusion.preprocess import PreprocessConfig, preprocess
 
     root = cache_root() / f"n{num_clips}"
@@ -171,8 +179,13 @@ def builtin_dataset(num_clips: int = 48, show_progress: bool = True, max_frames:
         return latents
     clips = generate_clips(root / "clips", num_clips)
     encoders = build_tiny_encoders(root / "encoders", clips)
-    cfg = PreprocessConfig(input=str(clips), output=str(latents), vae=str(encoders), text_encoder=str(encoders),
-                           max_sequence_length=16, max_frames=max_frames, max_area=48 * 48, patch_size=2, shard_size=16,
-                           image_condition=True, image_encoder=str(encoders), progress=show_progress)
-    preprocess(cfg, rank=0, world=1)
+
+    def write(tmp: Path) -> None:
+        cfg = PreprocessConfig(input=str(clips), output=str(tmp), vae=str(encoders), text_encoder=str(encoders),
+                               max_sequence_length=16, max_frames=max_frames, max_area=48 * 48, patch_size=2,
+                               shard_size=16, image_condition=True, image_encoder=str(encoders),
+                               progress=show_progress)
+        preprocess(cfg, rank=0, world=1)
+
+    write_atomically(latents, write)
     return latents

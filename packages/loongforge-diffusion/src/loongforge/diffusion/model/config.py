@@ -30,6 +30,10 @@ DIFFUSERS_FIELDS = (
     "image_dim",
     "added_kv_proj_dim",
 )
+# the parts of a Wan model, named as in diffusers' WanPipeline: one DiT, or Wan 2.2's two experts
+# (high-noise, low-noise)
+EXPERT_NAMES = ("transformer", "transformer_2")
+IMAGE_TOKENS = 257  # CLIP ViT-H/14 tokens of a 224x224 image (Wan 2.1 I2V's image encoder)
 # diffusers fields of variants this implementation does not reproduce (Wan 2.1 FLF2V's image
 # position embedding); they must be unset
 UNSUPPORTED_FIELDS = ("pos_embed_seq_len",)
@@ -159,7 +163,8 @@ class WanConfig(DiTConfig):
 
     @property
     def patch(self) -> tuple[int, int, int]:
-        return tuple(self.patch_size)
+        pt, ph, pw = self.patch_size
+        return pt, ph, pw
 
     @property
     def latent_channels(self) -> int:
@@ -171,14 +176,26 @@ class WanConfig(DiTConfig):
 
     def part_names(self) -> list[str]:
         """One DiT, ``transformer``, or Wan 2.2's two experts (``transformer``, ``transformer_2``)."""
-        from loongforge.diffusion.model.experts import EXPERT_NAMES
-
         return list(EXPERT_NAMES[: 2 if self.boundary_ratio is not None else 1])
 
     def cost_model(self) -> CostModel:
-        from loongforge.diffusion.model.flops import cost_model
+        """Training FLOPs of one sample of ``l`` tokens (matmuls, 2 FLOPs per multiply-add, backward
+        = 2x forward): ``a * l**2 + b * l + c``.
 
-        return cost_model(self)
+        Per layer and token: self-attention q/k/v/o ``4 D^2``, cross-attention q/o ``2 D^2`` and scores
+        over the prompt ``2 D L``, feed-forward ``2 D F``; per segment: self-attention scores and
+        weighted sum ``2 D l^2``; per sample: cross-attention k/v of the prompt ``2 D^2 L``; once per
+        token: patch embedding and output projection ``2 D C p``. Wan 2.1 I2V's image tokens count as
+        prompt tokens (their keys/values and scores; ``IMAGE_TOKENS``, CLIP ViT-H's 257).
+        """
+        d, n, f = self.hidden_size, self.num_layers, self.ffn_dim
+        L = self.text_len + (IMAGE_TOKENS if self.image_dim else 0)  # I2V: a second attention over image tokens
+        p = self.patch_volume
+        k = 3 * 2  # (forward + backward) * FLOPs per multiply-add
+        a = k * n * 2 * d
+        b = k * (n * (6 * d * d + 2 * d * L + 2 * d * f) + d * p * (self.in_channels + self.out_channels))
+        c = k * n * 2 * d * d * L
+        return CostModel(a=float(a), b=float(b), c=float(c))
 
     def model_config_dict(self) -> dict:
         return {**self.diffusers_kwargs(), "patch_size": list(self.patch_size), "text_len": self.text_len,

@@ -10,14 +10,12 @@ from loongforge.core.training.torch_model import TorchModel
 from loongforge.diffusion.model.config import WanConfig
 from loongforge.diffusion.model.dit import WanDiT
 
-EXPERT_NAMES = ("transformer", "transformer_2")  # high-noise, low-noise
-
 
 class WanExperts(TorchModel):
     def __init__(self, cfg: WanConfig):
         super().__init__()
         self.config = cfg
-        self.names = list(EXPERT_NAMES if cfg.boundary_ratio is not None else EXPERT_NAMES[:1])
+        self.names = cfg.part_names()
         for name in self.names:
             self.add_module(name, WanDiT(cfg))
 

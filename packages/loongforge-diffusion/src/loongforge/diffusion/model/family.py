@@ -9,8 +9,9 @@ context-parallel group, or None) and return the velocity of every token in ``pat
 order ``(pt, ph, pw, C)``. Its ``hf_adapter`` (``DiffusersAdapter``) reads and writes the
 diffusers layout.
 
-The class attributes below (``condition``, ``boundary_ratio``...) are the neutral answers of a
-family without image conditioning or experts; a family that has them declares them as fields.
+The properties ``condition``, ``image_dim``, ``boundary_ratio`` and ``train_expert`` are the neutral
+answers of a family without image conditioning or experts; a family that has them declares them as
+fields.
 """
 
 from __future__ import annotations
@@ -33,14 +34,31 @@ class DiTConfig:
     # prompt embeddings are zero-padded to this many tokens (the pipeline's max_sequence_length)
     text_len: int = 16
 
-    # neutral answers of a text-to-image/video family with one part (fields in families that have them)
-    condition: ClassVar[str] = "none"
-    image_dim: ClassVar[int | None] = None
-    boundary_ratio: ClassVar[float | None] = None
-    train_expert: ClassVar[str] = "all"
+    # what the family's class says of itself
     context_parallel: ClassVar[bool] = False  # the model implements parallel.cp > 1 (Ulysses)
     diffusers_class: ClassVar[str] = "transformer"  # the diffusers model class of its layout, for messages
     compile_on_cuda: ClassVar[bool] = False  # train.compile=null compiles its blocks on CUDA (verified there)
+
+    # neutral answers of a text-to-image/video family with one part (fields in families that have them)
+    @property
+    def condition(self) -> str:
+        """How samples are conditioned on an image: none (a family with image conditioning has the field)."""
+        return "none"
+
+    @property
+    def image_dim(self) -> int | None:
+        """Width of CLIP image tokens the model reads: none here."""
+        return None
+
+    @property
+    def boundary_ratio(self) -> float | None:
+        """The timestep boundary between two experts: none here (one part)."""
+        return None
+
+    @property
+    def train_expert(self) -> str:
+        """Which expert(s) train: all (its one part)."""
+        return "all"
 
     @property
     def patch(self) -> tuple[int, int, int]:

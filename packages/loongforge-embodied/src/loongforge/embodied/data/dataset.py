@@ -64,7 +64,7 @@ class EmbodiedDataset(Dataset):
             if key not in self.meta.camera_keys:
                 raise ConfigError(f"data.image_keys: {key!r} is not a camera of {root} (cameras: {self.meta.camera_keys})")
         if len(cameras) > policy_cfg.num_cameras:
-            raise DataError(f"dataset {root} has {len(cameras)} cameras but policy.num_cameras={policy_cfg.num_cameras}")
+            raise DataError(f"dataset {root} has {len(cameras)} cameras but model.num_cameras={policy_cfg.num_cameras}")
         self.spec = DatasetSpec(
             fps=int(self.meta.fps),
             state_dim=int(features[data_cfg.state_key]["shape"][0]),
@@ -76,7 +76,7 @@ class EmbodiedDataset(Dataset):
         if self.spec.state_dim > policy_cfg.max_state_dim or self.spec.action_dim > policy_cfg.max_action_dim:
             raise DataError(
                 f"dataset {root}: state/action dims {self.spec.state_dim}/{self.spec.action_dim} exceed "
-                f"policy.max_state_dim/max_action_dim {policy_cfg.max_state_dim}/{policy_cfg.max_action_dim}"
+                f"model.max_state_dim/max_action_dim {policy_cfg.max_state_dim}/{policy_cfg.max_action_dim}"
             )
         train_eps, eval_eps = split_episodes(self.meta.total_episodes, data_cfg.eval_episodes)
         self.episodes = train_eps if split == "train" else eval_eps
@@ -94,7 +94,7 @@ class EmbodiedDataset(Dataset):
             )
         except KeyError as exc:  # statistics the normalisation needs are not in the dataset's
             raise DataError(f"dataset {root}: meta/stats.json: {exc.args[0]}") from exc
-        self.tokenizer = make_tokenizer(policy_cfg)
+        self.tokenizer = make_tokenizer(policy_cfg, data_cfg.tokenizer)
         if self.tokenizer.vocab_size > policy_cfg.vocab_size:
             raise ConfigError(f"policy.vocab_size={policy_cfg.vocab_size} < tokenizer vocabulary {self.tokenizer.vocab_size}")
         self.data_cfg = data_cfg

@@ -19,12 +19,12 @@ def check_local_dataset(root: Path) -> None:
     """Raise ``DataError`` naming the first metadata file under ``root`` that is missing or does
     not read (a JSON file that does not parse, a parquet file without its footer: truncated copies)."""
     if not root.is_dir():
-        raise DataError(f"data.root={str(root)!r}: not a directory")
+        raise DataError(f"data.path={str(root)!r}: not a directory")
     for rel in META_FILES:
         if not (root / rel).is_file():
-            raise DataError(f"data.root={str(root)!r}: missing {rel} (not a LeRobot v3 dataset?)")
+            raise DataError(f"data.path={str(root)!r}: missing {rel} (not a LeRobot v3 dataset?)")
     if not (root / "meta/episodes").is_dir():
-        raise DataError(f"data.root={str(root)!r}: missing meta/episodes/")
+        raise DataError(f"data.path={str(root)!r}: missing meta/episodes/")
     for rel in META_FILES:
         check_readable(root / rel)
     for path in sorted((root / "meta/episodes").rglob("*.parquet")):

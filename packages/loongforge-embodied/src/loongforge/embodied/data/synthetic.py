@@ -9,8 +9,6 @@ instruction. ``ensure_synthetic_dataset()`` writes it once into the cache direct
 
 from __future__ import annotations
 
-import os
-import shutil
 from pathlib import Path
 
 import numpy as np
@@ -95,17 +93,14 @@ def write_synthetic_dataset(
 
 
 def ensure_synthetic_dataset(directory: Path | None = None) -> Path:
-    """The synthetic dataset's root, written on first use (temp dir + rename)."""
+    """The synthetic dataset's root, written on first use (``loongforge.core.cache.write_atomically``)."""
+    from loongforge.core.cache import write_atomically
+
+    def write(tmp: Path) -> None:
+        tmp.rmdir()  # LeRobotDataset.create makes the directory itself
+        write_synthetic_dataset(tmp)
+
     root = (directory or cache_dir()) / SYNTHETIC_NAME
-    if (root / "meta" / "info.json").is_file():
-        return root
-    root.parent.mkdir(parents=True, exist_ok=True)
-    tmp = root.parent / f".tmp-{SYNTHETIC_NAME}-{os.getpid()}"
-    if tmp.exists():
-        shutil.rmtree(tmp)
-    write_synthetic_dataset(tmp)
-    try:
-        os.replace(tmp, root)
-    except OSError:  # another process finished first
-        shutil.rmtree(tmp, ignore_errors=True)
+    if not (root / "meta" / "info.json").is_file():
+        write_atomically(root, write)
     return root

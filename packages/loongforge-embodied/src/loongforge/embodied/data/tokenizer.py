@@ -1,12 +1,12 @@
 """The prompt tokenizers: a released model's own (PaliGemma's) or an offline byte tokenizer.
 
-``make_tokenizer(policy config)`` picks one. A tokenizer directory (``tokenizer.json``,
+``make_tokenizer(policy config, data.tokenizer)`` picks one. A tokenizer directory (``tokenizer.json``,
 ``tokenizer.model`` or ``tokenizer_config.json``: PaliGemma's, as LeRobot's and openpi's released
 policies use) is loaded with transformers' ``AutoTokenizer`` and builds LeRobot's prompts
 (``HFPromptTokenizer``): Pi0's is the instruction ending in a newline, Pi0.5's (``discrete_state``)
 ``Task: <instruction>, State: <256-bin indices>;\nAction: ``, tokenised as LeRobot's
 ``TokenizerProcessorStep`` does (truncated and right-padded to ``max_len``). The directory is
-``policy.tokenizer`` when set, else the directory of ``policy.pretrained`` when it holds tokenizer
+``data.tokenizer`` when set, else the directory of ``model.pretrained`` when it holds tokenizer
 files; a tokenizer that is configured but does not load is a ``ConfigError`` naming the path.
 
 Without one, ``ByteTokenizer``: bytes of the UTF-8 instruction become tokens ``4..259``; with
@@ -95,24 +95,25 @@ class HFPromptTokenizer:
         return out["input_ids"][0].long(), out["attention_mask"][0].bool()
 
 
-def tokenizer_source(policy_cfg) -> tuple[str, Path] | None:
-    """``(config key naming it, directory)`` of the policy's tokenizer, or None for the byte tokenizer."""
-    if policy_cfg.tokenizer is not None:
-        path = Path(policy_cfg.tokenizer)
+def tokenizer_source(policy_cfg, tokenizer: str | None = None) -> tuple[str, Path] | None:
+    """``(config key naming it, directory)`` of the policy's tokenizer (``data.tokenizer``, else the
+    directory of ``model.pretrained``), or None for the byte tokenizer."""
+    if tokenizer is not None:
+        path = Path(tokenizer)
         if not path.is_dir():
-            raise ConfigError(f"policy.tokenizer={policy_cfg.tokenizer!r}: no such directory (a tokenizer directory: "
+            raise ConfigError(f"data.tokenizer={tokenizer!r}: no such directory (a tokenizer directory: "
                               f"{', '.join(TOKENIZER_FILES)})")
-        return f"policy.tokenizer={policy_cfg.tokenizer!r}", path
+        return f"data.tokenizer={tokenizer!r}", path
     if policy_cfg.pretrained is not None:
         path = Path(policy_cfg.pretrained).parent
         if any((path / name).is_file() for name in TOKENIZER_FILES):
-            return f"policy.pretrained={policy_cfg.pretrained!r}: its directory's tokenizer {str(path)!r}", path
+            return f"model.pretrained={policy_cfg.pretrained!r}: its directory's tokenizer {str(path)!r}", path
     return None
 
 
-def make_tokenizer(policy_cfg) -> ByteTokenizer | HFPromptTokenizer:
-    """The prompt tokenizer of a policy config (see the module doc)."""
-    source = tokenizer_source(policy_cfg)
+def make_tokenizer(policy_cfg, tokenizer: str | None = None) -> ByteTokenizer | HFPromptTokenizer:
+    """The prompt tokenizer of a policy config and ``data.tokenizer`` (see the module doc)."""
+    source = tokenizer_source(policy_cfg, tokenizer)
     if source is None:
         return ByteTokenizer(policy_cfg.max_token_len, policy_cfg.discrete_state)
     what, path = source

@@ -1,73 +1,15 @@
-"""Cache directories built once per node and written atomically: preprocessed corpora, token indexes.
+"""The token arrays of the text-data caches (preprocessed corpora, token indexes).
 
-A cache directory is named by a hash of its inputs, so an existing one is reused as it is. It is
-written into a private temporary directory that is renamed into place when complete: a crashed
-build leaves nothing that looks finished, and processes (or nodes sharing one file system) that
-race to build the same directory are all safe; the first rename wins.
+A cache directory is named by a hash of its inputs, so an existing one is reused as it is; it is
+built once per node and renamed into place when complete (``loongforge.core.cache.build_once``).
 """
 
 from __future__ import annotations
 
-import os
-import shutil
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 
 import numpy as np
-
-from loongforge.llm.data.errors import DataError
-
-
-def builds_here() -> bool:
-    """Whether this process writes shared caches: every process when torch.distributed is not
-    initialised, else local rank 0 of each node (so node-local cache directories work too)."""
-    import torch.distributed as dist
-
-    if not dist.is_initialized():
-        return True
-    return int(os.environ.get("LOCAL_RANK", dist.get_rank())) == 0
-
-
-def write_atomically(directory: Path, write: Callable[[Path], None]) -> None:
-    """``write(tmp)`` fills a fresh temporary sibling of ``directory``, which is then renamed to it.
-    If another process renamed its copy first, this one's is discarded. A failing ``write`` leaves
-    no directory behind."""
-    directory = Path(directory)
-    tmp = directory.with_name(f"{directory.name}.tmp-{os.getpid()}")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    try:
-        write(tmp)
-        tmp.rename(directory)
-    except OSError:
-        if not directory.is_dir():
-            raise
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-
-
-def build_once(directory: Path, write: Callable[[Path], None], what: str, done: str = "meta.json") -> None:
-    """Make the cache ``directory`` (complete when it holds ``done``) unless it is there.
-
-    With torch.distributed initialised every rank must call this: the builders of each node write
-    (``write_atomically``), then all ranks meet, so nobody reads before the cache exists, and a
-    ``DataError`` on one rank is raised on every rank (``what`` names the cache in that message).
-    """
-    import torch.distributed as dist
-
-    error = None
-    if builds_here() and not (Path(directory) / done).is_file():
-        try:
-            write_atomically(directory, write)
-        except DataError as err:
-            error = err
-    if dist.is_initialized():  # also the barrier
-        failed = [False] * dist.get_world_size()
-        dist.all_gather_object(failed, error is not None)
-        if any(failed) and error is None:
-            raise DataError(f"building the {what} in {directory} failed on rank {failed.index(True)} (see its error)")
-    if error is not None:
-        raise error
 
 
 def save_token_arrays(directory: Path, ids: Sequence[np.ndarray], masks: Sequence[np.ndarray]) -> None:

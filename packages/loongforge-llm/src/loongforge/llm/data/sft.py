@@ -32,7 +32,8 @@ from pathlib import Path
 
 import numpy as np
 
-from loongforge.llm.data.cache import build_once, save_token_arrays
+from loongforge.core.cache import build_once
+from loongforge.llm.data.cache import save_token_arrays
 from loongforge.llm.data.chat import ChatRenderer, read_conversations
 from loongforge.llm.data.errors import DataError
 

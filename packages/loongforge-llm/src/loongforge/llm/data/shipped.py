@@ -43,7 +43,7 @@ def bundled_prefix(cache_dir: str | Path, tokenizer: str | Path | None = None) -
     """
     import torch.distributed as dist
 
-    from loongforge.llm.data.cache import builds_here
+    from loongforge.core.cache import builds_here
     from loongforge.llm.data.preprocess import preprocess
     from megatron.core.datasets.indexed_dataset import IndexedDataset
 

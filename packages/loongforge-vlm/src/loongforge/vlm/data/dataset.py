@@ -23,7 +23,8 @@ from pathlib import Path
 
 import numpy as np
 
-from loongforge.llm.api import DataError, build_once, save_token_arrays
+from loongforge.core.cache import build_once
+from loongforge.llm.api import DataError, save_token_arrays
 from loongforge.vlm.data import media as M
 from loongforge.vlm.data.records import IMAGE_TAG, VIDEO_TAG, Record, read_records
 from loongforge.vlm.data.tokenizer import VisionTokenIds, vision_text

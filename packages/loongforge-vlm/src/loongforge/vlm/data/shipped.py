@@ -15,7 +15,7 @@ from pathlib import Path
 
 import numpy as np
 
-from loongforge.llm.api import write_atomically
+from loongforge.core.cache import write_atomically
 
 VERSION = "shapes-v1"
 COLOURS = {"red": (220, 40, 40), "green": (40, 170, 60), "blue": (40, 80, 220), "yellow": (230, 200, 40),

@@ -1,10 +1,16 @@
-"""The partitioning baselines of the DP-balance bench: every sample gets one rank, and on small
-cases they find the textbook answers."""
+"""The partitioning baselines of the DP-balance bench (``bench/balance_baselines.py``,
+``bench/cpu_step_times.py``: benchmark code, not loongforge-core's): every sample gets one rank, and
+on small cases they find the textbook answers."""
+
+import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
 
-from loongforge.core.balance.baselines import karmarkar_karp_assignment, lpt_assignment
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))  # the bench's modules, as its scripts import them
+
+from balance_baselines import karmarkar_karp_assignment, lpt_assignment  # noqa: E402
 
 
 @pytest.mark.parametrize("assign", [lpt_assignment, karmarkar_karp_assignment])
@@ -29,7 +35,7 @@ def test_lpt_and_kk_on_the_classic_two_way_case():
 
 @pytest.mark.slow
 def test_measured_step_times_of_each_policy_from_a_two_process_gloo_run():
-    from loongforge.core.balance.cpu_step_times import POLICIES, CpuWorkload, measure_step_times
+    from cpu_step_times import POLICIES, CpuWorkload, measure_step_times
 
     lengths = np.array([40, 8, 8, 8, 300, 16, 16, 8] * 2)
     times = measure_step_times(lengths, samples_per_step=8, steps=2, world=2, workload=CpuWorkload(width=16, gemms=2))

@@ -23,7 +23,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from loongforge.core.balance.baselines import lpt_assignment
+from balance_baselines import lpt_assignment
 from loongforge.core.balance.cost import CostModel, SampleSizes
 from loongforge.core.balance.sampler import BalancedBatchSampler
 from loongforge.core.distributed import free_port
