@@ -65,7 +65,7 @@ def _cases(args, device) -> list[Case]:
         return lambda qkv, wq, wk: normed_rotated_qkv(qkv, wq, wk, cos, sin, 1e-6, kernels)
 
     def layer_norm_then_transform(kernels) -> Callable:
-        from loongforge.core.kernels.modulated_norm import normalize_and_modulate
+        from loongforge.diffusion.ops.modulated_norm import normalize_and_modulate
 
         return lambda x, weight, bias: normalize_and_modulate(x, weight, bias, 1e-6, kernels)
 

@@ -1,7 +1,7 @@
 """A downstream team adds a model part without touching LoongForge: ``tests/plugin_example`` is an
-out-of-tree package with a VLM vision encoder and a robot policy, one module each, registered by
-entry points (a ``.dist-info`` on ``PYTHONPATH``), trained by the stock ``lf-vlm`` and
-``lf-embodied`` from a YAML of their own."""
+out-of-tree package with a VLM vision encoder, a robot policy and a diffusion transformer, one
+module each, registered by entry points (a ``.dist-info`` on ``PYTHONPATH``), trained by the stock
+``lf-vlm``, ``lf-embodied`` and ``lf-diffusion`` from a YAML of their own."""
 
 from __future__ import annotations
 
@@ -22,6 +22,7 @@ PLUGIN = Path(__file__).parent / "plugin_example"
 # the lf-embodied plugin under -m long (CI's 20 minutes): the lf-vlm one runs the same entry-point path
 @pytest.mark.parametrize(("cli", "config", "part"), [
     ("lf-vlm", "vlm_plain_vit.yaml", ("encoder", "plain_vit")),
+    ("lf-diffusion", "diffusion_mlp_dit.yaml", ("model", "mlp_dit")),
     pytest.param("lf-embodied", "embodied_mlp_policy.yaml", ("model", "mlp_policy"), marks=pytest.mark.long)])
 def test_a_plugin_part_trains_from_the_stock_cli(cli, config, part, tmp_path):
     run = tmp_path / "run"

@@ -42,7 +42,7 @@ def _task_classes() -> list[tuple[str, str]]:
 def test_every_task_class_subclasses_its_engine_base():
     classes = _task_classes()
     names = {name for _, name in classes}
-    assert {"LLMTask", "SFTTask", "VLMTask", "WanTask", "PolicyTask"} <= names
+    assert {"LLMTask", "SFTTask", "VLMTask", "FlowMatchingTask", "PolicyTask"} <= names
     for module, name in classes:
         if module == "loongforge.core.training.task":  # the base classes themselves
             continue

@@ -12,14 +12,14 @@ from loongforge.core.distributed import init_distributed
 from loongforge.core.training.run import run_training
 from loongforge.diffusion.cli import CONFIG_DIR, DEFAULT_TRAIN
 from loongforge.diffusion.schema import DiffusionRecipe
-from loongforge.diffusion.task import WanTask
+from loongforge.diffusion.task import FlowMatchingTask
 
 out, common = sys.argv[1], sys.argv[2:]
 
 
 def run(name: str, *extra: str) -> None:
     recipe = load_config(DiffusionRecipe, DEFAULT_TRAIN, [f"log.run_dir={out}/{name}", *extra, *common], [CONFIG_DIR])
-    run_training(recipe, WanTask(recipe), "worker")
+    run_training(recipe, FlowMatchingTask(recipe), "worker")
 
 
 init_distributed(group_for_world_of_one=True)  # one group for both runs

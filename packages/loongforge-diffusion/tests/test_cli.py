@@ -121,11 +121,11 @@ def test_bench_and_info_run(capsys):
     assert main(["bench", "--variant", "v=train.recompute=sometimes", *size]) == 2
     assert "train.recompute='sometimes'" in capsys.readouterr().err
     assert main(["info", "model=wan2_1_t2v_1_3b"]) == 0
-    assert "parameters per expert: 1419.00M" in capsys.readouterr().out  # Wan 2.1 T2V 1.3B
+    assert "parameters per part: 1419.00M" in capsys.readouterr().out  # Wan 2.1 T2V 1.3B
 
 
 def test_bench_ours_is_the_trainers_step(tmp_path):
-    """The bench's ours is ``Trainer.train_step`` of ``WanTask`` (the torch engine lf-diffusion
+    """The bench's ours is ``Trainer.train_step`` of ``FlowMatchingTask`` (the torch engine lf-diffusion
     train builds): one call trains one step, and its loss is the packed model's MSE on the bench's
     batch from the shared initial weights."""
     import torch.nn.functional as F

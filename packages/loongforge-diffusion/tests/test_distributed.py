@@ -1,6 +1,6 @@
 """Parallel layouts give the single-process result: Ulysses CP=2 and DP=2 (FSDP2, packed
 micro-batches, core balancer, sharded pretrained load, resume) on 2 gloo processes against 1
-process, same data and pretrained weights."""
+process, same data and pretrained weights; Qwen-Image on DP=2 (DDP and FSDP2)."""
 
 import os
 import subprocess
@@ -88,3 +88,19 @@ def test_cp2_equals_one_process_for_image_to_video(tmp_path, synthetic_overrides
     for config in configs:
         manifest = _compare(tmp_path / f"cp2_{config}", tmp_path / f"ref_{config}")
         assert manifest["layout"]["cp"] == 2
+
+
+@pytest.mark.slow
+@pytest.mark.long  # two 2-process runs and a reference: minutes on 2 CPU cores (the Wan tests above cover the machinery)
+def test_qwen_image_dp2_ddp_and_fsdp2_equal_one_process(tmp_path, synthetic_overrides, cache_dir):
+    """Qwen-Image's frozen last-block prompt tail leaves every trainable parameter used: DDP and
+    FSDP2 over 2 processes give the 1-process run."""
+    common = ["train.steps=3", "train.global_batch_size=4", "train.warmup_steps=0", f"train.lr={LR}",
+              "train.lr_decay_style=constant", "checkpoint.interval=3", *synthetic_overrides]
+    proc = _launch_worker(tmp_path, ["--dp2-config=qwen_image_debug", *common])
+    ref = tmp_path / "ref"
+    assert main(["train", "--config", "qwen_image_debug", f"log.run_dir={ref}", *common]) == 0
+    _wait(proc)
+    for name, data_parallel in (("ddp2", "ddp"), ("fsdp2", "fsdp")):
+        manifest = _compare(tmp_path / f"{name}_qwen_image_debug", ref)
+        assert manifest["layout"]["dp"] == 2 and manifest["layout"]["data_parallel"] == data_parallel

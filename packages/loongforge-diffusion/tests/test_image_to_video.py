@@ -218,7 +218,7 @@ def test_image_to_video_sampling_follows_wan_pipeline(overrides):
         conds = [ImageCondition(torch.randn(shape), torch.randn(IMAGE_TOKENS, cfg.image_dim)) for _ in range(2)]
     else:
         conds = [ImageCondition(torch.randn(cfg.out_channels, 1, 4, 6)) for _ in range(2)]
-    got = generate(experts, text, [shape, shape], num_steps=5, shift=3.0, seed=3, image_conditions=conds)
+    got = generate(experts, experts.config, text, [shape, shape], num_steps=5, shift=3.0, seed=3, image_conditions=conds)
 
     g = torch.Generator().manual_seed(3)
     latents = torch.stack([torch.randn(shape, generator=g), torch.randn(shape, generator=g)])
@@ -284,7 +284,7 @@ def test_released_image_to_video_flavours_match_diffusers_on_meta(capsys):
         assert {k: tuple(v.shape) for k, v in ours.transformer.state_dict().items()} == {
             k: tuple(v.shape) for k, v in ref.state_dict().items()}, flavour
     assert main(["info", "model=wan2_1_i2v_14b"]) == 0
-    assert "parameters per expert: 16394.88M" in capsys.readouterr().out
+    assert "parameters per part: 16394.88M" in capsys.readouterr().out
     from loongforge.diffusion.cli import load_recipe
 
     for config, condition in (("tiny_i2v", "i2v"), ("tiny_ti2v", "ti2v"), ("wan2_1_i2v_14b", "i2v"),
@@ -370,7 +370,7 @@ def test_sampling_from_an_image_file_equals_wan_image_to_video_pipeline(builtin_
     experts = WanExperts(cfg).eval()
     text = torch.randn(1, cfg.text_len, cfg.text_dim)
     shape = (cfg.out_channels, 2, 4, 6)  # 5 frames of 32 x 48 through the 4x / 8x VAE
-    got = generate(experts, text, [shape], num_steps=3, shift=3.0, seed=7, image_conditions=[cond])[0]
+    got = generate(experts, experts.config, text, [shape], num_steps=3, shift=3.0, seed=7, image_conditions=[cond])[0]
 
     ref = WanTransformer3DModel(**cfg.diffusers_kwargs()).eval()
     ref.load_state_dict(experts.transformer.state_dict())

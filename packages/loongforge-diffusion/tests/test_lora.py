@@ -261,7 +261,7 @@ def test_two_expert_adapters_export_per_expert(tmp_path):
     state = experts.state_dict()
     names = list(state)
     written = export_peft_adapter(names, state.__getitem__, {"rank": RANK, "alpha": ALPHA}, tmp_path / "adapter",
-                                  lora_layouts({"model_config": {"boundary_ratio": 0.9}}, names))
+                                  lora_layouts({"experts": experts.names}, names))
     assert written == [tmp_path / "adapter" / "transformer", tmp_path / "adapter" / "transformer_2"]
     config = json.loads((written[1] / "adapter_config.json").read_text())
     assert config["target_modules"] == ["attn1.to_q", "attn2.to_v"]

@@ -227,7 +227,7 @@ def test_cast_transpose_layouts_and_values(e5m2, rows, dtype_in):
     with zeros to a multiple of 16 rows. The values are chosen on the FP8 grid times a power of
     two (so no rounding happens: the interpreter's fp8 cast mis-rounds across binades); the GPU
     test compares random values bitwise."""
-    from loongforge.core.kernels.fp8_tensorwise import E4M3, E5M2, cast_transpose, tensor_scale
+    from loongforge.diffusion.ops.fp8_tensorwise import E4M3, E5M2, cast_transpose, tensor_scale
     from loongforge.kernels.fp8_cast import fp8_cast_transpose
 
     dtype = E5M2 if e5m2 else E4M3

@@ -140,7 +140,7 @@ def test_the_adaptive_timer_times_the_fused_op_and_chooses():
 @pytest.mark.parametrize("shape", [(1003, 520), (64, 64), (50, 64), (37, 160)])
 def test_cast_transpose_is_bitwise_the_reference(dtype, e5m2, shape):
     """Large and one-tile matrices (a one-tile fp32 input once got wrong bytes in its transposed copy)."""
-    from loongforge.core.kernels.fp8_tensorwise import E4M3, E5M2, cast_transpose, tensor_scale
+    from loongforge.diffusion.ops.fp8_tensorwise import E4M3, E5M2, cast_transpose, tensor_scale
     from loongforge.kernels.fp8_cast import fp8_cast_transpose
 
     x = (torch.randn(shape, device="cuda") * torch.logspace(-3, 3, shape[1], device="cuda")).to(dtype)

@@ -1,4 +1,4 @@
-"""The feed-forward's fused GELU ops against their references (``core.kernels.gelu``).
+"""The feed-forward's fused GELU ops against their references (``loongforge.diffusion.ops.gelu``).
 
 On CPU they run in Triton's interpreter, whose fp32 -> e4m3 cast mis-rounds across binades (see
 test_fp8.py), so there the GELU cast is compared with the plain cast kernel applied to the
@@ -10,8 +10,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from loongforge.core.kernels import gelu as ref
-from loongforge.core.kernels.feed_forward import FeedForwardKernels, gelu_feed_forward
+from loongforge.diffusion.ops import gelu as ref
+from loongforge.diffusion.ops.feed_forward import FeedForwardKernels, gelu_feed_forward
 from loongforge.kernels.fp8_cast import fp8_cast_transpose
 from loongforge.kernels.gelu import BLOCK_M, BLOCK_N, gelu_fp8_cast_transpose, gelu_tanh_backward
 

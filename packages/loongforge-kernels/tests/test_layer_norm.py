@@ -1,11 +1,11 @@
-"""The fused adaLN LayerNorm ops against their references (``core.kernels.layer_norm``)."""
+"""The fused adaLN LayerNorm ops against their references (``loongforge.diffusion.ops.layer_norm``)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from loongforge.core.kernels import layer_norm as ref
+from loongforge.diffusion.ops import layer_norm as ref
 from loongforge.kernels.layer_norm import BACKWARD_ROWS, modulated_layer_norm, modulated_layer_norm_backward
 
 from .conftest import compiled_on_gpu
@@ -102,7 +102,7 @@ def test_compiled_with_an_index_equals_eager():
     """The fused ops (custom ops with an optional index) inside a compiled graph, dynamic token
     counts: the value and every gradient equal the eager function's."""
     from loongforge.core.kernels import OpWithBackward
-    from loongforge.core.kernels.modulated_norm import normalize_and_modulate
+    from loongforge.diffusion.ops.modulated_norm import normalize_and_modulate
 
     kernels = OpWithBackward(modulated_layer_norm, modulated_layer_norm_backward)
 

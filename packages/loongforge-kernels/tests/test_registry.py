@@ -45,8 +45,8 @@ def test_every_op_is_registered_through_the_entry_point():
 
 
 def test_each_op_is_defined_by_the_package_that_owns_it():
-    owners = {"rms_norm": "loongforge-core", "fp8_cast_transpose": "loongforge-core",
-              "modulated_layer_norm": "loongforge-core", "dsa_indexer_topk": "loongforge-llm",
+    owners = {"rms_norm": "loongforge-core", "fp8_cast_transpose": "loongforge-diffusion",
+              "modulated_layer_norm": "loongforge-diffusion", "dsa_indexer_topk": "loongforge-llm",
               "fp8_linear": "loongforge-llm", "qk_norm_rope": "loongforge-diffusion",
               "qk_norm_rope_backward": "loongforge-diffusion"}
     for op, package in owners.items():

@@ -9,7 +9,7 @@ headline row compares ours with the same gradient-checkpointing policy: diffuser
 whole blocks (``enable_gradient_checkpointing``) when the config recomputes anything, and the
 headline ``loongforge`` run then uses ``train.recompute=full``; the preset's own policy (e.g.
 ``selective``) runs as ``loongforge_preset`` after it. Ours is what ``lf-diffusion train`` runs:
-``Trainer.train_step`` of ``WanTask`` on the torch engine built from the config (its precision,
+``Trainer.train_step`` of ``FlowMatchingTask`` on the torch engine built from the config (its precision,
 regional ``torch.compile``, recomputation, fused AdamW, clipping; the packed ``WanDiT`` with the
 ``auto`` attention backend and kernels from the registry), with the task's loss weights, on the
 bench's packed batch, from the weights diffusers starts from.
@@ -89,6 +89,9 @@ def check_benchmarkable(m) -> None:
     """Refuse, naming the key, what the bench does not compare with diffusers."""
     from loongforge.core.config import ConfigError
 
+    if m.family != "wan":
+        raise ConfigError(f"model.family={m.family!r}: lf-diffusion bench times the Wan DiT against diffusers' "
+                          f"WanTransformer3DModel")
     if m.condition == "ti2v":
         raise ConfigError("model.condition='ti2v': lf-diffusion bench measures text-to-video and Wan 2.1 "
                           "image-to-video (i2v) configs, not TI2V's per-token timesteps (model.condition=none "
@@ -220,16 +223,16 @@ class Bench:
         return step, lambda: model.to("cpu")
 
     def ours_step(self, recipe, ctx):
-        """Ours as ``lf-diffusion train`` runs it: ``Trainer.train_step`` of ``WanTask`` on the torch
+        """Ours as ``lf-diffusion train`` runs it: ``Trainer.train_step`` of ``FlowMatchingTask`` on the torch
         engine built from ``recipe`` (precision, regional compilation, recomputation, fused AdamW,
         clipping), the task's loss (per-token weights of ``train.loss_reduction``) on the bench's
         packed batch, from the shared initial weights. Returns the step and the trainer."""
         from loongforge.core.bench_protocol import training_step
         from loongforge.core.training.task import StepBatch
         from loongforge.diffusion.objective import token_weights
-        from loongforge.diffusion.task import WanTask
+        from loongforge.diffusion.task import FlowMatchingTask
 
-        task = WanTask(recipe)
+        task = FlowMatchingTask(recipe)
         expert = task.trainable[0]
         weights = token_weights([self.tokens // self.batch_size] * self.batch_size, self.batch.num_pad,
                                 recipe.objective.loss_reduction, task.features)

@@ -1,5 +1,6 @@
 """``lf-diffusion``: the shared ``lf-*`` commands (train, info, convert, bench, plot, compare) for
-the Wan DiT, plus ``preprocess`` (videos and captions -> latent shards) and ``sample``.
+the registered diffusion families (``model.family``: Wan, Qwen-Image, a plugin's DiT), plus
+``preprocess`` (videos, images and captions -> latent shards) and ``sample``.
 
     lf-diffusion train [--config NAME|PATH] [key=value ...]
     lf-diffusion convert lf-to-diffusers CHECKPOINT OUT [--ema]   # CHECKPOINT: a run dir, root or step dir
@@ -26,19 +27,22 @@ def load_recipe(config: str | None, overrides: list[str]):
     come from DIR's config.json (over the YAML's); one also given on the command line must agree
     with it."""
     from loongforge.core.config import load_config, read_section
-    from loongforge.diffusion.schema import RENAMED_KEYS, DiffusionRecipe
+    from loongforge.diffusion.model.family import DEFAULT_FAMILY
+    from loongforge.diffusion.schema import RENAMED_KEYS, DiffusionRecipe, recipe_schema
 
     from loongforge.core.hub import is_hub_id, resolve_local
 
     overrides = list(overrides)
     model = read_section(DiffusionRecipe, "model", config, overrides, [CONFIG_DIR], renamed=RENAMED_KEYS)
+    family = model.get("family") or DEFAULT_FAMILY
+    schema = recipe_schema(family)
     if model.get("pretrained"):
         pretrained = str(model["pretrained"])
         if is_hub_id(pretrained):  # owner/name: its snapshot in the hub cache
             pretrained = resolve_local(pretrained, key="model.pretrained")
             overrides.append(f"model.pretrained={pretrained}")
-        overrides += pretrained_overrides(pretrained, model, overrides)
-    return load_config(DiffusionRecipe, config, overrides, config_dirs=[CONFIG_DIR], renamed=RENAMED_KEYS)
+        overrides += pretrained_overrides(family, pretrained, model, overrides)
+    return load_config(schema, config, overrides, config_dirs=[CONFIG_DIR], renamed=RENAMED_KEYS)
 
 
 # model.condition values a pretrained model's pipeline suggests but a command-line override may
@@ -46,15 +50,15 @@ def load_recipe(config: str | None, overrides: list[str]):
 TRAINING_MODES = ("none", "ti2v")
 
 
-def pretrained_overrides(pretrained: str, model: dict, overrides: list[str]) -> list[str]:
+def pretrained_overrides(family: str, pretrained: str, model: dict, overrides: list[str]) -> list[str]:
     """The architecture of ``model.pretrained`` as overrides; an explicit ``model.KEY=V`` that
     differs from it is an error naming both."""
     import json
 
-    from loongforge.diffusion.model.convert import pretrained_architecture
+    from loongforge.diffusion.model.family import diffusers_adapter
 
     try:
-        arch, source = pretrained_architecture(pretrained)
+        arch, source = diffusers_adapter(family).pretrained_architecture(pretrained)
     except (FileNotFoundError, ValueError) as exc:
         raise ConfigError(str(exc)) from exc
     explicit = {o.split("=", 1)[0].strip().lstrip("+~").removeprefix("model.") for o in overrides
@@ -70,12 +74,12 @@ def pretrained_overrides(pretrained: str, model: dict, overrides: list[str]) -> 
 
 
 def make_task(recipe):
-    """The task of the ``wan`` family (``ModelSpec.task``), after the device check of ``model.fp8``."""
+    """The task of the config's ``model.family`` (``ModelSpec.task``), after the model's device checks."""
     from loongforge.core.accelerators import get_accelerator
     from loongforge.core.models import get_model_spec
 
     recipe.model.check_device(get_accelerator().device_type)
-    return get_model_spec("wan").make_task(recipe)
+    return get_model_spec(recipe.model.family).make_task(recipe)
 
 
 def cmd_info(args, recipe) -> None:
@@ -83,23 +87,26 @@ def cmd_info(args, recipe) -> None:
 
     from loongforge.core.accelerators import get_accelerator
     from loongforge.core.config import to_yaml
-    from loongforge.diffusion.model import WanExperts
+    from loongforge.core.models import get_model_spec
 
     with torch.device("meta"):
-        model = WanExperts(recipe.model)
-    per_expert = sum(p.numel() for p in model.expert(model.names[0]).parameters())
+        model = get_model_spec(recipe.model.family).build(recipe.model)
+    parts = model.parts()
+    per_part = sum(p.numel() for p in next(iter(parts.values())).parameters())
     print(to_yaml(recipe))
-    print(f"experts: {', '.join(model.names)}; parameters per expert: {per_expert / 1e6:.2f}M")
+    print(f"{recipe.model.describe()}; parts: {', '.join(parts)}; parameters per part: {per_part / 1e6:.2f}M")
     print(f"accelerator: {get_accelerator()!r}")
 
 
 def recipe_of(manifest: dict, overrides: list[str] = ()):
     """The run config a checkpoint was trained with (its manifest), with ``key=value`` overrides."""
     from loongforge.core.config import load_config, load_saved_config
-    from loongforge.diffusion.schema import RENAMED_KEYS, DiffusionRecipe
+    from loongforge.diffusion.model.family import DEFAULT_FAMILY
+    from loongforge.diffusion.schema import RENAMED_KEYS, recipe_schema
 
+    family = (manifest["config"].get("model") or {}).get("family") or DEFAULT_FAMILY
     return load_saved_config(manifest["config"], lambda path, more: load_config(
-        DiffusionRecipe, path, more, renamed=RENAMED_KEYS), overrides)
+        recipe_schema(family), path, more, renamed=RENAMED_KEYS), overrides)
 
 
 def lf_to_diffusers_command(source: str, out: str, args) -> str:
@@ -108,7 +115,7 @@ def lf_to_diffusers_command(source: str, out: str, args) -> str:
     from loongforge.core.cli import convert_dtype
     from loongforge.core.config import ConfigError
     from loongforge.core.lora import lora_record, merge_state
-    from loongforge.diffusion.model.convert import export_diffusers
+    from loongforge.diffusion.model.family import diffusers_adapter
 
     ckpt = Checkpoint(checkpoint_root(source))
     check_checkpoint_command(ckpt.manifest, "lf-diffusion", ckpt.directory)
@@ -124,25 +131,34 @@ def lf_to_diffusers_command(source: str, out: str, args) -> str:
     lora = lora_record(manifest)
     if lora:  # a LoRA run: W + (alpha / rank) B A, an ordinary diffusers model
         state = merge_state(state, lora["alpha"] / lora["rank"])
-    written = export_diffusers(state, recipe_of(manifest).model, out, dtype=convert_dtype(args.dtype))
+    model = recipe_of(manifest).model
+    written = diffusers_adapter(model.family).export_diffusers(state, model, out, dtype=convert_dtype(args.dtype))
     merged = f" (LoRA adapters merged, rank {lora['rank']})" if lora else ""
     return "\n".join(f"wrote {path}{merged}" for path in written)
 
 
 def lora_layouts(manifest: dict, names: list[str]):
-    """``convert lora-to-peft``: each expert's adapters as diffusers names them
-    (``transformer.blocks.0.attn1.to_q.lora_A.weight``, the DiT's names being diffusers' own),
-    with the LoRA config in the file's header where ``WanTransformer3DModel.load_lora_adapter``
-    and ``WanPipeline.load_lora_weights`` read it; Wan 2.2's experts in ``transformer/`` and
+    """``convert lora-to-peft``: each part's adapters as diffusers names them
+    (``transformer.blocks.0.attn1.to_q.lora_A.weight``, the DiTs' names being diffusers' own),
+    with the LoRA config in the file's header where the transformer's ``load_lora_adapter`` and the
+    pipeline's ``load_lora_weights`` read it; Wan 2.2's experts in ``transformer/`` and
     ``transformer_2/`` (``load_lora_weights(..., load_into_transformer_2=True)`` for the second)."""
     from loongforge.core.lora import AdapterLayout
-    from loongforge.diffusion.model import EXPERT_NAMES
+    from loongforge.diffusion.model.family import DEFAULT_FAMILY, model_config_class
 
-    two = (manifest.get("model_config") or {}).get("boundary_ratio") is not None
-    return [AdapterLayout(prefix=f"{name}.", rename=lambda weights: {w: w for w in weights},
-                          library="diffusers WanTransformer3DModel", directory=name if two else "",
-                          key_prefix="transformer.", metadata_prefix="transformer")
-            for name in EXPERT_NAMES if any(k.startswith(f"{name}.") for k in names)]
+    model = (manifest.get("config") or {}).get("model") or {}
+    cfg = model_config_class(model.get("family") or DEFAULT_FAMILY)
+    parts = manifest.get("experts") or ["transformer"]
+    layouts = []
+    for name in parts:
+        prefixed = any(k.startswith(f"{name}.") for k in names)  # a model of several parts names them
+        if not prefixed and len(parts) > 1:
+            continue
+        layouts.append(AdapterLayout(prefix=f"{name}." if prefixed else "", rename=lambda weights: {w: w for w in weights},
+                                     library=f"diffusers {cfg.diffusers_class}",
+                                     directory=name if len(parts) > 1 else "", key_prefix="transformer.",
+                                     metadata_prefix="transformer"))
+    return layouts
 
 
 def convert_options(parser) -> None:
@@ -229,11 +245,11 @@ def describe_cli():
     from loongforge.core.cli import Converter, ModalityCLI
 
     return ModalityCLI(
-        prog="lf-diffusion", module="loongforge.diffusion.cli", description="LoongForge Wan-style video diffusion",
+        prog="lf-diffusion", module="loongforge.diffusion.cli", description="LoongForge video and image diffusion transformers",
         config_dirs=[CONFIG_DIR], default_config=DEFAULT_TRAIN, load_config=load_recipe, make_task=make_task,
         info=cmd_info, example="train.steps=100 parallel.data_parallel=fsdp train.recompute=selective",
-        converters=[Converter("lf-to-diffusers", "a LoongForge checkpoint (or run dir) -> diffusers "
-                              "WanTransformer3DModel directories (a LoRA run's adapters merged)", lf_to_diffusers_command)],
+        converters=[Converter("lf-to-diffusers", "a LoongForge checkpoint (or run dir) -> the family's diffusers "
+                              "transformer directories (a LoRA run's adapters merged)", lf_to_diffusers_command)],
         lora_layouts=lora_layouts, lora_library="diffusers",
         convert_options=convert_options, bench_options=bench_options, bench=bench, commands=commands,
         packages=["loongforge-core", "loongforge-diffusion", "loongforge-kernels"],

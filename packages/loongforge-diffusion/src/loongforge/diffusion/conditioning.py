@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 import torch
 
-from loongforge.diffusion.model.config import WanConfig
+from loongforge.diffusion.model.family import DiTConfig
 
 
 @dataclass
@@ -52,13 +52,13 @@ def first_frame_mask(channels: int, latent_shape) -> torch.Tensor:
     return mask
 
 
-def conditions(cfg: WanConfig, latent_frames: int) -> bool:
+def conditions(cfg: DiTConfig, latent_frames: int) -> bool:
     """Whether a video of ``latent_frames`` frames is image-conditioned under ``cfg`` (TI2V leaves
     single-frame samples, images, unconditioned: every token would be given)."""
     return cfg.condition == "i2v" or (cfg.condition == "ti2v" and latent_frames > 1)
 
 
-def model_input(cfg: WanConfig, noisy: torch.Tensor, cond: ImageCondition | None) -> torch.Tensor:
+def model_input(cfg: DiTConfig, noisy: torch.Tensor, cond: ImageCondition | None) -> torch.Tensor:
     """The DiT input of a noisy latent ``[C, F, h, w]`` under its condition (None: unconditioned)."""
     if cfg.condition == "i2v":
         if cond is None:
@@ -70,7 +70,7 @@ def model_input(cfg: WanConfig, noisy: torch.Tensor, cond: ImageCondition | None
     return noisy
 
 
-def token_timesteps(cfg: WanConfig, t: torch.Tensor, grid, cond: ImageCondition | None) -> torch.Tensor:
+def token_timesteps(cfg: DiTConfig, t: torch.Tensor, grid, cond: ImageCondition | None) -> torch.Tensor:
     """TI2V per-token timesteps ``[f*h*w]`` of a sample at timestep ``t``: 0 on the first frame's
     tokens when the sample is conditioned."""
     f, h, w = grid
@@ -80,20 +80,20 @@ def token_timesteps(cfg: WanConfig, t: torch.Tensor, grid, cond: ImageCondition 
     return steps
 
 
-def given_tokens(cfg: WanConfig, grid, cond: ImageCondition | None) -> int:
+def given_tokens(cfg: DiTConfig, grid, cond: ImageCondition | None) -> int:
     """Leading tokens of a sample that are given, not denoised (TI2V's first frame): no loss."""
     _, h, w = grid
     return h * w if cfg.condition == "ti2v" and cond is not None else 0
 
 
-def with_given_first_frame(cfg: WanConfig, latent: torch.Tensor, cond: ImageCondition | None) -> torch.Tensor:
+def with_given_first_frame(cfg: DiTConfig, latent: torch.Tensor, cond: ImageCondition | None) -> torch.Tensor:
     """A sampled latent with TI2V's given first frame put back (what the pipeline decodes)."""
     if cfg.condition == "ti2v" and cond is not None:
         return torch.cat([cond.latent.to(latent), latent[:, 1:]], dim=1)
     return latent
 
 
-def dataset_condition(cfg: WanConfig, dataset, index: int, x0: torch.Tensor) -> ImageCondition | None:
+def dataset_condition(cfg: DiTConfig, dataset, index: int, x0: torch.Tensor) -> ImageCondition | None:
     """The image condition of sample ``index`` of a ``LatentShards`` dataset whose latent is ``x0``
     (None: unconditioned): TI2V its first latent frame, I2V its stored condition latents and tokens."""
     if not conditions(cfg, x0.shape[1]):

@@ -81,6 +81,9 @@ class PackedBatch:
     num_pad: int = 0
     image: torch.Tensor | None = None  # [B, L_img, image_dim] image tokens (I2V), or None
     token_timesteps: torch.Tensor | None = None  # [N] per-token timesteps (TI2V), or None: the sample's
+    # [B] prompt tokens of each sample before the zero padding to L (a family that masks the padding
+    # reads them), or None: all L
+    text_lengths: torch.Tensor | None = None
 
     @property
     def num_samples(self) -> int:
@@ -122,6 +125,7 @@ class PackedBatch:
             num_pad=self.num_pad,
             image=None if self.image is None else self.image.to(device),
             token_timesteps=None if self.token_timesteps is None else self.token_timesteps.to(device),
+            text_lengths=None if self.text_lengths is None else self.text_lengths.to(device),
         )
 
 
@@ -143,10 +147,12 @@ def pack(
     pad_to_multiple: int = 1,
     image: torch.Tensor | None = None,
     token_timesteps: Sequence[torch.Tensor] | None = None,
+    text_lengths: Sequence[int] | None = None,
 ) -> PackedBatch:
     """Pack ``B`` latents ``[C, F_i, H_i, W_i]`` with their timesteps ``[B]`` and prompts ``[B, L, D]``;
     optionally image tokens ``[B, L_img, D_img]`` and per-token timesteps (one ``[f_i*h_i*w_i]``
-    tensor per sample, in token order; padding takes the last sample's timestep)."""
+    tensor per sample, in token order; padding takes the last sample's timestep) and each prompt's
+    tokens before its padding."""
     if len(latents) == 0:
         raise ValueError("cannot pack an empty list of latents")
     if image is not None and image.shape[0] != len(latents):
@@ -182,6 +188,7 @@ def pack(
         num_pad=num_pad,
         image=image,
         token_timesteps=per_token,
+        text_lengths=None if text_lengths is None else torch.tensor(list(text_lengths), dtype=torch.long),
     )
 
 

@@ -19,13 +19,14 @@ from loongforge.diffusion.conditioning import (
     token_timesteps,
     with_given_first_frame,
 )
-from loongforge.diffusion.model.experts import WanExperts
+from loongforge.diffusion.model.family import DiTConfig
 from loongforge.diffusion.packing import grid_of, pack, unpack_outputs
 
 
 @torch.no_grad()
 def generate(
-    experts: WanExperts,
+    model: torch.nn.Module,
+    cfg: DiTConfig,
     text: torch.Tensor,
     shapes: Sequence[Sequence[int]],
     *,
@@ -36,7 +37,9 @@ def generate(
     num_train_timesteps: int = 1000,
     image_conditions: Sequence[ImageCondition | None] | None = None,
 ) -> list[torch.Tensor]:
-    """Latents ``[C, F, H, W]`` for prompts ``text`` ``[B, L, D]`` (one per shape), from noise;
+    """Latents ``[C, F, H, W]`` for prompts ``text`` ``[B, L, D]`` (one per shape), from noise, by the
+    family model ``model`` (its parts, ``cfg.part_names()``: the first at timesteps at or above
+    ``cfg.boundary_ratio``, the second below, as WanPipeline picks Wan 2.2's experts);
     image-conditioned models take one ``ImageCondition`` per shape (as WanImageToVideoPipeline:
     I2V's mask and condition latents on channels and CLIP tokens at every step, TI2V's clean first
     frame at timestep 0, put back into the result)."""
@@ -44,14 +47,16 @@ def generate(
 
     scheduler = FlowMatchEulerDiscreteScheduler(num_train_timesteps=num_train_timesteps, shift=shift)
     scheduler.set_timesteps(num_steps)
-    device = next(experts.parameters()).device
-    patch = experts.config.patch_size
+    device = next(model.parameters()).device
+    patch = cfg.patch
+    parts = model.parts()
+    names = cfg.part_names()
+    boundary = None if cfg.boundary_ratio is None else cfg.boundary_ratio * num_train_timesteps
     g = torch.Generator().manual_seed(seed)
     latents = [torch.randn(tuple(s), generator=g) for s in shapes]
     sizes = [x.numel() for x in latents]
     flat = torch.cat([x.flatten() for x in latents])
     negative = torch.zeros_like(text)
-    cfg = experts.config
     conds = list(image_conditions) if image_conditions is not None else [None] * len(latents)
     images = torch.stack([c.image for c in conds]) if cfg.image_dim else None
 
@@ -63,11 +68,11 @@ def generate(
         return torch.cat([v.flatten().float().cpu() for v in unpack_outputs(model(batch), batch, patch)])
 
     for t in scheduler.timesteps:
-        model = experts.expert(experts.expert_for(float(t), num_train_timesteps))
+        part = parts[names[0] if boundary is None or float(t) >= boundary else names[1]]
         xs = [c.view(x.shape) for c, x in zip(flat.split(sizes), latents)]
-        v = velocity(model, xs, t, text)
+        v = velocity(part, xs, t, text)
         if guidance_scale > 1.0:
-            v_neg = velocity(model, xs, t, negative)
+            v_neg = velocity(part, xs, t, negative)
             v = v_neg + guidance_scale * (v - v_neg)
         flat = scheduler.step(v, t, flat, return_dict=False)[0]
     return [with_given_first_frame(cfg, c.view(x.shape).clone(), cond)
@@ -162,6 +167,7 @@ def sample_run(recipe, checkpoint: str | Path, out_dir: str | Path) -> list[Path
     """``lf-diffusion sample``: generate from a checkpoint of ``recipe``'s run and draw the result."""
     from loongforge.core.accelerators import get_accelerator
     from loongforge.core.checkpoint.format import Checkpoint
+    from loongforge.core.models import get_model_spec
     from loongforge.core.lora import LoRAConfig, apply_lora, lora_record
     from loongforge.core.training.torch_checkpoint import load_model
     from loongforge.diffusion.data.encoders import decode_latent, encode_prompts, load_text_encoder, load_vae
@@ -173,21 +179,17 @@ def sample_run(recipe, checkpoint: str | Path, out_dir: str | Path) -> list[Path
     m.check_device(get_accelerator().device_type)  # e.g. a run trained in FP8, sampled on an older GPU
     ckpt = Checkpoint(checkpoint)
     device = get_accelerator().device()
-    experts = WanExperts(m)
+    experts = get_model_spec(m.family).build(m)
     lora = lora_record(ckpt.manifest)
     if lora:  # a LoRA run: the same adapted layers, filled from the checkpoint
         apply_lora(experts, LoRAConfig(rank=lora["rank"], alpha=lora["alpha"], target_modules=lora["target_modules"]))
     load_model(experts, ckpt, prefix="model.")
-    if s.use_ema and ckpt.manifest.get("ema"):  # EMA covers the trained experts; others keep model weights
+    if s.use_ema and ckpt.manifest.get("ema"):  # EMA covers the trained parameters; the rest keep model weights
         keys = ckpt.reader.keys()
-        for name in experts.names:
-            if lora:  # the EMA of the adapters (the base weights were not trained)
-                with torch.no_grad():
-                    for key, t in experts.expert(name).state_dict().items():
-                        if f"ema.{name}.{key}" in keys:
-                            t.copy_(ckpt.tensor(f"ema.{name}.{key}"))
-            elif f"ema.{name}.proj_out.weight" in keys:
-                load_model(experts.expert(name), ckpt, prefix=f"ema.{name}.")
+        with torch.no_grad():
+            for key, t in experts.state_dict().items():
+                if f"ema.{key}" in keys:
+                    t.copy_(ckpt.tensor(f"ema.{key}"))
     experts.to(device).eval()
 
     dataset = LatentShards(ckpt.manifest["data_root"])
@@ -199,7 +201,7 @@ def sample_run(recipe, checkpoint: str | Path, out_dir: str | Path) -> list[Path
         tokenizer, encoder = load_text_encoder(facts["text_encoder"], facts["tokenizer"], device)
         embeddings = encode_prompts(tokenizer, encoder, prompts, facts["max_sequence_length"])
         t_factor, s_factor = facts["vae_factors"]
-        multiple = s_factor * max(m.patch_size[1:])
+        multiple = s_factor * max(m.patch[1:])
         if s.height % multiple or s.width % multiple:
             from loongforge.core.config import ConfigError
 
@@ -217,7 +219,7 @@ def sample_run(recipe, checkpoint: str | Path, out_dir: str | Path) -> list[Path
         reference = [decode_latent(vae, x) for x, _ in loaded]
         if m.condition != "none":  # the samples' own first frames
             conds = [dataset_condition(m, dataset, i, x) for i, (x, _) in zip(picks, loaded)]
-    latents = generate(experts, pad_text(embeddings, m.text_len), shapes, num_steps=s.num_steps, shift=s.shift,
+    latents = generate(experts, m, pad_text(embeddings, m.text_len), shapes, num_steps=s.num_steps, shift=s.shift,
                        guidance_scale=s.guidance_scale, seed=s.seed,
                        num_train_timesteps=recipe.objective.num_train_timesteps, image_conditions=conds)
     videos = [decode_latent(vae, x) for x in latents]

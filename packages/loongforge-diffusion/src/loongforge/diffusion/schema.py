@@ -14,6 +14,7 @@ from loongforge.core.training.schema import (
     TrainConfig,
 )
 from loongforge.diffusion.model.config import WanConfig
+from loongforge.diffusion.model.family import DEFAULT_FAMILY, DiTConfig, model_config_class
 from loongforge.diffusion.objective import ObjectiveConfig
 
 
@@ -30,10 +31,14 @@ class DataConfig:
     # (generated and preprocessed into the cache on first use)
     path: str | None = None
     synthetic_clips: int = 48  # size of the built-in set
+    # frames of each built-in clip at most (9: the whole clips; 1: their first frames, an image set)
+    synthetic_frames: int = 9
 
     def __post_init__(self):
         if self.synthetic_clips < 1:
             raise ValueError(f"data.synthetic_clips={self.synthetic_clips}: must be >= 1")
+        if self.synthetic_frames < 1 or (self.synthetic_frames - 1) % 4:
+            raise ValueError(f"data.synthetic_frames={self.synthetic_frames}: 1 + 4k frames (the VAE's temporal grid)")
 
 
 @dataclass
@@ -64,7 +69,8 @@ class SampleConfig:
 
 @dataclass
 class DiffusionRecipe:
-    model: WanConfig = field(default_factory=WanConfig)
+    # the model.family's config class (loongforge.diffusion.model.family): Wan's by default
+    model: DiTConfig = field(default_factory=WanConfig)
     objective: ObjectiveConfig = field(default_factory=ObjectiveConfig)
     data: DataConfig = field(default_factory=DataConfig)
     train: TrainConfig = field(default_factory=lambda: TrainConfig(
@@ -83,11 +89,7 @@ class DiffusionRecipe:
 
         check_parallel_config(self.parallel, context_parallel=True)
         check_train_config(self.train)
-        if self.model.num_attention_heads % self.parallel.cp:
-            raise ValueError(
-                f"parallel.cp={self.parallel.cp} must divide model.num_attention_heads={self.model.num_attention_heads} "
-                "(Ulysses splits heads)"
-            )
+        self.model.check_recipe(self)
         if self.train.compile and self.parallel.cp > 1:
             raise ValueError(
                 f"train.compile=true with parallel.cp={self.parallel.cp}: compiled blocks run without context "
@@ -102,8 +104,8 @@ class DiffusionRecipe:
             if value != default:
                 raise ValueError(f"{key}={value}: not supported by lf-diffusion (its step order is a seeded "
                                  f"permutation per epoch and its plans are made from the FLOPs model)")
-        if self.sample.image is not None and self.model.condition == "none":
-            raise ValueError(f"sample.image={self.sample.image!r} needs an image-conditioned model "
-                             f"(model.condition i2v or ti2v; this one is text-to-video)")
-        if self.model.train_expert != "all" and self.model.boundary_ratio is None:
-            raise ValueError(f"model.train_expert={self.model.train_expert!r} needs two experts (set model.boundary_ratio)")
+
+
+def recipe_schema(family: str = DEFAULT_FAMILY) -> DiffusionRecipe:
+    """The run config of ``model.family=family``: its ``model`` section the family's config class."""
+    return DiffusionRecipe(model=model_config_class(family)())

@@ -1,4 +1,6 @@
-"""Wan flow matching as a task of the shared loop (PyTorch-native engine, Ulysses CP).
+"""Flow matching on packed latents as a task of the shared loop (PyTorch-native engine, Ulysses CP),
+the task of every diffusion family whose model reads ``PackedBatch`` (Wan, Qwen-Image, a plugin's
+DiT: ``loongforge.diffusion.model.family``).
 
 Per step: the step's global samples (a fixed function of (seed, step): ``data.batching``) are
 planned over DP ranks by compute cost (core balancer; ``balance.*``); each rank packs its samples
@@ -26,9 +28,7 @@ from loongforge.diffusion.conditioning import dataset_condition, given_tokens, m
 from loongforge.diffusion.context_parallel import ContextParallel
 from loongforge.diffusion.data.batching import generator, plan, step_samples
 from loongforge.diffusion.data.shards import LatentShards
-from loongforge.diffusion.model import EXPERT_NAMES, WanExperts
-from loongforge.diffusion.model.convert import load_pretrained
-from loongforge.diffusion.model.flops import cost_model, training_flops
+from loongforge.diffusion.model.family import diffusers_adapter
 from loongforge.diffusion.objective import (
     TimestepSampler,
     noisy_and_target,
@@ -38,39 +38,43 @@ from loongforge.diffusion.objective import (
 from loongforge.diffusion.packing import grid_of, num_tokens, pack, pack_targets, pad_text
 from loongforge.diffusion.schema import DiffusionRecipe
 
-FAMILY = "wan"
-
 
 def resolve_data_root(recipe: DiffusionRecipe, is_main: bool, progress: bool = True) -> Path:
     """``data.path``, or the built-in moving-shapes set (written into the cache by the main rank)."""
     if recipe.data.path:
         return Path(recipe.data.path).expanduser()
-    from loongforge.diffusion.data.synthetic import builtin_dataset, cache_root
+    from loongforge.diffusion.data.synthetic import builtin_dataset, latents_dir
 
     if is_main:
-        builtin_dataset(recipe.data.synthetic_clips, show_progress=progress)
+        builtin_dataset(recipe.data.synthetic_clips, show_progress=progress, max_frames=recipe.data.synthetic_frames)
     if dist.is_available() and dist.is_initialized():
         dist.barrier()
-    return cache_root() / f"n{recipe.data.synthetic_clips}" / "latents"
+    return latents_dir(recipe.data.synthetic_clips, recipe.data.synthetic_frames)
 
 
-class WanTask(TorchTask):
-    family = FAMILY
-    context_parallel = True
+def packed_flops(cost: CostModel, token_counts: list[int]) -> float:
+    """Training FLOPs of samples of these token counts under a family's cost model."""
+    return float(sum(cost.a * t * t + cost.b * t + cost.c for t in token_counts))
+
+
+class FlowMatchingTask(TorchTask):
     variable_micro_batches = True
     loads_into_shards = True  # the diffusers checkpoint holds every tensor of the DiT
 
     def __init__(self, recipe: DiffusionRecipe):
         self.recipe = recipe
         m = recipe.model
+        self.family = m.family
+        self.context_parallel = m.context_parallel
         self.sampler = TimestepSampler(recipe.objective)
+        self.flops_model = m.cost_model()
         coefficients = recipe.balance.coefficients
-        self.cost_model = CostModel(*coefficients) if coefficients is not None else cost_model(m)
-        self.features = m.out_channels * m.patch_volume
-        self.names = list(EXPERT_NAMES[: 2 if m.boundary_ratio is not None else 1])
+        self.cost_model = CostModel(*coefficients) if coefficients is not None else self.flops_model
+        self.features = m.latent_channels * m.patch_volume
+        self.names = m.part_names()
         self.trainable = self.names if m.train_expert == "all" else [m.train_expert]
         boundary = None if m.boundary_ratio is None else m.boundary_ratio * recipe.objective.num_train_timesteps
-        self.ranges = {n: self.sampler.index_range(boundary, EXPERT_NAMES.index(n)) for n in self.names}
+        self.ranges = {n: self.sampler.index_range(boundary, i) for i, n in enumerate(self.names)}
         self.dataset: LatentShards | None = None
         self.data_root: Path | None = None
         self.tokens: list[int] = []
@@ -80,8 +84,7 @@ class WanTask(TorchTask):
         return bool(self.recipe.model.pretrained)
 
     def describe(self) -> str:
-        m = self.recipe.model
-        return f"wan DiT ({m.num_layers} layers, hidden {m.hidden_size}, experts {'+'.join(self.names)})"
+        return self.recipe.model.describe()
 
     # -- data ---------------------------------------------------------------------------------
     def prepare(self, ctx) -> None:
@@ -90,14 +93,15 @@ class WanTask(TorchTask):
         self.data_root = resolve_data_root(r, ctx.is_main, r.log.progress)
         self.dataset = LatentShards(self.data_root)
         facts = self.dataset.manifest
-        for key, field in (("latent_channels", "out_channels"), ("text_dim", "text_dim")):
-            if facts.get(key) is not None and facts[key] != getattr(m, field):
-                raise DataError(f"{self.data_root}/manifest.json: {key}={facts[key]} but model.{field}={getattr(m, field)}")
+        for key, ours in (("latent_channels", m.latent_channels), ("text_dim", m.text_width)):
+            if facts.get(key) is not None and facts[key] != ours:
+                raise DataError(f"{self.data_root}/manifest.json: {key}={facts[key]} but the {m.family!r} model "
+                                f"takes {key}={ours}")
         self.check_image_condition(facts)
         longest = max(rec["text_tokens"] for rec in self.dataset.records)
         if longest > m.text_len:
             raise DataError(f"{self.data_root}/manifest.json: prompts of up to {longest} tokens but model.text_len={m.text_len}")
-        self.tokens = [num_tokens(self.dataset.latent_shape(i), m.patch_size) for i in range(len(self.dataset))]
+        self.tokens = [num_tokens(self.dataset.latent_shape(i), m.patch) for i in range(len(self.dataset))]
 
     def check_image_condition(self, facts: dict) -> None:
         """An I2V model needs the dataset's condition latents (and CLIP tokens of its width)."""
@@ -119,9 +123,7 @@ class WanTask(TorchTask):
         return {"data_root": str(self.data_root.resolve()) if self.data_root else None, "experts": self.names}
 
     def model_config_dict(self) -> dict:
-        m = self.recipe.model
-        return {**m.diffusers_kwargs(), "patch_size": list(m.patch_size), "text_len": m.text_len,
-                "boundary_ratio": m.boundary_ratio, "condition": m.condition}
+        return self.recipe.model.model_config_dict()
 
     def choose_expert(self, step: int) -> str:
         """The expert trained at ``step`` (the same on every rank)."""
@@ -144,8 +146,8 @@ class WanTask(TorchTask):
                      for positions in step_plan.micro_batches(dp_rank)]
             mine = [tokens[j] for positions in step_plan.micro_batches(dp_rank) for j in positions]
             yield StepBatch(
-                micro_batches=micro, tokens=sum(mine), flops=training_flops(r.model, mine), part=expert,
-                metrics={"expert": float(EXPERT_NAMES.index(expert)), "micro_batches": float(len(micro)),
+                micro_batches=micro, tokens=sum(mine), flops=packed_flops(self.flops_model, mine), part=expert,
+                metrics={"expert": float(self.names.index(expert)), "micro_batches": float(len(micro)),
                          **step_plan.metrics.as_dict()},
                 sample_ids=[indices[j] for positions in step_plan.micro_batches(dp_rank) for j in positions],
             )
@@ -166,7 +168,7 @@ class WanTask(TorchTask):
             if r.objective.text_dropout and torch.rand(1, generator=g).item() < r.objective.text_dropout:
                 text = torch.zeros_like(text)
             xt, target = noisy_and_target(x0, noise, sigma.item())
-            grid = grid_of(x0.shape, m.patch_size)
+            grid = grid_of(x0.shape, m.patch)
             latents.append(model_input(m, xt, cond))
             targets.append(target)
             texts.append(text)
@@ -174,10 +176,11 @@ class WanTask(TorchTask):
             images.append(cond.image if cond is not None else None)
             steps.append(token_timesteps(m, t, grid, cond))
             given.append(given_tokens(m, grid, cond))
-        batch = pack(latents, torch.cat(timesteps), pad_text(texts, m.text_len), m.patch_size,
+        batch = pack(latents, torch.cat(timesteps), pad_text(texts, m.text_len), m.patch,
                      pad_to_multiple=cp.size if cp else 1, image=torch.stack(images) if m.image_dim else None,
-                     token_timesteps=steps if m.condition == "ti2v" else None)
-        target = pack_targets(targets, m.patch_size, batch.num_pad)
+                     token_timesteps=steps if m.condition == "ti2v" else None,
+                     text_lengths=[t.shape[0] for t in texts])
+        target = pack_targets(targets, m.patch, batch.num_pad)
         weights = token_weights([tokens[j] for j in positions], batch.num_pad, r.objective.loss_reduction,
                                 self.features, given)
         lo, hi = cp.local_range(batch.num_tokens) if cp else (0, batch.num_tokens)
@@ -185,19 +188,25 @@ class WanTask(TorchTask):
                 "cp": cp}
 
     # -- model --------------------------------------------------------------------------------
-    def build_model(self, ctx) -> WanExperts:
-        model = WanExperts(self.recipe.model)
-        for name in model.names:
+    def build_model(self, ctx):
+        from loongforge.core.models import get_model_spec
+
+        model = get_model_spec(self.family).build(self.recipe.model)
+        parts = model.parts()
+        if list(parts) != self.names:
+            raise TypeError(f"the {self.family!r} model has parts {list(parts)} but its config names {self.names}")
+        for name, part in parts.items():
             if name not in self.trainable:
-                model.expert(name).requires_grad_(False)
+                part.requires_grad_(False)
         return model
 
-    def load_pretrained(self, model: WanExperts) -> None:
-        load_pretrained(model, self.recipe.model.pretrained)
+    def load_pretrained(self, model) -> None:
+        diffusers_adapter(self.family).load_pretrained(model, self.recipe.model.pretrained)
 
     def compile_default(self, ctx) -> bool:
-        """Compiled blocks on CUDA, except under context parallelism (the Ulysses all-to-alls stay eager)."""
-        return ctx.device.type == "cuda" and ctx.layout.cp == 1
+        """Compiled blocks on CUDA for a family whose compiled blocks are verified there, except under
+        context parallelism (the Ulysses all-to-alls stay eager)."""
+        return self.recipe.model.compile_on_cuda and ctx.device.type == "cuda" and ctx.layout.cp == 1
 
     def forward(self, model, micro: dict):
         pred = model(micro["batch"], micro["cp"])

@@ -1,7 +1,7 @@
 """FP8 cast-transpose: one pass over a matrix writes its tensor-scaled e4m3/e5m2 copy and the
 transposed copy that Hopper's FP8 GEMMs need for the weight gradient.
 
-Contract: ``loongforge.core.kernels.fp8_tensorwise.cast_transpose`` (bitwise on a GPU: the
+Contract: ``loongforge.diffusion.ops.fp8_tensorwise.cast_transpose`` (bitwise on a GPU: the
 input times the IEEE-rounded reciprocal of the scale, rounded to the nearest fp8 value, ties to
 even, as torch's).
 
@@ -18,7 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
-from loongforge.core.kernels.fp8_tensorwise import fp8_dtype, padded_rows
+from loongforge.core.kernels.fp8_format import fp8_dtype, padded_rows
 from loongforge.kernels.launch import check_tensors
 from loongforge.kernels.tanh_gelu import gelu_tanh
 

@@ -1,7 +1,7 @@
 """Tanh-GELU of a feed-forward's hidden layer: one pass for its backward, and its FP8 cast
 straight from the GELU's input.
 
-Contracts: ``loongforge.core.kernels.gelu``. ``gelu_tanh_backward`` reads ``h`` and ``dg`` once and
+Contracts: ``loongforge.diffusion.ops.gelu``. ``gelu_tanh_backward`` reads ``h`` and ``dg`` once and
 writes ``dh`` (and ``gelu(h)`` on request), summing ``dh`` per column (the bias gradient) and
 taking its amax on the way: each program walks a column block down a range of rows, keeps the
 column sums in registers and writes one partial row (summed by torch afterwards, so the result
@@ -18,8 +18,8 @@ import torch
 import triton
 import triton.language as tl
 
-from loongforge.core.kernels.fp8_tensorwise import E4M3, scale_from_amax
-from loongforge.core.kernels.gelu import check_matrices
+from loongforge.core.kernels.fp8_format import E4M3, scale_from_amax
+from loongforge.core.kernels.shapes import check_matrices
 from loongforge.kernels.fp8_cast import launch_cast_transpose, out_shapes
 from loongforge.kernels.launch import check_tensors, persistent_programs, split_rows
 from loongforge.kernels.tanh_gelu import gelu_tanh, gelu_tanh_and_slope

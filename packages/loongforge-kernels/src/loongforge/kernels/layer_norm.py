@@ -1,6 +1,6 @@
 """adaLN's LayerNorm with an affine transform per sample (Triton), forward and backward.
 
-Contracts: ``loongforge.core.kernels.layer_norm``. A program holds ``BLOCK_M`` whole rows (the
+Contracts: ``loongforge.diffusion.ops.layer_norm``. A program holds ``BLOCK_M`` whole rows (the
 statistics span the width). The forward reads each row once, looks its transform row up (the
 shared one, or its sample's through ``index``) and writes it normalised and transformed. The
 backward reads a row and its output gradient once, recomputes the row's statistics and writes
@@ -23,7 +23,7 @@ import torch
 import triton
 import triton.language as tl
 
-from loongforge.core.kernels.layer_norm import check_layer_norm
+from loongforge.core.kernels.shapes import check_shapes
 from loongforge.kernels.launch import check_tensors, row_block, split_rows, warps_for
 
 # rows per program (forward, backward) and backward programs per SM slot; warps follow the tile
@@ -111,6 +111,18 @@ def _modulated_ln_bwd(
         sum_w += dy * xhat
         sum_b += dy
     _add_partial(PARTIAL_W, PARTIAL_B, (pid * n_samples + current) * width, cols, col_ok, sum_w, sum_b)
+
+
+def check_layer_norm(op: str, x, weight, bias, index) -> tuple[int, int]:
+    """``(tokens, width)`` of inputs of the contract (x ``[T, W]``, weight and bias ``[R, W]``, index
+    int64 ``[T]`` or None with one row)."""
+    index_shape = {} if index is None else {"index": (index, "T")}
+    sizes = check_shapes(op, x=(x, "T W"), weight=(weight, "R W"), bias=(bias, "R W"), **index_shape)
+    if index is None and sizes["R"] != 1:
+        raise ValueError(f"{op}: a transform of {sizes['R']} rows needs an index (the row of each token)")
+    if index is not None and index.dtype != torch.int64:
+        raise ValueError(f"{op}: index must be int64, got {index.dtype}")
+    return sizes["T"], sizes["W"]
 
 
 def _checked(op: str, x, weight, bias, index) -> tuple[int, int, int]:

@@ -1,6 +1,7 @@
 """What every FP8 linear of LoongForge shares, whatever its scaling recipe (tensor-wise here in
 ``fp8_tensorwise.py``, blockwise in loongforge-llm): e4m3's range, the floor of a scale's amax,
-the inputs an FP8 linear takes, and ``Fp8Gemms``, which of a linear's three GEMMs run in FP8 (the
+the inputs an FP8 linear takes, the tensor-wise scale of a whole tensor and the row padding of a
+transposed FP8 copy (``_scaled_mm``'s multiples of 16), and ``Fp8Gemms``, which of a linear's three GEMMs run in FP8 (the
 choice its caller hands an FP8 linear op; the op never makes it)."""
 
 from __future__ import annotations
@@ -17,6 +18,29 @@ INV_FP8_MAX = 1.0 / FP8_MAX
 # Blocks whose amax is below this get the scale this amax would give: all-zero blocks stay zero
 # and the scale never underflows.
 AMAX_FLOOR = 1e-12
+
+E4M3 = torch.float8_e4m3fn
+E5M2 = torch.float8_e5m2
+ALIGN = 16  # _scaled_mm: K and N multiples of 16
+
+
+def fp8_dtype(e5m2: bool) -> torch.dtype:
+    return E5M2 if e5m2 else E4M3
+
+
+def padded_rows(rows: int) -> int:
+    """``rows`` rounded up to a multiple of 16: the row count of a transposed copy's rows dim."""
+    return rows + (-rows % ALIGN)
+
+
+def scale_from_amax(amax: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """fp32 scalar ``amax / fmax(dtype)`` (``amax`` floored away from zero)."""
+    return amax.float().clamp_min(AMAX_FLOOR) / torch.finfo(dtype).max
+
+
+def tensor_scale(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """fp32 scalar ``amax(|t|) / fmax(dtype)``: ``t / scale`` spans the format's range."""
+    return scale_from_amax(t.detach().abs().amax(), dtype)
 
 
 def check_linear(op: str, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> None:

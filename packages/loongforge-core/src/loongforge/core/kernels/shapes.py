@@ -1,5 +1,6 @@
 """Input checks by named dims, for op references and fused kernels alike:
-``check_shapes("op", q=(q, "B S H D"), kv=(kv, "B T D"))``."""
+``check_shapes("op", q=(q, "B S H D"), kv=(kv, "B T D"))``; ``check_matrices`` for elementwise
+ops over matrices of one shape."""
 
 from __future__ import annotations
 
@@ -18,3 +19,13 @@ def check_shapes(op: str, **inputs: tuple[torch.Tensor, str]) -> dict[str, int]:
             got = ", ".join(str(tuple(t.shape)) for t, _ in inputs.values())
             raise ValueError(f"{op}: expected {expected}; got {got}")
     return sizes
+
+
+def check_matrices(op: str, *tensors: torch.Tensor) -> None:
+    """Clear error unless ``tensors`` are non-empty matrices of one shape."""
+    shape = tensors[0].shape
+    for t in tensors:
+        if t.dim() != 2 or t.shape != shape:
+            raise ValueError(f"{op}: expected matrices of one shape, got {[tuple(x.shape) for x in tensors]}")
+    if not tensors[0].numel():
+        raise ValueError(f"{op}: expected non-empty matrices, got {tuple(shape)}")

@@ -1,4 +1,5 @@
-"""The frozen encoders of preprocessing: diffusers' ``AutoencoderKLWan`` for videos, a
+"""The frozen encoders of preprocessing: diffusers' ``AutoencoderKLWan`` (or Qwen-Image's
+``AutoencoderKLQwenImage``, the same causal 3D layout) for videos and images, a
 T5/UMT5 encoder (transformers) for prompts and, for Wan 2.1 I2V, a CLIP vision encoder for the
 first frame, loaded from local directories (never downloaded).
 
@@ -33,10 +34,18 @@ def read_component_config(path: str | Path, component: str) -> dict:
     return json.loads((_component_dir(path, component) / "config.json").read_text())
 
 
-def load_vae(path: str | Path, device, dtype=torch.float32):
-    from diffusers import AutoencoderKLWan
+# the Wan-style causal 3D VAEs preprocessing reads (config.json ``_class_name``): Wan's, and
+# Qwen-Image's (images are one-frame videos to it)
+VAE_CLASSES = ("AutoencoderKLWan", "AutoencoderKLQwenImage")
 
-    vae = AutoencoderKLWan.from_pretrained(
+
+def load_vae(path: str | Path, device, dtype=torch.float32):
+    import diffusers
+
+    name = read_component_config(path, "vae").get("_class_name", VAE_CLASSES[0])
+    if name not in VAE_CLASSES:
+        raise DataError(f"{path}: a {name} VAE; preprocessing reads {' or '.join(VAE_CLASSES)}")
+    vae = getattr(diffusers, name).from_pretrained(
         str(_component_dir(path, "vae")), local_files_only=True, torch_dtype=dtype, low_cpu_mem_usage=False
     )
     return vae.to(device).eval().requires_grad_(False)

@@ -157,14 +157,24 @@ def _write_tiny_encoders(out_dir: Path, clips_dir: Path, seed: int) -> None:
         str(out_dir / "image_processor"))
 
 
-def builtin_dataset(num_clips: int = 48, show_progress: bool = True) -> Path:
+MAX_FRAMES = 9  # the longest clips
+
+
+def latents_dir(num_clips: int, max_frames: int = MAX_FRAMES) -> Path:
+    """Where the built-in set's latents of clips cut to ``max_frames`` frames are cached."""
+    root = cache_root() / f"n{num_clips}"
+    return root / ("latents" if max_frames == MAX_FRAMES else f"latents_f{max_frames}")
+
+
+def builtin_dataset(num_clips: int = 48, show_progress: bool = True, max_frames: int = MAX_FRAMES) -> Path:
     """The preprocessed built-in set (built into the cache on first use, each part written once:
-    ``loongforge.core.cache.write_atomically``); returns its latents dir."""
+    ``loongforge.core.cache.write_atomically``); returns its latents dir. ``max_frames=1`` encodes
+    every clip's first frame alone: an image set of one-frame latents."""
     from loongforge.core.cache import write_atomically
     from loongforge.diffusion.preprocess import PreprocessConfig, preprocess
 
     root = cache_root() / f"n{num_clips}"
-    latents = root / "latents"
+    latents = latents_dir(num_clips, max_frames)
     if (latents / "manifest.json").is_file():
         return latents
     clips = generate_clips(root / "clips", num_clips)
@@ -172,8 +182,9 @@ def builtin_dataset(num_clips: int = 48, show_progress: bool = True) -> Path:
 
     def write(tmp: Path) -> None:
         cfg = PreprocessConfig(input=str(clips), output=str(tmp), vae=str(encoders), text_encoder=str(encoders),
-                               max_sequence_length=16, max_frames=9, max_area=48 * 48, patch_size=2, shard_size=16,
-                               image_condition=True, image_encoder=str(encoders), progress=show_progress)
+                               max_sequence_length=16, max_frames=max_frames, max_area=48 * 48, patch_size=2,
+                               shard_size=16, image_condition=True, image_encoder=str(encoders),
+                               progress=show_progress)
         preprocess(cfg, rank=0, world=1)
 
     write_atomically(latents, write)

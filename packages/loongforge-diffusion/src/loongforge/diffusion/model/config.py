@@ -4,10 +4,13 @@ names) plus how LoongForge runs it."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import ClassVar
 
 import torch
 
+from loongforge.core.balance import CostModel
 from loongforge.diffusion.model.attention import BACKENDS
+from loongforge.diffusion.model.family import DiTConfig
 
 # diffusers WanTransformer3DModel config fields this implementation reproduces exactly
 DIFFUSERS_FIELDS = (
@@ -27,6 +30,10 @@ DIFFUSERS_FIELDS = (
     "image_dim",
     "added_kv_proj_dim",
 )
+# the parts of a Wan model, named as in diffusers' WanPipeline: one DiT, or Wan 2.2's two experts
+# (high-noise, low-noise)
+EXPERT_NAMES = ("transformer", "transformer_2")
+IMAGE_TOKENS = 257  # CLIP ViT-H/14 tokens of a 224x224 image (Wan 2.1 I2V's image encoder)
 # diffusers fields of variants this implementation does not reproduce (Wan 2.1 FLF2V's image
 # position embedding); they must be unset
 UNSUPPORTED_FIELDS = ("pos_embed_seq_len",)
@@ -40,12 +47,16 @@ CONDITIONS = ("none", "i2v", "ti2v")
 # elementwise work between the kept attention and GEMM outputs
 CHECKPOINTING = ("none", "full", "selective")
 EXPERT_CHOICES = ("all", "transformer", "transformer_2")
-# FP8 GEMMs of the blocks' token linears (loongforge.core.kernels.fp8_tensorwise)
+# FP8 GEMMs of the blocks' token linears (loongforge.diffusion.ops.fp8_tensorwise)
 FP8_MODES = ("none", "tensorwise")
 
 
 @dataclass
-class WanConfig:
+class WanConfig(DiTConfig):
+    context_parallel: ClassVar[bool] = True
+    diffusers_class: ClassVar[str] = "WanTransformer3DModel"
+    compile_on_cuda: ClassVar[bool] = True
+
     # architecture (diffusers names and meanings)
     patch_size: list[int] = field(default_factory=lambda: [1, 2, 2])
     num_attention_heads: int = 2  # attention heads per block
@@ -66,8 +77,6 @@ class WanConfig:
     # Wan 2.1 I2V: input width of the cross-attention's key/value projections of the image tokens
     # (the hidden size); null exactly when image_dim is
     added_kv_proj_dim: int | None = None
-    # prompt embeddings are zero-padded to this many tokens (Wan: 512), as WanPipeline does
-    text_len: int = 16
     # none | i2v | ti2v: how videos are conditioned on an image (their first frame). i2v (Wan 2.1/2.2
     # I2V): first-frame mask and condition latents concatenated on channels, in_channels =
     # 2 * out_channels + the VAE's temporal factor; ti2v (Wan 2.2 TI2V): the first latent frame given
@@ -81,9 +90,6 @@ class WanConfig:
     # run their three GEMMs in FP8 with one scale per tensor (CUDA sm_89+); prompt projections,
     # embedders and the output head stay in the autocast dtype
     fp8: str = "none"
-    # a local diffusers directory (WanTransformer3DModel, or a pipeline with transformer/ and
-    # transformer_2/ for two experts) to start from; None: random init
-    pretrained: str | None = None
     # which Wan 2.2 expert(s) to train: all (one per step, chosen by the timestep density) or one
     train_expert: str = "all"
 
@@ -154,6 +160,60 @@ class WanConfig:
             raise ValueError(f"model.fp8={self.fp8!r} runs on NVIDIA GPUs (e4m3fn/e5m2 _scaled_mm); {name} is a ROCm device")
         if torch.cuda.get_device_capability() < (8, 9):
             raise ValueError(f"model.fp8={self.fp8!r} needs FP8 tensor cores (CUDA compute capability 8.9+); {name} has none")
+
+    @property
+    def patch(self) -> tuple[int, int, int]:
+        pt, ph, pw = self.patch_size
+        return pt, ph, pw
+
+    @property
+    def latent_channels(self) -> int:
+        return self.out_channels
+
+    @property
+    def text_width(self) -> int:
+        return self.text_dim
+
+    def part_names(self) -> list[str]:
+        """One DiT, ``transformer``, or Wan 2.2's two experts (``transformer``, ``transformer_2``)."""
+        return list(EXPERT_NAMES[: 2 if self.boundary_ratio is not None else 1])
+
+    def cost_model(self) -> CostModel:
+        """Training FLOPs of one sample of ``l`` tokens (matmuls, 2 FLOPs per multiply-add, backward
+        = 2x forward): ``a * l**2 + b * l + c``.
+
+        Per layer and token: self-attention q/k/v/o ``4 D^2``, cross-attention q/o ``2 D^2`` and scores
+        over the prompt ``2 D L``, feed-forward ``2 D F``; per segment: self-attention scores and
+        weighted sum ``2 D l^2``; per sample: cross-attention k/v of the prompt ``2 D^2 L``; once per
+        token: patch embedding and output projection ``2 D C p``. Wan 2.1 I2V's image tokens count as
+        prompt tokens (their keys/values and scores; ``IMAGE_TOKENS``, CLIP ViT-H's 257).
+        """
+        d, n, f = self.hidden_size, self.num_layers, self.ffn_dim
+        L = self.text_len + (IMAGE_TOKENS if self.image_dim else 0)  # I2V: a second attention over image tokens
+        p = self.patch_volume
+        k = 3 * 2  # (forward + backward) * FLOPs per multiply-add
+        a = k * n * 2 * d
+        b = k * (n * (6 * d * d + 2 * d * L + 2 * d * f) + d * p * (self.in_channels + self.out_channels))
+        c = k * n * 2 * d * d * L
+        return CostModel(a=float(a), b=float(b), c=float(c))
+
+    def model_config_dict(self) -> dict:
+        return {**self.diffusers_kwargs(), "patch_size": list(self.patch_size), "text_len": self.text_len,
+                "boundary_ratio": self.boundary_ratio, "condition": self.condition}
+
+    def describe(self) -> str:
+        return (f"wan DiT ({self.num_layers} layers, hidden {self.hidden_size}, "
+                f"experts {'+'.join(self.part_names())})")
+
+    def check_recipe(self, recipe) -> None:
+        super().check_recipe(recipe)
+        if self.num_attention_heads % recipe.parallel.cp:
+            raise ValueError(
+                f"parallel.cp={recipe.parallel.cp} must divide model.num_attention_heads={self.num_attention_heads} "
+                "(Ulysses splits heads)"
+            )
+        if self.train_expert != "all" and self.boundary_ratio is None:
+            raise ValueError(f"model.train_expert={self.train_expert!r} needs two experts (set model.boundary_ratio)")
 
     @property
     def hidden_size(self) -> int:

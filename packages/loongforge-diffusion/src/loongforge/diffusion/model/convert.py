@@ -32,9 +32,9 @@ from loongforge.diffusion.model.experts import WanExperts
 IGNORED_KEYS = (re.compile(r"(^|\.)norm_added_q\."),)
 
 
-def kept_keys(keys) -> list[str]:
-    """The checkpoint keys that map to parameters (all but ``IGNORED_KEYS``)."""
-    return [k for k in keys if not any(p.search(k) for p in IGNORED_KEYS)]
+def kept_keys(keys, ignored=IGNORED_KEYS) -> list[str]:
+    """The checkpoint keys that map to parameters (all but those matching ``ignored``)."""
+    return [k for k in keys if not any(p.search(k) for p in ignored)]
 
 
 def check_layout(ours: dict[str, tuple], theirs: dict[str, tuple], source: str) -> None:
@@ -50,7 +50,7 @@ def check_layout(ours: dict[str, tuple], theirs: dict[str, tuple], source: str) 
             parts.append(f"unexpected {unexpected[:5]}{' ...' if len(unexpected) > 5 else ''}")
         for k in sorted(shapes)[:5]:
             parts.append(f"{k}: {list(theirs[k])} vs model {list(ours[k])}")
-        raise ValueError(f"{source}: weights do not match the Wan DiT layout: " + "; ".join(parts))
+        raise ValueError(f"{source}: weights do not match the model's layout: " + "; ".join(parts))
 
 
 def shapes_of(state: dict[str, torch.Tensor]) -> dict[str, tuple]:
@@ -159,23 +159,31 @@ def load_pretrained(model: WanExperts, path: str | Path) -> None:
     meta device, then ``to_empty``) loads its shards without ever materialising a full copy. LoRA
     adapters (``loongforge.core.lora``) are left as they are.
     """
-    from safetensors import safe_open
-
     for name, directory in transformer_dirs(path, model.names).items():
         check_config(model.config, directory)
-        handles = [safe_open(str(p), framework="pt") for p in weight_files(directory)]
-        where = {key: h for h in handles for key in h.keys()}
-        theirs = {key: tuple(where[key].get_slice(key).get_shape()) for key in kept_keys(where)}
-        expert = model.expert(name)
-        ours = strip_adapters(expert.state_dict())  # a LoRA model's adapters are not the checkpoint's
-        check_layout(shapes_of(ours), theirs, str(directory))
-        for key, target in ours.items():
-            offset, shape = region(target)
-            if shape and shape[0] == 0:
-                continue
-            rows = slice(offset[0], offset[0] + shape[0]) if shape else ()
-            value = where[key].get_slice(key)[rows] if shape else where[key].get_tensor(key)
-            local(target).copy_(value.to(local(target).dtype))
+        copy_diffusers_weights(model.expert(name), directory)
+
+
+@torch.no_grad()
+def copy_diffusers_weights(module: torch.nn.Module, directory: Path, ignored=IGNORED_KEYS) -> None:
+    """Copy the weights of the diffusers model directory ``directory`` into ``module``, whose
+    parameters have the diffusers names: tensor by tensor, only the rows this rank holds, LoRA
+    adapters left as they are; the layouts are checked first. Checkpoint keys matching ``ignored``
+    (patterns) are skipped, as the diffusers class skips them on load."""
+    from safetensors import safe_open
+
+    handles = [safe_open(str(p), framework="pt") for p in weight_files(directory)]
+    where = {key: h for h in handles for key in h.keys()}
+    theirs = {key: tuple(where[key].get_slice(key).get_shape()) for key in kept_keys(where, ignored)}
+    ours = strip_adapters(module.state_dict())  # a LoRA model's adapters are not the checkpoint's
+    check_layout(shapes_of(ours), theirs, str(directory))
+    for key, target in ours.items():
+        offset, shape = region(target)
+        if shape and shape[0] == 0:
+            continue
+        rows = slice(offset[0], offset[0] + shape[0]) if shape else ()
+        value = where[key].get_slice(key)[rows] if shape else where[key].get_tensor(key)
+        local(target).copy_(value.to(local(target).dtype))
 
 
 @torch.no_grad()

@@ -19,7 +19,7 @@ mapping (see ``model/convert.py``). The forward differs where training needs it:
   another), on the concatenated diffusers weights;
 - with ``model.fp8=tensorwise`` the linears over video tokens (self-attention's projections,
   cross-attention's query and output, the feed-forward) run their GEMMs in FP8
-  (``loongforge.core.kernels.fp8_tensorwise``); prompt projections stay in the autocast dtype;
+  (``loongforge.diffusion.ops.fp8_tensorwise``); prompt projections stay in the autocast dtype;
 - self-attention's query/key RMSNorm and RoPE are one registry op on the fused QKV projection's
   output (``loongforge.diffusion.ops.attention_inputs.normed_rotated_qkv``: one pass forward, one
   backward that writes the projection's whole gradient), also inside compiled blocks;
@@ -40,9 +40,9 @@ mapping (see ``model/convert.py``). The forward differs where training needs it:
 The modules that have nothing to do with packing (time/text embedder, LayerNorms, GELU
 feed-forward) are diffusers' own, so parameters and settings are diffusers'. Inside the blocks
 the LayerNorms with their adaLN modulation (or affine parameters) run as
-``loongforge.core.kernels.modulated_norm.normalize_and_modulate`` (fp32 statistics and
+``loongforge.diffusion.ops.modulated_norm.normalize_and_modulate`` (fp32 statistics and
 transform, as diffusers' ``FP32LayerNorm`` then the modulation), and the feed-forward as
-``loongforge.core.kernels.feed_forward.gelu_feed_forward`` (the same ops forward, a backward
+``loongforge.diffusion.ops.feed_forward.gelu_feed_forward`` (the same ops forward, a backward
 that reads the hidden activation once, FP8 GEMMs with ``model.fp8``, where the GELU output is
 quantised from fp32).
 """
@@ -61,9 +61,9 @@ from diffusers.models.transformers.transformer_wan import WanTimeTextImageEmbedd
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 from loongforge.core.kernels import get_kernel, get_kernel_with_backward
-from loongforge.core.kernels.feed_forward import feed_forward_kernels, gelu_feed_forward
-from loongforge.core.kernels.fp8_tensorwise import fp8_linear_tensorwise
-from loongforge.core.kernels.modulated_norm import normalize_and_modulate
+from loongforge.diffusion.ops.feed_forward import feed_forward_kernels, gelu_feed_forward
+from loongforge.diffusion.ops.fp8_tensorwise import fp8_linear_tensorwise
+from loongforge.diffusion.ops.modulated_norm import normalize_and_modulate
 from loongforge.core.lora import LoRALinear, lora_delta
 from loongforge.core.training.torch_model import TorchModel
 from loongforge.diffusion.context_parallel import ContextParallel, heads_to_seq, seq_to_heads

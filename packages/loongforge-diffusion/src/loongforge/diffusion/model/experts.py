@@ -10,14 +10,12 @@ from loongforge.core.training.torch_model import TorchModel
 from loongforge.diffusion.model.config import WanConfig
 from loongforge.diffusion.model.dit import WanDiT
 
-EXPERT_NAMES = ("transformer", "transformer_2")  # high-noise, low-noise
-
 
 class WanExperts(TorchModel):
     def __init__(self, cfg: WanConfig):
         super().__init__()
         self.config = cfg
-        self.names = list(EXPERT_NAMES if cfg.boundary_ratio is not None else EXPERT_NAMES[:1])
+        self.names = cfg.part_names()
         for name in self.names:
             self.add_module(name, WanDiT(cfg))
 
@@ -29,12 +27,3 @@ class WanExperts(TorchModel):
         if name not in self.names:
             raise KeyError(f"no expert {name!r}; this model has {self.names}")
         return getattr(self, name)
-
-    def boundary_timestep(self, num_train_timesteps: int) -> float | None:
-        r = self.config.boundary_ratio
-        return None if r is None else r * num_train_timesteps
-
-    def expert_for(self, timestep: float, num_train_timesteps: int) -> str:
-        """The expert that denoises at ``timestep`` (WanPipeline's rule)."""
-        boundary = self.boundary_timestep(num_train_timesteps)
-        return EXPERT_NAMES[0] if boundary is None or timestep >= boundary else EXPERT_NAMES[1]

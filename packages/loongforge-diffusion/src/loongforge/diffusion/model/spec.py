@@ -19,9 +19,9 @@ def build(model_config: WanConfig) -> WanExperts:
 
 def make_task(recipe):
     """Flow matching on latent shards, the task of an ``lf-diffusion`` config."""
-    from loongforge.diffusion.task import WanTask
+    from loongforge.diffusion.task import FlowMatchingTask
 
-    return WanTask(recipe)
+    return FlowMatchingTask(recipe)
 
 
 def load_flavour(name: str) -> WanConfig:

@@ -5,10 +5,11 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+from compiled_vs_composed import assert_compiled_like_composed
 
-from loongforge.core.kernels import layer_norm as ref
 from loongforge.core.kernels import get_kernel_with_backward
-from loongforge.core.kernels.modulated_norm import normalize_and_modulate
+from loongforge.diffusion.ops import layer_norm as ref
+from loongforge.diffusion.ops.modulated_norm import normalize_and_modulate
 
 EPS = 1e-6
 TOKENS, WIDTH = 19, 24
@@ -47,7 +48,7 @@ def test_reference_equals_autograd_of_layer_norm_then_transform(dtype, samples):
 
 @pytest.mark.parametrize("samples", [1, 2])
 @pytest.mark.parametrize("backend", ["eager", "aot_eager", "inductor"])
-def test_function_gradients_equal_autograd_compiled_or_not(backend, samples, assert_compiled_like_composed):
+def test_function_gradients_equal_autograd_compiled_or_not(backend, samples):
     """``normalize_and_modulate`` (reference ops) as a block uses it: modulation ``1 + scale`` and
     ``shift`` from one table per sample, then a second norm with its own parameters; the same
     value and gradients as autograd of the composed ops, compiled or not. A reference whose

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from loongforge.core.kernels.fp8_tensorwise import (
+from loongforge.diffusion.ops.fp8_tensorwise import (
     E4M3,
     E5M2,
     fp8_linear_tensorwise,

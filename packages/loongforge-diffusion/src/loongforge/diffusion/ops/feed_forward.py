@@ -22,11 +22,11 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from loongforge.core.kernels.fp8_tensorwise import (
-    ALIGN, E4M3, E5M2, cast_operand, check_tensorwise_linear, forward_gemm, forward_gemm_no_grad, linear_grads, quantize,
-    scale_from_amax, tensor_scale,
-)
+from loongforge.core.kernels.fp8_format import ALIGN, E4M3, E5M2, scale_from_amax, tensor_scale
 from loongforge.core.kernels.registry import get_kernel
+from loongforge.diffusion.ops.fp8_tensorwise import (
+    cast_operand, check_tensorwise_linear, forward_gemm, forward_gemm_no_grad, linear_grads, quantize,
+)
 
 
 @dataclass(frozen=True)
@@ -40,6 +40,12 @@ class FeedForwardKernels:
     @property
     def fp8(self) -> bool:
         return self.fp8_cast_transpose is not None
+
+    def fp8_casts(self) -> tuple[Callable, Callable]:
+        """``(fp8_cast_transpose, gelu_fp8_cast_transpose)``, which the FP8 path calls."""
+        if self.fp8_cast_transpose is None or self.gelu_fp8_cast_transpose is None:
+            raise ValueError("gelu_feed_forward: these kernels have no FP8 casts (feed_forward_kernels(fp8=True))")
+        return self.fp8_cast_transpose, self.gelu_fp8_cast_transpose
 
 
 def feed_forward_kernels(fp8: bool) -> FeedForwardKernels:
@@ -92,11 +98,11 @@ class _Fp8GeluFeedForward(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x2, w1, b1, w2, b2, kernels: FeedForwardKernels):
-        cast = kernels.fp8_cast_transpose
+        cast, gelu_cast = kernels.fp8_casts()
         x_q, x_t, x_scale = cast_operand(x2, cast, False)
         w1_q, w1_t, w1_scale = cast_operand(w1, cast, False)
         h = forward_gemm(x_q, w1_q, x_scale, w1_scale, b1, x2.dtype)
-        g_q, g_t, g_scale = kernels.gelu_fp8_cast_transpose(h)
+        g_q, g_t, g_scale = gelu_cast(h)
         w2_q, w2_t, w2_scale = cast_operand(w2, cast, False)
         ctx.save_for_backward(x_t, x_scale, w1_t, w1_scale, h, g_t, g_scale, w2_t, w2_scale)
         ctx.kernels = kernels
@@ -106,16 +112,17 @@ class _Fp8GeluFeedForward(torch.autograd.Function):
     def backward(ctx, dy):
         x_t, x_scale, w1_t, w1_scale, h, g_t, g_scale, w2_t, w2_scale = ctx.saved_tensors
         k = ctx.kernels
+        cast, _ = k.fp8_casts()
         need_x, need_w1, need_b1, need_w2, need_b2, _ = ctx.needs_input_grad
         need_dh = need_x or need_w1 or need_b1
-        dy_q, dy_t, dy_scale = cast_operand(dy, k.fp8_cast_transpose, True)
+        dy_q, dy_t, dy_scale = cast_operand(dy, cast, True)
         dg, dw2 = linear_grads(dy_q, dy_t, dy_scale, w2_t, w2_scale, g_t, g_scale, h.dtype, need_dh, need_w2)
         db2 = dy.float().sum(0) if need_b2 else None
         dx = dw1 = db1 = None
         if need_dh:
             dh, db1, dh_amax, _ = k.gelu_tanh_backward(dg, h, False)
             dh_scale = scale_from_amax(dh_amax, E5M2)
-            dh_q, dh_t = k.fp8_cast_transpose(dh, dh_scale, True)
+            dh_q, dh_t = cast(dh, dh_scale, True)
             dx, dw1 = linear_grads(dh_q, dh_t, dh_scale, w1_t, w1_scale, x_t, x_scale, h.dtype, need_x, need_w1)
         return dx, dw1, db1 if need_b1 else None, dw2, db2, None
 
@@ -150,7 +157,7 @@ def gelu_feed_forward(
         y = function.apply(x2, *params, kernels)
     elif kernels.fp8:
         h = forward_gemm_no_grad(x2, w1, b1)
-        g_q, _, g_scale = kernels.gelu_fp8_cast_transpose(h)
+        g_q, _, g_scale = kernels.fp8_casts()[1](h)
         w2_scale = tensor_scale(w2, E4M3)
         y = forward_gemm(g_q, quantize(w2, E4M3, w2_scale), g_scale, w2_scale, b2, x2.dtype)
     else:

@@ -22,17 +22,9 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from loongforge.core.kernels.fp8_tensorwise import E4M3, cast_transpose, tensor_scale
-
-
-def check_matrices(op: str, *tensors: torch.Tensor) -> None:
-    """Clear error unless ``tensors`` are matrices of one shape."""
-    shape = tensors[0].shape
-    for t in tensors:
-        if t.dim() != 2 or t.shape != shape:
-            raise ValueError(f"{op}: expected matrices of one shape, got {[tuple(x.shape) for x in tensors]}")
-    if not tensors[0].numel():
-        raise ValueError(f"{op}: expected non-empty matrices, got {tuple(shape)}")
+from loongforge.core.kernels.fp8_format import E4M3, tensor_scale
+from loongforge.core.kernels.shapes import check_matrices
+from loongforge.diffusion.ops.fp8_tensorwise import cast_transpose
 
 
 def gelu_tanh_backward(

@@ -1,4 +1,4 @@
-"""The tanh-GELU feed-forward's own autograd (``core.kernels.feed_forward``) against the same ops
+"""The tanh-GELU feed-forward's own autograd (``loongforge.diffusion.ops.feed_forward``) against the same ops
 composed by autograd, with the registry's reference ops."""
 
 from __future__ import annotations
@@ -7,9 +7,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from loongforge.core.kernels.feed_forward import FeedForwardKernels, feed_forward_kernels, gelu_feed_forward
-from loongforge.core.kernels.fp8_tensorwise import fp8_linear_tensorwise
-from loongforge.core.kernels.gelu import gelu_tanh_backward
+from loongforge.diffusion.ops.feed_forward import FeedForwardKernels, feed_forward_kernels, gelu_feed_forward
+from loongforge.diffusion.ops.fp8_tensorwise import fp8_linear_tensorwise
+from loongforge.diffusion.ops.gelu import gelu_tanh_backward
 
 
 def _params(k=32, f=64, n=48, dtype=torch.float32):

@@ -34,31 +34,7 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-from loongforge.core.kernels.fp8_format import AMAX_FLOOR, check_linear
-
-E4M3 = torch.float8_e4m3fn
-E5M2 = torch.float8_e5m2
-ALIGN = 16  # _scaled_mm: K and N multiples of 16
-
-
-def fp8_dtype(e5m2: bool) -> torch.dtype:
-    return E5M2 if e5m2 else E4M3
-
-
-def padded_rows(rows: int) -> int:
-    """``rows`` rounded up to a multiple of 16: the row count of a transposed copy's rows dim."""
-    return rows + (-rows % ALIGN)
-
-
-def scale_from_amax(amax: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """fp32 scalar ``amax / fmax(dtype)`` (``amax`` floored away from zero)."""
-    return amax.float().clamp_min(AMAX_FLOOR) / torch.finfo(dtype).max
-
-
-def tensor_scale(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """fp32 scalar ``amax(|t|) / fmax(dtype)``: ``t / scale`` spans the format's range."""
-    return scale_from_amax(t.detach().abs().amax(), dtype)
-
+from loongforge.core.kernels.fp8_format import ALIGN, E4M3, E5M2, check_linear, fp8_dtype, padded_rows, tensor_scale
 
 def quantize(t: torch.Tensor, dtype: torch.dtype, scale: torch.Tensor) -> torch.Tensor:
     """``t * (1 / scale)`` saturated to ``dtype``'s range and rounded to it (row-major,
