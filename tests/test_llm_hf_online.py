@@ -83,6 +83,7 @@ def test_train_from_hf_at_tp2_and_export(hf_dir, tmp_path, llm_data_cache):
     assert manifest["config"]["model"]["init_from_hf"] == str(path.resolve())
 
 
+@pytest.mark.long  # ~90 s on two cores: the default tier's resume tests cover the checkpoint path
 def test_resume_reads_the_checkpoint_not_the_hf_weights(hf_dir, tmp_path, llm_data_cache):
     """A resumed run takes every weight from its checkpoint: it must not need (nor read) the HF
     safetensors again, only config.json for the architecture."""

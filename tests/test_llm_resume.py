@@ -97,9 +97,9 @@ def assert_same_state(got_dir, want_dir):
             assert torch.equal(a["rng"]["tracker"][name], b["rng"]["tracker"][name]), name
 
 
-# tp2 under -m long (CI's time budget): its checkpoint's TP shards are read back, exactly, by the
-# reshard test below, and the kill-and-resume path is the same as dp2-distopt's
-@pytest.mark.parametrize("layout", [pytest.param(name, marks=pytest.mark.long) if name == "tp2" else name
+# tp2 and 1proc under -m long (CI's time budget): tp2's checkpoint's TP shards are read back, exactly,
+# by the reshard test below, and the kill-and-resume path of both is dp2-distopt's
+@pytest.mark.parametrize("layout", [pytest.param(name, marks=pytest.mark.long) if name in ("tp2", "1proc") else name
                                     for name in LAYOUTS])
 def test_kill_and_resume_is_exact(layout, uninterrupted, tmp_path, llm_data_cache):
     ref_ckpt, ref = uninterrupted(layout)

@@ -56,7 +56,7 @@ def test_both_sides_same_weights_first_losses_agree_and_order_alternates():
     assert "round 1 of 2: lerobot, ours, full" in out and "round 2 of 2: ours, full, lerobot" in out
     assert "baseline: LeRobot PI05Pytorch" in out and "tf32 = True  (requested" in out
     with pytest.raises(ValueError, match="pi05_base"):
-        build_lerobot_pi05_released(cfgs["ours"].policy)
+        build_lerobot_pi05_released(cfgs["ours"].model)
 
 
 def test_bench_times_the_step_lf_embodied_train_takes(tmp_path):

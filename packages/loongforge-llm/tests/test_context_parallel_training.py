@@ -51,7 +51,7 @@ def test_moe_families_pretraining_cp2_matches_one_process(config, tmp_path, data
     assert_same_training(got, want)
 
 
-@pytest.mark.slow
+@pytest.mark.long  # ~60 s on two cores: packed SFT under CP=2 runs in the default tier for GPT attention
 def test_mla_packed_sft_cp2_matches_one_process(tmp_path, data_cache):
     """Packed SFT through MLA (megatron pads the values to the query head dim for THD). The router's
     load-balancing loss is off here: under CP every conversation is padded to a multiple of 2*cp, and
