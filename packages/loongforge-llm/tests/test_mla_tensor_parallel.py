@@ -9,7 +9,7 @@ import pytest
 from llm_grad_probe import PRETRAIN, assert_same_training, probe
 
 
-@pytest.mark.long  # ~70 s on two cores; MLA's layers under TP=2 also run in the long DeepSeek layouts
+@pytest.mark.slow
 def test_mla_tp2_matches_one_process_in_every_gradient(tmp_path):
     data = tmp_path / "data"
     want = probe(tmp_path / "one" / "grads.pt", "train_deepseek_v3_debug", PRETRAIN, data)
