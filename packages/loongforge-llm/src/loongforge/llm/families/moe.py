@@ -140,7 +140,10 @@ def model_transformer_config(cfg: MoEConfig, transformer_config):
     return MLATransformerConfig(**values)
 
 
-def build_moe_gpt(cfg: MoEConfig, ctx, transformer_config, pre_process: bool, post_process: bool) -> torch.nn.Module:
+def build_moe_gpt(cfg: MoEConfig, ctx, transformer_config, pre_process: bool, post_process: bool,
+                  layers=None) -> torch.nn.Module:
+    """megatron's GPTModel over MoE layers: ``layers(cfg, config, kernels)`` gives the block spec
+    (``block_spec``, this module's uniform MoE block, unless a family brings its own)."""
     from megatron.core.models.gpt import GPTModel
 
     if cfg.vocab_size % ctx.layout.tp:
@@ -151,7 +154,7 @@ def build_moe_gpt(cfg: MoEConfig, ctx, transformer_config, pre_process: bool, po
     config = model_transformer_config(cfg, transformer_config)
     return GPTModel(
         config=config,
-        transformer_layer_spec=block_spec(cfg, config, ctx.kernels),
+        transformer_layer_spec=(layers or block_spec)(cfg, config, ctx.kernels),
         vocab_size=cfg.vocab_size,
         max_sequence_length=cfg.max_position_embeddings,
         pre_process=pre_process,

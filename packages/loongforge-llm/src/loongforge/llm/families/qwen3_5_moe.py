@@ -15,29 +15,10 @@ from loongforge.llm.recipe import make_task
 
 def build_qwen3_5_moe(cfg: Qwen35MoEConfig, ctx, transformer_config, pre_process: bool, post_process: bool
                       ) -> torch.nn.Module:
-    from megatron.core.models.gpt import GPTModel
-
-    from loongforge.llm.families.moe import model_transformer_config
+    from loongforge.llm.families.moe import build_moe_gpt
     from loongforge.llm.families.qwen3_5_layers import moe_block
 
-    if cfg.vocab_size % ctx.layout.tp:
-        raise ValueError(f"model.vocab_size={cfg.vocab_size} must be divisible by parallel.tp={ctx.layout.tp}")
-    if cfg.num_experts % ctx.layout.ep:
-        raise ValueError(f"model.num_experts={cfg.num_experts} must be divisible by parallel.ep={ctx.layout.ep}")
-    config = model_transformer_config(cfg, transformer_config)
-    return GPTModel(
-        config=config,
-        transformer_layer_spec=moe_block(cfg, config, ctx.kernels),
-        vocab_size=cfg.vocab_size,
-        max_sequence_length=cfg.max_position_embeddings,
-        pre_process=pre_process,
-        post_process=post_process,
-        share_embeddings_and_output_weights=cfg.tie_embeddings,
-        position_embedding_type="rope",
-        rotary_percent=cfg.rotary_percent,
-        rotary_base=int(cfg.rotary_base),
-        pg_collection=ctx.pgs,
-    )
+    return build_moe_gpt(cfg, ctx, transformer_config, pre_process, post_process, layers=moe_block)
 
 
 QWEN3_5_MOE_SPEC = ModelSpec(
