@@ -210,13 +210,18 @@ def main() -> None:
                 )
         tl = triton.language
         pairs = ((tl.bfloat16, tl.bfloat16), (tl.float32, tl.bfloat16)) if dtype == "bf16" else ((tl.float32, tl.float32),)
-        for p_dtype, g_dtype in pairs:  # the param (and moments) and gradient dtypes
-            build(
-                aw._adamw_tensor_list,
-                dict(TABLE="*i64", n_tensors=i32, SCALE="*fp32", lr="fp32", beta1="fp32", beta2="fp32", eps="fp32",
-                     weight_decay="fp32", log_beta1="fp32", log_beta2="fp32"),
-                dict(P_DTYPE=p_dtype, G_DTYPE=g_dtype, SEARCH_STEPS=8, BLOCK=aw.BLOCK), num_warps=8,
-            )
+        for p_dtype, g_dtype in pairs:  # the param (and moments) and gradient dtypes, aligned and not
+            for aligned in (True, False):
+                width = {tl.bfloat16: 8, tl.float32: 4}
+                build(
+                    aw._adamw_tensor_list,
+                    dict(TABLE="*i64", n_tensors=i32, SCALE="*fp32", SKIP="*fp32", P_BASE=f"*{p_dtype}", G_BASE=f"*{g_dtype}",
+                         M_BASE=f"*{p_dtype}", V_BASE=f"*{p_dtype}", lr="fp32", beta1="fp32", beta2="fp32", eps="fp32",
+                         weight_decay="fp32", log_beta1="fp32", log_beta2="fp32"),
+                    dict(SEARCH_STEPS=8, BLOCK=aw.BLOCK, P_ALIGN=width[p_dtype] if aligned else 1,
+                         G_ALIGN=width[g_dtype] if aligned else 1, N_ALIGN=16 if aligned else 1, HAS_SKIP=aligned),
+                    num_warps=8,
+                )
         build(
             rp._rope_cos_sin_grad,
             dict(DY=p, X=p, DCOS="*fp32", DSIN="*fp32", n_heads=i32, half=i32, stride_dyt=i32, stride_dyh=i32,

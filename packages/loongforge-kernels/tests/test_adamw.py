@@ -48,6 +48,32 @@ def test_matches_the_reference_over_steps(monkeypatch, p_dtype, g_dtype):
         torch.testing.assert_close(a.float(), b.float(), **tol)
 
 
+@pytest.mark.parametrize(("p_dtype", "g_dtype"), [(torch.bfloat16, torch.bfloat16), (torch.float32, torch.bfloat16)])
+def test_aligned_and_unaligned_tensors_in_one_call(monkeypatch, p_dtype, g_dtype):
+    """Tensors on 16 bytes with a multiple of 16 elements (the launch with 16-byte accesses) beside
+    ones that are not (odd sizes, and views one element into a larger buffer), in one call."""
+    monkeypatch.setattr(fused_module, "BLOCK", 64)
+    shapes = [(4, 32), (130,), (8, 16), (7,)]
+    ours, ref = _state(shapes, p_dtype, g_dtype, seed=2), _state(shapes, p_dtype, g_dtype, seed=2)
+    for lists in (ours, ref):  # a view one element in: its address is off 16 bytes in every list
+        for i in range(4):  # the param and gradient: the first tensor's first 48 values; fresh moments
+            buffer = torch.zeros(49, dtype=lists[i][0].dtype)
+            if i < 2:
+                buffer[1:].copy_(lists[i][0].flatten()[:48])
+            lists[i].append(buffer[1:])
+        lists[4].append(torch.zeros((), dtype=torch.float32))
+    assert [fused_module._aligned(*(lst[i] for lst in ours[:4])) for i in range(5)] == [True, False, True, False,
+                                                                                       False]
+    for _ in range(2):
+        _advance(ours[4])
+        _advance(ref[4])
+        adamw_step(*ours, **HP, grad_scale=torch.tensor(2.0))
+        reference(*ref, **HP, grad_scale=torch.tensor(2.0))
+    tol = dict(rtol=1e-5, atol=1e-6) if p_dtype == torch.float32 else dict(rtol=3e-2, atol=6e-2)
+    for a, b in zip(ours[0] + ours[2] + ours[3], ref[0] + ref[2] + ref[3]):
+        torch.testing.assert_close(a.float(), b.float(), **tol)
+
+
 def test_reference_is_torch_adamw():
     params, grads, ms, vs, steps = _state([(5, 6), (11,)], torch.float32, torch.float32, seed=1)
     torch_params = [p.clone().requires_grad_(True) for p in params]
@@ -68,3 +94,19 @@ def test_lists_of_different_lengths_are_refused():
     params, grads, ms, vs, steps = _state([(4,)], torch.float32, torch.float32)
     with pytest.raises(ValueError, match="adamw_step: 1 params, 0 grads"):
         adamw_step(params, [], ms, vs, steps, **HP, grad_scale=torch.tensor(1.0))
+
+
+@pytest.mark.parametrize("flag", [0.0, 1.0])
+def test_found_inf_skips_the_update(monkeypatch, flag):
+    """``found_inf`` of 1 leaves every tensor as it was (fused and reference alike); 0 updates as without it."""
+    monkeypatch.setattr(fused_module, "BLOCK", 64)
+    ours, ref = _state([(4, 32), (7,)], torch.bfloat16, torch.bfloat16), _state([(4, 32), (7,)], torch.bfloat16,
+                                                                                torch.bfloat16)
+    before = [t.clone() for t in ours[0] + ours[2] + ours[3]]
+    _advance(ours[4])
+    _advance(ref[4])
+    adamw_step(*ours, **HP, grad_scale=torch.tensor(1.0), found_inf=torch.tensor(flag))
+    reference(*ref, **HP, grad_scale=torch.tensor(1.0), found_inf=torch.tensor(flag))
+    for a, b, c in zip(ours[0] + ours[2] + ours[3], ref[0] + ref[2] + ref[3], before):
+        torch.testing.assert_close(a.float(), b.float(), rtol=3e-2, atol=6e-2)
+        assert torch.equal(a, c) == (flag == 1.0)

@@ -7,6 +7,8 @@ norm, per-token scaling and clipping folded into the update) gives megatron's nu
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
@@ -86,19 +88,19 @@ def test_grad_norm_and_clipped_update_are_megatrons(megatron_world, data_cache, 
     params = engine.optimizer.get_parameters()
     before = [p.detach().clone() for p in params]
     grads = [p.grad.detach().clone() for p in params]
-    # the step's loss tokens: every position of the pretraining batch counts
-    assert engine.gradient_divisor == trainer.train.global_batch_size * trainer.train.seq_length
-    # megatron's own path: finalize's per-token normalisation, its norm, its clipping, its step
+    # megatron's own path: finalize's per-token normalisation (the step's loss tokens: every position of the
+    # pretraining batch counts), its norm, its clipping, its step
     for p in params:
-        p.grad.div_(engine.gradient_divisor)
+        p.grad.div_(trainer.train.global_batch_size * trainer.train.seq_length)
     norm = float(engine.optimizer.get_grad_norm())
     assert out.grad_norm == pytest.approx(norm, rel=1e-6)
     assert norm > trainer.train.clip_grad  # clipping acts
     clip_grad_by_total_norm_fp32(params, trainer.train.clip_grad, norm)
     expected_grads = [p.grad.clone() for p in params]
-    for p, g in zip(params, grads):
-        p.grad = g
-    engine.apply_update(lr=1e-2)
+    for p, b in zip(params, before):
+        p.data.copy_(b)
+    trained = engine.train_step(step, lr=1e-2)  # the same step from the same weights, then the engine's update
+    assert (trained.loss, trained.grad_norm) == (out.loss, out.grad_norm)
     after = [p.detach().clone() for p in params]
     for p, b, g in zip(params, before, expected_grads):
         p.data.copy_(b)
@@ -112,6 +114,32 @@ def test_grad_norm_and_clipped_update_are_megatrons(megatron_world, data_cache, 
     engine.optimizer.step_with_ready_grads()
     for p, a in zip(params, after):
         torch.testing.assert_close(p.detach(), a, rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.parametrize("fused", [False, True], ids=["host-check", "found-inf-on-device"])
+def test_a_non_finite_step_leaves_weights_and_adamw_state(megatron_world, data_cache, tmp_path, fused):
+    """A step whose loss is not finite changes nothing: with the check on the host (the optimizer
+    not fused) and with torch's fused AdamW skipping it on the device (``found_inf``, as on CUDA;
+    fused AdamW runs on CPU too), after a finite step has made the AdamW state."""
+    trainer = _trainer(megatron_world, tmp_path, data_cache, ["train.precision=fp32", "checkpoint.save=false"])
+    engine = trainer.engine
+    if fused:
+        for group in engine.optimizer.param_groups:
+            group["foreach"], group["fused"] = False, True
+    steps = iter(trainer.task.steps(megatron_world, 0))
+    assert math.isfinite(engine.train_step(next(steps), lr=1e-2).loss)
+    params = engine.optimizer.get_parameters()
+    state = engine.optimizer.optimizer.state
+    saved = [(p.detach().clone(), {k: v.clone() for k, v in state[p].items()}) for p in params]
+    with torch.no_grad():
+        params[0].view(-1)[0] = float("nan")  # a NaN weight: the loss and every gradient norm turn NaN
+    saved[0][0].view(-1)[0] = float("nan")
+    out = engine.train_step(next(steps), lr=1e-2)
+    assert not math.isfinite(out.loss) and not math.isfinite(out.grad_norm)
+    for p, (weight, moments) in zip(params, saved):
+        torch.testing.assert_close(p.detach(), weight, equal_nan=True, rtol=0, atol=0)
+        for key, value in moments.items():
+            torch.testing.assert_close(state[p][key], value, rtol=0, atol=0)
 
 
 def test_pure_bf16_resumes_exactly_and_refuses_the_other_recipe(runs, megatron_world, data_cache, tmp_path):

@@ -1,17 +1,17 @@
 """The interface between the loop and an engine (``engine_choice.make_engine`` picks one).
 
-An engine holds the model (wrapped for its kind of parallelism) and the optimizer, and runs the
-two halves of a step:
+An engine holds the model (wrapped for its kind of parallelism) and the optimizer, and runs a
+step:
 
-- ``forward_backward(step)``: every micro-batch of the ``StepBatch`` forward and backward,
+- ``train_step(step, lr)``: every micro-batch of the ``StepBatch`` forward and backward,
   gradients reduced over data parallelism and normalised by the global loss count, the global
-  gradient norm computed; the weights are not touched yet. Returns a ``StepOutput``.
-- ``apply_update(lr)``: clip to ``train.clip_grad`` with that norm, step the optimizer at ``lr``,
-  clear the gradients; or ``discard_update()``: clear them without stepping.
-
-Between the two the loop checks the loss and the norm are finite, so an update from a
-non-finite gradient is never applied. Engines also save and load their state in the core
-checkpoint format (``checkpoint_state`` / ``load_checkpoint``) and report their RNG streams.
+  gradient norm computed, then the update: clipped to ``train.clip_grad`` with that norm, the
+  optimizer stepped at ``lr``, the gradients cleared. A step whose loss or gradient norm is not
+  finite (``finite``) is never applied: its gradients are dropped. Where the optimizer can skip
+  on the device (torch's fused AdamW's ``found_inf``) the decision is made there and the step's
+  numbers are read back once, after the update is queued; otherwise they are read first. Returns
+  a ``StepOutput``; the loop counts the non-finite steps.
+- ``forward_backward(step)``: the first half alone (the weights untouched), for measurements.
 
 Two engines ship with core: ``megatron`` (``MegatronEngine``: TP/PP/CP/EP, megatron DDP, the
 distributed optimizer, pipeline schedules) and ``torch`` (``TorchEngine``: DDP / FSDP2 / HSDP,
@@ -20,6 +20,7 @@ distributed optimizer, pipeline schedules) and ``torch`` (``TorchEngine``: DDP /
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -38,6 +39,11 @@ class StepOutput:
     flops: float | None = None  # training FLOPs of the global batch (None: unknown)
     compute_seconds: float = float("nan")  # this rank's forward+backward, up to the gradient reduction
     offloaded_bytes: int | None = None  # activations this rank moved to host memory (train.offload_layers)
+
+
+def finite(out: StepOutput) -> bool:
+    """Whether a step's loss and gradient norm are finite (its update may be applied)."""
+    return math.isfinite(out.loss) and math.isfinite(out.grad_norm)
 
 
 @dataclass
@@ -62,9 +68,7 @@ class Engine(Protocol):
 
     def forward_backward(self, step: StepBatch, measuring: bool = False) -> StepOutput: ...
 
-    def apply_update(self, lr: float) -> None: ...
-
-    def discard_update(self) -> None: ...
+    def train_step(self, step: StepBatch, lr: float, measuring: bool = False) -> StepOutput: ...
 
     def layout_record(self) -> dict: ...
 

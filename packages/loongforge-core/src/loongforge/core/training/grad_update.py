@@ -14,9 +14,13 @@ gradients with a multiply and a copy per tensor. Here:
   update itself through the registry's ``adamw_step`` (one kernel over a param group's tensors,
   the step's clipping factor applied inside it) in place of megatron's
   ``step_with_ready_grads`` around torch's AdamW.
-- ``scale_into_step`` otherwise: the step's factor (per-token mean and clipping) handed to torch's fused AdamW as its ``grad_scale`` (the tensor it divides
-  every gradient by inside the update kernel, the hook ``torch.amp.GradScaler`` uses), or one
-  multi-tensor multiply where the optimizer is not fused.
+- ``scale_into_step`` otherwise: the step's factor (per-token mean and clipping) handed to torch's
+  fused AdamW as its ``grad_scale`` (the tensor it divides every gradient by inside the update
+  kernel, the hook ``torch.amp.GradScaler`` uses), or one multi-tensor multiply where the
+  optimizer is not fused.
+- ``skips_on_device``: whether the update can take the step's non-finite flag as a device tensor
+  (fused AdamW's ``found_inf``, ``adamw_step``'s): then a non-finite step is skipped inside the
+  update kernels and nothing is read back to the host between the backward and the update.
 """
 
 from __future__ import annotations
@@ -55,26 +59,44 @@ def _fused(sub) -> bool:
     return inner is not None and bool(inner.param_groups) and all(g.get("fused") for g in inner.param_groups)
 
 
-def scale_into_step(optimizer, multiplier: torch.Tensor | None, step) -> None:
+def skips_on_device(optimizer, own_adamw: bool) -> bool:
+    """Whether the update of ``optimizer`` takes a device flag that skips it (``found_inf``): every
+    sub-optimizer torch's fused AdamW, or the update through ``adamw_step`` (``own_adamw``)."""
+    subs = sub_optimizers(optimizer)
+    return own_adamw or (bool(subs) and all(_fused(sub) for sub in subs))
+
+
+def scale_into_step(optimizer, multiplier: torch.Tensor | None, step, found_inf: torch.Tensor | None = None) -> None:
     """Run ``step()`` (megatron's ``step_with_ready_grads``) with every gradient multiplied by
     ``multiplier`` (an fp32 device scalar; None: by nothing): inside torch's fused AdamW kernel
     (``grad_scale = 1 / multiplier``) where every sub-optimizer is fused, else by one multi-tensor
-    multiply first."""
-    if multiplier is None:
+    multiply first. ``found_inf`` (fp32 device scalar, fused AdamW only: ``skips_on_device``): 1
+    leaves the weights, moments and step counts as they were."""
+    subs = sub_optimizers(optimizer)
+    fused = bool(subs) and all(_fused(sub) for sub in subs)
+    if found_inf is not None and not fused:
+        raise ValueError("scale_into_step: found_inf needs torch's fused AdamW in every sub-optimizer")
+    if multiplier is None and found_inf is None:
         step()
         return
-    subs = sub_optimizers(optimizer)
-    if subs and all(_fused(sub) for sub in subs):
-        divisor = (1.0 / multiplier).to(torch.float32)
+    if fused:
+        hooks = {"found_inf": found_inf}
+        if multiplier is not None:
+            hooks["grad_scale"] = (1.0 / multiplier).to(torch.float32)
         inners = [sub.optimizer for sub in subs]
         for inner in inners:
-            inner.grad_scale = divisor
+            for name, value in hooks.items():
+                if value is not None:
+                    setattr(inner, name, value)
         try:
             step()
         finally:
             for inner in inners:
-                del inner.grad_scale
+                for name, value in hooks.items():
+                    if value is not None:
+                        delattr(inner, name)
         return
+    assert multiplier is not None
     grads = [p.grad for sub in subs for p in sub.get_parameters() if p.grad is not None]
     if grads:
         torch._foreach_mul_(grads, multiplier.to(grads[0].device))
@@ -111,12 +133,12 @@ def _adam_state(optimizer: torch.optim.Optimizer, p: torch.Tensor) -> dict:
 
 
 @torch.no_grad()
-def adamw_update(optimizer, multiplier: torch.Tensor, adamw_step) -> None:
+def adamw_update(optimizer, multiplier: torch.Tensor, adamw_step, found_inf: torch.Tensor | None = None) -> None:
     """One AdamW update of every parameter of ``optimizer`` (``adamw_applies``) through the registry
     op ``adamw_step`` (one kernel per param group), every gradient multiplied by ``multiplier``
-    inside it; in mixed precision the bf16 model weights are then refreshed from the fp32 main
-    weights by one multi-tensor copy. What megatron's ``step_with_ready_grads`` does around
-    torch's AdamW, in fewer passes."""
+    inside it, skipped where ``found_inf`` is 1; in mixed precision the bf16 model weights are then
+    refreshed from the fp32 main weights by one multi-tensor copy. What megatron's
+    ``step_with_ready_grads`` does around torch's AdamW, in fewer passes."""
     from megatron.core.optimizer import Float16OptimizerWithFloat16Params
 
     for sub in sub_optimizers(optimizer):
@@ -127,11 +149,12 @@ def adamw_update(optimizer, multiplier: torch.Tensor, adamw_step) -> None:
                 continue
             states = [_adam_state(inner, p) for p in params]
             steps = [state["step"] for state in states]
-            torch._foreach_add_(steps, 1)
+            torch._foreach_add_(steps, 1 if found_inf is None else 1 - found_inf)
             beta1, beta2 = group["betas"]
             adamw_step(params, [p.grad for p in params], [s["exp_avg"] for s in states],
                        [s["exp_avg_sq"] for s in states], steps, lr=group["lr"], beta1=beta1, beta2=beta2,
-                       eps=group["eps"], weight_decay=group["weight_decay"], grad_scale=multiplier)
+                       eps=group["eps"], weight_decay=group["weight_decay"], grad_scale=multiplier,
+                       found_inf=found_inf)
         if isinstance(sub, Float16OptimizerWithFloat16Params):
             for model_params, main_params in zip(sub.float16_groups, sub.fp32_from_float16_groups):
                 if model_params:

@@ -115,13 +115,9 @@ class Trainer:
         if tracks_memory:
             self.ctx.accelerator.reset_peak_memory_stats()
         t0 = time.perf_counter()
-        out: StepOutput = self.engine.forward_backward(step, measuring=bool(getattr(self.data, "measuring", False)))
         lr = lr_at(self.step, self.train)
+        out: StepOutput = self.engine.train_step(step, lr, measuring=bool(getattr(self.data, "measuring", False)))
         bad = next(((k, v) for k, v in (("loss", out.loss), ("grad_norm", out.grad_norm)) if not math.isfinite(v)), None)
-        if bad is None:
-            self.engine.apply_update(lr)
-        else:
-            self.engine.discard_update()
         self.ctx.accelerator.synchronize()
         seconds = time.perf_counter() - t0
         self.step += 1

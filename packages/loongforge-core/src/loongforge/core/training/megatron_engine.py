@@ -5,7 +5,7 @@ micro-batch split of a global batch gives the same loss and gradients; the numbe
 micro-batches may vary per step and per DP rank, since megatron's ``forward_backward_func`` takes
 the count per call and the per-token normalisation sums the counts over DP). The gradients
 ``forward_backward`` leaves are sums over the step's loss tokens; the division by their count
-(``gradient_divisor``) happens in the norm and inside the optimizer step, with the clipping
+(the step's loss tokens) happens in the norm and inside the optimizer step, with the clipping
 factor, not as a pass of its own over every gradient. A task's
 ``before_schedule`` hook (``loongforge.core.training.task.ScheduledStep``) runs before the schedule
 and its ``after_schedule`` after the schedule's last backward, before the gradient reduction.
@@ -13,7 +13,7 @@ Under ChunkPipe (``train.seq_chunks > 1``, ``chunk_pipe``) every pipeline stage 
 schedule without pipelining: the chunks of each micro-batch fill the pipeline instead of the
 micro-batches.
 
-The LR comes from the loop (``apply_update(lr)``); megatron's own scheduler is not used. The
+The LR comes from the loop (``train_step(step, lr)``); megatron's own scheduler is not used. The
 weight decay of each param group is ``train.weight_decay`` times the group's ``wd_mult``
 (megatron leaves biases and norms undecayed).
 """
@@ -21,6 +21,7 @@ weight decay of each param group is ``train.weight_decay`` times the group's ``w
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -29,10 +30,23 @@ from loongforge.core.kernels import get_op
 from loongforge.core.parallel import ParallelContext
 from loongforge.core.training.activation_offload import offload_first
 from loongforge.core.training import grad_update
-from loongforge.core.training.engine import EngineState, StepOutput, precision_recipe, resolve_dtype
+from loongforge.core.training.engine import EngineState, StepOutput, finite, precision_recipe, resolve_dtype
 from loongforge.core.training.main_grad import main_grad_fusion
 from loongforge.core.training.schema import ParallelConfig, TrainConfig
 from loongforge.core.training.task import MegatronTask, StepBatch
+
+
+@dataclass
+class _StepSums:
+    """A step's numbers on the device: the per-token mean loss and gradient norm, the loss tokens
+    (the gradients' divisor), the summed totals (loss sum, count, input tokens, FLOPs)."""
+
+    loss: torch.Tensor
+    norm: torch.Tensor
+    divisor: torch.Tensor
+    totals: torch.Tensor
+    compute_seconds: float
+    offloaded: int | None
 
 
 def use_fused_adam(optimizer, device: torch.device) -> None:
@@ -190,10 +204,6 @@ class MegatronEngine:
         self._compute_end = None
         self._after_schedule = None  # the step's ScheduledStep.after_schedule, run before the grad reduction
         self._measuring = False
-        self._grad_norm = float("nan")
-        # what the gradients forward_backward leaves are divided by for their per-token mean: the
-        # step's loss tokens over all DP and CP ranks (at least 1)
-        self.gradient_divisor = 1.0
         cfg.no_sync_func = self.model.no_sync
         if train.overlap_grad_reduce:
             cfg.grad_sync_func = self.model.start_grad_sync
@@ -213,9 +223,8 @@ class MegatronEngine:
         """megatron's ``finalize_model_grads`` (gradient reduction over DP, the shared and
         sequence-parallel gradients), after the step's ``after_schedule`` (if any), timed at its
         start: the rank's own compute ends there, before it waits for the slowest rank. The
-        per-token normalisation (``num_tokens``) is left out here: ``apply_update`` divides by the
-        step's loss tokens inside the optimizer step (``gradient_divisor``) instead of a pass over
-        every gradient."""
+        per-token normalisation (``num_tokens``) is left out here: the update divides by the
+        step's loss tokens inside the optimizer step instead of a pass over every gradient."""
         if self._after_schedule is not None:
             after, self._after_schedule = self._after_schedule, None
             after()
@@ -249,7 +258,9 @@ class MegatronEngine:
 
         return output, loss_func
 
-    def forward_backward(self, step: StepBatch, measuring: bool = False) -> StepOutput:
+    def _schedule(self, step: StepBatch, measuring: bool) -> _StepSums:
+        """Every micro-batch forward and backward through megatron's schedule, the gradients reduced
+        and their norm computed: the step's numbers on the device, nothing read back."""
         from megatron.core.pipeline_parallel import get_forward_backward_func
 
         micro_batches = step.micro_batches
@@ -284,53 +295,69 @@ class MegatronEngine:
         offloaded = self.offload.reset_step() if self.offload is not None else None
         # loss sum, loss count, input tokens, FLOPs: counted once per DP replica
         totals = torch.zeros(4, dtype=torch.float64, device=self.ctx.device)
-        if self.ctx.is_last_stage:
+        if self.ctx.is_last_stage and self.ctx.tp_rank == 0:  # TP ranks hold the same loss; count it once
             for entry in losses:
                 loss_sum, count = entry["loss"]
                 totals[0] += loss_sum.detach().double()
-                totals[1] += float(count)
+                totals[1] += count
         first_of_replica = self.ctx.is_last_stage and self.ctx.tp_rank == 0 and self.ctx.pgs.cp.rank() == 0
         if first_of_replica:
             totals[2] = float(step.tokens or 0)
             totals[3] = float(step.flops or 0)
-        if self.ctx.is_last_stage and self.ctx.tp_rank != 0:
-            totals[:2] = 0  # TP ranks hold the same loss; count it once
         dist.all_reduce(totals)
         self.optimizer.prepare_grads()
-        norm = grad_update.grad_norm(self.optimizer, self.ctx.device)
-        # one host read for the loss, the norm and the counts; the gradients are sums over the
-        # step's loss tokens (every DP and CP rank's), their per-token mean is 1 / divisor of them
+        # the gradients are sums over the step's loss tokens (every DP and CP rank's): their per-token
+        # mean is 1 / divisor of them
         divisor = totals[1].clamp(min=1)
-        loss, grad_norm, divisor, tokens, flops = torch.stack(
-            [totals[0] / divisor, norm.double() / divisor, divisor, totals[2], totals[3]]).tolist()
-        self._grad_norm, self.gradient_divisor = grad_norm, divisor
+        return _StepSums(loss=totals[0] / divisor, norm=grad_update.grad_norm(self.optimizer, self.ctx.device).double()
+                         / divisor, divisor=divisor, totals=totals, compute_seconds=compute_seconds,
+                         offloaded=offloaded)
+
+    def _output(self, sums: _StepSums, step: StepBatch) -> StepOutput:
+        """The step's numbers, read back to the host in one read."""
+        loss, norm, tokens, flops = torch.stack([sums.loss, sums.norm, sums.totals[2], sums.totals[3]]).tolist()
         return StepOutput(
             loss=loss,
-            grad_norm=self._grad_norm,
+            grad_norm=norm,
             tokens=int(tokens) if step.tokens is not None else None,
             flops=flops if step.flops is not None else None,
-            compute_seconds=compute_seconds,
-            offloaded_bytes=offloaded,
+            compute_seconds=sums.compute_seconds,
+            offloaded_bytes=sums.offloaded,
         )
 
-    def apply_update(self, lr: float) -> None:
-        """Step every (sub-)optimizer with the per-token mean of the gradients (the sums
-        ``forward_backward`` left, over ``gradient_divisor``) clipped with the norm it computed
-        (``clip_grad / (norm + 1e-6)`` where that is below 1, as megatron's clipping does): one
-        factor, applied inside the optimizer step."""
+    def forward_backward(self, step: StepBatch, measuring: bool = False) -> StepOutput:
+        return self._output(self._schedule(step, measuring), step)
+
+    def train_step(self, step: StepBatch, lr: float, measuring: bool = False) -> StepOutput:
+        """The step, then the update at ``lr``: every gradient multiplied by one factor inside the
+        optimizer step (the per-token mean, and the clipping ``clip_grad / (norm + 1e-6)`` where that
+        is below 1, as megatron's clipping does). Where the optimizer skips on the device
+        (``grad_update.skips_on_device``: torch's fused AdamW, ``adamw_step``) a non-finite step is
+        skipped there and the numbers are read after the update is queued; otherwise they are read
+        first and the update is applied only when they are finite."""
+        sums = self._schedule(step, measuring)
         for group in self.optimizer.param_groups:
             group["lr"] = lr * group.get("lr_mult", 1.0)
         clip = self.train.clip_grad
-        coefficient = min(1.0, clip / (self._grad_norm + 1e-6)) if clip > 0 else 1.0
-        multiplier = torch.tensor(coefficient / self.gradient_divisor, dtype=torch.float32, device=self.ctx.device)
-        if self._own_adamw:
-            grad_update.adamw_update(self.optimizer, multiplier, self._adamw_step)
+        coefficient = (clip / (sums.norm + 1e-6)).clamp(max=1.0) if clip > 0 else torch.ones_like(sums.norm)
+        multiplier = (coefficient / sums.divisor).to(torch.float32)
+        if grad_update.skips_on_device(self.optimizer, self._own_adamw):
+            found_inf = (~(sums.loss.isfinite() & sums.norm.isfinite())).to(torch.float32)
+            self._update(multiplier, found_inf)
+            return self._output(sums, step)
+        out = self._output(sums, step)
+        if finite(out):
+            self._update(multiplier, None)
         else:
-            grad_update.scale_into_step(self.optimizer, multiplier, self.optimizer.step_with_ready_grads)
+            self.model.zero_grad_buffer()
+            self.optimizer.zero_grad()
+        return out
 
-    def discard_update(self) -> None:
-        self.model.zero_grad_buffer()
-        self.optimizer.zero_grad()
+    def _update(self, multiplier: torch.Tensor, found_inf: torch.Tensor | None) -> None:
+        if self._own_adamw:
+            grad_update.adamw_update(self.optimizer, multiplier, self._adamw_step, found_inf)
+        else:
+            grad_update.scale_into_step(self.optimizer, multiplier, self.optimizer.step_with_ready_grads, found_inf)
 
     # -- checkpoints ---------------------------------------------------------------------------
     def layout_record(self) -> dict:

@@ -38,7 +38,7 @@ import torch.distributed as dist
 from loongforge.core.training import torch_parallel
 from loongforge.core.training.activation_offload import offload_first
 from loongforge.core.training.ema import EMA
-from loongforge.core.training.engine import EngineState, StepOutput, precision_recipe, resolve_dtype
+from loongforge.core.training.engine import EngineState, StepOutput, finite, precision_recipe, resolve_dtype
 from loongforge.core.training.schema import ParallelConfig, TrainConfig
 from loongforge.core.training.sharding import local
 from loongforge.core.training.task import StepBatch, TorchTask
@@ -235,7 +235,15 @@ class TorchEngine:
                              "leave them out of the targets")
         self._adapters_checked.add(part)
 
-    def apply_update(self, lr: float) -> None:
+    def train_step(self, step: StepBatch, lr: float, measuring: bool = False) -> StepOutput:
+        out = self.forward_backward(step, measuring)
+        if finite(out):
+            self._apply_update(lr)
+        else:
+            self.optimizer.zero_grad(set_to_none=True)
+        return out
+
+    def _apply_update(self, lr: float) -> None:
         clip = self.train.clip_grad
         coefficient = clip / (self._grad_norm + 1e-6)  # as torch.nn.utils.clip_grad_norm_
         if clip > 0 and coefficient < 1.0:
@@ -247,9 +255,6 @@ class TorchEngine:
         self.updates += 1
         if self.ema is not None and self.updates % self.ema_interval == 0:
             self.ema.update()
-
-    def discard_update(self) -> None:
-        self.optimizer.zero_grad(set_to_none=True)
 
     # -- checkpoints ---------------------------------------------------------------------------
     def layout_record(self) -> dict:
