@@ -4,11 +4,11 @@ Run on a CUDA machine:  uv run python bench/dsa_kernel_launches.py [--seqs 16384
 
 One chunk of absorbed queries (``--chunk`` tokens, the last of each ``--seqs`` sequence, as
 ``sparse_mla_absorbed_attention`` runs them) at DeepSeek-V3.2's sizes: 128 heads, latent 512 +
-rope 64, top-2048 over causal random keys, bf16. Prints milliseconds and TFLOP/s per kernel: the
-forward, each backward launch of ``sparse_mla.BACKWARD_LAUNCHES`` (two kernels) and the single-kernel
-``per_head_block`` form, and ``head_mean_probs`` (the indexer loss's target). FLOPs count each
-matmul once: forward ``2 * H * topk * (576 + 512)`` per query, backward ``2 * H * topk * (576 +
-512 + 576 + 576 + 512)`` (logits, dP, dQ, dK, dV), head-mean probabilities ``2 * H * topk * 576``.
+rope 64, top-2048 over causal random keys, bf16. Prints milliseconds and TFLOP/s per call: the
+forward, the backward (its two kernels: the query grad, then the key grad summed over heads) and
+``head_mean_probs`` (the indexer loss's target). FLOPs count each matmul once: forward ``2 * H *
+topk * (576 + 512)`` per query, backward ``2 * H * topk * (576 + 512 + 576 + 576 + 512)`` (logits,
+dP, dQ, dK, dV), head-mean probabilities ``2 * H * topk * 576``.
 """
 
 from __future__ import annotations
@@ -48,26 +48,18 @@ def main() -> None:
     parser.add_argument("--heads", type=int, default=128)
     parser.add_argument("--topk", type=int, default=2048)
     parser.add_argument("--iters", type=int, default=3)
-    parser.add_argument("--launch", action="append", default=[], metavar="NAME=dq_h,dq_n,warps,stages,form,h,n,warps,stages",
-                        help="also time this backward launch (a sparse_mla.BackwardLaunch's fields in order)")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("dsa_kernel_launches: needs a CUDA device")
-    launches = [(name, "head_summed", name) for name in sparse_mla.BACKWARD_LAUNCHES]
-    for spec in args.launch:
-        name, fields = spec.split("=")
-        values = [v if v.isalpha() or "_" in v else int(v) for v in fields.split(",")]
-        launches.append((name, "head_summed", sparse_mla.BackwardLaunch(*values)))
-    launches.append(("per_head_block (one kernel)", "per_head_block", sparse_mla.DEFAULT_BACKWARD))
     print(f"# {torch.cuda.get_device_name()}: the last {args.chunk} queries of each sequence, {args.heads} heads, "
-          f"top-{args.topk}, latent 512+64, bf16; ms per call of each kernel launch")
+          f"top-{args.topk}, latent 512+64, bf16; ms per call")
     print("| seq | kernel | ms | TFLOP/s |")
     print("|----:|--------|---:|--------:|")
     for seq in (int(s) for s in args.seqs.split(",")):
-        time_chunk(seq, args.chunk, args.heads, args.topk, args.iters, launches)
+        time_chunk(seq, args.chunk, args.heads, args.topk, args.iters)
 
 
-def time_chunk(seq: int, chunk: int, h: int, topk: int, iters: int, launches: list) -> None:
+def time_chunk(seq: int, chunk: int, h: int, topk: int, iters: int) -> None:
     d_v, d_rope = 512, 64
     scale = (128 + d_rope) ** -0.5
     torch.manual_seed(0)
@@ -83,20 +75,8 @@ def time_chunk(seq: int, chunk: int, h: int, topk: int, iters: int, launches: li
     row("forward", _ms(lambda: sparse_mla.attention_forward(q, kv, idx, scale, d_v), iters), 576 + 512)
     dout = torch.randn_like(out)
     dkv = torch.zeros(kv.shape, dtype=torch.float32, device="cuda")
-    want = None
-    for label, key_grad, launch in launches:
-        def backward():
-            return sparse_mla.attention_backward(q, kv, idx, out, lse, dout, scale, d_v, dkv, key_grad, launch)
-        try:
-            ms = _ms(backward, iters)
-        except Exception as exc:  # a launch that does not compile on this GPU: say so and go on
-            print(f"| {seq} | backward {label} | failed: {str(exc).splitlines()[0][:100]} | - |", flush=True)
-            continue
-        dkv.zero_()
-        got = (backward().float(), dkv.clone())
-        want = got if want is None else want
-        err = max(((g - w).norm() / w.norm()).item() for g, w in zip(got, want))
-        row(f"backward {label} (rel. diff to the first: {err:.1e})", ms, 576 + 512 + 576 + 576 + 512)
+    row("backward", _ms(lambda: sparse_mla.attention_backward(q, kv, idx, out, lse, dout, scale, d_v, dkv), iters),
+        576 + 512 + 576 + 576 + 512)
     row("head_mean_probs", _ms(lambda: sparse_mla.head_mean_probs(q, kv, idx, scale), iters), 2 * 576)
 
 

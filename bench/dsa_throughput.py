@@ -146,32 +146,6 @@ def dsa_breakdown(config: DSAConfig, seq: int, iters: int) -> dict[str, float]:
                      ("indexer loss fwd+bwd", indexer_loss)):
         fn()
         parts[name] = 1e3 * _timed(fn, iters)
-    parts.update(key_grad_breakdown(config, seq, iters, idx))
-    return parts
-
-
-def key_grad_breakdown(config: DSAConfig, seq: int, iters: int, idx: torch.Tensor) -> dict[str, float]:
-    """The sparse attention backward's two ways to form the key grad, on absorbed queries (the
-    kernels' own entry points: loongforge-kernels' ``sparse_mla``), in ms."""
-    try:
-        from loongforge.kernels import sparse_mla
-    except ImportError:
-        return {}
-    c = config
-    d = c.kv_lora_rank + c.qk_rope_head_dim
-    chunk = min(seq, 4096)  # as sparse_mla_absorbed_attention runs it: about 3.6K queries a chunk
-    q = torch.randn(1, chunk, c.num_heads, d, device="cuda", dtype=torch.bfloat16)
-    kv = torch.randn(1, seq, d, device="cuda", dtype=torch.bfloat16)
-    sel = idx[:, -chunk:].contiguous()
-    out, lse = sparse_mla.attention_forward(q, kv, sel, c.softmax_scale, c.kv_lora_rank)
-    dout = torch.randn_like(out)
-    dkv = torch.zeros(kv.shape, dtype=torch.float32, device="cuda")
-    parts = {}
-    for key_grad in sparse_mla.KEY_GRADS:
-        def backward():
-            sparse_mla.attention_backward(q, kv, sel, out, lse, dout, c.softmax_scale, c.kv_lora_rank, dkv, key_grad)
-        backward()
-        parts[f"attention bwd, last {chunk} queries, key grad {key_grad}"] = 1e3 * _timed(backward, iters)
     return parts
 
 

@@ -96,27 +96,22 @@ def build_dsa(dtype: str) -> None:
         )
         if block_h > 32:  # the single-kernel backward takes at most 32 heads per program
             continue
-        # the query grad with the key grad (one head block of 16 or 32 heads, or key_grad="per_head_block")
+        # the query grad with the key grad (one head block of 16 or 32 heads)
         build(
             sm._sparse_mla_bwd_dq, dict(bwd, DQ=p, stride_dqb=i32, stride_dqs=i32, stride_dqh=i32),
             dict(common, BLOCK_N=sm.BLOCK_N_FUSED, WITH_DKV=True), num_warps=8, num_stages=1, aligned=("topk",),
         )
-    # the two-kernel backward of every launch: the query grad alone, then the key grad (each distinct one once)
-    launches = [launch.for_dtype(2 if dtype == "bf16" else 4) for launch in sm.BACKWARD_LAUNCHES.values()]
-    for dq_h, dq_n, warps, stages in dict.fromkeys((l.dq_heads, l.dq_keys, l.dq_warps, l.dq_stages) for l in launches):
-        build(
-            sm._sparse_mla_bwd_dq, dict(bwd, DQ=p, stride_dqb=i32, stride_dqs=i32, stride_dqh=i32),
-            dict(sizes, BLOCK_H=dq_h, BLOCK_N=dq_n, WITH_DKV=False), num_warps=warps, num_stages=stages,
-            aligned=("topk",),
-        )
-    dkv_kernels = dict(head_major=sm._sparse_mla_bwd_dkv, key_major=sm._sparse_mla_bwd_dkv_keys)
-    for form, dkv_h, dkv_n, warps, stages in dict.fromkeys(
-        (l.dkv_form, l.dkv_heads, l.dkv_keys, l.dkv_warps, l.dkv_stages) for l in launches
-    ):
-        build(
-            dkv_kernels[form], dict(bwd, n_key_blocks=i32), dict(sizes, BLOCK_H=dkv_h, BLOCK_N=dkv_n),
-            num_warps=warps, num_stages=stages, aligned=("topk",),
-        )
+    # the two-kernel backward: the query grad alone, then the key grad
+    dq_h, dq_n, dkv_h, dkv_n = sm.backward_blocks(2 if dtype == "bf16" else 4)
+    build(
+        sm._sparse_mla_bwd_dq, dict(bwd, DQ=p, stride_dqb=i32, stride_dqs=i32, stride_dqh=i32),
+        dict(sizes, BLOCK_H=dq_h, BLOCK_N=dq_n, WITH_DKV=False), num_warps=sm.BACKWARD_WARPS, num_stages=1,
+        aligned=("topk",),
+    )
+    build(
+        sm._sparse_mla_bwd_dkv, dict(bwd, n_key_blocks=i32), dict(sizes, BLOCK_H=dkv_h, BLOCK_N=dkv_n),
+        num_warps=sm.BACKWARD_WARPS, num_stages=1, aligned=("topk",),
+    )
     gather = dict(Q=p, K=p, W="*fp32", IDX="*i32", n_heads=i32, topk=i32, stride_qb=i32, stride_qs=i32, stride_qh=i32,
                   stride_kb=i32, stride_ks=i32, stride_wb=i32, stride_ws=i32, stride_ib=i32, stride_is=i32)
     gather_blocks = dict(DIM=128, BLOCK_HI=64, BLOCK_D=128, BLOCK_N=dsi.GATHER_BLOCK_N, PRECISION=precision)

@@ -105,10 +105,8 @@ def test_dsa_kernels_match_the_references(seq, heads):
 def test_absorbed_sparse_mla_matches_the_reference(seq, heads):
     """The op DSAttention's sparse stage runs (queries absorbed per chunk inside it), bf16 at
     DeepSeek-V3.2's sizes: output and the grads of the per-head queries, the latent rows and both
-    up-projections against the fp32 reference on the selected queries; and the backward's forms
-    (single kernel, and every two-kernel launch) agree."""
+    up-projections against the fp32 reference on the selected queries."""
     from loongforge.kernels.dsa_indexer import dsa_indexer_topk
-    from loongforge.kernels.sparse_mla import BACKWARD_LAUNCHES, attention_backward, attention_forward
     from loongforge.kernels.sparse_mla_absorbed import sparse_mla_absorbed_attention
 
     q, kv, q_idx, k_idx, w_idx, sel = _problem(seq, heads, seed=1)
@@ -135,16 +133,3 @@ def test_absorbed_sparse_mla_matches_the_reference(seq, heads):
                 dw_uk=_rel(leaves[3].grad, refs[3].grad), dw_uv=_rel(leaves[4].grad, refs[4].grad))
     print(f"seq {seq}, {heads} heads: absorbed sparse MLA relative errors vs the fp32 reference {errs}")
     assert all(e < 2e-2 for e in errs.values()), errs
-
-    q_abs = torch.cat([torch.einsum("bshd,hdc->bshc", q_nope, w_uk), tensors[1]], -1)
-    o, lse = attention_forward(q_abs, kv, idx, scale, D_V)
-    do = torch.randn_like(o)
-    grads = {}
-    forms = [("per_head_block", BACKWARD_LAUNCHES["mma"])] + [("head_summed", l) for l in BACKWARD_LAUNCHES.values()]
-    for key_grad, launch in forms:
-        dkv = torch.zeros(kv.shape, dtype=torch.float32, device="cuda")
-        grads[key_grad, launch] = (attention_backward(q_abs, kv, idx, o, lse, do, scale, D_V, dkv, key_grad, launch), dkv)
-    (dq0, dkv0), *rest = grads.values()
-    diffs = {form[1]: (_rel(dq, dq0), _rel(dkv, dkv0)) for form, (dq, dkv) in zip(list(grads)[1:], rest)}
-    print(f"backward forms: relative difference to the single-kernel form (dq, dkv) {diffs}")
-    assert all(e_dq < 1e-2 and e_dkv < 1e-3 for e_dq, e_dkv in diffs.values()), diffs

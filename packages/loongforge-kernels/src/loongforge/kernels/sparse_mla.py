@@ -17,16 +17,13 @@ per (key, dim) (a key row is selected by many queries). When one head block hold
 the query-grad kernel scatters the key grad itself (each key is then added once per query
 already) and the second kernel is skipped.
 
-The key-grad kernel comes in two forms: head-major (logits ``[heads, keys]``, as the query grad
-has them) and key-major (``[keys, heads]``: 64 keys are the rows of every dot, a warpgroup MMA's
-64, and ``ds^T`` feeds the key-grad dot from registers). ``BACKWARD_LAUNCHES`` names the block
-sizes of each launch, so a bench can time them in one process.
+Both kernels keep the logits head-major (``[heads, keys]``); their block sizes are
+``backward_blocks`` (64 heads in the query grad: Hopper's warpgroup MMA).
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, replace
 
 import torch
 import triton
@@ -40,9 +37,9 @@ LOG2E = math.log2(math.e)
 
 def _block_sizes(n_heads: int, d_v: int, d_rope: int, elem_bytes: int, backward: bool) -> tuple[int, int, int]:
     """``(BLOCK_H, BLOCK_DV, BLOCK_DR)``. Heads per program: at least 16 (``tl.dot``'s smallest M), up
-    to 64 in the forward (a warpgroup MMA, no spills at latent 512) and 32 in the backward (whose
-    query-grad accumulator would spill beyond); 16 for fp32 (tests), whose tiles would not fit in
-    shared memory at DeepSeek's sizes."""
+    to 64 in the forward (a warpgroup MMA, no spills at latent 512) and 32 in the backward's one-kernel
+    form (the query grad with the key grad, whose accumulators would spill beyond); 16 for fp32
+    (tests), whose tiles would not fit in shared memory at DeepSeek's sizes."""
     widest = 16 if elem_bytes > 2 else (32 if backward else 64)
     block_h = min(widest, max(16, triton.next_power_of_2(n_heads)))
     return block_h, triton.next_power_of_2(d_v), max(16, triton.next_power_of_2(max(d_rope, 1)))
@@ -275,55 +272,6 @@ def _sparse_mla_bwd_dkv(
 
 
 @triton.jit
-def _sparse_mla_bwd_dkv_keys(
-    Q, KV, IDX, DO, LSE, DELTA, DKV,
-    n_heads, topk, n_key_blocks, scale, scale_log2,
-    stride_qb, stride_qs, stride_qh,
-    stride_kvb, stride_kvs,
-    stride_ib, stride_is,
-    stride_dob, stride_dos, stride_doh,
-    stride_lb, stride_ls,
-    stride_dkvb, stride_dkvs,
-    D_V: tl.constexpr, D_ROPE: tl.constexpr,
-    BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_DR: tl.constexpr,
-    PRECISION: tl.constexpr,
-):
-    """``_sparse_mla_bwd_dkv`` in key-major form: the logits and their grads are formed transposed,
-    ``[BLOCK_N keys, BLOCK_H heads]``, so the keys are every dot's rows (``BLOCK_N`` = 64 keys: one
-    warpgroup MMA tile on Hopper) and ``ds^T`` / ``p^T`` enter the key-grad dot from registers,
-    with no transpose through shared memory."""
-    pid = tl.program_id(0)
-    t = (pid // n_key_blocks).to(tl.int64)
-    b = tl.program_id(1).to(tl.int64)
-    valid, rows, k_lat, k_rope = _gather_keys(
-        KV + b * stride_kvb, IDX + b * stride_ib + t * stride_is, (pid % n_key_blocks) * BLOCK_N, topk, stride_kvs,
-        D_V, D_ROPE, BLOCK_N, BLOCK_DV, BLOCK_DR,
-    )
-    dk_lat = tl.zeros([BLOCK_N, BLOCK_DV], dtype=tl.float32)
-    dk_rope = tl.zeros([BLOCK_N, BLOCK_DR], dtype=tl.float32)
-    h_end = tl.where(tl.max(valid.to(tl.int32)) > 0, n_heads, 0)  # a block of -1 entries only: no grad
-    for h0 in range(0, h_end, BLOCK_H):
-        heads = h0 + tl.arange(0, BLOCK_H)
-        q_lat, q_rope, do, lse = _load_heads(
-            Q, DO, LSE, b, t, heads, n_heads, stride_qb, stride_qs, stride_qh,
-            stride_dob, stride_dos, stride_doh, stride_lb, stride_ls, D_V, D_ROPE, BLOCK_DV, BLOCK_DR,
-        )
-        delta = tl.load(DELTA + b * stride_lb + t * stride_ls + heads, mask=heads < n_heads, other=0.0)
-        s_t = tl.dot(k_lat, tl.trans(q_lat), input_precision=PRECISION)
-        s_t += tl.dot(k_rope, tl.trans(q_rope), input_precision=PRECISION)
-        p_t = tl.where(valid[:, None], tl.exp2(s_t * scale_log2 - lse[None, :]), 0.0)
-        dp_t = tl.dot(k_lat, tl.trans(do), input_precision=PRECISION)
-        ds_t = (p_t * (dp_t - delta[None, :]) * scale).to(q_lat.dtype)
-        # dk_lat += ds^T q_lat + p^T do as one dot over 2 * BLOCK_H: [ds^T | p^T] @ [q_lat; do] (two
-        # dots into one accumulator spill about 6 KiB a thread on sm_90, this one about 0.3)
-        a = tl.reshape(tl.permute(tl.join(ds_t, p_t.to(do.dtype)), (0, 2, 1)), (BLOCK_N, 2 * BLOCK_H))
-        b_mat = tl.reshape(tl.permute(tl.join(q_lat, do), (2, 0, 1)), (2 * BLOCK_H, BLOCK_DV))
-        dk_lat = tl.dot(a, b_mat, dk_lat, input_precision=PRECISION)
-        dk_rope = tl.dot(ds_t, q_rope, dk_rope, input_precision=PRECISION)
-    _scatter_key_grad(DKV + b * stride_dkvb, rows, valid, stride_dkvs, dk_lat, dk_rope, D_V, D_ROPE, BLOCK_DV, BLOCK_DR)
-
-
-@triton.jit
 def _sparse_mla_head_mean_probs(
     Q, KV, IDX, P,
     n_heads, topk, scale_log2, inv_heads,
@@ -378,47 +326,24 @@ BLOCK_N_FWD = 32
 BLOCK_N_FUSED = 16  # keys per step of the query-grad kernel when it also scatters the key grad
 
 
-@dataclass(frozen=True)
-class BackwardLaunch:
-    """Block sizes and launch parameters of the two backward kernels in bf16/fp16 (fp32, for the
-    tests, always runs 16 heads x 16 keys, whose tiles fit shared memory at DeepSeek's sizes).
-
-    ``dq_*``: ``_sparse_mla_bwd_dq`` (heads per program, keys per step). ``dkv_form``:
-    ``"head_major"`` (``_sparse_mla_bwd_dkv``: logits ``[heads, keys]``) or ``"key_major"``
-    (``_sparse_mla_bwd_dkv_keys``: ``[keys, heads]``); ``dkv_*``: its heads per step and keys per
-    program."""
-
-    dq_heads: int
-    dq_keys: int
-    dq_warps: int
-    dq_stages: int
-    dkv_form: str
-    dkv_heads: int
-    dkv_keys: int
-    dkv_warps: int
-    dkv_stages: int
-
-    def for_dtype(self, elem_bytes: int) -> BackwardLaunch:
-        if elem_bytes <= 2:
-            return self
-        return replace(self, dq_heads=16, dq_keys=16, dkv_heads=16, dkv_keys=16)
+# The two-kernel backward's blocks in bf16/fp16, at DeepSeek's sizes (latent 512 + rope 64) on sm_90
+# (ptxas' counts, 255 registers a thread at most). The query grad takes 64 heads x 32 keys a step,
+# so its dots are warpgroup MMAs (wgmma; 172 KiB of shared memory, 68 bytes spilled) and a query's
+# key rows are gathered once per 64 heads; the key grad takes 32 keys a program and 32 heads a step
+# (head-major logits, mma.sync, no spills). fp32 (the tests) runs 16 x 16 blocks in both kernels,
+# whose tiles fit shared memory at DeepSeek's sizes.
+DQ_BLOCK_H, DQ_BLOCK_N = 64, 32
+DKV_BLOCK_H, DKV_BLOCK_N = 32, 32
+FP32_BLOCK = 16
+BACKWARD_WARPS = 8
 
 
-# The backward's launches at DeepSeek's sizes (latent 512 + rope 64, bf16) on sm_90, with ptxas'
-# counts (255 registers at most a thread). "warpgroup" (the default): the query grad takes 64 heads
-# x 32 keys a step, so its dots are warpgroup MMAs (wgmma, 172 KiB of shared memory, 68 bytes
-# spilled) and a query's key rows are gathered for two head blocks instead of four; then the
-# key-major key-grad kernel, 64 keys a program (the wgmma's 64 rows) x 32 heads a step, software-
-# pipelined (2 stages, 208 KiB, 344 bytes spilled), which re-reads each query's heads once per 64
-# keys instead of 32. "warpgroup_head_major": the same query grad, then the head-major key-grad
-# kernel, 32 heads x 32 keys (mma.sync, no spills). "mma": the first launch, 32 heads x 16 keys
-# and 32 x 32, whose dots are below the warpgroup MMA's 64 rows and run as mma.sync.
-BACKWARD_LAUNCHES = {
-    "warpgroup": BackwardLaunch(64, 32, 8, 1, "key_major", 32, 64, 8, 2),
-    "warpgroup_head_major": BackwardLaunch(64, 32, 8, 1, "head_major", 32, 32, 8, 1),
-    "mma": BackwardLaunch(32, 16, 8, 1, "head_major", 32, 32, 8, 1),
-}
-DEFAULT_BACKWARD = "warpgroup"
+def backward_blocks(elem_bytes: int) -> tuple[int, int, int, int]:
+    """``(heads, keys a step)`` of the query-grad kernel, then ``(heads a step, keys)`` of the
+    key-grad kernel, in the two-kernel backward for elements of ``elem_bytes``."""
+    if elem_bytes > 2:
+        return FP32_BLOCK, FP32_BLOCK, FP32_BLOCK, FP32_BLOCK
+    return DQ_BLOCK_H, DQ_BLOCK_N, DKV_BLOCK_H, DKV_BLOCK_N
 
 
 def _check(q, kv, indices, d_v):
@@ -434,9 +359,6 @@ def _check(q, kv, indices, d_v):
 
 def _last_dim_contiguous(t: torch.Tensor) -> torch.Tensor:
     return t if t.stride(-1) == 1 else t.contiguous()
-
-
-KEY_GRADS = ("head_summed", "per_head_block")
 
 
 def attention_forward(
@@ -467,24 +389,15 @@ def attention_forward(
 
 def attention_backward(
     q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
-    dout: torch.Tensor, softmax_scale: float, d_v: int, dkv: torch.Tensor, key_grad: str = "head_summed",
-    launch: BackwardLaunch | str = DEFAULT_BACKWARD,
+    dout: torch.Tensor, softmax_scale: float, d_v: int, dkv: torch.Tensor,
 ) -> torch.Tensor:
     """The backward kernels: returns ``dq`` and adds the key/value grad into ``dkv`` (fp32, the shape
     of ``kv``; a caller running query chunks passes the same buffer to every chunk).
 
-    ``key_grad``: ``"head_summed"`` sums each key block's grad over every head in a second kernel
-    before one atomic add per (key, dim), recomputing the logits there; ``"per_head_block"`` has the
-    query-grad kernel scatter it per head block (no second kernel, one atomic add per (key, dim)
-    and head block; 32 heads x 16 keys a step, whose fp32 key-grad tile leaves no room for more).
-    With at most one such head block both are that one kernel. ``launch``: the two-kernel form's
-    block sizes, a ``BackwardLaunch`` or a name in ``BACKWARD_LAUNCHES``."""
-    if key_grad not in KEY_GRADS:
-        raise ValueError(f"sparse_mla_attention: key_grad must be one of {KEY_GRADS}, got {key_grad!r}")
-    if isinstance(launch, str):
-        if launch not in BACKWARD_LAUNCHES:
-            raise ValueError(f"sparse_mla_attention: launch must be one of {tuple(BACKWARD_LAUNCHES)}, got {launch!r}")
-        launch = BACKWARD_LAUNCHES[launch]
+    The query grad per (token, head block), then the key grad per (token, key block) summed over
+    every head before one atomic add per (key, dim), recomputing the logits there (blocks:
+    ``backward_blocks``). With one head block of at most 32 heads (16 in fp32) the query-grad kernel
+    scatters the key grad itself, 16 keys a step, and the second kernel is skipped."""
     b, s, h, d = q.shape
     d_rope, topk = d - d_v, indices.shape[-1]
     dq = torch.empty_like(q)
@@ -495,14 +408,13 @@ def attention_backward(
     lse = lse.contiguous()  # (a chunk's rows of a whole-sequence buffer) delta is written with its strides
     delta = torch.empty_like(lse)  # rowwise sum(p * dp) = sum(out * dout), from the query-grad kernel
     fused_h, block_dv, block_dr = _block_sizes(h, d_v, d_rope, q.element_size(), backward=True)
-    with_dkv = key_grad == "per_head_block" or triton.cdiv(h, fused_h) == 1
-    launch = launch.for_dtype(q.element_size())
+    with_dkv = triton.cdiv(h, fused_h) == 1
+    dq_h, dq_n, dkv_h, dkv_n = backward_blocks(q.element_size())
     if with_dkv:
-        dq_h, dq_n, dq_warps, dq_stages = fused_h, BLOCK_N_FUSED, 8, 1
+        dq_h, dq_n = fused_h, BLOCK_N_FUSED
     else:
-        dq_h, dq_n = min(launch.dq_heads, max(16, triton.next_power_of_2(h))), launch.dq_keys
-        dq_warps, dq_stages = launch.dq_warps, launch.dq_stages
-    small = block_dv <= 128  # latent widths of 128 or less (tests): 4 warps
+        dq_h = min(dq_h, max(16, triton.next_power_of_2(h)))
+    warps = 4 if block_dv <= 128 else BACKWARD_WARPS  # latent widths of 128 or less (tests): 4 warps
     scales = (softmax_scale, softmax_scale * LOG2E)
     q_strides = (q.stride(0), q.stride(1), q.stride(2), kv.stride(0), kv.stride(1), indices.stride(0), indices.stride(1))
     grad_strides = (dout.stride(0), dout.stride(1), dout.stride(2), lse.stride(0), lse.stride(1))
@@ -511,17 +423,14 @@ def attention_backward(
         q, kv, indices, out, dout, lse, delta, dq, dkv, h, topk, *scales, *q_strides,
         out.stride(0), out.stride(1), out.stride(2), *grad_strides,
         dq.stride(0), dq.stride(1), dq.stride(2), dkv.stride(0), dkv.stride(1),
-        BLOCK_H=dq_h, BLOCK_N=dq_n, WITH_DKV=with_dkv, **sizes,
-        num_warps=4 if small else dq_warps, num_stages=dq_stages,
+        BLOCK_H=dq_h, BLOCK_N=dq_n, WITH_DKV=with_dkv, **sizes, num_warps=warps, num_stages=1,
     )
     if not with_dkv:
-        kernel = _sparse_mla_bwd_dkv_keys if launch.dkv_form == "key_major" else _sparse_mla_bwd_dkv
-        n_key_blocks = triton.cdiv(topk, launch.dkv_keys)
-        kernel[(s * n_key_blocks, b)](
+        n_key_blocks = triton.cdiv(topk, dkv_n)
+        _sparse_mla_bwd_dkv[(s * n_key_blocks, b)](
             q, kv, indices, dout, lse, delta, dkv, h, topk, n_key_blocks, *scales, *q_strides, *grad_strides,
             dkv.stride(0), dkv.stride(1),
-            BLOCK_H=launch.dkv_heads, BLOCK_N=launch.dkv_keys, **sizes,
-            num_warps=4 if small else launch.dkv_warps, num_stages=launch.dkv_stages,
+            BLOCK_H=dkv_h, BLOCK_N=dkv_n, **sizes, num_warps=warps, num_stages=1,
         )
     return dq
 
