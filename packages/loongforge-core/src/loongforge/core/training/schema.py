@@ -71,9 +71,10 @@ class TrainConfig:
     nonfinite_patience: int = 1
     use_distributed_optimizer: bool = False  # megatron-core engine: shard optimizer state over DP (ZeRO-1)
     overlap_grad_reduce: bool = False  # megatron-core engine: overlap the DP gradient reduction with the backward
-    # megatron-core engine on CUDA, standard optimizer: torch (torch's fused AdamW) | loongforge
-    # (loongforge-kernels' adamw_step: one kernel per param group; not yet timed on a GPU)
-    optimizer_kernel: str = "torch"
+    # megatron-core engine on CUDA, standard optimizer: loongforge (loongforge-kernels' adamw_step, one
+    # kernel per param group at 16-byte accesses; torch's fused AdamW where the kernels are not
+    # installed) | torch (torch's fused AdamW)
+    optimizer_kernel: str = "loongforge"
 
     def __post_init__(self):
         for key in ("steps", "global_batch_size"):
