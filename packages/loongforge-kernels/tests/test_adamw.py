@@ -110,3 +110,29 @@ def test_found_inf_skips_the_update(monkeypatch, flag):
     for a, b, c in zip(ours[0] + ours[2] + ours[3], ref[0] + ref[2] + ref[3], before):
         torch.testing.assert_close(a.float(), b.float(), rtol=3e-2, atol=6e-2)
         assert torch.equal(a, c) == (flag == 1.0)
+
+
+def test_plans_are_kept_and_reused_for_the_same_tensors(monkeypatch):
+    """With the caller's ``plans`` dict the launch tables of a list are built once and reused while its
+    tensors stay; other tensors get their own; the updates equal the reference's throughout."""
+    monkeypatch.setattr(fused_module, "BLOCK", 64)
+    plans: dict = {}
+    ours, ref = _state([(4, 32), (130,)], torch.bfloat16, torch.bfloat16), _state([(4, 32), (130,)], torch.bfloat16,
+                                                                                  torch.bfloat16)
+    for _ in range(3):
+        _advance(ours[4])
+        _advance(ref[4])
+        adamw_step(*ours, **HP, grad_scale=torch.tensor(0.5), plans=plans)
+        reference(*ref, **HP, grad_scale=torch.tensor(0.5))
+    assert len(plans) == 1
+    (launches,) = plans.values()
+    assert [launch.n_tensors for launch in launches] == [1, 1]  # the aligned tensor and the other, apart
+    other = _state([(16,)], torch.bfloat16, torch.bfloat16, seed=3)
+    other_ref = _state([(16,)], torch.bfloat16, torch.bfloat16, seed=3)
+    _advance(other[4])
+    _advance(other_ref[4])
+    adamw_step(*other, **HP, grad_scale=torch.tensor(1.0), plans=plans)
+    reference(*other_ref, **HP, grad_scale=torch.tensor(1.0))
+    assert len(plans) == 2 and plans[next(iter(plans))] is launches
+    for a, b in zip(ours[0] + ours[2] + ours[3] + other[0], ref[0] + ref[2] + ref[3] + other_ref[0]):
+        torch.testing.assert_close(a.float(), b.float(), rtol=3e-2, atol=6e-2)

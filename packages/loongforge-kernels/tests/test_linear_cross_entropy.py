@@ -132,3 +132,14 @@ def test_linear_cross_entropy_rejects_out_of_range_label():
     labels[2] = 10
     with pytest.raises(ValueError, match="label 10 is outside"):
         linear_cross_entropy(hidden, weight, labels)
+
+
+def test_an_out_of_range_label_in_training_is_refused_at_the_backwards_read():
+    """With a weight gradient to make, the forward reads nothing back: the label's loss is NaN (no
+    out-of-bounds read) and the backward's one host read refuses it by value."""
+    hidden, weight, labels = _inputs(4, 8, 10, -100, 0, seed=4)
+    labels[1] = -7
+    loss = linear_cross_entropy(hidden.requires_grad_(True), weight.requires_grad_(True), labels)
+    assert torch.isnan(loss[1]) and torch.isfinite(loss[[0, 2, 3]]).all()
+    with pytest.raises(ValueError, match="label -7 is outside"):
+        loss.sum().backward()

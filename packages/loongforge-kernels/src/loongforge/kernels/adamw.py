@@ -18,6 +18,7 @@ nothing is read back to the host.
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 import triton
@@ -27,6 +28,7 @@ from loongforge.core.kernels.adamw import check_adamw_lists
 from loongforge.kernels.launch import check_tensors
 
 BLOCK = 4096  # elements per program
+MAX_PLANS = 8  # launch tables kept in a caller's ``plans`` (one per param group and dtype mix is plenty)
 
 
 @triton.jit
@@ -98,16 +100,21 @@ def _table(lists, device) -> tuple[torch.Tensor, list[torch.Tensor], int]:
     return torch.tensor(rows, dtype=torch.int64).to(device), bases, blocks
 
 
-@torch.no_grad()
-def adamw_step(params, grads, exp_avgs, exp_avg_sqs, steps, lr: float, beta1: float, beta2: float,
-               eps: float, weight_decay: float, grad_scale: torch.Tensor, found_inf: torch.Tensor | None = None) -> None:
-    """Fused ``loongforge.core.kernels.adamw.adamw_step``: one launch per group of tensors that share
-    their param and gradient dtypes and alignment (the step counts: fp32, on the params' device)."""
-    check_adamw_lists(params, grads, exp_avgs, exp_avg_sqs, steps)
-    if not params:
-        return
-    flags = () if found_inf is None else (found_inf,)
-    device = check_tensors("adamw_step", *params, *grads, *exp_avgs, *exp_avg_sqs, *steps, grad_scale, *flags)
+@dataclass(frozen=True)
+class _Launch:
+    """One launch of ``_adamw_tensor_list``: its table, bases and grid, and what its tensors share."""
+
+    table: torch.Tensor
+    bases: list[torch.Tensor]
+    blocks: int
+    n_tensors: int
+    p_align: int
+    g_align: int
+    n_align: int
+
+
+def _launches(params, grads, exp_avgs, exp_avg_sqs, steps, device) -> list[_Launch]:
+    """The launches of one call: the tensors checked and grouped by dtypes and alignment."""
     if any(n.dtype != torch.float32 for n in steps):
         raise ValueError("adamw_step: the step counts must be fp32 tensors")
     groups: dict[tuple[torch.dtype, torch.dtype, bool], list[int]] = {}
@@ -121,16 +128,46 @@ def adamw_step(params, grads, exp_avgs, exp_avg_sqs, steps, lr: float, beta1: fl
             raise ValueError(f"adamw_step: tensor {i} (shape {tuple(p.shape)}) does not start on a whole element")
         if p.numel():
             groups.setdefault((p.dtype, g.dtype, _aligned(p, g, m, v)), []).append(i)
-    scale32 = grad_scale.to(device=device, dtype=torch.float32)
-    skip = scale32 if found_inf is None else found_inf.to(device=device, dtype=torch.float32)
+    launches = []
     for (p_dtype, g_dtype, aligned), index in groups.items():
         pick = [[lst[i] for i in index] for lst in (params, grads, exp_avgs, exp_avg_sqs, steps)]
         table, bases, blocks = _table(pick, device)
-        p_align, g_align, n_align = (16 // p_dtype.itemsize, 16 // g_dtype.itemsize, 16) if aligned else (1, 1, 1)
-        _adamw_tensor_list[(blocks,)](
-            table, len(index), scale32, skip, *bases,
+        align = (16 // p_dtype.itemsize, 16 // g_dtype.itemsize, 16) if aligned else (1, 1, 1)
+        launches.append(_Launch(table, bases, blocks, len(index), *align))
+    return launches
+
+
+@torch.no_grad()
+def adamw_step(params, grads, exp_avgs, exp_avg_sqs, steps, lr: float, beta1: float, beta2: float,
+               eps: float, weight_decay: float, grad_scale: torch.Tensor, found_inf: torch.Tensor | None = None,
+               plans: dict | None = None) -> None:
+    """Fused ``loongforge.core.kernels.adamw.adamw_step``: one launch per group of tensors that share
+    their param and gradient dtypes and alignment (the step counts: fp32, on the params' device).
+    ``plans``: the caller's dict, where the launch tables of the last few tensor lists are kept by
+    the tensors' addresses, so that a step over the same tensors builds and copies nothing."""
+    check_adamw_lists(params, grads, exp_avgs, exp_avg_sqs, steps)
+    if not params:
+        return
+    lists = (params, grads, exp_avgs, exp_avg_sqs, steps)
+    key = (*(t.data_ptr() for lst in lists for t in lst), *(p.numel() for p in params))
+    launches = plans.get(key) if plans is not None else None
+    flags = () if found_inf is None else (found_inf,)
+    if launches is None:
+        device = check_tensors("adamw_step", *params, *grads, *exp_avgs, *exp_avg_sqs, *steps, grad_scale, *flags)
+        launches = _launches(*lists, device)
+        if plans is not None:
+            while len(plans) >= MAX_PLANS:
+                plans.pop(next(iter(plans)))
+            plans[key] = launches
+    else:
+        device = params[0].device
+        check_tensors("adamw_step", params[0], grad_scale, *flags)
+    scale32 = grad_scale.to(device=device, dtype=torch.float32)
+    skip = scale32 if found_inf is None else found_inf.to(device=device, dtype=torch.float32)
+    for launch in launches:
+        _adamw_tensor_list[(launch.blocks,)](
+            launch.table, launch.n_tensors, scale32, skip, *launch.bases,
             lr, beta1, beta2, eps, weight_decay, math.log(beta1), math.log(beta2),
-            SEARCH_STEPS=max(1, (len(index)).bit_length()), BLOCK=BLOCK, P_ALIGN=p_align, G_ALIGN=g_align,
-            N_ALIGN=n_align, HAS_SKIP=found_inf is not None,
-            num_warps=8,
+            SEARCH_STEPS=max(1, launch.n_tensors.bit_length()), BLOCK=BLOCK, P_ALIGN=launch.p_align,
+            G_ALIGN=launch.g_align, N_ALIGN=launch.n_align, HAS_SKIP=found_inf is not None, num_warps=8,
         )

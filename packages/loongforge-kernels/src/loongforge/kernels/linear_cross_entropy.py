@@ -63,8 +63,9 @@ def _ce_forward(
     lse = running_max + tl.log(running_sum)
     label = tl.load(LABELS + row)
     ignored = label == ignore_index
-    target = tl.load(base + tl.where(ignored, 0, label)).to(tl.float32)
-    tl.store(LOSS + row, tl.where(ignored, 0.0, lse - target))
+    outside = (label < 0) | (label >= n_vocab)  # (the host reports it, at its next read: never read out of bounds)
+    target = tl.load(base + tl.where(ignored | outside, 0, label)).to(tl.float32)
+    tl.store(LOSS + row, tl.where(ignored, 0.0, tl.where(outside, float("nan"), lse - target)))
     tl.store(LSE + row, lse)
     if WRITE_GRAD:  # the row becomes softmax - onehot, the gradient of its loss (zero when ignored)
         _row_grad_in_place(base, n_vocab, label, lse, tl.where(ignored, 0.0, 1.0), BLOCK)
@@ -107,13 +108,22 @@ def _check(hidden, weight, labels, ignore_index):
     if labels.dtype not in (torch.int64, torch.int32):
         raise ValueError(f"linear_cross_entropy: labels must be int64 or int32, got {labels.dtype}")
     check_tensors("linear_cross_entropy", hidden, weight, labels)
-    vocab = weight.shape[0]
+
+
+def _outside_label(labels: torch.Tensor, vocab: int, ignore_index: int) -> torch.Tensor:
+    """``[any, label]``: whether a label is outside ``[0, vocab)`` without being ``ignore_index``, and
+    the one of them farthest from zero (an int64 pair on the device: no read)."""
     bad = (labels != ignore_index) & ((labels < 0) | (labels >= vocab))
-    if bool(bad.any()):
-        value = labels[bad][0].item()
-        raise ValueError(
-            f"linear_cross_entropy: label {value} is outside [0, {vocab}) and is not ignore_index={ignore_index}"
-        )
+    if not labels.numel():
+        return labels.new_zeros(2, dtype=torch.int64)
+    worst = torch.where(bad, labels, 0).long()
+    return torch.stack([bad.any().long(), worst[worst.abs().argmax()]])
+
+
+def _refuse_label(outside: list[int], vocab: int, ignore_index: int) -> None:
+    if outside[0]:
+        raise ValueError(f"linear_cross_entropy: label {outside[1]} is outside [0, {vocab}) and is not "
+                         f"ignore_index={ignore_index}")
 
 
 def _chunks(n_tokens: int, chunk: int):
@@ -139,6 +149,11 @@ class _LinearCrossEntropy(torch.autograd.Function):
         # (under no_grad, as in evaluation, needs_input_grad still follows requires_grad)
         need_hidden, need_weight = (grad_enabled and need for need in ctx.needs_input_grad[:2])
         grads = need_hidden or need_weight
+        # labels outside the vocabulary: reported at the backward's one host read where it has one (the
+        # weight gradient), else here (a read of its own)
+        ctx.outside = _outside_label(labels, vocab, ignore_index)
+        if not (need_weight and n_tokens):
+            _refuse_label(ctx.outside.tolist(), vocab, ignore_index)
         loss = torch.empty(n_tokens, dtype=torch.float32, device=hidden.device)
         lse = torch.empty(n_tokens, dtype=torch.float32, device=hidden.device)
         # unit gradients: each token's loss with gradient 1 (the backward scales them)
@@ -178,7 +193,8 @@ class _LinearCrossEntropy(torch.autograd.Function):
             counted = labels != ctx.ignore_index
             low = torch.where(counted, dloss, float("inf")).amin()
             high = torch.where(counted, dloss, float("-inf")).amax()
-            low, high = torch.stack([low, high]).tolist()  # the op's one host read
+            low, high, *outside = torch.cat([torch.stack([low, high]).double(), ctx.outside.double()]).tolist()
+            _refuse_label([int(v) for v in outside], weight.shape[0], ctx.ignore_index)  # (the op's one host read)
             if low < high:  # per-token factors: the weight gradient again, with them
                 dweight = _weight_grad(hidden, weight, labels, lse, dloss, ctx.ignore_index, ctx.chunk)
             elif low == high and low != 1.0:  # one factor for every counted token

@@ -215,8 +215,10 @@ def modulated_layer_norm_backward(
 
 
 def adamw_step(params, grads, exp_avgs, exp_avg_sqs, steps, lr: float, beta1: float, beta2: float,
-               eps: float, weight_decay: float, grad_scale: torch.Tensor, found_inf: torch.Tensor | None = None) -> None:
-    args = (params, grads, exp_avgs, exp_avg_sqs, steps, lr, beta1, beta2, eps, weight_decay, grad_scale, found_inf)
+               eps: float, weight_decay: float, grad_scale: torch.Tensor, found_inf: torch.Tensor | None = None,
+               plans: dict | None = None) -> None:
+    args = (params, grads, exp_avgs, exp_avg_sqs, steps, lr, beta1, beta2, eps, weight_decay, grad_scale, found_inf,
+            plans)
     if params and _triton_runs_on(params[0].device):  # (a list: dispatched on its first tensor)
         from loongforge.kernels.adamw import adamw_step as fused
 

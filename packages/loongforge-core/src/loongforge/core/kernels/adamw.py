@@ -1,14 +1,16 @@
 """AdamW's update over lists of tensors: the reference of the ``adamw_step`` op.
 
 ``adamw_step(params, grads, exp_avgs, exp_avg_sqs, steps, lr, beta1, beta2, eps, weight_decay,
-grad_scale, found_inf=None)`` applies ``torch.optim.AdamW``'s update to every ``param`` in place, with its moments
+grad_scale, found_inf=None, plans=None)`` applies ``torch.optim.AdamW``'s update to every ``param`` in place, with its moments
 ``exp_avg`` / ``exp_avg_sq``, after multiplying each gradient by ``grad_scale`` (a 0-d fp32 tensor:
 the step's per-token normalisation times its clipping factor). ``steps`` holds each tensor's 0-d
 fp32 step count: the number of this update, counted from 1 (the optimizer's ``state["step"]``,
 already advanced). The math is fp32 whatever the tensors' dtypes (bf16 weights and moments under
 pure bf16, fp32 main weights in mixed precision); results are stored in each tensor's own dtype,
 as torch's fused AdamW does. ``found_inf`` (a 0-d fp32 tensor, optional) of 1 leaves every tensor
-as it was (the step was not finite), decided on the device as fused AdamW's ``found_inf`` is:
+as it was (the step was not finite), decided on the device as fused AdamW's ``found_inf`` is.
+``plans`` (optional): a dict the caller keeps between calls, where an implementation may keep what
+it prepared for a list of tensors (the fused one: its launch tables, by the tensors' addresses):
 
     p = p * (1 - lr * weight_decay)
     m = lerp(m, g, 1 - beta1)
@@ -44,8 +46,8 @@ def check_adamw_lists(params: Sequence[torch.Tensor], grads: Sequence[torch.Tens
 def adamw_step(params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor], exp_avgs: Sequence[torch.Tensor],
                exp_avg_sqs: Sequence[torch.Tensor], steps: Sequence[torch.Tensor], lr: float, beta1: float,
                beta2: float, eps: float, weight_decay: float, grad_scale: torch.Tensor,
-               found_inf: torch.Tensor | None = None) -> None:
-    """One AdamW update of every tensor in place (see the module docstring)."""
+               found_inf: torch.Tensor | None = None, plans: dict | None = None) -> None:
+    """One AdamW update of every tensor in place (see the module docstring; ``plans`` is unused here)."""
     check_adamw_lists(params, grads, exp_avgs, exp_avg_sqs, steps)
     if found_inf is not None and bool(found_inf):
         return

@@ -133,12 +133,14 @@ def _adam_state(optimizer: torch.optim.Optimizer, p: torch.Tensor) -> dict:
 
 
 @torch.no_grad()
-def adamw_update(optimizer, multiplier: torch.Tensor, adamw_step, found_inf: torch.Tensor | None = None) -> None:
+def adamw_update(optimizer, multiplier: torch.Tensor, adamw_step, found_inf: torch.Tensor | None = None,
+                 plans: dict | None = None) -> None:
     """One AdamW update of every parameter of ``optimizer`` (``adamw_applies``) through the registry
     op ``adamw_step`` (one kernel per param group), every gradient multiplied by ``multiplier``
     inside it, skipped where ``found_inf`` is 1; in mixed precision the bf16 model weights are then
     refreshed from the fp32 main weights by one multi-tensor copy. What megatron's
-    ``step_with_ready_grads`` does around torch's AdamW, in fewer passes."""
+    ``step_with_ready_grads`` does around torch's AdamW, in fewer passes. ``plans``: the caller's
+    dict for ``adamw_step`` to keep its launch tables in between steps."""
     from megatron.core.optimizer import Float16OptimizerWithFloat16Params
 
     for sub in sub_optimizers(optimizer):
@@ -154,7 +156,7 @@ def adamw_update(optimizer, multiplier: torch.Tensor, adamw_step, found_inf: tor
             adamw_step(params, [p.grad for p in params], [s["exp_avg"] for s in states],
                        [s["exp_avg_sq"] for s in states], steps, lr=group["lr"], beta1=beta1, beta2=beta2,
                        eps=group["eps"], weight_decay=group["weight_decay"], grad_scale=multiplier,
-                       found_inf=found_inf)
+                       found_inf=found_inf, plans=plans)
         if isinstance(sub, Float16OptimizerWithFloat16Params):
             for model_params, main_params in zip(sub.float16_groups, sub.fp32_from_float16_groups):
                 if model_params:

@@ -39,12 +39,14 @@ from loongforge.core.training.task import MegatronTask, StepBatch
 @dataclass
 class _StepSums:
     """A step's numbers on the device: the per-token mean loss and gradient norm, the loss tokens
-    (the gradients' divisor), the summed totals (loss sum, count, input tokens, FLOPs)."""
+    (the gradients' divisor), the summed totals (loss sum, count, input tokens, FLOPs; in a single
+    process the input tokens and FLOPs stay on the host: ``host_totals``)."""
 
     loss: torch.Tensor
     norm: torch.Tensor
     divisor: torch.Tensor
     totals: torch.Tensor
+    host_totals: list[float] | None
     compute_seconds: float
     offloaded: int | None
 
@@ -197,6 +199,7 @@ class MegatronEngine:
         self._own_adamw = (train.optimizer_kernel == "loongforge" and ctx.device.type == "cuda"
                            and grad_update.adamw_applies(self.optimizer)
                            and self._adamw_step is not get_op("adamw_step").reference)
+        self._adamw_plans: dict = {}  # adamw_step's launch tables, kept between steps
         self.set_group_hyperparameters()
         cfg = self.transformer_config
         self._finalize_model_grads = finalize_model_grads
@@ -293,29 +296,35 @@ class MegatronEngine:
         compute_seconds = (self._compute_end - t0) if self._compute_end is not None else float("nan")
         self._compute_end = None
         offloaded = self.offload.reset_step() if self.offload is not None else None
-        # loss sum, loss count, input tokens, FLOPs: counted once per DP replica
+        # loss sum, loss count, input tokens, FLOPs: counted once per DP replica; the host's numbers go in
+        # as one tensor from the host (a single process needs no reduction: nothing is copied)
+        counts_here = self.ctx.is_last_stage and self.ctx.tp_rank == 0  # TP ranks hold the same loss: once
+        first_of_replica = counts_here and self.ctx.pgs.cp.rank() == 0
+        host = [float(step.tokens or 0), float(step.flops or 0)] if first_of_replica else [0.0, 0.0]
+        single = dist.get_world_size() == 1
         totals = torch.zeros(4, dtype=torch.float64, device=self.ctx.device)
-        if self.ctx.is_last_stage and self.ctx.tp_rank == 0:  # TP ranks hold the same loss; count it once
+        if counts_here:
             for entry in losses:
                 loss_sum, count = entry["loss"]
                 totals[0] += loss_sum.detach().double()
                 totals[1] += count
-        first_of_replica = self.ctx.is_last_stage and self.ctx.tp_rank == 0 and self.ctx.pgs.cp.rank() == 0
-        if first_of_replica:
-            totals[2] = float(step.tokens or 0)
-            totals[3] = float(step.flops or 0)
-        dist.all_reduce(totals)
+        if not single:
+            totals[2:] = torch.tensor(host, dtype=torch.float64).to(self.ctx.device, non_blocking=True)
+            dist.all_reduce(totals)
         self.optimizer.prepare_grads()
         # the gradients are sums over the step's loss tokens (every DP and CP rank's): their per-token
         # mean is 1 / divisor of them
         divisor = totals[1].clamp(min=1)
         return _StepSums(loss=totals[0] / divisor, norm=grad_update.grad_norm(self.optimizer, self.ctx.device).double()
-                         / divisor, divisor=divisor, totals=totals, compute_seconds=compute_seconds,
-                         offloaded=offloaded)
+                         / divisor, divisor=divisor, totals=totals, host_totals=host if single else None,
+                         compute_seconds=compute_seconds, offloaded=offloaded)
 
     def _output(self, sums: _StepSums, step: StepBatch) -> StepOutput:
         """The step's numbers, read back to the host in one read."""
-        loss, norm, tokens, flops = torch.stack([sums.loss, sums.norm, sums.totals[2], sums.totals[3]]).tolist()
+        if sums.host_totals is None:
+            loss, norm, tokens, flops = torch.stack([sums.loss, sums.norm, sums.totals[2], sums.totals[3]]).tolist()
+        else:
+            (loss, norm), (tokens, flops) = torch.stack([sums.loss, sums.norm]).tolist(), sums.host_totals
         return StepOutput(
             loss=loss,
             grad_norm=norm,
@@ -355,7 +364,7 @@ class MegatronEngine:
 
     def _update(self, multiplier: torch.Tensor, found_inf: torch.Tensor | None) -> None:
         if self._own_adamw:
-            grad_update.adamw_update(self.optimizer, multiplier, self._adamw_step, found_inf)
+            grad_update.adamw_update(self.optimizer, multiplier, self._adamw_step, found_inf, self._adamw_plans)
         else:
             grad_update.scale_into_step(self.optimizer, multiplier, self.optimizer.step_with_ready_grads, found_inf)
 
