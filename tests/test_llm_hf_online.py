@@ -60,6 +60,7 @@ def test_bad_save_hf_fails_before_training(hf_dir, tmp_path, capsys):
     assert not (tmp_path / "out").exists()
 
 
+@pytest.mark.long  # (the default tier's budget: test_llm_convert trains from an HF import and exports in one process)
 def test_train_from_hf_at_tp2_and_export(hf_dir, tmp_path, llm_data_cache):
     """lr=0: the exported tensors are the imported ones bit for bit, and step 1's loss is
     transformers' loss on the same batch (both TP ranks read their halves of the HF tensors)."""

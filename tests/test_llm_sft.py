@@ -100,6 +100,7 @@ def test_resume_replays_the_same_plan(dp2, tmp_path, chats):
         assert sample_ids(resumed, rank) == {s: want[s] for s in range(3, STEPS + 1)}
 
 
+@pytest.mark.long  # (the default tier's budget: test_llm_resume reshards a TP2 checkpoint to PP2)
 def test_pp2_continues_the_dp2_run(dp2, tmp_path, chats):
     """PP=2 (packed rows padded to seq_length, the step's micro-batches through the pipeline)
     from the DP=2 step-2 checkpoint (resharded on load) gives the DP=2 losses of steps 3.."""

@@ -293,6 +293,7 @@ def test_released_image_to_video_flavours_match_diffusers_on_meta(capsys):
 
 
 @pytest.mark.slow
+@pytest.mark.long  # (the default tier's budget: test_model_equivalence compares compiled blocks with eager)
 @pytest.mark.parametrize("overrides", [I2V, TI2V], ids=["i2v", "ti2v"])
 def test_image_conditioned_compiled_blocks_equal_eager(overrides):
     """Regional compilation with selective checkpointing over an image-conditioned pack: output and

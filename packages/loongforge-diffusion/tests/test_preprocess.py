@@ -89,6 +89,7 @@ def test_cli_preprocess_with_shipped_defaults(setup, capsys):
     assert "preprocess.json: this directory was preprocessed with max_area=2304" in capsys.readouterr().err
 
 
+@pytest.mark.long  # (the default tier's budget: the one-process CLI preprocessing is tested above)
 def test_cli_preprocess_under_torchrun_equals_one_process(setup, tmp_path):
     """Two ranks (gloo) split the shards, the manifest waits for both, and the result equals one
     process's."""

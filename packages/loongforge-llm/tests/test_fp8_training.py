@@ -391,6 +391,7 @@ destroy_parallel()
 
 
 @pytest.mark.slow
+@pytest.mark.long  # (the default tier's budget: test_tp2_fp8_matches_one_process runs FP8 at TP2)
 def test_tp2_ranks_agree_on_one_plan(tmp_path):
     """Two TP ranks whose timings disagree end with one plan: each time is the slower rank's, and
     the choice is made from those (rank 0 alone would keep dgrad in FP8, rank 1 wgrad at 64x32)."""

@@ -151,7 +151,10 @@ def adamw_update(optimizer, multiplier: torch.Tensor, adamw_step, found_inf: tor
                 continue
             states = [_adam_state(inner, p) for p in params]
             steps = [state["step"] for state in states]
-            torch._foreach_add_(steps, 1 if found_inf is None else 1 - found_inf)
+            if found_inf is None:
+                torch._foreach_add_(steps, 1)
+            else:  # (a list of device scalars: the one-tensor form reads its scalar back to the host)
+                torch._foreach_add_(steps, [1 - found_inf] * len(steps))
             beta1, beta2 = group["betas"]
             adamw_step(params, [p.grad for p in params], [s["exp_avg"] for s in states],
                        [s["exp_avg_sq"] for s in states], steps, lr=group["lr"], beta1=beta1, beta2=beta2,
