@@ -2,7 +2,7 @@
 
 import torch
 
-from loongforge.llm.layers.discarded_output import DiscardedOutput
+from loongforge.llm.layers.discarded_output import DiscardedOutput, TakesDiscardedInput
 
 
 def _chain(x, w1, w2, discard: bool):
@@ -69,3 +69,63 @@ def test_without_a_backward_the_output_is_kept():
         d.discard(z)
     torch.testing.assert_close(y, torch.tanh(x).detach(), rtol=0, atol=0)
     torch.testing.assert_close(z, torch.tanh(x).detach() @ w.detach(), rtol=0, atol=0)
+
+
+class _Consumer(TakesDiscardedInput):
+    """A linear that takes its input over where it is offered (as the fast layer spec's linears do)."""
+
+    def __init__(self, w):
+        self.w = w
+        self.took = None
+
+    def __call__(self, y):
+        discarded, self.discarded_input = self.discarded_input, None
+        self.took = discarded is not None and discarded.claim(y)
+        return _TakingLinear.apply(y, self.w, discarded if self.took else None)
+
+
+class _TakingLinear(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, y, w, discarded):
+        ctx.discarded = discarded
+        ctx.save_for_backward(w, *(() if discarded is not None else (y,)))
+        return y @ w
+
+    @staticmethod
+    def backward(ctx, dz):
+        w, *kept = ctx.saved_tensors
+        y = ctx.discarded.recomputed_input() if ctx.discarded is not None else kept[0]
+        return dz @ w.t(), y.t() @ dz, None
+
+
+def test_a_consumer_that_takes_the_output_over_saves_nothing_and_gets_the_same_gradients():
+    torch.manual_seed(1)
+    x = torch.randn(6, 8, requires_grad=True)
+    w1, w2 = torch.randn(8, 16, requires_grad=True), torch.randn(16, 4, requires_grad=True)
+    z_ref, _ = _chain(x, w1, w2, discard=False)
+    ref = torch.autograd.grad(z_ref.square().sum(), (x, w1, w2))
+    consumer = _Consumer(w2)
+    act = DiscardedOutput()
+    y = act.run(torch.nn.functional.silu, x @ w1, consumer=consumer)
+    assert consumer.discarded_input is act
+    z = consumer(y)
+    act.discard(z)
+    assert consumer.took and consumer.discarded_input is None and act.output is None
+    assert y.untyped_storage().nbytes() == 0  # freed after the forward
+    got = torch.autograd.grad(z.square().sum(), (x, w1, w2))
+    for a, b in zip(got, ref):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+    assert act.recomputed is None  # handed over once, then dropped
+
+
+def test_an_offer_for_another_tensor_is_not_taken():
+    x = torch.randn(5, 8, requires_grad=True)
+    w = torch.randn(8, 3, requires_grad=True)
+    consumer = _Consumer(w)
+    act = DiscardedOutput()
+    y = act.run(torch.tanh, x, consumer=consumer)
+    z = consumer(y * 1.0)  # a new tensor, not the output: the consumer saves it as usual
+    act.discard(z)
+    assert not consumer.took and consumer.discarded_input is None
+    z.sum().backward()
+    torch.testing.assert_close(x.grad, (1 - torch.tanh(x) ** 2) * w.sum(1), rtol=1e-6, atol=1e-6)

@@ -90,6 +90,36 @@ def test_recompute_elementwise_changes_nothing(megatron_world):
         torch.testing.assert_close(got[name], want[name], **TOL)
 
 
+def test_recomputed_inputs_handed_to_the_main_grad_linears_change_nothing(megatron_world, monkeypatch):
+    """Inside the engine's schedule (``main_grad_fusion``) the linears after the recomputed norms and
+    SwiGLU take their inputs over from ``DiscardedOutput`` (saving nothing of them): every weight
+    gradient in ``main_grad`` equals the run that keeps the outputs."""
+    from loongforge.core.training.main_grad import main_grad_fusion
+    from loongforge.llm.layers.discarded_output import DiscardedOutput
+    from loongforge.llm.layers.spec import fast_layer_spec
+
+    claims = []
+    claim = DiscardedOutput.claim
+    monkeypatch.setattr(DiscardedOutput, "claim", lambda self, x: claims.append(claim(self, x)) or claims[-1])
+    torch.manual_seed(0)
+    keep = _gpt(fast_layer_spec(CFG, recompute_elementwise=False))
+    recompute = _gpt(fast_layer_spec(CFG, recompute_elementwise=True))
+    recompute.load_state_dict(keep.state_dict())
+    tokens, labels, pos = _batch(2, 9)
+    grads = []
+    for model in (keep, recompute):
+        for p in model.parameters():  # megatron DDP's gradient buffer, as the engine gives it
+            p.main_grad = torch.zeros_like(p)
+            p.grad_added_to_main_grad = False
+        with main_grad_fusion():
+            model(tokens, pos, None, labels=labels).sum().backward()
+        grads.append({n: p.main_grad + (p.grad if p.grad is not None and not p.grad_added_to_main_grad else 0)
+                      for n, p in model.named_parameters()})
+    assert claims == [True] * (3 * CFG.num_layers)  # the QKV, fc1 and fc2 linears of every layer took theirs
+    for name in grads[0]:
+        torch.testing.assert_close(grads[1][name], grads[0][name], **TOL, msg=lambda m, n=name: f"{n}: {m}")
+
+
 def _check_against_local_spec(cfg):
     ours, ref = _pair(cfg)
     tokens, labels, pos = _batch(3, 13)

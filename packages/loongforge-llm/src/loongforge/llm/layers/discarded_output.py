@@ -10,6 +10,9 @@ backward then runs through the recomputed graph.
 This is what megatron-core's ``CheckpointWithoutOutput`` does, without its C++ extension (built
 with a compiler at run time, on the first backward, behind a file lock that a killed run leaves
 behind): the recomputed values are copied into the refilled storage, one elementwise pass over ``y``.
+A consumer that knows the hand-over (``TakesDiscardedInput``: the fast layer spec's linears) saves
+no ``y`` at all: it takes ``y`` from the ``DiscardedOutput`` in its backward, the recomputed tensor
+itself, so neither the storage games nor the copy are needed.
 ``f`` must be deterministic (norms, activations): no RNG state is replayed.
 """
 
@@ -37,6 +40,15 @@ class _Run(torch.autograd.Function):
         return (None, None, *(x.grad if x.requires_grad else None for x in inputs))
 
 
+class TakesDiscardedInput:
+    """A module that can take its next input from a ``DiscardedOutput`` rather than save it:
+    ``DiscardedOutput.run(..., consumer=module)`` offers it (``discarded_input``); the module's
+    forward calls ``claim(input)`` on it (and clears the offer), and its backward reads the input
+    from ``recomputed_input()``."""
+
+    discarded_input: DiscardedOutput | None = None
+
+
 class DiscardedOutput:
     """One use: ``y = d.run(f, x)``, then ``z = consumer(y)``, then ``d.discard(z)``."""
 
@@ -45,20 +57,53 @@ class DiscardedOutput:
         self.ctx = None
         self.output: torch.Tensor | None = None
         self.nbytes = 0
+        self.consumer: TakesDiscardedInput | None = None
+        self.claimed = False
+        self.recomputed: torch.Tensor | None = None
 
-    def run(self, fn: Callable[..., torch.Tensor], *inputs: torch.Tensor) -> torch.Tensor:
+    def run(self, fn: Callable[..., torch.Tensor], *inputs: torch.Tensor,
+            consumer: object | None = None) -> torch.Tensor:
+        """``fn(*inputs)``, recorded for recomputation; ``consumer``: the module ``y`` is handed to,
+        offered the hand-over where it takes it (``TakesDiscardedInput``)."""
         self.fn = fn
         self.output = _Run.apply(fn, self, *inputs)
+        if isinstance(consumer, TakesDiscardedInput):
+            self.consumer = consumer
+            consumer.discarded_input = self
         return self.output
+
+    def claim(self, x: torch.Tensor) -> bool:
+        """The consumer's forward: whether ``x`` is this output (then the consumer saves nothing of it
+        and reads ``recomputed_input()`` in its backward)."""
+        y = self.output
+        self.claimed = (y is not None and x.data_ptr() == y.data_ptr() and x.shape == y.shape
+                        and x.stride() == y.stride() and x.requires_grad)
+        return self.claimed
+
+    def recomputed_input(self) -> torch.Tensor:
+        """The recomputed output, for the consumer's backward (after ``discard``'s hook has run); read
+        once (this drops its reference)."""
+        if self.recomputed is None:
+            raise RuntimeError("DiscardedOutput: the consumer's backward ran before the output was recomputed "
+                               "(its gradient hook did not fire)")
+        x, self.recomputed = self.recomputed, None
+        return x
 
     def discard(self, hook_tensor: torch.Tensor) -> None:
         """Free the output's storage; it is recomputed when ``hook_tensor``'s gradient arrives
         (``hook_tensor``: the consumer's output, whose backward needs the freed tensor). Without a
-        backward to come (no grad recorded, e.g. under ``torch.no_grad()``) the output is kept."""
+        backward to come (no grad recorded, e.g. under ``torch.no_grad()``) the output is kept.
+        Where the consumer took the output over (``claim``), nothing saved it: the recomputation
+        hands its result to the consumer, and the freed storage stays freed."""
+        if self.consumer is not None:
+            self.consumer.discarded_input = None  # (an offer the consumer did not take ends here too)
+            self.consumer = None
         if not hook_tensor.requires_grad:
             return
         self.nbytes = self.output.untyped_storage().nbytes()
         self.output.untyped_storage().resize_(0)
+        if self.claimed:
+            self.output = None
         hook_tensor.register_hook(self._recompute)
 
     def _recompute(self, grad):
@@ -67,6 +112,11 @@ class DiscardedOutput:
         inputs = tuple(x.detach().requires_grad_(x.requires_grad) for x in self.ctx.saved_tensors)
         with torch.enable_grad():
             out = self.fn(*inputs)
+        self.ctx.recomputed = (inputs, out)
+        if self.claimed:  # the consumer reads it from here
+            self.recomputed = out.detach()
+            self.fn = self.ctx = None
+            return grad
         # refill the freed storage through an alias of its own (the consumer's saved tensor keeps
         # its version counter, so autograd sees no in-place change)
         y = self.output
@@ -75,6 +125,5 @@ class DiscardedOutput:
         alias = torch.empty(0, dtype=y.dtype, device=y.device).set_(storage, y.storage_offset(), y.shape, y.stride())
         with torch.no_grad():
             alias.copy_(out)
-        self.ctx.recomputed = (inputs, out)
         self.fn = self.ctx = self.output = None
         return grad

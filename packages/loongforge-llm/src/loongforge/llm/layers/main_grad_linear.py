@@ -22,14 +22,19 @@ from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinea
 
 from loongforge.core.kernels.matmul import add_matmul
 from loongforge.core.training.main_grad import main_grad_fusion_active
+from loongforge.llm.layers.discarded_output import TakesDiscardedInput
 
 
 class MainGradLinear(torch.autograd.Function):
-    """``y = x @ weight.T (+ bias)``; the weight's gradient goes into ``weight.main_grad``."""
+    """``y = x @ weight.T (+ bias)``; the weight's gradient goes into ``weight.main_grad``.
+    ``discarded``: the ``DiscardedOutput`` ``x`` came from, which hands ``x`` back, recomputed, to
+    the backward (nothing of ``x`` is saved here)."""
 
     @staticmethod
-    def forward(ctx, x, weight, bias):
-        ctx.save_for_backward(x)
+    def forward(ctx, x, weight, bias, discarded=None):
+        ctx.discarded = discarded
+        if discarded is None:
+            ctx.save_for_backward(x)
         # the parameter itself (not a saved copy: saved-tensor hooks such as activation offloading hand
         # back new tensors, without main_grad)
         ctx.weight = weight
@@ -39,8 +44,10 @@ class MainGradLinear(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dy):
-        (x,), weight = ctx.saved_tensors, ctx.weight
-        need_x, need_w, need_b = ctx.needs_input_grad
+        weight = ctx.weight
+        x = ctx.discarded.recomputed_input() if ctx.discarded is not None else ctx.saved_tensors[0]
+        ctx.discarded = None
+        need_x, need_w, need_b = ctx.needs_input_grad[:3]
         dx = torch.matmul(dy, weight) if need_x else None
         dw = db = None
         dy2 = dy.reshape(-1, dy.shape[-1])
@@ -51,15 +58,17 @@ class MainGradLinear(torch.autograd.Function):
             dw = torch.empty(weight.shape, dtype=weight.dtype, device=weight.device)
         if need_b and ctx.has_bias:
             db = dy2.sum(0)
-        return dx, dw, db
+        return dx, dw, db, None
 
 
-class _MainGradGemm:
+class _MainGradGemm(TakesDiscardedInput):
     """The local GEMM (``_forward_impl``) of megatron's parallel linears on ``MainGradLinear`` where
-    it applies (see the module docstring), megatron's own otherwise."""
+    it applies (see the module docstring), megatron's own otherwise; an input offered by a
+    ``DiscardedOutput`` is taken over there (not saved)."""
 
     def _forward_impl(self, input, weight, bias, gradient_accumulation_fusion, allreduce_dgrad, sequence_parallel,
                       grad_output_buffer=None, wgrad_deferral_limit=None, tp_group=None, gtp_remat_size=1):
+        discarded, self.discarded_input = self.discarded_input, None
         own = (  # no communication fused into the GEMM (megatron overlaps a TP dgrad all-reduce with it)
             main_grad_fusion_active()
             and hasattr(weight, "main_grad")
@@ -77,7 +86,9 @@ class _MainGradGemm:
                                          grad_output_buffer=grad_output_buffer,
                                          wgrad_deferral_limit=wgrad_deferral_limit, tp_group=tp_group,
                                          gtp_remat_size=gtp_remat_size)
-        return MainGradLinear.apply(input, weight, bias)
+        if discarded is not None and not discarded.claim(input):
+            discarded = None
+        return MainGradLinear.apply(input, weight, bias, discarded)
 
 
 class MainGradColumnParallelLinear(_MainGradGemm, ColumnParallelLinear):

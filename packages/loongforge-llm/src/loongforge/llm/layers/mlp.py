@@ -42,7 +42,7 @@ class FusedMLP(MLP):
             gate_up = gate_up + bias
         if self.recompute_activation and self.training and gate_up.requires_grad:
             activation = DiscardedOutput()
-            out, out_bias = self.linear_fc2(activation.run(self._swiglu, gate_up))
+            out, out_bias = self.linear_fc2(activation.run(self._swiglu, gate_up, consumer=self.linear_fc2))
             activation.discard(out)
         else:
             out, out_bias = self.linear_fc2(self._swiglu(gate_up))

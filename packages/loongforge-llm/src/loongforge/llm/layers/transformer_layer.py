@@ -49,7 +49,7 @@ class FusedTransformerLayer(TransformerLayer):
 
         if recompute:
             norm1 = DiscardedOutput()
-            normed = norm1.run(self.input_layernorm, hidden_states)
+            normed = norm1.run(self.input_layernorm, hidden_states, consumer=getattr(self.self_attention, "linear_qkv", None))
         else:
             normed = self.input_layernorm(hidden_states)
         attn, attn_bias = self.self_attention(normed, attention_mask=attention_mask, **attn_kwargs)
@@ -61,7 +61,7 @@ class FusedTransformerLayer(TransformerLayer):
         if recompute:
             residual = attn + hidden_states
             norm2 = DiscardedOutput()
-            normed2 = norm2.run(self.pre_mlp_layernorm, residual)
+            normed2 = norm2.run(self.pre_mlp_layernorm, residual, consumer=self.mlp.linear_fc1)
         else:
             normed2, residual = self.pre_mlp_layernorm(attn, residual=hidden_states)
         out, out_bias = self.mlp(normed2)
