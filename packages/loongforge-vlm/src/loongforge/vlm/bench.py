@@ -298,7 +298,7 @@ def our_step(cfg, hf_dir: Path | None = None, samples: list[dict] | None = None,
     from loongforge.core.hf_mapping.online import load_hf_weights
     from loongforge.core.parallel import init_parallel
     from loongforge.vlm.cli import make_task
-    from loongforge.vlm.hf import VLM_HF_ADAPTER
+    from loongforge.vlm.family import VLM_SPEC
 
     ctx = init_parallel(seed=cfg.train.seed)
     task = make_task(cfg)
@@ -310,7 +310,7 @@ def our_step(cfg, hf_dir: Path | None = None, samples: list[dict] | None = None,
                          for i in range(0, len(samples), pack_size)]
     step, trainer = training_step(task, ctx, cfg, micro_batches)
     if hf_dir is not None:
-        load_hf_weights(trainer.inner_model, hf_dir, VLM_HF_ADAPTER, task.model_cfg)
+        load_hf_weights(trainer.inner_model, hf_dir, VLM_SPEC.hf_adapter, task.model_cfg)
         trainer.engine.optimizer.reload_model_params()  # the fp32 main weights from the loaded ones
     return step
 

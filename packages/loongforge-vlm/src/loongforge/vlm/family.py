@@ -4,7 +4,7 @@
 from __future__ import annotations
 
 from loongforge.core.models import ModelSpec
-from loongforge.vlm.hf import VLM_HF_ADAPTER
+from loongforge.vlm.hf import hf_adapter
 from loongforge.vlm.model import VisionLanguageModel, VLMModelConfig
 from loongforge.vlm.parallel import build_vision_groups
 
@@ -30,5 +30,5 @@ VLM_SPEC = ModelSpec(
     build=build_vlm,
     engine="megatron",
     task=make_task,
-    hf_adapter=VLM_HF_ADAPTER,
+    hf_adapter=hf_adapter(),
 )

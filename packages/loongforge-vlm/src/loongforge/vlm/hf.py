@@ -1,8 +1,9 @@
-"""The Hugging Face layouts of the ``vlm`` family: one per HF architecture (``layouts()``), each
-its own mapping tables and ``config.json`` translation; the family's adapter reads the layout of
-a checkpoint's ``architectures`` and writes the one of a model's encoder and foundation families.
-Qwen2.5-VL's (``Qwen2_5_VLForConditionalGeneration``) is here; Qwen3-VL's is ``hf_qwen3_vl``,
-Qwen3-VL-MoE's ``hf_qwen3_vl_moe``, InternVL's ``hf_internvl``.
+"""The Hugging Face layouts of the ``vlm`` family: one per HF architecture, each its own mapping
+tables and ``config.json`` translation, registered under ``loongforge.vlm.hf_layouts``
+(``hf_layout.Layout``; ``layouts()`` reads them all, shipped and installed by other packages);
+the family's adapter reads the layout of a checkpoint's ``architectures`` and writes the one of a
+model's encoder and foundation families. Qwen2.5-VL's (``Qwen2_5_VLForConditionalGeneration``) is
+here; Qwen3-VL's is ``hf_qwen3_vl``, Qwen3-VL-MoE's ``hf_qwen3_vl_moe``, InternVL's ``hf_internvl``.
 
 The checkpoint is three parts, each a declarative table of the core mapping engine bound to its
 own config and prefixed: the vision transformer (``visual.*`` <-> ``encoder.*``), its patch
@@ -16,18 +17,18 @@ linear map of flattened patches (a reshape).
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass
+from functools import cache
+from importlib.metadata import entry_points
 
 import torch
 
 from loongforge.core.hf_mapping import FuseQKV, HFAdapter, HFMapping, MappingError, Rule, Transform, register_transform
 from loongforge.core.hf_mapping.transforms import config_value
+from loongforge.core.models import load_specs
 from loongforge.vlm import hf_config_parts as parts
 from loongforge.vlm.encoders.qwen2_5_vit import QwenViTConfig
-from loongforge.vlm.hf_internvl import ARCHITECTURE as INTERNVL_ARCHITECTURE
-from loongforge.vlm.hf_qwen3_vl import ARCHITECTURE as QWEN3_VL_ARCHITECTURE
-from loongforge.vlm.hf_qwen3_vl_moe import ARCHITECTURE as QWEN3_VL_MOE_ARCHITECTURE
+from loongforge.vlm.hf_layout import LAYOUT_GROUP, Layout
 from loongforge.vlm.model_config import VisionTokensConfig
 from loongforge.vlm.projectors.patch_merge_mlp import PatchMergeMLPConfig
 
@@ -181,43 +182,30 @@ def qwen2_5_config_to_hf(cfg) -> dict:
     return hf.to_dict()
 
 
-@dataclass(frozen=True)
-class Layout:
-    """One HF architecture of VLM compositions with ``encoder_family`` (and a foundation of one of
-    ``foundation_families``; None: any): its whole-checkpoint mapping (``bind(cfg)``) and its
-    ``config.json`` translation."""
-
-    architecture: str
-    encoder_family: str
-    foundation_families: tuple[str, ...] | None
-    bind: Callable
-    config_from_hf: Callable[[dict], object]
-    config_to_hf: Callable[[object], dict]
-    train_data: Callable[[object], dict] | None = None  # the ``data`` settings a converted model trains with
-
-    def writes(self, cfg) -> bool:
-        return cfg.encoder.family == self.encoder_family and (
-            self.foundation_families is None or cfg.foundation.family in self.foundation_families)
+QWEN2_5_VL_LAYOUT = Layout("qwen2_5_vl", ARCHITECTURE, "qwen2_5_vit", None, qwen2_5_bind, qwen2_5_config_from_hf,
+                           qwen2_5_config_to_hf)
 
 
+@cache
 def layouts() -> tuple[Layout, ...]:
-    from loongforge.vlm import hf_internvl as internvl
-    from loongforge.vlm import hf_qwen3_vl as q3
-    from loongforge.vlm import hf_qwen3_vl_moe as q3moe
-
-    return (Layout(ARCHITECTURE, "qwen2_5_vit", None, qwen2_5_bind, qwen2_5_config_from_hf, qwen2_5_config_to_hf),
-            Layout(q3.ARCHITECTURE, "qwen3_vit", ("qwen3",), q3.bind, q3.config_from_hf, q3.config_to_hf),
-            Layout(q3moe.ARCHITECTURE, "qwen3_vit", ("qwen3_moe",), q3moe.bind, q3moe.config_from_hf,
-                   q3moe.config_to_hf),
-            Layout(internvl.ARCHITECTURE, "internvit", ("qwen3",), internvl.bind, internvl.config_from_hf,
-                   internvl.config_to_hf, internvl.train_data))
+    """Every installed layout (``loongforge.vlm.hf_layouts``), by name; two that write the same
+    composition or read the same architecture are an error naming both."""
+    found = tuple(load_specs(entry_points(group=LAYOUT_GROUP), Layout, "VLM Hugging Face layout").values())
+    for i, a in enumerate(found):
+        for b in found[i + 1:]:
+            if a.architecture == b.architecture:
+                raise MappingError(f"VLM Hugging Face layouts {a.name!r} and {b.name!r} both read {a.architecture}")
+    return found
 
 
 def layout_of(cfg) -> Layout:
     """The layout that writes a composition: the one of its encoder (and foundation) family."""
-    for layout in layouts():
-        if layout.writes(cfg):
-            return layout
+    writers = [layout for layout in layouts() if layout.writes(cfg)]
+    if len(writers) > 1:
+        raise MappingError(f"encoder.family={cfg.encoder.family!r}, foundation.family={cfg.foundation.family!r}: "
+                           f"layouts {', '.join(repr(w.name) for w in writers)} all write this composition")
+    if writers:
+        return writers[0]
     known = ", ".join(f"{lay.encoder_family} + {'/'.join(lay.foundation_families or ('any',))} ({lay.architecture})"
                       for lay in layouts())
     raise MappingError(f"encoder.family={cfg.encoder.family!r}, foundation.family={cfg.foundation.family!r}: no "
@@ -230,7 +218,8 @@ def config_from_hf(raw: dict):
     for layout in layouts():
         if layout.architecture in archs:
             return layout.config_from_hf(raw)
-    raise MappingError(f"config.json: architectures {archs!r}: none of {', '.join(VLM_ARCHITECTURES)}")
+    raise MappingError(f"config.json: architectures {archs!r}: none of "
+                       f"{', '.join(layout.architecture for layout in layouts())}")
 
 
 def config_to_hf(cfg) -> dict:
@@ -253,6 +242,7 @@ class VLMHFAdapter(HFAdapter):
         return layout_of(cfg).bind(cfg)
 
 
-VLM_ARCHITECTURES = (ARCHITECTURE, QWEN3_VL_ARCHITECTURE, QWEN3_VL_MOE_ARCHITECTURE, INTERNVL_ARCHITECTURE)
-VLM_HF_ADAPTER = VLMHFAdapter(architectures=VLM_ARCHITECTURES, mapping=QWEN_VIT_MAPPING,
-                              config_from_hf=config_from_hf, config_to_hf=config_to_hf)
+def hf_adapter() -> VLMHFAdapter:
+    """The family's adapter over every installed layout's architecture."""
+    return VLMHFAdapter(architectures=tuple(layout.architecture for layout in layouts()), mapping=QWEN_VIT_MAPPING,
+                        config_from_hf=config_from_hf, config_to_hf=config_to_hf)

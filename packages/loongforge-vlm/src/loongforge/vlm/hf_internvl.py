@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from loongforge.core.hf_mapping import FuseQKV, HFMapping, MappingError, Rule, register_transform
 from loongforge.vlm import hf_config_parts as parts
+from loongforge.vlm.hf_layout import Layout
 
 ARCHITECTURE = "InternVLForConditionalGeneration"
 NORM_TYPES = {"layer_norm": "layernorm", "rms_norm": "rmsnorm"}
@@ -163,3 +164,6 @@ def config_to_hf(cfg) -> dict:
     hf = InternVLConfig(text_config=text, vision_config=vision, tie_word_embeddings=f.tie_embeddings,
                         image_seq_length=tokens, architectures=[ARCHITECTURE], **ids)
     return hf.to_dict()
+
+
+LAYOUT = Layout("internvl", ARCHITECTURE, "internvit", ("qwen3",), bind, config_from_hf, config_to_hf, train_data)

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from loongforge.core.hf_mapping import HFMapping, Rule
 from loongforge.vlm import hf_config_parts as parts
+from loongforge.vlm.hf_layout import Layout
 
 ARCHITECTURE = "Qwen3VLForConditionalGeneration"
 EPS = 1e-6  # transformers' Qwen3-VL hard-codes the epsilon of its vision norms
@@ -126,3 +127,6 @@ def config_to_hf(cfg) -> dict:
     hf = Qwen3VLConfig(text_config=text, vision_config=vision, tie_word_embeddings=f.tie_embeddings,
                        architectures=[ARCHITECTURE], **ids)
     return hf.to_dict()
+
+
+LAYOUT = Layout("qwen3_vl", ARCHITECTURE, "qwen3_vit", ("qwen3",), bind, config_from_hf, config_to_hf)

@@ -21,6 +21,7 @@ from loongforge.core.hf_mapping import BoundMapping, HFMapping, MappingError, Ru
 from loongforge.core.hf_mapping.transforms import config_value
 from loongforge.vlm import hf_config_parts as parts
 from loongforge.vlm import hf_qwen3_vl as dense
+from loongforge.vlm.hf_layout import Layout
 
 ARCHITECTURE = "Qwen3VLMoeForConditionalGeneration"
 EXPERTS = ".mlp.experts."
@@ -122,3 +123,6 @@ def config_to_hf(cfg) -> dict:
     hf = Qwen3VLMoeConfig(text_config=text, vision_config=vision, tie_word_embeddings=f.tie_embeddings,
                           architectures=[ARCHITECTURE], **ids)
     return hf.to_dict()
+
+
+LAYOUT = Layout("qwen3_vl_moe", ARCHITECTURE, "qwen3_vit", ("qwen3_moe",), bind, config_from_hf, config_to_hf)

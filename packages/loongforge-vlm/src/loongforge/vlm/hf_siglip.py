@@ -31,8 +31,8 @@ from pathlib import Path
 
 import torch
 
-import loongforge.vlm.hf  # noqa: F401  (registers the ViT transforms the table names: vit_conv2d_patch_embedding,
-#                          vit_separate_qkv)
+import loongforge.vlm.hf  # noqa: F401  (registers the ViT transform the table names: vit_conv2d_patch_embedding)
+import loongforge.vlm.hf_internvl  # noqa: F401  (registers vit_separate_qkv)
 from loongforge.core.hf_mapping import BoundMapping, HFMapping, Ignore, MappingError, Rule
 
 ARCHITECTURES = ("SiglipVisionModel", "SiglipModel", "LlavaOnevisionForConditionalGeneration")
