@@ -96,25 +96,32 @@ def _steps(cfg, ref, ours):
     return ref_step, ours_step
 
 
-@pytest.mark.parametrize("compiled", [False, True])
+@pytest.mark.parametrize("compiled", ["eager", "partitioner", pytest.param("inductor", marks=pytest.mark.long)])
 def test_full_recompute_saves_no_more_than_diffusers_checkpointing(compiled):
-    """``train.recompute=full`` keeps each block's input and nothing of its inside, eager and in a
-    compiled block (there through the partitioner: the ops of the block's own autograd functions,
-    the norms and the feed-forward, are recomputed too), so the forward saves no more than
-    diffusers' ``enable_gradient_checkpointing`` does with its blocks compiled alike; without
-    recomputation ours saves several times as much (what the count is there to see)."""
+    """``train.recompute=full`` keeps each block's input and nothing of its inside, eager and in
+    compiled blocks (there it is the partitioner's choice, which must recompute the ops of the
+    block's own autograd functions too: the norms, ``qk_norm_rope``, the feed-forward), so the
+    forward leaves no more for the backward than diffusers' ``enable_gradient_checkpointing``
+    with its blocks compiled alike; without recomputation ours leaves several times as much
+    (what the count is there to see). ``partitioner``: the blocks compiled by AOTAutograd with
+    inductor's min-cut partitioner, without inductor's slow CPU code generation; ``inductor``:
+    ``compile_regions`` and ``compile_repeated_blocks`` as the trainer and the bench call them."""
     import torch._dynamo
+    import torch._inductor.config
 
     cfg, ref, ours = _models("full")
-    if compiled:  # the blocks as compile_regions and compile_repeated_blocks compile them, through
-        # AOTAutograd's min-cut partitioner (inductor's), without inductor's slow CPU code generation
-        torch._dynamo.reset()
+    torch._dynamo.reset()
+    if compiled == "partitioner":
         for block in ours.blocks:
             block.compile(dynamic=False, backend="aot_eager_decomp_partition")
         ref.compile_repeated_blocks(dynamic=False, backend="aot_eager_decomp_partition")
+    elif compiled == "inductor":
+        ours.compile_regions(dynamic=False)
+        ref.compile_repeated_blocks(dynamic=False)
     ref_step, ours_step = _steps(cfg, ref, ours)
-    for step in (ref_step, ours_step):  # compiled on the first call
-        step().backward()
+    with torch._inductor.config.patch(compile_threads=1):  # (no worker pool for small graphs)
+        for step in (ref_step, ours_step):  # compiled on the first call
+            step().backward()
     theirs = held_bytes(ref_step, ref.parameters())
     full = held_bytes(ours_step, ours.parameters())
     ours.set_recompute("none")
