@@ -186,7 +186,7 @@ def test_shipped_bench_cases_run_cut_down(config, side, tokens, capsys):
 
 @pytest.mark.parametrize("recompute", ["selective", "none"])
 def test_bench_baseline_recipe_is_diffusers_gpu_training_with_our_checkpointing(recompute):
-    from loongforge.diffusion.bench import diffusers_recipe, headline_recompute
+    from loongforge.diffusion.bench import diffusers_recipe, headline_recipe, headline_recompute
     from loongforge.diffusion.cli import load_recipe
 
     recipe = load_recipe(None, [f"train.recompute={recompute}"])
@@ -197,6 +197,10 @@ def test_bench_baseline_recipe_is_diffusers_gpu_training_with_our_checkpointing(
     assert baseline.applied("cuda") == dict(baseline.options)
     # the headline row checkpoints exactly when diffusers does: whole blocks, train.recompute=full
     assert headline_recompute(recipe) == ("full" if recompute != "none" else "none")
+    # and keeps no EMA weights, as diffusers' step (a config's ema.decay stays its preset run's)
+    with_ema = load_recipe(None, [f"train.recompute={recompute}", "ema.decay=0.99"])
+    assert headline_recipe(with_ema).ema.decay == 0 and with_ema.ema.decay == 0.99
+    assert headline_recipe(with_ema).train.recompute == headline_recompute(recipe)
 
 
 def test_bench_runs_image_to_video_against_diffusers(capsys):

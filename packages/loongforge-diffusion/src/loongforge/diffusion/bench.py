@@ -8,7 +8,8 @@ AdamW and TF32 on CUDA, bf16 autocast, on a ``[B, C, F, H, W]`` batch, MSE to th
 headline row compares ours with the same gradient-checkpointing policy: diffusers checkpoints
 whole blocks (``enable_gradient_checkpointing``) when the config recomputes anything, and the
 headline ``loongforge`` run then uses ``train.recompute=full``; the preset's own policy (e.g.
-``selective``) runs as ``loongforge_preset`` after it. Ours is what ``lf-diffusion train`` runs:
+``selective``) runs as ``loongforge_preset`` after it. The headline run keeps no EMA weights either,
+as diffusers' step (``headline_recipe``). Ours is what ``lf-diffusion train`` runs:
 ``Trainer.train_step`` of ``FlowMatchingTask`` on the torch engine built from the config (its precision,
 regional ``torch.compile``, recomputation, fused AdamW, clipping; the packed ``WanDiT`` with the
 ``auto`` attention backend and kernels from the registry), with the task's loss weights, on the
@@ -130,6 +131,13 @@ def headline_recompute(recipe) -> str:
     return "full" if recipe.train.recompute != "none" else "none"
 
 
+def headline_recipe(recipe):
+    """Ours in the headline row: the config at diffusers' step's settings, its checkpointing
+    (``headline_recompute``) and no EMA weights (diffusers' step keeps none; the preset's EMA is an
+    fp32 copy of the model, 5.3 GiB at 1.3B, and an update every step)."""
+    return variant_recipe(recipe, [f"train.recompute={headline_recompute(recipe)}", "ema.decay=0.0"])
+
+
 def diffusers_recipe(recipe) -> BaselineRecipe:
     """diffusers' Wan training step as its documentation recommends on a GPU, with the gradient
     checkpointing of the headline row."""
@@ -140,14 +148,15 @@ def diffusers_recipe(recipe) -> BaselineRecipe:
                  "autocast": "bfloat16", "gradient_checkpointing": recipe.train.recompute != "none"},
         cuda_only=frozenset({"fused_adamw", "tf32", "autocast"}),
         notes=("compile_repeated_blocks applies whenever ours compiles (train.compile; null: on CUDA)",
-               f"headline row: ours with train.recompute={headline_recompute(recipe)} (the same checkpointing)"),
+               f"headline row: ours with train.recompute={headline_recompute(recipe)} (the same checkpointing) "
+               f"and ema.decay=0 (no EMA weights, as diffusers' step)"),
     )
 
 
 def describe(recipe, device_type: str) -> str:
     compiled = "compiled" if compiles(recipe, device_type) else "eager"
     return (f"{compiled}, recompute={recipe.train.recompute}, attention={recipe.model.attention_backend}, "
-            f"fp8={recipe.model.fp8}")
+            f"fp8={recipe.model.fp8}, ema={recipe.ema.decay:g}")
 
 
 class Bench:
@@ -313,7 +322,7 @@ def bench_in_world(recipe, ctx, steps: int = 10, warmup: int = 3, batch_size: in
     device_type = bench.device.type
     scratch = tempfile.TemporaryDirectory(prefix="lf-diffusion-bench-")
     baseline = diffusers_recipe(recipe)
-    headline = variant_recipe(recipe, [f"train.recompute={headline_recompute(recipe)}"])
+    headline = headline_recipe(recipe)
     ours_runs = {"loongforge": headline}
     if recipe.train.recompute != headline.train.recompute:
         ours_runs["loongforge_preset"] = recipe
