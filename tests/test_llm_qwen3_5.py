@@ -1,4 +1,4 @@
-"""Qwen3.5 end to end: `lf-llm train --config train_qwen3_5_debug` (the hybrid debug model on the
+"""Qwen3.5 end to end: `lf-llm train --config qwen3_5_debug` (the hybrid debug model on the
 bundled corpus, on CPU: the DeltaNet's torch reference) learns and checkpoints; a Gated DeltaNet
 layer under context parallelism (processes on gloo) equals the same layer in one process."""
 
@@ -10,7 +10,7 @@ from cli_runner import run_cli
 
 @pytest.mark.slow  # one CLI run, ~15 s alone (the DeltaNet reference runs in chunks)
 def test_qwen3_5_debug_trains(tmp_path, llm_data_cache):
-    proc = run_cli(["lf-llm", "train", "--config", "train_qwen3_5_debug", "train.steps=8", "train.global_batch_size=4",
+    proc = run_cli(["lf-llm", "train", "--config", "qwen3_5_debug", "train.steps=8", "train.global_batch_size=4",
                     "train.micro_batch_size=4", "train.warmup_steps=2", f"log.run_dir={tmp_path}",
                     f"data.cache_dir={llm_data_cache}", "log.interval=1", "log.tensorboard=false"])
     assert proc.returncode == 0, proc.stderr[-5000:]

@@ -15,6 +15,7 @@ def data_cache(tmp_path_factory):
 
 
 @pytest.mark.slow
+@pytest.mark.long  # (the default tier's budget: tests/test_llm_parallel.py trains pretraining at CP=2 against one process)
 def test_pretraining_cp2_matches_one_process(tmp_path, data_cache):
     want = probe(tmp_path / "cp1" / "grads.pt", "train_debug", PRETRAIN, data_cache)
     got = probe(tmp_path / "cp2" / "grads.pt", "train_debug", [*PRETRAIN, "parallel.cp=2"], data_cache, nproc=2)

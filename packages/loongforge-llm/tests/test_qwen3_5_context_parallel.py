@@ -29,8 +29,8 @@ def assert_same_gradients(got: dict, want: dict) -> None:
 @pytest.mark.long  # ~65 s alone
 def test_qwen3_5_pretraining_cp2_matches_one_process(tmp_path_factory):
     cache, work = tmp_path_factory.mktemp("llm-data"), tmp_path_factory.mktemp("qwen3_5_cp")
-    want = probe(work / "cp1" / "grads.pt", "train_qwen3_5_debug", PRETRAIN, cache)
-    got = probe(work / "cp2" / "grads.pt", "train_qwen3_5_debug", [*PRETRAIN, "parallel.cp=2"], cache, nproc=2)
+    want = probe(work / "cp1" / "grads.pt", "qwen3_5_debug", PRETRAIN, cache)
+    got = probe(work / "cp2" / "grads.pt", "qwen3_5_debug", [*PRETRAIN, "parallel.cp=2"], cache, nproc=2)
     assert_same_training(got, want, grads=False)
     assert_same_gradients(got, want)
     b, s = want["first_tokens_shape"]
@@ -56,7 +56,7 @@ def test_qwen3_5_moe_pretraining_cp2_matches_one_process(tmp_path_factory):
     """The MoE family (megatron's MoE layers and attention) under CP: the same DeltaNet hand-overs."""
     cache, work = tmp_path_factory.mktemp("llm-data"), tmp_path_factory.mktemp("qwen3_5_moe_cp")
     moe = [*PRETRAIN, "model=qwen3_5_moe_debug"]
-    want = probe(work / "cp1" / "grads.pt", "train_qwen3_5_debug", moe, cache)
-    got = probe(work / "cp2" / "grads.pt", "train_qwen3_5_debug", [*moe, "parallel.cp=2"], cache, nproc=2)
+    want = probe(work / "cp1" / "grads.pt", "qwen3_5_debug", moe, cache)
+    got = probe(work / "cp2" / "grads.pt", "qwen3_5_debug", [*moe, "parallel.cp=2"], cache, nproc=2)
     assert_same_training(got, want, grads=False)
     assert_same_gradients(got, want)

@@ -194,6 +194,7 @@ def test_init_from_hf_config_errors(capsys, siglip_dir):
 
 
 @pytest.mark.slow
+@pytest.mark.long  # (the default tier's budget: test_vlm_parallel.py runs the tower at TP=2 against one process)
 def test_tensor_parallel_encoder_reads_its_shards(siglip_dir, tmp_path):
     """Two processes, encoder TP=2: each rank reads its shards of the tower; the features are
     transformers'."""

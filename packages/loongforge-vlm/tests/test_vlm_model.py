@@ -96,7 +96,8 @@ def test_decoupled_encoder_matches_coupled(parts, megatron_world, tmp_path, vlm_
         calls.clear()
         out = engine.forward_backward(step)
         # the per-token mean gradients (the buffers hold the sums over the step's loss tokens)
-        grads = {n: p.main_grad / engine.gradient_divisor for n, p in model.named_parameters() if p.requires_grad}
+        loss_tokens = sum(int(micro["loss_mask"].sum()) for micro in step.micro_batches)
+        grads = {n: p.main_grad / loss_tokens for n, p in model.named_parameters() if p.requires_grad}
         runs.append((out, grads, list(calls)))
     (coupled, reference, per_micro_batch), (got, grads, batched) = runs
     assert len(per_micro_batch) == len(step.micro_batches) and batched == [sum(per_micro_batch)]
