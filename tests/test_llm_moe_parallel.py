@@ -45,7 +45,11 @@ def hf_model(family: str):
     return model
 
 
-@pytest.fixture(scope="module", params=sorted(CONFIGS))
+# DeepSeek-V3 under -m long (the default tier's budget: its only case here is EP=2; MLA at TP=2 is
+# test_mla_tensor_parallel.py's, and EP=2 runs in the default tier with Qwen3-MoE, its LoRA and the
+# overlapped all-to-all)
+@pytest.fixture(scope="module", params=[pytest.param(f, marks=pytest.mark.long) if f == "deepseek_v3" else f
+                                        for f in sorted(CONFIGS)])
 def start(request, tmp_path_factory, llm_data_cache):
     """(family, the converted initial weights, the one-process losses and grad norms)."""
     from loongforge.core.hf_mapping.convert import hf_to_lf
