@@ -61,26 +61,23 @@ def layer_spec(cfg: GPTConfig, recompute_elementwise: bool | None = None, kernel
     return fast_layer_spec(cfg, kernels=kernels)
 
 
+def gpt_model_kwargs(cfg, ctx, transformer_config, layer_spec, pre_process: bool, post_process: bool) -> dict:
+    """The arguments megatron's ``GPTModel`` (and ``FusedLossGPTModel``) takes for a decoder-only family
+    with RoPE, after checking the vocabulary splits over tensor parallelism."""
+    if cfg.vocab_size % ctx.layout.tp:
+        raise ValueError(f"model.vocab_size={cfg.vocab_size} must be divisible by parallel.tp={ctx.layout.tp}")
+    return dict(config=transformer_config, transformer_layer_spec=layer_spec, vocab_size=cfg.vocab_size,
+                max_sequence_length=cfg.max_position_embeddings, pre_process=pre_process, post_process=post_process,
+                share_embeddings_and_output_weights=cfg.tie_embeddings, position_embedding_type="rope",
+                rotary_percent=cfg.rotary_percent, rotary_base=int(cfg.rotary_base), pg_collection=ctx.pgs)
+
+
 def build_gpt(cfg: GPTConfig, ctx, transformer_config, pre_process: bool, post_process: bool,
               recompute_elementwise: bool | None = None) -> torch.nn.Module:
     """This rank's GPT model, its registry ops resolved by ``ctx.kernels``; ``recompute_elementwise``:
     see ``layer_spec``."""
     from loongforge.llm.layers.gpt_model import FusedLossGPTModel
 
-    vocab = cfg.vocab_size
-    if vocab % ctx.layout.tp:
-        raise ValueError(f"model.vocab_size={vocab} must be divisible by parallel.tp={ctx.layout.tp}")
-    return FusedLossGPTModel(
-        config=transformer_config,
-        transformer_layer_spec=layer_spec(cfg, recompute_elementwise, ctx.kernels),
-        vocab_size=vocab,
-        max_sequence_length=cfg.max_position_embeddings,
-        pre_process=pre_process,
-        post_process=post_process,
-        share_embeddings_and_output_weights=cfg.tie_embeddings,
-        position_embedding_type="rope",
-        rotary_percent=cfg.rotary_percent,
-        rotary_base=int(cfg.rotary_base),
-        pg_collection=ctx.pgs,
-        kernels=ctx.kernels,
-    )
+    spec = layer_spec(cfg, recompute_elementwise, ctx.kernels)
+    return FusedLossGPTModel(**gpt_model_kwargs(cfg, ctx, transformer_config, spec, pre_process, post_process),
+                             kernels=ctx.kernels)

@@ -146,25 +146,14 @@ def build_moe_gpt(cfg: MoEConfig, ctx, transformer_config, pre_process: bool, po
     (``block_spec``, this module's uniform MoE block, unless a family brings its own)."""
     from megatron.core.models.gpt import GPTModel
 
-    if cfg.vocab_size % ctx.layout.tp:
-        raise ValueError(f"model.vocab_size={cfg.vocab_size} must be divisible by parallel.tp={ctx.layout.tp}")
+    from loongforge.llm.families.gpt import gpt_model_kwargs
+
     ep = ctx.layout.ep
     if cfg.num_experts % ep:
         raise ValueError(f"model.num_experts={cfg.num_experts} must be divisible by parallel.ep={ep}")
     config = model_transformer_config(cfg, transformer_config)
-    return GPTModel(
-        config=config,
-        transformer_layer_spec=(layers or block_spec)(cfg, config, ctx.kernels),
-        vocab_size=cfg.vocab_size,
-        max_sequence_length=cfg.max_position_embeddings,
-        pre_process=pre_process,
-        post_process=post_process,
-        share_embeddings_and_output_weights=cfg.tie_embeddings,
-        position_embedding_type="rope",
-        rotary_percent=cfg.rotary_percent,
-        rotary_base=int(cfg.rotary_base),
-        pg_collection=ctx.pgs,
-    )
+    spec = (layers or block_spec)(cfg, config, ctx.kernels)
+    return GPTModel(**gpt_model_kwargs(cfg, ctx, config, spec, pre_process, post_process))
 
 
 def load_flavour(config_class: type[MoEConfig], name: str) -> MoEConfig:

@@ -13,25 +13,13 @@ from loongforge.llm.recipe import make_task
 
 
 def build_qwen3_5(cfg: Qwen35Config, ctx, transformer_config, pre_process: bool, post_process: bool) -> torch.nn.Module:
+    from loongforge.llm.families.gpt import gpt_model_kwargs
     from loongforge.llm.families.qwen3_5_layers import dense_block
     from loongforge.llm.layers.gpt_model import FusedLossGPTModel
 
-    if cfg.vocab_size % ctx.layout.tp:
-        raise ValueError(f"model.vocab_size={cfg.vocab_size} must be divisible by parallel.tp={ctx.layout.tp}")
-    return FusedLossGPTModel(
-        config=transformer_config,
-        transformer_layer_spec=dense_block(cfg, transformer_config, ctx.kernels),
-        vocab_size=cfg.vocab_size,
-        max_sequence_length=cfg.max_position_embeddings,
-        pre_process=pre_process,
-        post_process=post_process,
-        share_embeddings_and_output_weights=cfg.tie_embeddings,
-        position_embedding_type="rope",
-        rotary_percent=cfg.rotary_percent,
-        rotary_base=int(cfg.rotary_base),
-        pg_collection=ctx.pgs,
-        kernels=ctx.kernels,
-    )
+    spec = dense_block(cfg, transformer_config, ctx.kernels)
+    return FusedLossGPTModel(**gpt_model_kwargs(cfg, ctx, transformer_config, spec, pre_process, post_process),
+                             kernels=ctx.kernels)
 
 
 QWEN3_5_SPEC = ModelSpec(
