@@ -143,3 +143,60 @@ def test_an_out_of_range_label_in_training_is_refused_at_the_backwards_read():
     assert torch.isnan(loss[1]) and torch.isfinite(loss[[0, 2, 3]]).all()
     with pytest.raises(ValueError, match="label -7 is outside"):
         loss.sum().backward()
+
+
+def _uniform(budget_tokens: int, vocab: int):
+    """The fused op promised a uniform gradient (``uniform_grad``: no host read in its backward)."""
+    def fn(hidden, weight, labels, ignore_index=-100):
+        return linear_cross_entropy(hidden, weight, labels, ignore_index, chunk_bytes=budget_tokens * vocab * 4,
+                                    uniform_grad=True)
+
+    return fn
+
+
+@pytest.mark.parametrize("factor", [1.0, 0.37])
+@pytest.mark.parametrize(("ignore_index", "n_ignored"), [(-100, 6), (0, 0)])
+def test_a_promised_uniform_gradient_matches_the_reference_without_a_read(ignore_index, n_ignored, factor,
+                                                                          monkeypatch):
+    n, h, v = 37, 24, 301
+    hidden, weight, labels = _inputs(n, h, v, ignore_index, n_ignored, seed=8)
+    # the loss a task sums over its mask: uncounted tokens' factor is 0 (ignore_index), the rest share one
+    dloss = torch.where(labels == ignore_index, 0.0, factor)
+
+    def no_read(*_):
+        raise AssertionError("the backward read a value back")
+
+    monkeypatch.setattr(torch.Tensor, "tolist", no_read)
+    monkeypatch.setattr(torch.Tensor, "item", no_read)
+    loss, dh, dw = _run(_uniform(16, v), hidden, weight, labels, ignore_index, dloss)
+    monkeypatch.undo()
+    loss_ref, dh_ref, dw_ref = _run(reference.linear_cross_entropy, hidden, weight, labels, ignore_index, dloss)
+    torch.testing.assert_close(loss, loss_ref, **TIGHT)
+    torch.testing.assert_close(dh, dh_ref, **TIGHT)
+    torch.testing.assert_close(dw, dw_ref, **TIGHT)
+
+
+def test_a_broken_uniform_promise_gives_a_nan_weight_gradient_never_a_wrong_one():
+    n, h, v = 29, 16, 83
+    hidden, weight, labels = _inputs(n, h, v, -100, 3, seed=9)
+    dloss = torch.ones(n)
+    dloss[:7] = 0.5  # per-token weights on counted tokens
+    loss, dh, dw = _run(_uniform(8, v), hidden, weight, labels, -100, dloss)
+    _, dh_ref, _ = _run(reference.linear_cross_entropy, hidden, weight, labels, -100, dloss)
+    torch.testing.assert_close(dh, dh_ref, **TIGHT)  # row by row: exact for any factor
+    assert torch.isnan(dw).all()
+
+
+def test_an_out_of_range_label_under_a_uniform_promise_is_a_nan_loss():
+    hidden, weight, labels = _inputs(4, 8, 10, -100, 0, seed=4)
+    labels[1] = 12
+    loss = linear_cross_entropy(hidden.requires_grad_(True), weight.requires_grad_(True), labels, uniform_grad=True)
+    assert torch.isnan(loss[1]) and torch.isfinite(loss[[0, 2, 3]]).all()
+    loss.sum().backward()  # nothing read back: the NaN loss is what the loop sees and skips
+
+
+def test_no_counted_token_under_a_uniform_promise_gives_zero_gradients():
+    hidden, weight, labels = _inputs(6, 8, 50, -100, 6, seed=2)
+    loss, dh, dw = _run(_uniform(4, 50), hidden, weight, labels, -100, torch.zeros(6))
+    assert torch.equal(loss, torch.zeros(6))
+    assert torch.equal(dh, torch.zeros_like(dh)) and torch.equal(dw, torch.zeros_like(dw))

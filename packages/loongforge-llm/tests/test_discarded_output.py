@@ -94,8 +94,9 @@ class _TakingLinear(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dz):
         w, *kept = ctx.saved_tensors
-        y = ctx.discarded.recomputed_input() if ctx.discarded is not None else kept[0]
-        return dz @ w.t(), y.t() @ dz, None
+        dy = dz @ w.t()  # the input gradient first (a fused backward recomputes y from it)
+        y = ctx.discarded.recomputed_input(dy) if ctx.discarded is not None else kept[0]
+        return dy, y.t() @ dz, None
 
 
 def test_a_consumer_that_takes_the_output_over_saves_nothing_and_gets_the_same_gradients():
@@ -129,3 +130,50 @@ def test_an_offer_for_another_tensor_is_not_taken():
     assert not consumer.took and consumer.discarded_input is None
     z.sum().backward()
     torch.testing.assert_close(x.grad, (1 - torch.tanh(x) ** 2) * w.sum(1), rtol=1e-6, atol=1e-6)
+
+
+def test_a_fused_backward_recomputes_the_output_once_for_a_consumer_that_took_it():
+    """``run(..., backward=...)``: the consumer's request (with the output's gradient) runs the fused
+    backward once; the function is not run again, and the gradients are autograd's."""
+    from loongforge.core.kernels import reference
+
+    torch.manual_seed(3)
+    x = torch.randn(6, 8, requires_grad=True)
+    w1, w2 = torch.randn(8, 32, requires_grad=True), torch.randn(16, 4, requires_grad=True)
+    ref = torch.autograd.grad((reference.swiglu(x @ w1) @ w2).square().sum(), (x, w1, w2))
+    calls = {"fn": 0, "backward": 0}
+
+    def fn(gate_up):
+        calls["fn"] += 1
+        return reference.swiglu(gate_up)
+
+    def backward(dy, gate_up):
+        calls["backward"] += 1
+        return reference.swiglu_backward(dy, gate_up, True)
+
+    consumer = _Consumer(w2)
+    act = DiscardedOutput()
+    y = act.run(fn, x @ w1, consumer=consumer, backward=backward)
+    z = consumer(y)
+    act.discard(z)
+    assert consumer.took and y.untyped_storage().nbytes() == 0
+    got = torch.autograd.grad(z.square().sum(), (x, w1, w2))
+    assert calls == {"fn": 1, "backward": 1}  # the forward once, then the fused backward alone
+    for a, b in zip(got, ref):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+
+
+def test_a_fused_backward_is_not_used_for_a_consumer_that_saved_the_output():
+    torch.manual_seed(4)
+    from loongforge.core.kernels import reference
+
+    x = torch.randn(5, 6, requires_grad=True)
+    w = torch.randn(3, 4, requires_grad=True)
+    act = DiscardedOutput()
+    y = act.run(reference.swiglu, x[:, :6], backward=lambda dy, gu: reference.swiglu_backward(dy, gu, True))
+    z = y @ w
+    act.discard(z)
+    assert act.backward is None  # the saved output is refilled by the hook, as without one
+    (gx,) = torch.autograd.grad(z.sum(), (x,))
+    (gx_ref,) = torch.autograd.grad((reference.swiglu(x[:, :6]) @ w).sum(), (x,))
+    torch.testing.assert_close(gx, gx_ref, rtol=1e-6, atol=1e-6)

@@ -17,6 +17,13 @@ the hidden states (exact for any ``dloss``), and by one factor for the weight, w
 per-token losses, which models make so by giving uncounted tokens ``ignore_index``. Any other
 ``dloss`` (per-token weights) is detected in the backward (one host read) and the weight gradient
 is then recomputed chunk by chunk with the per-token factors: always exact, fast where it can be.
+
+A caller that knows its loss weights every counted token alike passes ``uniform_grad=True``: the
+backward then reads nothing back (a host read in the middle of the backward drains the queue of
+launched kernels, and the GPU waits on the host for the rest of it): the factor is taken and
+applied on the device, and a ``dloss`` that breaks the promise turns the weight gradient into NaN
+(a non-finite step, which the training loop skips and reports), never into a wrong one. A label
+outside the vocabulary then shows as a NaN loss rather than as an error raised here.
 """
 
 from __future__ import annotations
@@ -29,6 +36,7 @@ from loongforge.core.kernels.matmul import add_matmul
 from loongforge.kernels.launch import check_tensors
 
 BLOCK_VOCAB = 4096  # vocab entries per step of the per-row loops
+SCALE_BLOCK = 4096  # elements per program of the weight gradient's scaling
 CHUNK_LOGITS_BYTES = 256 * 2**20  # a chunk's logits buffer (bench/linear_ce_bench.py: 128 MiB costs 10% more time, 512 MiB 4% less)
 
 
@@ -126,6 +134,27 @@ def _refuse_label(outside: list[int], vocab: int, ignore_index: int) -> None:
                          f"ignore_index={ignore_index}")
 
 
+@triton.jit
+def _scale_in_place(X, FACTOR, n, BLOCK: tl.constexpr):
+    """``X *= FACTOR[0]`` (an fp32 factor on the device), one rounding to ``X``'s dtype."""
+    factor = tl.load(FACTOR)
+    if factor != 1.0:  # (a sum of the losses: nothing to do)
+        offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+        mask = offs < n
+        x = tl.load(X + offs, mask=mask).to(tl.float32)
+        tl.store(X + offs, (x * factor).to(X.dtype.element_ty), mask=mask)
+
+
+def _uniform_factor(dloss: torch.Tensor, labels: torch.Tensor, ignore_index: int) -> torch.Tensor:
+    """The one ``dloss`` of the counted tokens, as a 1-element fp32 tensor on the device: 0 where no
+    token is counted (every unit gradient row is zero then), NaN where the counted tokens' ``dloss``
+    differ (the caller broke ``uniform_grad``'s promise)."""
+    counted = labels != ignore_index
+    low = torch.where(counted, dloss, float("inf")).amin()
+    high = torch.where(counted, dloss, float("-inf")).amax()
+    return torch.where(low == high, high, torch.where(low > high, 0.0, float("nan"))).reshape(1)
+
+
 def _chunks(n_tokens: int, chunk: int):
     for start in range(0, n_tokens, chunk):
         yield start, min(start + chunk, n_tokens)
@@ -141,7 +170,7 @@ def _accumulate(out: torch.Tensor, first: bool, a: torch.Tensor, b: torch.Tensor
 
 class _LinearCrossEntropy(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, hidden, weight, labels, ignore_index, chunk_bytes, grad_enabled):
+    def forward(ctx, hidden, weight, labels, ignore_index, chunk_bytes, grad_enabled, uniform_grad):
         _check(hidden, weight, labels, ignore_index)
         hidden, weight, labels = hidden.contiguous(), weight.contiguous(), labels.contiguous()
         n_tokens, n_hidden = hidden.shape
@@ -150,10 +179,12 @@ class _LinearCrossEntropy(torch.autograd.Function):
         need_hidden, need_weight = (grad_enabled and need for need in ctx.needs_input_grad[:2])
         grads = need_hidden or need_weight
         # labels outside the vocabulary: reported at the backward's one host read where it has one (the
-        # weight gradient), else here (a read of its own)
-        ctx.outside = _outside_label(labels, vocab, ignore_index)
-        if not (need_weight and n_tokens):
-            _refuse_label(ctx.outside.tolist(), vocab, ignore_index)
+        # weight gradient), else here (a read of its own); under uniform_grad, by the NaN loss alone
+        ctx.uniform_grad = uniform_grad and need_weight and n_tokens > 0
+        if not ctx.uniform_grad:
+            ctx.outside = _outside_label(labels, vocab, ignore_index)
+            if not (need_weight and n_tokens):
+                _refuse_label(ctx.outside.tolist(), vocab, ignore_index)
         loss = torch.empty(n_tokens, dtype=torch.float32, device=hidden.device)
         lse = torch.empty(n_tokens, dtype=torch.float32, device=hidden.device)
         # unit gradients: each token's loss with gradient 1 (the backward scales them)
@@ -189,7 +220,11 @@ class _LinearCrossEntropy(torch.autograd.Function):
         dloss = dloss.float()
         if need_hidden:
             dhidden.mul_(dloss[:, None])  # row by row: exact for any dloss
-        if need_weight and dloss.numel():
+        if need_weight and dloss.numel() and ctx.uniform_grad:  # no read: the factor applied on the device
+            factor = _uniform_factor(dloss, labels, ctx.ignore_index)
+            n = dweight.numel()
+            _scale_in_place[(triton.cdiv(n, SCALE_BLOCK),)](dweight, factor, n, BLOCK=SCALE_BLOCK)
+        elif need_weight and dloss.numel():
             counted = labels != ctx.ignore_index
             low = torch.where(counted, dloss, float("inf")).amin()
             high = torch.where(counted, dloss, float("-inf")).amax()
@@ -200,7 +235,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
             elif low == high and low != 1.0:  # one factor for every counted token
                 dweight.mul_(low)
             # (low > high: no token is counted, and every unit gradient row was zero)
-        return (dhidden if need_hidden else None, dweight if need_weight else None, None, None, None, None)
+        return (dhidden if need_hidden else None, dweight if need_weight else None, None, None, None, None, None)
 
 
 def _weight_grad(hidden, weight, labels, lse, dloss, ignore_index, chunk) -> torch.Tensor:
@@ -225,8 +260,11 @@ def _weight_grad(hidden, weight, labels, lse, dloss, ignore_index, chunk) -> tor
 
 def linear_cross_entropy(
     hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, ignore_index: int = -100,
-    chunk_bytes: int = CHUNK_LOGITS_BYTES,
+    chunk_bytes: int = CHUNK_LOGITS_BYTES, uniform_grad: bool = False,
 ) -> torch.Tensor:
     """Fused ``loongforge.core.kernels.reference.linear_cross_entropy``: per-token fp32 losses.
-    ``chunk_bytes``: the budget of one chunk's logits (``token_chunk``)."""
-    return _LinearCrossEntropy.apply(hidden, weight, labels, ignore_index, chunk_bytes, torch.is_grad_enabled())
+    ``chunk_bytes``: the budget of one chunk's logits (``token_chunk``); ``uniform_grad``: the caller
+    gives every counted token's loss the same gradient, so the backward reads nothing back (module
+    docstring)."""
+    return _LinearCrossEntropy.apply(hidden, weight, labels, ignore_index, chunk_bytes, torch.is_grad_enabled(),
+                                     uniform_grad)

@@ -95,12 +95,20 @@ def swiglu(gate_up: torch.Tensor) -> torch.Tensor:
 
 
 @_by_device
+def swiglu_backward(dy: torch.Tensor, gate_up: torch.Tensor, with_output: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    from loongforge.kernels.swiglu import swiglu_backward as fused
+
+    return fused(dy, gate_up, with_output)
+
+
+@_by_device
 def linear_cross_entropy(
-    hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, ignore_index: int = -100
+    hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, ignore_index: int = -100,
+    uniform_grad: bool = False,
 ) -> torch.Tensor:
     from loongforge.kernels.linear_cross_entropy import linear_cross_entropy as fused
 
-    return fused(hidden, weight, labels, ignore_index)
+    return fused(hidden, weight, labels, ignore_index, uniform_grad=uniform_grad)
 
 
 @_by_device
@@ -259,7 +267,7 @@ def supports_fp8(accelerator) -> bool:
 
 
 _OPS = (
-    rms_norm, add_rms_norm, rope, grouped_qkv_rope, swiglu, linear_cross_entropy, sparse_mla_attention,
+    rms_norm, add_rms_norm, rope, grouped_qkv_rope, swiglu, swiglu_backward, linear_cross_entropy, sparse_mla_attention,
     sparse_mla_absorbed_attention, dsa_indexer_topk, dsa_indexer_loss,
     gelu_tanh_backward, qk_norm_rope, qk_norm_rope_backward, modulated_layer_norm, modulated_layer_norm_backward,
     adamw_step, gated_delta_rule,

@@ -1,5 +1,5 @@
 """Torch references of core's generic transformer ops: ``rms_norm``, ``add_rms_norm``, ``rope``,
-``swiglu``, ``linear_cross_entropy``.
+``swiglu`` (and ``swiglu_backward``), ``linear_cross_entropy``.
 
 Each defines its op's contract (shapes, dtypes, numerics) and is registered under the op's name
 as a ``loongforge.ops`` entry point in core's ``pyproject.toml``, like core's other generic ops
@@ -55,16 +55,34 @@ def swiglu(gate_up: torch.Tensor) -> torch.Tensor:
     return F.silu(gate) * up
 
 
+def swiglu_backward(dy: torch.Tensor, gate_up: torch.Tensor, with_output: bool
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
+    """``swiglu``'s backward: ``(d(gate_up), swiglu(gate_up))`` from the output's gradient ``dy``,
+    ``d(gate_up)`` in ``gate_up``'s concatenated layout and dtype; the output (recomputed, for a
+    layer that did not keep it) only ``with_output``, else an empty tensor. Computed in fp32."""
+    gate, up = gate_up.float().chunk(2, dim=-1)
+    sig = torch.sigmoid(gate)
+    silu = gate * sig
+    d = dy.float()
+    dgate_up = torch.cat([d * up * sig * (1 + gate * (1 - sig)), d * silu], dim=-1).to(gate_up.dtype)
+    return dgate_up, (silu * up).to(gate_up.dtype) if with_output else gate_up.new_empty(0)
+
+
 def linear_cross_entropy(
     hidden: torch.Tensor,
     weight: torch.Tensor,
     labels: torch.Tensor,
     ignore_index: int = -100,
+    uniform_grad: bool = False,
 ) -> torch.Tensor:
     """Per-token cross-entropy of ``hidden @ weight.T`` against ``labels``, in fp32.
 
     ``hidden``: ``[N, H]``, ``weight``: ``[V, H]``, ``labels``: ``[N]``; returns ``[N]`` fp32 losses
     with 0 at ``ignore_index``. Fused versions never materialise the full ``[N, V]`` fp32 logits.
+    ``uniform_grad``: the caller's promise that every counted token's loss gets the same gradient
+    (a sum or mean of the losses over the counted tokens), which lets a fused version's backward
+    run without reading anything back; a gradient that breaks it may give a NaN weight gradient
+    there (never a wrong finite one). This reference's gradient is exact for any.
     """
     logits = (hidden @ weight.t()).float()
     return F.cross_entropy(logits, labels, ignore_index=ignore_index, reduction="none")

@@ -12,7 +12,11 @@ with a compiler at run time, on the first backward, behind a file lock that a ki
 behind): the recomputed values are copied into the refilled storage, one elementwise pass over ``y``.
 A consumer that knows the hand-over (``TakesDiscardedInput``: the fast layer spec's linears) saves
 no ``y`` at all: it takes ``y`` from the ``DiscardedOutput`` in its backward, the recomputed tensor
-itself, so neither the storage games nor the copy are needed.
+itself, so neither the storage games nor the copy are needed. Where ``f`` has a backward that can
+recompute ``y`` in the same pass (``run(..., backward=...)``: SwiGLU's reads ``x`` once for its
+gradient and for ``y``), the consumer hands ``y``'s gradient over with the request (it computes its
+input gradient before its weight gradient): ``f``'s backward then runs there, once, and ``f``'s node
+in the graph returns the gradients it made.
 ``f`` must be deterministic (norms, activations): no RNG state is replayed.
 """
 
@@ -29,11 +33,15 @@ class _Run(torch.autograd.Function):
         with torch.no_grad():
             out = fn(*inputs)
         ctx.save_for_backward(*inputs)
+        ctx.recomputed = ctx.input_grads = None
         holder.ctx = ctx
         return out
 
     @staticmethod
     def backward(ctx, grad):
+        if ctx.input_grads is not None:  # made by the consumer's request (fused backward), with this grad
+            grads, ctx.input_grads = ctx.input_grads, None
+            return (None, None, *grads)
         inputs, out = ctx.recomputed
         ctx.recomputed = None
         torch.autograd.backward(out, grad)
@@ -54,6 +62,7 @@ class DiscardedOutput:
 
     def __init__(self):
         self.fn: Callable | None = None
+        self.backward: Callable | None = None
         self.ctx = None
         self.output: torch.Tensor | None = None
         self.nbytes = 0
@@ -62,10 +71,12 @@ class DiscardedOutput:
         self.recomputed: torch.Tensor | None = None
 
     def run(self, fn: Callable[..., torch.Tensor], *inputs: torch.Tensor,
-            consumer: object | None = None) -> torch.Tensor:
+            consumer: object | None = None, backward: Callable | None = None) -> torch.Tensor:
         """``fn(*inputs)``, recorded for recomputation; ``consumer``: the module ``y`` is handed to,
-        offered the hand-over where it takes it (``TakesDiscardedInput``)."""
-        self.fn = fn
+        offered the hand-over where it takes it (``TakesDiscardedInput``); ``backward``:
+        ``(grad_y, *inputs) -> (grads of inputs, y)``, ``fn``'s backward recomputing ``y`` in the same
+        pass, used where the consumer takes ``y`` over."""
+        self.fn, self.backward = fn, backward
         self.output = _Run.apply(fn, self, *inputs)
         if isinstance(consumer, TakesDiscardedInput):
             self.consumer = consumer
@@ -80,9 +91,18 @@ class DiscardedOutput:
                         and x.stride() == y.stride() and x.requires_grad)
         return self.claimed
 
-    def recomputed_input(self) -> torch.Tensor:
+    def recomputed_input(self, grad: torch.Tensor | None = None) -> torch.Tensor:
         """The recomputed output, for the consumer's backward (after ``discard``'s hook has run); read
-        once (this drops its reference)."""
+        once (this drops its reference). ``grad``: the output's gradient (the consumer's input
+        gradient), which a fused ``backward`` needs: it runs here, and ``fn``'s node returns its result."""
+        if self.backward is not None and self.ctx is not None:
+            if grad is None:
+                raise RuntimeError("DiscardedOutput: the consumer must hand over the output's gradient "
+                                   "(a fused backward recomputes the output from it)")
+            grads, out = self.backward(grad, *self.ctx.saved_tensors)
+            self.ctx.input_grads = grads if isinstance(grads, tuple) else (grads,)
+            self.fn = self.backward = self.ctx = None
+            return out
         if self.recomputed is None:
             raise RuntimeError("DiscardedOutput: the consumer's backward ran before the output was recomputed "
                                "(its gradient hook did not fire)")
@@ -104,6 +124,10 @@ class DiscardedOutput:
         self.output.untyped_storage().resize_(0)
         if self.claimed:
             self.output = None
+            if self.backward is not None:  # recomputed at the consumer's request, by the fused backward
+                return
+        else:
+            self.backward = None  # (a consumer that saved the output needs it back before its backward)
         hook_tensor.register_hook(self._recompute)
 
     def _recompute(self, grad):

@@ -6,7 +6,10 @@ cross-entropy) and then the per-token loss. ``FusedLossGPTModel`` hands megatron
 loss in token chunks (Triton where supported; the torch reference elsewhere), returning the same
 ``[b, s]`` fp32 per-token loss (zero where ``loss_mask``, when the caller passes it, is zero: those
 tokens take ``IGNORE_INDEX``, so every counted token's loss gets the same gradient factor and the op
-makes its gradients in the forward). Without labels, with a vocab split over tensor-parallel ranks,
+makes its gradients in the forward; with the mask passed, the model promises the op that factor
+(``uniform_grad``: its backward reads nothing back), which holds for a loss summed or averaged over
+the 0/1 mask, as ``masked_token_loss``; a loss weighting the tokens otherwise must not pass the
+mask, or its step turns non-finite). Without labels, with a vocab split over tensor-parallel ranks,
 multi-token prediction or MuP logit scaling, megatron's own path runs.
 
 Under context parallelism with the fast layer (``FusedSelfAttention``) the rotary embedding hands
@@ -68,8 +71,11 @@ class FusedLossGPTModel(GPTModel):
         s, b, h = hidden_states.shape
         if loss_mask is not None:  # uncounted tokens are ignored: the op's gradients then need one factor
             labels = labels.masked_fill(loss_mask == 0, IGNORE_INDEX)
+        # a task that passes its 0/1 loss mask sums the per-token losses over it (masked_token_loss): each
+        # counted token's loss gets the same gradient, and the op's backward reads nothing back
         loss = self._linear_cross_entropy(hidden_states.reshape(s * b, h), weight,
-                                          labels.transpose(0, 1).reshape(s * b), IGNORE_INDEX)
+                                          labels.transpose(0, 1).reshape(s * b), IGNORE_INDEX,
+                                          uniform_grad=loss_mask is not None)
         return loss.view(s, b).transpose(0, 1).contiguous()  # [b, s], as compute_language_model_loss
 
     def forward(self, input_ids, position_ids, attention_mask, decoder_input=None, labels=None, *args, **kwargs):

@@ -45,10 +45,11 @@ class MainGradLinear(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dy):
         weight = ctx.weight
-        x = ctx.discarded.recomputed_input() if ctx.discarded is not None else ctx.saved_tensors[0]
-        ctx.discarded = None
         need_x, need_w, need_b = ctx.needs_input_grad[:3]
         dx = torch.matmul(dy, weight) if need_x else None
+        # the input gradient first: a DiscardedOutput with a fused backward recomputes x from it
+        x = ctx.discarded.recomputed_input(dx) if ctx.discarded is not None else ctx.saved_tensors[0]
+        ctx.discarded = None
         dw = db = None
         dy2 = dy.reshape(-1, dy.shape[-1])
         if need_w:

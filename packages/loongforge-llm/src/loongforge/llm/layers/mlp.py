@@ -16,13 +16,15 @@ class FusedMLP(MLP):
     With ``recompute_activation`` the SwiGLU output (``ffn`` wide) is not kept for the backward:
     ``linear_fc2`` saves it, ``DiscardedOutput`` frees it after the forward and
     recomputes it from ``linear_fc1``'s output (kept anyway) when the backward reaches fc2 -- one
-    elementwise pass for ``tokens x ffn`` activations. Other activations fall back to ``MLP``.
-    ``kernels``: the policy its ``swiglu`` is resolved by.
+    elementwise pass for ``tokens x ffn`` activations; where fc2 takes the output over (the fast
+    spec's linears), SwiGLU's backward recomputes it in its own pass (``swiglu_backward``), so the
+    recomputation costs a write and no read. Other activations fall back to ``MLP``.
+    ``kernels``: the policy its ``swiglu`` and ``swiglu_backward`` are resolved by.
     """
 
     def __init__(self, *args, kernels: KernelPolicy = KernelPolicy(), **kwargs):
         super().__init__(*args, **kwargs)
-        self._swiglu = kernels.get("swiglu")
+        self._swiglu, self._swiglu_backward = kernels.get("swiglu"), kernels.get("swiglu_backward")
         self._fused = self.config.gated_linear_unit and self.config.activation_func is F.silu
         self.recompute_activation = False
 
@@ -31,7 +33,7 @@ class FusedMLP(MLP):
         """megatron's builder of a decoder layer's MLP (the layer spec's ``mlp``), its ``swiglu``
         resolved by ``kernels`` (megatron's builder constructs the module without it)."""
         mlp = super().as_mlp_submodule(*args, **kwargs)
-        mlp._swiglu = kernels.get("swiglu")
+        mlp._swiglu, mlp._swiglu_backward = kernels.get("swiglu"), kernels.get("swiglu_backward")
         return mlp
 
     def forward(self, hidden_states, per_token_scale=None, **kwargs):
@@ -42,8 +44,12 @@ class FusedMLP(MLP):
             gate_up = gate_up + bias
         if self.recompute_activation and self.training and gate_up.requires_grad:
             activation = DiscardedOutput()
-            out, out_bias = self.linear_fc2(activation.run(self._swiglu, gate_up, consumer=self.linear_fc2))
+            out, out_bias = self.linear_fc2(activation.run(self._swiglu, gate_up, consumer=self.linear_fc2,
+                                                           backward=self._swiglu_with_output))
             activation.discard(out)
         else:
             out, out_bias = self.linear_fc2(self._swiglu(gate_up))
         return out, out_bias
+
+    def _swiglu_with_output(self, dy, gate_up):
+        return self._swiglu_backward(dy, gate_up, True)
