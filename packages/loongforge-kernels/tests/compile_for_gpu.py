@@ -224,11 +224,12 @@ def main() -> None:
             dict(BLOCK_H=16, BLOCK_HALF=64),
         )
         build(sw._swiglu_fwd, dict(GU=p, Y=p, n_cols=i32, stride_gu=i32, stride_y=i32), dict(BLOCK=sw.BLOCK_COLS))
-        build(
-            sw._swiglu_bwd,
-            dict(DY=p, GU=p, DGU=p, n_cols=i32, stride_dy=i32, stride_gu=i32, stride_dgu=i32),
-            dict(BLOCK=sw.BLOCK_COLS),
-        )
+        for write_y in (True, False):
+            build(
+                sw._swiglu_bwd,
+                dict(DY=p, GU=p, DGU=p, Y=p, n_cols=i32, stride_dy=i32, stride_gu=i32, stride_dgu=i32, stride_y=i32),
+                dict(BLOCK=sw.BLOCK_COLS, WRITE_Y=write_y),
+            )
         for write_grad in (True, False):
             build(
                 lce._ce_forward,
@@ -236,6 +237,7 @@ def main() -> None:
                      ignore_index=i32),
                 dict(WRITE_GRAD=write_grad, BLOCK=lce.BLOCK_VOCAB), num_warps=8,
             )
+        build(lce._scale_in_place, dict(X=p, FACTOR="*fp32", n=i32), dict(BLOCK=lce.SCALE_BLOCK))
         build(
             lce._ce_backward_in_place,
             dict(LOGITS=p, LABELS="*i64", LSE="*fp32", DLOSS="*fp32", n_vocab=i32, stride_logits=i32,
