@@ -1,5 +1,6 @@
 """``DiscardedOutput``: the freed output is recomputed for the backward, gradients equal keeping it."""
 
+import pytest
 import torch
 
 from loongforge.llm.layers.discarded_output import DiscardedOutput, TakesDiscardedInput
@@ -177,3 +178,35 @@ def test_a_fused_backward_is_not_used_for_a_consumer_that_saved_the_output():
     (gx,) = torch.autograd.grad(z.sum(), (x,))
     (gx_ref,) = torch.autograd.grad((reference.swiglu(x[:, :6]) @ w).sum(), (x,))
     torch.testing.assert_close(gx, gx_ref, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("take_over", [True, False])
+def test_hand_over_frees_an_output_made_with_its_graph_and_remakes_it_for_the_consumer(take_over):
+    """``hand_over``: the residual add + norm runs with its own graph (its backward adds the sum's
+    gradient inside the norm's), only the consumer's copy of the normed output is freed and made
+    again without a graph; the gradients are those of the run that keeps it."""
+    from loongforge.core.kernels import reference
+
+    torch.manual_seed(5)
+    a, r = torch.randn(6, 8, requires_grad=True), torch.randn(6, 8, requires_grad=True)
+    w_norm, w = torch.rand(8, requires_grad=True), torch.randn(8, 3, requires_grad=True)
+
+    def block(discard: bool):
+        normed, total = reference.add_rms_norm(a, r, w_norm)
+        consumer = _Consumer(w) if take_over else (lambda y: y @ w)
+        if discard:
+            remade = []
+            d = DiscardedOutput()
+            d.hand_over(normed, lambda: remade.append(1) or reference.rms_norm(total, w_norm), consumer=consumer)
+        z = consumer(normed)
+        if discard:
+            d.discard(z)
+            assert normed.untyped_storage().nbytes() == 0
+        out = (z.square().sum() + (total * 0.5).sum())
+        grads = torch.autograd.grad(out, (a, r, w_norm, w))
+        if discard:
+            assert remade == [1]
+        return grads
+
+    for got, want in zip(block(True), block(False)):
+        torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)

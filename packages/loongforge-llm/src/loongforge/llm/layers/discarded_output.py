@@ -18,6 +18,12 @@ gradient and for ``y``), the consumer hands ``y``'s gradient over with the reque
 input gradient before its weight gradient): ``f``'s backward then runs there, once, and ``f``'s node
 in the graph returns the gradients it made.
 ``f`` must be deterministic (norms, activations): no RNG state is replayed.
+
+``hand_over(y, recompute)`` is the same bargain for a ``y`` made with its own graph by an op that
+does not save ``y`` for its backward (the fused norms save their input and one statistic per row):
+the op's backward runs as it is (the residual add and norm of ``add_rms_norm`` stay one kernel each
+way, the grad of the sum added inside the norm's backward), and only the consumer's copy of ``y``
+is freed and made again by ``recompute()`` (one pass, no graph) when the backward reaches it.
 """
 
 from __future__ import annotations
@@ -63,6 +69,7 @@ class DiscardedOutput:
     def __init__(self):
         self.fn: Callable | None = None
         self.backward: Callable | None = None
+        self.remake: Callable[[], torch.Tensor] | None = None  # hand_over's recompute
         self.ctx = None
         self.output: torch.Tensor | None = None
         self.nbytes = 0
@@ -82,6 +89,16 @@ class DiscardedOutput:
             self.consumer = consumer
             consumer.discarded_input = self
         return self.output
+
+    def hand_over(self, y: torch.Tensor, recompute: Callable[[], torch.Tensor],
+                  consumer: object | None = None) -> torch.Tensor:
+        """``y``, made with its graph by an op that does not save it, offered to ``consumer`` (as
+        ``run``'s); ``recompute()`` makes it again (run without a graph) for the consumer's backward."""
+        self.output, self.remake = y, recompute
+        if isinstance(consumer, TakesDiscardedInput):
+            self.consumer = consumer
+            consumer.discarded_input = self
+        return y
 
     def claim(self, x: torch.Tensor) -> bool:
         """The consumer's forward: whether ``x`` is this output (then the consumer saves nothing of it
@@ -131,16 +148,24 @@ class DiscardedOutput:
         hook_tensor.register_hook(self._recompute)
 
     def _recompute(self, grad):
-        if self.ctx is None:  # already done (the hook tensor was used twice)
-            return grad
-        inputs = tuple(x.detach().requires_grad_(x.requires_grad) for x in self.ctx.saved_tensors)
-        with torch.enable_grad():
-            out = self.fn(*inputs)
-        self.ctx.recomputed = (inputs, out)
-        if self.claimed:  # the consumer reads it from here
-            self.recomputed = out.detach()
-            self.fn = self.ctx = None
-            return grad
+        if self.remake is not None:  # hand_over: y again, without a graph (its op's node is whole)
+            with torch.no_grad():
+                out = self.remake()
+            self.remake = None
+            if self.claimed:
+                self.recomputed = out
+                return grad
+        else:
+            if self.ctx is None:  # already done (the hook tensor was used twice)
+                return grad
+            inputs = tuple(x.detach().requires_grad_(x.requires_grad) for x in self.ctx.saved_tensors)
+            with torch.enable_grad():
+                out = self.fn(*inputs)
+            self.ctx.recomputed = (inputs, out)
+            if self.claimed:  # the consumer reads it from here
+                self.recomputed = out.detach()
+                self.fn = self.ctx = None
+                return grad
         # refill the freed storage through an alias of its own (the consumer's saved tensor keeps
         # its version counter, so autograd sees no in-place change)
         y = self.output

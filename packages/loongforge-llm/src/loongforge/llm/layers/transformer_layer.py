@@ -11,12 +11,16 @@ Pre-norm decoder layer::
 With ``recompute_elementwise`` (default) the two norm outputs and the SwiGLU output are freed
 after the matmul that consumes them and recomputed in the backward from tensors that are kept
 anyway (the layer input, the residual sum, ``linear_fc1``'s output): about 40% of a layer's
-activations for a few elementwise passes. Under full-layer recompute there is nothing to gain,
+activations for a few elementwise passes. The norms run with their own graphs (the residual add
+fused into the pre-MLP norm both ways, as without recomputation: ``DiscardedOutput.hand_over``);
+only their outputs are made again, for the linears' weight gradients. Under full-layer recompute there is nothing to gain,
 so it is off. Inference, hidden dropout, fp32 residuals and cross attention take megatron's own
 forward. Parameter names and the sharded state dict are the parent's (the same checkpoints).
 """
 
 from __future__ import annotations
+
+from functools import partial
 
 from megatron.core.transformer.transformer_layer import TransformerLayer
 
@@ -47,23 +51,21 @@ class FusedTransformerLayer(TransformerLayer):
         recompute = self.recompute_elementwise and self.training and hidden_states.requires_grad
         attn_kwargs = {k: kwargs.get(k) for k in ("rotary_pos_emb", "attention_bias", "packed_seq_params")}
 
+        normed = self.input_layernorm(hidden_states)
         if recompute:
             norm1 = DiscardedOutput()
-            normed = norm1.run(self.input_layernorm, hidden_states, consumer=getattr(self.self_attention, "linear_qkv", None))
-        else:
-            normed = self.input_layernorm(hidden_states)
+            norm1.hand_over(normed, partial(self.input_layernorm, hidden_states),
+                            consumer=getattr(self.self_attention, "linear_qkv", None))
         attn, attn_bias = self.self_attention(normed, attention_mask=attention_mask, **attn_kwargs)
         if recompute:
             norm1.discard(attn)
         if attn_bias is not None:
             attn = attn + attn_bias
 
+        normed2, residual = self.pre_mlp_layernorm(attn, residual=hidden_states)
         if recompute:
-            residual = attn + hidden_states
             norm2 = DiscardedOutput()
-            normed2 = norm2.run(self.pre_mlp_layernorm, residual, consumer=self.mlp.linear_fc1)
-        else:
-            normed2, residual = self.pre_mlp_layernorm(attn, residual=hidden_states)
+            norm2.hand_over(normed2, partial(self.pre_mlp_layernorm, residual), consumer=self.mlp.linear_fc1)
         out, out_bias = self.mlp(normed2)
         if recompute:
             norm2.discard(out)
