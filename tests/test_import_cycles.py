@@ -11,9 +11,6 @@ PACKAGES = Path(__file__).resolve().parents[1] / "packages"
 
 # Known cycles outside the core, each to be removed when fixed.
 KNOWN = {
-    frozenset({"loongforge.llm.data.preprocess", "loongforge.llm.data.shipped"}),
-    frozenset({"loongforge.llm.families.gpt", "loongforge.llm.model_config"}),
-    frozenset({"loongforge.llm.recipe", "loongforge.llm.sft_recipe"}),
     frozenset({"loongforge.diffusion.model.attention", "loongforge.diffusion.model.segment_attention"}),
     frozenset({"loongforge.diffusion.bench", "loongforge.diffusion.cli"}),
     frozenset({"loongforge.embodied.bench", "loongforge.embodied.cli"}),
