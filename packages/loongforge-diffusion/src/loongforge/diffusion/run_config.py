@@ -27,7 +27,7 @@ def load_recipe(config: str | None, overrides: list[str]):
     if model.get("pretrained"):
         pretrained = str(model["pretrained"])
         if is_hub_id(pretrained):  # owner/name: its snapshot in the hub cache
-            pretrained = resolve_local(pretrained, key="model.pretrained")
+            pretrained = str(resolve_local(pretrained, key="model.pretrained"))
             overrides.append(f"model.pretrained={pretrained}")
         overrides += pretrained_overrides(family, pretrained, model, overrides)
     return load_config(schema, config, overrides, config_dirs=[CONFIG_DIR], renamed=RENAMED_KEYS)

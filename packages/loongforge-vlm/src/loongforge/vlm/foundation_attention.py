@@ -8,11 +8,14 @@ from loongforge.llm.api import GPTConfig
 
 
 def foundation_attention(foundation: GPTConfig):
-    """The self-attention module the foundation's layer spec builds (a class; None where the spec
-    has no self-attention slot)."""
+    """The self-attention module the foundation's layer spec builds (a class; None where the family
+    has no layer spec or the spec has no self-attention slot)."""
     from loongforge.core.models import get_model_spec
 
-    spec = get_model_spec(foundation.family).layer_spec(foundation)
+    layer_spec = get_model_spec(foundation.family).layer_spec
+    if layer_spec is None:
+        return None
+    spec = layer_spec(foundation)
     return getattr(getattr(getattr(spec, "submodules", None), "self_attention", None), "module", None)
 
 
