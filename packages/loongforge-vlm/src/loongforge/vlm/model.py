@@ -18,11 +18,11 @@ from megatron.core.transformer.module import MegatronModule
 
 from loongforge.llm.api import GPTConfig
 from loongforge.vlm import deepstack
+from loongforge.vlm.context_parallel import local_rows
 from loongforge.vlm.encoders import build_encoder
 from loongforge.vlm.encoders.geometry import patch_counts
 from loongforge.vlm.encoders.layers import encoder_transformer_config
 from loongforge.vlm.model_config import EncoderConfig, ProjectorConfig, VisionTokensConfig
-from loongforge.vlm.context_parallel import local_rows
 from loongforge.vlm.parallel import (VisionGroups, build_vision_groups, gather_rows, mark_replicated_parameters,
                                     split_items)
 from loongforge.vlm.projectors import build_projector
