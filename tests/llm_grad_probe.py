@@ -88,7 +88,8 @@ def main(out: str, config: str, overrides: list[str]) -> None:
     from loongforge.core.config import to_dict
     from loongforge.core.parallel import destroy_parallel, init_parallel
     from loongforge.core.training.loop import Trainer
-    from loongforge.llm.recipe import load_llm_config, make_task
+    from loongforge.llm.recipe import load_llm_config
+    from loongforge.llm.recipe_task import make_task
 
     cfg = load_llm_config(config, overrides)
     task = make_task(cfg)

@@ -9,19 +9,6 @@ from pathlib import Path
 
 PACKAGES = Path(__file__).resolve().parents[1] / "packages"
 
-# Known cycles outside the core, each to be removed when fixed.
-KNOWN = {
-    frozenset({"loongforge.llm.data.preprocess", "loongforge.llm.data.shipped"}),
-    frozenset({"loongforge.llm.families.gpt", "loongforge.llm.model_config"}),
-    frozenset({"loongforge.llm.recipe", "loongforge.llm.sft_recipe"}),
-    frozenset({"loongforge.diffusion.model.attention", "loongforge.diffusion.model.segment_attention"}),
-    frozenset({"loongforge.diffusion.bench", "loongforge.diffusion.cli"}),
-    frozenset({"loongforge.embodied.bench", "loongforge.embodied.cli"}),
-    frozenset({"loongforge.vlm.context_parallel", "loongforge.vlm.model"}),
-    frozenset({"loongforge.vlm.family", "loongforge.vlm.recipe"}),
-    frozenset({"loongforge.vlm.bench", "loongforge.vlm.cli"}),
-}
-
 
 def shipped_modules() -> dict[str, Path]:
     out = {}
@@ -100,7 +87,5 @@ def test_the_cycle_finder_finds_a_cycle():
 def test_no_module_imports_itself_through_others():
     modules = shipped_modules()
     graph = {name: imported_modules(file, name, modules) for name, file in modules.items()}
-    found = set(cycles(graph))
-    new = [sorted(c) for c in found - KNOWN]
-    assert not new, f"import cycles: {new}"
-    assert not KNOWN - found, f"fixed, remove from KNOWN: {[sorted(c) for c in KNOWN - found]}"
+    found = [sorted(c) for c in cycles(graph)]
+    assert not found, f"import cycles: {found}"

@@ -4,7 +4,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from loongforge.diffusion.model.attention import packed_attention, query_chunks
+from loongforge.diffusion.model.attention import packed_attention
+from loongforge.diffusion.model.query_chunks import query_chunks
 
 
 def test_chunk_counts():

@@ -6,7 +6,6 @@ from __future__ import annotations
 import pytest
 import torch
 
-from loongforge.llm.families.gpt import transformer_config_kwargs
 from loongforge.llm.model_config import GPTConfig
 
 TIGHT = dict(rtol=1e-5, atol=1e-5)
@@ -17,7 +16,7 @@ def _config():
     from megatron.core.transformer import TransformerConfig
 
     cfg = GPTConfig(num_layers=1, hidden_size=HEADS * HEAD_DIM, num_attention_heads=HEADS, num_query_groups=GROUPS)
-    return TransformerConfig(**transformer_config_kwargs(cfg), params_dtype=torch.float32, use_cpu_initialization=True)
+    return TransformerConfig(**cfg.transformer_config_kwargs(), params_dtype=torch.float32, use_cpu_initialization=True)
 
 
 def _modules(config):

@@ -10,7 +10,7 @@ import torch
 from host_reads import counted_reads
 from triton_capable import TritonCapable
 
-from loongforge.llm.families.gpt import layer_spec, transformer_config_kwargs
+from loongforge.llm.families.gpt import layer_spec
 from loongforge.llm.model_config import GPTConfig
 
 CFG = GPTConfig(num_layers=2, hidden_size=64, num_attention_heads=4, num_query_groups=2, ffn_hidden_size=96,
@@ -23,7 +23,7 @@ def _gpt(spec, cfg=CFG, model_class=None, **config_overrides):
 
     from loongforge.llm.layers.gpt_model import FusedLossGPTModel
 
-    config = TransformerConfig(**{**transformer_config_kwargs(cfg), **config_overrides},
+    config = TransformerConfig(**{**cfg.transformer_config_kwargs(), **config_overrides},
                                params_dtype=torch.float32, use_cpu_initialization=True)
     return (model_class or FusedLossGPTModel)(config=config, transformer_layer_spec=spec, vocab_size=cfg.vocab_size,
                     max_sequence_length=cfg.max_position_embeddings, position_embedding_type="rope",

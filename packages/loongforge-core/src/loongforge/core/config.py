@@ -33,7 +33,7 @@ import tempfile
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import fields, is_dataclass, make_dataclass
 from pathlib import Path
-from typing import Any, TypeVar, cast
+from typing import Any, TypeVar, cast, overload
 
 import yaml
 from omegaconf import DictConfig, OmegaConf
@@ -244,8 +244,16 @@ def _unknown_key_message(exc: OmegaConfBaseException, cfg: DictConfig | None = N
     return f"key {key!r}: {msg}" if key else msg
 
 
+@overload
+def load_config(schema: type[T], name_or_path: str | None, overrides: Sequence[str] = (),
+                config_dirs: Sequence[Path] = (), fixed: Mapping[str, str] | None = None,
+                renamed: Mapping[str, str] | None = None, notes: bool = True) -> T: ...
+@overload
+def load_config(schema: T, name_or_path: str | None, overrides: Sequence[str] = (),
+                config_dirs: Sequence[Path] = (), fixed: Mapping[str, str] | None = None,
+                renamed: Mapping[str, str] | None = None, notes: bool = True) -> T: ...
 def load_config(
-    schema: type[T],
+    schema: type[T] | T,
     name_or_path: str | None,
     overrides: Sequence[str] = (),
     config_dirs: Sequence[Path] = (),
@@ -253,7 +261,8 @@ def load_config(
     renamed: Mapping[str, str] | None = None,
     notes: bool = True,
 ) -> T:
-    """Compose, merge into ``schema`` (a dataclass), apply overrides, validate. See module doc.
+    """Compose, merge into ``schema`` (a dataclass, or an instance of one whose defaults it keeps:
+    a section holding a subclass of the declared config), apply overrides, validate. See module doc.
     ``notes``: print the deprecation notes (off for a second load of the same command line)."""
     if not is_dataclass(schema):
         raise TypeError(f"config schema must be a dataclass, got {schema!r}")

@@ -401,6 +401,6 @@ def bench_in_world(recipe, ctx, steps: int = 10, warmup: int = 3, batch_size: in
 
 def step_seconds_from_config(config: str | None, overrides: list[str], **kwargs) -> dict[str, float]:
     """``run_bench`` on the config's recipe: each run's seconds per step (one process of ``--processes``)."""
-    from loongforge.diffusion.cli import load_recipe
+    from loongforge.diffusion.run_config import load_recipe
 
     return {name: r.step_s for name, r in run_bench(load_recipe(config, overrides), **kwargs).items()}

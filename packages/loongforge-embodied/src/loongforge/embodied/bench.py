@@ -147,7 +147,7 @@ def step_flops(cfg, ctx, scratch: str, batch_size: int) -> float:
     action chunk)."""
     from loongforge.core.bench_protocol import training_step
     from loongforge.core.benchmarking import counted_flops
-    from loongforge.embodied.cli import make_task
+    from loongforge.embodied.config import make_task
 
     one = bench_config(cfg, scratch)
     one.train.compile, one.train.recompute = False, "none"
@@ -178,7 +178,7 @@ def run_bench(cfgs: Mapping[str, object], ctx, steps: int = 10, warmup: int = 3,
     from safetensors.torch import save_file
 
     from loongforge.core.bench_protocol import Side, run_rounds, training_step
-    from loongforge.embodied.cli import make_task
+    from loongforge.embodied.config import make_task
     from loongforge.embodied.task import masked_flow_loss
 
     device = ctx.device

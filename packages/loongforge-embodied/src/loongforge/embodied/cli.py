@@ -21,6 +21,7 @@ import sys
 from pathlib import Path
 
 from loongforge.core.cli import normalise_overrides
+from loongforge.embodied.config import make_task
 
 CONFIG_DIR = Path(__file__).parent / "configs"
 
@@ -29,13 +30,6 @@ def load_config(name_or_path: str | None, overrides: list[str]):
     from loongforge.embodied.config import load_train_config
 
     return load_train_config(name_or_path, overrides)
-
-
-def make_task(cfg):
-    """The task the config's policy family registers (``ModelSpec.task``)."""
-    from loongforge.core.models import get_model_spec
-
-    return get_model_spec(cfg.model.family).make_task(cfg)
 
 
 def cmd_info(args, cfg) -> None:

@@ -8,7 +8,8 @@ its ``model`` group (``model=smolvla`` or ``--model smolvla`` selects ``configs/
 and ``key=value`` overrides through ``loongforge.core.config``; the ``model`` section is validated
 as the config class of ``model.family``. The names of earlier releases (``policy``, ``data.root``,
 ``policy.tokenizer``: ``RENAMED_KEYS``) are read with a note; a renamed policy family
-(``RENAMED_POLICIES``) is refused naming its new name.
+(``RENAMED_POLICIES``) is refused naming its new name. ``make_task(cfg)`` is the task the
+config's policy family registers.
 """
 
 from __future__ import annotations
@@ -210,6 +211,13 @@ def policy_config_class(family: str) -> type[PolicyConfig]:
     if not (isinstance(config_class, type) and issubclass(config_class, PolicyConfig)):
         raise ConfigError(f"model.family={family!r} is not a policy (its config is {config_class.__name__})")
     return config_class
+
+
+def make_task(cfg: EmbodiedConfig):
+    """The task the config's policy family registers (``ModelSpec.task``)."""
+    from loongforge.core.models import get_model_spec
+
+    return get_model_spec(cfg.model.family).make_task(cfg)
 
 
 def load_train_config(name_or_path: str | None = "train", overrides: Sequence[str] = ()) -> EmbodiedConfig:

@@ -79,7 +79,7 @@ _EXPORTS: dict[str, tuple[str, str, str]] = {
         "loongforge.llm.data.sft", "load_chat_tokenizer",
         "A ``transformers`` tokenizer from a local directory (offline; a ``DataError`` if it cannot load)."),
     "bundled_tokenizer_path": (
-        "loongforge.llm.data.shipped", "bundled_tokenizer_path",
+        "loongforge.llm.data.bundled_files", "bundled_tokenizer_path",
         "The directory of the tokenizer that ships with the package (the default tokenizer)."),
     "DataError": (
         "loongforge.llm.data.errors", "DataError",

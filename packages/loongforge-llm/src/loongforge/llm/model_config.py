@@ -58,9 +58,31 @@ class GPTConfig:
     def transformer_config_kwargs(self) -> dict:
         """The architecture part of megatron's TransformerConfig; families with more
         architecture (MoE, multi-latent attention) extend it in their config subclass."""
-        from loongforge.llm.families.gpt import transformer_config_kwargs
+        import torch.nn.functional as F
 
-        return transformer_config_kwargs(self)
+        return dict(
+            num_layers=self.num_layers,
+            hidden_size=self.hidden_size,
+            num_attention_heads=self.num_attention_heads,
+            num_query_groups=self.num_query_groups,
+            ffn_hidden_size=self.ffn_hidden_size,
+            kv_channels=self.head_dim,
+            normalization="RMSNorm",
+            layernorm_epsilon=self.norm_epsilon,
+            gated_linear_unit=True,
+            activation_func=F.silu,
+            add_bias_linear=False,
+            add_qkv_bias=self.add_qkv_bias,
+            qk_layernorm=self.qk_layernorm,
+            hidden_dropout=0.0,
+            attention_dropout=0.0,
+            init_method_std=self.init_method_std,
+            bias_activation_fusion=False,
+            masked_softmax_fusion=False,
+            persist_layer_norm=False,
+            bias_dropout_fusion=False,
+            apply_rope_fusion=False,
+        )
 
     def parameter_counts(self) -> dict[str, int]:
         """Parameters by part: embedding, output layer and the transformer layers."""

@@ -105,9 +105,29 @@ class LLMConfig:
             check_chunk_pipe(self.train.seq_chunks, family=self.model.family, seq_length=self.train.seq_length,
                              parallel=self.parallel, recompute=self.train.recompute, packed=self.recipe == "sft")
         if self.recipe == "sft":
-            from loongforge.llm.sft_recipe import check_sft_config
-
             check_sft_config(self)
+
+
+def check_sft_config(cfg: LLMConfig) -> None:
+    """Cross-group rules of ``recipe: sft`` (run while the config is built, before any process group)."""
+    train, parallel = cfg.train, cfg.parallel
+    if train.micro_batch_size not in (None, 1):
+        raise ValueError(
+            f"train.micro_batch_size={train.micro_batch_size}: recipe=sft plans its micro-batches by tokens "
+            f"(balance.token_cap); set train.micro_batch_size=1"
+        )
+    cap = cfg.balance.token_cap
+    if cap is not None and cap < train.seq_length:
+        raise ValueError(f"balance.token_cap={cap} is below train.seq_length={train.seq_length}: "
+                         f"a conversation of seq_length positions would fit no micro-batch")
+    if parallel.pp > 1:
+        if not cfg.sft.packing:
+            raise ValueError("sft.packing=false with parallel.pp>1: the pipeline needs one micro-batch shape; use packing")
+        if cap not in (None, train.seq_length):
+            raise ValueError(f"balance.token_cap={cap} with parallel.pp>1: packed rows are padded to "
+                             f"train.seq_length={train.seq_length}, so the cap must equal it")
+    if cfg.data.prefixes:
+        raise ValueError("data.prefixes are indexed pre-training data; recipe=sft reads sft.files")
 
 
 def check_context_parallel(cfg: LLMConfig) -> None:
@@ -193,15 +213,6 @@ def resolve_tokenizer(cfg: LLMConfig) -> LLMConfig:
     if cfg.data.tokenizer:
         cfg.data.tokenizer = resolve_local(cfg.data.tokenizer, key="data.tokenizer")
     return cfg
-
-
-def make_task(cfg: LLMConfig):
-    """The task of ``cfg.recipe``: pre-training on indexed data, or SFT on conversations."""
-    if cfg.recipe == "sft":
-        from loongforge.llm.sft_recipe import SFTTask
-
-        return SFTTask(cfg)
-    return LLMTask(cfg)
 
 
 def collate(samples: list[dict]) -> dict[str, torch.Tensor]:
@@ -384,9 +395,9 @@ class LLMTask(MegatronTask):
         return list(zip(weights, self.cfg.data.prefixes))
 
     def tokenizer_ref(self) -> str:
-        from loongforge.llm.data import shipped
+        from loongforge.llm.data.bundled_files import bundled_tokenizer_path
 
-        return str(self.cfg.data.tokenizer or shipped.bundled_tokenizer_path())
+        return str(self.cfg.data.tokenizer or bundled_tokenizer_path())
 
     def steps(self, ctx, start_step: int) -> Iterator[StepBatch]:
         from loongforge.llm.data.vocabulary import check_token_ids

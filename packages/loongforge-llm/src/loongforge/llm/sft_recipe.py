@@ -23,35 +23,12 @@ from __future__ import annotations
 
 from functools import partial
 
-from loongforge.llm.recipe import LLMConfig, LLMTask, masked_token_loss
-
-
-def check_sft_config(cfg: LLMConfig) -> None:
-    """Cross-group rules of ``recipe: sft`` (run while the config is built, before any process group)."""
-    train, parallel = cfg.train, cfg.parallel
-    if train.micro_batch_size not in (None, 1):
-        raise ValueError(
-            f"train.micro_batch_size={train.micro_batch_size}: recipe=sft plans its micro-batches by tokens "
-            f"(balance.token_cap); set train.micro_batch_size=1"
-        )
-    cap = cfg.balance.token_cap
-    if cap is not None and cap < train.seq_length:
-        raise ValueError(f"balance.token_cap={cap} is below train.seq_length={train.seq_length}: "
-                         f"a conversation of seq_length positions would fit no micro-batch")
-    if parallel.pp > 1:
-        if not cfg.sft.packing:
-            raise ValueError("sft.packing=false with parallel.pp>1: the pipeline needs one micro-batch shape; use packing")
-        if cap not in (None, train.seq_length):
-            raise ValueError(f"balance.token_cap={cap} with parallel.pp>1: packed rows are padded to "
-                             f"train.seq_length={train.seq_length}, so the cap must equal it")
-    if cfg.data.prefixes:
-        raise ValueError("data.prefixes are indexed pre-training data; recipe=sft reads sft.files")
+from loongforge.llm.recipe import LLMConfig, LLMTask, cp_share_of_rows, masked_token_loss
 
 
 def _cp_collate(collate, cp_group, samples):
     """``collate(samples)``, then this CP rank's share of it."""
     from loongforge.llm.data.packing import cp_share
-    from loongforge.llm.recipe import cp_share_of_rows
 
     batch = collate(samples)
     if "cu_seqlens" in batch:
@@ -81,9 +58,9 @@ class SFTTask(LLMTask):
 
     # -- data ----------------------------------------------------------------------------------
     def tokenizer_dir(self):
-        from loongforge.llm.data import shipped
+        from loongforge.llm.data.bundled_files import bundled_tokenizer_path
 
-        return self.cfg.data.tokenizer or shipped.bundled_tokenizer_path()
+        return self.cfg.data.tokenizer or bundled_tokenizer_path()
 
     def tokenizer_ref(self) -> str:
         return str(self.tokenizer_dir())

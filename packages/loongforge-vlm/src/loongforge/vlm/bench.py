@@ -131,7 +131,7 @@ class Case:
 
 
 def load_config(case: Case, extra: list[str], run_dir: str, seq_length: int):
-    from loongforge.vlm.cli import load_vlm_config
+    from loongforge.vlm.run_config import load_vlm_config
 
     return load_vlm_config(case.config, [
         *case.overrides, f"train.global_batch_size={case.samples}", f"train.seq_length={seq_length}",
@@ -297,7 +297,7 @@ def our_step(cfg, hf_dir: Path | None = None, samples: list[dict] | None = None,
     (``VLMTask.collate``; None: the first step ``lf-vlm train`` takes). Returns the step."""
     from loongforge.core.hf_mapping.online import load_hf_weights
     from loongforge.core.parallel import init_parallel
-    from loongforge.vlm.cli import make_task
+    from loongforge.vlm.run_config import make_task
     from loongforge.vlm.family import VLM_SPEC
 
     ctx = init_parallel(seed=cfg.train.seed)

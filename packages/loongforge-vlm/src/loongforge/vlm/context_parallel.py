@@ -52,11 +52,11 @@ def local_rows(hidden: torch.Tensor, cp_index: torch.Tensor | None) -> torch.Ten
 
 def check_foundation_layers(foundation, cp: int) -> None:
     """Refuse (before any process group) a foundation whose layers do not attend through
-    loongforge-llm's ``FusedSelfAttention`` (``model.foundation_attention``), the layer that takes
+    loongforge-llm's ``FusedSelfAttention`` (``foundation_attention``), the layer that takes
     per-token multimodal RoPE angles and the THD rows' CP split (megatron's own ``SelfAttention``,
     as the MoE families and Transformer Engine's layer use, re-slices the angles per segment or
     per CP rank)."""
-    from loongforge.vlm.model import foundation_attention, on_fast_layer
+    from loongforge.vlm.foundation_attention import foundation_attention, on_fast_layer
 
     if not on_fast_layer(foundation):
         raise ValueError(f"parallel.cp={cp}: the VLM's context parallelism needs the foundation on loongforge-llm's "

@@ -5,16 +5,7 @@ from __future__ import annotations
 
 from loongforge.core.models import ModelSpec
 from loongforge.vlm.hf import hf_adapter
-from loongforge.vlm.model import VisionLanguageModel, VLMModelConfig
-from loongforge.vlm.parallel import build_vision_groups
-
-
-def build_vlm(cfg: VLMModelConfig, ctx, transformer_config, pre_process: bool = True, post_process: bool = True, *,
-              encoder_tp: int = 1, split_across_foundation_tp: bool = True, encoder_recompute: str = "none"):
-    """This rank's VLM; the vision tower gets its own process groups (``build_vision_groups``)."""
-    groups = build_vision_groups(ctx, encoder_tp, split_across_foundation_tp)
-    return VisionLanguageModel(cfg, transformer_config, ctx.pgs, groups, encoder_recompute=encoder_recompute,
-                               pre_process=pre_process, post_process=post_process)
+from loongforge.vlm.model import VLMModelConfig, build_vlm
 
 
 def make_task(cfg):

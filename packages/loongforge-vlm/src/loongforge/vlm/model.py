@@ -18,11 +18,13 @@ from megatron.core.transformer.module import MegatronModule
 
 from loongforge.llm.api import GPTConfig
 from loongforge.vlm import deepstack
+from loongforge.vlm.context_parallel import local_rows
 from loongforge.vlm.encoders import build_encoder
 from loongforge.vlm.encoders.geometry import patch_counts
 from loongforge.vlm.encoders.layers import encoder_transformer_config
 from loongforge.vlm.model_config import EncoderConfig, ProjectorConfig, VisionTokensConfig
-from loongforge.vlm.parallel import VisionGroups, gather_rows, mark_replicated_parameters, split_items
+from loongforge.vlm.parallel import (VisionGroups, build_vision_groups, gather_rows, mark_replicated_parameters,
+                                    split_items)
 from loongforge.vlm.projectors import build_projector
 
 
@@ -130,24 +132,6 @@ def build_foundation(cfg: VLMModelConfig, transformer_config, pgs, pre_process: 
         # loongforge.vlm.context_parallel), so the rotary embedding must not slice them per CP rank again
         model.rotary_pos_emb.cp_group = None
     return model
-
-
-def foundation_attention(foundation: GPTConfig):
-    """The self-attention module the foundation's layer spec builds (a class; None where the spec
-    has no self-attention slot)."""
-    from loongforge.core.models import get_model_spec
-
-    spec = get_model_spec(foundation.family).layer_spec(foundation)
-    return getattr(getattr(getattr(spec, "submodules", None), "self_attention", None), "module", None)
-
-
-def on_fast_layer(foundation: GPTConfig) -> bool:
-    """Whether the foundation's layers attend through loongforge-llm's ``FusedSelfAttention`` (per-token
-    multimodal RoPE angles, THD rows, context parallelism)."""
-    from loongforge.llm.api import FusedSelfAttention
-
-    attention = foundation_attention(foundation)
-    return isinstance(attention, type) and issubclass(attention, FusedSelfAttention)
 
 
 class VisionLanguageModel(MegatronModule):
@@ -309,8 +293,6 @@ class VisionLanguageModel(MegatronModule):
         (the decoupled encoder stage, ``loongforge.vlm.encoder_stage``) in place of ``pixel_values``.
         ``loss_mask``: which of this rank's tokens count in the loss (the foundation's fused loss
         leaves the others out of its gradient work)."""
-        from loongforge.vlm.context_parallel import local_rows
-
         decoder_input, additions = None, []
         if self.pre_process:
             embeddings, additions = self.embed(tokens, pixel_values, grid_thw, vision)
@@ -338,3 +320,11 @@ class VisionLanguageModel(MegatronModule):
             for i, merger in enumerate(self.deepstack or ()):
                 out.update(merger.sharded_state_dict(f"{prefix}deepstack.{i}.", (), tower))
         return out
+
+
+def build_vlm(cfg: VLMModelConfig, ctx, transformer_config, pre_process: bool = True, post_process: bool = True, *,
+              encoder_tp: int = 1, split_across_foundation_tp: bool = True, encoder_recompute: str = "none"):
+    """This rank's VLM; the vision tower gets its own process groups (``build_vision_groups``)."""
+    groups = build_vision_groups(ctx, encoder_tp, split_across_foundation_tp)
+    return VisionLanguageModel(cfg, transformer_config, ctx.pgs, groups, encoder_recompute=encoder_recompute,
+                               pre_process=pre_process, post_process=post_process)

@@ -228,7 +228,7 @@ class VLMTask(MegatronTask):
     def build_model(self, ctx, transformer_config, pre_process, post_process, load_initial_weights=True):
         # builds from the config; whole HF models come in through `lf-vlm convert`, a SigLIP tower through
         # encoder.init_from_hf (read here, before any adapter: the HF weights are the base)
-        from loongforge.vlm.family import build_vlm
+        from loongforge.vlm.model import build_vlm
 
         enc = self.cfg.parallel.encoder
         model = build_vlm(self.model_cfg, ctx, transformer_config, pre_process, post_process, encoder_tp=enc.tp,
@@ -322,7 +322,7 @@ class VLMTask(MegatronTask):
         a row with the dense document-causal mask on megatron's own attention."""
         from loongforge.vlm.context_parallel import collate_cp_share
         from loongforge.vlm.data.packing import pack, pack_thd
-        from loongforge.vlm.model import on_fast_layer
+        from loongforge.vlm.foundation_attention import on_fast_layer
 
         cp = ctx.pgs.cp
         if cp.size() > 1:

@@ -39,6 +39,9 @@ from functools import cache
 import torch
 import torch.nn.functional as F
 
+from loongforge.diffusion.model.query_chunks import (as_query_chunks, from_query_chunks, heads_first, key_copies,
+                                                     query_chunks)
+
 BACKENDS = ("auto", "split", "masked", "flex", "varlen", "cudnn")
 
 # ``auto`` runs a pack through ``cudnn`` when its query and key segments are at least this long on
@@ -111,40 +114,6 @@ def _check(q: Segments, k: Segments, tq: int, tk: int) -> None:
         raise ValueError(f"bounds must span [0, {tq}] and [0, {tk}], got {q.bounds} and {k.bounds}")
 
 
-def _heads_first(x: torch.Tensor) -> torch.Tensor:
-    return x.transpose(0, 1).unsqueeze(0)  # [T, H, D] -> [1, H, T, D]
-
-
-MAX_QUERY_CHUNKS = 8
-
-
-def query_chunks(tq: int, tk: int) -> int:
-    """How many chunks ``_sdpa`` splits ``tq`` queries into against ``tk`` keys: 1 unless there
-    are at least 4x more queries than keys (cross-attention of video tokens to a prompt)."""
-    return min(MAX_QUERY_CHUNKS, tq // (2 * tk)) if 0 < 4 * tk <= tq else 1
-
-
-def as_query_chunks(q: torch.Tensor, chunks: int) -> torch.Tensor:
-    """``[L, H, D]`` -> ``[chunks, H, L', D]``, rows zero-padded to a multiple of ``chunks`` (a view
-    of the packed layout when none are needed; ``chunks=1`` is diffusers' ``[1, H, L, D]``)."""
-    pad = -q.shape[0] % chunks
-    if pad:
-        q = torch.cat([q, q.new_zeros(pad, *q.shape[1:])])
-    return q.unflatten(0, (chunks, -1)).transpose(1, 2)
-
-
-def from_query_chunks(t: torch.Tensor, rows: int) -> torch.Tensor:
-    """Inverse of :func:`as_query_chunks`: ``[chunks, H, L', ...]`` -> ``[rows, H, ...]``."""
-    return t.transpose(1, 2).flatten(0, 1)[:rows]
-
-
-def key_copies(k: torch.Tensor, chunks: int) -> torch.Tensor:
-    """``[Lk, H, D]`` -> ``[chunks, H, Lk, D]``: the keys once per query chunk (copies: a few MB;
-    broadcast stride-0 keys measured no faster)."""
-    k = _heads_first(k)
-    return k.expand(chunks, -1, -1, -1).contiguous() if chunks > 1 else k
-
-
 def _sdpa(q, k, v) -> torch.Tensor:
     """One segment: ``[T, H, D]`` viewed as ``[1, H, T, D]`` (the layout diffusers hands SDPA).
 
@@ -196,7 +165,7 @@ def _flex(q, k, v, qs: Segments, ks: Segments):
             return q_ids[qi] == k_ids[ki]
 
         qs.cache[key] = create_block_mask(same_segment, None, None, q.shape[0], k.shape[0], device=q.device)
-    args = (_heads_first(q), _heads_first(k), _heads_first(v))
+    args = (heads_first(q), heads_first(k), heads_first(v))
     if q.is_cuda:
         o = _compiled_flex()(*args, block_mask=qs.cache[key])
     else:  # eager flex (materialises the scores): the CPU reference path of this backend

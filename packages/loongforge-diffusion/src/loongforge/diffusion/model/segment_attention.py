@@ -11,7 +11,7 @@ so compiled code calls it once whatever the layout, and the loop runs inside the
 - backward (a second op): per segment ``aten::_scaled_dot_product_cudnn_attention_backward`` from
   the saved output and log-sum-exp, so nothing is recomputed;
 - a segment with many more queries than keys (video tokens against a prompt) runs as a batch of
-  query chunks against copies of its keys, as ``attention.query_chunks`` decides, and its key and
+  query chunks against copies of its keys, as ``query_chunks.query_chunks`` decides, and its key and
   value gradients are summed over the chunks. Padded query rows get a zero output gradient, so
   they contribute nothing to any gradient.
 
@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import torch
 
-from loongforge.diffusion.model.attention import as_query_chunks, from_query_chunks, key_copies, query_chunks
+from loongforge.diffusion.model.query_chunks import as_query_chunks, from_query_chunks, key_copies, query_chunks
 
 
 def _segments(q_bounds: torch.Tensor, k_bounds: torch.Tensor, tq: int, tk: int):

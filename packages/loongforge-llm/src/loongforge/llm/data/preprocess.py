@@ -221,7 +221,7 @@ def preprocess_from_args(args: argparse.Namespace) -> Path:
     """Run ``preprocess`` for parsed ``add_preprocess_arguments`` arguments and print a summary."""
     from megatron.core.datasets.indexed_dataset import IndexedDataset
 
-    from loongforge.llm.data.shipped import bundled_tokenizer_path
+    from loongforge.llm.data.bundled_files import bundled_tokenizer_path
 
     from loongforge.core.hub import resolve_local
 

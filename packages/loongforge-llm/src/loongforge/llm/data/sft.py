@@ -57,7 +57,7 @@ class SFTDataConfig:
 
 def bundled_sft_path() -> Path:
     """The shipped SFT set (``tools/make_sft_data.py``): 512 conversations, both record layouts."""
-    from loongforge.llm.data.shipped import bundled_corpus_path
+    from loongforge.llm.data.bundled_files import bundled_corpus_path
 
     return bundled_corpus_path().parent / "sft.jsonl"
 

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
 from loongforge.core.config import load_config
 from loongforge.core.kernels import KernelPolicy
@@ -14,33 +13,6 @@ from loongforge.llm.shipped_configs import MODEL_CONFIG_DIR
 def load_flavour(name: str) -> GPTConfig:
     """A model config shipped in ``configs/model/<name>.yaml``."""
     return load_config(GPTConfig, name, config_dirs=[MODEL_CONFIG_DIR])
-
-
-def transformer_config_kwargs(cfg: GPTConfig) -> dict:
-    """The architecture part of megatron's TransformerConfig."""
-    return dict(
-        num_layers=cfg.num_layers,
-        hidden_size=cfg.hidden_size,
-        num_attention_heads=cfg.num_attention_heads,
-        num_query_groups=cfg.num_query_groups,
-        ffn_hidden_size=cfg.ffn_hidden_size,
-        kv_channels=cfg.head_dim,
-        normalization="RMSNorm",
-        layernorm_epsilon=cfg.norm_epsilon,
-        gated_linear_unit=True,
-        activation_func=F.silu,
-        add_bias_linear=False,
-        add_qkv_bias=cfg.add_qkv_bias,
-        qk_layernorm=cfg.qk_layernorm,
-        hidden_dropout=0.0,
-        attention_dropout=0.0,
-        init_method_std=cfg.init_method_std,
-        bias_activation_fusion=False,
-        masked_softmax_fusion=False,
-        persist_layer_norm=False,
-        bias_dropout_fusion=False,
-        apply_rope_fusion=False,
-    )
 
 
 def layer_spec(cfg: GPTConfig, recompute_elementwise: bool | None = None, kernels: KernelPolicy = KernelPolicy()):

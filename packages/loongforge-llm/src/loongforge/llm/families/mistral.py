@@ -8,7 +8,7 @@ from loongforge.core.models import ModelSpec
 from loongforge.llm.families.gpt import build_gpt, layer_spec, load_flavour
 from loongforge.llm.families.gpt_hf import gpt_hf_adapter
 from loongforge.llm.model_config import GPTConfig
-from loongforge.llm.recipe import make_task
+from loongforge.llm.recipe_task import make_task
 
 MISTRAL_SPEC = ModelSpec(
     name="mistral",

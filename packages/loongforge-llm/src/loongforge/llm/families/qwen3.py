@@ -4,7 +4,7 @@
 from __future__ import annotations
 
 from loongforge.core.models import ModelSpec
-from loongforge.llm.recipe import make_task
+from loongforge.llm.recipe_task import make_task
 from loongforge.llm.families.gpt import build_gpt, layer_spec, load_flavour
 from loongforge.llm.families.gpt_hf import gpt_hf_adapter
 from loongforge.llm.model_config import GPTConfig

@@ -9,7 +9,7 @@ import torch
 from loongforge.core.models import ModelSpec
 from loongforge.llm.families.qwen3_5_hf import QWEN3_5_HF
 from loongforge.llm.qwen3_5_config import Qwen35Config
-from loongforge.llm.recipe import make_task
+from loongforge.llm.recipe_task import make_task
 
 
 def build_qwen3_5(cfg: Qwen35Config, ctx, transformer_config, pre_process: bool, post_process: bool) -> torch.nn.Module:

@@ -4,7 +4,7 @@ layer (softmax top-k router, renormalised top-k probabilities, aux load-balancin
 from __future__ import annotations
 
 from loongforge.core.models import ModelSpec
-from loongforge.llm.recipe import make_task
+from loongforge.llm.recipe_task import make_task
 from loongforge.llm.families.moe import build_moe_gpt, layer_spec, load_flavour
 from loongforge.llm.families.moe_hf import QWEN3_MOE_HF
 from loongforge.llm.moe_config import MoEConfig
