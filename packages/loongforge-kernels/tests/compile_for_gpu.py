@@ -203,6 +203,16 @@ def main() -> None:
                     dict(HEAD_DIM=128, BACKWARD=backward, HAS_PASS=has_pass, BLOCK_H=64, BLOCK_HALF=32 if has_pass else 64,
                          BLOCK_PASS=64),
                 )
+            # Qwen3-4B's rows: 8 groups of 4 query heads + key + value, head dim 128, full rotary
+            build(
+                gq._grouped_qkv_norm_rope,
+                dict(QKV=p, COS="*fp32", SIN="*fp32", QW=p, KW=p, Q=p, K=p, V=p, DQKV=p, DWQ="*fp32", DWK="*fp32",
+                     batch=i32, per_group=i32, n_heads=i32, half=i32, eps="fp32", stride_xs=i32, stride_xb=i32,
+                     stride_cs=i32, stride_cb=i32, stride_ds=i32, stride_db=i32, stride_qs=i32, stride_qb=i32,
+                     stride_qh=i32, stride_ks=i32, stride_kb=i32, stride_kh=i32, stride_vs=i32, stride_vb=i32,
+                     stride_vh=i32),
+                dict(HEAD_DIM=128, BACKWARD=backward, HAS_PASS=False, BLOCK_H=64, BLOCK_HALF=64, BLOCK_PASS=1),
+            )
         tl = triton.language
         pairs = ((tl.bfloat16, tl.bfloat16), (tl.float32, tl.bfloat16)) if dtype == "bf16" else ((tl.float32, tl.float32),)
         for p_dtype, g_dtype in pairs:  # the param (and moments) and gradient dtypes, aligned and not

@@ -19,9 +19,9 @@ SCRIPT = Path(__file__).with_name("compile_for_gpu.py")
 # cast-transposes (x2 input dtypes x e4m3/e5m2 x GELU prologue or not) and GEMMs + the grouped QKV RoPE (x2 dtypes x forward/backward x pass-through or not),
 # the loss forward's second form (x2 dtypes: with or without its gradient) and AdamW (bf16/bf16, fp32/bf16,
 # fp32/fp32 params/grads, x2: 16-byte aligned or not), SwiGLU's backward writing its output and the loss
-# backward's on-device factor (x2 dtypes each)
+# backward's on-device factor, the grouped QKV norm + RoPE (forward and backward) (x2 dtypes each)
 N_BUILDS = (2 * (2 + 3 + 4 + 1 + 2 + 2 + 3 + 3 + 4 + 4) + (6 + 2) + (3 + 2) + (1 + 1) + (2 * 3 + 2 * 2 * 2 + 2)
-            + 2 * 4 + 2 + 2 * 3 + 2 * 2)
+            + 2 * 4 + 2 + 2 * 3 + 2 * 2 + 2 * 2)
 
 
 def _nvidia_backend_present() -> bool:

@@ -64,15 +64,23 @@ def test_layer_spec_matches_megatron_local_spec(megatron_world, cfg):
     _check_against_local_spec(cfg)
 
 
-def test_triton_kernels_in_the_model_match_megatron_local_spec(megatron_world, monkeypatch):
+@pytest.mark.parametrize("qk_norm", [False, True], ids=["llama", "qk-norm"])
+def test_triton_kernels_in_the_model_match_megatron_local_spec(megatron_world, monkeypatch, qk_norm):
     pytest.importorskip("loongforge.kernels")
     import loongforge.core.accelerators as accelerators
 
     monkeypatch.delenv("LOONGFORGE_KERNELS", raising=False)
     cpu = accelerators.get_accelerator()
     monkeypatch.setattr(accelerators, "get_accelerator", lambda *a, **k: TritonCapable(cpu))
-    ours = _check_against_local_spec(CFG)
+    calls = []
+    if qk_norm:  # Qwen3's q/k norms: the grouped QKV op normalises the heads in its pass
+        import loongforge.kernels.grouped_qkv_rope as gq
+
+        fused = gq.grouped_qkv_norm_rope
+        monkeypatch.setattr(gq, "grouped_qkv_norm_rope", lambda *a: calls.append(1) or fused(*a))
+    ours = _check_against_local_spec(GPTConfig(**{**CFG.__dict__, "qk_layernorm": qk_norm}))
     assert ours.decoder.layers[0].mlp._swiglu.__module__ == "loongforge.kernels.provider"  # not the reference
+    assert len(calls) == (2 * CFG.num_layers if qk_norm else 0)  # the logits' forward and the loss's
 
 
 def test_recompute_elementwise_changes_nothing(megatron_world):

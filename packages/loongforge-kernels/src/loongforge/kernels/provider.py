@@ -88,6 +88,14 @@ def grouped_qkv_rope(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
 
 
 @_by_device
+def grouped_qkv_norm_rope(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, q_weight: torch.Tensor,
+                          k_weight: torch.Tensor, eps: float = 1e-6) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    from loongforge.kernels.grouped_qkv_rope import grouped_qkv_norm_rope as fused
+
+    return fused(qkv, cos, sin, q_weight, k_weight, eps)
+
+
+@_by_device
 def swiglu(gate_up: torch.Tensor) -> torch.Tensor:
     from loongforge.kernels.swiglu import swiglu as fused
 
@@ -267,7 +275,7 @@ def supports_fp8(accelerator) -> bool:
 
 
 _OPS = (
-    rms_norm, add_rms_norm, rope, grouped_qkv_rope, swiglu, swiglu_backward, linear_cross_entropy, sparse_mla_attention,
+    rms_norm, add_rms_norm, rope, grouped_qkv_rope, grouped_qkv_norm_rope, swiglu, swiglu_backward, linear_cross_entropy, sparse_mla_attention,
     sparse_mla_absorbed_attention, dsa_indexer_topk, dsa_indexer_loss,
     gelu_tanh_backward, qk_norm_rope, qk_norm_rope_backward, modulated_layer_norm, modulated_layer_norm_backward,
     adamw_step, gated_delta_rule,

@@ -5,8 +5,11 @@ copies the queries into ``[s, b, heads, d]``, then applies rotary in several ele
 Here the registry's ``grouped_qkv_rope`` op reads each token's ``linear_qkv`` row once and writes
 the rotated queries and keys and the values contiguous, in the layout SDPA reads, and its backward
 writes the ``linear_qkv`` gradient in one pass; nothing keeps the ``linear_qkv`` output alive for the
-backward. With q/k norms (Qwen3) the norms run between the split and the rotation: the fused
-``rope`` op then reads the normed queries and keys and the values get one contiguous copy. With
+backward. With q/k norms (Qwen3: plain RMSNorms, ``FusedRMSNorm``) the registry's
+``grouped_qkv_norm_rope`` does the per-head norms in the same pass (and their backward, with the
+norm weights' gradients, in the backward's); other q/k norms run between the split and the
+rotation: the fused ``rope`` op then reads the normed queries and keys and the values get one
+contiguous copy. With
 megatron's output gate (``attention_output_gate``, Qwen3.5: ``linear_qkv`` holds per query group
 the query heads, their gates, the key and the value) the attention output is scaled by
 ``sigmoid(gate)`` before ``linear_proj``, as megatron does. Inference, cross attention,
@@ -38,6 +41,7 @@ import torch
 from megatron.core.transformer.attention import SelfAttention
 
 from loongforge.core.kernels import KernelPolicy
+from loongforge.llm.layers.norm import FusedRMSNorm
 from loongforge.llm.layers.packed_params import forward_layout
 from loongforge.llm.layers.rope_tables import RopeTables
 
@@ -50,6 +54,7 @@ class FusedSelfAttention(SelfAttention):
         super().__init__(*args, **kwargs)
         self._rope = kernels.get("rope")
         self._grouped_qkv_rope = kernels.get("grouped_qkv_rope")
+        self._grouped_qkv_norm_rope = kernels.get("grouped_qkv_norm_rope")
         self.rope_tables = RopeTables()
         self._cp = (self.pg_collection.cp.size(), self.pg_collection.cp.rank())
         self.chunk_state = None  # ChunkPipe: the chunk running now (chunk_pipe.ChunkAttentionState)
@@ -78,6 +83,11 @@ class FusedSelfAttention(SelfAttention):
             and not cfg.flash_decode
             and cfg.num_query_groups >= self.world_size
         )
+
+    def _plain_qk_norms(self) -> bool:
+        """Both q/k norms plain RMSNorms of one epsilon (what ``grouped_qkv_norm_rope`` computes)."""
+        q, k = self.q_layernorm, self.k_layernorm
+        return _is_plain_rms_norm(q) and _is_plain_rms_norm(k) and q.eps == k.eps
 
     def forward(self, hidden_states, attention_mask, key_value_states=None, inference_context=None,
                 rotary_pos_emb=None, **kwargs):
@@ -115,9 +125,14 @@ class FusedSelfAttention(SelfAttention):
                 layout = forward_layout(packed, cu)
             options = dict(mscale=self._yarn_concentration_factor, cp=self._cp,
                            per_token=self.config.mrope_section is not None, layout=layout)
-        if q_emb is not None and q_emb is k_emb and self.q_layernorm is None and self.k_layernorm is None:
+        one_pass = q_emb is not None and q_emb is k_emb
+        if one_pass and self.q_layernorm is None and self.k_layernorm is None:
             # one pass over the qkv row: split, rotate, lay out (and one pass back in the backward)
             query, key, value = self._grouped_qkv_rope(qkv, *self.rope_tables.get(q_emb, (s, b), cu, **options))
+        elif one_pass and self._plain_qk_norms():  # the same pass with the per-head norms
+            query, key, value = self._grouped_qkv_norm_rope(
+                qkv, *self.rope_tables.get(q_emb, (s, b), cu, **options), self.q_layernorm.weight,
+                self.k_layernorm.weight, self.q_layernorm.eps)
         else:
             query, key = qkv[..., :per_group, :], qkv[..., per_group : per_group + 1, :]
             value = qkv[..., per_group + 1 :, :]
@@ -147,6 +162,10 @@ class FusedSelfAttention(SelfAttention):
         if gate is not None:  # megatron's output gate: context * sigmoid(gate), in fp32
             context = (context * torch.sigmoid(gate.reshape(context.shape).float())).to(context.dtype)
         return self.linear_proj(context)
+
+
+def _is_plain_rms_norm(norm) -> bool:
+    return type(norm) is FusedRMSNorm  # (not a subclass: ZeroCenteredRMSNorm scales by 1 + weight)
 
 
 def share_rope_tables(model: torch.nn.Module) -> None:
