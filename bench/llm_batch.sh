@@ -15,7 +15,7 @@
 #                                    # in pure bf16: ~8 minutes
 #   bash bench/llm_batch.sh pair     # the 1B case in both recipes against hf_liger: ~3 minutes
 #   bash bench/llm_batch.sh pure     # the changed kernels' GPU tests; pure bf16 against hf_liger: the 1B case (with ours'
-#                                    # profile and the GPU's idle gaps from its trace), train_0_5b, bench_qwen3_4b: ~8 minutes
+#                                    # profile and the GPU's idle gaps from its trace), bench_qwen3_4b, train_0_5b: ~8 minutes
 #   bash bench/llm_batch.sh shortest # the AdamW kernel's GPU test, the 1B case in both recipes against hf_liger
 #                                    # (FP8 beside mixed), then train_0_5b in pure bf16: ~5 minutes
 #
@@ -61,13 +61,14 @@ cases-a)
       --fp8 blockwise train.precision=bf16
   ;;
 pure)
-  (cd "$repo" && timeout 120 python3 -m pytest -q -p no:cacheprovider -n 0 -o addopts="--import-mode=importlib" \
-      packages/loongforge-kernels/tests/test_swiglu.py packages/loongforge-kernels/tests/test_linear_cross_entropy.py 2>&1 | tail -n 3)
+  (cd "$repo" && timeout 60 python3 -m pytest -q -p no:cacheprovider -n 0 -o addopts="--import-mode=importlib" \
+      packages/loongforge-kernels/tests/test_swiglu.py packages/loongforge-kernels/tests/test_linear_cross_entropy.py \
+      packages/loongforge-kernels/tests/test_grouped_qkv_rope.py 2>&1 | tail -n 3)
   liger_only="--skip hf_eager --skip hf_compile --rounds 1"
-  llm_bench 170 --config bench_llama_1b $liger_only --profile-rows 30 --trace /tmp/llama_1b_trace.json train.precision=bf16-pure
-  timeout 60 python3 "$repo/bench/trace_gaps.py" /tmp/llama_1b_trace.json --gaps 30 --min-gap-us 30
-  llm_bench 120 --config train_0_5b $liger_only --profile-rows 20 train.precision=bf16-pure
-  llm_bench 200 --config bench_qwen3_4b $liger_only --profile-rows 20 train.precision=bf16-pure
+  llm_bench 160 --config bench_llama_1b $liger_only --profile-rows 30 --trace /tmp/llama_1b_trace.json train.precision=bf16-pure
+  timeout 30 python3 "$repo/bench/trace_gaps.py" /tmp/llama_1b_trace.json --gaps 30 --min-gap-us 30
+  llm_bench 170 --config bench_qwen3_4b $liger_only --profile-rows 20 train.precision=bf16-pure
+  llm_bench 110 --config train_0_5b $liger_only --profile-rows 20 train.precision=bf16-pure
   ;;
 cases-b)
   llm_bench 120 --config train_0_5b --skip hf_eager --skip hf_compile --rounds 1 --profile-rows 0 train.precision=bf16
