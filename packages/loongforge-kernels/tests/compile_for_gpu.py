@@ -212,6 +212,7 @@ def main() -> None:
                      stride_qh=i32, stride_ks=i32, stride_kb=i32, stride_kh=i32, stride_vs=i32, stride_vb=i32,
                      stride_vh=i32),
                 dict(HEAD_DIM=128, BACKWARD=backward, HAS_PASS=False, BLOCK_H=64, BLOCK_HALF=64, BLOCK_PASS=1),
+                num_warps=16,
             )
         tl = triton.language
         pairs = ((tl.bfloat16, tl.bfloat16), (tl.float32, tl.bfloat16)) if dtype == "bf16" else ((tl.float32, tl.float32),)

@@ -22,7 +22,7 @@ import triton
 import triton.language as tl
 
 from loongforge.core.kernels.shapes import check_shapes
-from loongforge.kernels.launch import check_tensors, row_block
+from loongforge.kernels.launch import check_tensors, row_block, warps_for
 
 
 @triton.jit
@@ -280,16 +280,16 @@ def _launch_norm(qkv, cos, sin, q_weight, k_weight, eps, q, k, v, dqkv=None, dwq
         return
     backward = dqkv is not None
     out = dqkv if backward else qkv
+    block_h, block_half = triton.next_power_of_2(groups * heads_per_row), row_block("grouped_qkv_norm_rope", rot // 2)
     _grouped_qkv_norm_rope[(s * b,)](
         qkv, cos, sin, q_weight, k_weight, q, k, v, out, dwq if backward else cos, dwk if backward else cos,
         b, heads_per_row - 2, groups * heads_per_row, rot // 2, eps,
         qkv.stride(0), qkv.stride(1), cos.stride(0), cos.stride(1), out.stride(0), out.stride(1),
         q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
         v.stride(0), v.stride(1), v.stride(2),
-        HEAD_DIM=d, BACKWARD=backward, HAS_PASS=d > rot,
-        BLOCK_H=triton.next_power_of_2(groups * heads_per_row),
-        BLOCK_HALF=row_block("grouped_qkv_norm_rope", rot // 2),
+        HEAD_DIM=d, BACKWARD=backward, HAS_PASS=d > rot, BLOCK_H=block_h, BLOCK_HALF=block_half,
         BLOCK_PASS=triton.next_power_of_2(max(d - rot, 1)),
+        num_warps=warps_for(2 * block_h * block_half),  # a dozen [heads, half] fp32 tiles live in the backward
     )
 
 
