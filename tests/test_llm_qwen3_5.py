@@ -1,6 +1,7 @@
 """Qwen3.5 end to end: `lf-llm train --config qwen3_5_debug` (the hybrid debug model on the
 bundled corpus, on CPU: the DeltaNet's torch reference) learns and checkpoints; a Gated DeltaNet
-layer under context parallelism (processes on gloo) equals the same layer in one process."""
+layer under context parallelism, and under tensor parallelism (with sequence parallelism, with
+context parallelism) (processes on gloo), equals the same layer in one process."""
 
 import json
 
@@ -35,3 +36,32 @@ def test_delta_net_context_parallel_equals_one_process(cp):
     proc = run_script(Path(__file__).parent / "gdn_cp_probe.py", [str(cp)], nproc=cp)
     assert proc.returncode == 0, proc.stderr[-5000:]
     assert proc.stdout.count("ok") == cp
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("tp, cp, sp", [(2, 1, 0), pytest.param(2, 1, 1, marks=pytest.mark.long),
+                                        pytest.param(2, 2, 0, marks=pytest.mark.long)],
+                         ids=["tp2", "tp2-sequence-parallel", "tp2-cp2"])
+def test_delta_net_tensor_parallel_equals_one_process(tp, cp, sp):
+    """A Gated DeltaNet layer split over TP ranks (whole key heads and their value heads each) starts
+    from its shards of the one-process layer's weights, saves them whole in its sharded state
+    dict, and gives each rank the output rows, input gradient rows and its shard of every
+    parameter gradient of the whole layer, for dense rows and a packed row."""
+    from pathlib import Path
+
+    from cli_runner import run_script
+
+    proc = run_script(Path(__file__).parent / "gdn_tp_probe.py", [str(tp), str(cp), str(sp)], nproc=tp * cp,
+                      env={"LOONGFORGE_ACCELERATOR": "cpu"})
+    assert proc.returncode == 0, proc.stderr[-5000:]
+    assert proc.stdout.count("ok") == tp * cp
+
+
+def test_delta_net_heads_that_do_not_split_are_refused_by_key():
+    from loongforge.core.config import ConfigError
+    from loongforge.llm.layers.gated_delta_net_tp import HeadShards
+
+    with pytest.raises(ConfigError, match=r"model.linear_num_key_heads=3 must be divisible by parallel.tp=2"):
+        HeadShards(num_key_heads=3, num_value_heads=6, key_head_dim=8, value_head_dim=8, tp=2)
+    with pytest.raises(ConfigError, match=r"model.linear_num_value_heads=6 must be divisible by parallel.tp=4"):
+        HeadShards(num_key_heads=4, num_value_heads=6, key_head_dim=8, value_head_dim=8, tp=4)

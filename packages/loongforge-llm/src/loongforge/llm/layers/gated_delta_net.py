@@ -80,7 +80,8 @@ class GatedDeltaNet(MegatronModule):
         self.cp_group = pg_collection.cp if pg_collection is not None else None
         tp_group = pg_collection.tp if pg_collection is not None else None
         tp = tp_group.size() if tp_group is not None else 1
-        self.tp_group = tp_group if tp > 1 else None  # None: the whole layer on this rank
+        self.tp_group = tp_group
+        self.tensor_parallel = tp > 1
         self.shards = HeadShards(num_key_heads, num_value_heads, key_head_dim, value_head_dim, tp,
                                  tp_group.rank() if tp_group is not None else 0)
         self.num_key_heads, self.num_value_heads = self.shards.local_key_heads, self.shards.local_value_heads
@@ -97,21 +98,25 @@ class GatedDeltaNet(MegatronModule):
         self.A_log = torch.nn.Parameter(torch.empty(self.num_value_heads, dtype=dtype))
         self.norm = torch.nn.Module()
         self.norm.weight = torch.nn.Parameter(torch.ones(value_head_dim, dtype=dtype))
-        self._initialise(config, conv_kernel)
+        self._initialise(config)
         self.out_proj = RowParallelLinear(num_value_heads * value_head_dim, h, config=config,
                                           init_method=config.output_layer_init_method, bias=False,
                                           input_is_parallel=True, skip_bias_add=False, tp_group=tp_group)
         self._rule = kernels.get("gated_delta_rule")
 
-    def _split(self):
-        """``(parameter, whole sections)`` of every parameter TP splits along its first axis but ``out_proj``."""
+    def split_parameters(self) -> tuple[tuple[str, torch.nn.Parameter, tuple[int, ...]], ...]:
+        """``(name, parameter, whole sections)`` of every parameter TP splits along its first axis
+        (all but ``out_proj``, split along its second by megatron, and the replicated ``norm``)."""
         s = self.shards
-        return ((self.in_proj_qkv.weight, s.qkv_sections), (self.in_proj_z.weight, s.value_sections),
-                (self.in_proj_b.weight, s.head_sections), (self.in_proj_a.weight, s.head_sections),
-                (self.conv1d.weight, s.qkv_sections), (self.dt_bias, s.head_sections), (self.A_log, s.head_sections))
+        return (("in_proj_qkv.weight", self.in_proj_qkv.weight, s.qkv_sections),
+                ("in_proj_z.weight", self.in_proj_z.weight, s.value_sections),
+                ("in_proj_b.weight", self.in_proj_b.weight, s.head_sections),
+                ("in_proj_a.weight", self.in_proj_a.weight, s.head_sections),
+                ("conv1d.weight", self.conv1d.weight, s.qkv_sections),
+                ("dt_bias", self.dt_bias, s.head_sections), ("A_log", self.A_log, s.head_sections))
 
     @torch.no_grad()
-    def _initialise(self, config, conv_kernel: int) -> None:
+    def _initialise(self, config) -> None:
         """Each split parameter drawn whole (fp32, in a fixed order), then this rank's shard of it
         kept: every TP size starts from the same weights. The projections follow
         ``config.init_method`` (where ``perform_initialization``), the convolution PyTorch's
@@ -119,22 +124,20 @@ class GatedDeltaNet(MegatronModule):
         as Hugging Face initialises them."""
         import math
 
-        whole = {param: torch.empty(sum(sections), *param.shape[1:], dtype=torch.float32)
-                 for param, sections in self._split()}
-        projections = {id(w) for w in (self.in_proj_qkv.weight, self.in_proj_z.weight, self.in_proj_b.weight,
-                                       self.in_proj_a.weight)}
-        for param, _ in self._split():
-            if id(param) in projections and config.perform_initialization:
-                config.init_method(whole[param])
-        torch.nn.init.kaiming_uniform_(whole[self.conv1d.weight], a=math.sqrt(5))
-        whole[self.A_log].uniform_(0.01, 16).log_()
-        whole[self.dt_bias].fill_(1.0)
+        whole = {name: torch.empty(sum(sections), *param.shape[1:], dtype=torch.float32)
+                 for name, param, sections in self.split_parameters()}
+        projections = ("in_proj_qkv.weight", "in_proj_z.weight", "in_proj_b.weight", "in_proj_a.weight")
+        if config.perform_initialization:
+            for name in projections:
+                config.init_method(whole[name])
+        torch.nn.init.kaiming_uniform_(whole["conv1d.weight"], a=math.sqrt(5))
+        whole["A_log"].uniform_(0.01, 16).log_()
+        whole["dt_bias"].fill_(1.0)
         from megatron.core.tensor_parallel.layers import set_tensor_model_parallel_attributes
 
-        for param, sections in self._split():
-            if id(param) in projections and not config.perform_initialization:
-                continue
-            param.copy_(self.shards.shard(whole[param], sections))
+        for name, param, sections in self.split_parameters():
+            if name not in projections or config.perform_initialization:
+                param.copy_(self.shards.shard(whole[name], sections))
             # split over TP at every TP size (as megatron marks its parallel linears' weights)
             set_tensor_model_parallel_attributes(param, is_parallel=True, dim=0, stride=1)
 
@@ -142,12 +145,8 @@ class GatedDeltaNet(MegatronModule):
         """megatron's default (``out_proj`` row-parallel, the rest replicated), the TP-split
         parameters described by ``HeadShards`` (their whole tensors in checkpoints)."""
         out = super().sharded_state_dict(prefix, sharded_offsets, metadata)
-        if self.tp_group is None:
-            return out
-        names = {id(p): n for n, p in self.named_parameters()}
-        for param, sections in self._split():
-            key = prefix + names[id(param)]
-            out[key] = self.shards.sharded_tensor(out[key], sections, len(sharded_offsets))
+        for name, _, sections in self.split_parameters():
+            out[prefix + name] = self.shards.sharded_tensor(out[prefix + name], sections, len(sharded_offsets))
         return out
 
     @property
@@ -157,7 +156,7 @@ class GatedDeltaNet(MegatronModule):
     def forward(self, hidden_states: torch.Tensor, attention_mask=None, packed_seq_params=None, **_unused):
         if attention_mask is not None:
             raise ValueError("GatedDeltaNet: an explicit attention mask is not supported (causal, packed rows by cu_seqlens)")
-        if self.tp_group is not None:  # column-parallel input projections: every rank reads every token
+        if self.tensor_parallel:  # column-parallel input projections: every rank reads every token
             from megatron.core.tensor_parallel import mappings
 
             hidden_states = (mappings.gather_from_sequence_parallel_region(hidden_states, group=self.tp_group)
@@ -228,7 +227,7 @@ class GatedDeltaNet(MegatronModule):
         of = o.float()
         normed = (of * torch.rsqrt(of.pow(2).mean(-1, keepdim=True) + self.eps)).to(o.dtype)
         weight = self.norm.weight
-        if self.tp_group is not None:  # shared by every head: each rank's heads add to its gradient
+        if self.tensor_parallel:  # shared by every head: each rank's heads add to its gradient
             from megatron.core.tensor_parallel import mappings
 
             weight = mappings.copy_to_tensor_model_parallel_region(weight, group=self.tp_group)
