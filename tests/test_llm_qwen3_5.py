@@ -1,7 +1,9 @@
 """Qwen3.5 end to end: `lf-llm train --config qwen3_5_debug` (the hybrid debug model on the
 bundled corpus, on CPU: the DeltaNet's torch reference) learns and checkpoints; a Gated DeltaNet
 layer under context parallelism, and under tensor parallelism (with sequence parallelism, with
-context parallelism) (processes on gloo), equals the same layer in one process."""
+context parallelism) (processes on gloo), equals the same layer in one process; a transformers
+Qwen3.5 imported at TP=2 (each rank reading its shards of the HF tensors) trains from
+transformers' loss and exports back bit for bit."""
 
 import json
 
@@ -65,3 +67,33 @@ def test_delta_net_heads_that_do_not_split_are_refused_by_key():
         HeadShards(num_key_heads=3, num_value_heads=6, key_head_dim=8, value_head_dim=8, tp=2)
     with pytest.raises(ConfigError, match=r"model.linear_num_value_heads=6 must be divisible by parallel.tp=4"):
         HeadShards(num_key_heads=4, num_value_heads=6, key_head_dim=8, value_head_dim=8, tp=4)
+
+
+@pytest.mark.slow
+@pytest.mark.long  # a two-process CLI run
+def test_hf_import_at_tp2_trains_from_its_loss_and_exports_back(tmp_path, llm_data_cache):
+    """lr=0: step 1's loss is transformers' on the same batch, and the export (from the checkpoint the
+    TP=2 run saved: every DeltaNet tensor put together from its per-rank sections) is the HF state
+    dict bit for bit."""
+    import torch
+    from hf_models import first_batch_loss, tiny_qwen3_5
+    from safetensors.torch import load_file
+
+    from loongforge.llm.data.shipped import bundled_tokenizer_path
+
+    hf_dir, run, out = tmp_path / "hf", tmp_path / "run", tmp_path / "exported"
+    model = tiny_qwen3_5(bundled_tokenizer_path(), hf_dir)
+    seq, batch, steps = 32, 4, 2
+    proc = run_cli(["lf-llm", "train", f"model.init_from_hf={hf_dir}", f"train.steps={steps}",
+                    f"train.global_batch_size={batch}", "train.micro_batch_size=2", f"train.seq_length={seq}",
+                    "train.warmup_steps=0", "train.lr=0", "train.min_lr_ratio=0", f"log.run_dir={run}",
+                    f"data.cache_dir={llm_data_cache}", "log.interval=1", "log.progress=false",
+                    "log.tensorboard=false", "parallel.tp=2", "--save-hf", str(out)], nproc=2)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+    losses = [json.loads(line)["loss"] for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert losses[0] == pytest.approx(first_batch_loss(model, llm_data_cache, seq, batch, steps), rel=1e-5)
+    before, after = load_file(hf_dir / "model.safetensors"), load_file(out / "model.safetensors")
+    assert sorted(before) == sorted(after)
+    assert any(".linear_attn.in_proj_qkv." in name for name in before)
+    for name in before:
+        assert torch.equal(before[name], after[name]), name

@@ -94,8 +94,10 @@ class HeadShards:
         def regions(key: str, t: torch.Tensor, replica, flattened_range=None) -> list:
             if flattened_range is not None:
                 raise ValueError(f"{key}: flattened Gated DeltaNet shards are not supported")
+            # one section: the tensor itself (megatron's optimizer finds a parameter's entry by identity)
+            parts = t.split(local_sizes) if len(sections) > 1 else (t,)
             out, start = [], 0
-            for whole, part in zip(sections, t.split(local_sizes)):
+            for whole, part in zip(sections, parts):
                 out.append(ShardedTensor(
                     key, part, part.dtype, tuple(part.shape), prefix_shape + (sum(sections), *part.shape[1:]),
                     prefix_offset + (start + self.rank * part.shape[0],) + (0,) * (part.dim() - 1),
