@@ -3,7 +3,7 @@ bundled corpus, on CPU: the DeltaNet's torch reference) learns and checkpoints; 
 layer under context parallelism, and under tensor parallelism (with sequence parallelism, with
 context parallelism) (processes on gloo), equals the same layer in one process; a transformers
 Qwen3.5 imported at TP=2 (each rank reading its shards of the HF tensors) trains from
-transformers' loss and exports back bit for bit."""
+transformers' loss and exports back bit for bit; a TP=2 checkpoint loads at TP=1 and at PP=2."""
 
 import json
 
@@ -97,3 +97,38 @@ def test_hf_import_at_tp2_trains_from_its_loss_and_exports_back(tmp_path, llm_da
     assert any(".linear_attn.in_proj_qkv." in name for name in before)
     for name in before:
         assert torch.equal(before[name], after[name]), name
+
+
+@pytest.mark.slow
+@pytest.mark.long  # a two-process training run, then four layouts built and loaded in a two-process job
+def test_tp2_checkpoint_loads_at_tp1_and_pp2(tmp_path, llm_data_cache):
+    """The DeltaNet's TP-split tensors are saved whole: a TP=2 run's checkpoint (model and optimizer)
+    gives the same logits loaded at TP=1 and at PP=2, and what PP=2 saves again is it bitwise
+    (``tests/reshard_logits.py``)."""
+    import torch
+    from cli_runner import REPO
+
+    from loongforge.core.checkpoint import Checkpoint, latest_checkpoint
+
+    common = ["model=qwen3_5_debug", "train.steps=2", "train.global_batch_size=4", "train.micro_batch_size=2",
+              "train.seq_length=64", "train.warmup_steps=1", "train.precision=fp32", "checkpoint.interval=2",
+              "log.progress=false", "log.tensorboard=false"]
+    run = tmp_path / "run"
+    proc = run_cli(["lf-llm", "train", *common, f"log.run_dir={run}", f"data.cache_dir={llm_data_cache}",
+                    "parallel.tp=2"], nproc=2)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+    step_dir = latest_checkpoint(run / "checkpoints")
+    out = tmp_path / "reshard"
+    out.mkdir()
+    proc = run_cli([str(REPO / "tests" / "reshard_logits.py"), str(step_dir), str(out), *common], nproc=2)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+    got = {name: torch.load(out / f"logits-{name}.pt") for name in ("tp2", "tp1", "pp2", "back", "tp1-init")}
+    assert (got["tp1-init"] - got["tp1"]).abs().max() > 1e-2  # the comparisons below are of trained weights
+    torch.testing.assert_close(got["tp1"], got["tp2"], rtol=0, atol=2e-6)
+    torch.testing.assert_close(got["pp2"], got["tp2"], rtol=0, atol=2e-6)
+    assert torch.equal(got["back"], got["tp2"])
+    resaved, original = Checkpoint(out / "from-pp2"), Checkpoint(step_dir)
+    assert any(".self_attention.in_proj_qkv.weight" in key for key in original.reader.keys())
+    assert set(resaved.reader.keys()) == set(original.reader.keys())
+    for key in original.reader.keys():
+        assert torch.equal(resaved.tensor(key), original.tensor(key)), key
