@@ -60,11 +60,15 @@ def test_delta_net_tensor_parallel_equals_one_process(tp, cp, sp):
 
 
 def test_delta_net_heads_that_do_not_split_are_refused_by_key():
+    """Before any process starts: one error line naming the key, exit code 2."""
+    from cli_runner import assert_one_error_line
+
     from loongforge.core.config import ConfigError
     from loongforge.llm.layers.gated_delta_net_tp import HeadShards
 
-    with pytest.raises(ConfigError, match=r"model.linear_num_key_heads=3 must be divisible by parallel.tp=2"):
-        HeadShards(num_key_heads=3, num_value_heads=6, key_head_dim=8, value_head_dim=8, tp=2)
+    proc = run_cli(["lf-llm", "train", "--config", "qwen3_5_debug", "parallel.tp=2", "model.linear_num_key_heads=1"])
+    assert proc.returncode == 2
+    assert_one_error_line(proc.stderr, "model.linear_num_key_heads=1", "parallel.tp=2")
     with pytest.raises(ConfigError, match=r"model.linear_num_value_heads=6 must be divisible by parallel.tp=4"):
         HeadShards(num_key_heads=4, num_value_heads=6, key_head_dim=8, value_head_dim=8, tp=4)
 
