@@ -1,5 +1,5 @@
 """Qwen3.5 under parallel.tp=2 (two processes, gloo, fp32) trains like one process, for pre-training
-rows and packed SFT rows: the same losses, grad norms and first-step gradient of every parameter,
+rows and packed SFT rows, and the MoE family (under sequence parallelism) on pre-training rows: the same losses, grad norms and first-step gradient of every parameter,
 whole (``tests/llm_grad_probe.py``'s ``whole_grads``: each gradient put together from every
 rank's regions under its checkpoint key, as the sharded state dict describes them; the Gated
 DeltaNet's fused ``in_proj_qkv`` and ``conv1d`` hold three sections per rank). Each TP rank runs
@@ -48,4 +48,16 @@ def test_qwen3_5_packed_sft_tp2_matches_one_process(tmp_path_factory):
     sft = ["train.global_batch_size=8", "train.seq_length=256", "sft.packing=true", "model=qwen3_5_debug"]
     want = probe(work / "tp1" / "grads.pt", "sft_debug", sft, cache, whole_grads=True)
     got = probe(work / "tp2" / "grads.pt", "sft_debug", [*sft, "parallel.tp=2"], cache, nproc=2, whole_grads=True)
+    assert_same_whole_gradients(got, want)
+
+
+@pytest.mark.slow
+@pytest.mark.long  # two training runs, one of two processes
+def test_qwen3_5_moe_pretraining_tp2_matches_one_process(tmp_path_factory):
+    """The MoE family turns on sequence parallelism under TP (megatron's MoE layer needs it): each
+    DeltaNet layer all-gathers its input over the sequence and reduce-scatters its output."""
+    cache, work = tmp_path_factory.mktemp("llm-data"), tmp_path_factory.mktemp("qwen3_5_moe_tp")
+    moe = [*PRETRAIN, "model=qwen3_5_moe_debug"]
+    want = probe(work / "tp1" / "grads.pt", "qwen3_5_debug", moe, cache, whole_grads=True)
+    got = probe(work / "tp2" / "grads.pt", "qwen3_5_debug", [*moe, "parallel.tp=2"], cache, nproc=2, whole_grads=True)
     assert_same_whole_gradients(got, want)
