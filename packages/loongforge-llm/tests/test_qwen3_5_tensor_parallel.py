@@ -1,5 +1,6 @@
 """Qwen3.5 under parallel.tp=2 (two processes, gloo, fp32) trains like one process, for pre-training
-rows and packed SFT rows, and the MoE family (under sequence parallelism) on pre-training rows: the same losses, grad norms and first-step gradient of every parameter,
+rows and packed SFT rows, the MoE family (under sequence parallelism) on pre-training rows, and
+with parallel.cp=2 too (four processes): the same losses, grad norms and first-step gradient of every parameter,
 whole (``tests/llm_grad_probe.py``'s ``whole_grads``: each gradient put together from every
 rank's regions under its checkpoint key, as the sharded state dict describes them; the Gated
 DeltaNet's fused ``in_proj_qkv`` and ``conv1d`` hold three sections per rank). Each TP rank runs
@@ -60,4 +61,16 @@ def test_qwen3_5_moe_pretraining_tp2_matches_one_process(tmp_path_factory):
     moe = [*PRETRAIN, "model=qwen3_5_moe_debug"]
     want = probe(work / "tp1" / "grads.pt", "qwen3_5_debug", moe, cache, whole_grads=True)
     got = probe(work / "tp2" / "grads.pt", "qwen3_5_debug", [*moe, "parallel.tp=2"], cache, nproc=2, whole_grads=True)
+    assert_same_whole_gradients(got, want)
+
+
+@pytest.mark.slow
+@pytest.mark.long  # two training runs, one of four processes
+def test_qwen3_5_pretraining_tp2_cp2_matches_one_process(tmp_path_factory):
+    """TP and CP together: each TP rank's DeltaNet heads hand their state and convolution tail over
+    its CP group."""
+    cache, work = tmp_path_factory.mktemp("llm-data"), tmp_path_factory.mktemp("qwen3_5_tp_cp")
+    want = probe(work / "one" / "grads.pt", "qwen3_5_debug", PRETRAIN, cache, whole_grads=True)
+    got = probe(work / "tp2cp2" / "grads.pt", "qwen3_5_debug", [*PRETRAIN, "parallel.tp=2", "parallel.cp=2"], cache,
+                nproc=4, whole_grads=True)
     assert_same_whole_gradients(got, want)
