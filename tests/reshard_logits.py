@@ -19,7 +19,8 @@ from loongforge.core.config import to_dict
 from loongforge.core.parallel import destroy_parallel, init_parallel
 from loongforge.core.training import checkpointing
 from loongforge.core.training.loop import Trainer
-from loongforge.llm.recipe import LLMConfig, load_llm_config, make_task
+from loongforge.llm.recipe import LLMConfig, load_llm_config
+from loongforge.llm.recipe_task import make_task
 
 
 def fixed_batch(cfg: LLMConfig, device) -> dict[str, torch.Tensor]:
