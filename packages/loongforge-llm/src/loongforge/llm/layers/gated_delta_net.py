@@ -54,8 +54,8 @@ def checked_bounds(cu_seqlens: torch.Tensor, tokens: int, what: str = "cu_seqlen
 
 
 class Weight(torch.nn.Module):
-    """A module holding one ``weight``: the DeltaNet's projections and convolution keep Hugging
-    Face's ``<name>.weight`` names, their TP shard of it."""
+    """A module holding one ``weight`` (this TP rank's shard of it), so that the DeltaNet's
+    projections and convolution keep Hugging Face's ``<name>.weight`` names."""
 
     def __init__(self, shape: tuple[int, ...], dtype):
         super().__init__()
