@@ -11,8 +11,11 @@ megatron's reduction over the DP x CP group and the per-token scaling): whole on
 TP is 1, gathered over the pipeline stages under the one-process names (``pipeline_gradients``) when
 PP is above 1. Rank 0 writes them with the per-step losses and grad norms, and the shape of
 the tokens of its first micro-batch (this rank's share under context parallelism), how TP
-splits the parameters it holds shards of (``tp_split``: dim and stride), and how many
-micro-batches ran through a schedule plan (megatron's combined 1F1B schedule: MoE A2A overlap).
+splits the parameters it holds shards of (``tp_split``: dim and stride), how many
+micro-batches ran through a schedule plan (megatron's combined 1F1B schedule: MoE A2A overlap),
+and (``probe(..., whole_grads=True)``) every gradient whole under its checkpoint key, put together
+from every rank's regions of it as the model's sharded state dict describes them
+(``checkpoint_gradients``: layouts TP splits other than by megatron's dim and stride compare whole).
 """
 
 import sys
@@ -27,11 +30,15 @@ COMMON = ["train.steps=2", "train.warmup_steps=1", "log.progress=false", "log.te
 PRETRAIN = ["train.global_batch_size=4", "train.micro_batch_size=2", "train.seq_length=64"]
 
 
-def probe(out: Path, config: str, overrides: list[str], cache: Path, nproc: int = 1) -> dict:
+WHOLE_GRADS = "--whole-grads"
+
+
+def probe(out: Path, config: str, overrides: list[str], cache: Path, nproc: int = 1, whole_grads: bool = False) -> dict:
     """Run this probe on ``nproc`` CPU processes and return what rank 0 recorded."""
     from cli_runner import run_script
 
-    args = [str(out), config, *COMMON, f"data.cache_dir={cache}", f"log.run_dir={out.parent / 'run'}", *overrides]
+    args = [str(out), config, *COMMON, f"data.cache_dir={cache}", f"log.run_dir={out.parent / 'run'}", *overrides,
+            *([WHOLE_GRADS] if whole_grads else [])]
     proc = run_script(Path(__file__), args, nproc=nproc, env={"LOONGFORGE_ACCELERATOR": "cpu"}, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
     return torch.load(out)
@@ -84,6 +91,31 @@ def pipeline_gradients(model, pp_group, grads: dict[str, torch.Tensor]) -> dict[
     return merged
 
 
+def checkpoint_gradients(model, grads: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Every gradient of ``grads`` (by parameter name, this rank's) whole, under its checkpoint key:
+    the model's sharded state dict made with each gradient in its parameter's place, every rank's
+    primary regions gathered and put together (on every rank)."""
+    from loongforge.core.checkpoint.sharded import flatten_for_save
+
+    params = dict(model.named_parameters())
+    weights = {name: p.data for name, p in params.items()}
+    try:
+        for name, grad in grads.items():
+            params[name].data = grad.to(params[name].dtype)
+        pieces, _, _ = flatten_for_save(model.sharded_state_dict())
+        mine = [(p.key, p.global_shape, p.global_offset, p.tensor.detach().float().clone()) for p in pieces]
+    finally:
+        for name, p in params.items():
+            p.data = weights[name]
+    every = [None] * dist.get_world_size()
+    dist.all_gather_object(every, mine)
+    whole = {}
+    for key, shape, offset, tensor in (piece for rank in every for piece in rank):
+        t = whole.setdefault(key, torch.full(shape, float("nan")))
+        t[tuple(slice(o, o + n) for o, n in zip(offset, tensor.shape))] = tensor
+    return whole
+
+
 def main(out: str, config: str, overrides: list[str]) -> None:
     from loongforge.core.config import to_dict
     from loongforge.core.parallel import destroy_parallel, init_parallel
@@ -91,21 +123,24 @@ def main(out: str, config: str, overrides: list[str]) -> None:
     from loongforge.llm.recipe import load_llm_config
     from loongforge.llm.recipe_task import make_task
 
-    cfg = load_llm_config(config, overrides)
+    whole_grads = WHOLE_GRADS in overrides
+    cfg = load_llm_config(config, [o for o in overrides if o != WHOLE_GRADS])
     task = make_task(cfg)
     p = cfg.parallel
     ctx = init_parallel(tp=p.tp, pp=p.pp, cp=p.cp, ep=p.ep, seed=cfg.train.seed)
     task.prepare(ctx)
     trainer = Trainer(task, ctx, cfg, config_record=to_dict(cfg))
     module = trainer.inner_model
-    captured = {}
+    captured, whole = {}, {}
     step = trainer.engine.optimizer.step_with_ready_grads
 
     def capture_then_step():
         if not captured:
-            captured.update(pipeline_gradients(module, ctx.pgs.pp, {
-                name: p.main_grad.detach().float().clone()
-                for name, p in module.named_parameters() if getattr(p, "main_grad", None) is not None}))
+            local = {name: p.main_grad.detach().float().clone()
+                     for name, p in module.named_parameters() if getattr(p, "main_grad", None) is not None}
+            captured.update(pipeline_gradients(module, ctx.pgs.pp, local))
+            if whole_grads:
+                whole.update(checkpoint_gradients(module, local))
         return step()
 
     trainer.engine.optimizer.step_with_ready_grads = capture_then_step
@@ -127,7 +162,7 @@ def main(out: str, config: str, overrides: list[str]) -> None:
                     # rank 0's own (one pipeline stage's) names
                     "tp_split": {name: (p.partition_dim, p.partition_stride) for name, p in module.named_parameters()
                                  if getattr(p, "tensor_model_parallel", False) and ctx.layout.tp > 1},
-                    "schedule_plans": sum(plans)}, out)
+                    "schedule_plans": sum(plans), "whole_grads": whole}, out)
     destroy_parallel()
 
 

@@ -1,12 +1,13 @@
 """Logits of one fixed batch from an lf-llm checkpoint under several layouts, in one 2-process job:
-``torchrun --nproc-per-node=2 reshard_logits.py CKPT OUT [key=value ...]`` (the run's overrides).
+``torchrun --nproc-per-node=2 reshard_logits.py CKPT OUT [key=value ...]`` (the run's overrides on
+``train_debug``; ``model=NAME`` for another model).
 
 For each layout the lf-llm trainer is built and resumed from the checkpoint (model and optimizer
 read resharded), and the full-vocabulary logits of a fixed batch go to ``OUT/logits-<name>.pt``:
 ``tp2`` and ``tp1`` (DP=2) and ``pp2`` from CKPT; the PP=2 trainer then saves its state to
 ``OUT/from-pp2``, which ``back`` (TP=2 again) loads; ``tp1-init`` are the logits before the load.
 At TP=2, the saved layout, each rank also writes its RNG states after the load
-(``OUT/rng-tp2-rank<R>.pt``), having moved them on before it. Used by test_llm_resume.py.
+(``OUT/rng-tp2-rank<R>.pt``), having moved them on before it. Used by test_llm_resume.py and test_llm_qwen3_5.py.
 """
 
 import sys
@@ -14,11 +15,12 @@ from pathlib import Path
 
 import torch
 
-from loongforge.core.config import load_config, to_dict
+from loongforge.core.config import to_dict
 from loongforge.core.parallel import destroy_parallel, init_parallel
 from loongforge.core.training import checkpointing
 from loongforge.core.training.loop import Trainer
-from loongforge.llm.recipe import CONFIG_DIR, LLMConfig, LLMTask
+from loongforge.llm.recipe import LLMConfig, load_llm_config
+from loongforge.llm.recipe_task import make_task
 
 
 def fixed_batch(cfg: LLMConfig, device) -> dict[str, torch.Tensor]:
@@ -50,11 +52,11 @@ def logits(trainer: Trainer, batch) -> torch.Tensor | None:
 def main(ckpt: Path, out: Path, overrides: list[str]) -> None:
     from megatron.core.tensor_parallel import get_cuda_rng_tracker
 
-    cfg = load_config(LLMConfig, "train_debug", overrides + [f"log.run_dir={out}"], [CONFIG_DIR])
+    cfg = load_llm_config("train_debug", overrides + [f"log.run_dir={out}"])  # any family: model=NAME
     for name, layout, source in [("tp2", dict(tp=2), ckpt), ("tp1", {}, ckpt), ("pp2", dict(pp=2), ckpt),
                                  ("back", dict(tp=2), out / "from-pp2")]:
         ctx = init_parallel(**layout, seed=cfg.train.seed)
-        trainer = Trainer(LLMTask(cfg), ctx, cfg, config_record=to_dict(cfg))
+        trainer = Trainer(make_task(cfg), ctx, cfg, config_record=to_dict(cfg))
         writes = ctx.is_last_stage and ctx.tp_rank == 0 and ctx.dp_rank == 0
         if name == "tp1":  # the freshly initialised model's logits, to show the load changes them
             result = logits(trainer, fixed_batch(cfg, ctx.device))

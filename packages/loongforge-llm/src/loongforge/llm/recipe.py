@@ -95,6 +95,8 @@ class LLMConfig:
             from loongforge.llm.layers.fp8_linear import check_fp8_mode
 
             check_fp8_mode(self.fp8)
+        if self.parallel.tp > 1:
+            check_tensor_parallel(self)
         if self.parallel.cp > 1:
             check_context_parallel(self)
         if getattr(self.model, "moe_a2a_overlap", False):
@@ -128,6 +130,19 @@ def check_sft_config(cfg: LLMConfig) -> None:
                              f"train.seq_length={train.seq_length}, so the cap must equal it")
     if cfg.data.prefixes:
         raise ValueError("data.prefixes are indexed pre-training data; recipe=sft reads sft.files")
+
+
+def check_tensor_parallel(cfg: LLMConfig) -> None:
+    """What ``parallel.tp > 1`` needs (before any process group) beyond what megatron checks when it
+    builds: the Qwen3.5 families' Gated DeltaNet heads split over TP (``layers.gated_delta_net_tp``)."""
+    from loongforge.llm.qwen3_5_config import LinearAttentionFields
+
+    if isinstance(cfg.model, LinearAttentionFields):
+        from loongforge.llm.layers.gated_delta_net_tp import HeadShards
+
+        m = cfg.model
+        HeadShards(m.linear_num_key_heads, m.linear_num_value_heads, m.linear_key_head_dim, m.linear_value_head_dim,
+                   tp=cfg.parallel.tp)
 
 
 def check_context_parallel(cfg: LLMConfig) -> None:
