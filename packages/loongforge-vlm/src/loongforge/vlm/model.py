@@ -203,6 +203,7 @@ class VisionLanguageModel(MegatronModule):
             features, intermediate = self.encoder.features(pixel_values, grid_thw, layers)
         if not layers:
             return self.projector(features)
+        assert self.deepstack is not None  # built whenever the encoder has DeepStack layers
         return torch.cat([self.projector(features), *(m(x) for m, x in zip(self.deepstack, intermediate))], dim=-1)
 
     def encode_vision(self, pixel_values: torch.Tensor, grid_thw: torch.Tensor) -> torch.Tensor:
