@@ -15,6 +15,7 @@ from __future__ import annotations
 import os
 import re
 from pathlib import Path
+from typing import overload
 
 from loongforge.core.config import ConfigError
 
@@ -32,6 +33,12 @@ def _offline() -> bool:
     return os.environ.get("HF_HUB_OFFLINE", "").lower() in _TRUE or bool(constants.HF_HUB_OFFLINE)
 
 
+@overload
+def resolve_local(value: str, *, key: str, repo_type: str = "model") -> str: ...
+@overload
+def resolve_local(value: None, *, key: str, repo_type: str = "model") -> None: ...
+@overload
+def resolve_local(value: str | None, *, key: str, repo_type: str = "model") -> str | None: ...
 def resolve_local(value: str | None, *, key: str, repo_type: str = "model") -> str | None:
     """``value`` as a local path: itself when it exists (or is not shaped like a hub id), else the
     local snapshot of the hub repository it names (``repo_type``: model or dataset). An id that is

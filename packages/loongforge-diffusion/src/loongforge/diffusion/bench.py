@@ -34,7 +34,7 @@ import math
 import tempfile
 import time
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -103,7 +103,7 @@ def check_benchmarkable(m) -> None:
                           f"model.text_len={DIFFUSERS_I2V_TEXT_LEN}")
 
 
-def variant_recipe(base, overrides: list[str]):
+def variant_recipe(base, overrides: Sequence[str]):
     """``base`` (the bench's recipe) with ``key=value`` config overrides (``train.recompute=none``,
     ``model.fp8=tensorwise``), validated like the config file."""
     from omegaconf import OmegaConf
@@ -292,7 +292,7 @@ class Bench:
 
 
 def run_bench(recipe, steps: int = 10, warmup: int = 3, batch_size: int = 1,
-              variants: list[tuple[str, list[str]]] = (), rounds: int = 2,
+              variants: Sequence[tuple[str, Sequence[str]]] = (), rounds: int = 2,
               profile_rows: int = 25, trace: str | None = None,
               report: Callable[[str], None] = print) -> dict[str, RunResult]:
     """``bench_in_world`` in the process groups ``lf-diffusion train`` makes for a world of one
@@ -304,7 +304,7 @@ def run_bench(recipe, steps: int = 10, warmup: int = 3, batch_size: int = 1,
 
 
 def bench_in_world(recipe, ctx, steps: int = 10, warmup: int = 3, batch_size: int = 1,
-                   variants: list[tuple[str, list[str]]] = (), rounds: int = 2,
+                   variants: Sequence[tuple[str, Sequence[str]]] = (), rounds: int = 2,
                    profile_rows: int = 25, trace: str | None = None,
                    report: Callable[[str], None] = print) -> dict[str, RunResult]:
     """Time the diffusers step and ours at the same checkpointing (and at the preset's where that

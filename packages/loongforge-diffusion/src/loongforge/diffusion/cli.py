@@ -12,6 +12,7 @@ the registered diffusion families (``model.family``: Wan, Qwen-Image, a plugin's
 from __future__ import annotations
 
 import sys
+from collections.abc import Sequence
 from pathlib import Path
 
 from loongforge.core.cli import add_config_arguments, normalise_overrides
@@ -46,7 +47,7 @@ def cmd_info(args, recipe) -> None:
     print(f"accelerator: {get_accelerator()!r}")
 
 
-def recipe_of(manifest: dict, overrides: list[str] = ()):
+def recipe_of(manifest: dict, overrides: Sequence[str] = ()):
     """The run config a checkpoint was trained with (its manifest), with ``key=value`` overrides."""
     from loongforge.core.config import load_config, load_saved_config
     from loongforge.diffusion.model.family import DEFAULT_FAMILY

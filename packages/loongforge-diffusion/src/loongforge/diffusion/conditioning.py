@@ -20,6 +20,7 @@ for sampling, ``sample.image`` is encoded the same way (``sampling.py``).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -68,6 +69,16 @@ def model_input(cfg: DiTConfig, noisy: torch.Tensor, cond: ImageCondition | None
     if cfg.condition == "ti2v" and cond is not None:
         return torch.cat([cond.latent.to(noisy), noisy[:, 1:]], dim=1)
     return noisy
+
+
+def image_tokens(conds: Sequence[ImageCondition | None]) -> torch.Tensor:
+    """The CLIP tokens ``[B, L, image_dim]`` of a batch's conditions (I2V with ``image_dim``: every
+    sample carries them)."""
+    tokens = [c.image for c in conds if c is not None and c.image is not None]
+    if len(tokens) != len(conds):
+        raise ValueError(f"model.image_dim needs every sample's CLIP image tokens; "
+                         f"{len(conds) - len(tokens)} of {len(conds)} have none")
+    return torch.stack(tokens)
 
 
 def token_timesteps(cfg: DiTConfig, t: torch.Tensor, grid, cond: ImageCondition | None) -> torch.Tensor:

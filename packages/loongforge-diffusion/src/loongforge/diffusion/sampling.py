@@ -15,6 +15,7 @@ from loongforge.diffusion.conditioning import (
     ImageCondition,
     blank_after_first,
     dataset_condition,
+    image_tokens,
     model_input,
     token_timesteps,
     with_given_first_frame,
@@ -58,7 +59,7 @@ def generate(
     flat = torch.cat([x.flatten() for x in latents])
     negative = torch.zeros_like(text)
     conds = list(image_conditions) if image_conditions is not None else [None] * len(latents)
-    images = torch.stack([c.image for c in conds]) if cfg.image_dim else None
+    images = image_tokens(conds) if cfg.image_dim else None
 
     def velocity(model, xs, t, prompts):
         inputs = [model_input(cfg, x, c) for x, c in zip(xs, conds)]
@@ -195,7 +196,8 @@ def sample_run(recipe, checkpoint: str | Path, out_dir: str | Path) -> list[Path
     dataset = LatentShards(ckpt.manifest["data_root"])
     facts = dataset.manifest
     vae = load_vae(facts["vae"], device)
-    reference, conds = None, None
+    reference = None
+    conds: list[ImageCondition | None] | None = None
     if s.prompts or s.image:
         prompts = list(s.prompts) or [""]  # an image alone: one video, empty prompt
         tokenizer, encoder = load_text_encoder(facts["text_encoder"], facts["tokenizer"], device)

@@ -24,7 +24,13 @@ import torch.distributed as dist
 from loongforge.core.balance import CostModel
 from loongforge.core.errors import DataError
 from loongforge.core.training.task import StepBatch, TorchTask
-from loongforge.diffusion.conditioning import dataset_condition, given_tokens, model_input, token_timesteps
+from loongforge.diffusion.conditioning import (
+    dataset_condition,
+    given_tokens,
+    image_tokens,
+    model_input,
+    token_timesteps,
+)
 from loongforge.diffusion.context_parallel import ContextParallel
 from loongforge.diffusion.data.batching import generator, plan, step_samples
 from loongforge.diffusion.data.shards import LatentShards
@@ -133,6 +139,7 @@ class FlowMatchingTask(TorchTask):
 
     def steps(self, ctx, start_step: int):
         r = self.recipe
+        assert self.dataset is not None  # opened by prepare, which runs first
         cp = ContextParallel.from_group(ctx.pgs.cp)
         dp_rank, dp_size = ctx.pgs.dp.rank(), ctx.dp_size
         step = start_step
@@ -158,7 +165,8 @@ class FlowMatchingTask(TorchTask):
         """Noisy packed inputs, targets and per-token loss weights of some of the step's samples
         (this CP rank's token range of the targets and weights)."""
         r, m = self.recipe, self.recipe.model
-        latents, texts, targets, timesteps, images, steps, given = [], [], [], [], [], [], []
+        assert self.dataset is not None  # opened by prepare, which runs first
+        latents, texts, targets, timesteps, conds, steps, given = [], [], [], [], [], [], []
         for j in positions:
             x0, text = self.dataset.load(indices[j])
             cond = dataset_condition(m, self.dataset, indices[j], x0)
@@ -173,11 +181,11 @@ class FlowMatchingTask(TorchTask):
             targets.append(target)
             texts.append(text)
             timesteps.append(t)
-            images.append(cond.image if cond is not None else None)
+            conds.append(cond)
             steps.append(token_timesteps(m, t, grid, cond))
             given.append(given_tokens(m, grid, cond))
         batch = pack(latents, torch.cat(timesteps), pad_text(texts, m.text_len), m.patch,
-                     pad_to_multiple=cp.size if cp else 1, image=torch.stack(images) if m.image_dim else None,
+                     pad_to_multiple=cp.size if cp else 1, image=image_tokens(conds) if m.image_dim else None,
                      token_timesteps=steps if m.condition == "ti2v" else None,
                      text_lengths=[t.shape[0] for t in texts])
         target = pack_targets(targets, m.patch, batch.num_pad)
@@ -201,7 +209,9 @@ class FlowMatchingTask(TorchTask):
         return model
 
     def load_pretrained(self, model) -> None:
-        diffusers_adapter(self.family).load_pretrained(model, self.recipe.model.pretrained)
+        pretrained = self.recipe.model.pretrained
+        assert pretrained  # the engine calls this only when has_pretrained
+        diffusers_adapter(self.family).load_pretrained(model, pretrained)
 
     def compile_default(self, ctx) -> bool:
         """Compiled blocks on CUDA for a family whose compiled blocks are verified there, except under

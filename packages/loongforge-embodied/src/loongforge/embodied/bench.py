@@ -25,6 +25,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 import torch.nn as nn
@@ -34,7 +35,7 @@ from loongforge.core.bench_protocol import check_first_losses
 from loongforge.core.benchmarking import profile_tables
 from loongforge.core.config import ConfigError
 from loongforge.core.training.engine import resolve_dtype
-from loongforge.embodied.config import PolicyConfig
+from loongforge.embodied.config import EmbodiedConfig, PolicyConfig
 
 BASELINE = "lerobot"
 LEROBOT_COMPILE_MODE = "max-autotune"  # PI05Config.compile_mode's default
@@ -46,7 +47,7 @@ def lerobot_recipe(compile_mode: str = LEROBOT_COMPILE_MODE) -> BaselineRecipe:
     ``compile_mode`` other than LeRobot's default is noted as this run's departure from it."""
     if compile_mode not in COMPILE_MODES:
         raise ConfigError(f"--lerobot-compile-mode {compile_mode!r}: one of {', '.join(COMPILE_MODES)}")
-    notes = ("on CPU the bench runs fp32 eager on both sides (a smoke run of the same code)",)
+    notes: tuple[str, ...] = ("on CPU the bench runs fp32 eager on both sides (a smoke run of the same code)",)
     if compile_mode != LEROBOT_COMPILE_MODE:
         notes += (f"compile_mode {compile_mode!r} set by --lerobot-compile-mode: LeRobot's default is "
                   f"{LEROBOT_COMPILE_MODE!r}",)
@@ -97,6 +98,11 @@ def build_lerobot_pi05_released(cfg: PolicyConfig, dtype: str = "bfloat16", comp
     from lerobot.policies.pi05.configuration_pi05 import PI05Config
     from lerobot.policies.pi05.modeling_pi05 import PI05Pytorch
 
+    from loongforge.embodied.policies.pi05 import Pi05Config
+
+    if not isinstance(cfg, Pi05Config):
+        raise ValueError(f"LeRobot's PI05Pytorch is a Pi0.5 policy, not model.family={cfg.family!r}: "
+                         f"use model=pi05_base for --against-lerobot")
     released = (cfg.vlm.width, cfg.vlm.depth, cfg.expert.width, cfg.vision.hidden_size, cfg.vision.num_layers)
     if released != (2048, 18, 1024, 1152, 27) or cfg.vocab_size != 257152:
         raise ValueError("LeRobot builds Pi0.5 only at its released size: use model=pi05_base for --against-lerobot")
@@ -110,9 +116,9 @@ def build_lerobot_pi05_released(cfg: PolicyConfig, dtype: str = "bfloat16", comp
 def build_lerobot_for_recipe(cfg: PolicyConfig, recipe: BaselineRecipe, device_type: str) -> nn.Module:
     """The released ``PI05Pytorch`` with the recipe's dtype and compilation where they apply."""
     applied = recipe.applied(device_type)
-    return build_lerobot_pi05_released(cfg, dtype=applied["dtype"] or "float32",
+    return build_lerobot_pi05_released(cfg, dtype=str(applied["dtype"] or "float32"),
                                        compile_model=bool(applied["compile_model"]),
-                                       compile_mode=applied["compile_mode"] or "default")
+                                       compile_mode=str(applied["compile_mode"] or "default"))
 
 
 @dataclass
@@ -162,7 +168,7 @@ def step_flops(cfg, ctx, scratch: str, batch_size: int) -> float:
         free_device_memory(ctx.accelerator)
 
 
-def run_bench(cfgs: Mapping[str, object], ctx, steps: int = 10, warmup: int = 3, rounds: int = 2,
+def run_bench(cfgs: Mapping[str, EmbodiedConfig], ctx, steps: int = 10, warmup: int = 3, rounds: int = 2,
               against_lerobot: bool = False,
               build_baseline: Callable[[PolicyConfig, BaselineRecipe, str], nn.Module] = build_lerobot_for_recipe,
               report: Callable[[str], None] = print, seed: int = 0, profile_rows: int = 0,
@@ -218,7 +224,7 @@ def run_bench(cfgs: Mapping[str, object], ctx, steps: int = 10, warmup: int = 3,
         return step, lambda: None
 
     for name, cfg in cfgs.items():
-        sides.append(Side(name, lambda cfg=cfg: ours_start(cfg)))
+        sides.append(Side(name, partial(ours_start, cfg)))
     timed = run_rounds(sides, [BASELINE] if against_lerobot else [], rounds, steps, warmup, report)
     from loongforge.core.benchmarking import BenchDevice
 

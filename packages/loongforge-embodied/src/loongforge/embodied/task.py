@@ -22,6 +22,7 @@ from torch.utils.data import DataLoader
 from loongforge.core.config import to_dict
 from loongforge.core.training.sharding import local, region
 from loongforge.core.training.task import StepBatch, TorchTask
+from loongforge.embodied.config import EmbodiedConfig
 from loongforge.embodied.data.dataset import EmbodiedDataset
 from loongforge.embodied.data.sampler import StepBatchSampler
 from loongforge.embodied.data.synthetic import ensure_synthetic_dataset
@@ -108,7 +109,7 @@ class PolicyTask(TorchTask):
     variable_micro_batches = False
     model_section = "model"
 
-    def __init__(self, cfg):
+    def __init__(self, cfg: EmbodiedConfig) -> None:
         self.cfg = cfg
         self.family = cfg.model.family
         self.dataset: EmbodiedDataset | None = None
@@ -133,6 +134,7 @@ class PolicyTask(TorchTask):
                              f"{ctx.dp_size} data-parallel ranks")
         per_rank = train.global_batch_size // ctx.dp_size
         micro = train.micro_batch_size or per_rank
+        assert self.dataset is not None  # opened by prepare, which runs first
         if per_rank % micro:
             raise ValueError(f"train.micro_batch_size={micro} does not divide a rank's {per_rank} samples per step")
         sampler = StepBatchSampler(len(self.dataset), train.global_batch_size, ctx.dp_rank, ctx.dp_size, train.seed,

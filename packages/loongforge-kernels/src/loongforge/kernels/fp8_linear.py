@@ -34,6 +34,7 @@ class _Fp8Linear(torch.autograd.Function):
             y = x2 @ weight.to(out_dtype).t()
         if bias is not None:
             y = y + bias.to(out_dtype)
+        dgrad_saved: tuple[torch.Tensor, ...]
         if gemms.dgrad:  # the e4m3 weight, K-major for dx = dy @ w
             dgrad_saved = (wq.t().contiguous(), ws.t().contiguous())
         else:

@@ -61,7 +61,8 @@ def _fit(points: dict[int, float]) -> tuple[float, float, float]:
     ts = sorted(points)
     solution = torch.linalg.solve(torch.tensor([[1.0, t, t * t] for t in ts], dtype=torch.float64),
                                   torch.tensor([float(points[t]) for t in ts], dtype=torch.float64))
-    return tuple(float(v) for v in solution)
+    c, a, b = (float(v) for v in solution)
+    return c, a, b
 
 
 @dataclass(frozen=True)
@@ -71,6 +72,13 @@ class ActivationProfile:
     # the embedding, final norm and loss per token (first and last stage); the CPU's reference loss
     # keeps the fp32 logits, the fused GPU kernel (loongforge-kernels) does not
     outside_per_token: float
+
+    def layer(self, moe: bool) -> LayerCost:
+        """The cost of an MoE (``moe``) or a dense layer: a kind the model has."""
+        cost = self.moe if moe else self.dense
+        if cost is None:
+            raise ValueError(f"the profiled model has no {'MoE' if moe else 'dense'} layer")
+        return cost
 
 
 def _proxy_overrides(model) -> dict:
@@ -205,11 +213,11 @@ def per_gpu(profile: ActivationProfile, cfg, layout, micro_batch_size: int, num_
     per_stage = model.num_layers // layout.pp
     stage_layers = pattern[:per_stage]  # the first stage: the heaviest in flight
     resident = stage_layers[train.offload_layers:]
-    layer_bytes = [(profile.moe if kind else profile.dense).bytes(tokens, layout.tp) for kind in resident]
+    layer_bytes = [profile.layer(kind).bytes(tokens, layout.tp) for kind in resident]
     in_flight = 1 if chunks > 1 else min(layout.pp, num_microbatches)  # ChunkPipe: one micro-batch at a time
     outside = profile.outside_per_token * tokens * in_flight
     layers = sum(layer_bytes) * in_flight
-    offloaded = sum((profile.moe if kind else profile.dense).bytes(tokens, layout.tp)
+    offloaded = sum(profile.layer(kind).bytes(tokens, layout.tp)
                     for kind in stage_layers[:train.offload_layers]) * in_flight
     gib = 1024**3
     extra = {}

@@ -10,6 +10,7 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field, replace
 from functools import partial
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -27,6 +28,9 @@ from loongforge.llm.data.sft import SFTDataConfig
 from loongforge.llm.lora import DEFAULT_TARGETS, LoRAConfig
 from loongforge.llm.model_config import GPTConfig
 from loongforge.llm.shipped_configs import CONFIG_DIR
+
+if TYPE_CHECKING:
+    from loongforge.llm.layers.fp8_plan import FP8Plan
 
 
 @dataclass
@@ -271,7 +275,7 @@ class LLMTask(MegatronTask):
                                  cfg.model.vocab_size)
         # fp8=adaptive: the run's FP8Plan (layers.fp8_plan), measured when the model is built or
         # restored from the checkpoint a run resumes; saved in every checkpoint's manifest
-        self.fp8_plan = None
+        self.fp8_plan: FP8Plan | None = None
 
     def manifest_fields(self) -> dict:
         """The checkpoint manifest's entries of this task: ``fp8_plan`` (fp8=adaptive)."""

@@ -57,7 +57,7 @@ from __future__ import annotations
 import argparse
 import tempfile
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -178,7 +178,11 @@ def make_batch(cfg, vision_ids, case: Case) -> Batch:
         grid = (1, h // e.patch_size, w // e.patch_size)
         patches = grid[1] * grid[2]
         image_tokens = patches // merge**2
-        text_tokens = case.text_tokens if case.seq_tokens is None else case.seq_tokens - image_tokens - 2
+        if case.seq_tokens is not None:
+            text_tokens = case.seq_tokens - image_tokens - 2
+        else:
+            assert case.text_tokens is not None  # make_case sets one of the two
+            text_tokens = case.text_tokens
         if text_tokens < 2:
             raise ConfigError(f"--seq-tokens {case.seq_tokens}: a {h}x{w} image takes {image_tokens + 2} tokens, "
                               f"leaving {text_tokens} for text (at least 2)")
@@ -350,7 +354,7 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def make_case(args, device: torch.device, config: str, overrides: list[str]) -> Case:
-    shipped = CASES.get(getattr(args, "case", None))
+    shipped = CASES.get(args.case)
     if shipped is not None and config not in (None, DEFAULT_CONFIG):
         raise ConfigError(f"--case {args.case} --config {config}: the case names its config (give one of them)")
     given = {o.split("=", 1)[0] for o in overrides}
@@ -382,7 +386,8 @@ def plan_runs(args, case: Case) -> list[tuple[str, list[str] | None]]:
     """(name, overrides) of every run: the baselines (overrides None), ours, the variants; a
     malformed variant fails here, before any run."""
     skip = set(args.skip) | ({"hf_compile"} if case.device.type == "cpu" and not args.compile_on_cpu else set())
-    runs = [(name, None) for name in BASELINES if name not in skip] + [("ours", [])]
+    runs: list[tuple[str, list[str] | None]] = [(name, None) for name in BASELINES if name not in skip]
+    runs.append(("ours", []))
     for spec in args.variant:
         name, items = parse_variant(spec, [r[0] for r in runs])
         pack_size = split_overrides(items, case.pack)[1]
@@ -404,7 +409,7 @@ def size_text(sizes: list[tuple[int, int]]) -> str:
     return ", ".join(f"{h}x{w}" for h, w in sizes)
 
 
-def run_bench(args, config: str = DEFAULT_CONFIG, overrides: list[str] = (),
+def run_bench(args, config: str = DEFAULT_CONFIG, overrides: Sequence[str] = (),
               report: Callable[[str], None] = print) -> dict[str, VLMRunResult]:
     """Every run's tokens/s, TFLOP/s, MFU, peak GiB and first-step loss; ``report`` gets each line when known."""
     from loongforge.core.bench_protocol import check_protocol, free_device_memory

@@ -34,7 +34,7 @@ def build_mergers(encoder: EncoderConfig, projector: ProjectorConfig, foundation
 
     cfg = merger_config(projector)
     return torch.nn.ModuleList([build_projector(cfg, encoder, foundation_hidden, foundation_config, pg_collection)
-                                for _ in encoder.deepstack_layers])
+                                for _ in encoder.deepstack_indices()])
 
 
 def dense_additions(features: list[torch.Tensor], placeholders: torch.Tensor, dtype) -> list[torch.Tensor]:

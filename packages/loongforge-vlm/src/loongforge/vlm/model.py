@@ -68,7 +68,7 @@ class VLMModelConfig:
             self.vision = VisionTokensConfig(**self.vision)
         if self.vision.multimodal:
             self.vision.section_for(self.foundation.head_dim)  # raises on a section that does not fit
-        layers = self.encoder.deepstack_layers
+        layers = self.encoder.deepstack_indices()
         if len(layers) > self.foundation.num_layers:
             raise ValueError(f"encoder.deepstack_layers={list(layers)}: {len(layers)} DeepStack features for a "
                              f"foundation of {self.foundation.num_layers} layers (one per layer, from the first)")
@@ -89,7 +89,7 @@ class VLMModelConfig:
         merged = e.hidden_size * e.spatial_merge_size ** 2
         projector = self.projector.parameter_count(e.hidden_size, merged, f.hidden_size)
         merger = deepstack.merger_config(self.projector)
-        projector += len(e.deepstack_layers) * merger.parameter_count(e.hidden_size, merged, f.hidden_size)
+        projector += len(e.deepstack_indices()) * merger.parameter_count(e.hidden_size, merged, f.hidden_size)
         return {"encoder": e.parameter_count(), "projector": projector, "foundation": sum(f.parameter_counts().values())}
 
     @property
@@ -167,7 +167,7 @@ class VisionLanguageModel(MegatronModule):
                                              transformer_config, groups.pgs)
             mark_replicated_parameters(self.encoder, groups)
             mark_replicated_parameters(self.projector, groups)
-            if cfg.encoder.deepstack_layers:
+            if cfg.encoder.deepstack_indices():
                 if transformer_config.recompute_granularity == "full":
                     raise ValueError("full activation recompute of the foundation cannot be combined with DeepStack "
                                      "(encoder.deepstack_layers): use selective recompute or none")
@@ -194,15 +194,16 @@ class VisionLanguageModel(MegatronModule):
     @property
     def vision_width(self) -> int:
         """Width of the tower's rows: the foundation embedding, then one per DeepStack feature."""
-        return self.cfg.foundation.hidden_size * (1 + len(self.cfg.encoder.deepstack_layers))
+        return self.cfg.foundation.hidden_size * (1 + len(self.cfg.encoder.deepstack_indices()))
 
     def _tower(self, pixel_values: torch.Tensor, grid_thw: torch.Tensor) -> torch.Tensor:
         train_encoder = any(p.requires_grad for p in self.encoder.parameters())
-        layers = tuple(self.cfg.encoder.deepstack_layers)
+        layers = self.cfg.encoder.deepstack_indices()
         with torch.set_grad_enabled(torch.is_grad_enabled() and train_encoder):
             features, intermediate = self.encoder.features(pixel_values, grid_thw, layers)
         if not layers:
             return self.projector(features)
+        assert self.deepstack is not None  # built whenever the encoder has DeepStack layers
         return torch.cat([self.projector(features), *(m(x) for m, x in zip(self.deepstack, intermediate))], dim=-1)
 
     def encode_vision(self, pixel_values: torch.Tensor, grid_thw: torch.Tensor) -> torch.Tensor:

@@ -25,7 +25,9 @@ class EncoderConfig:
     consecutive in the patch sequence, so the projector can merge them with a reshape.
 
     An encoder family (``encoders/qwen2_5_vit.py``, ``encoders/siglip_vit.py``) subclasses it
-    with its own fields and says how its layers compute through the class attributes below."""
+    with its own fields and says how its layers compute through the class attributes and the
+    read-only properties below (a family sets either kind with a class attribute; a property's
+    setting may also be one of its config fields)."""
 
     family: str = "qwen2_5_vit"  # the registered component (loongforge.components)
     num_layers: int = 2  # vision transformer layers
@@ -39,19 +41,10 @@ class EncoderConfig:
     norm_epsilon: float = 1e-6  # epsilon of the norms
     init_method_std: float = 0.02  # standard deviation of the random weight init
 
-    normalization: ClassVar[str] = "LayerNorm"  # RMSNorm | LayerNorm
     gated_mlp: ClassVar[bool] = False  # SwiGLU-style (two input projections)
     activation: ClassVar[str] = "gelu_tanh"  # silu | gelu_tanh
     patch_bias: ClassVar[bool] = True  # the patch embedding has a bias
-    post_norm: ClassVar[bool] = False  # a norm after the last layer
-    qkv_bias: ClassVar[bool] = True  # the query/key/value projections have biases
-    qk_norm: ClassVar[bool] = False  # an RMSNorm of queries and keys over all heads together (InternViT-6B)
     layer_scale: ClassVar[bool] = False  # learned per-channel factors on both residual branches (InternViT)
-    layer_scale_init: ClassVar[float] = 1.0
-    # 0-based layers whose outputs feed DeepStack (Qwen3-VL: merged by their own patch mergers and
-    # added to the hidden states of the foundation's first layers at the vision tokens); a family
-    # with DeepStack makes it a field
-    deepstack_layers: ClassVar[tuple[int, ...]] = ()
 
     def __post_init__(self):
         for key in ("num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_size", "in_channels",
@@ -61,6 +54,39 @@ class EncoderConfig:
         if self.hidden_size % self.num_attention_heads:
             raise ValueError(f"encoder.hidden_size={self.hidden_size} is not divisible by "
                              f"encoder.num_attention_heads={self.num_attention_heads}")
+
+    # settings a family may also make config fields (or compute): a class attribute, a field or a
+    # property of the family overrides each
+    @property
+    def normalization(self) -> str:
+        """RMSNorm | LayerNorm."""
+        return "LayerNorm"
+
+    @property
+    def post_norm(self) -> bool:
+        """A norm after the last layer."""
+        return False
+
+    @property
+    def qkv_bias(self) -> bool:
+        """The query/key/value projections have biases."""
+        return True
+
+    @property
+    def qk_norm(self) -> bool:
+        """An RMSNorm of queries and keys over all heads together (InternViT-6B)."""
+        return False
+
+    @property
+    def layer_scale_init(self) -> float:
+        """The initial value of the layer-scale factors (with ``layer_scale``)."""
+        return 1.0
+
+    def deepstack_indices(self) -> tuple[int, ...]:
+        """The 0-based layers whose outputs feed DeepStack (Qwen3-VL: merged by their own patch
+        mergers and added to the hidden states of the foundation's first layers at the vision
+        tokens); a family with DeepStack reads them from a config field (``deepstack_layers``)."""
+        return ()
 
     @property
     def head_dim(self) -> int:
@@ -75,6 +101,11 @@ class EncoderConfig:
     def uses_windows(self) -> bool:
         """Whether some layers attend within windows (``window_size``) rather than whole frames."""
         return False
+
+    @property
+    def window_units(self) -> int:
+        """A window's side in merged tokens (read where ``uses_windows``)."""
+        raise NotImplementedError(f"encoder family {self.family!r} has no windows")
 
     def full_attention(self, layer: int) -> bool:
         """Whether ``layer`` (0-based) attends over whole frames (else within windows)."""

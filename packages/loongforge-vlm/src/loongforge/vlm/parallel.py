@@ -32,9 +32,13 @@ same as when every CP rank encoded every image (each with its own loss).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
+
+if TYPE_CHECKING:
+    from megatron.core.process_groups_config import ProcessGroupCollection
 
 
 @dataclass
@@ -46,7 +50,7 @@ class VisionGroups:
     same tower shard (their checkpoint replicas).
     """
 
-    pgs: object
+    pgs: ProcessGroupCollection  # the tower modules' tp, pp and cp
     tp_size: int
     split: dist.ProcessGroup | None
     replica: dist.ProcessGroup

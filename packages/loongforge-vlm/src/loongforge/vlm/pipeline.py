@@ -54,7 +54,7 @@ def check_pipeline(cfg) -> None:
     if f.num_layers % pp:
         raise ValueError(f"parallel.pp={pp}: foundation.num_layers={f.num_layers} does not split into {pp} "
                          f"stages of equal layers")
-    deep = list(cfg.encoder.deepstack_layers)
+    deep = list(cfg.encoder.deepstack_indices())
     first_stage = f.num_layers // pp
     if len(deep) > first_stage:
         raise ValueError(f"parallel.pp={pp} with encoder.deepstack_layers={deep}: DeepStack adds its {len(deep)} "

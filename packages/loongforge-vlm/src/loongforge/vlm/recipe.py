@@ -39,11 +39,18 @@ from loongforge.vlm.data.media import MediaConfig
 from loongforge.vlm.lora import DEFAULT_TARGETS as DEFAULT_LORA_TARGETS
 from loongforge.vlm.model import VLMModelConfig
 from loongforge.vlm.encoders.qwen2_5_vit import QwenViTConfig
+from loongforge.vlm.encoders.siglip_vit import SigLIPViTConfig
 from loongforge.vlm.model_config import EncoderConfig, ProjectorConfig, VisionTokensConfig
 from loongforge.vlm.projectors.patch_merge_mlp import PatchMergeMLPConfig
 
 CONFIG_DIR = Path(__file__).resolve().parent / "configs"
 PARTS = ("encoder", "projector", "foundation")
+
+
+def encoder_init_from_hf(encoder: EncoderConfig) -> str | None:
+    """``encoder.init_from_hf``: the HF directory (or hub id) of a SigLIP encoder's initial weights;
+    None for an encoder that reads none."""
+    return encoder.init_from_hf if isinstance(encoder, SigLIPViTConfig) else None
 
 
 @dataclass
@@ -145,15 +152,15 @@ class VLMConfig:
         if self.foundation.init_from_hf:
             raise ValueError(f"foundation.init_from_hf={self.foundation.init_from_hf}: "
                              f"{self.UNSETTABLE['foundation.init_from_hf']}")
-        encoder_hf = getattr(self.encoder, "init_from_hf", None)
+        encoder_hf = encoder_init_from_hf(self.encoder)
         for key, value in (("checkpoint.load", self.checkpoint.load), ("lora.base", self.lora.base)):
             if encoder_hf and value:
                 raise ValueError(f"encoder.init_from_hf={encoder_hf} and {key}={value} both give the encoder's "
                                  f"initial weights; set one")
         if self.encoder.in_channels != 3:
             raise ValueError(f"encoder.in_channels={self.encoder.in_channels}: the data pipeline reads RGB (3)")
-        if self.encoder.deepstack_layers and self.train.recompute == "full":
-            raise ValueError(f"train.recompute=full with encoder.deepstack_layers={list(self.encoder.deepstack_layers)}: "
+        if self.encoder.deepstack_indices() and self.train.recompute == "full":
+            raise ValueError(f"train.recompute=full with encoder.deepstack_layers={list(self.encoder.deepstack_indices())}: "
                              f"full recompute of the foundation would drop DeepStack's gradients; use selective or none")
         if self.parallel.cp > 1:
             from loongforge.vlm.context_parallel import check_foundation_layers
@@ -207,10 +214,11 @@ class VLMTask(MegatronTask):
                              f"differ from the tokenizer's {self.vision_ids.image}/{self.vision_ids.video}")
         self.model_cfg = cfg.model()
         self.encoder_tower = None  # encoder.init_from_hf's tower, checked before any model is built
-        if getattr(cfg.encoder, "init_from_hf", None):
+        encoder_hf = encoder_init_from_hf(cfg.encoder)
+        if encoder_hf:
             from loongforge.vlm.hf_siglip import checked_tower
 
-            self.encoder_tower = checked_tower(cfg.encoder, cfg.encoder.init_from_hf)
+            self.encoder_tower = checked_tower(cfg.encoder, encoder_hf)
         self._dataset = None
 
     # -- model --------------------------------------------------------------------------------

@@ -89,7 +89,7 @@ def load_text_encoder(path: str | Path, tokenizer_path: str | Path | None, devic
     tok_dir = _component_dir(tokenizer_path or path, "tokenizer", marker="tokenizer_config.json")
     tokenizer = AutoTokenizer.from_pretrained(str(tok_dir), local_files_only=True)
     model_type = read_component_config(path, "text_encoder").get("model_type")
-    cls = {"umt5": UMT5EncoderModel, "t5": T5EncoderModel}.get(model_type)
+    cls = {"umt5": UMT5EncoderModel, "t5": T5EncoderModel}.get(model_type or "")
     if cls is None:
         raise DataError(f"{enc_dir / 'config.json'}: model_type={model_type!r}; expected 'umt5' or 't5'")
     encoder = cls.from_pretrained(str(enc_dir), local_files_only=True, torch_dtype=dtype)

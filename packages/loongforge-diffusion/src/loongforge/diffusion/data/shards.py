@@ -110,8 +110,8 @@ def check_settings(out_dir: Path, settings: dict) -> None:
 
 def write_manifest(out_dir: Path, num_shards: int, facts: dict) -> Path | None:
     """Write ``manifest.json`` once every shard is finished; returns it (None if some are missing)."""
-    records = [finished_record(out_dir, i) for i in range(num_shards)]
-    if any(r is None for r in records):
+    records = [r for r in (finished_record(out_dir, i) for i in range(num_shards)) if r is not None]
+    if len(records) < num_shards:
         return None
     settings = json.loads((out_dir / SETTINGS).read_text())
     doc = {"format": FORMAT, "version": VERSION, "settings": settings, **facts,
@@ -149,7 +149,7 @@ class LatentShards:
             for j, rec in enumerate(shard["samples"]):
                 self.index.append((shard["file"], j))
                 self.records.append(rec)
-        self._handles = {}
+        self._handles: dict[str, safe_open] = {}
 
     def __len__(self) -> int:
         return len(self.index)

@@ -64,7 +64,8 @@ def to_model_input(frames: np.ndarray, max_area: int, multiple: int, temporal_fa
     """``[F, H, W, 3]`` uint8 -> ``[3, F', H', W']`` float in [-1, 1]: frames cut to ``1 + k*t``,
     resized (antialiased) to cover the target then center-cropped to it."""
     frames = frames[: usable_frames(frames.shape[0], temporal_factor)]
-    return fit_frames(frames, *target_size(*frames.shape[1:3], max_area, multiple))
+    height, width = frames.shape[1:3]
+    return fit_frames(frames, *target_size(height, width, max_area, multiple))
 
 
 def fit_frames(frames: np.ndarray, h: int, w: int) -> torch.Tensor:

@@ -253,6 +253,7 @@ class WanAttention(nn.Module):
                 if tc.cp is not None:
                     image = image[tc.first_sample : tc.last_sample + 1]
                 k, v = self._keys_values(image, self.add_k_proj, self.add_v_proj, self.norm_added_k)
+                assert tc.image_k_segments is not None  # made whenever the batch has image tokens
                 out_image = packed_attention(q, k, v, tc.cross_q_segments, tc.image_k_segments, tc.backend)
                 out = out.flatten(1).type_as(q) + out_image.flatten(1).type_as(q)
         proj, out = self.to_out[0], out.flatten(1).type_as(x)

@@ -13,6 +13,7 @@ read from the ``VISUAL`` input features when listed). A value one side cannot ex
 from __future__ import annotations
 
 from dataclasses import asdict
+from typing import Any
 
 from loongforge.core.hf_mapping import MappingError
 from loongforge.embodied.config import GemmaConfig, VisionConfig
@@ -57,10 +58,12 @@ def config_from_lerobot(raw: dict, family: str, discrete_state: bool):
     features = raw.get("input_features") or {}
     cameras = sum(1 for f in features.values() if isinstance(f, dict) and f.get("type") == "VISUAL")
     cameras += int(raw.get("empty_cameras", 0))
+    fields: dict[str, Any] = {ours: _required(raw, key, source) for key, ours in SAME.items()}
+    fields.update(gemma)  # vlm, expert
+    if cameras:
+        fields["num_cameras"] = cameras
     return policy_config_class(family)(
-        **{ours: _required(raw, key, source) for key, ours in SAME.items()},
-        **gemma,
-        **({"num_cameras": cameras} if cameras else {}),
+        **fields,
         image_size=int(height),
         vocab_size=PALIGEMMA_VOCAB_SIZE,
         discrete_state=discrete_state,

@@ -71,7 +71,7 @@ def write_synthetic_dataset(
         task = ep % len(TASKS)
         goal = np.array([-0.8, 0.0]) if task == 0 else np.array([0.8, 0.0])
         pos = rng.uniform(-0.6, 0.6, size=2)
-        vel = np.zeros(2)
+        vel: np.ndarray = np.zeros(2)
         for t in range(frames):
             rot = np.array([-pos[1], pos[0]]) * 0.3
             move = 0.25 * (goal - pos) + rot

@@ -156,13 +156,21 @@ class JointLayer(nn.Module):
         prefix_output: bool = True,
     ):
         rope = self._rope
-        streams = [(self.vlm, prefix, None), (self.expert, suffix, cond)]
-        streams = [(blk, x, c) for blk, x, c in streams if x is not None]
+        streams: list[tuple[GemmaBlock, torch.Tensor, torch.Tensor | None]] = []
+        if prefix is not None:
+            streams.append((self.vlm, prefix, None))
+        if suffix is not None:
+            assert self.expert is not None  # only a layer built with an expert is given a suffix
+            streams.append((self.expert, suffix, cond))
         qs, ks, vs, gates, lens = [], [], [], [], []
         for blk, x, c in streams:
             h, gate = blk.input_layernorm(x, c)
             q, k, v = blk.self_attn.qkv(h)
-            qs.append(q), ks.append(k), vs.append(v), gates.append(gate), lens.append(x.shape[1])
+            qs.append(q)
+            ks.append(k)
+            vs.append(v)
+            gates.append(gate)
+            lens.append(x.shape[1])
         q, k, v = torch.cat(qs, 1), torch.cat(ks, 1), torch.cat(vs, 1)
         q, k = rope(q, cos, sin), rope(k, cos, sin)
         new_kv = (k, v) if prefix is not None else None

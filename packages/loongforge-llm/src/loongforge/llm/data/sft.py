@@ -124,7 +124,8 @@ def _index_key(files: list[Path], tokenizer_dir: Path, template: str | None) -> 
 def _write_index(directory: Path, files: list[Path], tokenizer, template: str | None, tokenizer_dir: Path) -> None:
     renderer = ChatRenderer(tokenizer, template, name=str(tokenizer_dir))
     token_parts, mask_parts, source = [], [], []
-    pending, wheres = [], []
+    pending: list[list[dict]] = []  # conversations not yet rendered, and their file:line
+    wheres: list[str] = []
 
     def flush():
         for ids, mask in renderer.render_many(pending, wheres):
@@ -223,7 +224,7 @@ class SFTDataset:
         """``file:line`` of sample i."""
         return self.index.where(int(self.conversation[i]))
 
-    def __getitem__(self, i: int) -> dict[str, np.ndarray]:
+    def __getitem__(self, i: int) -> dict[str, np.ndarray | np.int64]:
         c = int(self.conversation[i])
         start = int(self.index.offsets[c])
         n = int(self.lengths[i])

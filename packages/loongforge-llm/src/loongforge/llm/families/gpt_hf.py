@@ -80,7 +80,8 @@ def gpt_hf_adapter(family: str, architecture: str, config_class: str, *, add_qkv
             rotary_base=float(rope.get("rope_theta", 10000.0)),
             norm_epsilon=float(hf.rms_norm_eps),
             tie_embeddings=bool(hf.tie_word_embeddings),
-            **fixed,
+            add_qkv_bias=add_qkv_bias,
+            qk_layernorm=qk_layernorm,
             init_method_std=float(getattr(hf, "initializer_range", 0.02)),
         )
 

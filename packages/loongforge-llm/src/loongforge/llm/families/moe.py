@@ -18,11 +18,14 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from typing import TypeVar
 
 import torch
 
 from loongforge.core.kernels import KernelPolicy
 from loongforge.llm.moe_config import MLAMoEConfig, MoEConfig
+
+C = TypeVar("C", bound=MoEConfig)
 
 
 def _local_layer(layer, cfg: MoEConfig, kernels: KernelPolicy = KernelPolicy()):
@@ -156,7 +159,7 @@ def build_moe_gpt(cfg: MoEConfig, ctx, transformer_config, pre_process: bool, po
     return GPTModel(**gpt_model_kwargs(cfg, ctx, config, spec, pre_process, post_process))
 
 
-def load_flavour(config_class: type[MoEConfig], name: str) -> MoEConfig:
+def load_flavour(config_class: type[C], name: str) -> C:
     """A model config shipped in ``configs/model/<name>.yaml``, validated as ``config_class``."""
     from loongforge.core.config import load_config
     from loongforge.llm.families.gpt import MODEL_CONFIG_DIR

@@ -9,7 +9,7 @@ LoongForge names are megatron's sharded-state-dict names. Each routed expert's p
 index of the expert-stacked tensor ``mlp.experts.experts.linear_fc1.weight`` (megatron's
 ``SequentialMLP`` folds ``local_experts.{i}`` into a global expert axis, so the layout is the
 same under any EP size). Layers come in two kinds (the first ``first_k_dense`` dense, the rest
-MoE), so each table is a ``LayerKindMapping``.
+MoE), so each family's adapter is a ``LayerKindAdapter``.
 
 Three HF details have no megatron-core equivalent and are rejected in ``config_from_hf``:
 DeepSeek-V3 ranks expert groups by the sum of their top-2 scores where megatron uses the top
@@ -59,20 +59,20 @@ def _kind(bound: BoundMapping, keep) -> BoundMapping:
 
 
 @dataclass(frozen=True)
-class LayerKindMapping:
-    """A table whose layers come in two kinds: ``common`` rules hold for every layer, ``dense``
-    rules for the first ``cfg.first_k_dense`` layers and ``moe`` rules for the others. (The
-    engine's ``{layer}`` ranges over all layers; each kind's table is bound over all of them and
-    the other kind's layers dropped.) HF tensors of layers past ``num_layers`` (DeepSeek-V3's
-    multi-token-prediction layer, which LoongForge does not build) are ignored on import."""
+class LayerKindAdapter(HFAdapter):
+    """The adapter of a family whose layers come in two kinds: ``mapping`` rules hold for every
+    layer, ``dense`` rules for the first ``cfg.first_k_dense`` layers and ``moe`` rules for the
+    others. (The engine's ``{layer}`` ranges over all layers; each kind's table is bound over all
+    of them and the other kind's layers dropped.) HF tensors of layers past ``num_layers``
+    (DeepSeek-V3's multi-token-prediction layer, which LoongForge does not build) are ignored on
+    import."""
 
-    common: HFMapping
     dense: HFMapping
     moe: HFMapping
 
     def bind(self, cfg: Any) -> BoundMapping:
         k = cfg.first_k_dense
-        bound = self.common.bind(cfg) + _kind(self.dense.bind(cfg), lambda i: i < k) + _kind(self.moe.bind(cfg), lambda i: i >= k)
+        bound = self.mapping.bind(cfg) + _kind(self.dense.bind(cfg), lambda i: i < k) + _kind(self.moe.bind(cfg), lambda i: i >= k)
         ours = "|".join(str(i) for i in range(cfg.num_layers))
         extra_layers = re.compile(rf"model\.layers\.(?!(?:{ours})\.)\d+\..*")
         return BoundMapping(bound.conversions, bound.locations, bound.ignore + (extra_layers,))
@@ -82,54 +82,47 @@ def _layer_table(rules, **kw) -> HFMapping:
     return HFMapping(rules=rules, ranges={"layer": "num_layers", "expert": "num_experts"}, stacked=(EXPERT_AXIS,), **kw)
 
 
-QWEN3_MOE_MAPPING = LayerKindMapping(
-    common=_layer_table((
-        Rule("model.embed_tokens.weight", "embedding.word_embeddings.weight"),
-        Rule(LAYER + "input_layernorm.weight", SELF_ATTN + "linear_qkv.layer_norm_weight"),
-        Rule(tuple(ATTN + f"{x}_proj.weight" for x in "qkv"), SELF_ATTN + "linear_qkv.weight", "fuse_qkv"),
-        Rule(ATTN + "q_norm.weight", SELF_ATTN + "q_layernorm.weight"),
-        Rule(ATTN + "k_norm.weight", SELF_ATTN + "k_layernorm.weight"),
-        Rule(ATTN + "o_proj.weight", SELF_ATTN + "linear_proj.weight"),
-        # the local spec saves the pre-MLP norm under linear_fc1's name in MoE layers too
-        Rule(LAYER + "post_attention_layernorm.weight", OURS + "mlp.linear_fc1.layer_norm_weight"),
-        Rule("model.norm.weight", "decoder.final_layernorm.weight"),
-        Rule("lm_head.weight", "output_layer.weight", when="not tie_embeddings"),
-    ), ignore=(Ignore("lm_head.weight", when="tie_embeddings"),)),
-    dense=_layer_table((
-        gate_up(LAYER + "mlp.", OURS + "mlp.linear_fc1.weight"),
-        Rule(LAYER + "mlp.down_proj.weight", OURS + "mlp.linear_fc2.weight"),
-    )),
-    moe=_layer_table(moe_rules(router_bias=False)),
-)
+# the rules of every layer, of the dense layers' MLPs (the same in both families) and of the MoE layers' MLPs
+QWEN3_MOE_LAYERS = _layer_table((
+    Rule("model.embed_tokens.weight", "embedding.word_embeddings.weight"),
+    Rule(LAYER + "input_layernorm.weight", SELF_ATTN + "linear_qkv.layer_norm_weight"),
+    Rule(tuple(ATTN + f"{x}_proj.weight" for x in "qkv"), SELF_ATTN + "linear_qkv.weight", "fuse_qkv"),
+    Rule(ATTN + "q_norm.weight", SELF_ATTN + "q_layernorm.weight"),
+    Rule(ATTN + "k_norm.weight", SELF_ATTN + "k_layernorm.weight"),
+    Rule(ATTN + "o_proj.weight", SELF_ATTN + "linear_proj.weight"),
+    # the local spec saves the pre-MLP norm under linear_fc1's name in MoE layers too
+    Rule(LAYER + "post_attention_layernorm.weight", OURS + "mlp.linear_fc1.layer_norm_weight"),
+    Rule("model.norm.weight", "decoder.final_layernorm.weight"),
+    Rule("lm_head.weight", "output_layer.weight", when="not tie_embeddings"),
+), ignore=(Ignore("lm_head.weight", when="tie_embeddings"),))
+DENSE_MLP = _layer_table((
+    gate_up(LAYER + "mlp.", OURS + "mlp.linear_fc1.weight"),
+    Rule(LAYER + "mlp.down_proj.weight", OURS + "mlp.linear_fc2.weight"),
+))
+QWEN3_MOE_MLP = _layer_table(moe_rules(router_bias=False))
 
-DEEPSEEK_V3_MAPPING = LayerKindMapping(
-    common=_layer_table((
-        Rule("model.embed_tokens.weight", "embedding.word_embeddings.weight"),
-        Rule(LAYER + "input_layernorm.weight", OURS + "input_layernorm.weight"),
-        Rule(ATTN + "q_a_proj.weight", SELF_ATTN + "linear_q_down_proj.weight"),
-        Rule(ATTN + "q_a_layernorm.weight", SELF_ATTN + "q_layernorm.weight"),
-        Rule(ATTN + "q_b_proj.weight", SELF_ATTN + "linear_q_up_proj.weight"),
-        Rule(ATTN + "kv_a_proj_with_mqa.weight", SELF_ATTN + "linear_kv_down_proj.weight"),
-        Rule(ATTN + "kv_a_layernorm.weight", SELF_ATTN + "kv_layernorm.weight"),
-        Rule(ATTN + "kv_b_proj.weight", SELF_ATTN + "linear_kv_up_proj.weight"),
-        Rule(ATTN + "o_proj.weight", SELF_ATTN + "linear_proj.weight"),
-        *(Rule(ATTN + f"indexer.{hf}", SELF_ATTN + f"core_attention.indexer.{lf}", when="dsa") for hf, lf in (
-            ("wq_b.weight", "linear_wq_b.weight"), ("wk.weight", "linear_wk.weight"), ("k_norm.weight", "k_norm.weight"),
-            ("k_norm.bias", "k_norm.bias"), ("weights_proj.weight", "linear_weights_proj.weight"))),
-        Rule(LAYER + "post_attention_layernorm.weight", OURS + "pre_mlp_layernorm.weight"),
-        Rule("model.norm.weight", "decoder.final_layernorm.weight"),
-        Rule("lm_head.weight", "output_layer.weight", when="not tie_embeddings"),
-    ), ignore=(Ignore("lm_head.weight", when="tie_embeddings"),)),
-    dense=_layer_table((
-        gate_up(LAYER + "mlp.", OURS + "mlp.linear_fc1.weight"),
-        Rule(LAYER + "mlp.down_proj.weight", OURS + "mlp.linear_fc2.weight"),
-    )),
-    moe=_layer_table((
-        *moe_rules(router_bias=True),
-        gate_up(LAYER + "mlp.shared_experts.", OURS + "mlp.shared_experts.linear_fc1.weight"),
-        Rule(LAYER + "mlp.shared_experts.down_proj.weight", OURS + "mlp.shared_experts.linear_fc2.weight"),
-    )),
-)
+DEEPSEEK_V3_LAYERS = _layer_table((
+    Rule("model.embed_tokens.weight", "embedding.word_embeddings.weight"),
+    Rule(LAYER + "input_layernorm.weight", OURS + "input_layernorm.weight"),
+    Rule(ATTN + "q_a_proj.weight", SELF_ATTN + "linear_q_down_proj.weight"),
+    Rule(ATTN + "q_a_layernorm.weight", SELF_ATTN + "q_layernorm.weight"),
+    Rule(ATTN + "q_b_proj.weight", SELF_ATTN + "linear_q_up_proj.weight"),
+    Rule(ATTN + "kv_a_proj_with_mqa.weight", SELF_ATTN + "linear_kv_down_proj.weight"),
+    Rule(ATTN + "kv_a_layernorm.weight", SELF_ATTN + "kv_layernorm.weight"),
+    Rule(ATTN + "kv_b_proj.weight", SELF_ATTN + "linear_kv_up_proj.weight"),
+    Rule(ATTN + "o_proj.weight", SELF_ATTN + "linear_proj.weight"),
+    *(Rule(ATTN + f"indexer.{hf}", SELF_ATTN + f"core_attention.indexer.{lf}", when="dsa") for hf, lf in (
+        ("wq_b.weight", "linear_wq_b.weight"), ("wk.weight", "linear_wk.weight"), ("k_norm.weight", "k_norm.weight"),
+        ("k_norm.bias", "k_norm.bias"), ("weights_proj.weight", "linear_weights_proj.weight"))),
+    Rule(LAYER + "post_attention_layernorm.weight", OURS + "pre_mlp_layernorm.weight"),
+    Rule("model.norm.weight", "decoder.final_layernorm.weight"),
+    Rule("lm_head.weight", "output_layer.weight", when="not tie_embeddings"),
+), ignore=(Ignore("lm_head.weight", when="tie_embeddings"),))
+DEEPSEEK_V3_MLP = _layer_table((
+    *moe_rules(router_bias=True),
+    gate_up(LAYER + "mlp.shared_experts.", OURS + "mlp.shared_experts.linear_fc1.weight"),
+    Rule(LAYER + "mlp.shared_experts.down_proj.weight", OURS + "mlp.shared_experts.linear_fc2.weight"),
+))
 
 
 # -- config.json ----------------------------------------------------------------------------
@@ -241,7 +234,7 @@ def deepseek_v3_from_hf(raw: dict) -> MLAMoEConfig:
     rope_type = rope.get("rope_type", "default")
     if rope_type not in ("default", "yarn"):
         raise MappingError(f"{source}: rope_parameters={rope!r}: only the default RoPE and YaRN are supported")
-    yarn = {}
+    yarn: dict[str, Any] = {}  # MLAMoEConfig's YaRN fields
     if rope_type == "yarn":
         if rope.get("attention_factor") is not None or rope.get("truncate", True) is not True:
             raise MappingError(f"{source}: rope_parameters={rope!r}: YaRN with attention_factor or truncate=false is not supported")
@@ -323,7 +316,7 @@ def deepseek_v3_to_hf(cfg: MLAMoEConfig) -> dict:
     return hf.to_dict()
 
 
-QWEN3_MOE_HF = HFAdapter(architectures=("Qwen3MoeForCausalLM",), mapping=QWEN3_MOE_MAPPING,
-                         config_from_hf=qwen3_moe_from_hf, config_to_hf=qwen3_moe_to_hf)
-DEEPSEEK_V3_HF = HFAdapter(architectures=("DeepseekV3ForCausalLM", DEEPSEEK_V32), mapping=DEEPSEEK_V3_MAPPING,
-                           config_from_hf=deepseek_v3_from_hf, config_to_hf=deepseek_v3_to_hf)
+QWEN3_MOE_HF = LayerKindAdapter(architectures=("Qwen3MoeForCausalLM",), mapping=QWEN3_MOE_LAYERS, dense=DENSE_MLP,
+                                moe=QWEN3_MOE_MLP, config_from_hf=qwen3_moe_from_hf, config_to_hf=qwen3_moe_to_hf)
+DEEPSEEK_V3_HF = LayerKindAdapter(architectures=("DeepseekV3ForCausalLM", DEEPSEEK_V32), mapping=DEEPSEEK_V3_LAYERS,
+                                  dense=DENSE_MLP, moe=DEEPSEEK_V3_MLP, config_from_hf=deepseek_v3_from_hf, config_to_hf=deepseek_v3_to_hf)

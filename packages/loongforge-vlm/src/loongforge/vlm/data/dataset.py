@@ -121,7 +121,8 @@ def _write_index(directory: Path, path: Path, tokenizer, template: str | None, c
 
     renderer = ChatRenderer(tokenizer, template, name=name)
     ids_parts, mask_parts, media, wheres = [], [], [], []
-    pending, pending_where = [], []
+    pending: list[list[dict]] = []  # conversations not yet rendered, and their records' places
+    pending_where: list[str] = []
 
     def flush():
         for ids, mask in renderer.render_many(pending, pending_where):

@@ -35,8 +35,8 @@ class InternViTConfig(EncoderConfig):
     spatial_merge_size: int = 2  # pixel shuffle with ratio 0.5: the 2x2 patches of one LLM token
     image_size: int = 32  # a tile's side in pixels; the learned position grid is image_size / patch_size on a side
     norm: str = "layernorm"  # layernorm | rmsnorm (the layers' norms)
-    qkv_bias: bool = True
-    qk_norm: bool = False
+    qkv_bias: bool = True  # the query/key/value projections have biases
+    qk_norm: bool = False  # an RMSNorm of queries and keys over all heads together (InternViT-6B)
     layer_scale_init: float = 0.1  # the initial value of the layer-scale factors (lambda_1, lambda_2)
     post_norm: bool = False  # a final LayerNorm after the last layer
 

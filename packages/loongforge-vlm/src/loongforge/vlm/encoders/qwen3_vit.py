@@ -45,6 +45,9 @@ class Qwen3ViTConfig(EncoderConfig):
             raise ValueError(f"encoder head dim {self.head_dim} (hidden_size/num_attention_heads) must be a "
                              f"multiple of 4 for 2D rotary positions")
 
+    def deepstack_indices(self) -> tuple[int, ...]:
+        return tuple(self.deepstack_layers)
+
     @property
     def position_grid(self) -> int:
         """The side of the learned position grid, in patches."""

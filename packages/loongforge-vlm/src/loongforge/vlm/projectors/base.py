@@ -32,8 +32,9 @@ class Projector(MegatronModule):
         self.merged = merged
         self.tp_group = pg_collection.tp
         self.norm = None
-        if cfg.patch_norm() is not None:
-            norm = {"RMSNorm": torch.nn.RMSNorm, "LayerNorm": torch.nn.LayerNorm}[cfg.patch_norm()]
+        patch_norm = cfg.patch_norm()
+        if patch_norm is not None:
+            norm = {"RMSNorm": torch.nn.RMSNorm, "LayerNorm": torch.nn.LayerNorm}[patch_norm]
             width = merged if cfg.norm_after_merge() else encoder.hidden_size
             self.norm = norm(width, eps=cfg.norm_epsilon, dtype=config.params_dtype)
         backend = LocalSpecProvider()
