@@ -133,4 +133,9 @@ def test_full_recompute_saves_no_more_than_diffusers_checkpointing(compiled):
     none = held_bytes(ours_step, ours.parameters())
     assert full <= theirs < none / 3, (full, theirs, none)
     for k, p in ours.named_parameters():  # and the recomputation gives the same gradients
-        torch.testing.assert_close(recomputed[k], p.grad, atol=1e-5, rtol=1e-3, msg=k)
+        if compiled == "inductor":  # each policy's graph becomes its own fused kernels, whose bf16 roundings
+            # differ: the gradients agree as tensors to bf16's precision, not element by element
+            error = float((recomputed[k] - p.grad).norm() / p.grad.norm().clamp(min=1e-12))
+            assert error < 2e-2, (k, error)
+        else:
+            torch.testing.assert_close(recomputed[k], p.grad, atol=1e-5, rtol=1e-3, msg=lambda m, k=k: f"{k}: {m}")
