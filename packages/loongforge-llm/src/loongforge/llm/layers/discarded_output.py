@@ -66,7 +66,7 @@ class TakesDiscardedInput:
 class DiscardedOutput:
     """One use: ``y = d.run(f, x)``, then ``z = consumer(y)``, then ``d.discard(z)``."""
 
-    def __init__(self):
+    def __init__(self) -> None:
         self.fn: Callable | None = None
         self.backward: Callable | None = None
         self.remake: Callable[[], torch.Tensor] | None = None  # hand_over's recompute
@@ -137,6 +137,8 @@ class DiscardedOutput:
             self.consumer = None
         if not hook_tensor.requires_grad:
             return
+        if self.output is None:
+            raise RuntimeError("DiscardedOutput.discard: nothing was run or handed over")
         self.nbytes = self.output.untyped_storage().nbytes()
         self.output.untyped_storage().resize_(0)
         if self.claimed:

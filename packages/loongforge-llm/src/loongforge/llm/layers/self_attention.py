@@ -37,6 +37,8 @@ the first layer builds them and the others reuse them; a layer outside such a mo
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 from megatron.core.transformer.attention import SelfAttention
 
@@ -44,6 +46,9 @@ from loongforge.core.kernels import KernelPolicy
 from loongforge.llm.layers.norm import FusedRMSNorm
 from loongforge.llm.layers.packed_params import forward_layout
 from loongforge.llm.layers.rope_tables import RopeTables
+
+if TYPE_CHECKING:
+    from loongforge.llm.chunk_pipe import ChunkAttentionState
 
 
 class FusedSelfAttention(SelfAttention):
@@ -57,7 +62,7 @@ class FusedSelfAttention(SelfAttention):
         self._grouped_qkv_norm_rope = kernels.get("grouped_qkv_norm_rope")
         self.rope_tables = RopeTables()
         self._cp = (self.pg_collection.cp.size(), self.pg_collection.cp.rank())
-        self.chunk_state = None  # ChunkPipe: the chunk running now (chunk_pipe.ChunkAttentionState)
+        self.chunk_state: ChunkAttentionState | None = None  # ChunkPipe: the chunk running now
         if self._cp[0] > 1:
             cfg = self.config
             unsupported = [name for name, on in (
