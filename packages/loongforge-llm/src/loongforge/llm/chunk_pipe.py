@@ -25,26 +25,9 @@ import torch
 
 from loongforge.core.config import ConfigError
 from loongforge.core.training.chunk_pipe import Stage, chunked_loss
+from loongforge.llm.layers.chunk_attention_state import ChunkAttentionState
 
 DENSE_FAMILIES = ("llama", "qwen2", "qwen3", "mistral")
-
-
-class ChunkAttentionState:
-    """What every attention layer reads and writes while one chunk runs."""
-
-    def __init__(self, angles: torch.Tensor, prefix: dict[int, list[tuple[torch.Tensor, torch.Tensor]]]):
-        self.angles = angles  # [chunk, 1, 1, rot_dim]: the chunk's rows of the sequence's angles
-        self.prefix = prefix  # layer -> the (keys, values) of each earlier chunk
-        self.produced: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
-
-    def keys_values(self, layer, key: torch.Tensor, value: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """The layer's keys and values over the earlier chunks and this one (``[s, b, groups, d]``)."""
-        self.produced[id(layer)] = (key, value)
-        earlier = self.prefix.get(id(layer), [])
-        if not earlier:
-            return key, value
-        return (torch.cat([k for k, _ in earlier] + [key], dim=0),
-                torch.cat([v for _, v in earlier] + [value], dim=0))
 
 
 class GPTChunks:

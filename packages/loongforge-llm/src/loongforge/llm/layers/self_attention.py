@@ -37,18 +37,14 @@ the first layer builds them and the others reuse them; a layer outside such a mo
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import torch
 from megatron.core.transformer.attention import SelfAttention
 
 from loongforge.core.kernels import KernelPolicy
+from loongforge.llm.layers.chunk_attention_state import ChunkAttentionState
 from loongforge.llm.layers.norm import FusedRMSNorm
 from loongforge.llm.layers.packed_params import forward_layout
 from loongforge.llm.layers.rope_tables import RopeTables
-
-if TYPE_CHECKING:
-    from loongforge.llm.chunk_pipe import ChunkAttentionState
 
 
 class FusedSelfAttention(SelfAttention):
