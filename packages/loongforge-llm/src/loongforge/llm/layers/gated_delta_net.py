@@ -27,7 +27,8 @@ sequence under sequence parallelism), the convolution is split by channel with i
 delta rule and the gated RMSNorm run per local head without communication (the norm's weight, one
 per head dimension and shared by every head, gets its gradient summed over TP), and the output
 projection is megatron's ``RowParallelLinear`` (all-reduce, or reduce-scatter under sequence
-parallelism). With context parallelism too, the state hand-overs run per TP rank over its CP group.
+parallelism) with its weight gradient added into ``main_grad`` by its GEMM inside the engine's
+schedule (``MainGradRowParallelLinear``, as the attention layers' linears). With context parallelism too, the state hand-overs run per TP rank over its CP group.
 """
 
 from __future__ import annotations
@@ -72,9 +73,8 @@ class GatedDeltaNet(MegatronModule):
                  value_head_dim: int, conv_kernel: int, kernels: KernelPolicy = KernelPolicy(), pg_collection=None,
                  **_megatron_options):
         super().__init__(config=config)
-        from megatron.core.tensor_parallel import RowParallelLinear
-
         from loongforge.llm.layers.gated_delta_net_tp import HeadShards
+        from loongforge.llm.layers.main_grad_linear import MainGradRowParallelLinear
 
         self.layer_number = layer_number
         self.cp_group = pg_collection.cp if pg_collection is not None else None
@@ -99,7 +99,7 @@ class GatedDeltaNet(MegatronModule):
         self.norm = torch.nn.Module()
         self.norm.weight = torch.nn.Parameter(torch.ones(value_head_dim, dtype=dtype))
         self._initialise(config)
-        self.out_proj = RowParallelLinear(num_value_heads * value_head_dim, h, config=config,
+        self.out_proj = MainGradRowParallelLinear(num_value_heads * value_head_dim, h, config=config,
                                           init_method=config.output_layer_init_method, bias=False,
                                           input_is_parallel=True, skip_bias_add=False, tp_group=tp_group)
         self._rule = kernels.get("gated_delta_rule")
