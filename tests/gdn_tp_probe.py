@@ -1,4 +1,4 @@
-"""Worker of test_llm_qwen3_5.py's TP tests (run under torchrun): one Gated DeltaNet layer under
+"""Worker of test_llm_qwen3_5.py's TP and CP tests (run under torchrun): one Gated DeltaNet layer under
 tensor parallelism (and context parallelism, and sequence parallelism, as asked) against the same
 layer whole in the same process.
 
@@ -43,21 +43,6 @@ def shard_of(split, whole_tensor: torch.Tensor, name: str) -> torch.Tensor:
     return whole_tensor
 
 
-def gathered_state(split) -> dict[str, torch.Tensor]:
-    """The split layer's sharded state dict, every rank's primary regions put together."""
-    from loongforge.core.checkpoint.sharded import flatten_for_save
-
-    pieces, _, _ = flatten_for_save(split.sharded_state_dict())
-    mine = [(p.key, p.global_shape, p.global_offset, p.tensor.detach().clone()) for p in pieces]
-    every = [None] * dist.get_world_size()
-    dist.all_gather_object(every, mine)
-    out = {}
-    for key, shape, offset, tensor in (piece for rank in every for piece in rank):
-        whole = out.setdefault(key, torch.full(shape, float("nan")))
-        whole[tuple(slice(o, o + n) for o, n in zip(offset, tensor.shape))] = tensor
-    return out
-
-
 def main() -> int:
     from megatron.core.packed_seq_params import PackedSeqParams
     from megatron.core.transformer import TransformerConfig
@@ -85,7 +70,9 @@ def main() -> int:
     for name, p in split.named_parameters():
         torch.testing.assert_close(p, shard_of(split, whole_params[name], name), rtol=0, atol=0,
                                    msg=lambda m, name=name: f"initial {name}: {m}")
-    state = gathered_state(split)
+    from llm_grad_probe import whole_state
+
+    state = whole_state(split)
     for name, p in whole_params.items():
         torch.testing.assert_close(state.pop(name), p, rtol=0, atol=0, msg=lambda m, name=name: f"saved {name}: {m}")
     assert not state, f"sharded state dict keys the whole layer does not have: {sorted(state)}"

@@ -95,18 +95,25 @@ def checkpoint_gradients(model, grads: dict[str, torch.Tensor]) -> dict[str, tor
     """Every gradient of ``grads`` (by parameter name, this rank's) whole, under its checkpoint key:
     the model's sharded state dict made with each gradient in its parameter's place, every rank's
     primary regions gathered and put together (on every rank)."""
-    from loongforge.core.checkpoint.sharded import flatten_for_save
-
     params = dict(model.named_parameters())
     weights = {name: p.data for name, p in params.items()}
     try:
         for name, grad in grads.items():
             params[name].data = grad.to(params[name].dtype)
-        pieces, _, _ = flatten_for_save(model.sharded_state_dict())
-        mine = [(p.key, p.global_shape, p.global_offset, p.tensor.detach().float().clone()) for p in pieces]
+        return whole_state(model, as_float=True)
     finally:
         for name, p in params.items():
             p.data = weights[name]
+
+
+def whole_state(model, as_float: bool = False) -> dict[str, torch.Tensor]:
+    """``model``'s sharded state dict whole under its checkpoint keys, on every rank: every rank's
+    primary regions gathered and put together (in fp32 with ``as_float``)."""
+    from loongforge.core.checkpoint.sharded import flatten_for_save
+
+    pieces, _, _ = flatten_for_save(model.sharded_state_dict())
+    mine = [(p.key, p.global_shape, p.global_offset, (p.tensor.float() if as_float else p.tensor).detach().clone())
+            for p in pieces]
     every = [None] * dist.get_world_size()
     dist.all_gather_object(every, mine)
     whole = {}

@@ -35,7 +35,8 @@ def test_delta_net_context_parallel_equals_one_process(cp):
 
     from cli_runner import run_script
 
-    proc = run_script(Path(__file__).parent / "gdn_cp_probe.py", [str(cp)], nproc=cp)
+    proc = run_script(Path(__file__).parent / "gdn_tp_probe.py", ["1", str(cp), "0"], nproc=cp,
+                      env={"LOONGFORGE_ACCELERATOR": "cpu"})
     assert proc.returncode == 0, proc.stderr[-5000:]
     assert proc.stdout.count("ok") == cp
 
