@@ -26,15 +26,27 @@ from loongforge.kernels.launch import check_tensors, row_block, warps_for
 
 
 @triton.jit
-def _row_heads(per_group, n_heads, half, BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr):
-    """A token row's heads (group g's j-th of P + 2: query heads, key, value) against the first
-    half of the rotated dims."""
+def _token_rows(QKV, Q, K, V, batch, per_group, n_heads,
+                stride_xs, stride_xb, stride_qs, stride_qb, stride_qh, stride_ks, stride_kb, stride_kh,
+                stride_vs, stride_vb, stride_vh,
+                HEAD_DIM: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr):
+    """This program's token (``s``, ``b``): its row's heads (group g's j-th of P + 2: query heads, key,
+    value) against the first half of the rotated dims, and where each head lives in ``QKV`` and in
+    whichever of ``Q``, ``K``, ``V`` holds it."""
+    t = tl.program_id(0).to(tl.int64)
+    s = t // batch
+    b = t % batch
     heads = tl.arange(0, BLOCK_H)[:, None]
     dims = tl.arange(0, BLOCK_HALF)[None, :]
     group = heads // (per_group + 2)
     j = heads % (per_group + 2)
     live = heads < n_heads
-    return heads, dims, group, j, live, live & (j < per_group), live & (j == per_group), live & (j == per_group + 1)
+    row = QKV + s * stride_xs + b * stride_xb + heads * HEAD_DIM
+    q_row = Q + s * stride_qs + b * stride_qb + (group * per_group + j) * stride_qh
+    k_row = K + s * stride_ks + b * stride_kb + group * stride_kh
+    v_row = V + s * stride_vs + b * stride_vb + group * stride_vh
+    return (t, s, b, heads, dims, live, live & (j < per_group), live & (j == per_group), live & (j == per_group + 1),
+            row, q_row, k_row, v_row)
 
 
 @triton.jit
@@ -60,17 +72,12 @@ def _grouped_qkv_rope(
 ):
     """Forward: QKV (``[S, B, G, P + 2, D]``, heads contiguous) -> Q, K, V. Backward
     (``BACKWARD``): Q, K, V hold the output gradients and QKV receives the input gradient."""
-    t = tl.program_id(0).to(tl.int64)
-    s = t // batch
-    b = t % batch
-    heads, dims, group, j, live, is_q, is_k, is_v = _row_heads(per_group, n_heads, half, BLOCK_H, BLOCK_HALF)
+    t, s, b, heads, dims, live, is_q, is_k, is_v, row, q_row, k_row, v_row = _token_rows(
+        QKV, Q, K, V, batch, per_group, n_heads, stride_xs, stride_xb, stride_qs, stride_qb, stride_qh,
+        stride_ks, stride_kb, stride_kh, stride_vs, stride_vb, stride_vh, HEAD_DIM, BLOCK_H, BLOCK_HALF)
     dim_mask = dims < half
     rotated = (is_q | is_k) & dim_mask
     c1, c2, s1, s2 = _angles(COS, SIN, s, b, stride_cs, stride_cb, half, dims)
-    row = QKV + s * stride_xs + b * stride_xb + heads * HEAD_DIM
-    q_row = Q + s * stride_qs + b * stride_qb + (group * per_group + j) * stride_qh
-    k_row = K + s * stride_ks + b * stride_kb + group * stride_kh
-    v_row = V + s * stride_vs + b * stride_vb + group * stride_vh
     m = live & dim_mask
     if BACKWARD:  # each head's output gradient, from whichever output holds that head
         x1, x2 = _gathered(q_row, k_row, v_row, is_q, is_k, is_v, dims, dim_mask, half)
@@ -136,18 +143,13 @@ def _grouped_qkv_norm_rope(
     rotation. Backward (``BACKWARD``): Q, K, V hold the output gradients; QKV is the saved input,
     DQKV receives its gradient and DWQ / DWK (``[tokens, D]`` fp32) this token's share of the
     weights' gradients."""
-    t = tl.program_id(0).to(tl.int64)
-    s = t // batch
-    b = t % batch
-    heads, dims, group, j, live, is_q, is_k, is_v = _row_heads(per_group, n_heads, half, BLOCK_H, BLOCK_HALF)
+    t, s, b, heads, dims, live, is_q, is_k, is_v, row, q_row, k_row, v_row = _token_rows(
+        QKV, Q, K, V, batch, per_group, n_heads, stride_xs, stride_xb, stride_qs, stride_qb, stride_qh,
+        stride_ks, stride_kb, stride_kh, stride_vs, stride_vb, stride_vh, HEAD_DIM, BLOCK_H, BLOCK_HALF)
     dim_mask = dims < half
     normed = is_q | is_k
     rotated = normed & dim_mask
     c1, c2, s1, s2 = _angles(COS, SIN, s, b, stride_cs, stride_cb, half, dims)
-    row = QKV + s * stride_xs + b * stride_xb + heads * HEAD_DIM
-    q_row = Q + s * stride_qs + b * stride_qb + (group * per_group + j) * stride_qh
-    k_row = K + s * stride_ks + b * stride_kb + group * stride_kh
-    v_row = V + s * stride_vs + b * stride_vb + group * stride_vh
     m = live & dim_mask
     x1 = tl.load(row + dims, mask=m, other=0.0).to(tl.float32)
     x2 = tl.load(row + half + dims, mask=m, other=0.0).to(tl.float32)
