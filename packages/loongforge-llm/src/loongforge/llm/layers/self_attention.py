@@ -56,6 +56,10 @@ class FusedSelfAttention(SelfAttention):
         self._rope = kernels.get("rope")
         self._grouped_qkv_rope = kernels.get("grouped_qkv_rope")
         self._grouped_qkv_norm_rope = kernels.get("grouped_qkv_norm_rope")
+        # both q/k norms plain RMSNorms of one epsilon: what grouped_qkv_norm_rope computes (not a subclass:
+        # ZeroCenteredRMSNorm scales by 1 + weight)
+        q, k = self.q_layernorm, self.k_layernorm
+        self._norms_in_qkv_pass = type(q) is FusedRMSNorm and type(k) is FusedRMSNorm and q.eps == k.eps
         self.rope_tables = RopeTables()
         self._cp = (self.pg_collection.cp.size(), self.pg_collection.cp.rank())
         self.chunk_state: ChunkAttentionState | None = None  # ChunkPipe: the chunk running now
@@ -84,11 +88,6 @@ class FusedSelfAttention(SelfAttention):
             and not cfg.flash_decode
             and cfg.num_query_groups >= self.world_size
         )
-
-    def _plain_qk_norms(self) -> bool:
-        """Both q/k norms plain RMSNorms of one epsilon (what ``grouped_qkv_norm_rope`` computes)."""
-        q, k = self.q_layernorm, self.k_layernorm
-        return _is_plain_rms_norm(q) and _is_plain_rms_norm(k) and q.eps == k.eps
 
     def forward(self, hidden_states, attention_mask, key_value_states=None, inference_context=None,
                 rotary_pos_emb=None, **kwargs):
@@ -130,7 +129,7 @@ class FusedSelfAttention(SelfAttention):
         if one_pass and self.q_layernorm is None and self.k_layernorm is None:
             # one pass over the qkv row: split, rotate, lay out (and one pass back in the backward)
             query, key, value = self._grouped_qkv_rope(qkv, *self.rope_tables.get(q_emb, (s, b), cu, **options))
-        elif one_pass and self._plain_qk_norms():  # the same pass with the per-head norms
+        elif one_pass and self._norms_in_qkv_pass:  # the same pass with the per-head norms
             query, key, value = self._grouped_qkv_norm_rope(
                 qkv, *self.rope_tables.get(q_emb, (s, b), cu, **options), self.q_layernorm.weight,
                 self.k_layernorm.weight, self.q_layernorm.eps)
@@ -163,10 +162,6 @@ class FusedSelfAttention(SelfAttention):
         if gate is not None:  # megatron's output gate: context * sigmoid(gate), in fp32
             context = (context * torch.sigmoid(gate.reshape(context.shape).float())).to(context.dtype)
         return self.linear_proj(context)
-
-
-def _is_plain_rms_norm(norm) -> bool:
-    return type(norm) is FusedRMSNorm  # (not a subclass: ZeroCenteredRMSNorm scales by 1 + weight)
 
 
 def share_rope_tables(model: torch.nn.Module) -> None:
