@@ -63,7 +63,8 @@ cases-a)
 pure)
   (cd "$repo" && timeout 60 python3 -m pytest -q -p no:cacheprovider -n 0 -o addopts="--import-mode=importlib" \
       packages/loongforge-kernels/tests/test_swiglu.py packages/loongforge-kernels/tests/test_linear_cross_entropy.py \
-      packages/loongforge-kernels/tests/test_grouped_qkv_rope.py 2>&1 | tail -n 3)
+      packages/loongforge-kernels/tests/test_grouped_qkv_rope.py packages/loongforge-kernels/tests/test_rms_norm.py \
+      packages/loongforge-kernels/tests/test_gpu_model_shapes.py 2>&1 | tail -n 3)
   liger_only="--skip hf_eager --skip hf_compile --rounds 1"
   llm_bench 160 --config bench_llama_1b $liger_only --profile-rows 30 --trace /tmp/llama_1b_trace.json train.precision=bf16-pure
   timeout 30 python3 "$repo/bench/trace_gaps.py" /tmp/llama_1b_trace.json --gaps 30 --min-gap-us 30

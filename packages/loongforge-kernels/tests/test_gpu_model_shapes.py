@@ -45,7 +45,7 @@ def _compare(fused, ref_fn, inputs, grad_out):
 
 
 def test_rms_norm_and_add_rms_norm_at_model_shape():
-    from loongforge.kernels.rms_norm import add_rms_norm, rms_norm
+    from loongforge.kernels.rms_norm import add_rms_norm, rms_norm, rms_norm_with_residual
 
     torch.manual_seed(0)
     x, r = (torch.randn(TOKENS, HIDDEN, dtype=torch.bfloat16) for _ in range(2))
@@ -54,6 +54,9 @@ def test_rms_norm_and_add_rms_norm_at_model_shape():
              torch.randn_like(x))
     _compare(lambda a, b, c: add_rms_norm(a, b, c, 1e-5), lambda a, b, c: reference.add_rms_norm(a, b, c, 1e-5),
              [x, r, w], (torch.randn_like(x), torch.randn_like(x)))
+    _compare(lambda a, b: rms_norm_with_residual(a, b, 1e-5),
+             lambda a, b: reference.rms_norm_with_residual(a, b, 1e-5), [x, w],
+             (torch.randn_like(x), torch.randn_like(x)))
 
 
 def test_rope_on_queries_read_from_the_qkv_projection():

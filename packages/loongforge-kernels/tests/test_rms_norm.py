@@ -1,4 +1,4 @@
-"""Fused rms_norm / add_rms_norm vs the torch reference (Triton interpreter on CPU)."""
+"""Fused rms_norm / add_rms_norm / rms_norm_with_residual vs the torch reference (Triton interpreter on CPU)."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from loongforge.core.kernels import reference
-from loongforge.kernels.rms_norm import add_rms_norm, rms_norm
+from loongforge.kernels.rms_norm import add_rms_norm, rms_norm, rms_norm_with_residual
 
 TIGHT = dict(rtol=1e-5, atol=1e-5)
 
@@ -70,6 +70,45 @@ def test_add_rms_norm_forward_backward_fp32(use_sum_grad):
     torch.autograd.backward(refs, grads)
     for got, want in zip(fused_in, ref_in):
         torch.testing.assert_close(got.grad, want.grad, **TIGHT)
+
+
+@pytest.mark.parametrize("use_residual", [True, False])
+def test_rms_norm_with_residual_sums_both_gradients_in_its_backward(use_residual):
+    """The passed-on input's gradient and the norm's reach ``x`` as their sum, as autograd adds
+    them for the reference (whose second output is ``x`` itself); ``x`` is then used once, by
+    the op: downstream, the stream goes through a residual add."""
+    torch.manual_seed(5)
+    shape = (3, 4, 72)
+    x, w, a = torch.randn(shape), torch.randn(shape[-1]), torch.randn(shape)
+    dy, dz = torch.randn(shape), torch.randn(shape)
+    fused_in, ref_in = _leaves(x, w), _leaves(x, w)
+    outs = []
+    for fn, (xi, wi) in ((rms_norm_with_residual, fused_in), (reference.rms_norm_with_residual, ref_in)):
+        y, stream = fn(xi, wi, 1e-6)
+        outs.append((y, stream))
+        loss = (y * dy).sum() + (((stream + a) * dz).sum() if use_residual else 0.0)
+        loss.backward()
+    (y, stream), (y_ref, stream_ref) = outs
+    torch.testing.assert_close(y, y_ref, **TIGHT)
+    assert torch.equal(stream, x) and stream.data_ptr() == fused_in[0].data_ptr()
+    for got, want in zip(fused_in, ref_in):
+        torch.testing.assert_close(got.grad, want.grad, **TIGHT)
+
+
+def test_add_rms_norm_bf16_inputs_share_one_gradient():
+    """Both inputs of one dtype get the sum's gradient from one write, equal to the reference's."""
+    torch.manual_seed(6)
+    x, r = torch.randn(6, 48, dtype=torch.bfloat16), torch.randn(6, 48, dtype=torch.bfloat16)
+    w, dy = torch.randn(48, dtype=torch.bfloat16), torch.randn(6, 48, dtype=torch.bfloat16)
+    fused_in, ref_in = _leaves(x, r), _leaves(x, r)
+    add_rms_norm(*fused_in, w)[0].backward(dy)
+    reference.add_rms_norm(*ref_in, w)[0].backward(dy)
+    assert torch.equal(fused_in[0].grad, fused_in[1].grad)
+    # the leaves' gradients do not alias: a second backward accumulates into each on its own
+    add_rms_norm(*fused_in, w)[0].backward(dy)
+    reference.add_rms_norm(*ref_in, w)[0].backward(dy)
+    for got, want in zip(fused_in, ref_in):
+        torch.testing.assert_close(got.grad, want.grad, rtol=2e-2, atol=2e-2)
 
 
 def test_add_rms_norm_only_residual_needs_grad():

@@ -243,6 +243,7 @@ def test_kernels_force_reference_config_key_applies_to_its_model_only(megatron_w
         model = task.build_model(ctx, config, True, True)
         layer = model.decoder.layers[0]
         return {"swiglu": layer.mlp._swiglu, "rms_norm": layer.input_layernorm._rms_norm,
+                "rms_norm_with_residual": layer.input_layernorm._rms_norm_with_residual,
                 "add_rms_norm": layer.pre_mlp_layernorm._add_rms_norm, "rope": layer.self_attention._rope,
                 "linear_cross_entropy": model._linear_cross_entropy}
 

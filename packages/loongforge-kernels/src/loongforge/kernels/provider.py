@@ -73,6 +73,14 @@ def add_rms_norm(
 
 
 @_by_device
+def rms_norm_with_residual(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6
+                           ) -> tuple[torch.Tensor, torch.Tensor]:
+    from loongforge.kernels.rms_norm import rms_norm_with_residual as fused
+
+    return fused(x, weight, eps)
+
+
+@_by_device
 def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     from loongforge.kernels.rope import rope as fused
 
@@ -275,7 +283,7 @@ def supports_fp8(accelerator) -> bool:
 
 
 _OPS = (
-    rms_norm, add_rms_norm, rope, grouped_qkv_rope, grouped_qkv_norm_rope, swiglu, swiglu_backward, linear_cross_entropy, sparse_mla_attention,
+    rms_norm, add_rms_norm, rms_norm_with_residual, rope, grouped_qkv_rope, grouped_qkv_norm_rope, swiglu, swiglu_backward, linear_cross_entropy, sparse_mla_attention,
     sparse_mla_absorbed_attention, dsa_indexer_topk, dsa_indexer_loss,
     gelu_tanh_backward, qk_norm_rope, qk_norm_rope_backward, modulated_layer_norm, modulated_layer_norm_backward,
     adamw_step, gated_delta_rule,

@@ -1,6 +1,9 @@
-"""Fused RMSNorm and residual-add + RMSNorm (Triton), forward and backward.
+"""Fused RMSNorm, residual-add + RMSNorm and RMSNorm passing its input on (Triton), forward and
+backward.
 
-Contracts: ``loongforge.core.kernels.reference.rms_norm`` / ``add_rms_norm``. Statistics are fp32;
+Contracts: ``loongforge.core.kernels.reference.rms_norm`` / ``add_rms_norm`` /
+``rms_norm_with_residual`` (whose backward adds the passed-on input's gradient inside the norm's
+pass, as ``add_rms_norm``'s adds the sum's). Statistics are fp32;
 the forward saves one fp32 ``rstd`` per row so the backward never recomputes the reduction.
 The weight gradient is reduced in two stages: each program accumulates the rows it owns into one
 fp32 partial row, then the partials are summed.
@@ -149,6 +152,28 @@ class _RMSNorm(torch.autograd.Function):
         )
 
 
+class _RMSNormWithResidual(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, weight, eps):
+        ctx.set_materialize_grads(False)
+        x2, y2, _, rstd = _forward("rms_norm_with_residual", x, None, weight, eps)
+        ctx.save_for_backward(x2, weight, rstd)
+        ctx.x_shape, ctx.x_dtype = x.shape, x.dtype
+        return y2.view(x.shape), x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, dy, dr):
+        x2, weight, rstd = ctx.saved_tensors
+        if dy is None:  # only the passed-on input was used
+            return dr, None, None
+        dx, _, dw = _backward("rms_norm_with_residual", dy, x2, weight.contiguous(), rstd, dr, ctx.x_dtype, None)
+        return (
+            dx.view(ctx.x_shape) if ctx.needs_input_grad[0] else None,
+            dw if ctx.needs_input_grad[1] else None,
+            None,
+        )
+
+
 class _AddRMSNorm(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, residual, weight, eps):
@@ -165,22 +190,27 @@ class _AddRMSNorm(torch.autograd.Function):
         if dy is None:  # only the residual sum was used: its grad passes straight to both inputs
             dsum = ds.reshape(ctx.shape)
             return dsum.to(ctx.x_dtype, copy=True), dsum.to(ctx.r_dtype, copy=True), None, None
-        # one kernel pass writes the summed-input grad once per input that needs it, in its dtype
+        # one kernel pass writes the summed-input grad, once per dtype the inputs that need it have;
+        # inputs of one dtype get the same tensor object, as autograd's own add hands them (so that
+        # neither is accumulated into in place while the other holds it)
         first_dtype = ctx.x_dtype if need_x else ctx.r_dtype
-        second_dtype = ctx.r_dtype if need_x and need_r else None
+        second_dtype = ctx.r_dtype if need_x and need_r and ctx.r_dtype != ctx.x_dtype else None
         d_first, d_second, dw = _backward("add_rms_norm", dy, s2, weight.contiguous(), rstd, ds, first_dtype, second_dtype)
-        dx, dr = (d_first, d_second) if need_x else (None, d_first)
-        return (
-            dx.view(ctx.shape) if dx is not None else None,
-            dr.view(ctx.shape) if need_r else None,
-            dw if need_w else None,
-            None,
-        )
+        first = d_first.view(ctx.shape)
+        second = d_second.view(ctx.shape) if d_second is not None else first
+        dx, dr = (first, second if need_r else None) if need_x else (None, first)
+        return dx, dr, dw if need_w else None, None
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
     """Fused ``loongforge.core.kernels.reference.rms_norm``."""
     return _RMSNorm.apply(x, weight, eps)
+
+
+def rms_norm_with_residual(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6
+                           ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Fused ``loongforge.core.kernels.reference.rms_norm_with_residual``: ``(rms_norm(x), x)``."""
+    return _RMSNormWithResidual.apply(x, weight, eps)
 
 
 def add_rms_norm(

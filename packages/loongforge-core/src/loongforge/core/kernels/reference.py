@@ -1,4 +1,5 @@
-"""Torch references of core's generic transformer ops: ``rms_norm``, ``add_rms_norm``, ``rope``,
+"""Torch references of core's generic transformer ops: ``rms_norm``, ``add_rms_norm``,
+``rms_norm_with_residual``, ``rope``,
 ``swiglu`` (and ``swiglu_backward``), ``linear_cross_entropy``.
 
 Each defines its op's contract (shapes, dtypes, numerics) and is registered under the op's name
@@ -30,6 +31,14 @@ def add_rms_norm(
     """Residual add then RMSNorm: returns ``(rms_norm(x + residual), x + residual)``."""
     summed = x + residual
     return rms_norm(summed, weight, eps), summed
+
+
+def rms_norm_with_residual(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6
+                           ) -> tuple[torch.Tensor, torch.Tensor]:
+    """RMSNorm that also passes its input on as the residual stream: ``(rms_norm(x), x)`` (a decoder
+    layer's input norm). The gradients of both outputs reach ``x``; a fused version adds them in the
+    norm's own backward pass, where autograd would add them in a pass of its own."""
+    return rms_norm(x, weight, eps), x
 
 
 def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

@@ -11,7 +11,9 @@ class FusedRMSNorm(torch.nn.Module):
     """RMSNorm over the last dim, built like megatron's norms (``config, hidden_size, eps``).
 
     ``norm(x)`` is ``rms_norm(x)``; ``norm(x, residual=r)`` returns ``(rms_norm(x + r), x + r)``
-    from one fused pass (the pre-MLP norm of a decoder layer, whose sum is the residual stream).
+    from one fused pass (the pre-MLP norm of a decoder layer, whose sum is the residual stream);
+    ``norm.with_residual(x)`` returns ``(rms_norm(x), x)``, ``x`` passed on as the residual stream
+    (a decoder layer's input norm): both outputs' gradients are summed inside the norm's backward.
     The ops come from ``loongforge.core.kernels``, resolved by ``kernels``: Triton where the
     accelerator runs it, else the torch references. Its one parameter is ``weight``, as in
     megatron's local spec.
@@ -28,11 +30,21 @@ class FusedRMSNorm(torch.nn.Module):
         setattr(self.weight, "sequence_parallel", bool(getattr(config, "sequence_parallel", False)))
         self._rms_norm = kernels.get("rms_norm")
         self._add_rms_norm = kernels.get("add_rms_norm")
+        self._rms_norm_with_residual = kernels.get("rms_norm_with_residual")
+
+    def scale(self) -> torch.Tensor:
+        """What the normalised rows are multiplied by."""
+        return self.weight
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
         if residual is None:
-            return self._rms_norm(x, self.weight, self.eps)
-        return self._add_rms_norm(x, residual, self.weight, self.eps)
+            return self._rms_norm(x, self.scale(), self.eps)
+        return self._add_rms_norm(x, residual, self.scale(), self.eps)
+
+    def with_residual(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(norm(x), x)``: ``x`` passed on as the residual stream, its two gradients summed in the
+        norm's backward pass."""
+        return self._rms_norm_with_residual(x, self.scale(), self.eps)
 
 
 class ZeroCenteredRMSNorm(FusedRMSNorm):
@@ -44,8 +56,5 @@ class ZeroCenteredRMSNorm(FusedRMSNorm):
         with torch.no_grad():
             self.weight.zero_()
 
-    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
-        scale = 1.0 + self.weight
-        if residual is None:
-            return self._rms_norm(x, scale, self.eps)
-        return self._add_rms_norm(x, residual, scale, self.eps)
+    def scale(self) -> torch.Tensor:
+        return 1.0 + self.weight

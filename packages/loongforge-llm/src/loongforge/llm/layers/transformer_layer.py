@@ -3,7 +3,7 @@ drops the no-op bias/dropout/add machinery, and keeps only the activations the b
 
 Pre-norm decoder layer::
 
-    normed = input_layernorm(x)
+    normed, x = input_layernorm.with_residual(x)      # x's two gradients summed in the norm's backward
     a = self_attention(normed)
     normed2, s = pre_mlp_layernorm(a, residual=x)     # fused: rms_norm(a + x), a + x
     out = mlp(normed2) + s
@@ -26,6 +26,7 @@ from megatron.core.transformer.transformer_layer import TransformerLayer
 
 from loongforge.llm.layers.discarded_output import DiscardedOutput
 from loongforge.llm.layers.mlp import FusedMLP
+from loongforge.llm.layers.norm import FusedRMSNorm
 
 
 class FusedTransformerLayer(TransformerLayer):
@@ -51,7 +52,10 @@ class FusedTransformerLayer(TransformerLayer):
         recompute = self.recompute_elementwise and self.training and hidden_states.requires_grad
         attn_kwargs = {k: kwargs.get(k) for k in ("rotary_pos_emb", "attention_bias", "packed_seq_params")}
 
-        normed = self.input_layernorm(hidden_states)
+        if isinstance(self.input_layernorm, FusedRMSNorm):
+            normed, stream = self.input_layernorm.with_residual(hidden_states)
+        else:
+            normed, stream = self.input_layernorm(hidden_states), hidden_states
         if recompute:
             norm1 = DiscardedOutput()
             norm1.hand_over(normed, partial(self.input_layernorm, hidden_states),
@@ -62,7 +66,7 @@ class FusedTransformerLayer(TransformerLayer):
         if attn_bias is not None:
             attn = attn + attn_bias
 
-        normed2, residual = self.pre_mlp_layernorm(attn, residual=hidden_states)
+        normed2, residual = self.pre_mlp_layernorm(attn, residual=stream)
         if recompute:
             norm2 = DiscardedOutput()
             norm2.hand_over(normed2, partial(self.pre_mlp_layernorm, residual), consumer=self.mlp.linear_fc1)
