@@ -68,8 +68,8 @@ pure)
   liger_only="--skip hf_eager --skip hf_compile --rounds 1"
   llm_bench 160 --config bench_llama_1b $liger_only --profile-rows 30 --trace /tmp/llama_1b_trace.json train.precision=bf16-pure
   timeout 30 python3 "$repo/bench/trace_gaps.py" /tmp/llama_1b_trace.json --gaps 30 --min-gap-us 30
-  llm_bench 170 --config bench_qwen3_4b $liger_only --profile-rows 20 train.precision=bf16-pure
   llm_bench 110 --config train_0_5b $liger_only --profile-rows 20 train.precision=bf16-pure
+  llm_bench 170 --config bench_qwen3_4b $liger_only --profile-rows 0 train.precision=bf16-pure
   ;;
 cases-b)
   llm_bench 120 --config train_0_5b --skip hf_eager --skip hf_compile --rounds 1 --profile-rows 0 train.precision=bf16

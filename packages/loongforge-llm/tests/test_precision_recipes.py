@@ -188,7 +188,53 @@ def test_main_grad_linear_adds_its_weight_gradient_into_main_grad(main_dtype):
     assert weight.grad_added_to_main_grad
 
 
+@pytest.mark.parametrize("main_dtype", [torch.float32, torch.bfloat16])
+def test_main_grad_embedding_adds_the_rows_gradients_into_main_grad(main_dtype):
+    """Repeated tokens' rows summed, untouched rows left as they were, equal to autograd's dense
+    embedding gradient added to ``main_grad``."""
+    from loongforge.llm.layers.main_grad_embedding import MainGradEmbeddingLookup
+
+    torch.manual_seed(0)
+    dtype = main_dtype
+    ids = torch.tensor([[3, 1, 3, 7], [0, 3, 1, 9]])
+    weight = torch.randn(12, 8, dtype=dtype, requires_grad=True)
+    weight.main_grad = torch.randn(12, 8, dtype=main_dtype)
+    weight.grad_added_to_main_grad = False
+    before = weight.main_grad.clone()
+    dy = torch.randn(2, 4, 8, dtype=dtype)
+    out = MainGradEmbeddingLookup.apply(ids, weight)
+    wr = weight.detach().clone().requires_grad_(True)
+    ref = torch.nn.functional.embedding(ids, wr)
+    assert torch.equal(out, ref)
+    out.backward(dy)
+    ref.backward(dy)
+    tol = dict(rtol=2e-2, atol=2e-2) if dtype == torch.bfloat16 else dict(rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(weight.main_grad.float(), before.float() + wr.grad.float(), **tol)
+    untouched = [i for i in range(12) if i not in ids]
+    assert torch.equal(weight.main_grad[untouched], before[untouched])
+    assert weight.grad_added_to_main_grad
+
+
+def test_engine_step_embedding_gradient_equals_autograds(megatron_world, data_cache, tmp_path):
+    """The embedding's gradient the engine's schedule adds into ``main_grad`` (the rows alone) equals
+    autograd's dense gradient of the same micro-batches' loss, taken outside the schedule."""
+    trainer = _trainer(megatron_world, tmp_path, data_cache, ["train.precision=fp32", "checkpoint.save=false"])
+    engine = trainer.engine
+    step = next(iter(trainer.task.steps(megatron_world, 0)))
+    engine.forward_backward(step)
+    table = engine.inner_model.embedding.word_embeddings
+    assert table.weight.grad_added_to_main_grad
+    fused = table.weight.main_grad.clone()
+    total = torch.zeros(())
+    for batch in step.micro_batches:
+        out, loss_fn = trainer.task.forward(engine.model, batch)
+        total = total + loss_fn(out)[0]
+    (dense,) = torch.autograd.grad(total, [table.weight])
+    torch.testing.assert_close(fused, dense, rtol=1e-5, atol=1e-6)  # (fp32 sums of repeated rows, in another order)
+
+
 def test_fast_layers_accumulate_into_main_grad(runs):
+    from loongforge.llm.layers.main_grad_embedding import MainGradVocabParallelEmbedding
     from loongforge.llm.layers.main_grad_linear import MainGradColumnParallelLinear, MainGradRowParallelLinear
 
     trainer, _ = runs["bf16-pure"]
@@ -196,6 +242,9 @@ def test_fast_layers_accumulate_into_main_grad(runs):
                if isinstance(m, MainGradColumnParallelLinear | MainGradRowParallelLinear)]
     assert len(linears) == 4 * trainer.cfg.model.num_layers  # qkv, proj, fc1, fc2
     assert all(m.weight.grad_added_to_main_grad for m in linears)  # the last step's GEMMs added into main_grad
+    table = trainer.inner_model.embedding.word_embeddings
+    assert not trainer.inner_model.share_embeddings_and_output_weights
+    assert isinstance(table, MainGradVocabParallelEmbedding) and table.weight.grad_added_to_main_grad
 
 
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])

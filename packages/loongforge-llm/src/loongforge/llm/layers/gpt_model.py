@@ -17,7 +17,9 @@ the layers the angles of the whole sequence, not this CP rank's slice of them: t
 each local token by its global position, which also covers packed (THD) rows, and megatron's own
 per-rank slice (``get_pos_emb_on_this_cp_rank``) builds its index in pinned CUDA memory.
 
-Its ``FusedSelfAttention`` layers share the model's RoPE cos/sin tables (``share_rope_tables``).
+Its ``FusedSelfAttention`` layers share the model's RoPE cos/sin tables (``share_rope_tables``),
+and its word embedding adds its gradient rows straight into megatron DDP's buffer where its table is
+its own on one tensor-parallel rank (``main_grad_embedding``).
 """
 
 from __future__ import annotations
@@ -34,11 +36,13 @@ class FusedLossGPTModel(GPTModel):
     """``kernels``: the policy its ``linear_cross_entropy`` is resolved by."""
 
     def __init__(self, *args, kernels: KernelPolicy = KernelPolicy(), **kwargs):
+        from loongforge.llm.layers.main_grad_embedding import use_main_grad_embedding
         from loongforge.llm.layers.self_attention import share_rope_tables
 
         super().__init__(*args, **kwargs)
         self._linear_cross_entropy = kernels.get("linear_cross_entropy")
         share_rope_tables(self)
+        use_main_grad_embedding(self)
         if self.config.context_parallel_size > 1 and self._fast_attention():
             self.rotary_pos_emb.cp_group = None  # the whole sequence's angles (see the module docstring)
 
