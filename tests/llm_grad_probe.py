@@ -152,16 +152,21 @@ def main(out: str, config: str, overrides: list[str]) -> None:
 
     trainer.engine.optimizer.step_with_ready_grads = capture_then_step
     shapes = []
-    forward = task.forward
+    forward, schedule_plan = task.forward, task.schedule_plan
 
-    plans = []
+    plans = []  # per micro-batch: whether megatron's combined 1F1B schedule asked for a plan
 
-    def recording_forward(model, batch, **kwargs):
+    def recording_forward(model, batch):
         shapes.append(tuple(batch["tokens"].shape))
-        plans.append(bool(kwargs.get("schedule_plan")))  # megatron's combined 1F1B schedule asked for a plan
-        return forward(model, batch, **kwargs)
+        plans.append(False)
+        return forward(model, batch)
 
-    task.forward = recording_forward
+    def recording_schedule_plan(model, batch):
+        shapes.append(tuple(batch["tokens"].shape))
+        plans.append(True)
+        return schedule_plan(model, batch)
+
+    task.forward, task.schedule_plan = recording_forward, recording_schedule_plan
     results = trainer.fit()
     if ctx.rank == 0:
         torch.save({"losses": [r.loss for r in results], "grad_norms": [r.grad_norm for r in results],

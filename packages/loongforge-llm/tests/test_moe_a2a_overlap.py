@@ -29,6 +29,7 @@ def test_overlapped_ep2_equals_not_overlapped(tmp_path_factory):
     ([], "needs parallel.ep > 1"),
     (["parallel.ep=2", "train.precision=fp32"], "train.precision=fp32"),
     (["parallel.ep=2", "train.recompute=full"], "train.recompute=full"),
+    (["parallel.ep=2", "recipe=sft"], "model.moe_a2a_overlap=true with recipe=sft"),
 ])
 def test_overlap_refuses_what_megatron_cannot_overlap(overrides, message):
     with pytest.raises((ConfigError, ValueError), match=message.replace(".", r"\.").replace("+", r"\+")):

@@ -54,7 +54,7 @@ from __future__ import annotations
 
 import tempfile
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -130,12 +130,13 @@ def split_overrides(overrides: list[str]) -> tuple[list[str], dict]:
         key, _, value = item.partition("=")
         if key == "attention_backend" and value not in AttnBackend.__members__:
             raise ConfigError(f"attention_backend={value!r}: one of {', '.join(AttnBackend.__members__)}")
+        knob: str | bool = value
         if key == "spec.recompute_elementwise":
             if value.lower() not in TRUTH:
                 raise ConfigError(f"spec.recompute_elementwise={value!r}: true or false")
-            value = TRUTH[value.lower()]
+            knob = TRUTH[value.lower()]
         if key in BENCH_KNOBS:
-            knobs[key] = value
+            knobs[key] = knob
         else:
             config.append(item)
     return config, knobs
@@ -356,8 +357,8 @@ def same_step(a: LLMConfig, b: LLMConfig) -> bool:
             == (tb.global_batch_size, tb.micro_batch_size, tb.seq_length, tb.seed))
 
 
-def run_bench(config: str = "train_0_5b", overrides: list[str] = (), steps: int = 10, warmup: int = 3,
-              variants: list[str] = (), fp8: list[str] = (), skip: list[str] = (), profile_rows: int = 25,
+def run_bench(config: str = "train_0_5b", overrides: Sequence[str] = (), steps: int = 10, warmup: int = 3,
+              variants: Sequence[str] = (), fp8: Sequence[str] = (), skip: Sequence[str] = (), profile_rows: int = 25,
               trace: str | None = None, rounds: int = 2, report: Callable[[str], None] = print,
               seconds_out: dict[str, float] | None = None) -> dict[str, RunResult]:
     """Every run's tokens/s, TFLOP/s, MFU and peak memory; ``report`` gets each line when known.

@@ -167,8 +167,9 @@ def check_context_parallel(cfg: LLMConfig) -> None:
 def check_moe_a2a_overlap(cfg: LLMConfig) -> None:
     """What ``model.moe_a2a_overlap`` (megatron's combined 1F1B schedule) needs, before any process
     group: expert parallelism to overlap, one pipeline stage (megatron needs virtual pipeline stages
-    otherwise), no full recomputation or ChunkPipe, and not fp32 (megatron runs it in bf16 or fp16;
-    ``train.precision=auto`` is checked when it resolves, by the engine)."""
+    otherwise), no full recomputation or ChunkPipe, pre-training (the SFT task has no schedule plan of
+    its rows) and not fp32 (megatron runs it in bf16 or fp16; ``train.precision=auto`` is checked when
+    it resolves, by the engine)."""
     key = "model.moe_a2a_overlap=true"
     train, parallel = cfg.train, cfg.parallel
     for bad, why in ((parallel.ep == 1, "needs parallel.ep > 1 (there is no expert all-to-all to overlap)"),
@@ -176,6 +177,8 @@ def check_moe_a2a_overlap(cfg: LLMConfig) -> None:
                                        "virtual pipeline stages only; use parallel.pp=1"),
                      (train.recompute == "full", "with train.recompute=full: megatron overlaps without it"),
                      (train.seq_chunks > 1, f"with train.seq_chunks={train.seq_chunks}: ChunkPipe runs the dense families"),
+                     (cfg.recipe == "sft", "with recipe=sft: the SFT task gives megatron's combined schedule "
+                                           "no plan of its rows; overlap is for recipe=pretrain"),
                      (train.precision == "fp32", "with train.precision=fp32: megatron overlaps in bf16")):
         if bad:
             raise ValueError(f"{key} {why}")
@@ -436,10 +439,12 @@ class LLMTask(MegatronTask):
             yield StepBatch(micro_batches=micro, tokens=tokens)
             step += 1
 
-    def forward(self, model, batch, schedule_plan: bool = False):
-        if schedule_plan:  # megatron's combined 1F1B schedule (model.moe_a2a_overlap): the model's plan
-            output = model.build_schedule_plan(batch["tokens"], batch["position_ids"], None, labels=batch["labels"])
-            return output, partial(masked_token_loss, batch["loss_mask"])
+    def schedule_plan(self, model, batch):
+        # megatron's combined 1F1B schedule (model.moe_a2a_overlap): the model's plan
+        output = model.build_schedule_plan(batch["tokens"], batch["position_ids"], None, labels=batch["labels"])
+        return output, partial(masked_token_loss, batch["loss_mask"])
+
+    def forward(self, model, batch):
         chunks = self.cfg.train.seq_chunks
         if chunks > 1:  # ChunkPipe
             from loongforge.llm.chunk_pipe import chunked_forward

@@ -118,6 +118,11 @@ class SFTTask(LLMTask):
         )
 
     # -- the step ------------------------------------------------------------------------------
+    def schedule_plan(self, model, batch):
+        # pre-training's plan would drop the packing: check_moe_a2a_overlap refuses recipe=sft
+        raise NotImplementedError("SFTTask has no schedule plan for megatron's combined 1F1B schedule "
+                                  "(model.moe_a2a_overlap is for recipe=pretrain)")
+
     def forward(self, model, batch):
         from loongforge.llm.data.packing import packed_seq_params
 

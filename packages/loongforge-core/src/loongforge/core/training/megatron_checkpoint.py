@@ -8,12 +8,16 @@ under another. The loop adds the step, the data position and the RNG streams
 from __future__ import annotations
 
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
 from loongforge.core.checkpoint import Checkpoint, CheckpointReadError
 from loongforge.core.checkpoint.sharded import flatten_for_save, load_into, move_tensors
 from loongforge.core.training.engine import EngineState, check_precision
+
+if TYPE_CHECKING:
+    from megatron.core.optimizer.optimizer import MegatronOptimizer
 
 OPTIM_METADATA = {"distrib_optim_sharding_type": "fully_reshardable"}
 
@@ -79,7 +83,7 @@ def _all_objects(ckpt: Checkpoint) -> tuple[dict, dict]:
     return objects, common
 
 
-def _sub_optimizer_states(optimizer, state_dict) -> list[tuple[object, dict]]:
+def _sub_optimizer_states(optimizer: MegatronOptimizer, state_dict: dict) -> list[tuple[MegatronOptimizer, dict]]:
     """``(optimizer, its state dict)`` per megatron sub-optimizer, as ``ChainedOptimizer``
     pairs them (one optimizer: the whole dict; several: entries in index order)."""
     optimizers = getattr(optimizer, "chained_optimizers", [optimizer])

@@ -21,6 +21,7 @@ weight decay of each param group is ``train.weight_decay`` times the group's ``w
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -32,7 +33,7 @@ from loongforge.core.training.activation_offload import offload_first
 from loongforge.core.training import grad_update
 from loongforge.core.training.engine import EngineState, StepOutput, finite, precision_recipe, resolve_dtype
 from loongforge.core.training.main_grad import main_grad_fusion
-from loongforge.core.training.schema import ParallelConfig, TrainConfig
+from loongforge.core.training.schema import ParallelConfig, SequenceTrainConfig, TrainConfig
 from loongforge.core.training.task import MegatronTask, StepBatch
 
 
@@ -123,7 +124,10 @@ class MegatronEngine:
         check_parallel_config(parallel)
         check_train_config(train)
         self.task, self.ctx, self.train = task, ctx, train
-        self.seq_length = getattr(train, "seq_length", 1)
+        if isinstance(train, SequenceTrainConfig):  # token models (LLM, VLM); ChunkPipe: seq_chunks > 1
+            self.seq_length, self.seq_chunks = train.seq_length, train.seq_chunks
+        else:
+            self.seq_length, self.seq_chunks = 1, 1
         dp = ctx.dp_size
         self.variable_micro_batches = task.variable_micro_batches
         if self.variable_micro_batches:
@@ -205,7 +209,8 @@ class MegatronEngine:
         self._finalize_model_grads = finalize_model_grads
         cfg.finalize_model_grads_func = self._finalize_grads_timed
         self._compute_end = None
-        self._after_schedule = None  # the step's ScheduledStep.after_schedule, run before the grad reduction
+        # the step's ScheduledStep.after_schedule, run before the grad reduction
+        self._after_schedule: Callable[[], None] | None = None
         self._measuring = False
         cfg.no_sync_func = self.model.no_sync
         if train.overlap_grad_reduce:
@@ -247,10 +252,10 @@ class MegatronEngine:
         """megatron's forward-step contract over the task's ``forward`` / ``loss_fn``; with
         ``return_schedule_plan`` (megatron's combined 1F1B schedule, which overlaps one
         micro-batch's MoE all-to-all with another's computation) the task returns the model's
-        schedule plan in place of its output (``forward(..., schedule_plan=True)``)."""
+        schedule plan in place of its output (``schedule_plan``)."""
         batch = next(data_iterator)
         if return_schedule_plan:
-            output, loss_fn = self.task.forward(model, batch, schedule_plan=True)
+            output, loss_fn = self.task.schedule_plan(model, batch)
         else:
             output, loss_fn = self.task.forward(model, batch)
 
@@ -281,7 +286,7 @@ class MegatronEngine:
             micro_batches = scheduled.micro_batches
         # ChunkPipe pipelines the chunks of each micro-batch through the stages itself (chunk_pipe):
         # every stage runs the micro-batches one after another, with megatron's schedule without pipelining
-        pp_schedule = 1 if self.train.seq_chunks > 1 else self.ctx.layout.pp
+        pp_schedule = 1 if self.seq_chunks > 1 else self.ctx.layout.pp
         forward_backward = get_forward_backward_func(pp_size=pp_schedule)
         with main_grad_fusion():  # the schedule reads main_grad: layers may add into it themselves
             losses = forward_backward(

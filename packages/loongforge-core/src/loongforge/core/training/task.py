@@ -25,7 +25,9 @@ The engine-specific half is the model build: ``MegatronTask.build_model`` receiv
 model and ``TorchTask.load_pretrained`` fills it (or its FSDP shards) with pretrained weights.
 A ``MegatronTask`` may also do part of a step outside megatron's per-micro-batch schedule
 (``before_schedule``, returning a ``ScheduledStep``): work on all the step's micro-batches at once
-before the schedule starts, and its backward after the schedule's last backward.
+before the schedule starts, and its backward after the schedule's last backward. A task that turns
+on megatron's MoE all-to-all overlap hands its combined 1F1B schedule the model's schedule plan of
+a micro-batch in place of its output (``schedule_plan``).
 """
 
 from __future__ import annotations
@@ -144,6 +146,15 @@ class MegatronTask(TrainTask):
         """This rank's model chunk. ``load_initial_weights`` is False when the run resumes from its
         own checkpoint, which holds every weight: pretrained weights the task would read (a Hugging
         Face model, a LoRA base) are not read again."""
+
+    def schedule_plan(self, model, micro_batch) -> tuple[Any, LossFn]:
+        """``forward``'s counterpart for megatron's combined 1F1B schedule (the task's
+        ``transformer_config_kwargs`` set ``overlap_moe_expert_parallel_comm``: one micro-batch's MoE
+        all-to-all overlaps another's computation): ``(the model's schedule plan of the micro-batch,
+        loss_fn)``, ``loss_fn`` as ``forward``'s. Default: refused (a task that never turns the
+        overlap on is never asked)."""
+        raise NotImplementedError(f"{type(self).__name__} has no schedule plan for megatron's combined 1F1B "
+                                  "schedule (overlap_moe_expert_parallel_comm)")
 
     def before_schedule(self, model, micro_batches: list[Any]) -> ScheduledStep | None:
         """Called with this rank's model chunk as ``build_model`` made it (the engine's

@@ -33,7 +33,7 @@ log-sum-exp, which keeps one block of remote K/V in memory instead of the whole 
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 
 import torch
 
@@ -176,16 +176,18 @@ class GatheredLayout:
 
     def __init__(self, cu_seqlens_padded: torch.Tensor | None = None):
         self.cu_seqlens_padded = cu_seqlens_padded
-        self._values = {}  # key -> the value computed for it
+        self._values: dict[Hashable, object] = {}  # key -> the value computed for it
 
-    def cached(self, key, compute: Callable[[], object]):
+    def cached(self, key: Hashable, compute: Callable[[], object]):
         """``compute()``, called the first time ``key`` is asked for; the same object after that."""
         if key not in self._values:
             self._values[key] = compute()
         return self._values[key]
 
     def bounds(self) -> list[int]:
-        """The packed row's ``cu_seqlens_padded`` as numbers."""
+        """The packed row's ``cu_seqlens_padded`` as numbers (a dense layout has none)."""
+        if self.cu_seqlens_padded is None:
+            raise RuntimeError("GatheredLayout.bounds: a dense layout (no cu_seqlens_padded) has no packed bounds")
         return self.cached("bounds", self.cu_seqlens_padded.tolist)
 
     def order(self, n_local: int, cp_size: int, device) -> torch.Tensor:

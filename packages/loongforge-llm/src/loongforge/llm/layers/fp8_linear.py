@@ -23,6 +23,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from contextlib import contextmanager
 from contextvars import ContextVar
+from typing import TYPE_CHECKING
 
 import torch
 from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
@@ -34,6 +35,9 @@ from megatron.core.tensor_parallel.mappings import (
 from loongforge.core.kernels import KernelPolicy
 from loongforge.core.kernels.fp8_format import ALL_FP8, Fp8Gemms
 from loongforge.llm.layers.fp8_plan import FP8Plan, label
+
+if TYPE_CHECKING:
+    from megatron.core.transformer.transformer_config import TransformerConfig
 
 FP8_MODES = ("none", "blockwise", "adaptive")
 
@@ -62,7 +66,7 @@ def active_fp8_mode() -> str:
     return _MODE.get()
 
 
-class _Fp8Gemm:
+class _Fp8Gemm(torch.nn.Module):
     """The local GEMM of megatron's parallel linears on the registry's ``fp8_linear``.
 
     megatron's ``forward`` prepares the input and reduces the output; its ``_forward_impl`` runs
@@ -73,6 +77,11 @@ class _Fp8Gemm:
     returned as ``.grad``, which megatron's DDP adds to ``main_grad`` (so no gradient
     accumulation fusion).
     """
+
+    # set by the megatron linear this is mixed into (the FP8 linears always allocate their weight)
+    config: TransformerConfig
+    weight: torch.nn.Parameter
+    gtp_remat_size: int
 
     def __init__(self, *args, adaptive: bool = False, kernels: KernelPolicy = KernelPolicy(), **kwargs):
         super().__init__(*args, **kwargs)

@@ -50,10 +50,10 @@ def shapes_of_all_ranks(shapes: Iterable[tuple[int, int]]) -> list[tuple[int, in
 def slowest_over_ranks(times: Sequence[Sequence[float]], device: torch.device | None = None) -> list[list[float]]:
     """Each of ``times`` replaced by its maximum over the ranks (every rank passes the same layout;
     ``device``: where the default group's backend takes tensors)."""
-    times = [list(row) for row in times]
-    if not _distributed() or not times:
-        return times
-    agreed = torch.tensor(times, dtype=torch.float64, device=device)
+    rows = [list(row) for row in times]
+    if not _distributed() or not rows:
+        return rows
+    agreed = torch.tensor(rows, dtype=torch.float64, device=device)
     dist.all_reduce(agreed, op=dist.ReduceOp.MAX)
     return agreed.tolist()
 

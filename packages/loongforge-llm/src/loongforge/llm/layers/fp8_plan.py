@@ -103,7 +103,7 @@ class FP8Plan:
     def missing(self, shapes: Iterable[tuple[int, int]]) -> list[tuple[int, int]]:
         """The shapes of ``shapes`` this plan has no entry for, sorted."""
         have = {s.key for s in self.shapes}
-        return sorted({tuple(s) for s in shapes} - have)
+        return sorted({(out_features, in_features) for out_features, in_features in shapes} - have)
 
     def merged(self, other: FP8Plan) -> FP8Plan:
         """This plan with ``other``'s entries for the shapes it lacks (its own entries win)."""

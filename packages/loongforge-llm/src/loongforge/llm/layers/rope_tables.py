@@ -62,7 +62,7 @@ class RopeTables:
             if cu_seqlens is None and table.shape[0] != lead[0] * cp[0]:
                 raise ValueError(f"RoPE under context parallelism needs the angles of the whole sequence "
                                  f"({lead[0] * cp[0]} rows), got {table.shape[0]}")
-            positions = cp_positions(lead[0], tuple(cp), cu_seqlens, table.device, layout)
+            positions = cp_positions(lead[0], cp, cu_seqlens, table.device, layout)
             if positions.numel() != lead[0]:
                 raise ValueError(f"RoPE under context parallelism: {positions.numel()} positions for {lead[0]} tokens")
             table = table[positions]

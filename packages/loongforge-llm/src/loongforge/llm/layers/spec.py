@@ -31,8 +31,9 @@ def _fp8_linear_classes(mode: str, kernels: KernelPolicy) -> tuple:
     """The column- and row-parallel linear builders of FP8 ``mode`` (blockwise | adaptive)."""
     from loongforge.llm.layers.fp8_linear import Fp8ColumnParallelLinear, Fp8RowParallelLinear
 
-    options = {"adaptive": mode == "adaptive", "kernels": kernels}
-    return functools.partial(Fp8ColumnParallelLinear, **options), functools.partial(Fp8RowParallelLinear, **options)
+    adaptive = mode == "adaptive"
+    return (functools.partial(Fp8ColumnParallelLinear, adaptive=adaptive, kernels=kernels),
+            functools.partial(Fp8RowParallelLinear, adaptive=adaptive, kernels=kernels))
 
 
 def fast_layer_spec(cfg, recompute_elementwise: bool = True, kernels: KernelPolicy = KernelPolicy()):
