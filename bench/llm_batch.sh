@@ -16,6 +16,8 @@
 #   bash bench/llm_batch.sh pair     # the 1B case in both recipes against hf_liger: ~3 minutes
 #   bash bench/llm_batch.sh pure     # the changed kernels' GPU tests; pure bf16 against hf_liger: the 1B case (with ours'
 #                                    # profile and the GPU's idle gaps from its trace), bench_qwen3_4b, train_0_5b: ~8 minutes
+#   bash bench/llm_batch.sh pure-short # the norm and embedding kernels' GPU tests; pure bf16 against hf_liger: the 1B
+#                                    # case and train_0_5b, each with ours' profile: ~5 minutes
 #   bash bench/llm_batch.sh shortest # the AdamW kernel's GPU test, the 1B case in both recipes against hf_liger
 #                                    # (FP8 beside mixed), then train_0_5b in pure bf16: ~5 minutes
 #
@@ -28,7 +30,7 @@
 # LoongForge's own wheels from `uv build --wheel --package loongforge-<name> -o .whl` for core, llm
 # and kernels). Everything printed also goes to $OUT/<stage>.log.
 set -uo pipefail
-stage=${1:?usage: llm_batch.sh profile|cases-a|cases-b|short|shortest|pair|pure}
+stage=${1:?usage: llm_batch.sh profile|cases-a|cases-b|short|shortest|pair|pure|pure-short}
 OUT=${OUT:-/tmp/lf-llm-bench}
 LOG=$stage.log
 source "$(dirname "$0")/device_batch.sh"
@@ -70,6 +72,14 @@ pure)
   timeout 30 python3 "$repo/bench/trace_gaps.py" /tmp/llama_1b_trace.json --gaps 30 --min-gap-us 30
   llm_bench 110 --config train_0_5b $liger_only --profile-rows 20 train.precision=bf16-pure
   llm_bench 170 --config bench_qwen3_4b $liger_only --profile-rows 0 train.precision=bf16-pure
+  ;;
+pure-short)
+  (cd "$repo" && timeout 60 python3 -m pytest -q -p no:cacheprovider -n 0 -o addopts="--import-mode=importlib" \
+      packages/loongforge-kernels/tests/test_embedding_grad.py packages/loongforge-kernels/tests/test_rms_norm.py \
+      packages/loongforge-kernels/tests/test_gpu_model_shapes.py 2>&1 | tail -n 3)
+  liger_only="--skip hf_eager --skip hf_compile --rounds 1"
+  llm_bench 140 --config bench_llama_1b $liger_only --profile-rows 25 train.precision=bf16-pure
+  llm_bench 110 --config train_0_5b $liger_only --profile-rows 25 train.precision=bf16-pure
   ;;
 cases-b)
   llm_bench 120 --config train_0_5b --skip hf_eager --skip hf_compile --rounds 1 --profile-rows 0 train.precision=bf16

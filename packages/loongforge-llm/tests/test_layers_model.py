@@ -244,6 +244,7 @@ def test_kernels_force_reference_config_key_applies_to_its_model_only(megatron_w
         layer = model.decoder.layers[0]
         return {"swiglu": layer.mlp._swiglu, "rms_norm": layer.input_layernorm._rms_norm,
                 "rms_norm_with_residual": layer.input_layernorm._rms_norm_with_residual,
+                "embedding_grad_add": model.embedding.word_embeddings.grad_add,
                 "add_rms_norm": layer.pre_mlp_layernorm._add_rms_norm, "rope": layer.self_attention._rope,
                 "linear_cross_entropy": model._linear_cross_entropy}
 

@@ -192,6 +192,7 @@ def test_main_grad_linear_adds_its_weight_gradient_into_main_grad(main_dtype):
 def test_main_grad_embedding_adds_the_rows_gradients_into_main_grad(main_dtype):
     """Repeated tokens' rows summed, untouched rows left as they were, equal to autograd's dense
     embedding gradient added to ``main_grad``."""
+    from loongforge.core.kernels import reference
     from loongforge.llm.layers.main_grad_embedding import MainGradEmbeddingLookup
 
     torch.manual_seed(0)
@@ -202,7 +203,7 @@ def test_main_grad_embedding_adds_the_rows_gradients_into_main_grad(main_dtype):
     weight.grad_added_to_main_grad = False
     before = weight.main_grad.clone()
     dy = torch.randn(2, 4, 8, dtype=dtype)
-    out = MainGradEmbeddingLookup.apply(ids, weight)
+    out = MainGradEmbeddingLookup.apply(ids, weight, reference.embedding_grad_add)
     wr = weight.detach().clone().requires_grad_(True)
     ref = torch.nn.functional.embedding(ids, wr)
     assert torch.equal(out, ref)

@@ -81,6 +81,13 @@ def rms_norm_with_residual(x: torch.Tensor, weight: torch.Tensor, eps: float = 1
 
 
 @_by_device
+def embedding_grad_add(table_grad: torch.Tensor, ids: torch.Tensor, dy: torch.Tensor) -> None:
+    from loongforge.kernels.embedding_grad import embedding_grad_add as fused
+
+    fused(table_grad, ids, dy)
+
+
+@_by_device
 def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     from loongforge.kernels.rope import rope as fused
 
@@ -283,7 +290,7 @@ def supports_fp8(accelerator) -> bool:
 
 
 _OPS = (
-    rms_norm, add_rms_norm, rms_norm_with_residual, rope, grouped_qkv_rope, grouped_qkv_norm_rope, swiglu, swiglu_backward, linear_cross_entropy, sparse_mla_attention,
+    rms_norm, add_rms_norm, rms_norm_with_residual, embedding_grad_add, rope, grouped_qkv_rope, grouped_qkv_norm_rope, swiglu, swiglu_backward, linear_cross_entropy, sparse_mla_attention,
     sparse_mla_absorbed_attention, dsa_indexer_topk, dsa_indexer_loss,
     gelu_tanh_backward, qk_norm_rope, qk_norm_rope_backward, modulated_layer_norm, modulated_layer_norm_backward,
     adamw_step, gated_delta_rule,

@@ -1,5 +1,5 @@
 """Torch references of core's generic transformer ops: ``rms_norm``, ``add_rms_norm``,
-``rms_norm_with_residual``, ``rope``,
+``rms_norm_with_residual``, ``embedding_grad_add``, ``rope``,
 ``swiglu`` (and ``swiglu_backward``), ``linear_cross_entropy``.
 
 Each defines its op's contract (shapes, dtypes, numerics) and is registered under the op's name
@@ -39,6 +39,18 @@ def rms_norm_with_residual(x: torch.Tensor, weight: torch.Tensor, eps: float = 1
     layer's input norm). The gradients of both outputs reach ``x``; a fused version adds them in the
     norm's own backward pass, where autograd would add them in a pass of its own."""
     return rms_norm(x, weight, eps), x
+
+
+def embedding_grad_add(table_grad: torch.Tensor, ids: torch.Tensor, dy: torch.Tensor) -> None:
+    """An embedding lookup's gradient added into ``table_grad`` (``[vocab, hidden]``, e.g. a
+    gradient buffer), in place: ``table_grad[ids[t]] += dy[t]`` for every token ``t`` (``dy``:
+    ``[*ids.shape, hidden]``), each row's tokens summed in fp32 and added with one rounding; rows
+    no token looked up are left as they are."""
+    sums = torch.zeros(table_grad.shape, dtype=torch.float32, device=table_grad.device)
+    sums.index_add_(0, ids.reshape(-1), dy.reshape(-1, table_grad.shape[-1]).float())
+    touched = torch.zeros(table_grad.shape[0], dtype=torch.bool, device=table_grad.device)
+    touched[ids.reshape(-1)] = True
+    table_grad[touched] = (table_grad[touched].float() + sums[touched]).to(table_grad.dtype)
 
 
 def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

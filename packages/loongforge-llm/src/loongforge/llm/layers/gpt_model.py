@@ -42,7 +42,7 @@ class FusedLossGPTModel(GPTModel):
         super().__init__(*args, **kwargs)
         self._linear_cross_entropy = kernels.get("linear_cross_entropy")
         share_rope_tables(self)
-        use_main_grad_embedding(self)
+        use_main_grad_embedding(self, kernels)
         if self.config.context_parallel_size > 1 and self._fast_attention():
             self.rotary_pos_emb.cp_group = None  # the whole sequence's angles (see the module docstring)
 
