@@ -78,8 +78,8 @@ pure-short)
       packages/loongforge-kernels/tests/test_embedding_grad.py packages/loongforge-kernels/tests/test_rms_norm.py \
       packages/loongforge-kernels/tests/test_gpu_model_shapes.py 2>&1 | tail -n 3)
   liger_only="--skip hf_eager --skip hf_compile --rounds 1"
-  llm_bench 140 --config bench_llama_1b $liger_only --profile-rows 25 train.precision=bf16-pure
   llm_bench 110 --config train_0_5b $liger_only --profile-rows 25 train.precision=bf16-pure
+  llm_bench 120 --config bench_llama_1b $liger_only --profile-rows 0 train.precision=bf16-pure
   ;;
 cases-b)
   llm_bench 120 --config train_0_5b --skip hf_eager --skip hf_compile --rounds 1 --profile-rows 0 train.precision=bf16

@@ -22,6 +22,7 @@ def compiled_on_gpu() -> bool:
 DEFAULT_DEVICE_MODULES = (
     "test_rms_norm", "test_rope", "test_swiglu", "test_linear_cross_entropy", "test_registry", "test_gpu_model_shapes",
     "test_fp8", "test_sparse_mla", "test_gelu", "test_qk_norm_rope", "test_layer_norm", "test_grouped_qkv_rope", "test_adamw",
+    "test_embedding_grad",
 )
 
 

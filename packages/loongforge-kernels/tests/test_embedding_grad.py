@@ -42,6 +42,20 @@ def test_embedding_grad_add_over_column_blocks_and_strided_gradients():
     torch.testing.assert_close(fused, ref, rtol=1e-6, atol=1e-6)
 
 
+def test_embedding_grad_add_sums_a_long_run_of_one_token():
+    """A frequent token (a run longer than the rows summed at once) among rare ones."""
+    torch.manual_seed(2)
+    vocab, hidden = 9, 64
+    ids = torch.randint(0, vocab, (70,))
+    ids[::2] = 4
+    dy = torch.randn(70, hidden)
+    start = torch.randn(vocab, hidden)
+    fused, ref = start.clone(), start.clone()
+    embedding_grad_add(fused, ids, dy)
+    reference.embedding_grad_add(ref, ids, dy)
+    torch.testing.assert_close(fused, ref, rtol=1e-5, atol=1e-5)
+
+
 def test_embedding_grad_add_refuses_mismatched_shapes():
     with pytest.raises(ValueError, match="embedding_grad_add: gradient of shape"):
         embedding_grad_add(torch.zeros(5, 8), torch.tensor([1, 2]), torch.zeros(3, 8))
