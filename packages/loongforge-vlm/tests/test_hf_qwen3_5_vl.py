@@ -140,3 +140,31 @@ def test_multi_token_prediction_tensors_are_ignored(converted, tmp_path):
     save_file({**load_file(root / "hf" / "model.safetensors"), "mtp.fc.weight": torch.zeros(2, 2)},
               with_mtp / "model.safetensors")
     assert hf_to_lf(with_mtp, tmp_path / "lf", progress=False).model_config.foundation.family.startswith("qwen3_5")
+
+
+def test_packed_row_gives_each_sample_its_own_logits(converted):
+    """Two samples packed into one THD row (how ``lf-vlm train`` feeds a foundation with Gated DeltaNet
+    layers): each sample's logits are those it gets alone; the DeltaNet state and the attention restart
+    at the second sample and its multimodal RoPE angles are its own positions'."""
+    import numpy as np
+
+    from loongforge.llm.api import packed_seq_params
+    from loongforge.vlm.data.packing import pack_thd
+
+    _, ours, _, _ = converted
+    samples, alone = [], []
+    for case in ("mixed", "images"):
+        sample = make_sample(CASES[case], IDS, PATCH_DIM, frame_text=3)
+        pixels, grid_thw = sample.ours()
+        tokens = sample.tokens[0].numpy()
+        samples.append({"tokens": tokens, "labels": tokens, "loss_mask": np.ones_like(tokens),
+                        "position_ids": positions_of(sample), "pixel_values": pixels.numpy(),
+                        "grid_thw": grid_thw.numpy()})
+        with torch.no_grad():
+            alone.append(ours(sample.tokens, torch.as_tensor(positions_of(sample))[:, None, :], None,
+                              pixel_values=pixels, grid_thw=grid_thw))
+    row = pack_thd(samples)
+    with torch.no_grad():
+        packed = ours(row["tokens"], row["position_ids"], None, pixel_values=row["pixel_values"],
+                      grid_thw=row["grid_thw"], packed_seq_params=packed_seq_params(row))
+    torch.testing.assert_close(packed, torch.cat(alone, dim=1), atol=1e-5, rtol=0)
