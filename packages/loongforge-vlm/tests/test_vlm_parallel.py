@@ -110,6 +110,8 @@ def test_qwen3_vl_deepstack_with_split_tower_matches_one_process(tmp_path, vlm_c
 
 
 SIGLIP_LLAMA = ["encoder=siglip_vit_debug", "projector=mlp_2x", "foundation=llama_debug"]
+QWEN3_5_VL = ["encoder=qwen3_5_vit_debug", "projector=qwen3_vl_merger", "foundation=qwen3_5_debug",
+              "vision.rope=mrope_interleaved", "vision.mrope_section=[2,1,1]"]
 
 
 @pytest.mark.slow
@@ -117,9 +119,11 @@ SIGLIP_LLAMA = ["encoder=siglip_vit_debug", "projector=mlp_2x", "foundation=llam
     pytest.param([], ["parallel.cp=2"], marks=pytest.mark.long),  # CI's 20 minutes: Qwen3-VL's CP=2 case covers it
     (QWEN3_VL, ["parallel.cp=2"]),
     pytest.param(SIGLIP_LLAMA, ["parallel.cp=2"], marks=pytest.mark.long),
+    pytest.param(QWEN3_5_VL, ["parallel.cp=2"], marks=pytest.mark.long),  # Gated DeltaNet: state handed over across CP
     pytest.param([], ["parallel.cp=2", "parallel.tp=2", "parallel.encoder.tp=1"], marks=pytest.mark.long),  # 4 processes
     pytest.param([], ["parallel.cp=2", DECOUPLED], marks=pytest.mark.long),
-], ids=["qwen2.5-vl", "qwen3-vl-deepstack", "siglip-llama-1d-rope", "qwen2.5-vl-tp2-cp2", "qwen2.5-vl-decoupled-encoder"])
+], ids=["qwen2.5-vl", "qwen3-vl-deepstack", "siglip-llama-1d-rope", "qwen3.5-vl-deltanet", "qwen2.5-vl-tp2-cp2",
+        "qwen2.5-vl-decoupled-encoder"])
 def test_context_parallel_cp2_matches_one_process(model, layout, tmp_path, vlm_cache):
     """parallel.cp=2: each conversation of the packed (THD) rows padded to a multiple of 2*cp and
     split in megatron's load-balanced chunks after the vision features (and DeepStack's) are
