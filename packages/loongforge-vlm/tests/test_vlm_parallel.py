@@ -166,12 +166,13 @@ def test_context_parallel_cp2_matches_one_process(model, layout, tmp_path, vlm_c
 @pytest.mark.parametrize("model, layout", [
     ([], ["parallel.pp=2"]),
     (QWEN3_VL, ["parallel.pp=2"]),
+    (QWEN3_5_VL, ["parallel.pp=2"]),
     ([], ["parallel.pp=2", "parallel.tp=2", "parallel.encoder.tp=1"]),  # 4 processes
     ([], ["parallel.pp=2", DECOUPLED]),
     (QWEN3_VL, ["parallel.pp=2", DECOUPLED]),
     ([], ["parallel.pp=2", "parallel.cp=2"]),  # 4 processes
     ([], ["parallel.pp=2", "parallel.cp=2", DECOUPLED]),  # 4 processes
-], ids=["qwen2.5-vl", "qwen3-vl-deepstack", "qwen2.5-vl-tp2-pp2", "qwen2.5-vl-decoupled-encoder",
+], ids=["qwen2.5-vl", "qwen3-vl-deepstack", "qwen3.5-vl-deltanet", "qwen2.5-vl-tp2-pp2", "qwen2.5-vl-decoupled-encoder",
         "qwen3-vl-deepstack-decoupled-encoder", "qwen2.5-vl-pp2-cp2", "qwen2.5-vl-pp2-cp2-decoupled-encoder"])
 def test_foundation_pp2_matches_one_process(model, layout, tmp_path, vlm_cache):
     """parallel.pp=2: the tower and the first half of the foundation on stage 0, the rest and the
