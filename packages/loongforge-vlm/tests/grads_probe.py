@@ -22,6 +22,16 @@ def gated(model, name: str) -> bool:
     return part is not None and part.config.gated_linear_unit and ".mlp.linear_fc1." in name
 
 
+def delta_net_sections(model, name: str) -> list[int] | None:
+    """The q, k, v channel counts of a Gated DeltaNet's fused ``in_proj_qkv`` / ``conv1d`` (each
+    section split over TP: a shard is [q part; k part; v part]); None for other parameters."""
+    if not name.endswith(("self_attention.in_proj_qkv.weight", "self_attention.conv1d.weight")):
+        return None
+    f = model.cfg.foundation
+    qk = f.linear_num_key_heads * f.linear_key_head_dim
+    return [qk, qk, f.linear_num_value_heads * f.linear_value_head_dim]
+
+
 def full_gradients(model, ctx) -> dict[str, torch.Tensor]:
     tp = ctx.pgs.tp
     out = {}
@@ -34,9 +44,13 @@ def full_gradients(model, ctx) -> dict[str, torch.Tensor]:
             shards = [torch.empty_like(g) for _ in range(tp.size())]
             dist.all_gather(shards, g.contiguous(), group=tp)
             dim = p.partition_dim
+            sections = delta_net_sections(model, name)
             if gated(model, name):
                 halves = [s.chunk(2, dim=dim) for s in shards]  # each shard is [gate part; up part]
                 g = torch.cat([h[0] for h in halves] + [h[1] for h in halves], dim=dim)
+            elif sections is not None:
+                parts = [s.split([n // tp.size() for n in sections], dim=dim) for s in shards]
+                g = torch.cat([p[i] for i in range(3) for p in parts], dim=dim)
             else:
                 g = torch.cat(shards, dim=dim)
         out[name] = g

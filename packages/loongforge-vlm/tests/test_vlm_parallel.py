@@ -1,7 +1,7 @@
 """Heterogeneous parallelism: the foundation at TP=2 with the vision tower at TP=1 (its images
 shared out across the foundation's TP group) or at TP=2 gives the losses and the gradients of
-one process on the same weights and data (2 gloo processes), and a checkpoint it saves resumes
-in one process; LoRA adapters in all three parts get one process's gradients there too. The
+one process on the same weights and data (2 gloo processes; Qwen2.5-VL, Qwen3-VL, Qwen3.5), and a
+checkpoint it saves resumes in one process; LoRA adapters in all three parts get one process's gradients there too. The
 foundation at PP=2 (the tower on the first stage) gives one process's losses and gradients, and
 its checkpoint loads in one process; so does PP=2 x CP=2 (4 gloo processes)."""
 
@@ -110,6 +110,23 @@ def test_qwen3_vl_deepstack_with_split_tower_matches_one_process(tmp_path, vlm_c
 
 
 SIGLIP_LLAMA = ["encoder=siglip_vit_debug", "projector=mlp_2x", "foundation=llama_debug"]
+QWEN3_5_VL = ["encoder=qwen3_5_vit_debug", "projector=qwen3_vl_merger", "foundation=qwen3_5_debug",
+              "vision.rope=mrope_interleaved", "vision.mrope_section=[2,1,1]"]
+
+
+@pytest.mark.slow
+@pytest.mark.long  # CI's 20 minutes: two runs, ~40 s on 2 CPU cores
+def test_qwen3_5_vl_foundation_tp2_matches_one_process(tmp_path, vlm_cache):
+    """Qwen3.5 (Gated DeltaNet and gated attention layers, each DeltaNet holding whole key heads and
+    their value heads per TP rank) at TP=2 with the tower at TP=1, its images shared out across the
+    TP group: losses, grad norms and every gradient are one process's."""
+    (tmp_path / "ref").mkdir()
+    (tmp_path / "tp2").mkdir()
+    reference = probe(tmp_path / "ref" / "grads.pt", QWEN3_5_VL, vlm_cache)
+    got = probe(tmp_path / "tp2" / "grads.pt", [*QWEN3_5_VL, "parallel.tp=2", "parallel.encoder.tp=1"], vlm_cache,
+                nproc=2)
+    assert any(".self_attention.in_proj_qkv." in n for n in reference["grads"])  # DeltaNet layers
+    assert_same_training(got, reference, learned=("encoder.", "projector."))
 
 
 @pytest.mark.slow
@@ -117,9 +134,11 @@ SIGLIP_LLAMA = ["encoder=siglip_vit_debug", "projector=mlp_2x", "foundation=llam
     pytest.param([], ["parallel.cp=2"], marks=pytest.mark.long),  # CI's 20 minutes: Qwen3-VL's CP=2 case covers it
     (QWEN3_VL, ["parallel.cp=2"]),
     pytest.param(SIGLIP_LLAMA, ["parallel.cp=2"], marks=pytest.mark.long),
+    pytest.param(QWEN3_5_VL, ["parallel.cp=2"], marks=pytest.mark.long),  # Gated DeltaNet: state handed over across CP
     pytest.param([], ["parallel.cp=2", "parallel.tp=2", "parallel.encoder.tp=1"], marks=pytest.mark.long),  # 4 processes
     pytest.param([], ["parallel.cp=2", DECOUPLED], marks=pytest.mark.long),
-], ids=["qwen2.5-vl", "qwen3-vl-deepstack", "siglip-llama-1d-rope", "qwen2.5-vl-tp2-cp2", "qwen2.5-vl-decoupled-encoder"])
+], ids=["qwen2.5-vl", "qwen3-vl-deepstack", "siglip-llama-1d-rope", "qwen3.5-vl-deltanet", "qwen2.5-vl-tp2-cp2",
+        "qwen2.5-vl-decoupled-encoder"])
 def test_context_parallel_cp2_matches_one_process(model, layout, tmp_path, vlm_cache):
     """parallel.cp=2: each conversation of the packed (THD) rows padded to a multiple of 2*cp and
     split in megatron's load-balanced chunks after the vision features (and DeepStack's) are
@@ -147,12 +166,13 @@ def test_context_parallel_cp2_matches_one_process(model, layout, tmp_path, vlm_c
 @pytest.mark.parametrize("model, layout", [
     ([], ["parallel.pp=2"]),
     (QWEN3_VL, ["parallel.pp=2"]),
+    (QWEN3_5_VL, ["parallel.pp=2"]),
     ([], ["parallel.pp=2", "parallel.tp=2", "parallel.encoder.tp=1"]),  # 4 processes
     ([], ["parallel.pp=2", DECOUPLED]),
     (QWEN3_VL, ["parallel.pp=2", DECOUPLED]),
     ([], ["parallel.pp=2", "parallel.cp=2"]),  # 4 processes
     ([], ["parallel.pp=2", "parallel.cp=2", DECOUPLED]),  # 4 processes
-], ids=["qwen2.5-vl", "qwen3-vl-deepstack", "qwen2.5-vl-tp2-pp2", "qwen2.5-vl-decoupled-encoder",
+], ids=["qwen2.5-vl", "qwen3-vl-deepstack", "qwen3.5-vl-deltanet", "qwen2.5-vl-tp2-pp2", "qwen2.5-vl-decoupled-encoder",
         "qwen3-vl-deepstack-decoupled-encoder", "qwen2.5-vl-pp2-cp2", "qwen2.5-vl-pp2-cp2-decoupled-encoder"])
 def test_foundation_pp2_matches_one_process(model, layout, tmp_path, vlm_cache):
     """parallel.pp=2: the tower and the first half of the foundation on stage 0, the rest and the

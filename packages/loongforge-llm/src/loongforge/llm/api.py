@@ -34,6 +34,15 @@ _EXPORTS: dict[str, tuple[str, str, str]] = {
         "loongforge.llm.layers.self_attention", "FusedSelfAttention",
         "The fast layer's self-attention (fused RoPE from the qkv projection, SDPA core attention): THD packed "
         "rows, context parallelism, and per-token multimodal RoPE angles when ``config.mrope_section`` is set."),
+    "decoder_spec": (
+        "loongforge.llm.families.decoder_spec", "decoder_spec",
+        "``decoder_spec(cfg, transformer_config, kernels)``: the ``transformer_layer_spec`` megatron's ``GPTModel`` "
+        "of a family takes on this pipeline stage: its one-layer spec, or a hybrid family's (Qwen3.5) block of "
+        "per-layer specs (Gated DeltaNet and gated attention layers)."),
+    "token_mixers": (
+        "loongforge.llm.families.decoder_spec", "token_mixers",
+        "The module classes in the ``self_attention`` slot of a family's layers, one per kind of layer (a hybrid "
+        "family's attention class and ``GatedDeltaNet``, which takes packed rows and no attention mask)."),
     "share_rope_tables": (
         "loongforge.llm.layers.self_attention", "share_rope_tables",
         "Gives every ``FusedSelfAttention`` layer of a model one RoPE cos/sin table cache, built once per forward "

@@ -1,5 +1,5 @@
 """The ``vlm`` model family: an encoder + projector + foundation composition
-(``loongforge.models`` entry point), with the Qwen2.5-VL, Qwen3-VL and InternVL Hugging Face layouts."""
+(``loongforge.models`` entry point), with the Qwen2.5-VL, Qwen3-VL, Qwen3.5 and InternVL Hugging Face layouts."""
 
 from __future__ import annotations
 

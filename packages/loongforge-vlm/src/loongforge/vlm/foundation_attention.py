@@ -1,22 +1,30 @@
 """Which self-attention a VLM's foundation layers attend through: loongforge-llm's
 ``FusedSelfAttention`` (the fast layer, which takes per-token multimodal RoPE angles, THD rows and
-the VLM's context-parallel split) or another."""
+the VLM's context-parallel split) or another; and whether its layers take packed rows only (a
+hybrid foundation's Gated DeltaNet layers: ``cu_seqlens``, no attention mask)."""
 
 from __future__ import annotations
 
 from loongforge.llm.api import GPTConfig
 
 
-def foundation_attention(foundation: GPTConfig):
-    """The self-attention module the foundation's layer spec builds (a class; None where the family
-    has no layer spec or the spec has no self-attention slot)."""
-    from loongforge.core.models import get_model_spec
+def _mixers(foundation: GPTConfig) -> tuple[type, ...]:
+    """The module classes of the foundation layers' ``self_attention`` slots (loongforge-llm's
+    ``token_mixers``); none where the family has no megatron layers."""
+    from loongforge.llm.api import token_mixers
 
-    layer_spec = get_model_spec(foundation.family).layer_spec
-    if layer_spec is None:
-        return None
-    spec = layer_spec(foundation)
-    return getattr(getattr(getattr(spec, "submodules", None), "self_attention", None), "module", None)
+    try:
+        return tuple(m for m in token_mixers(foundation) if isinstance(m, type))
+    except ValueError:  # a family without a megatron layer spec
+        return ()
+
+
+def foundation_attention(foundation: GPTConfig):
+    """The self-attention module the foundation's (attention) layers are built with (a class; None
+    where the family has no layer spec or the spec has no self-attention slot)."""
+    from megatron.core.transformer.attention import Attention
+
+    return next((m for m in _mixers(foundation) if issubclass(m, Attention)), None)
 
 
 def on_fast_layer(foundation: GPTConfig) -> bool:
@@ -26,3 +34,11 @@ def on_fast_layer(foundation: GPTConfig) -> bool:
 
     attention = foundation_attention(foundation)
     return isinstance(attention, type) and issubclass(attention, FusedSelfAttention)
+
+
+def takes_packed_rows_only(foundation: GPTConfig) -> bool:
+    """Whether some of the foundation's layers mix tokens without attention (Gated DeltaNet), so
+    take a packed row by its ``cu_seqlens`` and refuse a dense attention mask."""
+    from megatron.core.transformer.attention import Attention
+
+    return any(not issubclass(m, Attention) for m in _mixers(foundation))

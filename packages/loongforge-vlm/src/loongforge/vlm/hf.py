@@ -3,7 +3,8 @@ tables and ``config.json`` translation, registered under ``loongforge.vlm.hf_lay
 (``hf_layout.Layout``; ``layouts()`` reads them all, shipped and installed by other packages);
 the family's adapter reads the layout of a checkpoint's ``architectures`` and writes the one of a
 model's encoder and foundation families. Qwen2.5-VL's (``Qwen2_5_VLForConditionalGeneration``) is
-here; Qwen3-VL's is ``hf_qwen3_vl``, Qwen3-VL-MoE's ``hf_qwen3_vl_moe``, InternVL's ``hf_internvl``.
+here; Qwen3-VL's is ``hf_qwen3_vl``, Qwen3-VL-MoE's ``hf_qwen3_vl_moe``, Qwen3.5's (dense and MoE)
+``hf_qwen3_5_vl``, InternVL's ``hf_internvl``.
 
 The checkpoint is three parts, each a declarative table of the core mapping engine bound to its
 own config and prefixed: the vision transformer (``visual.*`` <-> ``encoder.*``), its patch

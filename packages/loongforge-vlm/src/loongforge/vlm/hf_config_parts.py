@@ -53,11 +53,13 @@ def require(checks: dict, architecture: str) -> None:
 
 def text_config_to_hf(family: str, foundation, mrope: dict) -> dict:
     """The ``text_config`` of a VLM ``config.json``: the ``family`` adapter's config of the
-    foundation with the multimodal RoPE settings ``mrope`` in its ``rope_parameters``."""
+    foundation with the multimodal RoPE settings ``mrope`` in its ``rope_parameters`` (which keep
+    the adapter's other RoPE settings, e.g. Qwen3.5's ``partial_rotary_factor``)."""
     text = _adapter(family).config_to_hf(foundation)
     for key in TEXT_ONLY_KEYS:
         text.pop(key, None)
-    text["rope_parameters"] = {"rope_type": "default", "rope_theta": foundation.rotary_base, **mrope}
+    text["rope_parameters"] = {**(text.get("rope_parameters") or {}), "rope_type": "default",
+                               "rope_theta": foundation.rotary_base, **mrope}
     return text
 
 

@@ -64,9 +64,9 @@ def bind(cfg):
     return vision_mapping(cfg) + foundation.prefixed(lf="language_model.")
 
 
-def composition(v, hf, foundation, section):
-    """The ``VLMModelConfig`` of a Qwen3-VL(-MoE) checkpoint: its ``vision_config`` ``v`` and
-    token ids (``hf``), the converted foundation and the mrope section."""
+def composition(v, hf, foundation, section, deepstack_layers: list[int]):
+    """The ``VLMModelConfig`` of a Qwen3-VL(-MoE) or Qwen3.5 checkpoint: its ``vision_config`` ``v``
+    and token ids (``hf``), the converted foundation, the mrope section and the DeepStack layers."""
     from loongforge.vlm.encoders.qwen3_vit import Qwen3ViTConfig
     from loongforge.vlm.model import VLMModelConfig
     from loongforge.vlm.model_config import VisionTokensConfig
@@ -77,7 +77,7 @@ def composition(v, hf, foundation, section):
         num_layers=v.depth, hidden_size=v.hidden_size, num_attention_heads=v.num_heads,
         ffn_hidden_size=v.intermediate_size, in_channels=v.in_channels, patch_size=v.patch_size,
         temporal_patch_size=v.temporal_patch_size, spatial_merge_size=v.spatial_merge_size,
-        num_position_embeddings=v.num_position_embeddings, deepstack_layers=list(v.deepstack_visual_indexes),
+        num_position_embeddings=v.num_position_embeddings, deepstack_layers=list(deepstack_layers),
         rope_theta=float(vision_rope.get("rope_theta", 10000.0)), norm_epsilon=EPS,
         init_method_std=float(v.initializer_range),
     )
@@ -93,7 +93,7 @@ def config_from_hf(raw: dict):
     hf = Qwen3VLConfig.from_dict(raw)
     v, t = parts.checked_parts(hf, f"config.json of {ARCHITECTURE}", "gelu_pytorch_tanh", "Qwen3 ViT")
     foundation, section = parts.foundation_from_hf("qwen3", hf, t.to_dict())  # transformers' Qwen3-VL always interleaves
-    return composition(v, hf, foundation, section)
+    return composition(v, hf, foundation, section, v.deepstack_visual_indexes)
 
 
 def vision_to_hf(cfg, architecture: str = ARCHITECTURE) -> tuple[dict, dict]:

@@ -106,7 +106,7 @@ def config_from_hf(raw: dict):
     text["norm_topk_prob"] = True  # the Qwen3-VL-MoE router always renormalises its top-k
     text["num_experts"] = t.num_experts
     foundation, section = parts.foundation_from_hf("qwen3_moe", hf, text)
-    return dense.composition(v, hf, foundation, section)
+    return dense.composition(v, hf, foundation, section, v.deepstack_visual_indexes)
 
 
 def config_to_hf(cfg) -> dict:

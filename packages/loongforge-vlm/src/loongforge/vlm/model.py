@@ -67,21 +67,28 @@ class VLMModelConfig:
         if isinstance(self.vision, dict):
             self.vision = VisionTokensConfig(**self.vision)
         if self.vision.multimodal:
-            self.vision.section_for(self.foundation.head_dim)  # raises on a section that does not fit
+            self.vision.section_for(self.rotary_dim)  # raises on a section that does not fit
         layers = self.encoder.deepstack_indices()
         if len(layers) > self.foundation.num_layers:
             raise ValueError(f"encoder.deepstack_layers={list(layers)}: {len(layers)} DeepStack features for a "
                              f"foundation of {self.foundation.num_layers} layers (one per layer, from the first)")
 
     @property
+    def rotary_dim(self) -> int:
+        """The dims of each foundation head that RoPE rotates (``rotary_percent`` of the head, as
+        megatron's rotary embeddings take it; Qwen3.5: a quarter)."""
+        f = self.foundation
+        return int(f.head_dim * f.rotary_percent) if f.rotary_percent < 1.0 else f.head_dim
+
+    @property
     def mrope_section(self) -> list[int] | None:
         """The (t, h, w) frequency pairs of multimodal RoPE (None for 1D RoPE)."""
-        return self.vision.section_for(self.foundation.head_dim) if self.vision.multimodal else None
+        return self.vision.section_for(self.rotary_dim) if self.vision.multimodal else None
 
     @property
     def rotary_chunks(self) -> list[int] | None:
         """The ``mrope_section`` of megatron's TransformerConfig (``VisionTokensConfig.rotary_chunks``)."""
-        return self.vision.rotary_chunks(self.foundation.head_dim) if self.vision.multimodal else None
+        return self.vision.rotary_chunks(self.rotary_dim) if self.vision.multimodal else None
 
     def parameter_counts(self) -> dict[str, int]:
         """Parameters of the encoder, the projector (DeepStack's mergers included) and the foundation."""
@@ -99,23 +106,20 @@ class VLMModelConfig:
 
 
 def build_foundation(cfg: VLMModelConfig, transformer_config, pgs, pre_process: bool, post_process: bool):
-    """The foundation GPTModel from its family's layer spec (its fast-layer attention layers share
-    one RoPE table cache: ``share_rope_tables``)."""
+    """The foundation GPTModel from its family's decoder spec (loongforge-llm's ``decoder_spec``: one
+    layer's spec, or a hybrid family's block of per-layer specs); its fast-layer attention layers
+    share one RoPE table cache (``share_rope_tables``)."""
     from megatron.core.models.gpt import GPTModel
 
-    from loongforge.core.models import get_model_spec
-    from loongforge.llm.api import share_rope_tables
+    from loongforge.llm.api import decoder_spec, share_rope_tables
 
-    spec = get_model_spec(cfg.foundation.family)
-    if spec.layer_spec is None:
-        raise ValueError(f"foundation.family={cfg.foundation.family!r} has no megatron layer spec; a VLM foundation "
-                         f"must be a GPT-style family")
     f = cfg.foundation
     if f.vocab_size % pgs.tp.size():
         raise ValueError(f"foundation.vocab_size={f.vocab_size} must be divisible by parallel.tp={pgs.tp.size()}")
+    layers = decoder_spec(f, transformer_config)  # a family with no megatron layers is refused by name
     model = GPTModel(
         config=transformer_config,
-        transformer_layer_spec=spec.layer_spec(f),
+        transformer_layer_spec=layers,
         vocab_size=f.vocab_size,
         max_sequence_length=f.max_position_embeddings,
         pre_process=pre_process,

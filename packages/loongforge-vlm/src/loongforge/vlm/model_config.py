@@ -187,7 +187,7 @@ class VisionTokensConfig:
     """
 
     rope: str = "mrope"  # mrope (Qwen2/2.5-VL) | mrope_interleaved (Qwen3-VL) | rope
-    mrope_section: list[int] | None = None  # default: head_dim/2 split 1/4, 3/8, 3/8 (Qwen2.5-VL's 16/24/24 of 64)
+    mrope_section: list[int] | None = None  # default: half the rotated dims (head_dim x rotary_percent) split 1/4, 3/8, 3/8 (Qwen2.5-VL's 16/24/24)
     tokens_per_second: float = 2.0  # video: temporal RoPE positions per second of video
     image_token_id: int | None = None  # default: from the tokenizer
     video_token_id: int | None = None  # default: from the tokenizer
@@ -210,13 +210,13 @@ class VisionTokensConfig:
         """Whether each temporal patch group of a video is positioned as an image of its own."""
         return self.rope == "mrope_interleaved"
 
-    def rotary_chunks(self, head_dim: int) -> list[int]:
+    def rotary_chunks(self, rotary_dim: int) -> list[int]:
         """The ``mrope_section`` megatron-core's ``MultimodalRotaryEmbedding`` takes: it splits the
         frequency pairs into consecutive chunks of these sizes and rotates chunk ``k`` by
         component ``k % 3`` (t, h, w). For ``mrope`` that is the section itself; for
         ``mrope_interleaved`` one chunk per pair while the components alternate, then one chunk
         of the remaining t pairs (empty h/w chunks keep the cycle)."""
-        section = self.section_for(head_dim)
+        section = self.section_for(rotary_dim)
         if self.rope != "mrope_interleaved":
             return section
         t, h, w = section
@@ -231,14 +231,15 @@ class VisionTokensConfig:
             chunks.append(1)
         return chunks + [0] * (-len(chunks) % 3)
 
-    def section_for(self, head_dim: int) -> list[int]:
-        """The mrope section for a foundation with this head dim (checked to cover it)."""
+    def section_for(self, rotary_dim: int) -> list[int]:
+        """The mrope section for a foundation whose heads have ``rotary_dim`` rotated dims (the head
+        dim, or its ``rotary_percent``; checked to cover them)."""
         if self.mrope_section is None:
-            half = head_dim // 2
+            half = rotary_dim // 2
             t = half // 4
             h = (half - t) // 2
             return [t, h, half - t - h]
-        if sum(self.mrope_section) * 2 != head_dim:
+        if sum(self.mrope_section) * 2 != rotary_dim:
             raise ValueError(f"vision.mrope_section={self.mrope_section} sums to {sum(self.mrope_section)}; the "
-                             f"foundation's head dim {head_dim} needs {head_dim // 2}")
+                             f"foundation's {rotary_dim} rotated dims per head need {rotary_dim // 2}")
         return list(self.mrope_section)

@@ -326,16 +326,18 @@ class VLMTask(MegatronTask):
     def collate(self, ctx):
         """How one micro-batch's samples become its packed row on this rank: under context parallelism
         a THD row padded to ``2*cp`` multiples and this CP rank's share of it
-        (``loongforge.vlm.context_parallel``); else a THD row on the fast layer (no ``T x T`` mask),
-        a row with the dense document-causal mask on megatron's own attention."""
+        (``loongforge.vlm.context_parallel``); else a THD row on the fast layer (no ``T x T`` mask) and
+        for a foundation whose layers take packed rows only (Qwen3.5's Gated DeltaNet), a row with the
+        dense document-causal mask on megatron's own attention otherwise."""
         from loongforge.vlm.context_parallel import collate_cp_share
         from loongforge.vlm.data.packing import pack, pack_thd
-        from loongforge.vlm.foundation_attention import on_fast_layer
+        from loongforge.vlm.foundation_attention import on_fast_layer, takes_packed_rows_only
 
         cp = ctx.pgs.cp
         if cp.size() > 1:
             return partial(collate_cp_share, cp.size(), cp.rank())
-        return pack_thd if on_fast_layer(self.cfg.foundation) else pack
+        f = self.cfg.foundation
+        return pack_thd if on_fast_layer(f) or takes_packed_rows_only(f) else pack
 
     def steps(self, ctx, start_step: int):
         from loongforge.core.training.balanced import BalancedSteps
