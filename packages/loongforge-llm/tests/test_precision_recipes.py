@@ -93,8 +93,7 @@ def test_grad_norm_and_clipped_update_are_megatrons(megatron_world, data_cache, 
     for p in params:
         p.grad.div_(trainer.train.global_batch_size * trainer.train.seq_length)
     norm = float(engine.optimizer.get_grad_norm())
-    # (fp32 sums in another order: the engine reduces runs of the gradient buffer, megatron each tensor)
-    assert out.grad_norm == pytest.approx(norm, rel=1e-5)
+    assert out.grad_norm == pytest.approx(norm, rel=1e-6)
     assert norm > trainer.train.clip_grad  # clipping acts
     clip_grad_by_total_norm_fp32(params, trainer.train.clip_grad, norm)
     expected_grads = [p.grad.clone() for p in params]

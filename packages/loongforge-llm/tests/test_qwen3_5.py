@@ -270,3 +270,27 @@ def test_gated_delta_rule_matches_transformers_recurrence():
     torch.testing.assert_close(final, ref_final, atol=1e-5, rtol=1e-5)
     for name, mine, x in zip("q k v g beta h0".split(), ours, leaves):
         torch.testing.assert_close(mine, x.grad, atol=1e-4, rtol=1e-4, msg=name)
+
+
+def test_zero_centred_norm_scales_in_fp32_as_transformers_in_bf16():
+    """With bf16 weights, ``1 + weight`` is formed in fp32 as transformers' Qwen3.5 norm forms it:
+    a small weight (0.003) still scales the rows (in bf16, 1.003 would round to 1.0)."""
+    from types import SimpleNamespace
+
+    from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5RMSNorm
+
+    from loongforge.llm.layers.norm import ZeroCenteredRMSNorm
+
+    torch.manual_seed(0)
+    hidden = 256
+    config = SimpleNamespace(normalization="RMSNorm", params_dtype=torch.bfloat16, sequence_parallel=False)
+    ours = ZeroCenteredRMSNorm(config, hidden, eps=1e-6)
+    theirs = Qwen3_5RMSNorm(hidden, eps=1e-6).to(torch.bfloat16)
+    with torch.no_grad():
+        ours.weight.fill_(0.003)
+        theirs.weight.fill_(0.003)
+    x = torch.randn(64, hidden, dtype=torch.bfloat16)
+    got, want = ours(x).float(), theirs(x).float()
+    gain = float((got * want).sum() / (want * want).sum())
+    assert abs(gain - 1.0) < 5e-4, gain  # a bf16 scale of exactly 1.0 gives 0.997
+    torch.testing.assert_close(got, want, rtol=8e-3, atol=1e-2)

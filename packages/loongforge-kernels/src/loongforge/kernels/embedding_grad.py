@@ -5,7 +5,8 @@ stable sort: the tokens of one id keep their order); the program at the first po
 id's run sums that run's gradient rows in fp32, ``RUN_ROWS`` rows at a time in a fixed order (a
 frequent token's run of hundreds of rows is a few dozen dependent steps, not hundreds), and adds
 the sum into the id's row of the buffer, rounding once. Every row is written by one program, so the result is deterministic;
-rows no token looked up are not touched. A 128k-vocabulary table costs a pass over the tokens'
+rows no token looked up are not touched. The ids must lie in ``[0, vocab)`` (unchecked here: the
+embedding's forward lookup has checked them). A 128k-vocabulary table costs a pass over the tokens'
 gradients, not the zero fill, the dense ``[vocab, hidden]`` gradient and its add.
 """
 
@@ -28,8 +29,8 @@ def _embedding_grad_add(SORTED, ORDER, RUN_END, DY, OUT, n_tokens, n_cols, strid
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < n_cols
     row = tl.load(SORTED + pos)
-    before = tl.load(SORTED + pos - 1, mask=pos > 0, other=-1)
-    if row != before:  # the first token of its id's run
+    before = tl.load(SORTED + pos - 1, mask=pos > 0, other=0)
+    if (pos == 0) | (row != before):  # the first token of its id's run
         end = tl.load(RUN_END + pos)
         acc = tl.zeros([ROWS, BLOCK], dtype=tl.float32)
         for j in range(pos, end, ROWS):

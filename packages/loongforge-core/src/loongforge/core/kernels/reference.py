@@ -45,7 +45,9 @@ def embedding_grad_add(table_grad: torch.Tensor, ids: torch.Tensor, dy: torch.Te
     """An embedding lookup's gradient added into ``table_grad`` (``[vocab, hidden]``, e.g. a
     gradient buffer), in place: ``table_grad[ids[t]] += dy[t]`` for every token ``t`` (``dy``:
     ``[*ids.shape, hidden]``), each row's tokens summed in fp32 and added with one rounding; rows
-    no token looked up are left as they are."""
+    no token looked up are left as they are. ``ids`` must lie in ``[0, vocab)``. (This reference
+    sums through a dense fp32 table, with ``index_add_``: on CUDA its order, and so its last bits,
+    may vary; loongforge-kernels' version is deterministic.)"""
     sums = torch.zeros(table_grad.shape, dtype=torch.float32, device=table_grad.device)
     sums.index_add_(0, ids.reshape(-1), dy.reshape(-1, table_grad.shape[-1]).float())
     touched = torch.zeros(table_grad.shape[0], dtype=torch.bool, device=table_grad.device)

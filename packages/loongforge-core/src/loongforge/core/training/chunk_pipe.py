@@ -149,8 +149,14 @@ class _ChunkedLoss(torch.autograd.Function):
             wrt = [*params, *flat_leaves, *([x] if x is not None else [])]
             grads = torch.autograd.grad(outputs, wrt, weights, allow_unused=True)
             for k, g in enumerate(grads[: len(params)]):
-                if g is not None:
-                    param_grads[k] = g if param_grads[k] is None else param_grads[k] + g
+                if g is None:
+                    continue
+                if param_grads[k] is None:
+                    param_grads[k] = g
+                elif not getattr(params[k], "grad_added_to_main_grad", False):
+                    param_grads[k] = param_grads[k] + g
+                # (a layer that added its gradient into main_grad itself hands a placeholder, which the
+                # DDP hook discards: one is enough, not a dense sum of them per chunk)
             leaf_grads = iter(grads[len(params):])
             for j, chunk in enumerate(leaves):
                 acc: list[Any] = carried_grads[j] or [None] * len(chunk)

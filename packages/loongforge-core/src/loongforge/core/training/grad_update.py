@@ -7,9 +7,7 @@ gradients with a multiply and a copy per tensor. Here:
 
 - ``grad_norm``: each sub-optimizer's gradients (``get_grads_for_grad_norm``: tensor-parallel
   duplicates and shared parameters left out, as megatron does) go through one multi-tensor norm,
-  neighbours in megatron's gradient buffer joined into one flat view first (``coalesced``: the
-  whole buffer is then a few long reads, not one short launch per parameter), squared and summed
-  on the device, then summed over the sub-optimizer's statistics group
+  squared and summed on the device, then summed over the sub-optimizer's statistics group
   (``get_grad_stats_parallel_group``), as ``get_grad_norm_fp32`` does; the result stays on the
   device.
 - ``adamw_update`` (``train.optimizer_kernel=loongforge``, CUDA, the fused kernels installed): the
@@ -42,38 +40,12 @@ def _reduce(value: torch.Tensor, group) -> torch.Tensor:
     return value
 
 
-def coalesced(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
-    """``tensors`` with every run of contiguous ones that sit back to back in one storage (the
-    parameters' views into megatron's gradient buffer) joined into one flat view of that run: the
-    same elements, each once, in fewer tensors."""
-    def place(t: torch.Tensor) -> tuple[int, int]:
-        return t.untyped_storage().data_ptr(), t.storage_offset()
-
-    out: list[torch.Tensor] = []
-    run_start: torch.Tensor | None = None
-    run_end = run_numel = 0
-    for t in sorted((t for t in tensors if t.is_contiguous()), key=place):
-        storage, offset = place(t)
-        if (run_start is not None and t.dtype == run_start.dtype and t.device == run_start.device
-                and storage == run_start.untyped_storage().data_ptr() and offset == run_end):
-            run_numel += t.numel()
-        else:
-            if run_start is not None:
-                out.append(run_start.reshape(-1) if run_numel == run_start.numel()
-                           else run_start.as_strided((run_numel,), (1,)))
-            run_start, run_numel = t, t.numel()
-        run_end = offset + t.numel()
-    if run_start is not None:
-        out.append(run_start.reshape(-1) if run_numel == run_start.numel() else run_start.as_strided((run_numel,), (1,)))
-    return out + [t for t in tensors if not t.is_contiguous()]
-
-
 def grad_norm(optimizer, device: torch.device) -> torch.Tensor:
     """The global L2 norm of the gradients megatron's ``get_grad_norm`` covers, as an fp32 device
     scalar (no host read)."""
     total = torch.zeros((), dtype=torch.float32, device=device)
     for sub in sub_optimizers(optimizer):
-        grads = coalesced([g for g in sub.get_grads_for_grad_norm() if g.numel()])
+        grads = [g for g in sub.get_grads_for_grad_norm() if g.numel()]
         squared = torch.zeros((), dtype=torch.float32, device=device)
         if grads:
             norms = torch._foreach_norm(grads, 2.0, dtype=torch.float32)

@@ -57,4 +57,6 @@ class ZeroCenteredRMSNorm(FusedRMSNorm):
             self.weight.zero_()
 
     def scale(self) -> torch.Tensor:
-        return 1.0 + self.weight
+        # in fp32, as Qwen3.5's own norm computes it: near 1, bf16 steps of 2**-7 would round small
+        # weights away (the kernels take an fp32 scale beside bf16 rows; the gradient returns in bf16)
+        return 1.0 + self.weight.float()
