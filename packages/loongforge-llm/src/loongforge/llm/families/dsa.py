@@ -55,7 +55,9 @@ class RegistryDSAttention(megatron_dsa.DSAttention):
     from the head-summed, L1-normalised main attention to the indexer's softmax, per query
     (summed under per-token loss, else averaged, times ``dsa_indexer_loss_coeff``); the
     attention gets MLA's absorbed form, one latent row per key (``[kv_lora_rank | rope]``, the
-    first part also the value), and the value up-projection follows. Under TP the heads are
+    first part also the value), and the value up-projection follows. The attention runs before
+    the loss and hands the sparse loss its log-sum-exp, so that the loss's target takes one pass
+    over the logits (on one TP rank; the dense warm-up loss recomputes its own). Under TP the heads are
     split and the loss's target needs megatron's all-reduce: there the loss is megatron's
     ``compute_dsa_indexer_loss`` on the same top-k (so every layout selects the same keys); the
     indexer is duplicated over TP (all its heads on every rank), so the top-k is the same there.
