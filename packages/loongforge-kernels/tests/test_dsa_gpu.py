@@ -170,7 +170,8 @@ def test_one_pass_target_matches_the_two_pass_one_and_the_reference(seq, heads):
     dl[:, sel] = 1.0 / sel.numel()
     loss.backward(dl)
     refs = [t.clone().requires_grad_() for t in (q_idx, k_idx, w_idx)]
-    want_loss = dsa.dsa_indexer_loss(refs[0][:, sel], refs[1], refs[2][:, sel], q[:, sel], kv, scale, indices=idx[:, sel])
+    want_loss = dsa.dsa_indexer_loss(refs[0][:, sel], refs[1], refs[2][:, sel], q[:, sel], kv, scale,
+                                     indices=idx[:, sel])
     want_loss.backward(dl[:, sel])
     errs = dict(
         loss=_rel(loss[:, sel], want_loss), dq_idx=_rel(leaves[0].grad[:, sel], refs[0].grad[:, sel]),

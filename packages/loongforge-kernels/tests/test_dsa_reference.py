@@ -190,7 +190,8 @@ def test_sparse_attention_returns_the_log_sum_exp_of_its_logits():
     torch.testing.assert_close(lse, want, **TIGHT)
 
     g = torch.Generator().manual_seed(4)
-    q_nope, w_uk, w_uv = torch.randn(2, 12, 3, 8, generator=g), torch.randn(3, 8, 16, generator=g), torch.randn(3, 5, 16, generator=g)
+    q_nope, w_uk = torch.randn(2, 12, 3, 8, generator=g), torch.randn(3, 8, 16, generator=g)
+    w_uv = torch.randn(3, 5, 16, generator=g)
     q_rope = q[..., 16:]
     out, lse = dsa.sparse_mla_absorbed_attention(q_nope, q_rope, kv, idx, w_uk, w_uv, scale, return_lse=True)
     _, want = dsa.sparse_mla_attention(dsa.absorb_query(q_nope, q_rope, w_uk), kv, idx, scale, 16, return_lse=True)

@@ -5,7 +5,9 @@ latent KV row per key shared by every head, ``kv = [c_kv (d_v), k_rope (d_rope)]
 ``d_v`` entries are also the value. So one program takes one query token and a block of its
 heads, and walks that token's ``topk`` indices in blocks: it gathers the selected latent rows
 once, uses them as keys (two dots: latent and rope parts) and as values, and keeps an online
-(running-max) softmax in fp32. The forward saves one log-sum-exp per (token, head).
+(running-max) softmax in fp32. The forward saves one log-sum-exp per (token, head), which the op
+also returns on request (``return_lse``, natural log): the indexer loss's target
+(``head_mean_probs``) then forms its probabilities in one pass over the logits instead of two.
 
 The backward recomputes the probabilities from the saved log-sum-exp in two kernels. The query
 grad: one program per (token, head block) forms its heads' ``delta = rowsum(out * dout)`` in fp32
@@ -320,7 +322,8 @@ def _sparse_mla_head_mean_probs(
         q_lat = tl.load(q_row + dv[None, :], mask=head_ok[:, None] & (dv[None, :] < D_V), other=0.0)
         q_rope = tl.load(q_row + D_V + dr[None, :], mask=head_ok[:, None] & (dr[None, :] < D_ROPE), other=0.0)
         if LSE_GIVEN:  # +inf (no valid key, or a masked head) gives probabilities of 0
-            lse = tl.load(LSE + b * stride_lb + t * stride_ls + heads, mask=head_ok, other=float("inf")) * NATURAL_TO_LOG2
+            lse = tl.load(LSE + b * stride_lb + t * stride_ls + heads, mask=head_ok, other=float("inf"))
+            lse = lse * NATURAL_TO_LOG2
         else:
             m_i = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
             l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
