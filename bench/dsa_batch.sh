@@ -30,7 +30,7 @@ python3 -c 'import torch, triton; print("torch", torch.__version__, "triton", tr
 
 tests="$repo/packages/loongforge-kernels/tests"
 if [ "${1:-}" = quick ]; then  # the GPU tests at 128 heads, dense vs DSA and the kernels at 16K-64K
-  (cd "$repo" && bench 150 python3 -m pytest -q -p no:cacheprovider -n 0 -o addopts="--import-mode=importlib" \
+  (cd "$repo" && bench 210 python3 -m pytest -q -p no:cacheprovider -n 0 -o addopts="--import-mode=importlib" \
       "$tests/test_dsa_gpu.py" -k "8192-128" 2>&1 | tail -n 12)
   bench 150 python3 "$repo/bench/dsa_throughput.py" --seqs 16384,32768,65536 --heads 128 --layers 1 --iters 2 \
       --variants dense,dsa --breakdown-seq 0
