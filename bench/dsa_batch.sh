@@ -6,13 +6,14 @@
 #                                     MLA kernels on one chunk of queries at 16K-64K: ~2-3 minutes)
 #
 # 1. the DSA kernels' GPU tests (bf16 at V3.2's sizes against the fp32 references: top-k, sparse MLA,
-#    the absorbed op DSAttention runs, the indexer loss) and the interpreter tests of test_sparse_mla.py
+#    the absorbed op DSAttention runs, the indexer loss, the one-pass target) and the interpreter tests of test_sparse_mla.py
 #    compiled for the GPU;
 # 2. bench/dsa_throughput.py, 128 heads, one layer: dense against DSA at 16K, 32K and 64K tokens, with
 #    where DSA's time goes at 32K (top-k, attention fwd / fwd+bwd, indexer loss) and a profiler table
 #    of one DSA step at 32K;
 # 3. bench/dsa_kernel_launches.py: the sparse MLA kernels alone on the last chunk of queries at 16K-64K:
-#    forward, backward (query grad, then key grad) and the head-mean probabilities;
+#    forward, backward (query grad, then key grad) and the head-mean probabilities in two passes and in one
+#    (from the forward's log-sum-exp);
 # 4. 128K tokens (DSA, and dense beside it) where the GPU has more than 100 GiB (an H200).
 #
 # The machine has torch and triton but no PyPI: LoongForge's wheels travel in .whl/ (`uv build --wheel
@@ -29,7 +30,7 @@ python3 -c 'import torch, triton; print("torch", torch.__version__, "triton", tr
 
 tests="$repo/packages/loongforge-kernels/tests"
 if [ "${1:-}" = quick ]; then  # the GPU tests at 128 heads, dense vs DSA and the kernels at 16K-64K
-  (cd "$repo" && bench 150 python3 -m pytest -q -p no:cacheprovider -n 0 -o addopts="--import-mode=importlib" \
+  (cd "$repo" && bench 210 python3 -m pytest -q -p no:cacheprovider -n 0 -o addopts="--import-mode=importlib" \
       "$tests/test_dsa_gpu.py" -k "8192-128" 2>&1 | tail -n 12)
   bench 150 python3 "$repo/bench/dsa_throughput.py" --seqs 16384,32768,65536 --heads 128 --layers 1 --iters 2 \
       --variants dense,dsa --breakdown-seq 0

@@ -6,9 +6,11 @@ One chunk of absorbed queries (``--chunk`` tokens, the last of each ``--seqs`` s
 ``sparse_mla_absorbed_attention`` runs them) at DeepSeek-V3.2's sizes: 128 heads, latent 512 +
 rope 64, top-2048 over causal random keys, bf16. Prints milliseconds and TFLOP/s per call: the
 forward, the backward (its two kernels: the query grad, then the key grad summed over heads) and
-``head_mean_probs`` (the indexer loss's target). FLOPs count each matmul once: forward ``2 * H *
-topk * (576 + 512)`` per query, backward ``2 * H * topk * (576 + 512 + 576 + 576 + 512)`` (logits,
-dP, dQ, dK, dV), head-mean probabilities ``2 * H * topk * 576``.
+``head_mean_probs`` (the indexer loss's target) in two passes over the logits (recomputing each
+head's log-sum-exp) and in one (taking the forward's). FLOPs count each matmul once: forward ``2 *
+H * topk * (576 + 512)`` per query, backward ``2 * H * topk * (576 + 512 + 576 + 576 + 512)``
+(logits, dP, dQ, dK, dV), head-mean probabilities ``2 * H * topk * 576`` per pass. The two
+targets' largest difference is printed beside them.
 """
 
 from __future__ import annotations
@@ -77,7 +79,12 @@ def time_chunk(seq: int, chunk: int, h: int, topk: int, iters: int) -> None:
     dkv = torch.zeros(kv.shape, dtype=torch.float32, device="cuda")
     row("backward", _ms(lambda: sparse_mla.attention_backward(q, kv, idx, out, lse, dout, scale, d_v, dkv), iters),
         576 + 512 + 576 + 576 + 512)
-    row("head_mean_probs", _ms(lambda: sparse_mla.head_mean_probs(q, kv, idx, scale), iters), 2 * 576)
+    row("head_mean_probs, two passes", _ms(lambda: sparse_mla.head_mean_probs(q, kv, idx, scale), iters), 2 * 576)
+    natural_lse = lse * sparse_mla.LN2  # the forward's log2-domain lse as the ops return it
+    row("head_mean_probs, one pass (the forward's lse)",
+        _ms(lambda: sparse_mla.head_mean_probs(q, kv, idx, scale, natural_lse), iters), 576)
+    diff = (sparse_mla.head_mean_probs(q, kv, idx, scale, natural_lse) - sparse_mla.head_mean_probs(q, kv, idx, scale))
+    print(f"| {seq} | one pass - two passes, largest difference | {diff.abs().max().item():.2e} | |", flush=True)
 
 
 if __name__ == "__main__":

@@ -87,13 +87,14 @@ def build_dsa(dtype: str) -> None:
                  stride_is=i32, stride_ob=i32, stride_os=i32, stride_oh=i32, stride_lb=i32, stride_ls=i32),
             dict(common, BLOCK_N=sm.BLOCK_N_FWD), num_warps=8, num_stages=2, aligned=("topk",),
         )
-        build(
-            sm._sparse_mla_head_mean_probs,
-            dict(Q=p, KV=p, IDX="*i32", P="*fp32", n_heads=i32, topk=i32, scale_log2="fp32", inv_heads="fp32",
-                 stride_qb=i32, stride_qs=i32, stride_qh=i32, stride_kvb=i32, stride_kvs=i32, stride_ib=i32,
-                 stride_is=i32, stride_pb=i32, stride_ps=i32),
-            dict(common, BLOCK_N=sm.BLOCK_N_FWD), num_warps=8, num_stages=2, aligned=("topk",),
-        )
+        for lse_given in (False, True):  # the indexer loss's target in two passes, or one from the forward's lse
+            build(
+                sm._sparse_mla_head_mean_probs,
+                dict(Q=p, KV=p, IDX="*i32", LSE="*fp32", P="*fp32", n_heads=i32, topk=i32, scale_log2="fp32",
+                     inv_heads="fp32", stride_qb=i32, stride_qs=i32, stride_qh=i32, stride_kvb=i32, stride_kvs=i32,
+                     stride_ib=i32, stride_is=i32, stride_lb=i32, stride_ls=i32, stride_pb=i32, stride_ps=i32),
+                dict(common, BLOCK_N=sm.BLOCK_N_FWD, LSE_GIVEN=lse_given), num_warps=8, num_stages=2, aligned=("topk",),
+            )
         if block_h > 32:  # the single-kernel backward takes at most 32 heads per program
             continue
         # the query grad with the key grad (one head block of 16 or 32 heads)

@@ -104,8 +104,9 @@ def test_dsa_kernels_match_the_references(seq, heads):
 @pytest.mark.parametrize("seq, heads", [(8192, 128)])
 def test_absorbed_sparse_mla_matches_the_reference(seq, heads):
     """The op DSAttention's sparse stage runs (queries absorbed per chunk inside it), bf16 at
-    DeepSeek-V3.2's sizes: output and the grads of the per-head queries, the latent rows and both
-    up-projections against the fp32 reference on the selected queries."""
+    DeepSeek-V3.2's sizes: output, log-sum-exp (the indexer loss's one-pass target takes it) and
+    the grads of the per-head queries, the latent rows and both up-projections against the fp32
+    reference on the selected queries."""
     from loongforge.kernels.dsa_indexer import dsa_indexer_topk
     from loongforge.kernels.sparse_mla_absorbed import sparse_mla_absorbed_attention
 
@@ -120,16 +121,61 @@ def test_absorbed_sparse_mla_matches_the_reference(seq, heads):
     idx = dsa_indexer_topk(q_idx, k_idx, w_idx, TOPK)
 
     leaves = [t.clone().requires_grad_() for t in tensors]
-    out = sparse_mla_absorbed_attention(*leaves[:3], idx, *leaves[3:], scale)
+    out, lse = sparse_mla_absorbed_attention(*leaves[:3], idx, *leaves[3:], scale, return_lse=True)
     dout = torch.zeros_like(out)
     dout[:, sel] = torch.randn(1, sel.numel(), heads, d_vh, device="cuda").to(torch.bfloat16)
     out.backward(dout)
     refs = [t.float().clone().requires_grad_() for t in tensors]
     sub = [refs[0][:, sel], refs[1][:, sel], refs[2]]
-    want = dsa.sparse_mla_absorbed_attention(*sub, idx[:, sel], *refs[3:], scale)
+    want, want_lse = dsa.sparse_mla_absorbed_attention(*sub, idx[:, sel], *refs[3:], scale, return_lse=True)
     want.backward(dout[:, sel].float())
     errs = dict(out=_rel(out[:, sel], want), dq_nope=_rel(leaves[0].grad[:, sel], refs[0].grad[:, sel]),
                 dq_rope=_rel(leaves[1].grad[:, sel], refs[1].grad[:, sel]), dkv=_rel(leaves[2].grad, refs[2].grad),
-                dw_uk=_rel(leaves[3].grad, refs[3].grad), dw_uv=_rel(leaves[4].grad, refs[4].grad))
+                dw_uk=_rel(leaves[3].grad, refs[3].grad), dw_uv=_rel(leaves[4].grad, refs[4].grad),
+                lse=_rel(lse[:, sel], want_lse))
     print(f"seq {seq}, {heads} heads: absorbed sparse MLA relative errors vs the fp32 reference {errs}")
     assert all(e < 2e-2 for e in errs.values()), errs
+
+
+@pytest.mark.parametrize("seq, heads", [(8192, 128)])
+def test_one_pass_target_matches_the_two_pass_one_and_the_reference(seq, heads):
+    """The indexer loss's target from the attention forward's log-sum-exp (one pass over the
+    logits) at DeepSeek-V3.2's sizes in bf16: against the target that recomputes the log-sum-exp
+    (two passes: the same logits, so nearly bit for bit) and the fp32 reference on the selected
+    queries; then the sparse-stage loss and its grads with that log-sum-exp against the reference."""
+    from loongforge.kernels.dsa_indexer import dsa_indexer_loss, dsa_indexer_topk
+    from loongforge.kernels.sparse_mla import head_mean_probs, sparse_mla_attention
+
+    q, kv, q_idx, k_idx, w_idx, sel = _problem(seq, heads, seed=3)
+    scale = (128 + D_ROPE) ** -0.5
+    idx = dsa_indexer_topk(q_idx, k_idx, w_idx, TOPK)
+    with torch.no_grad():
+        _, lse = sparse_mla_attention(q, kv, idx, scale, D_V, return_lse=True)
+    _, ref_lse = dsa.sparse_mla_attention(q[:, sel].float(), kv.float(), idx[:, sel], scale, D_V, return_lse=True)
+    lse_err = (lse[:, sel] - ref_lse).abs().max().item()
+    one_pass = head_mean_probs(q, kv, idx, scale, lse)
+    two_pass = head_mean_probs(q, kv, idx, scale)
+    sub = dsa._gather_rows(kv.float(), idx[:, sel])
+    logits = torch.einsum("bthd,btkd->bthk", q[:, sel].float(), sub) * scale
+    valid = (idx[:, sel] >= 0)[:, :, None, :]
+    want = torch.softmax(logits.masked_fill(~valid, float("-inf")), -1).nan_to_num(0.0).mean(2)
+    errs = dict(lse_abs=lse_err, vs_two_pass=_rel(one_pass, two_pass), vs_reference=_rel(one_pass[:, sel], want))
+    print(f"seq {seq}, {heads} heads: one-pass target errors {errs}")
+    assert lse_err < 2e-2 and errs["vs_two_pass"] < 1e-4 and errs["vs_reference"] < 2e-2, errs
+    assert (one_pass[idx < 0] == 0).all()
+
+    leaves = [t.clone().requires_grad_() for t in (q_idx, k_idx, w_idx)]
+    loss = dsa_indexer_loss(*leaves, q, kv, scale, idx, lse)
+    dl = torch.zeros(1, seq, device="cuda")
+    dl[:, sel] = 1.0 / sel.numel()
+    loss.backward(dl)
+    refs = [t.clone().requires_grad_() for t in (q_idx, k_idx, w_idx)]
+    want_loss = dsa.dsa_indexer_loss(refs[0][:, sel], refs[1], refs[2][:, sel], q[:, sel], kv, scale,
+                                     indices=idx[:, sel])
+    want_loss.backward(dl[:, sel])
+    errs = dict(
+        loss=_rel(loss[:, sel], want_loss), dq_idx=_rel(leaves[0].grad[:, sel], refs[0].grad[:, sel]),
+        dk_idx=_rel(leaves[1].grad, refs[1].grad), dw_idx=_rel(leaves[2].grad[:, sel], refs[2].grad[:, sel]),
+    )
+    print(f"seq {seq}, {heads} heads: indexer loss with the one-pass target, relative errors vs reference {errs}")
+    assert all(e < 3e-2 for e in errs.values()), errs

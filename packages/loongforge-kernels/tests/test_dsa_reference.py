@@ -173,6 +173,53 @@ def test_sparse_indexer_loss_is_zero_when_the_indexer_matches_the_target():
     torch.testing.assert_close(loss, torch.zeros(b, s), rtol=0, atol=1e-6)
 
 
+def test_sparse_attention_returns_the_log_sum_exp_of_its_logits():
+    """``return_lse``: the natural-log log-sum-exp of each (query, head)'s scaled logits over its
+    valid keys (+inf with none), the output unchanged; the absorbed op's is that of its absorbed
+    queries."""
+    q, kv, _, _, _ = _inputs(extra_kv=2, seed=3)
+    idx = _all_causal_indices(2, 12, 14)
+    idx[1, 5] = -1  # a query with no key
+    scale = 0.3
+    out, lse = dsa.sparse_mla_attention(q, kv, idx, scale, 16, return_lse=True)
+    torch.testing.assert_close(out, dsa.sparse_mla_attention(q, kv, idx, scale, 16), rtol=0, atol=0)
+    logits = torch.einsum("bthd,bsd->bths", q, kv) * scale
+    want = torch.logsumexp(logits.masked_fill((idx < 0)[:, :, None], float("-inf")), -1)
+    want[1, 5] = float("inf")
+    assert lse.dtype == torch.float32 and lse.shape == (2, 12, 3) and not lse.requires_grad
+    torch.testing.assert_close(lse, want, **TIGHT)
+
+    g = torch.Generator().manual_seed(4)
+    q_nope, w_uk = torch.randn(2, 12, 3, 8, generator=g), torch.randn(3, 8, 16, generator=g)
+    w_uv = torch.randn(3, 5, 16, generator=g)
+    q_rope = q[..., 16:]
+    out, lse = dsa.sparse_mla_absorbed_attention(q_nope, q_rope, kv, idx, w_uk, w_uv, scale, return_lse=True)
+    _, want = dsa.sparse_mla_attention(dsa.absorb_query(q_nope, q_rope, w_uk), kv, idx, scale, 16, return_lse=True)
+    torch.testing.assert_close(out, dsa.sparse_mla_absorbed_attention(q_nope, q_rope, kv, idx, w_uk, w_uv, scale),
+                               rtol=0, atol=0)
+    torch.testing.assert_close(lse, want, **TIGHT)
+
+
+def test_sparse_indexer_loss_given_the_attentions_log_sum_exp_is_the_same_loss():
+    q, kv, q_idx, k_idx, w_idx = _inputs(extra_kv=2, seed=5)
+    idx = _all_causal_indices(2, 12, 14)
+    idx[:, :, ::3] = -1
+    _, lse = dsa.sparse_mla_attention(q, kv, idx, 0.25, 16, return_lse=True)
+    a = [t.clone().requires_grad_() for t in (q_idx, k_idx, w_idx)]
+    b = [t.clone().requires_grad_() for t in (q_idx, k_idx, w_idx)]
+    plain = dsa.dsa_indexer_loss(*a, q, kv, 0.25, indices=idx)
+    given = dsa.dsa_indexer_loss(*b, q, kv, 0.25, indices=idx, lse=lse)
+    torch.testing.assert_close(given, plain, rtol=0, atol=0)
+    plain.sum().backward()
+    given.sum().backward()
+    for x, y in zip(a, b):
+        torch.testing.assert_close(y.grad, x.grad, rtol=0, atol=0)
+    with pytest.raises(ValueError, match="give indices with it"):
+        dsa.dsa_indexer_loss(q_idx, k_idx, w_idx, q, kv, 0.25, lse=lse)
+    with pytest.raises(ValueError, match=r"lse \[B, S, H\]"):
+        dsa.dsa_indexer_loss(q_idx, k_idx, w_idx, q, kv, 0.25, indices=idx, lse=lse[:, :, :2])
+
+
 def test_bad_shapes_name_the_inputs():
     q, kv, q_idx, k_idx, w_idx = _inputs()
     with pytest.raises(ValueError, match="w_idx"):

@@ -6,10 +6,13 @@ on a GPU (test_dsa_gpu.py).
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
 from loongforge.kernels.dsa_indexer import dsa_indexer_loss, dsa_indexer_topk, indexer_scores_chunk
+from loongforge.kernels.launch import INTERPRETED
 from loongforge.kernels.sparse_mla import head_mean_probs, sparse_mla_attention
 from loongforge.kernels.sparse_mla_absorbed import sparse_mla_absorbed_attention
 from loongforge.llm.ops import dsa
@@ -161,15 +164,145 @@ def test_head_mean_probs_are_the_attention_distribution():
     assert got[1, 3].abs().max() == 0
 
 
-def test_sparse_indexer_loss_matches_the_reference():
+def _causal_topk(b, s, topk, extra_kv, seed):
+    """``[B, S, topk]`` int32: distinct random keys at or before each query, -1 padded where a query
+    sees fewer than ``topk`` keys (the first queries), with some entries dropped to -1 as well."""
+    g = torch.Generator(torch.get_default_device()).manual_seed(seed)
+    n_kv = s + extra_kv
+    visible = torch.arange(n_kv)[None, :] <= torch.arange(s)[:, None] + extra_kv
+    scores = torch.rand(b, s, n_kv, generator=g).masked_fill(~visible, -1.0)
+    val, idx = scores.topk(min(topk, n_kv), dim=-1)
+    idx = torch.where(val >= 0, idx, -1)
+    idx[torch.rand(idx.shape, generator=g) < 0.15] = -1
+    return torch.nn.functional.pad(idx, (0, topk - idx.shape[-1]), value=-1).to(torch.int32)
+
+
+def _reference_head_mean_probs(q, kv, idx, scale):
+    sel = dsa._gather_rows(kv.float(), idx)
+    logits = torch.einsum("bthd,btkd->bthk", q.float(), sel) * scale
+    valid = (idx >= 0)[:, :, None, :]
+    return torch.softmax(logits.masked_fill(~valid, float("-inf")), -1).nan_to_num(0.0).mean(2)
+
+
+HALF_LOOSE = dict(rtol=2e-2, atol=2e-4)  # half-precision logits against the fp32 reference of the same inputs
+
+
+@pytest.mark.parametrize("dtype", [
+    torch.float32,
+    torch.float16,
+    # the interpreter's tl.dot is wrong for bf16 operands: bf16 runs where the kernels are compiled
+    pytest.param(torch.bfloat16, marks=pytest.mark.skipif(INTERPRETED, reason="bf16 dots need the compiled kernels")),
+])
+@pytest.mark.parametrize(
+    "b, s, h, d_v, d_rope, topk, extra_kv",
+    [
+        # fp32 takes 16 heads a block, half precision up to 64: two head blocks in fp32 (one in half), two
+        # key blocks, every row -1 padded past its causal keys
+        (2, 7, 20, 32, 16, 37, 3),
+        (1, 6, 40, 24, 8, 70, 0),  # three head blocks in fp32 (the last partial), three key blocks (the last partial)
+    ],
+)
+def test_one_pass_target_equals_the_two_pass_one_and_the_reference(dtype, b, s, h, d_v, d_rope, topk, extra_kv):
+    """The indexer loss's target from the attention forward's log-sum-exp (one pass over the
+    logits) against the target that recomputes it (two passes) and the torch softmax: masked
+    (-1) entries, the causal edge's padding, a query with no valid key and a last key block of -1
+    entries only."""
+    q, kv, _ = _attention_inputs(b, s, h, d_v, d_rope, 1, extra_kv, dtype=dtype, seed=h)
+    idx = _causal_topk(b, s, topk, extra_kv, seed=h)
+    idx[0, 1] = -1  # a query with no key: its row is 0
+    idx[-1, -1, 32:] = -1  # a last key block with -1 entries only
+    scale = (d_v + d_rope) ** -0.5
+    _, lse = sparse_mla_attention(q, kv, idx, scale, d_v, return_lse=True)
+    one_pass = head_mean_probs(q, kv, idx, scale, lse)
+    two_pass = head_mean_probs(q, kv, idx, scale)
+    want = _reference_head_mean_probs(q, kv, idx, scale)
+    assert one_pass.dtype == torch.float32 and one_pass.shape == (b, s, topk)
+    assert one_pass[0, 1].abs().max() == 0 and (one_pass[idx < 0] == 0).all()
+    tol = TIGHT if dtype == torch.float32 else HALF_LOOSE
+    torch.testing.assert_close(one_pass, two_pass, **tol)
+    torch.testing.assert_close(one_pass, want, **tol)
+    torch.testing.assert_close(one_pass.sum(-1), (idx >= 0).any(-1).float(), **tol)  # rows sum to 1 (0 with no key)
+
+
+def test_one_pass_target_takes_its_normaliser_from_the_given_log_sum_exp():
+    """The one-pass target reads ``lse`` (natural log) instead of recomputing it: the reference
+    attention's gives the same target, and a log-sum-exp raised by log 2 halves every probability."""
+    q, kv, _ = _attention_inputs(1, 5, 18, 32, 16, 1, 2, seed=11)
+    idx = _causal_topk(1, 5, 40, 2, seed=11)
+    scale = 0.2
+    _, lse = sparse_mla_attention(q, kv, idx, scale, 32, return_lse=True)
+    _, ref_lse = dsa.sparse_mla_attention(q, kv, idx, scale, 32, return_lse=True)
+    torch.testing.assert_close(lse, ref_lse, **TIGHT)
+    target = head_mean_probs(q, kv, idx, scale, lse)
+    torch.testing.assert_close(head_mean_probs(q, kv, idx, scale, ref_lse), target, **TIGHT)
+    torch.testing.assert_close(head_mean_probs(q, kv, idx, scale, lse + math.log(2.0)), target / 2, **TIGHT)
+    with pytest.raises(ValueError, match="lse"):
+        head_mean_probs(q, kv, idx, scale, lse[:, :, :4])
+    with pytest.raises(ValueError, match="float32"):
+        head_mean_probs(q, kv, idx, scale, lse.double())
+
+
+def test_fused_attention_returns_the_references_log_sum_exp():
+    """``return_lse`` of both fused attention ops: the reference's log-sum-exp (+inf for a query
+    with no key), the outputs and grads as without it."""
+    q, kv, idx = _attention_inputs(2, 6, 3, 32, 16, 40, 5)
+    idx[0, 2] = -1
+    out, lse = sparse_mla_attention(q, kv, idx, 0.3, 32, return_lse=True)
+    ref_out, ref_lse = dsa.sparse_mla_attention(q, kv, idx, 0.3, 32, return_lse=True)
+    assert lse.dtype == torch.float32 and lse.shape == (2, 6, 3) and not lse.requires_grad
+    assert torch.isinf(lse[0, 2]).all() and (lse[0, 2] > 0).all()
+    torch.testing.assert_close(out, ref_out, **TIGHT)
+    torch.testing.assert_close(lse, ref_lse, **TIGHT)
+
+    tensors, idx = _absorbed_inputs(2, 5, 18, 12, 8, 32, 16, 37, 3, seed=5)
+    idx[1, 3] = -1
+    dout = torch.randn(2, 5, 18, 16)
+    grads = []
+    for return_lse in (False, True):
+        leaves = [t.clone().requires_grad_() for t in tensors]
+        got = sparse_mla_absorbed_attention(*leaves[:3], idx, *leaves[3:], 0.3, return_lse=return_lse,
+                                            chunk_elements=2 * 18 * 40)  # chunks of 2 queries
+        out = got[0] if return_lse else got
+        out.backward(dout)
+        grads.append([t.grad for t in leaves])
+    _, ref_lse = dsa.sparse_mla_absorbed_attention(*tensors[:3], idx, *tensors[3:], 0.3, return_lse=True)
+    torch.testing.assert_close(got[1], ref_lse, **TIGHT)
+    for with_lse, without in zip(grads[1], grads[0]):
+        torch.testing.assert_close(with_lse, without, rtol=0, atol=0)
+
+
+def test_the_fused_ops_and_the_references_take_the_same_arguments():
+    """One contract per op: the provider's function, the fused one and the reference have the same
+    parameters and defaults up to the reference's (the fused absorbed op adds its chunk size)."""
+    import inspect
+
+    from loongforge.kernels import dsa_indexer, provider, sparse_mla, sparse_mla_absorbed
+
+    def params(fn):
+        return [(p.name, p.default) for p in inspect.signature(fn).parameters.values()]
+
+    for name, fused in (("sparse_mla_attention", sparse_mla.sparse_mla_attention),
+                        ("sparse_mla_absorbed_attention", sparse_mla_absorbed.sparse_mla_absorbed_attention),
+                        ("dsa_indexer_loss", dsa_indexer.dsa_indexer_loss)):
+        want = params(getattr(dsa, name))
+        assert params(getattr(provider, name)) == want, name
+        assert params(fused)[: len(want)] == want, name
+
+
+@pytest.mark.parametrize("with_lse", [False, True], ids=["two-pass-target", "one-pass-target"])
+def test_sparse_indexer_loss_matches_the_reference(with_lse):
+    """The fused loss against the reference, its target recomputing each head's log-sum-exp or
+    taking the fused attention's (a query with no valid key included)."""
     b, s, h, hi, di = 2, 11, 3, 5, 24
     q_idx, k_idx, w_idx = _indexer_inputs(b, s, hi, di, extra_kv=2, seed=8)
     q, kv, _ = _attention_inputs(b, s, h, 32, 16, 1, extra_kv=2, seed=8)
     idx = dsa_indexer_topk(q_idx, k_idx, w_idx, 70)  # > one key block, -1 padded
     idx[0, 4, :2] = -1
+    idx[1, 6] = -1
+    lse = sparse_mla_attention(q, kv, idx, 0.25, 32, return_lse=True)[1] if with_lse else None
     leaves = [t.clone().requires_grad_() for t in (q_idx, k_idx, w_idx)]
     refs = [t.clone().requires_grad_() for t in (q_idx, k_idx, w_idx)]
-    loss = dsa_indexer_loss(*leaves, q, kv, 0.25, idx)
+    loss = dsa_indexer_loss(*leaves, q, kv, 0.25, idx, lse)
     want = dsa.dsa_indexer_loss(*refs, q, kv, 0.25, indices=idx)
     torch.testing.assert_close(loss, want, **TIGHT)
     dl = torch.rand(b, s)

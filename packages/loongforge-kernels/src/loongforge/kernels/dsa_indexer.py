@@ -10,7 +10,9 @@ skipped (written as -inf). Queries go in chunks whose ``[chunk, keys]`` fp32 sco
 ``S * topk`` elements; each chunk's top-k is ``torch.topk`` over those scores.
 
 The sparse-stage loss works on ``[B, S, topk]`` tensors only. Its target (the attention's
-head-mean distribution over the selected keys) comes from ``sparse_mla.head_mean_probs``; the
+head-mean distribution over the selected keys) comes from ``sparse_mla.head_mean_probs``, in one
+pass over the logits where the caller hands over the attention forward's log-sum-exp (``lse``),
+else in two; the
 indexer's scores at the selected keys from a gather kernel (one program per token: its ``[HI, DI]``
 queries against each block of gathered keys, one dot); the KL and its grad w.r.t. the scores are a
 few elementwise torch ops; and a backward kernel turns that grad into the indexer's input grads,
@@ -176,8 +178,8 @@ def indexer_gather_scores(q_idx: torch.Tensor, k_idx: torch.Tensor, w_idx: torch
 
 class _SparseIndexerLoss(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q_idx, k_idx, w_idx, q, kv, indices, softmax_scale):
-        target = head_mean_probs(q, kv, indices, softmax_scale)
+    def forward(ctx, q_idx, k_idx, w_idx, q, kv, indices, softmax_scale, lse):
+        target = head_mean_probs(q, kv, indices, softmax_scale, lse)
         scores = indexer_gather_scores(q_idx, k_idx, w_idx, indices)
         valid = indices >= 0
         log_q = torch.log_softmax(scores, dim=-1).masked_fill_(~valid, 0.0)
@@ -203,7 +205,7 @@ class _SparseIndexerLoss(torch.autograd.Function):
                 dscores.stride(0), dscores.stride(1), dk.stride(0), dk.stride(1),
                 **_gather_blocks(q_idx),
             )
-        return dq, dk.to(k_idx.dtype), dw, None, None, None, None
+        return dq, dk.to(k_idx.dtype), dw, None, None, None, None, None
 
 
 def dsa_indexer_loss(
@@ -214,11 +216,13 @@ def dsa_indexer_loss(
     kv: torch.Tensor,
     softmax_scale: float,
     indices: torch.Tensor | None = None,
+    lse: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Fused ``dsa_indexer_loss`` for the sparse stage; the warm-up (``indices=None``) runs the
-    registry's reference."""
+    registry's reference. With ``lse`` (the sparse attention's log-sum-exp over the same keys) the
+    target takes one pass over the logits, without it two."""
     if indices is None:
-        return get_op("dsa_indexer_loss").reference(q_idx, k_idx, w_idx, q, kv, softmax_scale)
+        return get_op("dsa_indexer_loss").reference(q_idx, k_idx, w_idx, q, kv, softmax_scale, lse=lse)
     _check_indexer("dsa_indexer_loss", q_idx, k_idx, w_idx)
     b, s = q_idx.shape[:2]
     if indices.dim() != 3 or tuple(indices.shape[:2]) != (b, s) or indices.dtype not in (torch.int32, torch.int64):
@@ -230,7 +234,8 @@ def dsa_indexer_loss(
         raise ValueError(f"dsa_indexer_loss: q_idx dtype {q_idx.dtype} != k_idx dtype {k_idx.dtype}")
     check_tensors("dsa_indexer_loss", q_idx, k_idx, w_idx, q, kv, indices)
     q_idx, k_idx, w_idx, indices = (_contiguous(t) for t in (q_idx, k_idx, w_idx, indices))
-    return _SparseIndexerLoss.apply(q_idx, k_idx, w_idx, q.detach(), kv.detach(), indices, softmax_scale)
+    return _SparseIndexerLoss.apply(q_idx, k_idx, w_idx, q.detach(), kv.detach(), indices, softmax_scale,
+                                    None if lse is None else lse.detach())
 
 
 def indexer_scores_chunk(

@@ -136,21 +136,21 @@ def linear_cross_entropy(
 
 @_by_device
 def sparse_mla_attention(
-    q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor, softmax_scale: float, d_v: int
-) -> torch.Tensor:
+    q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor, softmax_scale: float, d_v: int, return_lse: bool = False
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     from loongforge.kernels.sparse_mla import sparse_mla_attention as fused
 
-    return fused(q, kv, indices, softmax_scale, d_v)
+    return fused(q, kv, indices, softmax_scale, d_v, return_lse)
 
 
 @_by_device
 def sparse_mla_absorbed_attention(
     q_nope: torch.Tensor, q_rope: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor, w_uk: torch.Tensor,
-    w_uv: torch.Tensor, softmax_scale: float,
-) -> torch.Tensor:
+    w_uv: torch.Tensor, softmax_scale: float, return_lse: bool = False,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     from loongforge.kernels.sparse_mla_absorbed import sparse_mla_absorbed_attention as fused
 
-    return fused(q_nope, q_rope, kv, indices, w_uk, w_uv, softmax_scale)
+    return fused(q_nope, q_rope, kv, indices, w_uk, w_uv, softmax_scale, return_lse)
 
 
 @_by_device
@@ -169,10 +169,11 @@ def dsa_indexer_loss(
     kv: torch.Tensor,
     softmax_scale: float,
     indices: torch.Tensor | None = None,
+    lse: torch.Tensor | None = None,
 ) -> torch.Tensor:
     from loongforge.kernels.dsa_indexer import dsa_indexer_loss as fused
 
-    return fused(q_idx, k_idx, w_idx, q, kv, softmax_scale, indices)
+    return fused(q_idx, k_idx, w_idx, q, kv, softmax_scale, indices, lse)
 
 
 @_by_device

@@ -5,7 +5,9 @@ latent KV row per key shared by every head, ``kv = [c_kv (d_v), k_rope (d_rope)]
 ``d_v`` entries are also the value. So one program takes one query token and a block of its
 heads, and walks that token's ``topk`` indices in blocks: it gathers the selected latent rows
 once, uses them as keys (two dots: latent and rope parts) and as values, and keeps an online
-(running-max) softmax in fp32. The forward saves one log-sum-exp per (token, head).
+(running-max) softmax in fp32. The forward saves one log-sum-exp per (token, head), which the op
+also returns on request (``return_lse``, natural log): the indexer loss's target
+(``head_mean_probs``) then forms its probabilities in one pass over the logits instead of two.
 
 The backward recomputes the probabilities from the saved log-sum-exp in two kernels. The query
 grad: one program per (token, head block) forms its heads' ``delta = rowsum(out * dout)`` in fp32
@@ -33,6 +35,8 @@ from loongforge.core.kernels.shapes import check_shapes
 from loongforge.kernels.launch import check_tensors, dot_precision
 
 LOG2E = math.log2(math.e)
+LN2 = math.log(2.0)
+NATURAL_TO_LOG2: tl.constexpr = tl.constexpr(LOG2E)  # a natural-log log-sum-exp to the kernels' log2 domain
 
 
 def _block_sizes(n_heads: int, d_v: int, d_rope: int, elem_bytes: int, backward: bool) -> tuple[int, int, int]:
@@ -272,17 +276,38 @@ def _sparse_mla_bwd_dkv(
 
 
 @triton.jit
+def _head_logits(
+    q_lat, q_rope, kv_base, idx_base, start, topk, stride_kvs, scale_log2,
+    D_V: tl.constexpr, D_ROPE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_DR: tl.constexpr,
+    PRECISION: tl.constexpr,
+):
+    """Key block ``start`` of a query's selected keys: which are valid and the scaled log2-domain
+    logits ``[BLOCK_H, BLOCK_N]`` of a block of its heads (-inf at invalid keys)."""
+    valid, rows, k_lat, k_rope = _gather_keys(
+        kv_base, idx_base, start, topk, stride_kvs, D_V, D_ROPE, BLOCK_N, BLOCK_DV, BLOCK_DR
+    )
+    s = tl.dot(q_lat, tl.trans(k_lat), input_precision=PRECISION)
+    s += tl.dot(q_rope, tl.trans(k_rope), input_precision=PRECISION)
+    return valid, tl.where(valid[None, :], s * scale_log2, float("-inf"))
+
+
+@triton.jit
 def _sparse_mla_head_mean_probs(
-    Q, KV, IDX, P,
+    Q, KV, IDX, LSE, P,
     n_heads, topk, scale_log2, inv_heads,
     stride_qb, stride_qs, stride_qh,
     stride_kvb, stride_kvs,
     stride_ib, stride_is,
+    stride_lb, stride_ls,
     stride_pb, stride_ps,
     D_V: tl.constexpr, D_ROPE: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_DR: tl.constexpr,
-    PRECISION: tl.constexpr,
+    PRECISION: tl.constexpr, LSE_GIVEN: tl.constexpr,
 ):
+    """One token's row of the head-mean probabilities. Per head block: each head's log-sum-exp,
+    read from ``LSE`` (natural log, the attention forward's) with ``LSE_GIVEN``, else recomputed
+    in a first pass over the keys (an online max and sum); then one pass that forms the
+    probabilities and adds their sum over the block's heads into the row."""
     t = tl.program_id(0).to(tl.int64)
     b = tl.program_id(1).to(tl.int64)
     dv = tl.arange(0, BLOCK_DV)
@@ -296,27 +321,24 @@ def _sparse_mla_head_mean_probs(
         q_row = Q + b * stride_qb + t * stride_qs + heads[:, None] * stride_qh
         q_lat = tl.load(q_row + dv[None, :], mask=head_ok[:, None] & (dv[None, :] < D_V), other=0.0)
         q_rope = tl.load(q_row + D_V + dr[None, :], mask=head_ok[:, None] & (dr[None, :] < D_ROPE), other=0.0)
-        m_i = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
-        l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
-        for start in range(0, topk, BLOCK_N):  # pass 1: each head's log-sum-exp
-            valid, rows, k_lat, k_rope = _gather_keys(
-                kv_base, idx_base, start, topk, stride_kvs, D_V, D_ROPE, BLOCK_N, BLOCK_DV, BLOCK_DR
-            )
-            s = tl.dot(q_lat, tl.trans(k_lat), input_precision=PRECISION)
-            s += tl.dot(q_rope, tl.trans(k_rope), input_precision=PRECISION)
-            s = tl.where(valid[None, :], s * scale_log2, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(s, axis=1))
-            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-            l_i = l_i * tl.exp2(m_i - m_safe) + tl.sum(tl.exp2(s - m_safe[:, None]), axis=1)
-            m_i = m_new
-        lse = tl.where(head_ok & (l_i > 0), m_i + tl.log2(tl.where(l_i > 0, l_i, 1.0)), float("inf"))
-        for start in range(0, topk, BLOCK_N):  # pass 2: probabilities, summed over this block's heads
-            valid, rows, k_lat, k_rope = _gather_keys(
-                kv_base, idx_base, start, topk, stride_kvs, D_V, D_ROPE, BLOCK_N, BLOCK_DV, BLOCK_DR
-            )
-            s = tl.dot(q_lat, tl.trans(k_lat), input_precision=PRECISION)
-            s += tl.dot(q_rope, tl.trans(k_rope), input_precision=PRECISION)
-            p = tl.where(valid[None, :], tl.exp2(s * scale_log2 - lse[:, None]), 0.0)
+        if LSE_GIVEN:  # +inf (no valid key, or a masked head) gives probabilities of 0
+            lse = tl.load(LSE + b * stride_lb + t * stride_ls + heads, mask=head_ok, other=float("inf"))
+            lse = lse * NATURAL_TO_LOG2
+        else:
+            m_i = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
+            l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
+            for start in range(0, topk, BLOCK_N):  # the first pass: each head's log-sum-exp
+                valid, s = _head_logits(q_lat, q_rope, kv_base, idx_base, start, topk, stride_kvs, scale_log2,
+                                        D_V, D_ROPE, BLOCK_N, BLOCK_DV, BLOCK_DR, PRECISION)
+                m_new = tl.maximum(m_i, tl.max(s, axis=1))
+                m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+                l_i = l_i * tl.exp2(m_i - m_safe) + tl.sum(tl.exp2(s - m_safe[:, None]), axis=1)
+                m_i = m_new
+            lse = tl.where(head_ok & (l_i > 0), m_i + tl.log2(tl.where(l_i > 0, l_i, 1.0)), float("inf"))
+        for start in range(0, topk, BLOCK_N):  # probabilities, summed over this block's heads
+            valid, s = _head_logits(q_lat, q_rope, kv_base, idx_base, start, topk, stride_kvs, scale_log2,
+                                    D_V, D_ROPE, BLOCK_N, BLOCK_DV, BLOCK_DR, PRECISION)
+            p = tl.where(valid[None, :], tl.exp2(s - lse[:, None]), 0.0)
             n = start + tl.arange(0, BLOCK_N)
             acc = tl.load(p_base + n, mask=n < topk, other=0.0)
             tl.store(p_base + n, acc + tl.sum(p, axis=0) * inv_heads, mask=n < topk)
@@ -437,52 +459,69 @@ def attention_backward(
 
 class _SparseMLA(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, kv, indices, softmax_scale, d_v):
+    def forward(ctx, q, kv, indices, softmax_scale, d_v, return_lse):
         _check(q, kv, indices, d_v)
         q, kv, indices = _last_dim_contiguous(q), _last_dim_contiguous(kv), _last_dim_contiguous(indices)
         out, lse = attention_forward(q, kv, indices, softmax_scale, d_v)
         ctx.save_for_backward(q, kv, indices, out, lse)
         ctx.softmax_scale, ctx.d_v = softmax_scale, d_v
-        return out
+        if not return_lse:
+            return out
+        natural_lse = lse * LN2  # the contract's natural log (+inf stays +inf)
+        ctx.mark_non_differentiable(natural_lse)
+        return out, natural_lse
 
     @staticmethod
-    def backward(ctx, dout):
+    def backward(ctx, dout, *_lse_grad):
         q, kv, indices, out, lse = ctx.saved_tensors
         dkv = torch.zeros(kv.shape, dtype=torch.float32, device=kv.device)
         dq = attention_backward(q, kv, indices, out, lse, _last_dim_contiguous(dout), ctx.softmax_scale, ctx.d_v, dkv)
-        return dq, dkv.to(kv.dtype), None, None, None
+        return dq, dkv.to(kv.dtype), None, None, None, None
 
 
 @torch.no_grad()
-def head_mean_probs(q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor, softmax_scale: float) -> torch.Tensor:
+def head_mean_probs(
+    q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor, softmax_scale: float, lse: torch.Tensor | None = None
+) -> torch.Tensor:
     """The attention distribution over each query's selected keys, averaged over heads: fp32 ``[B, S, topk]``.
 
     ``mean_h softmax_j(softmax_scale * q[b, t, h] . kv[b, idx_j])`` (0 at -1 entries): the target
     of DSA's sparse-stage indexer loss. One program per token runs its head blocks one after the
-    other, two passes each (log-sum-exp, then probabilities).
+    other. ``lse``: the attention's log-sum-exp of the same logits, fp32 ``[B, S, H]``, natural
+    log, +inf where a query has no valid key (what ``sparse_mla_attention(..., return_lse=True)``
+    returns): with it each head block takes one pass over the keys (the probabilities), without it
+    two (the log-sum-exp first).
     """
     _check(q, kv, indices, q.shape[-1])
-    q, kv, indices = _last_dim_contiguous(q), _last_dim_contiguous(kv), _last_dim_contiguous(indices)
     b, s, h, d = q.shape
+    if lse is not None:
+        check_shapes("head_mean_probs", q=(q, "B S H D"), lse=(lse, "B S H"))
+        if lse.dtype != torch.float32:
+            raise ValueError(f"head_mean_probs: lse must be float32, got {lse.dtype}")
+        check_tensors("head_mean_probs", q, lse)
+    q, kv, indices = _last_dim_contiguous(q), _last_dim_contiguous(kv), _last_dim_contiguous(indices)
     # no value here: split the key row at its largest power of two (MLA's 576 = 512 latent + 64 rope)
     d_v = 1 << (d.bit_length() - 1)
     block_h, block_dv, block_dr = _block_sizes(h, d_v, d - d_v, q.element_size(), backward=False)
     probs = torch.zeros(indices.shape, dtype=torch.float32, device=q.device)
     if probs.numel():
+        lse_given = lse is not None
+        lse = _last_dim_contiguous(lse) if lse_given else probs  # (not read without LSE_GIVEN)
         _sparse_mla_head_mean_probs[(s, b)](
-            q, kv, indices, probs,
+            q, kv, indices, lse, probs,
             h, indices.shape[-1], softmax_scale * LOG2E, 1.0 / h,
             q.stride(0), q.stride(1), q.stride(2), kv.stride(0), kv.stride(1),
-            indices.stride(0), indices.stride(1), probs.stride(0), probs.stride(1),
+            indices.stride(0), indices.stride(1), lse.stride(0), lse.stride(1), probs.stride(0), probs.stride(1),
             D_V=d_v, D_ROPE=d - d_v, BLOCK_H=block_h, BLOCK_N=BLOCK_N_FWD, BLOCK_DV=block_dv, BLOCK_DR=block_dr,
-                PRECISION=dot_precision(q.dtype),
+            PRECISION=dot_precision(q.dtype), LSE_GIVEN=lse_given,
             num_warps=4 if block_dv <= 128 else 8, num_stages=2,
         )
     return probs
 
 
 def sparse_mla_attention(
-    q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor, softmax_scale: float, d_v: int
-) -> torch.Tensor:
-    """Fused ``sparse_mla_attention``."""
-    return _SparseMLA.apply(q, kv, indices, softmax_scale, d_v)
+    q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor, softmax_scale: float, d_v: int, return_lse: bool = False
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """Fused ``sparse_mla_attention``; with ``return_lse`` also the forward's log-sum-exp (natural
+    log, fp32 ``[B, S, H]``, +inf for a query with no valid key, no grad)."""
+    return _SparseMLA.apply(q, kv, indices, softmax_scale, d_v, return_lse)

@@ -9,7 +9,8 @@ tensors dense attention keeps (4.5 GiB each at 32K tokens and 128 heads, in bf16
 
 Here the queries go in chunks (about ``CHUNK_ELEMENTS`` absorbed-query elements each): a chunk's
 absorbed queries are made, attended with ``sparse_mla.attention_forward`` and mapped back; only the
-latent output (``w_uv``'s grad needs it) and the log-sum-exp are kept for the backward. The
+latent output (``w_uv``'s grad needs it) and the log-sum-exp are kept for the backward; with
+``return_lse`` the log-sum-exp is returned too, for the indexer loss's one-pass target. The
 backward makes each chunk's absorbed queries again (one small GEMM), runs
 ``sparse_mla.attention_backward`` on the chunk, which adds its key/value grad into one fp32 buffer
 for the whole sequence, and adds the chunk's share of the up-projections' grads (fp32).
@@ -21,7 +22,7 @@ import torch
 
 from loongforge.core.kernels.mla_absorbed import absorb_query, check_absorbed
 from loongforge.kernels.launch import check_tensors
-from loongforge.kernels.sparse_mla import attention_backward, attention_forward
+from loongforge.kernels.sparse_mla import LN2, attention_backward, attention_forward
 
 # Absorbed-query elements per chunk: 2**28 (512 MiB in bf16), about 3.6K tokens at 128 heads x 576
 CHUNK_ELEMENTS = 1 << 28
@@ -33,7 +34,7 @@ def _chunk_tokens(n_heads: int, row: int, chunk_elements: int) -> int:
 
 class _AbsorbedSparseMLA(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q_nope, q_rope, kv, indices, w_uk, w_uv, softmax_scale, chunk):
+    def forward(ctx, q_nope, q_rope, kv, indices, w_uk, w_uv, softmax_scale, chunk, return_lse):
         b, s, h, _ = q_nope.shape
         d_c, d_v = w_uk.shape[-1], w_uv.shape[1]
         o_lat = torch.empty((b, s, h, d_c), dtype=q_nope.dtype, device=q_nope.device)
@@ -46,10 +47,14 @@ class _AbsorbedSparseMLA(torch.autograd.Function):
             out[:, t0:t1] = torch.einsum("bshc,hvc->bshv", o_lat[:, t0:t1], w_uv)
         ctx.save_for_backward(q_nope, q_rope, kv, indices, w_uk, w_uv, o_lat, lse)
         ctx.softmax_scale, ctx.chunk = softmax_scale, chunk
-        return out
+        if not return_lse:
+            return out
+        natural_lse = lse * LN2  # the contract's natural log (+inf stays +inf)
+        ctx.mark_non_differentiable(natural_lse)
+        return out, natural_lse
 
     @staticmethod
-    def backward(ctx, dout):
+    def backward(ctx, dout, *_lse_grad):
         q_nope, q_rope, kv, indices, w_uk, w_uv, o_lat, lse = ctx.saved_tensors
         s, d_c = q_nope.shape[1], w_uk.shape[-1]
         dq_nope, dq_rope = torch.empty_like(q_nope), torch.empty_like(q_rope)
@@ -69,7 +74,7 @@ class _AbsorbedSparseMLA(torch.autograd.Function):
             dq_rope[:, t0:t1] = dq[..., d_c:]
             dw_uk += torch.einsum("bshd,bshc->hdc", q_nope[:, t0:t1], dq_lat)
             dw_uv += torch.einsum("bshv,bshc->hvc", do, o_lat[:, t0:t1])
-        return (dq_nope, dq_rope, dkv.to(kv.dtype), None, dw_uk.to(w_uk.dtype), dw_uv.to(w_uv.dtype), None, None)
+        return (dq_nope, dq_rope, dkv.to(kv.dtype), None, dw_uk.to(w_uk.dtype), dw_uv.to(w_uv.dtype), None, None, None)
 
 
 def sparse_mla_absorbed_attention(
@@ -80,9 +85,12 @@ def sparse_mla_absorbed_attention(
     w_uk: torch.Tensor,
     w_uv: torch.Tensor,
     softmax_scale: float,
+    return_lse: bool = False,
     chunk_elements: int = CHUNK_ELEMENTS,
-) -> torch.Tensor:
-    """Fused ``sparse_mla_absorbed_attention``; ``chunk_elements``: absorbed-query elements per chunk."""
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """Fused ``sparse_mla_absorbed_attention``; with ``return_lse`` also the attention's log-sum-exp
+    (natural log, fp32 ``[B, S, H]``, +inf for a query with no valid key, no grad);
+    ``chunk_elements``: absorbed-query elements per chunk."""
     dims = check_absorbed("sparse_mla_absorbed_attention", q_nope, q_rope, kv, indices, w_uk, w_uv)
     if indices.dtype not in (torch.int32, torch.int64):
         raise ValueError(f"sparse_mla_absorbed_attention: indices must be int32 or int64, got {indices.dtype}")
@@ -91,4 +99,4 @@ def sparse_mla_absorbed_attention(
     check_tensors("sparse_mla_absorbed_attention", q_nope, q_rope, kv, indices, w_uk, w_uv)
     kv, indices = (t if t.stride(-1) == 1 else t.contiguous() for t in (kv, indices))
     chunk = _chunk_tokens(dims["H"], dims["D"], chunk_elements)
-    return _AbsorbedSparseMLA.apply(q_nope, q_rope, kv, indices, w_uk, w_uv, softmax_scale, chunk)
+    return _AbsorbedSparseMLA.apply(q_nope, q_rope, kv, indices, w_uk, w_uv, softmax_scale, chunk, return_lse)

@@ -55,7 +55,9 @@ class RegistryDSAttention(megatron_dsa.DSAttention):
     from the head-summed, L1-normalised main attention to the indexer's softmax, per query
     (summed under per-token loss, else averaged, times ``dsa_indexer_loss_coeff``); the
     attention gets MLA's absorbed form, one latent row per key (``[kv_lora_rank | rope]``, the
-    first part also the value), and the value up-projection follows. Under TP the heads are
+    first part also the value), and the value up-projection follows. The attention runs before
+    the loss and hands the sparse loss its log-sum-exp, so that the loss's target takes one pass
+    over the logits (on one TP rank; the dense warm-up loss recomputes its own). Under TP the heads are
     split and the loss's target needs megatron's all-reduce: there the loss is megatron's
     ``compute_dsa_indexer_loss`` on the same top-k (so every layout selects the same keys); the
     indexer is duplicated over TP (all its heads on every rank), so the top-k is the same there.
@@ -132,12 +134,17 @@ class RegistryDSAttention(megatron_dsa.DSAttention):
         topk = torch.cat([self._indexer_topk(q_idx[:, t0:t1].detach(), k_idx[:, k0:k1].detach(),
                                              w_idx[:, t0:t1].detach(), self.index_topk)
                           for t0, t1, k0, k1 in pieces], 1)
+        # the attention runs before the loss (the two are independent), so that the registry's sparse
+        # loss can take its log-sum-exp: one pass over the logits for the loss's target instead of two
+        with_lse = with_loss and config.dsa_indexer_use_sparse_loss and get_pg_size(self.pg_collection.tp) == 1
+        attended = [self._sparse_attention(q_attn[:, t0:t1], kv_attn[:, k0:k1], topk[:, t0:t1], self.softmax_scale,
+                                           config.kv_lora_rank, return_lse=with_lse)
+                    for t0, t1, k0, k1 in pieces]
+        lse = torch.cat([piece_lse for _, piece_lse in attended], 1) if with_lse else None
+        latent = torch.cat([out for out, _ in attended] if with_lse else attended, 1)
         loss = None
         if with_loss:
-            loss = self._indexer_loss_of_pieces(pieces, q_idx, k_idx, w_idx, topk, query, kv, real)
-        latent = torch.cat([self._sparse_attention(q_attn[:, t0:t1], kv_attn[:, k0:k1], topk[:, t0:t1],
-                                                   self.softmax_scale, config.kv_lora_rank)
-                            for t0, t1, k0, k1 in pieces], 1)
+            loss = self._indexer_loss_of_pieces(pieces, q_idx, k_idx, w_idx, topk, query, kv, real, lse)
         output = torch.einsum("bshc,hdc->sbhd", latent, up_v_weight.to(latent.dtype)).reshape(sq, b, -1)
         if loss is None:
             return output
@@ -147,10 +154,11 @@ class RegistryDSAttention(megatron_dsa.DSAttention):
                                                                       **groups)
         return megatron_dsa.DSAIndexerLossAutoScaler.apply(output, loss)
 
-    def _indexer_loss_of_pieces(self, pieces, q_idx, k_idx, w_idx, topk, query, kv, real):
+    def _indexer_loss_of_pieces(self, pieces, q_idx, k_idx, w_idx, topk, query, kv, real, lse):
         """``dsa_indexer_loss_coeff`` times the indexer's KL loss of this rank's real queries
         (``real``: ``[1, sq]`` bool, None for all), summed (per-token loss) or averaged. One TP
-        rank holds every head: the registry's ``dsa_indexer_loss`` per piece; under TP,
+        rank holds every head: the registry's ``dsa_indexer_loss`` per piece, with the sparse
+        attention's log-sum-exp ``lse`` ``[b, sq, heads]`` where given (the sparse loss); under TP,
         ``_tensor_parallel_indexer_loss``."""
         config = self.config
         if get_pg_size(self.pg_collection.tp) == 1:
@@ -158,7 +166,8 @@ class RegistryDSAttention(megatron_dsa.DSAttention):
             sparse = config.dsa_indexer_use_sparse_loss
             per_query = torch.cat([self._indexer_loss(q_idx[:, t0:t1], k_idx[:, k0:k1], w_idx[:, t0:t1],
                                                       q_attn[:, t0:t1], kv_attn[:, k0:k1], self.softmax_scale,
-                                                      topk[:, t0:t1] if sparse else None)
+                                                      topk[:, t0:t1] if sparse else None,
+                                                      None if lse is None else lse[:, t0:t1])
                                    for t0, t1, k0, k1 in pieces], 1)
             total = (per_query if real is None else per_query * real).sum()
         else:

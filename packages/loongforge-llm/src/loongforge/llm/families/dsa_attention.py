@@ -137,9 +137,11 @@ class DSAttention(nn.Module):
             q_idx, k_idx, w_idx = self._indexer_inputs(x, c_q, cos, sin)
         if mode == "sparse":
             indices = self._indexer_topk(q_idx, k_idx, w_idx, c.index_topk)
-            # the op absorbs the queries (and un-absorbs the output) itself, a chunk of queries at a time
-            o = self._sparse_attention(q_nope, q_rope, kv_abs, indices, w_uk, w_uv, c.softmax_scale)
-            loss = self._sparse_indexer_loss(q_idx, k_idx, w_idx, q_nope, q_rope, w_uk, kv_abs, indices)
+            # the op absorbs the queries (and un-absorbs the output) itself, a chunk of queries at a time;
+            # its log-sum-exp spares the loss's target one of its two passes over the logits
+            o, lse = self._sparse_attention(q_nope, q_rope, kv_abs, indices, w_uk, w_uv, c.softmax_scale,
+                                            return_lse=True)
+            loss = self._sparse_indexer_loss(q_idx, k_idx, w_idx, q_nope, q_rope, w_uk, kv_abs, indices, lse)
         else:
             k_nope = torch.einsum("bsc,hdc->bshd", c_kv, w_uk)
             v = torch.einsum("bsc,hdc->bshd", c_kv, w_uv)
@@ -155,9 +157,10 @@ class DSAttention(nn.Module):
         out = self.wo(o.reshape(b, s, h * c.v_head_dim))
         return out, None if loss is None else loss.mean()
 
-    def _sparse_indexer_loss(self, q_idx, k_idx, w_idx, q_nope, q_rope, w_uk, kv, indices):
+    def _sparse_indexer_loss(self, q_idx, k_idx, w_idx, q_nope, q_rope, w_uk, kv, indices, lse):
         """The sparse stage's indexer loss ``[B, S]``, per chunk of queries: each chunk's absorbed
-        queries (the target's, detached) exist only while its loss is computed."""
+        queries (the target's, detached) exist only while its loss is computed; ``lse``: the sparse
+        attention's log-sum-exp ``[B, S, H]``."""
         c = self.config
         s = q_nope.shape[1]
         chunk = max(1, TARGET_CHUNK_ELEMENTS // (c.num_heads * kv.shape[-1]))
@@ -167,7 +170,7 @@ class DSAttention(nn.Module):
             t1 = min(t0 + chunk, s)
             q_abs = absorb_query(q_nope[:, t0:t1], q_rope[:, t0:t1], w_uk)
             losses.append(self._indexer_loss(q_idx[:, t0:t1], k_idx, w_idx[:, t0:t1], q_abs, kv, c.softmax_scale,
-                                             indices[:, t0:t1]))
+                                             indices[:, t0:t1], lse[:, t0:t1]))
         return torch.cat(losses, dim=1)
 
     def _indexer_inputs(self, x, c_q, cos, sin):

@@ -118,8 +118,9 @@ def dsa_indexer_topk(q_idx: torch.Tensor, k_idx: torch.Tensor, w_idx: torch.Tens
 
 def _sparse_attention_chunk(
     q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor, softmax_scale: float, d_v: int
-) -> torch.Tensor:
-    """Sparse MLA for one chunk of queries, in fp32: softmax over the valid gathered keys."""
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Sparse MLA for one chunk of queries, in fp32: softmax over the valid gathered keys. Returns
+    the output and the log-sum-exp of the logits (no grad; +inf for a query with no valid key)."""
     sel = _gather_rows(kv, indices).float()  # [B, C, K, D]
     logits = torch.einsum("bchd,bckd->bchk", q.float(), sel) * softmax_scale
     logits = logits.masked_fill((indices < 0)[:, :, None, :], float("-inf"))
@@ -127,18 +128,23 @@ def _sparse_attention_chunk(
     row_max = logits.detach().amax(-1, keepdim=True).clamp_min(torch.finfo(torch.float32).min)
     e = torch.exp(logits - row_max)
     p = e / e.sum(-1, keepdim=True).clamp_min(torch.finfo(torch.float32).tiny)
-    return torch.einsum("bchk,bckd->bchd", p, sel[..., :d_v]).to(q.dtype)
+    lse = torch.logsumexp(logits.detach(), dim=-1)
+    lse = lse.masked_fill(lse == float("-inf"), float("inf"))
+    return torch.einsum("bchk,bckd->bchd", p, sel[..., :d_v]).to(q.dtype), lse
 
 
 def sparse_mla_attention(
-    q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor, softmax_scale: float, d_v: int
-) -> torch.Tensor:
+    q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor, softmax_scale: float, d_v: int, return_lse: bool = False
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """MLA attention (absorbed form, one shared latent KV head) over the keys in ``indices``.
 
     ``out[b, t, h] = sum_j p_j * kv[b, idx_j, :d_v]`` with ``p = softmax_j(softmax_scale *
     q[b, t, h] . kv[b, idx_j])`` over the valid (``>= 0``) entries ``idx_j = indices[b, t, j]``;
     a query with no valid entry gets 0. Repeated indices count once per entry. Returns
-    ``[B, S, H, d_v]`` in ``q``'s dtype; grads flow to ``q`` and ``kv``.
+    ``[B, S, H, d_v]`` in ``q``'s dtype; grads flow to ``q`` and ``kv``. With ``return_lse``,
+    ``(out, lse)``: ``lse[b, t, h] = log sum_j exp(softmax_scale * q[b, t, h] . kv[b, idx_j])``
+    over the same entries, fp32 ``[B, S, H]``, natural log, +inf for a query with no valid entry,
+    without grad (what ``dsa_indexer_loss`` takes to skip recomputing it).
     """
     check_attention("sparse_mla_attention", q, kv, d_v)
     b, s, h, d = q.shape
@@ -146,17 +152,18 @@ def sparse_mla_attention(
         raise ValueError(f"sparse_mla_attention: indices must be [B, S, topk] = [{b}, {s}, k], got {tuple(indices.shape)}")
     topk = indices.shape[-1]
     chunk = query_chunk(s, topk * max(h, d), s * topk)
-    outs = [
+    outs, lses = zip(*(
         checkpoint(_sparse_attention_chunk, q[:, t0:t1], kv, indices[:, t0:t1], softmax_scale, d_v, use_reentrant=False)
         for t0, t1 in _chunks(s, chunk)
-    ]
-    return torch.cat(outs, dim=1)
+    ))
+    out = torch.cat(outs, dim=1)
+    return (out, torch.cat(lses, dim=1)) if return_lse else out
 
 
 def _absorbed_attention_chunk(q_nope, q_rope, kv, indices, w_uk, w_uv, softmax_scale):
     q = absorb_query(q_nope, q_rope, w_uk)
-    o_lat = _sparse_attention_chunk(q, kv, indices, softmax_scale, w_uk.shape[-1])
-    return torch.einsum("bshc,hvc->bshv", o_lat, w_uv)
+    o_lat, lse = _sparse_attention_chunk(q, kv, indices, softmax_scale, w_uk.shape[-1])
+    return torch.einsum("bshc,hvc->bshv", o_lat, w_uv), lse
 
 
 def sparse_mla_absorbed_attention(
@@ -167,7 +174,8 @@ def sparse_mla_absorbed_attention(
     w_uk: torch.Tensor,
     w_uv: torch.Tensor,
     softmax_scale: float,
-) -> torch.Tensor:
+    return_lse: bool = False,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Sparse MLA from the per-head query to the per-head output, with the absorption inside the op.
 
     ``out[b, t, h] = w_uv[h] @ sparse_mla_attention(absorb_query(q_nope, q_rope, w_uk), kv, indices,
@@ -176,16 +184,19 @@ def sparse_mla_absorbed_attention(
     value up-projection ``w_uv`` ``[H, DV, C]``; returns ``[B, S, H, DV]``. Grads flow to all five
     tensors. The op owns the ``[B, S, H, C + DR]`` absorbed queries and ``[B, S, H, C]`` latent
     outputs, so an implementation may keep them per chunk of queries only (they are 3-4x the size of
-    the per-head query and output at DeepSeek's sizes).
+    the per-head query and output at DeepSeek's sizes). With ``return_lse``, ``(out, lse)``: the
+    attention's log-sum-exp over the selected keys, as ``sparse_mla_attention`` returns it.
     """
     dims = check_absorbed("sparse_mla_absorbed_attention", q_nope, q_rope, kv, indices, w_uk, w_uv)
     s = dims["S"]
     chunk = query_chunk(s, indices.shape[-1] * max(dims["H"], dims["D"]), s * indices.shape[-1])
-    return torch.cat([
+    outs, lses = zip(*(
         checkpoint(_absorbed_attention_chunk, q_nope[:, t0:t1], q_rope[:, t0:t1], kv, indices[:, t0:t1], w_uk, w_uv,
                    softmax_scale, use_reentrant=False)
         for t0, t1 in _chunks(s, chunk)
-    ], dim=1)
+    ))
+    out = torch.cat(outs, dim=1)
+    return (out, torch.cat(lses, dim=1)) if return_lse else out
 
 
 def _kl(p: torch.Tensor, logits: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -229,6 +240,7 @@ def dsa_indexer_loss(
     kv: torch.Tensor,
     softmax_scale: float,
     indices: torch.Tensor | None = None,
+    lse: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The lightning indexer's KL loss, per query: fp32 ``[B, S]``.
 
@@ -237,6 +249,12 @@ def dsa_indexer_loss(
     computed without grad: ``q`` and ``kv`` get none, the indexer inputs ``q_idx``, ``k_idx``,
     ``w_idx`` do. With ``indices=None`` (the dense warm-up stage) both distributions range over
     every causal key; with ``indices`` (the sparse stage) over the selected keys only.
+
+    ``lse`` (sparse stage only): the log-sum-exp of the same attention over the same selected keys,
+    fp32 ``[B, S, H]``, as ``sparse_mla_attention(q, kv, indices, softmax_scale, d_v,
+    return_lse=True)`` returns it. It does not change the loss: an implementation may take each
+    head's softmax normaliser from it instead of recomputing it (one pass over the logits instead
+    of two); this reference checks its shape and recomputes the normaliser.
     """
     check_indexer("dsa_indexer_loss", q_idx, k_idx, w_idx)
     check_attention("dsa_indexer_loss", q, kv, q.shape[-1])
@@ -247,6 +265,10 @@ def dsa_indexer_loss(
             f"dsa_indexer_loss: indexer {tuple(q_idx.shape)}/{tuple(k_idx.shape)} and attention "
             f"{tuple(q.shape)}/{tuple(kv.shape)} inputs describe different sequences"
         )
+    if lse is not None:
+        if indices is None:
+            raise ValueError("dsa_indexer_loss: lse is the sparse attention's over the selected keys; give indices with it")
+        check_shapes("dsa_indexer_loss", q=(q, "B S H D"), lse=(lse, "B S H"))
     losses = []
     if indices is None:
         chunk = query_chunk(s, max(h, hi) * n_kv, s * DENSE_CHUNK_KEYS)
