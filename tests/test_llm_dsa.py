@@ -356,3 +356,13 @@ def test_cli_trains_the_debug_model(tmp_path, llm_data_cache):
     records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records] == [1, 2, 3]
     assert all(7.0 < r["loss"] < 9.0 and r["grad_norm"] > 0 for r in records)  # ln(4096) = 8.3 at the start
+
+
+def test_the_target_chunks_are_the_attention_forwards_chunks():
+    """The sparse stage's one-pass indexer target reads the log-sum-exp the fused absorbed attention
+    saved: the target's absorbed queries must be made in the same chunks of tokens (the same GEMM
+    shapes, so the same bits) as the attention forward's."""
+    from loongforge.kernels.sparse_mla_absorbed import CHUNK_ELEMENTS
+    from loongforge.llm.families.dsa_attention import TARGET_CHUNK_ELEMENTS
+
+    assert TARGET_CHUNK_ELEMENTS == CHUNK_ELEMENTS
