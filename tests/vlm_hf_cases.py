@@ -70,6 +70,15 @@ class Sample:
                 torch.tensor([item.grid for _, item in self.items]))
 
 
+# Samples of the Qwen3-VL layout family (text runs and images/videos as (kind, (t, h, w)) patch
+# grids), for make_sample: images alone, one video, and both
+QWEN3_VL_CASES = {
+    "images": [5, ("image", (1, 8, 8)), 4, ("image", (1, 6, 10)), 3, ("image", (1, 4, 4)), 6],
+    "video": [3, ("video", (3, 6, 8)), 7],
+    "mixed": [2, ("video", (2, 4, 6)), 3, ("image", (1, 10, 6)), 5],
+}
+
+
 def make_sample(parts, ids: dict, patch_dim: int, merge: int = 2, text_vocab: int = 290,
                 frame_text: int | None = None) -> Sample:
     """``parts``: text lengths, ("image", (t, h, w)) or ("video", (t, h, w), seconds_per_grid_t).

@@ -19,7 +19,7 @@ from transformers import (Qwen3_5Config, Qwen3_5ForConditionalGeneration, Qwen3_
 
 from loongforge.core.hf_mapping import MappingError
 from vlm_hf_cases import (assert_reexport_bitwise, assert_stray_tensor_refused, converted_model, exported_files,
-                           logits_pair, make_sample, randomize_)
+                           logits_pair, make_sample, randomize_, QWEN3_VL_CASES)
 
 IDS = dict(image_token_id=300, video_token_id=301, vision_start_token_id=302, vision_end_token_id=303)
 TEXT = dict(vocab_size=320, hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=4,
@@ -55,11 +55,7 @@ def converted(request, tmp_path_factory, megatron_world):
     return hf, ours, done, root
 
 
-CASES = {
-    "images": [5, ("image", (1, 8, 8)), 4, ("image", (1, 6, 10)), 3, ("image", (1, 4, 4)), 6],
-    "video": [3, ("video", (3, 6, 8)), 7],
-    "mixed": [2, ("video", (2, 4, 6)), 3, ("image", (1, 10, 6)), 5],
-}
+CASES = QWEN3_VL_CASES
 
 
 def positions_of(sample):

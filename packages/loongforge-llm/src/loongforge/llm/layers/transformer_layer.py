@@ -35,6 +35,8 @@ class FusedTransformerLayer(TransformerLayer):
         self.recompute_elementwise = recompute_elementwise and self.config.recompute_granularity != "full"
         if isinstance(self.mlp, FusedMLP):
             self.mlp.recompute_activation = self.recompute_elementwise
+        # the input norm passes the residual stream on itself where it can (its two gradients summed in its backward)
+        self._norm_passes_stream = isinstance(self.input_layernorm, FusedRMSNorm)
 
     def _own_path(self, kwargs) -> bool:
         return (
@@ -52,7 +54,7 @@ class FusedTransformerLayer(TransformerLayer):
         recompute = self.recompute_elementwise and self.training and hidden_states.requires_grad
         attn_kwargs = {k: kwargs.get(k) for k in ("rotary_pos_emb", "attention_bias", "packed_seq_params")}
 
-        if isinstance(self.input_layernorm, FusedRMSNorm):
+        if self._norm_passes_stream:
             normed, stream = self.input_layernorm.with_residual(hidden_states)
         else:
             normed, stream = self.input_layernorm(hidden_states), hidden_states
