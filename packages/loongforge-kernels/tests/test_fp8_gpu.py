@@ -33,6 +33,10 @@ def test_quantisers_are_bitwise_the_reference(dtype):
         (fg.quantize_1x128(x), ref.quantize_1x128(x)),
         (fg.quantize_1x128_transposed(x), ref.quantize_1x128(x.t().contiguous())),
         (fg.quantize_128x128(x), ref.quantize_128x128(x)),
+        (fg.quantize_1x128_both(x)[:2], ref.quantize_1x128(x)),
+        (fg.quantize_1x128_both(x)[2:], ref.quantize_1x128(x.t().contiguous())),
+        (fg.quantize_128x128_both(x)[:2], ref.quantize_128x128(x)),
+        (fg.quantize_128x128_both(x)[2:], tuple(t.t().contiguous() for t in ref.quantize_128x128(x))),
     ):
         assert fused[0].shape == want[0].shape and fused[1].shape == want[1].shape
         assert torch.equal(fused[0].view(torch.uint8), want[0].view(torch.uint8))

@@ -4,7 +4,7 @@ Contract: ``fp8_linear`` (loongforge-llm's ``loongforge.llm.ops.fp8_blockwise``)
 quantises ``x`` (1x128) and the master weight (128x128) and runs ``y = x @ w.T`` in FP8; it saves the weight's e4m3 copy
 for the input-grad GEMM and ``x`` quantised along the token dim (transposed, 1 byte per element)
 for the weight-grad GEMM, so no bf16 activation is kept. The backward quantises ``dy`` both ways
-and runs ``dx = dy @ w`` and ``dw = dy.T @ x`` in FP8 (see ``fp8_gemm`` for the GEMMs).
+(one read of ``dy``, as of ``x`` and of the weight in the forward, for both of its copies) and runs ``dx = dy @ w`` and ``dw = dy.T @ x`` in FP8 (see ``fp8_gemm`` for the GEMMs).
 
 ``gemms`` (core's ``Fp8Gemms``) says which of the three GEMMs run in FP8; the others run in the
 input's dtype (the weight cast to it), and what they need is saved unquantised. The op never
@@ -26,20 +26,26 @@ class _Fp8Linear(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x2, weight, bias, gemms: Fp8Gemms):
         out_dtype = x2.dtype
-        if gemms.fprop or gemms.dgrad:
+        dgrad_saved: tuple[torch.Tensor, ...] = (weight,)
+        if gemms.dgrad:  # the e4m3 weight, and its transpose K-major for dx = dy @ w
+            wq, ws, wq_t, ws_t = gemm.quantize_128x128_both(weight)
+            dgrad_saved = (wq_t, ws_t)
+        elif gemms.fprop:
             wq, ws = gemm.quantize_128x128(weight)
+        wgrad_saved: tuple[torch.Tensor, ...] = (x2,)
+        if gemms.fprop and gemms.wgrad:  # x read once for both of its quantised copies
+            xq, xs, xq_t, xs_t = gemm.quantize_1x128_both(x2)
+            wgrad_saved = (xq_t, xs_t)
+        elif gemms.fprop:
+            xq, xs = gemm.quantize_1x128(x2)
+        elif gemms.wgrad:
+            wgrad_saved = gemm.quantize_1x128_transposed(x2)
         if gemms.fprop:
-            y = gemm.fp8_gemm(*gemm.quantize_1x128(x2), wq, ws, True, out_dtype)
+            y = gemm.fp8_gemm(xq, xs, wq, ws, True, out_dtype)
         else:
             y = x2 @ weight.to(out_dtype).t()
         if bias is not None:
             y = y + bias.to(out_dtype)
-        dgrad_saved: tuple[torch.Tensor, ...]
-        if gemms.dgrad:  # the e4m3 weight, K-major for dx = dy @ w
-            dgrad_saved = (wq.t().contiguous(), ws.t().contiguous())
-        else:
-            dgrad_saved = (weight,)
-        wgrad_saved = gemm.quantize_1x128_transposed(x2) if gemms.wgrad else (x2,)
         ctx.save_for_backward(*dgrad_saved, *wgrad_saved)
         ctx.n_dgrad = len(dgrad_saved)
         ctx.gemms, ctx.has_bias, ctx.w_dtype = gemms, bias is not None, weight.dtype
@@ -52,14 +58,24 @@ class _Fp8Linear(torch.autograd.Function):
         gemms = ctx.gemms
         dy = dy.contiguous()
         dx = dw = db = None
-        if ctx.needs_input_grad[0]:
+        want_dx = ctx.needs_input_grad[0]
+        want_dw = ctx.needs_input_grad[1]
+        # dy's 1x128 copy (for dgrad) and its transposed one (for wgrad)
+        dy_q = dy_s = dy_qt = dy_st = None
+        if want_dx and gemms.dgrad and want_dw and gemms.wgrad:  # dy read once for both
+            dy_q, dy_s, dy_qt, dy_st = gemm.quantize_1x128_both(dy)
+        elif want_dx and gemms.dgrad:
+            dy_q, dy_s = gemm.quantize_1x128(dy)
+        elif want_dw and gemms.wgrad:
+            dy_qt, dy_st = gemm.quantize_1x128_transposed(dy)
+        if want_dx:
             if gemms.dgrad:
-                dx = gemm.fp8_gemm(*gemm.quantize_1x128(dy), *dgrad_saved, True, dy.dtype)
+                dx = gemm.fp8_gemm(dy_q, dy_s, *dgrad_saved, True, dy.dtype)
             else:
                 dx = dy @ dgrad_saved[0].to(dy.dtype)
-        if ctx.needs_input_grad[1]:
+        if want_dw:
             if gemms.wgrad:
-                dw = gemm.fp8_gemm(*gemm.quantize_1x128_transposed(dy), *wgrad_saved, False, ctx.w_dtype)
+                dw = gemm.fp8_gemm(dy_qt, dy_st, *wgrad_saved, False, ctx.w_dtype)
             else:
                 dw = (dy.t() @ wgrad_saved[0]).to(ctx.w_dtype)
         if ctx.has_bias and ctx.needs_input_grad[2]:
