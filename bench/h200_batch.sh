@@ -9,6 +9,7 @@
 #   bash bench/h200_batch.sh dsa      # the DSA kernels' GPU tests, then bench/dsa_throughput.py at 128 heads, 32K and 64K
 #   bash bench/h200_batch.sh embodied # lf-embodied bench --against-lerobot (needs lerobot and its imports in .whl-emb/
 #                                     # and .whl-av/), detached: it outlasts one call, see the stage
+#   bash bench/h200_batch.sh embodied-eager # the same against LeRobot uncompiled (--lerobot-compile-mode none), in one call
 #   bash bench/h200_batch.sh wait     # the detached embodied run: wait for it (one call's worth), then its log
 #   bash bench/h200_batch.sh long     # train_0_5b at 32K and 128K tokens: plain, activation offload, ChunkPipe
 #
@@ -22,7 +23,7 @@
 # LeRobot (check, embodied): every carried .whl-*/ folder is installed. Everything printed also goes
 # to $OUT/<stage>.log.
 set -uo pipefail
-stage=${1:?usage: h200_batch.sh check|bench-a|bench-b|dsa|embodied|wait|long}
+stage=${1:?usage: h200_batch.sh check|bench-a|bench-b|dsa|embodied|embodied-eager|wait|long}
 OUT=${OUT:-/tmp/lf-h200}
 mkdir -p "$OUT"
 exec > >(tee "$OUT/$stage.log") 2>&1
@@ -139,6 +140,12 @@ embodied)
                       --lerobot-compile-mode ${LEROBOT_COMPILE_MODE:-default} >/tmp/lf-embodied/bench.log 2>&1; \
                     echo \"exit code: \$?\" >>/tmp/lf-embodied/bench.log; touch /tmp/lf-embodied/done" </dev/null >/dev/null 2>&1 &
   echo "started detached (pid $!); follow it with: bash bench/h200_batch.sh wait"
+  ;;
+embodied-eager)
+  environment
+  # LeRobot uncompiled (PI05Config's default compile_model=false), ours as lf-embodied train runs it:
+  # no inductor autotuning on LeRobot's side, so it fits one call
+  bench 540 python3 "$repo/bench/embodied_throughput.py" --rounds 1 --profile-rows 25 --lerobot-compile-mode none
   ;;
 wait)
   # up to WAIT seconds (default 560) for the detached embodied bench, then its log without the

@@ -36,6 +36,14 @@ def test_lerobot_compile_mode_is_marked_as_a_departure_from_its_default():
     assert "compile_mode 'default' set by --lerobot-compile-mode: LeRobot's default is 'max-autotune'" in lines
 
 
+def test_lerobot_uncompiled_is_pi05_configs_default():
+    recipe = lerobot_recipe("none")
+    applied = recipe.applied("cuda")
+    assert (applied["compile_model"], applied["compile_mode"]) == (False, None)
+    assert (applied["tf32"], applied["fused_adamw"], applied["autocast"]) == (True, True, "bfloat16")
+    assert "compile_model = False set by --lerobot-compile-mode none" in "\n".join(recipe.lines("cuda"))
+
+
 def _tiny(cfg, recipe, device_type):
     return build_lerobot_pi05(cfg)
 

@@ -18,7 +18,8 @@ the same: the weights and the batch are shared). LeRobot's ``PI05Pytorch`` const
 the released sizes (``gemma_2b`` + ``gemma_300m``), so ``--against-lerobot`` needs
 ``model=pi05_base``. ``--lerobot-compile-mode`` picks another of ``torch.compile``'s modes for
 LeRobot's ``compile_mode`` (its default, ``max-autotune``, is what the recipe requests; the printed
-recipe marks a different mode as a departure from it).
+recipe marks a different mode as a departure from it), or ``none`` for LeRobot uncompiled
+(``PI05Config``'s own default, ``compile_model=false``).
 """
 
 from __future__ import annotations
@@ -39,23 +40,29 @@ from loongforge.embodied.config import EmbodiedConfig, PolicyConfig
 
 BASELINE = "lerobot"
 LEROBOT_COMPILE_MODE = "max-autotune"  # PI05Config.compile_mode's default
-COMPILE_MODES = ("max-autotune", "max-autotune-no-cudagraphs", "reduce-overhead", "default")
+UNCOMPILED = "none"  # --lerobot-compile-mode none: PI05Config's own default, compile_model=false
+COMPILE_MODES = ("max-autotune", "max-autotune-no-cudagraphs", "reduce-overhead", "default", UNCOMPILED)
 
 
 def lerobot_recipe(compile_mode: str = LEROBOT_COMPILE_MODE) -> BaselineRecipe:
     """LeRobot's Pi0.5 training as its ``lerobot_train.py`` runs it on a GPU, with fused AdamW;
-    ``compile_mode`` other than LeRobot's default is noted as this run's departure from it."""
+    ``compile_mode`` other than LeRobot's default is noted as this run's departure from it
+    (``none``: not compiled, ``PI05Config``'s default ``compile_model=false``)."""
     if compile_mode not in COMPILE_MODES:
         raise ConfigError(f"--lerobot-compile-mode {compile_mode!r}: one of {', '.join(COMPILE_MODES)}")
     notes: tuple[str, ...] = ("on CPU the bench runs fp32 eager on both sides (a smoke run of the same code)",)
-    if compile_mode != LEROBOT_COMPILE_MODE:
+    compiled = compile_mode != UNCOMPILED
+    if not compiled:
+        notes += ("compile_model = False set by --lerobot-compile-mode none: PI05Config's default (compile_model=false), "
+                  "without policy.compile_model=true",)
+    elif compile_mode != LEROBOT_COMPILE_MODE:
         notes += (f"compile_mode {compile_mode!r} set by --lerobot-compile-mode: LeRobot's default is "
                   f"{LEROBOT_COMPILE_MODE!r}",)
     return BaselineRecipe(
         project="LeRobot PI05Pytorch",
         source="lerobot_train.py: policy.dtype=bfloat16 drives accelerator.autocast(), TF32 on, policy.compile_model=true",
-        options={"dtype": "bfloat16", "autocast": "bfloat16", "tf32": True, "compile_model": True,
-                 "compile_mode": compile_mode, "fused_adamw": True, "grad_clip_norm": 1.0,
+        options={"dtype": "bfloat16", "autocast": "bfloat16", "tf32": True, "compile_model": compiled,
+                 "compile_mode": compile_mode if compiled else None, "fused_adamw": True, "grad_clip_norm": 1.0,
                  "gradient_checkpointing": False},
         cuda_only=frozenset({"dtype", "autocast", "tf32", "compile_model", "compile_mode", "fused_adamw"}),
         notes=notes,

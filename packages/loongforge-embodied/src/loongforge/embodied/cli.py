@@ -60,7 +60,8 @@ def bench_options(parser) -> None:
     parser.add_argument("--batch-size", type=int, default=None,
                         help="samples a step (train.global_batch_size; default: the config's)")
     parser.add_argument("--lerobot-compile-mode", default=None,
-                        help="with --against-lerobot: a torch.compile mode for LeRobot's PI05 other than its own default")
+                        help="with --against-lerobot: a torch.compile mode for LeRobot's PI05 other than its own default, "
+                             "or 'none' (LeRobot uncompiled)")
 
 
 def bench(args, config: str, overrides: list[str]) -> None:
