@@ -2,6 +2,7 @@
 # DeepSeek sparse attention (DSA) on one CUDA machine (H100 or H200), in one device call of < 9 minutes:
 #
 #   bash bench/dsa_batch.sh          (everything below)
+#   bash bench/dsa_batch.sh kernels  (the GPU tests at 128 heads and the sparse MLA kernels alone: ~3 minutes)
 #   bash bench/dsa_batch.sh quick    (the GPU tests at 128 heads, dense vs DSA at 16K-64K and the sparse
 #                                     MLA kernels on one chunk of queries at 16K-64K: ~2-3 minutes)
 #
@@ -29,6 +30,12 @@ nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.max.sm --format=c
 python3 -c 'import torch, triton; print("torch", torch.__version__, "triton", triton.__version__)'
 
 tests="$repo/packages/loongforge-kernels/tests"
+if [ "${1:-}" = kernels ]; then  # the GPU tests at 128 heads, then the kernels alone (no step timings): ~3 minutes
+  (cd "$repo" && bench 100 python3 -m pytest -q -p no:cacheprovider -n 0 -o addopts="--import-mode=importlib" \
+      "$tests/test_dsa_gpu.py" -k "8192-128" 2>&1 | tail -n 12)
+  bench 100 python3 "$repo/bench/dsa_kernel_launches.py" --seqs 16384,32768,65536 --iters 2
+  exit 0
+fi
 if [ "${1:-}" = quick ]; then  # the GPU tests at 128 heads, dense vs DSA and the kernels at 16K-64K
   (cd "$repo" && bench 210 python3 -m pytest -q -p no:cacheprovider -n 0 -o addopts="--import-mode=importlib" \
       "$tests/test_dsa_gpu.py" -k "8192-128" 2>&1 | tail -n 12)

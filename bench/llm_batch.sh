@@ -18,8 +18,8 @@
 #                                    # profile and the GPU's idle gaps from its trace), bench_qwen3_4b, train_0_5b: ~8 minutes
 #   bash bench/llm_batch.sh pure-short # the norm and embedding kernels' GPU tests; pure bf16 against hf_liger: the 1B
 #                                    # case and train_0_5b, each with ours' profile: ~5 minutes
-#   bash bench/llm_batch.sh fp8      # the FP8 kernels' GPU tests; pure bf16, the 1B case: ours in bf16, FP8 blockwise and
-#                                    # adaptive against hf_liger, then ours in FP8 blockwise alone with its kernel
+#   bash bench/llm_batch.sh fp8      # the FP8 kernels' GPU tests; pure bf16, the 1B case: ours in bf16 and FP8 blockwise
+#                                    # against hf_liger, then ours in FP8 blockwise alone with its kernel
 #                                    # profile (which GEMMs run on cuBLAS, what quantising costs): ~6 minutes
 #   bash bench/llm_batch.sh shortest # the AdamW kernel's GPU test, the 1B case in both recipes against hf_liger
 #                                    # (FP8 beside mixed), then train_0_5b in pure bf16: ~5 minutes
@@ -116,11 +116,11 @@ shortest)
   llm_bench 80 --config train_0_5b $liger_only --profile-rows 0 train.precision=bf16-pure
   ;;
 fp8)
-  (cd "$repo" && timeout 90 python3 -m pytest -q -p no:cacheprovider -n 0 -o addopts="--import-mode=importlib" \
+  (cd "$repo" && timeout 60 python3 -m pytest -q -p no:cacheprovider -n 0 -o addopts="--import-mode=importlib" \
       packages/loongforge-kernels/tests/test_fp8_gpu.py 2>&1 | tail -n 4)
   liger_only="--skip hf_eager --skip hf_compile --rounds 1"
-  llm_bench 220 --config bench_llama_1b $liger_only --profile-rows 0 --fp8 blockwise --fp8 adaptive train.precision=bf16-pure
-  llm_bench 110 --config bench_llama_1b --skip hf_eager --skip hf_compile --skip hf_liger --rounds 1 --profile-rows 40 \
+  llm_bench 170 --config bench_llama_1b $liger_only --profile-rows 0 --fp8 blockwise train.precision=bf16-pure
+  llm_bench 90 --config bench_llama_1b --skip hf_eager --skip hf_compile --skip hf_liger --rounds 1 --profile-rows 40 \
       fp8=blockwise train.precision=bf16-pure
   ;;
 pair)
