@@ -116,8 +116,9 @@ shortest)
   llm_bench 80 --config train_0_5b $liger_only --profile-rows 0 train.precision=bf16-pure
   ;;
 fp8)
-  (cd "$repo" && timeout 60 python3 -m pytest -q -p no:cacheprovider -n 0 -o addopts="--import-mode=importlib" \
-      packages/loongforge-kernels/tests/test_fp8_gpu.py 2>&1 | tail -n 4)
+  (cd "$repo" && timeout 60 python3 -m pytest -q -rf --tb=line -p no:cacheprovider -n 0 -o addopts="--import-mode=importlib" \
+      packages/loongforge-kernels/tests/test_fp8_gpu.py 2>&1 | tail -n 25)
+  bench 40 python3 "$repo/bench/fp8_quantisers.py"
   liger_only="--skip hf_eager --skip hf_compile --rounds 1"
   llm_bench 170 --config bench_llama_1b $liger_only --profile-rows 0 --fp8 blockwise train.precision=bf16-pure
   llm_bench 90 --config bench_llama_1b --skip hf_eager --skip hf_compile --skip hf_liger --rounds 1 --profile-rows 40 \

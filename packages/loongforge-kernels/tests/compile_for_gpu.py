@@ -141,15 +141,16 @@ def build_fp8() -> None:
     limits = dict(AMAX_FLOOR=fg.AMAX_FLOOR, FP8_MAX=fg.FP8_MAX, INV_FP8_MAX=fg.INV_FP8_MAX)
     for dtype in ("bf16", "fp32"):
         rows = dict(n_rows=i32, n_cols=i32)
-        build(fg._quant_rows, dict(X=f"*{dtype}", Q=f8, S="*fp32", stride_x=i32, stride_q=i32, stride_s=i32, **rows),
+        build(fg._quant_rows, dict(X=f"*{dtype}", Q=f8, S="*fp32", stride_x=i32, stride_q=i32, stride_s=i32, stride_sk=i32,
+                                   **rows),
               dict(limits, BLOCK_R=fg.QUANT_ROWS, BLOCK_C=fg.BLOCK))
         build(fg._quant_cols_transposed,
-              dict(X=f"*{dtype}", QT=f8, ST="*fp32", stride_x=i32, stride_qt=i32, stride_st=i32, **rows),
+              dict(X=f"*{dtype}", QT=f8, ST="*fp32", stride_x=i32, stride_qt=i32, stride_st=i32, stride_stk=i32, **rows),
               dict(limits, BLOCK_R=fg.BLOCK, BLOCK_C=64))
         build(fg._quant_rows_and_cols,
               dict(X=f"*{dtype}", Q=f8, S="*fp32", QT=f8, ST="*fp32", stride_x=i32, stride_q=i32, stride_s=i32,
-                   stride_qt=i32, stride_st=i32, **rows),
-              dict(limits, BLOCK=fg.BLOCK), num_warps=8)
+                   stride_sk=i32, stride_qt=i32, stride_st=i32, stride_stk=i32, **rows),
+              dict(limits, BLOCK=fg.BLOCK, SUB_R=fg.QUANT_ROWS), num_warps=4)
         for transposed in (False, True):
             build(fg._quant_blocks,
                   dict(W=f"*{dtype}", Q=f8, S="*fp32", QT=f8, stride_w=i32, stride_q=i32, stride_s=i32, stride_qt=i32,
@@ -167,7 +168,7 @@ def build_fp8() -> None:
         build(
             fg._fp8_gemm,
             dict(A=f8, B=f8, SA="*fp32", SB="*fp32", C=f"*{out}", M=i32, N=i32, K=i32, stride_am=i32, stride_bn=i32,
-                 stride_cm=i32, stride_sa=i32, stride_sb=i32),
+                 stride_cm=i32, stride_sa=i32, stride_sak=i32, stride_sb=i32, stride_sbk=i32),
             dict(B_BLOCKED=b_blocked, BLOCK_M=fg.GEMM_BLOCK_M, BLOCK_N=fg.GEMM_BLOCK_N, BLOCK_K=fg.BLOCK,
                  GROUP_M=fg.GEMM_GROUP_M),
             num_warps=8, num_stages=3, aligned=("M", "N", "K"),

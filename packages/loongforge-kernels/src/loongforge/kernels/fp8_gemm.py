@@ -42,7 +42,7 @@ BLOCK = 128  # the recipe's scaling block (the reference's ``fp8_blockwise.BLOCK
 
 @triton.jit
 def _quant_rows(
-    X, Q, S, n_rows, n_cols, stride_x, stride_q, stride_s,
+    X, Q, S, n_rows, n_cols, stride_x, stride_q, stride_s, stride_sk,
     AMAX_FLOOR: tl.constexpr, FP8_MAX: tl.constexpr, INV_FP8_MAX: tl.constexpr,
     BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
 ):
@@ -55,12 +55,12 @@ def _quant_rows(
     scale = tl.maximum(tl.max(tl.abs(x), axis=1), AMAX_FLOOR) * INV_FP8_MAX
     q = tl.clamp(tl.math.div_rn(x, scale[:, None]), -FP8_MAX, FP8_MAX)
     tl.store(Q + rows64[:, None] * stride_q + cols[None, :], q.to(Q.dtype.element_ty), mask=mask)
-    tl.store(S + rows64 * stride_s + kb, scale, mask=rows < n_rows)
+    tl.store(S + rows64 * stride_s + kb * stride_sk, scale, mask=rows < n_rows)
 
 
 @triton.jit
 def _quant_cols_transposed(
-    X, QT, ST, n_rows, n_cols, stride_x, stride_qt, stride_st,
+    X, QT, ST, n_rows, n_cols, stride_x, stride_qt, stride_st, stride_stk,
     AMAX_FLOOR: tl.constexpr, FP8_MAX: tl.constexpr, INV_FP8_MAX: tl.constexpr,
     BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
 ):
@@ -73,33 +73,44 @@ def _quant_cols_transposed(
     scale = tl.maximum(tl.max(tl.abs(x), axis=0), AMAX_FLOOR) * INV_FP8_MAX
     q = tl.clamp(tl.math.div_rn(x, scale[None, :]), -FP8_MAX, FP8_MAX)
     tl.store(QT + cols64[None, :] * stride_qt + rows[:, None], q.to(QT.dtype.element_ty), mask=mask)
-    tl.store(ST + cols64 * stride_st + rb, scale, mask=cols < n_cols)
+    tl.store(ST + cols64 * stride_st + rb * stride_stk, scale, mask=cols < n_cols)
 
 
 @triton.jit
 def _quant_rows_and_cols(
-    X, Q, S, QT, ST, n_rows, n_cols, stride_x, stride_q, stride_s, stride_qt, stride_st,
+    X, Q, S, QT, ST, n_rows, n_cols, stride_x, stride_q, stride_s, stride_sk, stride_qt, stride_st, stride_stk,
     AMAX_FLOOR: tl.constexpr, FP8_MAX: tl.constexpr, INV_FP8_MAX: tl.constexpr, BLOCK: tl.constexpr,
+    SUB_R: tl.constexpr,
 ):
-    # one 128x128 tile, read once: its rows' 1x128 blocks (as _quant_rows) and its columns' (as
-    # _quant_cols_transposed, written transposed)
+    # one 128x128 tile: its rows' 1x128 blocks (as _quant_rows) and its columns' (as
+    # _quant_cols_transposed, written transposed), in slices of SUB_R rows so that a slice stays in
+    # registers: the first pass quantises the rows and takes the columns' amax, the second reads
+    # the slices again (from L2: the tile was just read) and quantises the columns
     rb = tl.program_id(0)
     cb = tl.program_id(1)
-    rows = rb * BLOCK + tl.arange(0, BLOCK)
     cols = cb * BLOCK + tl.arange(0, BLOCK)
-    mask = (rows[:, None] < n_rows) & (cols[None, :] < n_cols)
-    rows64 = rows.to(tl.int64)
+    col_ok = cols < n_cols
     cols64 = cols.to(tl.int64)
-    x = tl.load(X + rows64[:, None] * stride_x + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-    ax = tl.abs(x)
-    row_scale = tl.maximum(tl.max(ax, axis=1), AMAX_FLOOR) * INV_FP8_MAX
-    q = tl.clamp(tl.math.div_rn(x, row_scale[:, None]), -FP8_MAX, FP8_MAX)
-    tl.store(Q + rows64[:, None] * stride_q + cols[None, :], q.to(Q.dtype.element_ty), mask=mask)
-    tl.store(S + rows64 * stride_s + cb, row_scale, mask=rows < n_rows)
-    col_scale = tl.maximum(tl.max(ax, axis=0), AMAX_FLOOR) * INV_FP8_MAX
-    qt = tl.clamp(tl.math.div_rn(x, col_scale[None, :]), -FP8_MAX, FP8_MAX)
-    tl.store(QT + cols64[None, :] * stride_qt + rows[:, None], qt.to(QT.dtype.element_ty), mask=mask)
-    tl.store(ST + cols64 * stride_st + rb, col_scale, mask=cols < n_cols)
+    col_amax = tl.zeros([BLOCK], dtype=tl.float32)
+    for r in range(0, BLOCK, SUB_R):
+        rows = rb * BLOCK + r + tl.arange(0, SUB_R)
+        rows64 = rows.to(tl.int64)
+        mask = (rows[:, None] < n_rows) & col_ok[None, :]
+        x = tl.load(X + rows64[:, None] * stride_x + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        ax = tl.abs(x)
+        col_amax = tl.maximum(col_amax, tl.max(ax, axis=0))
+        row_scale = tl.maximum(tl.max(ax, axis=1), AMAX_FLOOR) * INV_FP8_MAX
+        q = tl.clamp(tl.math.div_rn(x, row_scale[:, None]), -FP8_MAX, FP8_MAX)
+        tl.store(Q + rows64[:, None] * stride_q + cols[None, :], q.to(Q.dtype.element_ty), mask=mask)
+        tl.store(S + rows64 * stride_s + cb * stride_sk, row_scale, mask=rows < n_rows)
+    col_scale = tl.maximum(col_amax, AMAX_FLOOR) * INV_FP8_MAX
+    for r in range(0, BLOCK, SUB_R):
+        rows = rb * BLOCK + r + tl.arange(0, SUB_R)
+        mask = (rows[:, None] < n_rows) & col_ok[None, :]
+        x = tl.load(X + rows.to(tl.int64)[:, None] * stride_x + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        qt = tl.clamp(tl.math.div_rn(x, col_scale[None, :]), -FP8_MAX, FP8_MAX)
+        tl.store(QT + cols64[None, :] * stride_qt + rows[:, None], qt.to(QT.dtype.element_ty), mask=mask)
+    tl.store(ST + cols64 * stride_st + rb * stride_stk, col_scale, mask=col_ok)
 
 
 @triton.jit
@@ -127,7 +138,7 @@ def _quant_blocks(
 def _fp8_gemm(
     A, B, SA, SB, C,
     M, N, K,
-    stride_am, stride_bn, stride_cm, stride_sa, stride_sb,
+    stride_am, stride_bn, stride_cm, stride_sa, stride_sak, stride_sb, stride_sbk,
     B_BLOCKED: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
 ):
@@ -157,12 +168,12 @@ def _fp8_gemm(
         k_ok = rk < K - kb * BLOCK_K
         a = tl.load(a_ptr, mask=m_ok[:, None] & k_ok[None, :], other=0.0)
         b = tl.load(b_ptr, mask=n_ok[:, None] & k_ok[None, :], other=0.0)
-        sa = tl.load(sa_ptr + kb, mask=m_ok, other=0.0)
+        sa = tl.load(sa_ptr + kb * stride_sak, mask=m_ok, other=0.0)
         partial = tl.dot(a, tl.trans(b))
         if B_BLOCKED:
-            acc += partial * (sa * tl.load(sb_ptr + kb))[:, None]
+            acc += partial * (sa * tl.load(sb_ptr + kb * stride_sbk))[:, None]
         else:
-            sb = tl.load(sb_ptr + kb, mask=n_ok, other=0.0)
+            sb = tl.load(sb_ptr + kb * stride_sbk, mask=n_ok, other=0.0)
             acc += partial * sa[:, None] * sb[None, :]
         a_ptr += BLOCK_K
         b_ptr += BLOCK_K
@@ -181,15 +192,22 @@ def _rows_contiguous(op: str, x: torch.Tensor) -> torch.Tensor:
     return x if x.stride(-1) == 1 else x.contiguous()
 
 
+def _row_scales(rows: int, cols: int, device: torch.device) -> torch.Tensor:
+    """``[rows, cols/128]`` fp32 scales stored row index fastest (outer-dim-major): the layout
+    cuBLASLt reads 1x128 scales in, so ``scaled_mm_fp8_gemm`` passes them on without a copy."""
+    return torch.empty((_blocks(cols), rows), dtype=torch.float32, device=device).t()
+
+
 def quantize_1x128(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Fused ``loongforge.llm.ops.fp8_blockwise.quantize_1x128``: ``q [R, C]`` e4m3, ``scale [R, C/128]``."""
+    """Fused ``loongforge.llm.ops.fp8_blockwise.quantize_1x128``: ``q [R, C]`` e4m3, ``scale [R, C/128]``
+    (outer-dim-major, see ``_row_scales``)."""
     x = _rows_contiguous("quantize_1x128", x)
     rows, cols = x.shape
     q = torch.empty((rows, cols), dtype=FP8_DTYPE, device=x.device)
-    scale = torch.empty((rows, _blocks(cols)), dtype=torch.float32, device=x.device)
+    scale = _row_scales(rows, cols, x.device)
     if x.numel():
         _quant_rows[(triton.cdiv(rows, QUANT_ROWS), _blocks(cols))](
-            x, q, scale, rows, cols, x.stride(0), q.stride(0), scale.stride(0),
+            x, q, scale, rows, cols, x.stride(0), q.stride(0), scale.stride(0), scale.stride(1),
             AMAX_FLOOR=AMAX_FLOOR, FP8_MAX=FP8_MAX, INV_FP8_MAX=INV_FP8_MAX, BLOCK_R=QUANT_ROWS, BLOCK_C=BLOCK,
             num_warps=4,
         )
@@ -201,10 +219,10 @@ def quantize_1x128_transposed(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tens
     x = _rows_contiguous("quantize_1x128_transposed", x)
     rows, cols = x.shape
     q = torch.empty((cols, rows), dtype=FP8_DTYPE, device=x.device)
-    scale = torch.empty((cols, _blocks(rows)), dtype=torch.float32, device=x.device)
+    scale = _row_scales(cols, rows, x.device)
     if x.numel():
         _quant_cols_transposed[(_blocks(rows), triton.cdiv(cols, 64))](
-            x, q, scale, rows, cols, x.stride(0), q.stride(0), scale.stride(0),
+            x, q, scale, rows, cols, x.stride(0), q.stride(0), scale.stride(0), scale.stride(1),
             AMAX_FLOOR=AMAX_FLOOR, FP8_MAX=FP8_MAX, INV_FP8_MAX=INV_FP8_MAX, BLOCK_R=BLOCK, BLOCK_C=64,
             num_warps=4,
         )
@@ -217,14 +235,14 @@ def quantize_1x128_both(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, to
     x = _rows_contiguous("quantize_1x128_both", x)
     rows, cols = x.shape
     q = torch.empty((rows, cols), dtype=FP8_DTYPE, device=x.device)
-    scale = torch.empty((rows, _blocks(cols)), dtype=torch.float32, device=x.device)
+    scale = _row_scales(rows, cols, x.device)
     q_t = torch.empty((cols, rows), dtype=FP8_DTYPE, device=x.device)
-    scale_t = torch.empty((cols, _blocks(rows)), dtype=torch.float32, device=x.device)
+    scale_t = _row_scales(cols, rows, x.device)
     if x.numel():
         _quant_rows_and_cols[(_blocks(rows), _blocks(cols))](
-            x, q, scale, q_t, scale_t, rows, cols, x.stride(0), q.stride(0), scale.stride(0), q_t.stride(0),
-            scale_t.stride(0), AMAX_FLOOR=AMAX_FLOOR, FP8_MAX=FP8_MAX, INV_FP8_MAX=INV_FP8_MAX, BLOCK=BLOCK,
-            num_warps=8,
+            x, q, scale, q_t, scale_t, rows, cols, x.stride(0), q.stride(0), scale.stride(0), scale.stride(1),
+            q_t.stride(0), scale_t.stride(0), scale_t.stride(1), AMAX_FLOOR=AMAX_FLOOR, FP8_MAX=FP8_MAX, INV_FP8_MAX=INV_FP8_MAX, BLOCK=BLOCK,
+            SUB_R=QUANT_ROWS, num_warps=4,
         )
     return q, scale, q_t, scale_t
 
@@ -282,13 +300,12 @@ def triton_fp8_gemm(a_q, a_s, b_q, b_s, b_blocked: bool, out_dtype: torch.dtype)
     check_tensors("fp8_gemm", a_q, a_s, b_q, b_s)
     m, k = a_q.shape
     n = b_q.shape[0]
-    a_s, b_s = a_s.contiguous(), b_s.contiguous()
     c = torch.empty((m, n), dtype=out_dtype, device=a_q.device)
     if c.numel():
         grid = (triton.cdiv(m, GEMM_BLOCK_M) * triton.cdiv(n, GEMM_BLOCK_N),)
         _fp8_gemm[grid](
             a_q, b_q, a_s, b_s, c, m, n, k,
-            a_q.stride(0), b_q.stride(0), c.stride(0), a_s.stride(0), b_s.stride(0),
+            a_q.stride(0), b_q.stride(0), c.stride(0), a_s.stride(0), a_s.stride(1), b_s.stride(0), b_s.stride(1),
             B_BLOCKED=b_blocked, BLOCK_M=GEMM_BLOCK_M, BLOCK_N=GEMM_BLOCK_N, BLOCK_K=BLOCK, GROUP_M=GEMM_GROUP_M,
             num_warps=8, num_stages=3,
         )
@@ -299,7 +316,9 @@ def scaled_mm_fp8_gemm(a_q, a_s, b_q, b_s, b_blocked: bool, out_dtype: torch.dty
     """``dequant(a) @ dequant(b).T`` by ``torch._scaled_mm`` with blockwise scales (cuBLASLt).
 
     cuBLASLt wants A row-major and B column-major (``b_q.t()`` of a K-contiguous B), 1x128 scales
-    outer-dim-major (stride 1 along M or N) and 128x128 scales inner-dim-major.
+    outer-dim-major (stride 1 along M or N) and 128x128 scales inner-dim-major. The quantisers here
+    write 1x128 scales outer-dim-major already (the ``.contiguous()`` calls copy nothing then);
+    scales of another layout (the reference's) are copied into it.
     """
     _check_gemm(a_q, a_s, b_q, b_s, b_blocked)
     scale_a = a_s.t().contiguous().t()
