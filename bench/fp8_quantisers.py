@@ -3,8 +3,7 @@
 Run:  python bench/fp8_quantisers.py [--shapes 8192x2048,8192x8192]
 
 For each ``[tokens, features]`` bf16 activation: ``quantize_1x128`` and ``quantize_1x128_transposed``
-one after the other (two reads of it) against ``quantize_1x128_both`` (one read), and the weight's
-``quantize_128x128`` then a transposed copy against ``quantize_128x128_both``; microseconds per call
+one after the other (two reads of it) against ``quantize_1x128_both`` (one read); microseconds per call
 and GB/s of the bytes each moves at least (bf16 read once, every e4m3 copy written), with a bitwise
 check that both ways give the same numbers.
 """
@@ -34,23 +33,18 @@ def main() -> None:
     parser.add_argument("--shapes", default="8192x2048,8192x3072,8192x8192,8192x16384,2048x16384")
     args = parser.parse_args()
     print(f"# {torch.cuda.get_device_name()}; us per call (GB/s of bf16 read once + e4m3 copies written)")
-    print("| shape | separate (two reads) | both (one read) | 128x128 + transposed copy | 128x128 both |")
-    print("|---|---:|---:|---:|---:|")
+    print("| shape | separate (two reads) | both (one read) |")
+    print("|---|---:|---:|")
     for shape in args.shapes.split(","):
         rows, cols = (int(v) for v in shape.split("x"))
         x = torch.randn(rows, cols, device="cuda", dtype=torch.bfloat16)
         both = fg.quantize_1x128_both(x)
         apart = (*fg.quantize_1x128(x), *fg.quantize_1x128_transposed(x))
-        w_both = fg.quantize_128x128_both(x)
-        w_q, w_s = fg.quantize_128x128(x)
         same = all(torch.equal(a.view(torch.uint8) if a.dtype == fg.FP8_DTYPE else a,
-                               b.view(torch.uint8) if b.dtype == fg.FP8_DTYPE else b)
-                   for a, b in zip((*both, *w_both), (*apart, w_q, w_s, w_q.t().contiguous(), w_s.t().contiguous())))
+                               b.view(torch.uint8) if b.dtype == fg.FP8_DTYPE else b) for a, b in zip(both, apart))
         moved = rows * cols * 4  # bf16 in, two e4m3 copies out
         times = (_us(lambda: (fg.quantize_1x128(x), fg.quantize_1x128_transposed(x))),
-                 _us(lambda: fg.quantize_1x128_both(x)),
-                 _us(lambda: (lambda q, s: (q.t().contiguous(), s.t().contiguous()))(*fg.quantize_128x128(x))),
-                 _us(lambda: fg.quantize_128x128_both(x)))
+                 _us(lambda: fg.quantize_1x128_both(x)))
         cells = " | ".join(f"{t:.1f} ({moved / t / 1e3:.0f})" for t in times)
         print(f"| {rows}x{cols} | {cells} |{'' if same else ' MISMATCH'}")
 

@@ -151,11 +151,8 @@ def build_fp8() -> None:
               dict(X=f"*{dtype}", Q=f8, S="*fp32", QT=f8, ST="*fp32", stride_x=i32, stride_q=i32, stride_s=i32,
                    stride_sk=i32, stride_qt=i32, stride_st=i32, stride_stk=i32, **rows),
               dict(limits, BLOCK=fg.BLOCK, SUB_R=fg.QUANT_ROWS), num_warps=4)
-        for transposed in (False, True):
-            build(fg._quant_blocks,
-                  dict(W=f"*{dtype}", Q=f8, S="*fp32", QT=f8, stride_w=i32, stride_q=i32, stride_s=i32, stride_qt=i32,
-                       **rows),
-                  dict(limits, BLOCK=fg.BLOCK, TRANSPOSED=transposed), num_warps=8)
+        build(fg._quant_blocks, dict(W=f"*{dtype}", Q=f8, S="*fp32", stride_w=i32, stride_q=i32, stride_s=i32, **rows),
+              dict(limits, BLOCK=fg.BLOCK), num_warps=8)
     for dtype in ("bf16", "fp32"):  # tensor-wise cast-transpose (plain and with the GELU prologue)
         for q_type, fmax in ((f8, 448.0), ("*fp8e5", 57344.0)):
             for gelu in (False, True):

@@ -29,14 +29,18 @@ def test_quantisers_are_bitwise_the_reference(dtype):
     from loongforge.kernels import fp8_gemm as fg
 
     x = (torch.randn(300, 520, device="cuda") * torch.logspace(-4, 4, 520, device="cuda")).to(dtype)
+    aligned = (torch.randn(1024, 768, device="cuda") * torch.logspace(-4, 4, 768, device="cuda")).to(dtype)
     for fused, want in (
+        (fg.quantize_1x128_both(aligned)[:2], ref.quantize_1x128(aligned)),  # (every tile whole, another build)
+        (fg.quantize_1x128_both(aligned)[2:], ref.quantize_1x128(aligned.t().contiguous())),
+        (fg.quantize_1x128(aligned), ref.quantize_1x128(aligned)),
+        (fg.quantize_1x128_transposed(aligned), ref.quantize_1x128(aligned.t().contiguous())),
+        (fg.quantize_128x128(aligned), ref.quantize_128x128(aligned)),
         (fg.quantize_1x128(x), ref.quantize_1x128(x)),
         (fg.quantize_1x128_transposed(x), ref.quantize_1x128(x.t().contiguous())),
         (fg.quantize_128x128(x), ref.quantize_128x128(x)),
         (fg.quantize_1x128_both(x)[:2], ref.quantize_1x128(x)),
         (fg.quantize_1x128_both(x)[2:], ref.quantize_1x128(x.t().contiguous())),
-        (fg.quantize_128x128_both(x)[:2], ref.quantize_128x128(x)),
-        (fg.quantize_128x128_both(x)[2:], tuple(t.t().contiguous() for t in ref.quantize_128x128(x))),
     ):
         assert fused[0].shape == want[0].shape and fused[1].shape == want[1].shape
         assert torch.equal(fused[0].view(torch.uint8), want[0].view(torch.uint8))

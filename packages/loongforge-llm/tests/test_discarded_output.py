@@ -197,7 +197,7 @@ def test_hand_over_frees_an_output_made_with_its_graph_and_remakes_it_for_the_co
         if discard:
             remade = []
             d = DiscardedOutput()
-            d.hand_over(normed, lambda: remade.append(1) or reference.rms_norm(total, w_norm), consumer=consumer)
+            d.hand_over(normed, lambda t: remade.append(1) or reference.rms_norm(t, w_norm), total, consumer=consumer)
         z = consumer(normed)
         if discard:
             d.discard(z)
@@ -210,3 +210,39 @@ def test_hand_over_frees_an_output_made_with_its_graph_and_remakes_it_for_the_co
 
     for got, want in zip(block(True), block(False)):
         torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+
+
+def test_hand_over_keeps_its_inputs_as_saved_activations():
+    """What ``hand_over`` keeps for the recomputation goes through the saved-tensor hooks (as
+    activation offload moves saved activations off the device): the layer's input is not held
+    elsewhere, and the gradients are those of the run that keeps the output."""
+    import weakref
+
+    torch.manual_seed(6)
+    x, w = torch.randn(6, 8, requires_grad=True), torch.randn(8, 3, requires_grad=True)
+
+    def block(discard: bool):
+        h = x * 1.5  # the layer input (a non-leaf: nothing else keeps it)
+        normed = h * 2.0  # an op that saves nothing
+        packed = []
+
+        def pack(t):
+            packed.append(t.shape)
+            return t.clone()  # the hook's own copy, as offload's host copy
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            if discard:
+                d = DiscardedOutput()
+                d.hand_over(normed, lambda t: t * 2.0, h)
+            z = normed @ w
+            if discard:
+                d.discard(z)
+        alive = weakref.ref(h)
+        del h
+        if discard:
+            assert alive() is None  # only the hook's copy of the input is left
+            assert (6, 8) in packed
+        return torch.autograd.grad(z.square().sum(), (x, w))
+
+    for got, want in zip(block(True), block(False)):
+        torch.testing.assert_close(got, want, rtol=0, atol=0)

@@ -115,9 +115,8 @@ def _quant_rows_and_cols(
 
 @triton.jit
 def _quant_blocks(
-    W, Q, S, QT, n_rows, n_cols, stride_w, stride_q, stride_s, stride_qt,
+    W, Q, S, n_rows, n_cols, stride_w, stride_q, stride_s,
     AMAX_FLOOR: tl.constexpr, FP8_MAX: tl.constexpr, INV_FP8_MAX: tl.constexpr, BLOCK: tl.constexpr,
-    TRANSPOSED: tl.constexpr,
 ):
     rb = tl.program_id(0)
     cb = tl.program_id(1)
@@ -127,10 +126,8 @@ def _quant_blocks(
     rows64 = rows.to(tl.int64)
     w = tl.load(W + rows64[:, None] * stride_w + cols[None, :], mask=mask, other=0.0).to(tl.float32)
     scale = tl.maximum(tl.max(tl.max(tl.abs(w), axis=1), axis=0), AMAX_FLOOR) * INV_FP8_MAX
-    q = tl.clamp(tl.math.div_rn(w, scale), -FP8_MAX, FP8_MAX).to(Q.dtype.element_ty)
-    tl.store(Q + rows64[:, None] * stride_q + cols[None, :], q, mask=mask)
-    if TRANSPOSED:  # the same e4m3 values, K-major for the other GEMM (the block's scale is shared)
-        tl.store(QT + cols.to(tl.int64)[None, :] * stride_qt + rows[:, None], q, mask=mask)
+    q = tl.clamp(tl.math.div_rn(w, scale), -FP8_MAX, FP8_MAX)
+    tl.store(Q + rows64[:, None] * stride_q + cols[None, :], q.to(Q.dtype.element_ty), mask=mask)
     tl.store(S + rb * stride_s + cb, scale)
 
 
@@ -247,32 +244,18 @@ def quantize_1x128_both(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, to
     return q, scale, q_t, scale_t
 
 
-def _quantize_blocks(w: torch.Tensor, transposed: bool) -> tuple[torch.Tensor, ...]:
+def quantize_128x128(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Fused ``loongforge.llm.ops.fp8_blockwise.quantize_128x128``: ``q [N, K]`` e4m3, ``scale [N/128, K/128]``."""
     w = _rows_contiguous("quantize_128x128", w)
     rows, cols = w.shape
     q = torch.empty((rows, cols), dtype=FP8_DTYPE, device=w.device)
     scale = torch.empty((_blocks(rows), _blocks(cols)), dtype=torch.float32, device=w.device)
-    q_t = torch.empty((cols, rows) if transposed else (0, 0), dtype=FP8_DTYPE, device=w.device)
     if w.numel():
         _quant_blocks[(_blocks(rows), _blocks(cols))](
-            w, q, scale, q_t, rows, cols, w.stride(0), q.stride(0), scale.stride(0), q_t.stride(0),
-            AMAX_FLOOR=AMAX_FLOOR, FP8_MAX=FP8_MAX, INV_FP8_MAX=INV_FP8_MAX, BLOCK=BLOCK, TRANSPOSED=transposed,
-            num_warps=8,
+            w, q, scale, rows, cols, w.stride(0), q.stride(0), scale.stride(0),
+            AMAX_FLOOR=AMAX_FLOOR, FP8_MAX=FP8_MAX, INV_FP8_MAX=INV_FP8_MAX, BLOCK=BLOCK, num_warps=8,
         )
-    return (q, scale, q_t, scale.t().contiguous()) if transposed else (q, scale)
-
-
-def quantize_128x128(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Fused ``loongforge.llm.ops.fp8_blockwise.quantize_128x128``: ``q [N, K]`` e4m3, ``scale [N/128, K/128]``."""
-    q, scale = _quantize_blocks(w, transposed=False)
     return q, scale
-
-
-def quantize_128x128_both(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """:func:`quantize_128x128` of ``w`` and its transpose from one read: ``q [N, K]``, ``scale
-    [N/128, K/128]``, ``q_t = q.T`` K-major ``[K, N]`` and ``scale_t = scale.T`` ``[K/128, N/128]``."""
-    q, scale, q_t, scale_t = _quantize_blocks(w, transposed=True)
-    return q, scale, q_t, scale_t
 
 
 GEMM_BLOCK_M = 128

@@ -4,7 +4,7 @@ Contract: ``fp8_linear`` (loongforge-llm's ``loongforge.llm.ops.fp8_blockwise``)
 quantises ``x`` (1x128) and the master weight (128x128) and runs ``y = x @ w.T`` in FP8; it saves the weight's e4m3 copy
 for the input-grad GEMM and ``x`` quantised along the token dim (transposed, 1 byte per element)
 for the weight-grad GEMM, so no bf16 activation is kept. The backward quantises ``dy`` both ways
-(one read of ``dy``, as of ``x`` and of the weight in the forward, for both of its copies) and runs ``dx = dy @ w`` and ``dw = dy.T @ x`` in FP8 (see ``fp8_gemm`` for the GEMMs).
+(one read of ``dy``, as of ``x`` in the forward, for both of its copies) and runs ``dx = dy @ w`` and ``dw = dy.T @ x`` in FP8 (see ``fp8_gemm`` for the GEMMs).
 
 ``gemms`` (core's ``Fp8Gemms``) says which of the three GEMMs run in FP8; the others run in the
 input's dtype (the weight cast to it), and what they need is saved unquantised. The op never
@@ -26,12 +26,11 @@ class _Fp8Linear(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x2, weight, bias, gemms: Fp8Gemms):
         out_dtype = x2.dtype
-        dgrad_saved: tuple[torch.Tensor, ...] = (weight,)
-        if gemms.dgrad:  # the e4m3 weight, and its transpose K-major for dx = dy @ w
-            wq, ws, wq_t, ws_t = gemm.quantize_128x128_both(weight)
-            dgrad_saved = (wq_t, ws_t)
-        elif gemms.fprop:
+        if gemms.fprop or gemms.dgrad:
             wq, ws = gemm.quantize_128x128(weight)
+        dgrad_saved: tuple[torch.Tensor, ...] = (weight,)
+        if gemms.dgrad:  # the e4m3 weight, K-major for dx = dy @ w
+            dgrad_saved = (wq.t().contiguous(), ws.t().contiguous())
         wgrad_saved: tuple[torch.Tensor, ...] = (x2,)
         if gemms.fprop and gemms.wgrad:  # x read once for both of its quantised copies
             xq, xs, xq_t, xs_t = gemm.quantize_1x128_both(x2)

@@ -19,11 +19,13 @@ input gradient before its weight gradient): ``f``'s backward then runs there, on
 in the graph returns the gradients it made.
 ``f`` must be deterministic (norms, activations): no RNG state is replayed.
 
-``hand_over(y, recompute)`` is the same bargain for a ``y`` made with its own graph by an op that
-does not save ``y`` for its backward (the fused norms save their input and one statistic per row):
-the op's backward runs as it is (the residual add and norm of ``add_rms_norm`` stay one kernel each
-way, the grad of the sum added inside the norm's backward), and only the consumer's copy of ``y``
-is freed and made again by ``recompute()`` (one pass, no graph) when the backward reaches it.
+``hand_over(y, f, *inputs)`` is the same bargain for a ``y = f(*inputs)`` made with its own graph
+by an op that does not save ``y`` for its backward (the fused norms save their input and one
+statistic per row): the op's backward runs as it is (the residual add and norm of ``add_rms_norm``
+stay one kernel each way, the grad of the sum added inside the norm's backward), and only the
+consumer's copy of ``y`` is freed and made again by ``f(*inputs)`` (one pass, no graph) when the
+backward reaches it. ``inputs`` are kept as an op keeps what it saves for its backward, so
+saved-tensor hooks (activation offload) apply to them as to every other saved activation.
 """
 
 from __future__ import annotations
@@ -54,6 +56,22 @@ class _Run(torch.autograd.Function):
         return (None, None, *(x.grad if x.requires_grad else None for x in inputs))
 
 
+class _KeepForRecompute(torch.autograd.Function):
+    """Saves its inputs as an op saves tensors for its backward (under the saved-tensor hooks in
+    effect, e.g. activation offload's) for a recomputation outside the graph; its output is only
+    held to keep the node (and what it saved) alive."""
+
+    @staticmethod
+    def forward(ctx, holder, *inputs):
+        ctx.save_for_backward(*inputs)
+        holder.kept_ctx = ctx
+        return inputs[0].new_empty(0)
+
+    @staticmethod
+    def backward(ctx, grad):  # its output feeds nothing: never reached
+        return (None, *(None for _ in ctx.saved_tensors))
+
+
 class TakesDiscardedInput:
     """A module that can take its next input from a ``DiscardedOutput`` rather than save it:
     ``DiscardedOutput.run(..., consumer=module)`` offers it (``discarded_input``); the module's
@@ -69,7 +87,9 @@ class DiscardedOutput:
     def __init__(self) -> None:
         self.fn: Callable | None = None
         self.backward: Callable | None = None
-        self.remake: Callable[[], torch.Tensor] | None = None  # hand_over's recompute
+        self.remake: Callable[..., torch.Tensor] | None = None  # hand_over's f
+        self.kept: torch.Tensor | None = None  # hand_over's _KeepForRecompute output (holds its node)
+        self.kept_ctx = None
         self.ctx = None
         self.output: torch.Tensor | None = None
         self.nbytes = 0
@@ -90,11 +110,13 @@ class DiscardedOutput:
             consumer.discarded_input = self
         return self.output
 
-    def hand_over(self, y: torch.Tensor, recompute: Callable[[], torch.Tensor],
+    def hand_over(self, y: torch.Tensor, fn: Callable[..., torch.Tensor], *inputs: torch.Tensor,
                   consumer: object | None = None) -> torch.Tensor:
-        """``y``, made with its graph by an op that does not save it, offered to ``consumer`` (as
-        ``run``'s); ``recompute()`` makes it again (run without a graph) for the consumer's backward."""
-        self.output, self.remake = y, recompute
+        """``y = fn(*inputs)``, made with its graph by an op that does not save it, offered to
+        ``consumer`` (as ``run``'s); ``fn(*inputs)`` makes it again (run without a graph) for the
+        consumer's backward, ``inputs`` kept as saved activations are."""
+        self.output, self.remake = y, fn
+        self.kept = _KeepForRecompute.apply(self, *inputs)
         if isinstance(consumer, TakesDiscardedInput):
             self.consumer = consumer
             consumer.discarded_input = self
@@ -152,8 +174,8 @@ class DiscardedOutput:
     def _recompute(self, grad):
         if self.remake is not None:  # hand_over: y again, without a graph (its op's node is whole)
             with torch.no_grad():
-                out = self.remake()
-            self.remake = None
+                out = self.remake(*self.kept_ctx.saved_tensors)
+            self.remake = self.kept = self.kept_ctx = None
             if self.claimed:
                 self.recomputed = out
                 return grad

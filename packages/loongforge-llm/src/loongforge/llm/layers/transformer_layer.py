@@ -20,7 +20,6 @@ forward. Parameter names and the sharded state dict are the parent's (the same c
 
 from __future__ import annotations
 
-from functools import partial
 
 from megatron.core.transformer.transformer_layer import TransformerLayer
 
@@ -60,7 +59,7 @@ class FusedTransformerLayer(TransformerLayer):
             normed, stream = self.input_layernorm(hidden_states), hidden_states
         if recompute:
             norm1 = DiscardedOutput()
-            norm1.hand_over(normed, partial(self.input_layernorm, hidden_states),
+            norm1.hand_over(normed, self.input_layernorm, hidden_states,
                             consumer=getattr(self.self_attention, "linear_qkv", None))
         attn, attn_bias = self.self_attention(normed, attention_mask=attention_mask, **attn_kwargs)
         if recompute:
@@ -71,7 +70,7 @@ class FusedTransformerLayer(TransformerLayer):
         normed2, residual = self.pre_mlp_layernorm(attn, residual=stream)
         if recompute:
             norm2 = DiscardedOutput()
-            norm2.hand_over(normed2, partial(self.pre_mlp_layernorm, residual), consumer=self.mlp.linear_fc1)
+            norm2.hand_over(normed2, self.pre_mlp_layernorm, residual, consumer=self.mlp.linear_fc1)
         out, out_bias = self.mlp(normed2)
         if recompute:
             norm2.discard(out)
