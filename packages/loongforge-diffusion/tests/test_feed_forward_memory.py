@@ -52,3 +52,19 @@ def test_forward_backward_peak_no_more_than_diffusers(compiled):
         # ours sums the bias gradients in fp32, autograd in bf16)
         error = float((got.float() - want.float()).norm() / want.float().norm())
         assert error < 1e-2, error
+
+
+@pytest.mark.parametrize("rows", [0, 3])
+def test_in_place_gelu_backward_at_fewer_rows_than_chunks(rows):
+    """``gelu_tanh_backward_in_place`` with fewer rows than its chunks (none at all included):
+    ``dg`` becomes the GELU's gradient, and the bias gradient is its column sum, as autograd's."""
+    from loongforge.diffusion.ops.feed_forward import gelu_tanh_backward_in_place
+
+    torch.manual_seed(1)
+    h = torch.randn(rows, 16, requires_grad=True)
+    dg = torch.randn(rows, 16)
+    (want,) = torch.autograd.grad(torch.nn.functional.gelu(h, approximate="tanh"), h, dg)
+    got = dg.clone()
+    db = gelu_tanh_backward_in_place(got, h.detach())
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(db, want.sum(0), rtol=1e-5, atol=1e-6)

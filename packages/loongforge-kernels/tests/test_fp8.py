@@ -140,6 +140,22 @@ def test_triton_gemm_matches_the_dequantised_product(b_blocked):
     assert ((got - want).abs() <= bound).all(), ((got - want).abs() / bound).max().item()
 
 
+@pytest.mark.parametrize("b_blocked", [True, False])
+def test_triton_gemm_reads_scales_of_either_layout(b_blocked):
+    """The quantisers store 1x128 scales row index fastest (cuBLASLt's layout); the Triton GEMM
+    reads them through both strides: the same numbers as from contiguous scales."""
+    torch.manual_seed(8)
+    m, n, k = 130, 256, 384
+    a_q, a_s = ref.quantize_1x128(torch.randn(m, k))
+    b = torch.randn(n, k)
+    b_q, b_s = ref.quantize_128x128(b) if b_blocked else ref.quantize_1x128(b)
+    outer = (lambda t: t.t().contiguous().t())
+    want = fp8_gemm.triton_fp8_gemm(a_q, a_s, b_q, b_s, b_blocked, torch.float32)
+    got = fp8_gemm.triton_fp8_gemm(a_q, outer(a_s), b_q, b_s if b_blocked else outer(b_s), b_blocked, torch.float32)
+    assert outer(a_s).stride() == (1, m)
+    assert torch.equal(got, want)
+
+
 def test_gemm_rejects_mismatched_scales():
     a_q, a_s = ref.quantize_1x128(torch.randn(8, 256))
     b_q, b_s = ref.quantize_128x128(torch.randn(16, 256))

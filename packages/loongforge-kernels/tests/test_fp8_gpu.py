@@ -24,6 +24,22 @@ def _rel(got, want) -> float:
     return ((got.float() - want.float()).norm() / want.float().norm()).item()
 
 
+@pytest.mark.parametrize("shape", [(64, 64), (50, 64), (128, 128), (37, 160)])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_quantisers_are_bitwise_the_reference_at_one_tile(dtype, shape):
+    """One tile, whole or partial (a one-tile fp32 input once got wrong bytes in a transposed copy)."""
+    from loongforge.kernels import fp8_gemm as fg
+
+    x = (torch.randn(*shape, device="cuda") * torch.logspace(-3, 3, shape[1], device="cuda")).to(dtype)
+    x_t = x.t().contiguous()
+    for fused, want in ((fg.quantize_1x128(x), ref.quantize_1x128(x)),
+                        (fg.quantize_1x128_transposed(x), ref.quantize_1x128(x_t)),
+                        (fg.quantize_1x128_both(x)[:2], ref.quantize_1x128(x)),
+                        (fg.quantize_1x128_both(x)[2:], ref.quantize_1x128(x_t)),
+                        (fg.quantize_128x128(x), ref.quantize_128x128(x))):
+        assert torch.equal(fused[0].view(torch.uint8), want[0].view(torch.uint8)) and torch.equal(fused[1], want[1])
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_quantisers_are_bitwise_the_reference(dtype):
     from loongforge.kernels import fp8_gemm as fg

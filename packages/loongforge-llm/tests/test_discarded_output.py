@@ -227,7 +227,7 @@ def test_hand_over_keeps_its_inputs_as_saved_activations():
         packed = []
 
         def pack(t):
-            packed.append(t.shape)
+            packed.append(t.data_ptr())
             return t.clone()  # the hook's own copy, as offload's host copy
 
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
@@ -237,12 +237,32 @@ def test_hand_over_keeps_its_inputs_as_saved_activations():
             z = normed @ w
             if discard:
                 d.discard(z)
-        alive = weakref.ref(h)
+        alive, h_ptr = weakref.ref(h), h.data_ptr()
         del h
         if discard:
             assert alive() is None  # only the hook's copy of the input is left
-            assert (6, 8) in packed
+            assert h_ptr in packed
         return torch.autograd.grad(z.square().sum(), (x, w))
 
     for got, want in zip(block(True), block(False)):
         torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+
+def test_hand_over_of_inputs_that_need_no_grad():
+    """``hand_over`` where the recomputation's input needs no gradient (only the consumer's weight
+    does) still keeps it for the recomputation; the gradients are those of the run that keeps it."""
+    torch.manual_seed(7)
+    h, w = torch.randn(5, 4), torch.randn(4, 3, requires_grad=True)
+
+    def block(discard: bool):
+        normed = h * 2.0
+        if discard:
+            d = DiscardedOutput()
+            d.hand_over(normed, lambda t: t * 2.0, h)
+        z = normed @ w
+        if discard:
+            d.discard(z)
+            assert normed.untyped_storage().nbytes() == 0
+        return torch.autograd.grad(z.square().sum(), (w,))
+
+    torch.testing.assert_close(block(True)[0], block(False)[0], rtol=0, atol=0)

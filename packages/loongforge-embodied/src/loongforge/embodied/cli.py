@@ -5,7 +5,7 @@ VLA policies, plus ``eval``.
     lf-embodied eval --checkpoint RUN_DIR|CKPT_DIR [--data.path PATH] [key=value ...]
     lf-embodied convert lf-to-lerobot CHECKPOINT OUT.safetensors|OUT_DIR | lerobot-to-lf LEROBOT.safetensors|LEROBOT_DIR OUT.safetensors
     lf-embodied convert lora-to-peft CHECKPOINT OUT    # a LoRA run's adapters, for PEFT on LeRobot's policy
-    lf-embodied bench [--against-lerobot [--lerobot-compile-mode MODE]] [--batch-size B] [--steps N] [--rounds R]
+    lf-embodied bench [--against-lerobot [--lerobot-compile-mode MODE|none]] [--batch-size B] [--steps N] [--rounds R]
                       [--processes P] [--variant NAME=KEY=VALUE,...] [key=value ...]
 
 ``train`` with no arguments trains the tiny Pi0.5-style policy on a synthetic LeRobot dataset

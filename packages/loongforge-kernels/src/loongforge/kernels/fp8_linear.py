@@ -4,7 +4,7 @@ Contract: ``fp8_linear`` (loongforge-llm's ``loongforge.llm.ops.fp8_blockwise``)
 quantises ``x`` (1x128) and the master weight (128x128) and runs ``y = x @ w.T`` in FP8; it saves the weight's e4m3 copy
 for the input-grad GEMM and ``x`` quantised along the token dim (transposed, 1 byte per element)
 for the weight-grad GEMM, so no bf16 activation is kept. The backward quantises ``dy`` both ways
-(one read of ``dy``, as of ``x`` in the forward, for both of its copies) and runs ``dx = dy @ w`` and ``dw = dy.T @ x`` in FP8 (see ``fp8_gemm`` for the GEMMs).
+(for a narrow ``dy``, as for ``x`` in the forward, both copies from one read) and runs ``dx = dy @ w`` and ``dw = dy.T @ x`` in FP8 (see ``fp8_gemm`` for the GEMMs).
 
 ``gemms`` (core's ``Fp8Gemms``) says which of the three GEMMs run in FP8; the others run in the
 input's dtype (the weight cast to it), and what they need is saved unquantised. The op never
@@ -22,6 +22,19 @@ from loongforge.core.kernels.fp8_format import ALL_FP8, Fp8Gemms, check_gemms, c
 from loongforge.kernels import fp8_gemm as gemm
 
 
+# the widest activation (columns) that one read for both quantised copies is faster for: at 2048
+# columns it took 52 us against 69 for the two quantisers on an H100 (8192 rows), from 3072 columns
+# on it was slower (bench/fp8_quantisers.py, docs/benchmarks.md)
+ONE_READ_MAX_COLS = 2048
+
+
+def _quantize_both_ways(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``t``'s 1x128 copy and its transposed one (the same numbers either way), by whichever is faster."""
+    if t.shape[1] <= ONE_READ_MAX_COLS:
+        return gemm.quantize_1x128_both(t)
+    return (*gemm.quantize_1x128(t), *gemm.quantize_1x128_transposed(t))
+
+
 class _Fp8Linear(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x2, weight, bias, gemms: Fp8Gemms):
@@ -32,8 +45,8 @@ class _Fp8Linear(torch.autograd.Function):
         if gemms.dgrad:  # the e4m3 weight, K-major for dx = dy @ w
             dgrad_saved = (wq.t().contiguous(), ws.t().contiguous())
         wgrad_saved: tuple[torch.Tensor, ...] = (x2,)
-        if gemms.fprop and gemms.wgrad:  # x read once for both of its quantised copies
-            xq, xs, xq_t, xs_t = gemm.quantize_1x128_both(x2)
+        if gemms.fprop and gemms.wgrad:
+            xq, xs, xq_t, xs_t = _quantize_both_ways(x2)
             wgrad_saved = (xq_t, xs_t)
         elif gemms.fprop:
             xq, xs = gemm.quantize_1x128(x2)
@@ -61,8 +74,8 @@ class _Fp8Linear(torch.autograd.Function):
         want_dw = ctx.needs_input_grad[1]
         # dy's 1x128 copy (for dgrad) and its transposed one (for wgrad)
         dy_q = dy_s = dy_qt = dy_st = None
-        if want_dx and gemms.dgrad and want_dw and gemms.wgrad:  # dy read once for both
-            dy_q, dy_s, dy_qt, dy_st = gemm.quantize_1x128_both(dy)
+        if want_dx and gemms.dgrad and want_dw and gemms.wgrad:
+            dy_q, dy_s, dy_qt, dy_st = _quantize_both_ways(dy)
         elif want_dx and gemms.dgrad:
             dy_q, dy_s = gemm.quantize_1x128(dy)
         elif want_dw and gemms.wgrad:
@@ -70,6 +83,7 @@ class _Fp8Linear(torch.autograd.Function):
         if want_dx:
             if gemms.dgrad:
                 dx = gemm.fp8_gemm(dy_q, dy_s, *dgrad_saved, True, dy.dtype)
+                del dy_q, dy_s  # (not needed by the weight gradient)
             else:
                 dx = dy @ dgrad_saved[0].to(dy.dtype)
         if want_dw:

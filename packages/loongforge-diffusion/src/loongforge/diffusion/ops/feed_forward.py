@@ -81,7 +81,7 @@ def gelu_tanh_backward_in_place(dg: torch.Tensor, h: torch.Tensor) -> torch.Tens
     compiled graphs run it as it is, in place on ``dg`` (inductor reinplaces it where nothing
     reads ``dg`` afterwards)."""
     kernel = get_kernel("gelu_tanh_backward")
-    rows = -(-dg.shape[0] // BACKWARD_CHUNKS)
+    rows = max(1, -(-dg.shape[0] // BACKWARD_CHUNKS))
     db = dg.new_zeros(dg.shape[1], dtype=torch.float32)
     for start in range(0, dg.shape[0], rows):
         dg_rows = dg[start : start + rows]
@@ -160,6 +160,7 @@ class _Fp8GeluFeedForward(torch.autograd.Function):
         dx = dw1 = db1 = None
         if need_dh:
             dh, db1, dh_amax, _ = k.gelu_tanh_backward(dg, h, False)
+            del dg  # (one [tokens, ffn_dim] tensor fewer while dh's casts are made)
             dh_scale = scale_from_amax(dh_amax, E5M2)
             dh_q, dh_t = cast(dh, dh_scale, True)
             dx, dw1 = linear_grads(dh_q, dh_t, dh_scale, w1_t, w1_scale, x_t, x_scale, h.dtype, need_x, need_w1)

@@ -62,14 +62,14 @@ class _KeepForRecompute(torch.autograd.Function):
     held to keep the node (and what it saved) alive."""
 
     @staticmethod
-    def forward(ctx, holder, *inputs):
+    def forward(ctx, holder, anchor, *inputs):
         ctx.save_for_backward(*inputs)
         holder.kept_ctx = ctx
-        return inputs[0].new_empty(0)
+        return anchor.new_empty(0)
 
     @staticmethod
     def backward(ctx, grad):  # its output feeds nothing: never reached
-        return (None, *(None for _ in ctx.saved_tensors))
+        return (None, None, *(None for _ in ctx.saved_tensors))
 
 
 class TakesDiscardedInput:
@@ -116,7 +116,9 @@ class DiscardedOutput:
         ``consumer`` (as ``run``'s); ``fn(*inputs)`` makes it again (run without a graph) for the
         consumer's backward, ``inputs`` kept as saved activations are."""
         self.output, self.remake = y, fn
-        self.kept = _KeepForRecompute.apply(self, *inputs)
+        # (an input that requires grad makes the node that saves them: where none does, the anchor)
+        anchor = torch.empty(0, device=y.device, requires_grad=torch.is_grad_enabled())
+        self.kept = _KeepForRecompute.apply(self, anchor, *inputs)
         if isinstance(consumer, TakesDiscardedInput):
             self.consumer = consumer
             consumer.discarded_input = self
