@@ -104,6 +104,40 @@ def test_prefetch_reloads_the_block_before_while_this_one_runs_backward():
     assert reloaded_at_block1 == [True]
 
 
+def test_a_tensor_saved_by_two_ops_is_reloaded_once():
+    """A block input saved by two ops (each multiplies it) is moved once and brought back once for
+    both backwards; the gradients are the plain step's."""
+    from loongforge.core.training.activation_offload import ActivationOffload
+
+    class TwoSaves(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.b = nn.Parameter(torch.randn(64)), nn.Parameter(torch.randn(64))
+
+        def forward(self, x):
+            return x * self.a + (x * self.b).sin()
+
+    class Counting(ActivationOffload):
+        reloads = 0
+
+        def _reload(self, saved):
+            if saved.reloaded is None:
+                Counting.reloads += 1
+            super()._reload(saved)
+
+    torch.manual_seed(3)
+    model = nn.Sequential(nn.Linear(64, 64), TwoSaves(), TwoSaves())
+    x = torch.randn(32, 64, requires_grad=True)
+    expected = step(model, x)
+    offload = Counting(torch.device("cpu"), min_bytes=1024)
+    offload.attach(list(model[1:]))
+    got = step(model, x)
+    for name in expected:
+        torch.testing.assert_close(got[name], expected[name], rtol=0, atol=0, msg=name)
+    moved = offload.reset_step() // (32 * 64 * 4)  # each block moves x and x * b ([32, 64] fp32)
+    assert moved == 4 and Counting.reloads == moved
+
+
 def test_offload_layers_is_checked():
     with pytest.raises(ValueError, match="train.offload_layers=-1"):
         TrainConfig(offload_layers=-1)

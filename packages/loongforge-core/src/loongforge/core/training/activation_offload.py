@@ -34,12 +34,13 @@ from torch import nn
 class _Saved:
     """One saved activation while it is off the device."""
 
-    __slots__ = ("host", "device", "copied", "reloaded", "ready")
+    __slots__ = ("host", "device", "copied", "reloaded", "ready", "uses")
 
     def __init__(self, host: torch.Tensor, device: torch.device, copied):
         self.host, self.device, self.copied = host, device, copied
         self.reloaded: torch.Tensor | None = None
         self.ready: Any = None  # the event after which ``reloaded`` holds the values
+        self.uses = 1  # the saves of this tensor (one per op that saved it) not unpacked yet
 
 
 class _Group:
@@ -127,6 +128,7 @@ class ActivationOffload:
         key = (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), t.stride(), t.dtype, t._version)
         known = group.by_key.get(key)
         if known is not None and known[0]() is not None:
+            known[1].uses += 1
             return known[1]
         self.step_bytes += t.numel() * t.element_size()
         if not self.cuda:
@@ -166,7 +168,9 @@ class ActivationOffload:
             compute = torch.cuda.current_stream(self.device)
             compute.wait_event(saved.ready)
             tensor.record_stream(compute)
-        saved.reloaded = None  # autograd holds the tensor while it needs it
+        saved.uses -= 1
+        if saved.uses <= 0:  # the last save of it unpacked: autograd holds the tensor while it needs it
+            saved.reloaded = None
         return tensor
 
     def _backward_reached(self, group: _Group):
