@@ -212,6 +212,17 @@ def test_hand_over_frees_an_output_made_with_its_graph_and_remakes_it_for_the_co
         torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
 
 
+def _doubled_into_matmul(normed, h, w, discard: bool):
+    """``normed @ w`` for ``normed = h * 2``; with ``discard`` ``normed`` handed over (remade from ``h``)."""
+    if discard:
+        d = DiscardedOutput()
+        d.hand_over(normed, lambda t: t * 2.0, h)
+    z = normed @ w
+    if discard:
+        d.discard(z)
+    return z
+
+
 def test_hand_over_keeps_its_inputs_as_saved_activations():
     """What ``hand_over`` keeps for the recomputation goes through the saved-tensor hooks (as
     activation offload moves saved activations off the device): the layer's input is not held
@@ -231,12 +242,7 @@ def test_hand_over_keeps_its_inputs_as_saved_activations():
             return t.clone()  # the hook's own copy, as offload's host copy
 
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-            if discard:
-                d = DiscardedOutput()
-                d.hand_over(normed, lambda t: t * 2.0, h)
-            z = normed @ w
-            if discard:
-                d.discard(z)
+            z = _doubled_into_matmul(normed, h, w, discard)
         alive, h_ptr = weakref.ref(h), h.data_ptr()
         del h
         if discard:
@@ -256,12 +262,8 @@ def test_hand_over_of_inputs_that_need_no_grad():
 
     def block(discard: bool):
         normed = h * 2.0
+        z = _doubled_into_matmul(normed, h, w, discard)
         if discard:
-            d = DiscardedOutput()
-            d.hand_over(normed, lambda t: t * 2.0, h)
-        z = normed @ w
-        if discard:
-            d.discard(z)
             assert normed.untyped_storage().nbytes() == 0
         return torch.autograd.grad(z.square().sum(), (w,))
 
