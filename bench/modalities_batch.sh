@@ -2,7 +2,7 @@
 # The VLM, diffusion and robot-policy benches on one CUDA machine (an H100 or H200), in one device
 # call of under 9 minutes:
 #
-#   bash bench/modalities_batch.sh
+#   bash bench/modalities_batch.sh [vlm|diffusion|embodied]   (one of the three alone; all three without)
 #
 #   1. lf-vlm bench --case qwen2_5_vl_3b: Qwen2.5-VL-3B's shape in pure bf16 (4 samples x 2048 tokens,
 #      images of four sizes), ours against transformers compiled (hf_compile);
@@ -33,11 +33,19 @@ section environment
 nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.max.sm --format=csv,noheader
 python3 -c 'import torch, triton, transformers, diffusers, megatron.core; print("torch", torch.__version__, "triton", triton.__version__, "transformers", transformers.__version__, "diffusers", diffusers.__version__, "megatron-core", megatron.core.__version__)'
 
+only=${1:-all}
+wanted() { [ "$only" = all ] || [ "$only" = "$1" ]; }
 one_round="--rounds 1 --steps 5 --warmup 2 --profile-rows 0"
-bench 190 python3 -m loongforge.vlm.cli bench --case qwen2_5_vl_3b --skip hf_eager $one_round
-bench 210 python3 -m loongforge.diffusion.cli bench --config bench_wan2_1_t2v_1_3b $one_round
-if python3 -c 'import lerobot' 2>/dev/null; then
-  bench 110 python3 -m loongforge.embodied.cli bench model=pi05_dit_head_2b train.precision=bf16 --batch-size 8 $one_round
-else
-  section "lf-embodied bench model=pi05_dit_head_2b: skipped (lerobot is not installed: ours' data is a LeRobot dataset)"
+if wanted vlm; then
+  bench 190 python3 -m loongforge.vlm.cli bench --case qwen2_5_vl_3b --skip hf_eager $one_round
+fi
+if wanted diffusion; then
+  bench 210 python3 -m loongforge.diffusion.cli bench --config bench_wan2_1_t2v_1_3b $one_round
+fi
+if wanted embodied; then
+  if python3 -c 'import lerobot' 2>/dev/null; then
+    bench 110 python3 -m loongforge.embodied.cli bench model=pi05_dit_head_2b train.precision=bf16 --batch-size 8 $one_round
+  else
+    section "lf-embodied bench model=pi05_dit_head_2b: skipped (lerobot is not installed: ours' data is a LeRobot dataset)"
+  fi
 fi
