@@ -31,6 +31,45 @@ def test_one_family_loads_only_its_own_package():
     assert proc.returncode == 0 and proc.stdout.strip() == "[]", proc.stdout + proc.stderr[-2000:]
 
 
+def test_a_checkpoints_family_is_found_loading_that_family_alone():
+    """The family of an HF checkpoint's ``architectures`` comes from ``loongforge.hf_architectures``:
+    an LLM checkpoint imports neither the diffusion nor the embodied package (nor diffusers)."""
+    script = ("import sys; from loongforge.core.hf_mapping import family_for_architectures; "
+              "print(family_for_architectures(['MistralForCausalLM'])[0], "
+              "family_for_architectures(['Qwen3VLForConditionalGeneration'])[0], "
+              "sorted(m for m in ('diffusers', 'loongforge.diffusion', 'loongforge.embodied') if m in sys.modules))")
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0 and proc.stdout.strip() == "mistral vlm []", proc.stdout + proc.stderr[-2000:]
+
+
+def test_declared_architectures_are_the_adapters():
+    """Each installed family's ``HFAdapter.architectures`` are declared under
+    ``loongforge.hf_architectures`` pointing at that family, and nothing else is."""
+    from importlib.metadata import entry_points
+
+    from loongforge.core.hf_mapping import HFAdapter
+    from loongforge.core.models import HF_ARCHITECTURE_GROUP, installed_models
+
+    adapters = {arch: name for name, spec in installed_models().items() if isinstance(spec.hf_adapter, HFAdapter)
+                for arch in spec.hf_adapter.architectures}
+    declared = {ep.name: ep.load().name for ep in entry_points(group=HF_ARCHITECTURE_GROUP)}
+    assert "LlamaForCausalLM" in declared and "Qwen2_5_VLForConditionalGeneration" in declared
+    assert declared == adapters
+
+
+def test_an_undeclared_architecture_is_found_among_all_families(monkeypatch):
+    """A family that does not declare its architectures (an older plugin) is still found: every
+    installed family is loaded then; an unknown one is refused naming the supported ones."""
+    from loongforge.core import models
+    from loongforge.core.hf_mapping import MappingError, family_for_architectures
+
+    monkeypatch.setattr(models, "declared_for_architecture", lambda arch: [])
+    name, adapter = family_for_architectures(["Qwen2ForCausalLM"])
+    assert name == "qwen2" and adapter is get_model_spec("qwen2").hf_adapter
+    with pytest.raises(MappingError, match=r"x/config.json: architectures \['GPT2LMHeadModel'\] are not supported .*LlamaForCausalLM"):
+        family_for_architectures(["GPT2LMHeadModel"], source="x/config.json")
+
+
 def test_every_modality_registers_its_families_and_each_loads_alone():
     """Wan and both policies register like the LLM families, each naming its engine and task; a
     lookup of one imports only its own modality package."""

@@ -13,6 +13,14 @@ The entry point's name is the family's name. Asking for one family loads only th
 of that name, so training an LLM does not import the diffusion package's dependencies. Two
 families with one name raise; so do an entry point whose spec has another name and asking for a
 family that is not installed.
+
+A family that reads Hugging Face checkpoints also names the ``architectures`` of their
+``config.json`` (its ``HFAdapter.architectures``) under ``loongforge.hf_architectures``, each
+entry point pointing at the family's spec, so that finding the family of a checkpoint loads that
+family alone::
+
+    [project.entry-points."loongforge.hf_architectures"]
+    LlamaForCausalLM = "loongforge.llm.families.llama:LLAMA_SPEC"
 """
 
 from __future__ import annotations
@@ -26,6 +34,7 @@ from typing import Any
 from loongforge.core.errors import UserError
 
 ENTRY_POINT_GROUP = "loongforge.models"
+HF_ARCHITECTURE_GROUP = "loongforge.hf_architectures"
 
 
 @dataclass(frozen=True)
@@ -118,6 +127,19 @@ def installed_models() -> dict[str, ModelSpec]:
 def get_model_spec(name: str) -> ModelSpec:
     """The family ``name``, loading only the entry points of that name."""
     return _lookup(ENTRY_POINT_GROUP, name, ModelSpec, "model family")
+
+
+def declared_for_architecture(architecture: str) -> list[ModelSpec]:
+    """The specs of the families that declare ``architecture`` (a ``config.json`` ``architectures``
+    entry) under ``loongforge.hf_architectures``, loading those entry points alone."""
+    specs = []
+    for ep in entry_points(group=HF_ARCHITECTURE_GROUP, name=architecture):
+        spec = ep.load()
+        if not isinstance(spec, ModelSpec):
+            raise ModelRegistryError(f"{ep.value} (entry point {architecture!r} of {HF_ARCHITECTURE_GROUP}) "
+                                     f"is not a ModelSpec")
+        specs.append(spec)
+    return specs
 
 
 # -- components ---------------------------------------------------------------------------------

@@ -28,9 +28,15 @@ class HFAdapter:
 
 
 def family_for_architectures(architectures: list[str] | None, source: str = "config.json") -> tuple[str, HFAdapter]:
-    """The installed ``(family name, adapter)`` that reads one of ``architectures``."""
-    from loongforge.core.models import installed_models
+    """The installed ``(family name, adapter)`` that reads one of ``architectures``: a family that
+    declares it under ``loongforge.hf_architectures`` (that family alone is loaded), else any
+    installed family whose adapter lists it (every family is loaded)."""
+    from loongforge.core.models import declared_for_architecture, installed_models
 
+    for arch in architectures or []:
+        for spec in declared_for_architecture(arch):
+            if isinstance(spec.hf_adapter, HFAdapter) and arch in spec.hf_adapter.architectures:
+                return spec.name, spec.hf_adapter
     known = {arch: (name, spec.hf_adapter) for name, spec in sorted(installed_models().items())
              if isinstance(spec.hf_adapter, HFAdapter) for arch in spec.hf_adapter.architectures}
     for arch in architectures or []:
