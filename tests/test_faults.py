@@ -717,6 +717,7 @@ def _losses(run: Path) -> dict[int, float]:
     return {r["step"]: r["loss"] for r in map(json.loads, (run / "metrics.jsonl").read_text().splitlines())}
 
 
+@pytest.mark.long  # 51 s: in the long tier (the default tier's 20 minutes)
 @pytest.mark.slow
 def test_kill_during_saves_loses_nothing(tmp_path):
     """SIGKILL at several moments of a run that saves every step (so most kills land inside a

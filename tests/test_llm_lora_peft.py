@@ -36,6 +36,7 @@ def logits_of(model, tokens):
         return model(input_ids=tokens).logits
 
 
+@pytest.mark.long  # 97 s: in the long tier (the default tier's 20 minutes)
 def test_peft_adapter_on_transformers_equals_merged_model(tmp_path, llm_data_cache):
     from peft import PeftModel
     from transformers import AutoModelForCausalLM

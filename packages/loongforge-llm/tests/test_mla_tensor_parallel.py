@@ -9,6 +9,7 @@ import pytest
 from llm_grad_probe import PRETRAIN, assert_same_training, probe
 
 
+@pytest.mark.long  # a two-process layout, 48 s: in the long tier
 @pytest.mark.slow
 def test_mla_tp2_matches_one_process_in_every_gradient(tmp_path):
     data = tmp_path / "data"
