@@ -21,6 +21,8 @@
 #   bash bench/llm_batch.sh fp8      # the FP8 kernels' GPU tests; pure bf16, the 1B case: ours in bf16 and FP8 blockwise
 #                                    # against hf_liger, then ours in FP8 blockwise alone with its kernel
 #                                    # profile (which GEMMs run on cuBLAS, what quantising costs): ~6 minutes
+#   bash bench/llm_batch.sh host     # where the forward waits for the host: bench/host_overhead.py, then the 1B case
+#                                    # in pure bf16 against hf_liger with ours' trace and its idle gaps: ~4 minutes
 #   bash bench/llm_batch.sh shortest # the AdamW kernel's GPU test, the 1B case in both recipes against hf_liger
 #                                    # (FP8 beside mixed), then train_0_5b in pure bf16: ~5 minutes
 #
@@ -33,7 +35,7 @@
 # LoongForge's own wheels from `uv build --wheel --package loongforge-<name> -o .whl` for core, llm
 # and kernels). Everything printed also goes to $OUT/<stage>.log.
 set -uo pipefail
-stage=${1:?usage: llm_batch.sh profile|cases-a|cases-b|short|shortest|pair|pure|pure-short|fp8}
+stage=${1:?usage: llm_batch.sh profile|cases-a|cases-b|short|shortest|pair|pure|pure-short|fp8|host}
 OUT=${OUT:-/tmp/lf-llm-bench}
 LOG=$stage.log
 source "$(dirname "$0")/device_batch.sh"
@@ -123,6 +125,12 @@ fp8)
   llm_bench 170 --config bench_llama_1b $liger_only --profile-rows 0 --fp8 blockwise train.precision=bf16-pure
   llm_bench 90 --config bench_llama_1b --skip hf_eager --skip hf_compile --skip hf_liger --rounds 1 --profile-rows 40 \
       fp8=blockwise train.precision=bf16-pure
+  ;;
+host)
+  bench 60 python3 "$repo/bench/host_overhead.py"
+  llm_bench 170 --config bench_llama_1b --skip hf_eager --skip hf_compile --rounds 1 --profile-rows 20 \
+      --trace /tmp/llama_1b_trace.json train.precision=bf16-pure
+  timeout 30 python3 "$repo/bench/trace_gaps.py" /tmp/llama_1b_trace.json --gaps 20 --min-gap-us 30
   ;;
 pair)
   liger_only="--skip hf_eager --skip hf_compile --rounds 1"
