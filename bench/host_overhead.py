@@ -57,7 +57,8 @@ def main() -> None:
         "rms_norm (registry)": lambda: rms_norm(x, norm_w),
         "swiglu (registry)": lambda: swiglu(gate_up),
     }
-    print(f"# {torch.cuda.get_device_name()}, torch {torch.__version__}; host us per call ({args.calls} calls)")
+    print(f"# {torch.cuda.get_device_name()}, torch {torch.__version__}; host us per call ({args.calls} calls); "
+          f"rms_norm from {rms_norm.__module__}, swiglu from {swiglu.__module__}")
     print("| call | no grad | grad |")
     print("|---|---:|---:|")
     for name, fn in cases.items():

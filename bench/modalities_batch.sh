@@ -23,17 +23,21 @@
 # psutil, diffusers (pure Python, ~4 MB), and LoongForge's own, from
 # `uv build --wheel --package loongforge-<name> -o .whl` for core, llm, vlm, diffusion, embodied and
 # kernels. Wheels in a carried .whl-*/ folder (e.g. lerobot and its imports) are installed too.
-# Everything printed also goes to $OUT/modalities.log.
+# Everything printed also goes to $OUT/modalities-<which>.log (modalities-all.log without an argument).
 set -uo pipefail
+only=${1:-all}
+case $only in
+  all|vlm|diffusion|embodied) ;;
+  *) echo "usage: modalities_batch.sh [vlm|diffusion|embodied] (got '$only')"; exit 2 ;;
+esac
 OUT=${OUT:-/tmp/lf-modalities-bench}
-LOG=modalities.log
+LOG=modalities-$only.log
 source "$(dirname "$0")/device_batch.sh"
 
 section environment
 nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.max.sm --format=csv,noheader
 python3 -c 'import torch, triton, transformers, diffusers, megatron.core; print("torch", torch.__version__, "triton", triton.__version__, "transformers", transformers.__version__, "diffusers", diffusers.__version__, "megatron-core", megatron.core.__version__)'
 
-only=${1:-all}
 wanted() { [ "$only" = all ] || [ "$only" = "$1" ]; }
 one_round="--rounds 1 --steps 5 --warmup 2 --profile-rows 0"
 if wanted vlm; then

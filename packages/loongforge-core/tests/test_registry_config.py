@@ -70,6 +70,21 @@ def test_an_undeclared_architecture_is_found_among_all_families(monkeypatch):
         family_for_architectures(["GPT2LMHeadModel"], source="x/config.json")
 
 
+def test_an_architecture_declared_by_two_families_is_refused(monkeypatch):
+    from loongforge.core import models
+    from loongforge.core.hf_mapping import MappingError, family_for_architectures
+
+    qwen2 = get_model_spec("qwen2")
+    twin = ModelSpec(name="qwen2_fork", config_class=dict, build=lambda *a: None, hf_adapter=qwen2.hf_adapter)
+    monkeypatch.setattr(models, "declared_for_architecture", lambda arch: [qwen2, get_model_spec("qwen3"), twin])
+    with pytest.raises(MappingError, match="c.json: architecture 'Qwen2ForCausalLM' is declared by several installed "
+                                           r"model families \(qwen2, qwen2_fork\)"):
+        family_for_architectures(["Qwen2ForCausalLM"], source="c.json")
+    # one family declared twice (two entry points of one spec) is that family
+    monkeypatch.setattr(models, "declared_for_architecture", lambda arch: [qwen2, qwen2])
+    assert family_for_architectures(["Qwen2ForCausalLM"])[0] == "qwen2"
+
+
 def test_every_modality_registers_its_families_and_each_loads_alone():
     """Wan and both policies register like the LLM families, each naming its engine and task; a
     lookup of one imports only its own modality package."""

@@ -34,9 +34,13 @@ def family_for_architectures(architectures: list[str] | None, source: str = "con
     from loongforge.core.models import declared_for_architecture, installed_models
 
     for arch in architectures or []:
-        for spec in declared_for_architecture(arch):
-            if isinstance(spec.hf_adapter, HFAdapter) and arch in spec.hf_adapter.architectures:
-                return spec.name, spec.hf_adapter
+        readers = [spec for spec in declared_for_architecture(arch)
+                   if isinstance(spec.hf_adapter, HFAdapter) and arch in spec.hf_adapter.architectures]
+        if len({spec.name for spec in readers}) > 1:
+            raise MappingError(f"{source}: architecture {arch!r} is declared by several installed model families "
+                               f"({', '.join(sorted({spec.name for spec in readers}))}); uninstall all but one")
+        if readers:
+            return readers[0].name, readers[0].hf_adapter
     known = {arch: (name, spec.hf_adapter) for name, spec in sorted(installed_models().items())
              if isinstance(spec.hf_adapter, HFAdapter) for arch in spec.hf_adapter.architectures}
     for arch in architectures or []:
