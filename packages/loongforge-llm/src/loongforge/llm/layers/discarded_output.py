@@ -65,7 +65,7 @@ class _KeepForRecompute(torch.autograd.Function):
     def forward(ctx, holder, anchor, *inputs):
         ctx.save_for_backward(*inputs)
         holder.kept_ctx = ctx
-        return anchor.new_empty(0)
+        return (anchor if anchor is not None else inputs[0]).new_empty(0)
 
     @staticmethod
     def backward(ctx, grad):  # its output feeds nothing: never reached
@@ -116,8 +116,10 @@ class DiscardedOutput:
         ``consumer`` (as ``run``'s); ``fn(*inputs)`` makes it again (run without a graph) for the
         consumer's backward, ``inputs`` kept as saved activations are."""
         self.output, self.remake = y, fn
-        # (an input that requires grad makes the node that saves them: where none does, the anchor)
-        anchor = torch.empty(0, device=y.device, requires_grad=torch.is_grad_enabled())
+        # an input that requires grad makes the node that saves them; where none does, an anchor
+        # that does (allocated only then: this runs twice a layer in the training step)
+        anchor = None if any(t.requires_grad for t in inputs) else torch.empty(
+            0, device=y.device, requires_grad=torch.is_grad_enabled())
         self.kept = _KeepForRecompute.apply(self, anchor, *inputs)
         if isinstance(consumer, TakesDiscardedInput):
             self.consumer = consumer
