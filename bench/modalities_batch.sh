@@ -14,7 +14,8 @@
 #      dataset reader ours' data needs) do not travel in this call: without lerobot importable the
 #      stage says so and is skipped.
 #
-# Each runs one round (--rounds 1) under a time limit of its own; each prints its baseline's settings,
+# Each runs one round (--rounds 1) under a time limit of its own (PROFILE_ROWS=N adds ours' profile,
+# N rows of top kernels and ops, about 30 s more a bench); each prints its baseline's settings,
 # the first-step losses of both sides (checked), peak memory and the ratios. docs/benchmarks.md says
 # what each case is and how to run it alone.
 #
@@ -39,7 +40,7 @@ nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.max.sm --format=c
 python3 -c 'import torch, triton, transformers, diffusers, megatron.core; print("torch", torch.__version__, "triton", triton.__version__, "transformers", transformers.__version__, "diffusers", diffusers.__version__, "megatron-core", megatron.core.__version__)'
 
 wanted() { [ "$only" = all ] || [ "$only" = "$1" ]; }
-one_round="--rounds 1 --steps 5 --warmup 2 --profile-rows 0"
+one_round="--rounds 1 --steps 5 --warmup 2 --profile-rows ${PROFILE_ROWS:-0}"
 if wanted vlm; then
   bench 190 python3 -m loongforge.vlm.cli bench --case qwen2_5_vl_3b --skip hf_eager $one_round
 fi
