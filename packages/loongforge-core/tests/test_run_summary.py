@@ -24,3 +24,17 @@ def test_the_summary_compares_window_means():
 
 def test_a_short_run_has_no_trend_line():
     assert loss_trend(steps(NOISY[:9])) == ""
+
+
+def test_resume_is_offered_only_where_a_checkpoint_was_saved(tmp_path, capsys):
+    from loongforge.core.training.run import RunSummary, print_summary
+
+    results = [SimpleNamespace(step=1, loss=2.0, tokens=100, samples=1, seconds=0.5)]
+    print_summary("lf-x", RunSummary(tmp_path, tmp_path / "checkpoints", 0, results, last_checkpoint=None))
+    unsaved = capsys.readouterr().out
+    assert "no checkpoint saved" in unsaved and "resume:" not in unsaved
+    assert f"curves: lf-x plot {tmp_path}" in unsaved
+    print_summary("lf-x", RunSummary(tmp_path, tmp_path / "checkpoints", 0, results,
+                                     last_checkpoint=tmp_path / "checkpoints" / "step_1"))
+    saved = capsys.readouterr().out
+    assert f"resume: the same command (it continues from {tmp_path / 'checkpoints' / 'latest'})" in saved

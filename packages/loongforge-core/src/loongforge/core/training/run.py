@@ -136,5 +136,6 @@ def print_summary(prog: str, summary: RunSummary) -> None:
         print(f"{prog}: {trend}", flush=True)
     where = f"last checkpoint {summary.last_checkpoint}" if summary.last_checkpoint else "no checkpoint saved"
     print(f"{prog}: run dir {summary.run_dir} (metrics.jsonl, config.yaml); {where}", flush=True)
-    print(f"{prog}: resume: the same command (it continues from {summary.checkpoint_dir / 'latest'}); "
-          f"curves: {prog} plot {summary.run_dir}", flush=True)
+    resume = (f"resume: the same command (it continues from {summary.checkpoint_dir / 'latest'}); "
+              if summary.last_checkpoint else "")
+    print(f"{prog}: {resume}curves: {prog} plot {summary.run_dir}", flush=True)
