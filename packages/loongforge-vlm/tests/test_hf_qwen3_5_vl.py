@@ -163,4 +163,5 @@ def test_packed_row_gives_each_sample_its_own_logits(converted):
     with torch.no_grad():
         packed = ours(row["tokens"], row["position_ids"], None, pixel_values=row["pixel_values"],
                       grid_thw=row["grid_thw"], packed_seq_params=packed_seq_params(row))
-    torch.testing.assert_close(packed, torch.cat(alone, dim=1), atol=1e-5, rtol=0)
+    # (fp32: a packed row's GEMMs sum in another order than each sample's alone, ~1e-5 at these logits)
+    torch.testing.assert_close(packed, torch.cat(alone, dim=1), atol=1e-5, rtol=1e-4)

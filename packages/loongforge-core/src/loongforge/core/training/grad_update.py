@@ -21,9 +21,14 @@ gradients with a multiply and a copy per tensor. Here:
 - ``skips_on_device``: whether the update can take the step's non-finite flag as a device tensor
   (fused AdamW's ``found_inf``, ``adamw_step``'s): then a non-finite step is skipped inside the
   update kernels and nothing is read back to the host between the backward and the update.
+- ``fused_adamw_hooks``: the two device tensors torch's fused AdamW reads in its step, for the
+  duration of one step (this module's megatron path and the PyTorch-native engine both use it).
 """
 
 from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator, Sequence
 
 import torch
 import torch.distributed as dist
@@ -56,7 +61,7 @@ def grad_norm(optimizer, device: torch.device) -> torch.Tensor:
 
 def _fused(sub) -> bool:
     inner = getattr(sub, "optimizer", None)
-    return inner is not None and bool(inner.param_groups) and all(g.get("fused") for g in inner.param_groups)
+    return inner is not None and is_fused_adamw(inner)
 
 
 def skips_on_device(optimizer, own_adamw: bool) -> bool:
@@ -80,27 +85,40 @@ def scale_into_step(optimizer, multiplier: torch.Tensor | None, step, found_inf:
         step()
         return
     if fused:
-        hooks = {"found_inf": found_inf}
-        if multiplier is not None:
-            hooks["grad_scale"] = (1.0 / multiplier).to(torch.float32)
-        inners = [sub.optimizer for sub in subs]
-        for inner in inners:
-            for name, value in hooks.items():
-                if value is not None:
-                    setattr(inner, name, value)
-        try:
+        grad_scale = (1.0 / multiplier).to(torch.float32) if multiplier is not None else None
+        with fused_adamw_hooks([sub.optimizer for sub in subs], grad_scale, found_inf):
             step()
-        finally:
-            for inner in inners:
-                for name, value in hooks.items():
-                    if value is not None:
-                        delattr(inner, name)
         return
     assert multiplier is not None
     grads = [p.grad for sub in subs for p in sub.get_parameters() if p.grad is not None]
     if grads:
         torch._foreach_mul_(grads, multiplier.to(grads[0].device))
     step()
+
+
+def is_fused_adamw(optimizer: torch.optim.Optimizer) -> bool:
+    """Whether every param group of ``optimizer`` (a torch optimizer) steps through a fused kernel,
+    which reads ``grad_scale`` and ``found_inf`` (``fused_adamw_hooks``)."""
+    return bool(optimizer.param_groups) and all(g.get("fused") for g in optimizer.param_groups)
+
+
+@contextlib.contextmanager
+def fused_adamw_hooks(optimizers: Sequence[torch.optim.Optimizer], grad_scale: torch.Tensor | None,
+                      found_inf: torch.Tensor | None) -> Iterator[None]:
+    """For the steps taken inside it, torch's fused AdamW (``is_fused_adamw``) divides every gradient
+    by ``grad_scale`` inside its kernel and leaves the weights, moments and step counts as they were
+    where ``found_inf`` is 1 (fp32 device scalars; None: not set): the attributes its ``step()`` reads,
+    the hook ``torch.amp.GradScaler`` uses, removed again on the way out."""
+    hooks = {name: value for name, value in (("grad_scale", grad_scale), ("found_inf", found_inf)) if value is not None}
+    for optimizer in optimizers:
+        for name, value in hooks.items():
+            setattr(optimizer, name, value)
+    try:
+        yield
+    finally:
+        for optimizer in optimizers:
+            for name in hooks:
+                delattr(optimizer, name)
 
 
 def adamw_applies(optimizer) -> bool:

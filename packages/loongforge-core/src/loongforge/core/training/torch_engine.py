@@ -22,20 +22,25 @@ What the engine asks of the model (the task's ``build_model``), declared with ne
   under FSDP2 (a policy's ``sample_actions``).
 
 Gradients: each micro-batch's summed loss is back-propagated as it is; after the last one the
-loss sums and counts are all-reduced over the gradient group and the (DP-averaged) gradients are
-multiplied by ``world / global count``, which makes them the gradients of the global mean loss
-whatever the split over ranks and micro-batches.
+loss sums and counts are all-reduced over the gradient group, and ``world / global count`` times
+the (DP-averaged) gradients are the gradients of the global mean loss whatever the split over ranks
+and micro-batches. ``train_step`` folds that factor and the clipping into one multiplier, which
+torch's fused AdamW applies inside its kernel (with the step's non-finite flag), so the optimizer
+step is the only pass over the gradients and the step's numbers are read once, after the update is
+queued; ``forward_backward`` leaves the scaled gradients in ``.grad``.
 """
 
 from __future__ import annotations
 
 import contextlib
 import time
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import DTensor
 
-from loongforge.core.training import torch_parallel
+from loongforge.core.training import grad_update, torch_parallel
 from loongforge.core.training.activation_offload import offload_first
 from loongforge.core.training.ema import EMA
 from loongforge.core.training.engine import EngineState, StepOutput, finite, precision_recipe, resolve_dtype
@@ -63,6 +68,19 @@ def check_train_config(train: TrainConfig) -> None:
 
 def model_parts(model: TorchModel) -> dict[str, TorchModel]:
     return model.parts()
+
+
+@dataclass
+class _StepSums:
+    """A step's numbers on the device after its backward: ``sums`` (loss sum, loss count, tokens,
+    FLOPs: global), ``scale`` (fp32: what turns the gradients into the global mean loss's), the
+    parameters that got a gradient."""
+
+    sums: torch.Tensor
+    scale: torch.Tensor
+    params: list[torch.nn.Parameter]
+    compute_seconds: float
+    offloaded: int | None
 
 
 class TorchEngine:
@@ -130,8 +148,6 @@ class TorchEngine:
         self.ema = EMA(self.named_trainable, decay) if decay > 0 else None
         self.ema_interval = ema.update_interval if ema is not None else 1
         self.updates = 0  # applied updates (the EMA cadence); a resumed run restores it
-        self._grad_norm = float("nan")
-        self._params_with_grad: list[torch.nn.Parameter] = []
         self._adapters_checked: set[str] = set()  # parts whose first step found a gradient on every adapter
 
     def _prepare_parts(self, train: TrainConfig) -> None:
@@ -165,7 +181,9 @@ class TorchEngine:
         return self.model
 
     # -- one step ---------------------------------------------------------------------------
-    def forward_backward(self, step: StepBatch, measuring: bool = False) -> StepOutput:
+    def _backward(self, step: StepBatch, measuring: bool) -> _StepSums:
+        """Every micro-batch's summed loss back-propagated as it is (the gradients are sums over the
+        step's loss tokens, DP-averaged), the sums all-reduced: nothing read back to the host."""
         part = step.part or next(iter(self.wrapped))
         if part not in self.wrapped:
             raise KeyError(f"step trains part {part!r}; the model has {sorted(self.wrapped)}")
@@ -186,7 +204,7 @@ class TorchEngine:
                     loss_sum, count = loss_fn(output)
                     loss_sum.backward()
                 sums[0] += loss_sum.detach().double()
-                sums[1] += float(count)
+                sums[1] += count
         if self.lora is not None and part not in self._adapters_checked:
             self._check_adapters_used(part)
         if measuring:
@@ -197,24 +215,42 @@ class TorchEngine:
             sums[2], sums[3] = float(step.tokens or 0), float(step.flops or 0)
         if self.world > 1:
             dist.all_reduce(sums, group=self.group)
-        scale = self.world / max(float(sums[1]), 1e-30)
-        grads = [local(p.grad) for p in self.named_trainable.values() if p.grad is not None]
-        if grads:
-            torch._foreach_mul_(grads, scale)
         params = [p for p in self.named_trainable.values() if p.grad is not None]
-        norm = torch.nn.utils.get_total_norm([p.grad for p in params]) if params else torch.zeros(())
+        # the gradients of the global mean loss are these times world / (global loss count)
+        scale = (self.world / sums[1].clamp(min=1e-30)).to(torch.float32)
+        return _StepSums(sums=sums, scale=scale, params=params, compute_seconds=compute_seconds,
+                         offloaded=offloaded)
+
+    def _grad_norm_of(self, params: list[torch.nn.Parameter]) -> torch.Tensor:
+        """The global L2 norm of ``params``' gradients as they stand, an fp32 device scalar."""
+        if not params:
+            return torch.zeros((), dtype=torch.float32, device=self.device)
+        norm = torch.nn.utils.get_total_norm([p.grad for p in params])
         if hasattr(norm, "full_tensor"):
             norm = norm.full_tensor()
-        self._grad_norm = float(norm)
-        self._params_with_grad = params
+        return norm.to(torch.float32)
+
+    @staticmethod
+    def _output(b: _StepSums, step: StepBatch, norm: torch.Tensor) -> StepOutput:
+        """The step's numbers, read back to the host in one read."""
+        loss = b.sums[0] / b.sums[1].clamp(min=1e-30)
+        loss_, norm_, tokens, flops = torch.stack([loss, norm.double(), b.sums[2], b.sums[3]]).tolist()
         return StepOutput(
-            loss=float(sums[0] / sums[1].clamp(min=1e-30)),
-            grad_norm=self._grad_norm,
-            tokens=int(sums[2]) if step.tokens is not None else None,
-            flops=float(sums[3]) if step.flops is not None else None,
-            compute_seconds=compute_seconds,
-            offloaded_bytes=offloaded,
+            loss=loss_,
+            grad_norm=norm_,
+            tokens=int(tokens) if step.tokens is not None else None,
+            flops=flops if step.flops is not None else None,
+            compute_seconds=b.compute_seconds,
+            offloaded_bytes=b.offloaded,
         )
+
+    def forward_backward(self, step: StepBatch, measuring: bool = False) -> StepOutput:
+        """The step's gradients, left in ``.grad`` as those of the global mean loss (the weights untouched)."""
+        b = self._backward(step, measuring)
+        grads = [local(p.grad) for p in b.params]
+        if grads:
+            torch._foreach_mul_(grads, b.scale)
+        return self._output(b, step, self._grad_norm_of(b.params))
 
     def _check_adapters_used(self, part: str) -> None:
         """A trainable adapter without a gradient after a step of its part was never called: the
@@ -236,25 +272,46 @@ class TorchEngine:
         self._adapters_checked.add(part)
 
     def train_step(self, step: StepBatch, lr: float, measuring: bool = False) -> StepOutput:
-        out = self.forward_backward(step, measuring)
-        if finite(out):
-            self._apply_update(lr)
-        else:
-            self.optimizer.zero_grad(set_to_none=True)
-        return out
-
-    def _apply_update(self, lr: float) -> None:
+        """The step, then the update at ``lr`` with every gradient multiplied by one factor: the
+        per-token mean (``world / global count``) and the clipping ``clip_grad / (norm + 1e-6)``
+        where that is below 1, as ``torch.nn.utils.clip_grad_norm_``. With torch's fused AdamW over
+        plain (unsharded) tensors the factor and the non-finite flag go into its kernel
+        (``grad_update.fused_adamw_hooks``): no pass over the gradients of its own and nothing read
+        back before the update is queued. Otherwise one multi-tensor multiply, after the numbers are
+        read and found finite. A step whose loss or norm is not finite is never applied."""
+        b = self._backward(step, measuring)
+        norm = self._grad_norm_of(b.params) * b.scale
         clip = self.train.clip_grad
-        coefficient = clip / (self._grad_norm + 1e-6)  # as torch.nn.utils.clip_grad_norm_
-        if clip > 0 and coefficient < 1.0:
-            torch._foreach_mul_([local(p.grad) for p in self._params_with_grad], coefficient)
+        coefficient = (clip / (norm + 1e-6)).clamp(max=1.0) if clip > 0 else torch.ones_like(norm)
+        multiplier = b.scale * coefficient
         for group in self.optimizer.param_groups:
             group["lr"] = lr
-        self.optimizer.step()
+        if self._skips_on_device(b.params):
+            loss = b.sums[0] / b.sums[1].clamp(min=1e-30)
+            found_inf = (~(loss.isfinite() & norm.isfinite())).to(torch.float32)
+            with grad_update.fused_adamw_hooks([self.optimizer], 1.0 / multiplier, found_inf):
+                self.optimizer.step()
+            out = self._output(b, step, norm)
+            applied = finite(out)
+        else:
+            out = self._output(b, step, norm)
+            applied = finite(out)
+            if applied:
+                grads = [local(p.grad) for p in b.params]
+                if grads:
+                    torch._foreach_mul_(grads, multiplier)
+                self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
-        self.updates += 1
-        if self.ema is not None and self.updates % self.ema_interval == 0:
-            self.ema.update()
+        if applied:
+            self.updates += 1
+            if self.ema is not None and self.updates % self.ema_interval == 0:
+                self.ema.update()
+        return out
+
+    def _skips_on_device(self, params: list[torch.nn.Parameter]) -> bool:
+        """Torch's fused AdamW over plain tensors (FSDP2's DTensor parameters take the multiply)."""
+        return (grad_update.is_fused_adamw(self.optimizer)
+                and not any(isinstance(p, DTensor) for p in params))
 
     # -- checkpoints ---------------------------------------------------------------------------
     def layout_record(self) -> dict:

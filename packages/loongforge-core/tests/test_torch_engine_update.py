@@ -1,0 +1,145 @@
+"""The PyTorch-native engine's update, in one process on CPU, against torch's own recipe: the
+gradients of the global mean loss, ``torch.nn.utils.clip_grad_norm_``, then ``torch.optim.AdamW``.
+Both of the engine's paths: torch's fused AdamW with the step's multiplier and non-finite flag
+inside its kernel (``grad_update.fused_adamw_hooks``; on CUDA the engine's default, here a fused
+CPU AdamW put in its place), and one multi-tensor multiply before a plain AdamW (CPU's default).
+A step whose loss is not finite leaves the weights, moments and step counts as they were."""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass, field
+
+import pytest
+import torch
+import torch.nn as nn
+
+from loongforge.core.training.schema import CheckpointConfig, LogConfig, ParallelConfig, TrainConfig
+from loongforge.core.training.task import StepBatch, TorchTask
+from loongforge.core.training.torch_model import TorchModel
+
+LR = 1e-2
+
+
+class Toy(TorchModel):
+    def __init__(self):
+        super().__init__()
+        self.blocks = nn.ModuleList([nn.Linear(8, 8), nn.Linear(8, 8)])
+        self.head = nn.Linear(8, 1)
+
+    def repeated_blocks(self):
+        return list(self.blocks)
+
+    def forward(self, x):
+        for block in self.blocks:
+            x = torch.tanh(block(x))
+        return self.head(x)
+
+
+class ToyTask(TorchTask):
+    family = "toy"
+
+    def model_config_dict(self) -> dict:
+        return {"width": 8}
+
+    def build_model(self, ctx):
+        return Toy()
+
+    def steps(self, ctx, start_step: int):  # (the test hands the engine its steps itself)
+        raise NotImplementedError
+
+    def forward(self, model, batch):
+        x, y = batch
+        return model(x), lambda o: ((o - y).pow(2).sum(), y.numel())
+
+
+@dataclass
+class RunConfig:
+    train: TrainConfig
+    log: LogConfig
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+
+
+@pytest.fixture(scope="module")
+def world():
+    from loongforge.core.parallel import destroy_parallel, init_parallel
+
+    ctx = init_parallel(seed=0, engine="torch")
+    yield ctx
+    destroy_parallel()
+
+
+def micro_batches(seed: int, scale: float = 1.0) -> list:
+    g = torch.Generator().manual_seed(seed)
+    # two micro-batches of different sizes: the mean is over the step's loss elements, not per micro-batch
+    return [(torch.randn(n, 8, generator=g) * scale, torch.randn(n, 1, generator=g)) for n in (3, 5)]
+
+
+def engine_for(ctx, tmp_path, clip: float, fused: bool):
+    from loongforge.core.training.loop import Trainer
+
+    cfg = RunConfig(train=TrainConfig(steps=3, global_batch_size=2, micro_batch_size=1, lr=LR, compile=False,
+                                      seed=3, clip_grad=clip, precision="fp32"),
+                    log=LogConfig(run_dir=str(tmp_path), progress=False, tensorboard=False))
+    engine = Trainer(ToyTask(), ctx, cfg).engine
+    assert not engine.optimizer.param_groups[0]["fused"]  # CPU: torch's plain AdamW
+    if fused:  # what the engine makes on CUDA: a fused AdamW over the same parameters, with no step taken yet
+        params = list(engine.named_trainable.values())
+        engine.optimizer = torch.optim.AdamW(params, lr=LR, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.01, fused=True)
+    return engine
+
+
+def reference_step(model: nn.Module, optimizer: torch.optim.Optimizer, batches: list, clip: float) -> tuple[float, float]:
+    """torch's recipe: the global mean loss's gradients, ``clip_grad_norm_``, ``AdamW.step``."""
+    count = sum(y.numel() for _, y in batches)
+    total = sum((model(x) - y).pow(2).sum() for x, y in batches)
+    loss = total / count
+    optimizer.zero_grad()
+    loss.backward()
+    norm = torch.nn.utils.clip_grad_norm_(model.parameters(), clip if clip > 0 else float("inf"))
+    optimizer.step()
+    return float(loss.detach()), float(norm)
+
+
+@pytest.mark.parametrize("fused", [True, False], ids=["fused_adamw", "multiply"])
+@pytest.mark.parametrize("clip", [0.05, 0.0], ids=["clipped", "unclipped"])
+def test_update_equals_torchs_recipe(world, tmp_path, fused, clip):
+    engine = engine_for(world, tmp_path, clip, fused)
+    model = engine.inner_model
+    ref = copy.deepcopy(model)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=LR, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.01)
+    for seed in range(3):
+        batches = micro_batches(seed)
+        want_loss, want_norm = reference_step(ref, ref_opt, batches, clip)
+        out = engine.train_step(StepBatch(micro_batches=batches), LR)
+        assert out.loss == pytest.approx(want_loss, rel=1e-6)
+        assert out.grad_norm == pytest.approx(want_norm, rel=1e-5)
+        if clip:
+            assert out.grad_norm > clip  # the clipping was applied
+        for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+            torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6, msg=lambda m, name=name: f"{name}: {m}")
+    assert engine.updates == 3
+    assert all(p.grad is None for p in model.parameters())
+
+
+@pytest.mark.parametrize("fused", [True, False], ids=["fused_adamw", "multiply"])
+def test_a_nonfinite_step_changes_nothing(world, tmp_path, fused):
+    engine = engine_for(world, tmp_path, 1.0, fused)
+    engine.train_step(StepBatch(micro_batches=micro_batches(0)), LR)
+    params = list(engine.named_trainable.values())
+    before = [p.detach().clone() for p in params]
+    moments = [engine.optimizer.state[p]["exp_avg"].clone() for p in params]
+    steps = [engine.optimizer.state[p]["step"].clone() for p in params]
+    bad = micro_batches(1)
+    bad[0][0][0, 0] = float("nan")
+    out = engine.train_step(StepBatch(micro_batches=bad), LR)
+    assert out.loss != out.loss  # NaN
+    assert engine.updates == 1
+    for p, w, m, s in zip(params, before, moments, steps):
+        assert torch.equal(p, w) and torch.equal(engine.optimizer.state[p]["exp_avg"], m)
+        assert torch.equal(engine.optimizer.state[p]["step"], s)
+        assert p.grad is None
+    # and the next finite step is applied
+    engine.train_step(StepBatch(micro_batches=micro_batches(2)), LR)
+    assert engine.updates == 2 and not torch.equal(params[0], before[0])
