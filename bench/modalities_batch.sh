@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# The VLM, diffusion and robot-policy benches on one CUDA machine (an H100 or H200), in one device
-# call of under 9 minutes:
+# The VLM, diffusion and robot-policy benches on one CUDA machine (an H100 or H200), each within
+# one device call (all three together take up to 11 minutes, over one call's 10: run them apart):
 #
 #   bash bench/modalities_batch.sh [vlm|diffusion|embodied]   (one of the three alone; all three without)
 #
@@ -49,7 +49,7 @@ if wanted diffusion; then
 fi
 if wanted embodied; then
   if python3 -c 'import lerobot' 2>/dev/null; then
-    bench 110 python3 -m loongforge.embodied.cli bench model=pi05_dit_head_2b train.precision=bf16 --batch-size 8 $one_round
+    bench 240 python3 -m loongforge.embodied.cli bench model=pi05_dit_head_2b train.precision=bf16 --batch-size 8 $one_round
   else
     section "lf-embodied bench model=pi05_dit_head_2b: skipped (lerobot is not installed: ours' data is a LeRobot dataset)"
   fi
