@@ -104,8 +104,18 @@ def reference_step(model: nn.Module, optimizer: torch.optim.Optimizer, batches: 
 
 @pytest.mark.parametrize("fused", [True, False], ids=["fused_adamw", "multiply"])
 @pytest.mark.parametrize("clip", [0.05, 0.0], ids=["clipped", "unclipped"])
-def test_update_equals_torchs_recipe(world, tmp_path, fused, clip):
+def test_update_equals_torchs_recipe(world, tmp_path, monkeypatch, fused, clip):
+    from loongforge.core.training import grad_update
+
     engine = engine_for(world, tmp_path, clip, fused)
+    hooked = []  # the steps that went through fused AdamW's hooks
+    real_hooks = grad_update.fused_adamw_hooks
+
+    def recording_hooks(optimizers, grad_scale, found_inf):
+        hooked.append(float(grad_scale))
+        return real_hooks(optimizers, grad_scale, found_inf)
+
+    monkeypatch.setattr(grad_update, "fused_adamw_hooks", recording_hooks)
     model = engine.inner_model
     ref = copy.deepcopy(model)
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=LR, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.01)
@@ -121,6 +131,7 @@ def test_update_equals_torchs_recipe(world, tmp_path, fused, clip):
             torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6, msg=lambda m, name=name: f"{name}: {m}")
     assert engine.updates == 3
     assert all(p.grad is None for p in model.parameters())
+    assert len(hooked) == (3 if fused else 0)  # the fused path took the hooks, the other the multiply
 
 
 @pytest.mark.parametrize("fused", [True, False], ids=["fused_adamw", "multiply"])

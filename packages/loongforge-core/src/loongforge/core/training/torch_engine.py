@@ -204,8 +204,8 @@ class TorchEngine:
                     loss_sum, count = loss_fn(output)
                     loss_sum.backward()
                 sums[0] += loss_sum.detach().double()
-                # (a count on the host or on the device alike, with no read back)
-                sums[1] += torch.as_tensor(count).to(self.device, torch.float64)
+                # (a count on the device is added there, with no read back)
+                sums[1] += count.detach() if isinstance(count, torch.Tensor) else float(count)
         if self.lora is not None and part not in self._adapters_checked:
             self._check_adapters_used(part)
         if measuring:
