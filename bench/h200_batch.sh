@@ -10,6 +10,7 @@
 #   bash bench/h200_batch.sh embodied # lf-embodied bench --against-lerobot (needs lerobot and its imports in .whl-emb/
 #                                     # and .whl-av/), detached: it outlasts one call, see the stage
 #   bash bench/h200_batch.sh embodied-eager # the same against LeRobot uncompiled (--lerobot-compile-mode none), in one call
+#                                     # (PRECISION=bf16-pure: ours in pure bf16)
 #   bash bench/h200_batch.sh wait     # the detached embodied run: wait for it (one call's worth), then its log
 #   bash bench/h200_batch.sh long     # train_0_5b at 32K and 128K tokens: plain, activation offload, ChunkPipe
 #
@@ -145,7 +146,9 @@ embodied-eager)
   environment
   # LeRobot uncompiled (PI05Config's default compile_model=false), ours as lf-embodied train runs it:
   # no inductor autotuning on LeRobot's side, so it fits one call
-  bench 540 python3 "$repo/bench/embodied_throughput.py" --rounds 1 --profile-rows 25 --lerobot-compile-mode none
+  # (PRECISION=bf16-pure: ours in pure bf16, closer to LeRobot's bf16 backbone; took 519 s in mixed precision)
+  bench 540 python3 "$repo/bench/embodied_throughput.py" --rounds 1 --profile-rows 25 --lerobot-compile-mode none \
+      ${PRECISION:+train.precision=$PRECISION}
   ;;
 wait)
   # up to WAIT seconds (default 560) for the detached embodied bench, then its log without the
