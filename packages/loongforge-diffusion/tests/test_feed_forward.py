@@ -9,7 +9,7 @@ import torch.nn.functional as F
 
 from loongforge.diffusion.ops.feed_forward import FeedForwardKernels, feed_forward_kernels, gelu_feed_forward
 from loongforge.diffusion.ops.fp8_tensorwise import fp8_linear_tensorwise
-from loongforge.diffusion.ops.gelu import gelu_tanh_backward
+from loongforge.diffusion.ops.gelu import gelu_tanh_backward, gelu_tanh_backward_in_place
 
 
 def _params(k=32, f=64, n=48, dtype=torch.float32):
@@ -155,4 +155,4 @@ def test_bad_shapes_name_the_op_and_shapes():
         gelu_feed_forward(torch.randn(4, 32), p["w1"], p["b1"], p["w2"], torch.randn(5), feed_forward_kernels(False))
     with pytest.raises(ValueError, match=r"gelu_tanh_backward: expected matrices of one shape, got \[\(4, 5\), \(4, 6\)\]"):
         gelu_tanh_backward(torch.randn(4, 5), torch.randn(4, 6), False)
-    assert not FeedForwardKernels(gelu_tanh_backward).fp8
+    assert not FeedForwardKernels(gelu_tanh_backward, gelu_tanh_backward_in_place).fp8

@@ -15,8 +15,8 @@ TOKENS, WIDTH, FFN = 512, 64, 1024
 @pytest.mark.parametrize("compiled", [False, pytest.param(True, marks=pytest.mark.long)])
 def test_forward_backward_peak_no_more_than_diffusers(compiled):
     """The backward recomputes ``gelu(h)`` for the down-projection's weight gradient and frees it,
-    then turns the GELU output's gradient into ``dh`` in place (``gelu_tanh_backward_in_place``,
-    a chunk at a time): less live at once than autograd keeps for diffusers' module (``h``,
+    then turns the GELU output's gradient into ``dh`` in place (``gelu_tanh_backward_in_place``):
+    less live at once than autograd keeps for diffusers' module (``h``,
     ``gelu(h)``, then ``h``, ``dg``, ``dh``), eager and compiled (inductor runs the op in place),
     where writing ``dh`` and ``gelu(h)`` beside ``dg`` kept about 1.7 ``[tokens, ffn_dim]`` more."""
     torch.manual_seed(0)
@@ -54,17 +54,29 @@ def test_forward_backward_peak_no_more_than_diffusers(compiled):
         assert error < 1e-2, error
 
 
-@pytest.mark.parametrize("rows", [0, 3])
-def test_in_place_gelu_backward_at_fewer_rows_than_chunks(rows):
-    """``gelu_tanh_backward_in_place`` with fewer rows than its chunks (none at all included):
-    ``dg`` becomes the GELU's gradient, and the bias gradient is its column sum, as autograd's."""
-    from loongforge.diffusion.ops.feed_forward import gelu_tanh_backward_in_place
+def test_in_place_gelu_backward_equals_autograd():
+    """``gelu_tanh_backward_in_place`` (the registry op's reference here): ``dg`` becomes the GELU's
+    gradient, and the bias gradient is its column sum, as autograd's."""
+    from loongforge.diffusion.ops.gelu import gelu_tanh_backward_in_place
 
     torch.manual_seed(1)
-    h = torch.randn(rows, 16, requires_grad=True)
-    dg = torch.randn(rows, 16)
+    h = torch.randn(3, 16, requires_grad=True)
+    dg = torch.randn(3, 16)
     (want,) = torch.autograd.grad(torch.nn.functional.gelu(h, approximate="tanh"), h, dg)
     got = dg.clone()
     db = gelu_tanh_backward_in_place(got, h.detach())
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(db, want.sum(0), rtol=1e-5, atol=1e-6)
+
+
+def test_feed_forward_over_no_token():
+    """A feed-forward over no token (an empty pack's share) returns an empty output and zero
+    gradients, as diffusers' module does, without calling the GELU backward on empty matrices."""
+    torch.manual_seed(2)
+    ff = FeedForward(16, inner_dim=32, activation_fn="gelu-approximate")
+    up, down = ff.net[0].proj, ff.net[2]
+    x = torch.randn(0, 16, requires_grad=True)
+    y = gelu_feed_forward(x, up.weight, up.bias, down.weight, down.bias, feed_forward_kernels(False))
+    assert y.shape == (0, 16)
+    y.sum().backward()
+    assert all(p.grad is not None and not p.grad.any() for p in ff.parameters())

@@ -152,14 +152,15 @@ def test_selective_checkpointing_keeps_fused_fp8_casts():
     gradients of no checkpointing."""
     from loongforge.diffusion.ops.feed_forward import FeedForwardKernels
     from loongforge.kernels.fp8_cast import fp8_cast_transpose
-    from loongforge.kernels.gelu import gelu_fp8_cast_transpose, gelu_tanh_backward
+    from loongforge.kernels.gelu import gelu_fp8_cast_transpose, gelu_tanh_backward, gelu_tanh_backward_in_place
 
     cfg, _, ours = _pair(fp8="tensorwise")
     for module in ours.modules():
         if getattr(module, "fp8_cast", None) is not None:
             module.fp8_cast = fp8_cast_transpose
         if hasattr(module, "ffn_kernels"):
-            module.ffn_kernels = FeedForwardKernels(gelu_tanh_backward, fp8_cast_transpose, gelu_fp8_cast_transpose)
+            module.ffn_kernels = FeedForwardKernels(gelu_tanh_backward, gelu_tanh_backward_in_place,
+                                                    fp8_cast_transpose, gelu_fp8_cast_transpose)
     recomputed = _recomputed_under_each_policy(ours, _packed_pair_batch(cfg))
     # 2 layers x 6 FP8 linears x (input, weight); the down-projection's input is the GELU cast
     assert {p: c.fp8_casts for p, c in recomputed.items()} == {"none": 0, "full": 24, "selective": 0}

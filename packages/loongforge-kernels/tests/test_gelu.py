@@ -13,7 +13,9 @@ import torch.nn.functional as F
 from loongforge.diffusion.ops import gelu as ref
 from loongforge.diffusion.ops.feed_forward import FeedForwardKernels, gelu_feed_forward
 from loongforge.kernels.fp8_cast import fp8_cast_transpose
-from loongforge.kernels.gelu import BLOCK_M, BLOCK_N, gelu_fp8_cast_transpose, gelu_tanh_backward
+from loongforge.kernels.gelu import (
+    BLOCK_M, BLOCK_N, gelu_fp8_cast_transpose, gelu_tanh_backward, gelu_tanh_backward_in_place,
+)
 
 from .conftest import compiled_on_gpu
 
@@ -40,6 +42,26 @@ def test_gelu_tanh_backward_equals_reference(dtype, rows, cols):
     torch.testing.assert_close(db, want_db, atol=1e-4, rtol=1e-5)
     torch.testing.assert_close(amax, want_amax, atol=0, rtol=1e-5)
     assert gelu_tanh_backward(dg, h, False)[3].numel() == 0
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows, cols", [(2 * BLOCK_M + 5, BLOCK_N + 44), (3, 40)])
+@pytest.mark.parametrize("layout", ["row_major", "transposed"])
+def test_gelu_tanh_backward_in_place_equals_reference(dtype, rows, cols, layout):
+    """``dg`` overwritten with the reference's ``dh`` (a ``dg`` that is not row-major too), the
+    bias gradient returned; ``h`` untouched."""
+    h, dg = _hidden(rows, cols, dtype)
+    if layout == "transposed":  # the same values in a column-major buffer
+        dg = dg.t().contiguous().t()
+    h_before, want_dg = h.clone(), dg.clone()
+    want_db = ref.gelu_tanh_backward_in_place(want_dg, h)
+    got_db = gelu_tanh_backward_in_place(dg, h)
+    tol = {"atol": 2e-5, "rtol": 1e-5} if dtype == torch.float32 else {"atol": 2e-2, "rtol": 1e-2}
+    torch.testing.assert_close(dg, want_dg, **tol)
+    torch.testing.assert_close(got_db, want_db, atol=1e-4, rtol=1e-5)
+    assert torch.equal(h, h_before) and dg.stride() == want_dg.stride()
+    # the reference's dh is the out-of-place op's
+    torch.testing.assert_close(want_dg, ref.gelu_tanh_backward(*_hidden(rows, cols, dtype)[::-1], False)[0], **tol)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -72,10 +94,10 @@ def test_fused_feed_forward_equals_the_reference_ops():
     params = [torch.randn(s, device=device) / s[-1] ** 0.5 for s in ((64, 32), (64,), (48, 64), (48,))]
     reference_casts = (get_op("fp8_cast_transpose").reference, get_op("gelu_fp8_cast_transpose").reference)
     casts = (fp8_cast_transpose, gelu_fp8_cast_transpose) if compiled_on_gpu() else reference_casts
-    reference_backward = get_op("gelu_tanh_backward").reference
-    cases = {False: (FeedForwardKernels(gelu_tanh_backward), FeedForwardKernels(reference_backward)),
-             True: (FeedForwardKernels(gelu_tanh_backward, *casts),
-                    FeedForwardKernels(reference_backward, *reference_casts))}
+    fused = (gelu_tanh_backward, gelu_tanh_backward_in_place)
+    reference = (get_op("gelu_tanh_backward").reference, get_op("gelu_tanh_backward_in_place").reference)
+    cases = {False: (FeedForwardKernels(*fused), FeedForwardKernels(*reference)),
+             True: (FeedForwardKernels(*fused, *casts), FeedForwardKernels(*reference, *reference_casts))}
     for fp8, kernel_sets in cases.items():
         results = []
         for kernels in kernel_sets:

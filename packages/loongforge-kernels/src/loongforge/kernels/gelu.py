@@ -113,6 +113,32 @@ def _(dg: torch.Tensor, h: torch.Tensor, with_output: bool):
     return dh, h.new_empty(h.shape[1], dtype=torch.float32), h.new_empty((), dtype=torch.float32), g
 
 
+@torch.library.custom_op("loongforge::gelu_tanh_backward_in_place", mutates_args=("dg",))
+def gelu_tanh_backward_in_place(dg: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
+    """``dg`` overwritten with ``dh`` (each tile is read before it is written, by the program that
+    owns it); returns ``dh.sum(0)`` fp32. A ``dg`` that is not row-major gets ``dh`` copied in."""
+    _check_matrices("gelu_tanh_backward_in_place", dg, h)
+    h = h.contiguous()
+    dh = dg if dg.is_contiguous() else torch.empty_like(dg, memory_format=torch.contiguous_format)
+    n_rows, n_cols = h.shape
+    n_col_blocks = triton.cdiv(n_cols, BLOCK_N)
+    groups, rows_per_program = split_rows(h.device, n_rows, BLOCK_M, PROGRAMS_PER_SLOT, n_col_blocks)
+    partial = torch.empty(groups, n_cols, device=h.device, dtype=torch.float32)
+    amax = torch.zeros((), device=h.device, dtype=torch.float32)
+    _gelu_tanh_backward[(n_col_blocks, groups)](
+        dg.contiguous(), h, dh, dh, partial, amax, n_rows, n_cols, rows_per_program,
+        WITH_OUTPUT=False, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, num_warps=NUM_WARPS,
+    )
+    if dh is not dg:
+        dg.copy_(dh)
+    return partial.sum(0)
+
+
+@gelu_tanh_backward_in_place.register_fake
+def _(dg: torch.Tensor, h: torch.Tensor):
+    return h.new_empty(h.shape[1], dtype=torch.float32)
+
+
 @torch.library.custom_op("loongforge::gelu_fp8_cast_transpose", mutates_args=())
 def gelu_fp8_cast_transpose(h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(q [M, N], q_t [N, M'], scale)``: ``gelu(h)`` in e4m3 with its tensor-wise scale, in both layouts."""

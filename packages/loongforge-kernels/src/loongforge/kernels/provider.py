@@ -202,6 +202,13 @@ def gelu_tanh_backward(
 
 
 @_by_device
+def gelu_tanh_backward_in_place(dg: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
+    from loongforge.kernels.gelu import gelu_tanh_backward_in_place as fused
+
+    return fused(dg, h)
+
+
+@_by_device
 def gelu_fp8_cast_transpose(h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     from loongforge.kernels.gelu import gelu_fp8_cast_transpose as fused
 
@@ -293,7 +300,7 @@ def supports_fp8(accelerator) -> bool:
 _OPS = (
     rms_norm, add_rms_norm, rms_norm_with_residual, embedding_grad_add, rope, grouped_qkv_rope, grouped_qkv_norm_rope, swiglu, swiglu_backward, linear_cross_entropy, sparse_mla_attention,
     sparse_mla_absorbed_attention, dsa_indexer_topk, dsa_indexer_loss,
-    gelu_tanh_backward, qk_norm_rope, qk_norm_rope_backward, modulated_layer_norm, modulated_layer_norm_backward,
+    gelu_tanh_backward, gelu_tanh_backward_in_place, qk_norm_rope, qk_norm_rope_backward, modulated_layer_norm, modulated_layer_norm_backward,
     adamw_step, gated_delta_rule,
 )
 _FP8_OPS = (fp8_linear, fp8_cast_transpose, gelu_fp8_cast_transpose)

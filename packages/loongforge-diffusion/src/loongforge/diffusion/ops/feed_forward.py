@@ -4,10 +4,10 @@ with tensor-wise FP8 GEMMs.
 Autograd's backward of the three ops reads the hidden activation ``h = up(x)`` (``[tokens,
 ffn_dim]``) several times: the GELU backward, the up-projection's bias gradient, the recomputed
 ``gelu(h)`` for the down-projection's weight gradient and, in FP8, the amax of the gradient to
-cast. Here one registry op (``gelu_tanh_backward``) makes ``dh``, the bias gradient and the
-amax in one pass (in bf16 a chunk of rows at a time, written over ``dg``: see
-``_GeluFeedForward``), and in FP8 the forward casts ``gelu(h)`` straight from ``h``
-(``gelu_fp8_cast_transpose``) without writing it.
+cast. Here one registry op makes ``dh``, the bias gradient (and in FP8 the amax) in one pass: in
+the autocast dtype written over ``dg`` (``gelu_tanh_backward_in_place``: see ``_GeluFeedForward``),
+in FP8 beside it (``gelu_tanh_backward``); and in FP8 the forward casts ``gelu(h)`` straight from
+``h`` (``gelu_fp8_cast_transpose``) without writing it.
 
 ``kernels``: the registry ops to use (:func:`feed_forward_kernels`), resolved once by the caller.
 Numerics: in the autocast dtype, those of the same ops composed (the output and the input and
@@ -33,11 +33,11 @@ from loongforge.diffusion.ops.fp8_tensorwise import (
 
 @dataclass(frozen=True)
 class FeedForwardKernels:
-    """The registry ops a feed-forward calls (FP8 casts only with FP8 GEMMs). ``gelu_tanh_backward``
-    serves the FP8 backward; the bf16 one runs ``gelu_tanh_backward_in_place``, which looks the
-    registry's up itself (a custom op takes tensors, not functions)."""
+    """The registry ops a feed-forward calls (FP8 casts only with FP8 GEMMs): the backward in the
+    autocast dtype runs ``gelu_tanh_backward_in_place``, the FP8 one ``gelu_tanh_backward``."""
 
     gelu_tanh_backward: Callable
+    gelu_tanh_backward_in_place: Callable
     fp8_cast_transpose: Callable | None = None
     gelu_fp8_cast_transpose: Callable | None = None
 
@@ -54,10 +54,10 @@ class FeedForwardKernels:
 
 def feed_forward_kernels(fp8: bool) -> FeedForwardKernels:
     """The registry ops of a feed-forward in the autocast dtype, or with FP8 GEMMs (``fp8``)."""
+    backward = (get_kernel("gelu_tanh_backward"), get_kernel("gelu_tanh_backward_in_place"))
     if not fp8:
-        return FeedForwardKernels(get_kernel("gelu_tanh_backward"))
-    return FeedForwardKernels(get_kernel("gelu_tanh_backward"), get_kernel("fp8_cast_transpose"),
-                              get_kernel("gelu_fp8_cast_transpose"))
+        return FeedForwardKernels(*backward)
+    return FeedForwardKernels(*backward, get_kernel("fp8_cast_transpose"), get_kernel("gelu_fp8_cast_transpose"))
 
 
 def _forward_in_dtype(x2, w1, b1, w2, b2):
@@ -68,42 +68,12 @@ def _forward_in_dtype(x2, w1, b1, w2, b2):
     return w1c, h, w2c, F.linear(F.gelu(h, approximate="tanh"), w2c, None if b2 is None else b2.to(dt))
 
 
-# the in-place GELU backward turns ``dg`` into ``dh`` in this many row chunks
-BACKWARD_CHUNKS = 8
-
-
-@torch.library.custom_op("loongforge_diffusion::gelu_tanh_backward_in_place", mutates_args=("dg",))
-def gelu_tanh_backward_in_place(dg: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
-    """Overwrites ``dg`` (``[M, N]``, the gradient of ``gelu(h)``) with ``dh``, the GELU's backward,
-    and returns the bias gradient ``dh.sum(0)`` (fp32): the registry's ``gelu_tanh_backward`` a
-    row chunk at a time, each chunk copied over its rows of ``dg``, so that besides ``dg`` and
-    ``h`` only one chunk of ``dh`` exists (the chunks' fp32 sums added). A custom op, so that
-    compiled graphs run it as it is, in place on ``dg`` (inductor reinplaces it where nothing
-    reads ``dg`` afterwards)."""
-    kernel = get_kernel("gelu_tanh_backward")
-    rows = max(1, -(-dg.shape[0] // BACKWARD_CHUNKS))
-    db = dg.new_zeros(dg.shape[1], dtype=torch.float32)
-    for start in range(0, dg.shape[0], rows):
-        dg_rows = dg[start : start + rows]
-        dh, db_rows, _, _ = kernel(dg_rows, h[start : start + rows], False)
-        dg_rows.copy_(dh)
-        del dh
-        db += db_rows
-    return db
-
-
-@gelu_tanh_backward_in_place.register_fake
-def _(dg: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
-    return dg.new_empty(dg.shape[1], dtype=torch.float32)
-
-
 class _GeluFeedForward(torch.autograd.Function):
     """The GEMMs in ``x``'s dtype; saves ``x`` and ``h`` (``gelu(h)`` is recomputed in the backward).
 
-    Memory: besides ``h`` the backward keeps one ``[tokens, ffn_dim]`` tensor alive at a time
-    (plus an eighth of one): ``gelu(h)`` for the down-projection's weight gradient, freed before
-    the gradient ``dg`` of the GELU's output exists, which ``gelu_tanh_backward_in_place`` then
-    turns into ``dh`` in place. Autograd of the composed ops (diffusers' ``FeedForward``) keeps two
+    Memory: besides ``h`` the backward keeps one ``[tokens, ffn_dim]`` tensor alive at a time:
+    ``gelu(h)`` for the down-projection's weight gradient, freed before the gradient ``dg`` of the
+    GELU's output exists, which ``gelu_tanh_backward_in_place`` then turns into ``dh`` in place. Autograd of the composed ops (diffusers' ``FeedForward``) keeps two
     (``dg`` and ``dh``); writing ``dh`` and ``gelu(h)`` beside ``dg`` kept three, on the whole Wan
     1.3B at 32760 tokens about 1 GiB above diffusers' checkpointed step. Gradients come back in
     the GEMMs' dtype; autograd casts them to each parameter's."""
@@ -124,7 +94,8 @@ class _GeluFeedForward(torch.autograd.Function):
             dw2 = dy.t() @ F.gelu(h, approximate="tanh")
         if need_x or need_w1 or need_b1:
             dh = dy @ w2c  # dg, overwritten with dh
-            db1 = gelu_tanh_backward_in_place(dh, h)
+            db1 = (ctx.kernels.gelu_tanh_backward_in_place(dh, h) if dh.shape[0]  # (no token: no pass)
+                   else dh.new_zeros(dh.shape[1], dtype=torch.float32))
             dx = dh @ w1c if need_x else None
             dw1 = dh.t() @ x2 if need_w1 else None
         db2 = dy.float().sum(0) if need_b2 else None

@@ -9,6 +9,8 @@ versions of these ops (``loongforge-kernels``) read it once per use at full band
   the up-projection's bias gradient (``dh`` summed over tokens, fp32), ``amax(|dh|)`` (an FP8
   cast's scale) and, on request, the recomputed output ``gelu(h)`` (the down-projection's weight
   gradient reads it);
+- ``gelu_tanh_backward_in_place(dg, h)``: the same backward written over ``dg`` (no ``[M, N]``
+  tensor beside it), returning the bias gradient: what a feed-forward in the autocast dtype needs;
 - ``gelu_fp8_cast_transpose(h)``: ``gelu(h)`` quantised to e4m3 in both layouts Hopper's FP8
   GEMMs read, with its tensor-wise scale (``amax(|gelu(h)|) / 448``), without writing ``gelu(h)``
   itself.
@@ -40,6 +42,33 @@ def gelu_tanh_backward(
     dh32 = torch.ops.aten.gelu_backward(dg.float(), h.float(), approximate="tanh")
     g = F.gelu(h.float(), approximate="tanh").to(h.dtype) if with_output else h.new_empty(0)
     return dh32.to(dg.dtype), dh32.sum(0), dh32.abs().amax(), g
+
+
+IN_PLACE_BLOCKS = 8  # the row blocks of the in-place backward's reference
+
+
+@torch.library.custom_op("loongforge_diffusion::gelu_tanh_backward_in_place", mutates_args=("dg",))
+def gelu_tanh_backward_in_place(dg: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
+    """Overwrites ``dg`` (the gradient of ``gelu(h)``, ``[M, N]``) with ``dh``, the GELU's backward in
+    ``dg``'s dtype, and returns the bias gradient ``dh.sum(0)`` (fp32, summed over the fp32 ``dh``).
+    In row blocks (``IN_PLACE_BLOCKS`` of them), so that its fp32 temporaries are one block's: an
+    eighth of ``dg`` where it is bf16, as in place as the fused op on the devices without it. A
+    custom op, as the fused one is, so that compiled graphs run it as it is, in place on ``dg``
+    (traced, inductor would not write ``dh`` over ``dg``)."""
+    check_matrices("gelu_tanh_backward_in_place", dg, h)
+    rows = -(-dg.shape[0] // IN_PLACE_BLOCKS)
+    db = dg.new_zeros(dg.shape[1], dtype=torch.float32)
+    for start in range(0, dg.shape[0], rows):
+        dg_rows = dg[start : start + rows]
+        dh32 = torch.ops.aten.gelu_backward(dg_rows.float(), h[start : start + rows].float(), approximate="tanh")
+        dg_rows.copy_(dh32)
+        db += dh32.sum(0)
+    return db
+
+
+@gelu_tanh_backward_in_place.register_fake
+def _(dg: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
+    return dg.new_empty(dg.shape[1], dtype=torch.float32)
 
 
 def gelu_fp8_cast_transpose(h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
