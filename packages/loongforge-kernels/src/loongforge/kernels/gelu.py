@@ -87,6 +87,21 @@ def _backward_outputs(dg: torch.Tensor, h: torch.Tensor, with_output: bool) -> t
     return dh, h.new_empty(h.shape) if with_output else h.new_empty(0)
 
 
+def _launch_backward(dg: torch.Tensor, h: torch.Tensor, dh: torch.Tensor, g: torch.Tensor | None):
+    """The backward pass over row-major ``dg`` and ``h`` into ``dh`` (which may be ``dg`` itself) and,
+    given, ``g``; returns ``(dh.sum(0), amax(|dh|))``, fp32."""
+    n_rows, n_cols = h.shape
+    n_col_blocks = triton.cdiv(n_cols, BLOCK_N)
+    groups, rows_per_program = split_rows(h.device, n_rows, BLOCK_M, PROGRAMS_PER_SLOT, n_col_blocks)
+    partial = torch.empty(groups, n_cols, device=h.device, dtype=torch.float32)
+    amax = torch.zeros((), device=h.device, dtype=torch.float32)
+    _gelu_tanh_backward[(n_col_blocks, groups)](
+        dg, h, dh, g if g is not None else dh, partial, amax, n_rows, n_cols, rows_per_program,
+        WITH_OUTPUT=g is not None, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, num_warps=NUM_WARPS,
+    )
+    return partial.sum(0), amax
+
+
 @torch.library.custom_op("loongforge::gelu_tanh_backward", mutates_args=())
 def gelu_tanh_backward(
     dg: torch.Tensor, h: torch.Tensor, with_output: bool
@@ -94,17 +109,9 @@ def gelu_tanh_backward(
     """``(dh, dh.sum(0) fp32, amax(|dh|) fp32, gelu(h) or empty)`` of ``[M, N]`` matrices."""
     _check_matrices("gelu_tanh_backward", dg, h)
     dg, h = dg.contiguous(), h.contiguous()
-    n_rows, n_cols = h.shape
     dh, g = _backward_outputs(dg, h, with_output)
-    n_col_blocks = triton.cdiv(n_cols, BLOCK_N)
-    groups, rows_per_program = split_rows(h.device, n_rows, BLOCK_M, PROGRAMS_PER_SLOT, n_col_blocks)
-    partial = torch.empty(groups, n_cols, device=h.device, dtype=torch.float32)
-    amax = torch.zeros((), device=h.device, dtype=torch.float32)
-    _gelu_tanh_backward[(n_col_blocks, groups)](
-        dg, h, dh, g if with_output else dh, partial, amax, n_rows, n_cols, rows_per_program,
-        WITH_OUTPUT=with_output, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, num_warps=NUM_WARPS,
-    )
-    return dh, partial.sum(0), amax, g
+    db, amax = _launch_backward(dg, h, dh, g if with_output else None)
+    return dh, db, amax, g
 
 
 @gelu_tanh_backward.register_fake
@@ -116,22 +123,14 @@ def _(dg: torch.Tensor, h: torch.Tensor, with_output: bool):
 @torch.library.custom_op("loongforge::gelu_tanh_backward_in_place", mutates_args=("dg",))
 def gelu_tanh_backward_in_place(dg: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
     """``dg`` overwritten with ``dh`` (each tile is read before it is written, by the program that
-    owns it); returns ``dh.sum(0)`` fp32. A ``dg`` that is not row-major gets ``dh`` copied in."""
+    owns it); returns ``dh.sum(0)`` fp32. A ``dg`` that is not row-major is worked on in a row-major
+    copy, copied back."""
     _check_matrices("gelu_tanh_backward_in_place", dg, h)
-    h = h.contiguous()
-    dh = dg if dg.is_contiguous() else torch.empty_like(dg, memory_format=torch.contiguous_format)
-    n_rows, n_cols = h.shape
-    n_col_blocks = triton.cdiv(n_cols, BLOCK_N)
-    groups, rows_per_program = split_rows(h.device, n_rows, BLOCK_M, PROGRAMS_PER_SLOT, n_col_blocks)
-    partial = torch.empty(groups, n_cols, device=h.device, dtype=torch.float32)
-    amax = torch.zeros((), device=h.device, dtype=torch.float32)
-    _gelu_tanh_backward[(n_col_blocks, groups)](
-        dg.contiguous(), h, dh, dh, partial, amax, n_rows, n_cols, rows_per_program,
-        WITH_OUTPUT=False, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, num_warps=NUM_WARPS,
-    )
-    if dh is not dg:
-        dg.copy_(dh)
-    return partial.sum(0)
+    rows = dg.contiguous()
+    db, _ = _launch_backward(rows, h.contiguous(), rows, None)
+    if rows is not dg:
+        dg.copy_(rows)
+    return db
 
 
 @gelu_tanh_backward_in_place.register_fake
