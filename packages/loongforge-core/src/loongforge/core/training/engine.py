@@ -46,6 +46,25 @@ def finite(out: StepOutput) -> bool:
     return math.isfinite(out.loss) and math.isfinite(out.grad_norm)
 
 
+def read_step_output(step: StepBatch, on_device: list[torch.Tensor], on_host: list[float] | None = None, *,
+                     compute_seconds: float, offloaded_bytes: int | None) -> StepOutput:
+    """A step's ``StepOutput``, its device numbers read back to the host in one read: ``on_device``
+    holds the loss and gradient norm, then the input tokens and FLOPs unless ``on_host`` has those
+    two (one dtype: they are stacked). Tokens and FLOPs are reported only where ``step`` counts them."""
+    values = torch.stack(on_device).tolist()
+    if on_host is not None:
+        values += on_host
+    loss, norm, tokens, flops = values
+    return StepOutput(
+        loss=loss,
+        grad_norm=norm,
+        tokens=int(tokens) if step.tokens is not None else None,
+        flops=flops if step.flops is not None else None,
+        compute_seconds=compute_seconds,
+        offloaded_bytes=offloaded_bytes,
+    )
+
+
 @dataclass
 class EngineState:
     """What an engine contributes to a checkpoint: tensor pieces (``loongforge.core.checkpoint.Piece``),

@@ -31,7 +31,14 @@ from loongforge.core.kernels import get_op
 from loongforge.core.parallel import ParallelContext
 from loongforge.core.training.activation_offload import offload_first
 from loongforge.core.training import grad_update
-from loongforge.core.training.engine import EngineState, StepOutput, finite, precision_recipe, resolve_dtype
+from loongforge.core.training.engine import (
+    EngineState,
+    StepOutput,
+    finite,
+    precision_recipe,
+    read_step_output,
+    resolve_dtype,
+)
 from loongforge.core.training.main_grad import main_grad_fusion
 from loongforge.core.training.schema import ParallelConfig, SequenceTrainConfig, TrainConfig
 from loongforge.core.training.task import MegatronTask, StepBatch
@@ -327,17 +334,11 @@ class MegatronEngine:
     def _output(self, sums: _StepSums, step: StepBatch) -> StepOutput:
         """The step's numbers, read back to the host in one read."""
         if sums.host_totals is None:
-            loss, norm, tokens, flops = torch.stack([sums.loss, sums.norm, sums.totals[2], sums.totals[3]]).tolist()
+            on_device, on_host = [sums.loss, sums.norm, sums.totals[2], sums.totals[3]], None
         else:
-            (loss, norm), (tokens, flops) = torch.stack([sums.loss, sums.norm]).tolist(), sums.host_totals
-        return StepOutput(
-            loss=loss,
-            grad_norm=norm,
-            tokens=int(tokens) if step.tokens is not None else None,
-            flops=flops if step.flops is not None else None,
-            compute_seconds=sums.compute_seconds,
-            offloaded_bytes=sums.offloaded,
-        )
+            on_device, on_host = [sums.loss, sums.norm], sums.host_totals
+        return read_step_output(step, on_device, on_host, compute_seconds=sums.compute_seconds,
+                                offloaded_bytes=sums.offloaded)
 
     def forward_backward(self, step: StepBatch, measuring: bool = False) -> StepOutput:
         return self._output(self._schedule(step, measuring), step)

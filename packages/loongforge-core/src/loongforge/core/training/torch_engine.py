@@ -43,7 +43,14 @@ from torch.distributed.tensor import DTensor
 from loongforge.core.training import grad_update, torch_parallel
 from loongforge.core.training.activation_offload import offload_first
 from loongforge.core.training.ema import EMA
-from loongforge.core.training.engine import EngineState, StepOutput, finite, precision_recipe, resolve_dtype
+from loongforge.core.training.engine import (
+    EngineState,
+    StepOutput,
+    finite,
+    precision_recipe,
+    read_step_output,
+    resolve_dtype,
+)
 from loongforge.core.training.schema import ParallelConfig, TrainConfig
 from loongforge.core.training.sharding import local
 from loongforge.core.training.task import StepBatch, TorchTask
@@ -235,15 +242,8 @@ class TorchEngine:
     def _output(b: _StepSums, step: StepBatch, norm: torch.Tensor) -> StepOutput:
         """The step's numbers, read back to the host in one read."""
         loss = b.sums[0] / b.sums[1].clamp(min=1e-30)
-        loss_, norm_, tokens, flops = torch.stack([loss, norm.double(), b.sums[2], b.sums[3]]).tolist()
-        return StepOutput(
-            loss=loss_,
-            grad_norm=norm_,
-            tokens=int(tokens) if step.tokens is not None else None,
-            flops=flops if step.flops is not None else None,
-            compute_seconds=b.compute_seconds,
-            offloaded_bytes=b.offloaded,
-        )
+        return read_step_output(step, [loss, norm.double(), b.sums[2], b.sums[3]],
+                                compute_seconds=b.compute_seconds, offloaded_bytes=b.offloaded)
 
     def forward_backward(self, step: StepBatch, measuring: bool = False) -> StepOutput:
         """The step's gradients, left in ``.grad`` as those of the global mean loss (the weights untouched)."""
