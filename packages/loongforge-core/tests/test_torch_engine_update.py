@@ -8,57 +8,16 @@ A step whose loss is not finite leaves the weights, moments and step counts as t
 from __future__ import annotations
 
 import copy
-from dataclasses import dataclass, field
 
 import pytest
 import torch
 import torch.nn as nn
 
-from loongforge.core.training.schema import CheckpointConfig, LogConfig, ParallelConfig, TrainConfig
-from loongforge.core.training.task import StepBatch, TorchTask
-from loongforge.core.training.torch_model import TorchModel
+from core_helpers import RunConfig, ToyTask
+from loongforge.core.training.schema import LogConfig, TrainConfig
+from loongforge.core.training.task import StepBatch
 
 LR = 1e-2
-
-
-class Toy(TorchModel):
-    def __init__(self):
-        super().__init__()
-        self.blocks = nn.ModuleList([nn.Linear(8, 8), nn.Linear(8, 8)])
-        self.head = nn.Linear(8, 1)
-
-    def repeated_blocks(self):
-        return list(self.blocks)
-
-    def forward(self, x):
-        for block in self.blocks:
-            x = torch.tanh(block(x))
-        return self.head(x)
-
-
-class ToyTask(TorchTask):
-    family = "toy"
-
-    def model_config_dict(self) -> dict:
-        return {"width": 8}
-
-    def build_model(self, ctx):
-        return Toy()
-
-    def steps(self, ctx, start_step: int):  # (the test hands the engine its steps itself)
-        raise NotImplementedError
-
-    def forward(self, model, batch):
-        x, y = batch
-        return model(x), lambda o: ((o - y).pow(2).sum(), y.numel())
-
-
-@dataclass
-class RunConfig:
-    train: TrainConfig
-    log: LogConfig
-    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
-    parallel: ParallelConfig = field(default_factory=ParallelConfig)
 
 
 @pytest.fixture(scope="module")

@@ -11,29 +11,32 @@ import pytest
 import torch
 import torch.nn as nn
 
+import core_helpers
+from core_helpers import ToyTask
 from loongforge.core.checkpoint import Checkpoint, CheckpointReadError
 from loongforge.core.training.ema import EmaConfig
-from loongforge.core.training.schema import CheckpointConfig, LogConfig, ParallelConfig, TrainConfig
-from loongforge.core.training.task import StepBatch, TorchTask
+from loongforge.core.training.schema import CheckpointConfig, LogConfig, TrainConfig
 from loongforge.core.training.torch_model import TorchModel
 
 STEPS = 4
 
 
 class Block(nn.Module):
-    def __init__(self):
+    def __init__(self, width: int):
         super().__init__()
-        self.up, self.down = nn.Linear(16, 32), nn.Linear(32, 16)
+        self.up, self.down = nn.Linear(width, 2 * width), nn.Linear(2 * width, width)
 
     def forward(self, x):
         return x + self.down(torch.nn.functional.gelu(self.up(x)))
 
 
-class Toy(TorchModel):
-    def __init__(self):
+class ResidualToy(TorchModel):
+    """Two residual GELU blocks (``core_helpers.Toy``'s shape, its linear blocks made MLPs)."""
+
+    def __init__(self, width: int):
         super().__init__()
-        self.blocks = nn.ModuleList([Block(), Block()])
-        self.head = nn.Linear(16, 1)
+        self.blocks = nn.ModuleList([Block(width), Block(width)])
+        self.head = nn.Linear(width, 1)
 
     def repeated_blocks(self):
         return list(self.blocks)
@@ -44,35 +47,14 @@ class Toy(TorchModel):
         return self.head(x)
 
 
-class ToyTask(TorchTask):
-    family = "toy"
-
-    def model_config_dict(self) -> dict:
-        return {"width": 16}
-
-    def build_model(self, ctx):
-        return Toy()
-
-    def steps(self, ctx, start_step: int):
-        step = start_step
-        while True:
-            g = torch.Generator().manual_seed(step)
-            yield StepBatch(micro_batches=[(torch.randn(8, 16, generator=g), torch.randn(8, 1, generator=g))
-                                           for _ in range(2)])
-            step += 1
-
-    def forward(self, model, batch):
-        x, y = batch
-        out = model(x)
-        return out, lambda o: ((o.float() - y).pow(2).sum(), y.numel())
+def batches(ctx, step: int) -> list:
+    g = torch.Generator().manual_seed(step)
+    return [(torch.randn(8, 16, generator=g), torch.randn(8, 1, generator=g)) for _ in range(2)]
 
 
 @dataclass
-class RunConfig:
-    train: TrainConfig
-    log: LogConfig
+class RunConfig(core_helpers.RunConfig):
     checkpoint: CheckpointConfig = field(default_factory=lambda: CheckpointConfig(interval=2, keep_last=4))
-    parallel: ParallelConfig = field(default_factory=ParallelConfig)
     ema: EmaConfig = field(default_factory=lambda: EmaConfig(decay=0.9))
 
 
@@ -93,7 +75,7 @@ def trainer(ctx, run_dir, precision: str, log_interval: int = 1, **train):
                     log=LogConfig(run_dir=str(run_dir), progress=False, tensorboard=False,
                                                           interval=log_interval))
     torch.manual_seed(cfg.train.seed)
-    return Trainer(ToyTask(), ctx, cfg, config_record={"precision": precision})
+    return Trainer(ToyTask(ResidualToy, width=16, batches=batches), ctx, cfg, config_record={"precision": precision})
 
 
 def test_pure_bf16_state_dtypes_and_exact_resume(world, tmp_path):
