@@ -5,7 +5,8 @@ Run on a CUDA machine:  uv run python bench/dsa_kernel_launches.py [--seqs 16384
 One chunk of absorbed queries (``--chunk`` tokens, the last of each ``--seqs`` sequence, as
 ``sparse_mla_absorbed_attention`` runs them) at DeepSeek-V3.2's sizes: 128 heads, latent 512 +
 rope 64, top-2048 over causal random keys, bf16. Prints milliseconds and TFLOP/s per call: the
-forward, the backward (its two kernels: the query grad, then the key grad summed over heads) and
+forward, the backward (its two kernels: the query grad, then the key grad summed over heads; with the
+default blocks and with the key grad's alternatives in ``KEY_GRAD_BLOCKS``) and
 ``head_mean_probs`` (the indexer loss's target) in two passes over the logits (recomputing each
 head's log-sum-exp) and in one (taking the forward's). FLOPs count each matmul once: forward ``2 *
 H * topk * (576 + 512)`` per query, backward ``2 * H * topk * (576 + 512 + 576 + 576 + 512)``
@@ -17,10 +18,18 @@ from __future__ import annotations
 
 import argparse
 import time
+from dataclasses import replace
 
 import torch
 
 from loongforge.kernels import sparse_mla
+
+
+# the key-grad kernel's blocks timed beside the default (``sparse_mla.HALF_BLOCKS``)
+KEY_GRAD_BLOCKS = tuple(
+    replace(sparse_mla.HALF_BLOCKS, dkv_heads=h, dkv_keys=n, dkv_cols=c, dkv_warps=w)
+    for h, n, c, w in ((32, 64, 64, 4), (64, 64, 128, 8), (32, 128, 128, 8), (64, 128, 128, 8), (64, 128, 64, 8))
+)
 
 
 def _ms(fn, iters: int) -> float:
@@ -77,8 +86,18 @@ def time_chunk(seq: int, chunk: int, h: int, topk: int, iters: int) -> None:
     row("forward", _ms(lambda: sparse_mla.attention_forward(q, kv, idx, scale, d_v), iters), 576 + 512)
     dout = torch.randn_like(out)
     dkv = torch.zeros(kv.shape, dtype=torch.float32, device="cuda")
-    row("backward", _ms(lambda: sparse_mla.attention_backward(q, kv, idx, out, lse, dout, scale, d_v, dkv), iters),
-        576 + 512 + 576 + 576 + 512)
+    for blocks in (None, *KEY_GRAD_BLOCKS):
+        name = "backward" if blocks is None else (
+            f"backward, key grad {blocks.dkv_heads} heads x {blocks.dkv_keys} keys x {blocks.dkv_cols} columns, "
+            f"{blocks.dkv_warps} warps")
+        ms = _ms(lambda: sparse_mla.attention_backward(q, kv, idx, out, lse, dout, scale, d_v, dkv, blocks=blocks), iters)
+        row(name, ms, 576 + 512 + 576 + 576 + 512)
+    grads = []
+    for blocks in (None, *KEY_GRAD_BLOCKS):  # every block choice gives the same key grad (atomics: not bit for bit)
+        grads.append(torch.zeros_like(dkv))
+        sparse_mla.attention_backward(q, kv, idx, out, lse, dout, scale, d_v, grads[-1], blocks=blocks)
+    worst = max(((g - grads[0]).norm() / grads[0].norm()).item() for g in grads[1:])
+    print(f"| {seq} | backward block choices, largest relative difference of the key grad | {worst:.1e} | |", flush=True)
     row("head_mean_probs, two passes", _ms(lambda: sparse_mla.head_mean_probs(q, kv, idx, scale), iters), 2 * 576)
     natural_lse = lse * sparse_mla.LN2  # the forward's log2-domain lse as the ops return it
     row("head_mean_probs, one pass (the forward's lse)",

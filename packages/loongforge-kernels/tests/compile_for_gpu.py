@@ -73,11 +73,12 @@ def build_dsa(dtype: str) -> None:
     i32, p = "i32", f"*{dtype}"
     precision = "ieee" if dtype == "fp32" else "tf32"
     sizes = dict(D_V=512, D_ROPE=64, BLOCK_DV=512, BLOCK_DR=64, PRECISION=precision)
-    bwd = dict(Q=p, KV=p, IDX="*i32", O=p, DO=p, LSE="*fp32", DELTA="*fp32", DKV="*fp32", n_heads=i32, topk=i32,
-               scale="fp32", scale_log2="fp32", stride_qb=i32, stride_qs=i32, stride_qh=i32, stride_kvb=i32,
+    bwd = dict(Q=p, KV=p, IDX="*i32", O=p, DO=p, LSE="*fp32", DQ=p, DKV="*fp32", PB=p, DSB=p, n_heads=i32,
+               topk=i32, scale="fp32", scale_log2="fp32", stride_qb=i32, stride_qs=i32, stride_qh=i32, stride_kvb=i32,
                stride_kvs=i32, stride_ib=i32, stride_is=i32, stride_ob=i32, stride_os=i32, stride_oh=i32,
-               stride_dob=i32, stride_dos=i32, stride_doh=i32, stride_lb=i32, stride_ls=i32, stride_dkvb=i32,
-               stride_dkvs=i32)
+               stride_dob=i32, stride_dos=i32, stride_doh=i32, stride_lb=i32, stride_ls=i32, stride_dqb=i32,
+               stride_dqs=i32, stride_dqh=i32, stride_dkvb=i32, stride_dkvs=i32, stride_pb=i32, stride_ps=i32,
+               stride_ph=i32)
     for block_h in (16, 32, 64) if dtype == "bf16" else (16,):
         common = dict(sizes, BLOCK_H=block_h)
         build(
@@ -99,19 +100,26 @@ def build_dsa(dtype: str) -> None:
             continue
         # the query grad with the key grad (one head block of 16 or 32 heads)
         build(
-            sm._sparse_mla_bwd_dq, dict(bwd, DQ=p, stride_dqb=i32, stride_dqs=i32, stride_dqh=i32),
+            sm._sparse_mla_bwd_dq, bwd,
             dict(common, BLOCK_N=sm.BLOCK_N_FUSED, WITH_DKV=True), num_warps=8, num_stages=1, aligned=("topk",),
         )
-    # the two-kernel backward: the query grad alone, then the key grad
-    dq_h, dq_n, dkv_h, dkv_n = sm.backward_blocks(2 if dtype == "bf16" else 4)
+    # the two-kernel backward: the query grad storing the probabilities and logit grads, then the key grad
+    blocks = sm.backward_blocks(2 if dtype == "bf16" else 4)
     build(
-        sm._sparse_mla_bwd_dq, dict(bwd, DQ=p, stride_dqb=i32, stride_dqs=i32, stride_dqh=i32),
-        dict(sizes, BLOCK_H=dq_h, BLOCK_N=dq_n, WITH_DKV=False), num_warps=sm.BACKWARD_WARPS, num_stages=1,
-        aligned=("topk",),
+        sm._sparse_mla_bwd_dq, bwd,
+        dict(sizes, BLOCK_H=blocks.dq_heads, BLOCK_N=blocks.dq_keys, WITH_DKV=False), num_warps=sm.BACKWARD_WARPS,
+        num_stages=1, aligned=("topk",),
     )
     build(
-        sm._sparse_mla_bwd_dkv, dict(bwd, n_key_blocks=i32), dict(sizes, BLOCK_H=dkv_h, BLOCK_N=dkv_n),
-        num_warps=sm.BACKWARD_WARPS, num_stages=1, aligned=("topk",),
+        sm._sparse_mla_bwd_dkv,
+        dict(Q=p, IDX="*i32", DO=p, PB=p, DSB=p, DKV="*fp32", n_heads=i32, topk=i32, n_key_blocks=i32,
+             stride_qb=i32, stride_qs=i32, stride_qh=i32, stride_ib=i32, stride_is=i32, stride_dob=i32,
+             stride_dos=i32, stride_doh=i32, stride_pb=i32, stride_ps=i32, stride_ph=i32, stride_dkvb=i32,
+             stride_dkvs=i32),
+        dict(D=576, D_V=512, BLOCK_H=blocks.dkv_heads, BLOCK_N=blocks.dkv_keys, BLOCK_D=blocks.dkv_cols,
+             PRECISION=precision),
+        num_warps=blocks.dkv_warps, num_stages=1,
+        aligned=("topk",),
     )
     gather = dict(Q=p, K=p, W="*fp32", IDX="*i32", n_heads=i32, topk=i32, stride_qb=i32, stride_qs=i32, stride_qh=i32,
                   stride_kb=i32, stride_ks=i32, stride_wb=i32, stride_ws=i32, stride_ib=i32, stride_is=i32)

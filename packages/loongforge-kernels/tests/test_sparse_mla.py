@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from loongforge.kernels.dsa_indexer import dsa_indexer_loss, dsa_indexer_topk, indexer_scores_chunk
+from loongforge.kernels import sparse_mla
 from loongforge.kernels.launch import INTERPRETED
 from loongforge.kernels.sparse_mla import head_mean_probs, sparse_mla_attention
 from loongforge.kernels.sparse_mla_absorbed import sparse_mla_absorbed_attention
@@ -62,6 +63,27 @@ def test_sparse_mla_forward_backward_fp32(b, s, h, d_v, d_rope, topk, extra_kv):
     torch.testing.assert_close(dq, dq_ref, **TIGHT)
     torch.testing.assert_close(dkv, dkv_ref, **TIGHT)
     assert out[0, 2].abs().max() == 0 and dq[0, 2].abs().max() == 0
+
+
+@pytest.mark.parametrize("cols", [16, 64])  # the key grad's column blocks: three (value, value + rope, rope) or one
+def test_two_kernel_backward_in_passes_matches_the_reference(cols):
+    """The two-kernel backward (18 heads: two head blocks) with its queries in passes of two (the
+    last short), so its stored probabilities and logit grads are reused across passes, and the key
+    grad in column blocks that split the value from the rope mid-block; ``dkv`` accumulates into
+    what is already there, as the absorbed op's query chunks do."""
+    b, s, h, d_v, d_rope, topk = 1, 5, 18, 24, 20, 21
+    q, kv, idx = _attention_inputs(b, s, h, d_v, d_rope, topk, extra_kv=3, seed=7)
+    idx[0, 4, 5:] = -1
+    scale = (d_v + d_rope) ** -0.5
+    dout = torch.randn(b, s, h, d_v, generator=torch.Generator(torch.get_default_device()).manual_seed(8))
+    _, dq_ref, dkv_ref = _run(dsa.sparse_mla_attention, q, kv, idx, scale, d_v, dout)
+    out, lse = sparse_mla.attention_forward(q, kv, idx, scale, d_v)
+    blocks = sparse_mla.BackwardBlocks(dq_heads=16, dq_keys=16, dkv_heads=16, dkv_keys=16, dkv_cols=cols, dkv_warps=4)
+    dkv = torch.ones(kv.shape)
+    dq = sparse_mla.attention_backward(q, kv, idx, out, lse, dout, scale, d_v, dkv, blocks=blocks,
+                                       stored_elements=2 * h * topk)
+    torch.testing.assert_close(dq, dq_ref, **TIGHT)
+    torch.testing.assert_close(dkv - 1, dkv_ref, **TIGHT)
 
 
 def _absorbed_inputs(b, s, h, d_nope, d_rope, d_c, d_v, topk, extra_kv, seed):

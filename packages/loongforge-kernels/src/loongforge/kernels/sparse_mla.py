@@ -9,15 +9,17 @@ once, uses them as keys (two dots: latent and rope parts) and as values, and kee
 also returns on request (``return_lse``, natural log): the indexer loss's target
 (``head_mean_probs``) then forms its probabilities in one pass over the logits instead of two.
 
-The backward recomputes the probabilities from the saved log-sum-exp in two kernels. The query
-grad: one program per (token, head block) forms its heads' ``delta = rowsum(out * dout)`` in fp32
-registers (stored for the second kernel), walks the token's key blocks as the forward does and
-accumulates the grad in registers. The key/value grad: one program per (token, block of its selected
-keys) loops over all head blocks, recomputing the logits and ``dp`` once more, sums the block's
-grad over every head in fp32 registers and scatters it into an fp32 ``dkv`` with one atomic add
-per (key, dim) (a key row is selected by many queries). When one head block holds every head,
-the query-grad kernel scatters the key grad itself (each key is then added once per query
-already) and the second kernel is skipped.
+The backward recomputes the probabilities from the saved log-sum-exp once, in two kernels per
+pass of queries. The query grad: one program per (token, head block) forms its heads' ``delta =
+rowsum(out * dout)`` in fp32 registers, walks the token's key blocks as the forward does,
+accumulates the grad in registers and stores each block's probabilities and scaled logit grads
+(``[heads, keys]`` tiles, the inputs' dtype). The key/value grad: one program per (token, block of
+its selected keys) reads those tiles for every head block and sums ``ds^T q + p^T dout`` in fp32
+registers, then scatters it into an fp32 ``dkv`` with one atomic add per (key, dim) (a key row is
+selected by many queries): the logits and ``dp`` are formed once, the key rows gathered once per
+head block of the query grad. The two buffers bound the pass (``STORED_ELEMENTS``). When one head
+block holds every head, the query-grad kernel scatters the key grad itself (each key is then added
+once per query already), nothing is stored and the second kernel is skipped.
 
 Both kernels keep the logits head-major (``[heads, keys]``); their block sizes are
 ``backward_blocks`` (64 heads in the query grad: Hopper's warpgroup MMA).
@@ -26,6 +28,7 @@ Both kernels keep the logits head-major (``[heads, keys]``); their block sizes a
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 import triton
@@ -121,12 +124,10 @@ def _sparse_mla_fwd(
 
 @triton.jit
 def _load_heads(
-    Q, DO, LSE, b, t, heads, n_heads,
-    stride_qb, stride_qs, stride_qh, stride_dob, stride_dos, stride_doh, stride_lb, stride_ls,
+    Q, DO, b, t, heads, n_heads, stride_qb, stride_qs, stride_qh, stride_dob, stride_dos, stride_doh,
     D_V: tl.constexpr, D_ROPE: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_DR: tl.constexpr,
 ):
-    """One token's rows for a block of heads: query (latent, rope), output grad and log-sum-exp;
-    masked heads get zeros and an infinite log-sum-exp (probability 0)."""
+    """One token's rows for a block of heads: query (latent, rope) and output grad; masked heads get zeros."""
     dv = tl.arange(0, BLOCK_DV)
     dr = tl.arange(0, BLOCK_DR)
     head_ok = heads < n_heads
@@ -135,8 +136,7 @@ def _load_heads(
     q_lat = tl.load(q_row + dv[None, :], mask=lat_mask, other=0.0)
     q_rope = tl.load(q_row + D_V + dr[None, :], mask=head_ok[:, None] & (dr[None, :] < D_ROPE), other=0.0)
     do = tl.load(DO + b * stride_dob + t * stride_dos + heads[:, None] * stride_doh + dv[None, :], mask=lat_mask, other=0.0)
-    lse = tl.load(LSE + b * stride_lb + t * stride_ls + heads, mask=head_ok, other=float("inf"))
-    return q_lat, q_rope, do, lse
+    return q_lat, q_rope, do
 
 
 @triton.jit
@@ -177,7 +177,7 @@ def _scatter_key_grad(
 
 @triton.jit
 def _sparse_mla_bwd_dq(
-    Q, KV, IDX, O, DO, LSE, DELTA, DQ, DKV,
+    Q, KV, IDX, O, DO, LSE, DQ, DKV, PB, DSB,
     n_heads, topk, scale, scale_log2,
     stride_qb, stride_qs, stride_qh,
     stride_kvb, stride_kvs,
@@ -187,32 +187,34 @@ def _sparse_mla_bwd_dq(
     stride_lb, stride_ls,
     stride_dqb, stride_dqs, stride_dqh,
     stride_dkvb, stride_dkvs,
+    stride_pb, stride_ps, stride_ph,
     D_V: tl.constexpr, D_ROPE: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_DR: tl.constexpr,
     PRECISION: tl.constexpr, WITH_DKV: tl.constexpr,
 ):
-    """The query grad of one (token, head block). Its ``delta = rowsum(out * dout)`` per head is
-    computed here from the output and its grad (fp32 in registers) and stored for the key-grad
-    kernel. With ``WITH_DKV`` it also scatters each gathered key block's grad, summed over this
-    block's heads, into ``DKV`` (one atomic add per (key, dim) and head block); otherwise
-    ``_sparse_mla_bwd_dkv`` does."""
+    """The query grad of one (token, head block), its heads' ``delta = rowsum(out * dout)`` formed
+    here in fp32 from the output and its grad. With ``WITH_DKV`` it also scatters each gathered key
+    block's grad, summed over this block's heads, into ``DKV`` (one atomic add per (key, dim) and
+    head block); otherwise it stores each key block's probabilities and scaled logit grads
+    (``[heads, keys]`` tiles of ``PB`` and ``DSB``, the inputs' dtype) for ``_sparse_mla_bwd_dkv``."""
     t = tl.program_id(0).to(tl.int64)
     b = tl.program_id(2).to(tl.int64)
     heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
-    q_lat, q_rope, do, lse = _load_heads(
-        Q, DO, LSE, b, t, heads, n_heads, stride_qb, stride_qs, stride_qh, stride_dob, stride_dos, stride_doh,
-        stride_lb, stride_ls, D_V, D_ROPE, BLOCK_DV, BLOCK_DR,
+    q_lat, q_rope, do = _load_heads(
+        Q, DO, b, t, heads, n_heads, stride_qb, stride_qs, stride_qh, stride_dob, stride_dos, stride_doh,
+        D_V, D_ROPE, BLOCK_DV, BLOCK_DR,
     )
     dv = tl.arange(0, BLOCK_DV)
     dr = tl.arange(0, BLOCK_DR)
     head_ok = heads < n_heads
+    lse = tl.load(LSE + b * stride_lb + t * stride_ls + heads, mask=head_ok, other=float("inf"))
     o = tl.load(O + b * stride_ob + t * stride_os + heads[:, None] * stride_oh + dv[None, :],
                 mask=head_ok[:, None] & (dv[None, :] < D_V), other=0.0)
     delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), axis=1)
-    tl.store(DELTA + b * stride_lb + t * stride_ls + heads, delta, mask=head_ok)
     kv_base = KV + b * stride_kvb
     dkv_base = DKV + b * stride_dkvb
     idx_base = IDX + b * stride_ib + t * stride_is
+    pds_heads = b * stride_pb + t * stride_ps + heads[:, None] * stride_ph
 
     dq_lat = tl.zeros([BLOCK_H, BLOCK_DV], dtype=tl.float32)
     dq_rope = tl.zeros([BLOCK_H, BLOCK_DR], dtype=tl.float32)
@@ -230,6 +232,12 @@ def _sparse_mla_bwd_dq(
                 p, ds, q_lat, q_rope, do, scale, PRECISION,
             )
             _scatter_key_grad(dkv_base, rows, valid, stride_dkvs, dk_lat, dk_rope, D_V, D_ROPE, BLOCK_DV, BLOCK_DR)
+        else:
+            n = start + tl.arange(0, BLOCK_N)
+            tile = pds_heads + n[None, :]
+            tile_ok = head_ok[:, None] & (n[None, :] < topk)
+            tl.store(PB + tile, p.to(PB.dtype.element_ty), mask=tile_ok)
+            tl.store(DSB + tile, (ds * scale).to(DSB.dtype.element_ty), mask=tile_ok)
     dq_row = DQ + b * stride_dqb + t * stride_dqs + heads[:, None] * stride_dqh
     dq_type = DQ.dtype.element_ty
     tl.store(dq_row + dv[None, :], (dq_lat * scale).to(dq_type), mask=head_ok[:, None] & (dv[None, :] < D_V))
@@ -238,41 +246,48 @@ def _sparse_mla_bwd_dq(
 
 @triton.jit
 def _sparse_mla_bwd_dkv(
-    Q, KV, IDX, DO, LSE, DELTA, DKV,
-    n_heads, topk, n_key_blocks, scale, scale_log2,
+    Q, IDX, DO, PB, DSB, DKV,
+    n_heads, topk, n_key_blocks,
     stride_qb, stride_qs, stride_qh,
-    stride_kvb, stride_kvs,
     stride_ib, stride_is,
     stride_dob, stride_dos, stride_doh,
-    stride_lb, stride_ls,
+    stride_pb, stride_ps, stride_ph,
     stride_dkvb, stride_dkvs,
-    D_V: tl.constexpr, D_ROPE: tl.constexpr,
-    BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_DR: tl.constexpr,
-    PRECISION: tl.constexpr,
+    D: tl.constexpr, D_V: tl.constexpr,
+    BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, PRECISION: tl.constexpr,
 ):
-    """The grad of one (token, block of its selected keys), summed over all of the token's head
-    blocks in fp32 registers, then scattered with one atomic add per (key, dim). A token's key
-    blocks are neighbouring programs, so its queries and output grads are mostly read from L2."""
+    """The grad of one (token, block of its selected keys, block of ``BLOCK_D`` of the row's ``D``
+    columns) from the probabilities and scaled logit grads the query-grad kernel stored: ``ds^T q``
+    on every column plus ``p^T dout`` on the value's first ``D_V``, summed over every head block in
+    fp32 registers (no logits formed again, no key row gathered), then scattered with one atomic
+    add per (key, column). A token's key and column blocks are neighbouring programs, so its
+    queries, output grads and stored tiles are mostly read from L2."""
     pid = tl.program_id(0)
     t = (pid // n_key_blocks).to(tl.int64)
     b = tl.program_id(1).to(tl.int64)
-    valid, rows, k_lat, k_rope = _gather_keys(
-        KV + b * stride_kvb, IDX + b * stride_ib + t * stride_is, (pid % n_key_blocks) * BLOCK_N, topk, stride_kvs,
-        D_V, D_ROPE, BLOCK_N, BLOCK_DV, BLOCK_DR,
-    )
-    dk_lat = tl.zeros([BLOCK_N, BLOCK_DV], dtype=tl.float32)
-    dk_rope = tl.zeros([BLOCK_N, BLOCK_DR], dtype=tl.float32)
+    c0 = tl.program_id(2) * BLOCK_D
+    n = (pid % n_key_blocks) * BLOCK_N + tl.arange(0, BLOCK_N)
+    cols = c0 + tl.arange(0, BLOCK_D)
+    idx = tl.load(IDX + b * stride_ib + t * stride_is + n, mask=n < topk, other=-1)
+    valid = idx >= 0
+    dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
+    pds_keys = b * stride_pb + t * stride_ps + n[None, :]
     h_end = tl.where(tl.max(valid.to(tl.int32)) > 0, n_heads, 0)  # a block of -1 entries only: no grad
     for h0 in range(0, h_end, BLOCK_H):
         heads = h0 + tl.arange(0, BLOCK_H)
-        q_lat, q_rope, do, lse = _load_heads(
-            Q, DO, LSE, b, t, heads, n_heads, stride_qb, stride_qs, stride_qh,
-            stride_dob, stride_dos, stride_doh, stride_lb, stride_ls, D_V, D_ROPE, BLOCK_DV, BLOCK_DR,
-        )
-        delta = tl.load(DELTA + b * stride_lb + t * stride_ls + heads, mask=heads < n_heads, other=0.0)
-        p, ds = _probs_and_logit_grads(q_lat, q_rope, do, lse, delta, valid, k_lat, k_rope, scale_log2, PRECISION)
-        dk_lat, dk_rope = _add_key_grad(dk_lat, dk_rope, p, ds, q_lat, q_rope, do, scale, PRECISION)
-    _scatter_key_grad(DKV + b * stride_dkvb, rows, valid, stride_dkvs, dk_lat, dk_rope, D_V, D_ROPE, BLOCK_DV, BLOCK_DR)
+        head_ok = heads < n_heads
+        tile = pds_keys + heads[:, None] * stride_ph
+        tile_ok = head_ok[:, None] & (n[None, :] < topk)
+        q = tl.load(Q + b * stride_qb + t * stride_qs + heads[:, None] * stride_qh + cols[None, :],
+                    mask=head_ok[:, None] & (cols[None, :] < D), other=0.0)
+        dk = tl.dot(tl.trans(tl.load(DSB + tile, mask=tile_ok, other=0.0)), q, dk, input_precision=PRECISION)
+        if c0 < D_V:  # the value is the latent part of the row
+            do = tl.load(DO + b * stride_dob + t * stride_dos + heads[:, None] * stride_doh + cols[None, :],
+                         mask=head_ok[:, None] & (cols[None, :] < D_V), other=0.0)
+            dk = tl.dot(tl.trans(tl.load(PB + tile, mask=tile_ok, other=0.0)), do, dk, input_precision=PRECISION)
+    rows = tl.where(valid, idx, 0).to(tl.int64)
+    tl.atomic_add(DKV + b * stride_dkvb + rows[:, None] * stride_dkvs + cols[None, :], dk,
+                  mask=valid[:, None] & (cols[None, :] < D), sem="relaxed")
 
 
 @triton.jit
@@ -348,24 +363,37 @@ BLOCK_N_FWD = 32
 BLOCK_N_FUSED = 16  # keys per step of the query-grad kernel when it also scatters the key grad
 
 
-# The two-kernel backward's blocks in bf16/fp16, at DeepSeek's sizes (latent 512 + rope 64) on sm_90
-# (ptxas' counts, 255 registers a thread at most). The query grad takes 64 heads x 32 keys a step,
-# so its dots are warpgroup MMAs (wgmma; 172 KiB of shared memory, 68 bytes spilled) and a query's
-# key rows are gathered once per 64 heads; the key grad takes 32 keys a program and 32 heads a step
-# (head-major logits, mma.sync, no spills). fp32 (the tests) runs 16 x 16 blocks in both kernels,
-# whose tiles fit shared memory at DeepSeek's sizes.
-DQ_BLOCK_H, DQ_BLOCK_N = 64, 32
-DKV_BLOCK_H, DKV_BLOCK_N = 32, 32
-FP32_BLOCK = 16
+@dataclass(frozen=True)
+class BackwardBlocks:
+    """The two-kernel backward's blocks: the query-grad kernel's heads and keys a step; the key-grad
+    kernel's heads a step, keys and row columns a program, and its warps."""
+
+    dq_heads: int
+    dq_keys: int
+    dkv_heads: int
+    dkv_keys: int
+    dkv_cols: int
+    dkv_warps: int
+
+
+# In bf16/fp16 at DeepSeek's sizes (latent 512 + rope 64) on sm_90: the query grad takes 64 heads x
+# 32 keys a step, so its dots are warpgroup MMAs (wgmma; 172 KiB of shared memory, 32 bytes spilled)
+# and a query's key rows are gathered once per 64 heads. The key grad forms no logits: it reads the
+# stored probabilities and logit grads, 64 keys x 128 of the 576 columns a program (five column
+# blocks, the last the rope and no value), 32 heads a step (wgmma, no spills). fp32 (the tests) runs
+# 16 x 16 blocks, whose tiles fit shared memory at DeepSeek's sizes.
+HALF_BLOCKS = BackwardBlocks(dq_heads=64, dq_keys=32, dkv_heads=32, dkv_keys=64, dkv_cols=128, dkv_warps=8)
+FP32_BLOCKS = BackwardBlocks(dq_heads=16, dq_keys=16, dkv_heads=16, dkv_keys=16, dkv_cols=64, dkv_warps=4)
 BACKWARD_WARPS = 8
+# Elements of each of the two ``[queries, heads, topk]`` buffers (probabilities, logit grads) that
+# carry the query-grad kernel's work to the key-grad kernel: the backward runs its queries in passes
+# of ``STORED_ELEMENTS // (heads * topk)`` (512 at 128 heads and top-2048: 256 MiB each in bf16).
+STORED_ELEMENTS = 1 << 27
 
 
-def backward_blocks(elem_bytes: int) -> tuple[int, int, int, int]:
-    """``(heads, keys a step)`` of the query-grad kernel, then ``(heads a step, keys)`` of the
-    key-grad kernel, in the two-kernel backward for elements of ``elem_bytes``."""
-    if elem_bytes > 2:
-        return FP32_BLOCK, FP32_BLOCK, FP32_BLOCK, FP32_BLOCK
-    return DQ_BLOCK_H, DQ_BLOCK_N, DKV_BLOCK_H, DKV_BLOCK_N
+def backward_blocks(elem_bytes: int) -> BackwardBlocks:
+    """The two-kernel backward's blocks for elements of ``elem_bytes``."""
+    return FP32_BLOCKS if elem_bytes > 2 else HALF_BLOCKS
 
 
 def _check(q, kv, indices, d_v):
@@ -412,14 +440,17 @@ def attention_forward(
 def attention_backward(
     q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
     dout: torch.Tensor, softmax_scale: float, d_v: int, dkv: torch.Tensor,
+    blocks: BackwardBlocks | None = None, stored_elements: int = STORED_ELEMENTS,
 ) -> torch.Tensor:
     """The backward kernels: returns ``dq`` and adds the key/value grad into ``dkv`` (fp32, the shape
     of ``kv``; a caller running query chunks passes the same buffer to every chunk).
 
-    The query grad per (token, head block), then the key grad per (token, key block) summed over
-    every head before one atomic add per (key, dim), recomputing the logits there (blocks:
-    ``backward_blocks``). With one head block of at most 32 heads (16 in fp32) the query-grad kernel
-    scatters the key grad itself, 16 keys a step, and the second kernel is skipped."""
+    The queries go in passes sized by ``stored_elements``. Per pass, the query grad per (token,
+    head block), which also stores the probabilities and scaled logit grads it forms, then the key
+    grad per (token, key block) from them, summed over every head before one atomic add per (key,
+    dim): the logits and ``dp`` are formed once. ``blocks``: ``backward_blocks`` unless given (the
+    kernel bench compares others). With one head block of at most 32 heads (16 in fp32) the
+    query-grad kernel scatters the key grad itself, 16 keys a step, and nothing is stored."""
     b, s, h, d = q.shape
     d_rope, topk = d - d_v, indices.shape[-1]
     dq = torch.empty_like(q)
@@ -427,32 +458,40 @@ def attention_backward(
         return dq
     if not topk:
         return dq.zero_()
-    lse = lse.contiguous()  # (a chunk's rows of a whole-sequence buffer) delta is written with its strides
-    delta = torch.empty_like(lse)  # rowwise sum(p * dp) = sum(out * dout), from the query-grad kernel
     fused_h, block_dv, block_dr = _block_sizes(h, d_v, d_rope, q.element_size(), backward=True)
     with_dkv = triton.cdiv(h, fused_h) == 1
-    dq_h, dq_n, dkv_h, dkv_n = backward_blocks(q.element_size())
+    blocks = backward_blocks(q.element_size()) if blocks is None else blocks
     if with_dkv:
         dq_h, dq_n = fused_h, BLOCK_N_FUSED
     else:
-        dq_h = min(dq_h, max(16, triton.next_power_of_2(h)))
+        dq_h, dq_n = min(blocks.dq_heads, max(16, triton.next_power_of_2(h))), blocks.dq_keys
     warps = 4 if block_dv <= 128 else BACKWARD_WARPS  # latent widths of 128 or less (tests): 4 warps
-    scales = (softmax_scale, softmax_scale * LOG2E)
-    q_strides = (q.stride(0), q.stride(1), q.stride(2), kv.stride(0), kv.stride(1), indices.stride(0), indices.stride(1))
-    grad_strides = (dout.stride(0), dout.stride(1), dout.stride(2), lse.stride(0), lse.stride(1))
     sizes = dict(D_V=d_v, D_ROPE=d_rope, BLOCK_DV=block_dv, BLOCK_DR=block_dr, PRECISION=dot_precision(q.dtype))
-    _sparse_mla_bwd_dq[(s, triton.cdiv(h, dq_h), b)](
-        q, kv, indices, out, dout, lse, delta, dq, dkv, h, topk, *scales, *q_strides,
-        out.stride(0), out.stride(1), out.stride(2), *grad_strides,
-        dq.stride(0), dq.stride(1), dq.stride(2), dkv.stride(0), dkv.stride(1),
-        BLOCK_H=dq_h, BLOCK_N=dq_n, WITH_DKV=with_dkv, **sizes, num_warps=warps, num_stages=1,
-    )
-    if not with_dkv:
-        n_key_blocks = triton.cdiv(topk, dkv_n)
-        _sparse_mla_bwd_dkv[(s * n_key_blocks, b)](
-            q, kv, indices, dout, lse, delta, dkv, h, topk, n_key_blocks, *scales, *q_strides, *grad_strides,
-            dkv.stride(0), dkv.stride(1),
-            BLOCK_H=dkv_h, BLOCK_N=dkv_n, **sizes, num_warps=warps, num_stages=1,
+    per_pass = s if with_dkv else max(1, min(s, stored_elements // (h * topk)))
+    stored = (1, 1, 1, 1) if with_dkv else (b, per_pass, h, topk)
+    probs, logit_grads = (torch.empty(stored, dtype=q.dtype, device=q.device) for _ in range(2))
+    for t0 in range(0, s, per_pass):
+        t1 = min(t0 + per_pass, s)
+        qs, idx, do = q[:, t0:t1], indices[:, t0:t1], dout[:, t0:t1]
+        os_, ls, dqs = out[:, t0:t1], lse[:, t0:t1], dq[:, t0:t1]
+        _sparse_mla_bwd_dq[(t1 - t0, triton.cdiv(h, dq_h), b)](
+            qs, kv, idx, os_, do, ls, dqs, dkv, probs, logit_grads, h, topk, softmax_scale, softmax_scale * LOG2E,
+            qs.stride(0), qs.stride(1), qs.stride(2), kv.stride(0), kv.stride(1), idx.stride(0), idx.stride(1),
+            os_.stride(0), os_.stride(1), os_.stride(2), do.stride(0), do.stride(1), do.stride(2),
+            ls.stride(0), ls.stride(1), dqs.stride(0), dqs.stride(1), dqs.stride(2), dkv.stride(0), dkv.stride(1),
+            probs.stride(0), probs.stride(1), probs.stride(2),
+            BLOCK_H=dq_h, BLOCK_N=dq_n, WITH_DKV=with_dkv, **sizes, num_warps=warps, num_stages=1,
+        )
+        if with_dkv:
+            continue
+        n_key_blocks = triton.cdiv(topk, blocks.dkv_keys)
+        dkv_h = min(blocks.dkv_heads, max(16, triton.next_power_of_2(h)))
+        _sparse_mla_bwd_dkv[((t1 - t0) * n_key_blocks, b, triton.cdiv(d, blocks.dkv_cols))](
+            qs, idx, do, probs, logit_grads, dkv, h, topk, n_key_blocks,
+            qs.stride(0), qs.stride(1), qs.stride(2), idx.stride(0), idx.stride(1), do.stride(0), do.stride(1),
+            do.stride(2), probs.stride(0), probs.stride(1), probs.stride(2), dkv.stride(0), dkv.stride(1),
+            D=d, D_V=d_v, BLOCK_H=dkv_h, BLOCK_N=blocks.dkv_keys, BLOCK_D=blocks.dkv_cols,
+            PRECISION=sizes["PRECISION"], num_warps=blocks.dkv_warps, num_stages=1,
         )
     return dq
 
