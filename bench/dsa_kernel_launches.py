@@ -32,6 +32,10 @@ KEY_GRAD_BLOCKS = tuple(
 )
 
 
+# the forward's (keys a step, pipeline stages) timed beside the default (32, 2)
+FORWARD_BLOCKS = ((64, 2), (32, 3))
+
+
 def _ms(fn, iters: int) -> float:
     fn()
     torch.cuda.synchronize()
@@ -84,6 +88,11 @@ def time_chunk(seq: int, chunk: int, h: int, topk: int, iters: int) -> None:
 
     out, lse = sparse_mla.attention_forward(q, kv, idx, scale, d_v)
     row("forward", _ms(lambda: sparse_mla.attention_forward(q, kv, idx, scale, d_v), iters), 576 + 512)
+    for keys, stages in FORWARD_BLOCKS:
+        ms = _ms(lambda: sparse_mla.attention_forward(q, kv, idx, scale, d_v, keys_per_step=keys, stages=stages), iters)
+        row(f"forward, {keys} keys a step, {stages} stages", ms, 576 + 512)
+        other, _ = sparse_mla.attention_forward(q, kv, idx, scale, d_v, keys_per_step=keys, stages=stages)
+        print(f"| {seq} | forward, {keys} keys a step, largest difference | {(other - out).abs().max().item():.1e} | |")
     dout = torch.randn_like(out)
     dkv = torch.zeros(kv.shape, dtype=torch.float32, device="cuda")
     for blocks in (None, *KEY_GRAD_BLOCKS):

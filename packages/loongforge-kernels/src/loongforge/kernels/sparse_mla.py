@@ -414,10 +414,12 @@ def _last_dim_contiguous(t: torch.Tensor) -> torch.Tensor:
 def attention_forward(
     q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor, softmax_scale: float, d_v: int,
     out: torch.Tensor | None = None, lse: torch.Tensor | None = None,
+    keys_per_step: int = BLOCK_N_FWD, stages: int = 2,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The forward kernel: ``(out [B, S, H, d_v], lse [B, S, H] fp32, log2 domain)``, written into
     ``out``/``lse`` when given (views with a unit last stride, e.g. one chunk of queries' rows of
-    whole-sequence buffers)."""
+    whole-sequence buffers). ``keys_per_step`` and ``stages``: the kernel's key block and software
+    pipeline depth (the kernel bench compares others)."""
     b, s, h, d = q.shape
     d_rope = d - d_v
     block_h, block_dv, block_dr = _block_sizes(h, d_v, d_rope, q.element_size(), backward=False)
@@ -430,9 +432,9 @@ def attention_forward(
             q.stride(0), q.stride(1), q.stride(2), kv.stride(0), kv.stride(1),
             indices.stride(0), indices.stride(1), out.stride(0), out.stride(1), out.stride(2),
             lse.stride(0), lse.stride(1),
-            D_V=d_v, D_ROPE=d_rope, BLOCK_H=block_h, BLOCK_N=BLOCK_N_FWD, BLOCK_DV=block_dv, BLOCK_DR=block_dr,
+            D_V=d_v, D_ROPE=d_rope, BLOCK_H=block_h, BLOCK_N=keys_per_step, BLOCK_DV=block_dv, BLOCK_DR=block_dr,
             PRECISION=dot_precision(q.dtype),
-            num_warps=4 if block_dv <= 128 else 8, num_stages=2,
+            num_warps=4 if block_dv <= 128 else 8, num_stages=stages,
         )
     return out, lse
 
