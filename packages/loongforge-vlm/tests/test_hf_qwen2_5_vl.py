@@ -1,6 +1,7 @@
 """Qwen2.5-VL import/export against transformers' ``Qwen2_5_VLForConditionalGeneration``.
 
-A tiny random transformers model (ViT: 3 layers, 32 wide, windows of 2x2 LLM tokens with layer
+A tiny random transformers model (ViT: 3 layers, 32 wide, an MLP 62 wide as Qwen2.5-VL's 3,420 is not a
+multiple of 16 bytes, so its output linear pads its GEMMs; windows of 2x2 LLM tokens with layer
 1 full attention; LM: 2 layers, 64 wide, GQA 4/2, multimodal RoPE) is saved with
 ``save_pretrained`` and converted by the core converter through the ``vlm`` family's mapping
 tables. The converted megatron model gives transformers' logits (fp32, atol 1e-5) for image +
@@ -19,7 +20,7 @@ IDS = dict(image_token_id=300, video_token_id=301, vision_start_token_id=302, vi
 TEXT = dict(vocab_size=320, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
             num_key_value_heads=2, rms_norm_eps=1e-6, max_position_embeddings=512,
             rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3]})
-VISION = dict(depth=3, hidden_size=32, intermediate_size=64, num_heads=2, patch_size=8, temporal_patch_size=2,
+VISION = dict(depth=3, hidden_size=32, intermediate_size=62, num_heads=2, patch_size=8, temporal_patch_size=2,
               spatial_merge_size=2, window_size=32, out_hidden_size=64, fullatt_block_indexes=[1], tokens_per_second=2)
 PATCH_DIM = 3 * 2 * 8 * 8
 

@@ -9,11 +9,12 @@ reduced, so every rank scales the full width)."""
 from __future__ import annotations
 
 import torch
-from megatron.core.tensor_parallel import RowParallelLinear
+
+from loongforge.vlm.encoders.aligned_linear import AlignedRowParallelLinear
 
 
-class LayerScaledRowParallelLinear(RowParallelLinear):
-    """``RowParallelLinear`` whose output (and separately returned bias) is multiplied by
+class LayerScaledRowParallelLinear(AlignedRowParallelLinear):
+    """``AlignedRowParallelLinear`` whose output (and separately returned bias) is multiplied by
     ``layer_scale [output_size]``, initialised to ``layer_scale_init``."""
 
     def __init__(self, input_size: int, output_size: int, *args, layer_scale_init: float = 1.0, **kwargs):

@@ -100,16 +100,19 @@ def vit_layer_spec(segment_row: int, cfg: EncoderConfig | None = None):
     from megatron.core.transformer.spec_utils import ModuleSpec
     from megatron.core.transformer.transformer_layer import TransformerLayer, TransformerLayerSubmodules
 
+    from loongforge.vlm.encoders.aligned_linear import AlignedRowParallelLinear
+
     backend = LocalSpecProvider()
     norm = backend.layer_norm(rms_norm=False, for_qk=False, has_residual=True)  # follows config.normalization
-    out_linear = backend.row_parallel_linear()
-    mlp = get_mlp_module_spec_for_backend(backend=backend)
+    # both output linears pad their input width for the GEMMs (Qwen2.5-VL's MLP: 3,420 wide)
+    out_linear = AlignedRowParallelLinear
     if cfg is not None and cfg.layer_scale:
         from loongforge.vlm.encoders.layer_scale import LayerScaledRowParallelLinear
 
         out_linear = partial(LayerScaledRowParallelLinear, layer_scale_init=cfg.layer_scale_init)
-        mlp = partial(mlp.func, *mlp.args, **{**mlp.keywords, "submodules": dataclasses.replace(
-            mlp.keywords["submodules"], linear_fc2=out_linear)})
+    mlp = get_mlp_module_spec_for_backend(backend=backend)
+    mlp = partial(mlp.func, *mlp.args, **{**mlp.keywords, "submodules": dataclasses.replace(
+        mlp.keywords["submodules"], linear_fc2=out_linear)})
     qk_norm = None
     if cfg is not None and cfg.qk_norm:
         from loongforge.vlm.encoders.qk_norm import WholeWidthRMSNorm
