@@ -387,8 +387,9 @@ FP32_BLOCKS = BackwardBlocks(dq_heads=16, dq_keys=16, dkv_heads=16, dkv_keys=16,
 BACKWARD_WARPS = 8
 # Elements of each of the two ``[queries, heads, topk]`` buffers (probabilities, logit grads) that
 # carry the query-grad kernel's work to the key-grad kernel: the backward runs its queries in passes
-# of ``STORED_ELEMENTS // (heads * topk)`` (512 at 128 heads and top-2048: 256 MiB each in bf16).
-STORED_ELEMENTS = 1 << 27
+# of ``STORED_ELEMENTS // (heads * topk)`` (256 at 128 heads and top-2048: 128 MiB each in bf16, 512
+# query-grad programs a pass, about four waves of an H100's 132 SMs).
+STORED_ELEMENTS = 1 << 26
 
 
 def backward_blocks(elem_bytes: int) -> BackwardBlocks:
