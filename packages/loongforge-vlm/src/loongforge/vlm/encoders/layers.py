@@ -9,6 +9,7 @@ only in which segmentation their core attention reads.
 from __future__ import annotations
 
 from functools import partial
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -105,7 +106,7 @@ def vit_layer_spec(segment_row: int, cfg: EncoderConfig | None = None):
     backend = LocalSpecProvider()
     norm = backend.layer_norm(rms_norm=False, for_qk=False, has_residual=True)  # follows config.normalization
     # both output linears pad their input width for the GEMMs (Qwen2.5-VL's MLP: 3,420 wide)
-    out_linear = AlignedRowParallelLinear
+    out_linear: Any = AlignedRowParallelLinear
     if cfg is not None and cfg.layer_scale:
         from loongforge.vlm.encoders.layer_scale import LayerScaledRowParallelLinear
 
