@@ -31,14 +31,8 @@ from loongforge.core.kernels import get_op
 from loongforge.core.parallel import ParallelContext
 from loongforge.core.training.activation_offload import offload_first
 from loongforge.core.training import grad_update
-from loongforge.core.training.engine import (
-    EngineState,
-    StepOutput,
-    finite,
-    precision_recipe,
-    read_step_output,
-    resolve_dtype,
-)
+from loongforge.core.training.engine import (EngineState, StepOutput, finite, precision_recipe, read_step_output,
+                                             resolve_dtype)
 from loongforge.core.training.main_grad import main_grad_fusion
 from loongforge.core.training.schema import ParallelConfig, SequenceTrainConfig, TrainConfig
 from loongforge.core.training.task import MegatronTask, StepBatch

@@ -43,14 +43,8 @@ from torch.distributed.tensor import DTensor
 from loongforge.core.training import grad_update, torch_parallel
 from loongforge.core.training.activation_offload import offload_first
 from loongforge.core.training.ema import EMA
-from loongforge.core.training.engine import (
-    EngineState,
-    StepOutput,
-    finite,
-    precision_recipe,
-    read_step_output,
-    resolve_dtype,
-)
+from loongforge.core.training.engine import (EngineState, StepOutput, finite, precision_recipe, read_step_output,
+                                             resolve_dtype)
 from loongforge.core.training.schema import ParallelConfig, TrainConfig
 from loongforge.core.training.sharding import local
 from loongforge.core.training.task import StepBatch, TorchTask
