@@ -5,6 +5,7 @@
 #   bash bench/dsa_batch.sh kernels  (the GPU tests at 128 heads and the sparse MLA kernels alone: ~3 minutes)
 #   bash bench/dsa_batch.sh quick    (the GPU tests at 128 heads, dense vs DSA at 16K-64K and the sparse
 #                                     MLA kernels on one chunk of queries at 16K-64K: ~2-3 minutes)
+#   bash bench/dsa_batch.sh one      (the GPU tests at 128 heads and the kernels at 32K alone: under 2 minutes)
 #
 # 1. the DSA kernels' GPU tests (bf16 at V3.2's sizes against the fp32 references: top-k, sparse MLA,
 #    the absorbed op DSAttention runs, the indexer loss, the one-pass target) and the interpreter tests of test_sparse_mla.py
@@ -34,6 +35,12 @@ if [ "${1:-}" = kernels ]; then  # the GPU tests at 128 heads, then the kernels 
   (cd "$repo" && bench 100 python3 -m pytest -q -p no:cacheprovider -n 0 -o addopts="--import-mode=importlib" \
       "$tests/test_dsa_gpu.py" -k "8192-128" 2>&1 | tail -n 12)
   bench 100 python3 "$repo/bench/dsa_kernel_launches.py" --seqs 16384,32768,65536 --iters 2
+  exit 0
+fi
+if [ "${1:-}" = one ]; then  # the GPU tests at 128 heads, then the kernels at 32K: the least a short call can check
+  (cd "$repo" && bench 80 python3 -m pytest -q -p no:cacheprovider -n 0 -o addopts="--import-mode=importlib" \
+      "$tests/test_dsa_gpu.py" -k "8192-128" 2>&1 | tail -n 12)
+  bench 90 python3 "$repo/bench/dsa_kernel_launches.py" --seqs 32768 --iters 1
   exit 0
 fi
 if [ "${1:-}" = quick ]; then  # the GPU tests at 128 heads, dense vs DSA and the kernels at 16K-64K
