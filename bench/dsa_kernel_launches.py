@@ -34,6 +34,9 @@ KEY_GRAD_BLOCKS = tuple(
 
 # the forward's (keys a step, pipeline stages) timed beside the default (32, 2)
 FORWARD_BLOCKS = ((64, 2), (32, 3))
+# the one-pass target's (heads, keys a step, stages) beside the forward's (64, 32, 2): all 128 heads
+# in one block gather each key row once per token (ptxas: 222 KiB of shared memory, no spills)
+TARGET_BLOCKS = ((128, 32, 2), (128, 64, 1))
 
 
 def _ms(fn, iters: int) -> float:
@@ -113,6 +116,12 @@ def time_chunk(seq: int, chunk: int, h: int, topk: int, iters: int) -> None:
         _ms(lambda: sparse_mla.head_mean_probs(q, kv, idx, scale, natural_lse), iters), 576)
     diff = (sparse_mla.head_mean_probs(q, kv, idx, scale, natural_lse) - sparse_mla.head_mean_probs(q, kv, idx, scale))
     print(f"| {seq} | one pass - two passes, largest difference | {diff.abs().max().item():.2e} | |", flush=True)
+    one_pass = sparse_mla.head_mean_probs(q, kv, idx, scale, natural_lse)
+    for blocks in TARGET_BLOCKS:
+        name = f"head_mean_probs, one pass, {blocks[0]} heads x {blocks[1]} keys, {blocks[2]} stages"
+        row(name, _ms(lambda: sparse_mla.head_mean_probs(q, kv, idx, scale, natural_lse, blocks=blocks), iters), 576)
+        other = sparse_mla.head_mean_probs(q, kv, idx, scale, natural_lse, blocks=blocks)
+        print(f"| {seq} | {name}, largest difference | {(other - one_pass).abs().max().item():.1e} | |", flush=True)
 
 
 if __name__ == "__main__":

@@ -103,6 +103,15 @@ def build_dsa(dtype: str) -> None:
             sm._sparse_mla_bwd_dq, bwd,
             dict(common, BLOCK_N=sm.BLOCK_N_FUSED, WITH_DKV=True), num_warps=8, num_stages=1, aligned=("topk",),
         )
+    if dtype == "bf16":  # the one-pass target with every head of V3.2 in one block (the kernel bench's alternative)
+        build(
+            sm._sparse_mla_head_mean_probs,
+            dict(Q=p, KV=p, IDX="*i32", LSE="*fp32", P="*fp32", n_heads=i32, topk=i32, scale_log2="fp32",
+                 inv_heads="fp32", stride_qb=i32, stride_qs=i32, stride_qh=i32, stride_kvb=i32, stride_kvs=i32,
+                 stride_ib=i32, stride_is=i32, stride_lb=i32, stride_ls=i32, stride_pb=i32, stride_ps=i32),
+            dict(sizes, BLOCK_H=128, BLOCK_N=sm.BLOCK_N_FWD, LSE_GIVEN=True), num_warps=8, num_stages=2,
+            aligned=("topk",),
+        )
     # the two-kernel backward: the query grad storing the probabilities and logit grads, then the key grad
     blocks = sm.backward_blocks(2 if dtype == "bf16" else 4)
     build(

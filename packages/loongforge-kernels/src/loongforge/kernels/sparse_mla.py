@@ -523,7 +523,8 @@ class _SparseMLA(torch.autograd.Function):
 
 @torch.no_grad()
 def head_mean_probs(
-    q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor, softmax_scale: float, lse: torch.Tensor | None = None
+    q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor, softmax_scale: float, lse: torch.Tensor | None = None,
+    blocks: tuple[int, int, int] | None = None,
 ) -> torch.Tensor:
     """The attention distribution over each query's selected keys, averaged over heads: fp32 ``[B, S, topk]``.
 
@@ -532,7 +533,8 @@ def head_mean_probs(
     other. ``lse``: the attention's log-sum-exp of the same logits, fp32 ``[B, S, H]``, natural
     log, +inf where a query has no valid key (what ``sparse_mla_attention(..., return_lse=True)``
     returns): with it each head block takes one pass over the keys (the probabilities), without it
-    two (the log-sum-exp first).
+    two (the log-sum-exp first). ``blocks``: ``(heads, keys a step, pipeline stages)`` instead of the
+    forward's (the kernel bench compares others; 128 heads a block gathers each key row once).
     """
     _check(q, kv, indices, q.shape[-1])
     b, s, h, d = q.shape
@@ -545,6 +547,9 @@ def head_mean_probs(
     # no value here: split the key row at its largest power of two (MLA's 576 = 512 latent + 64 rope)
     d_v = 1 << (d.bit_length() - 1)
     block_h, block_dv, block_dr = _block_sizes(h, d_v, d - d_v, q.element_size(), backward=False)
+    block_n, stages = BLOCK_N_FWD, 2
+    if blocks is not None:
+        block_h, block_n, stages = blocks
     probs = torch.zeros(indices.shape, dtype=torch.float32, device=q.device)
     if probs.numel():
         lse_given = lse is not None
@@ -554,9 +559,9 @@ def head_mean_probs(
             h, indices.shape[-1], softmax_scale * LOG2E, 1.0 / h,
             q.stride(0), q.stride(1), q.stride(2), kv.stride(0), kv.stride(1),
             indices.stride(0), indices.stride(1), lse.stride(0), lse.stride(1), probs.stride(0), probs.stride(1),
-            D_V=d_v, D_ROPE=d - d_v, BLOCK_H=block_h, BLOCK_N=BLOCK_N_FWD, BLOCK_DV=block_dv, BLOCK_DR=block_dr,
+            D_V=d_v, D_ROPE=d - d_v, BLOCK_H=block_h, BLOCK_N=block_n, BLOCK_DV=block_dv, BLOCK_DR=block_dr,
             PRECISION=dot_precision(q.dtype), LSE_GIVEN=lse_given,
-            num_warps=4 if block_dv <= 128 else 8, num_stages=2,
+            num_warps=4 if block_dv <= 128 else 8, num_stages=stages,
         )
     return probs
 
