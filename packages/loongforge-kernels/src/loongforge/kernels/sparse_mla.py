@@ -471,8 +471,10 @@ def attention_backward(
     warps = 4 if block_dv <= 128 else BACKWARD_WARPS  # latent widths of 128 or less (tests): 4 warps
     sizes = dict(D_V=d_v, D_ROPE=d_rope, BLOCK_DV=block_dv, BLOCK_DR=block_dr, PRECISION=dot_precision(q.dtype))
     per_pass = s if with_dkv else max(1, min(s, stored_elements // (h * topk)))
-    stored = (1, 1, 1, 1) if with_dkv else (b, per_pass, h, topk)
-    probs, logit_grads = (torch.empty(stored, dtype=q.dtype, device=q.device) for _ in range(2))
+    if with_dkv:  # nothing stored: the kernel takes dq's pointer and strides in their place
+        probs = logit_grads = dq
+    else:
+        probs, logit_grads = (torch.empty((b, per_pass, h, topk), dtype=q.dtype, device=q.device) for _ in range(2))
     for t0 in range(0, s, per_pass):
         t1 = min(t0 + per_pass, s)
         qs, idx, do = q[:, t0:t1], indices[:, t0:t1], dout[:, t0:t1]
