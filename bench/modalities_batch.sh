@@ -42,7 +42,7 @@ python3 -c 'import torch, triton, transformers, diffusers, megatron.core; print(
 wanted() { [ "$only" = all ] || [ "$only" = "$1" ]; }
 one_round="--rounds 1 --steps 5 --warmup 2 --profile-rows ${PROFILE_ROWS:-0}"
 if wanted vlm; then
-  bench 190 python3 -m loongforge.vlm.cli bench --case qwen2_5_vl_3b --skip hf_eager $one_round
+  bench 400 python3 -m loongforge.vlm.cli bench --case qwen2_5_vl_3b --skip hf_eager $one_round
 fi
 if wanted diffusion; then
   bench 210 python3 -m loongforge.diffusion.cli bench --config bench_wan2_1_t2v_1_3b $one_round
