@@ -28,15 +28,14 @@ from loongforge.kernels import sparse_mla
 # the key-grad kernel's blocks timed beside the default (``sparse_mla.HALF_BLOCKS``)
 KEY_GRAD_BLOCKS = tuple(
     replace(sparse_mla.HALF_BLOCKS, dkv_heads=h, dkv_keys=n, dkv_cols=c, dkv_warps=w)
-    for h, n, c, w in ((32, 64, 64, 4), (64, 64, 128, 8), (32, 128, 128, 8), (64, 128, 128, 8), (64, 128, 64, 8))
+    for h, n, c, w in ((32, 64, 128, 8), (32, 128, 64, 8), (64, 128, 128, 8), (32, 128, 128, 4))
 )
 
 
-# the forward's (keys a step, pipeline stages) timed beside the default (32, 2)
-FORWARD_BLOCKS = ((64, 2), (32, 3))
-# the one-pass target's (heads, keys a step, stages) beside the forward's (64, 32, 2): all 128 heads
-# in one block gather each key row once per token (ptxas: 222 KiB of shared memory, no spills)
-TARGET_BLOCKS = ((128, 32, 2), (128, 64, 1))
+# the forward's (keys a step, pipeline stages) timed beside the default (``sparse_mla.forward_keys``, 2)
+FORWARD_BLOCKS = ((32, 2), (64, 1))
+# the one-pass target's (heads, keys a step, stages) beside the default (``sparse_mla.target_blocks``)
+TARGET_BLOCKS = ((64, 32, 2), (128, 32, 2))
 
 
 def _ms(fn, iters: int) -> float:

@@ -72,6 +72,7 @@ def build_dsa(dtype: str) -> None:
     """The sparse MLA and indexer kernels at DeepSeek-V3.2's sizes (latent 512, rope 64, indexer dim 128)."""
     i32, p = "i32", f"*{dtype}"
     precision = "ieee" if dtype == "fp32" else "tf32"
+    elem_bytes = 4 if dtype == "fp32" else 2
     sizes = dict(D_V=512, D_ROPE=64, BLOCK_DV=512, BLOCK_DR=64, PRECISION=precision)
     bwd = dict(Q=p, KV=p, IDX="*i32", O=p, DO=p, LSE="*fp32", DQ=p, DKV="*fp32", PB=p, DSB=p, n_heads=i32,
                topk=i32, scale="fp32", scale_log2="fp32", stride_qb=i32, stride_qs=i32, stride_qh=i32, stride_kvb=i32,
@@ -86,16 +87,8 @@ def build_dsa(dtype: str) -> None:
             dict(Q=p, KV=p, IDX="*i32", O=p, LSE="*fp32", n_heads=i32, topk=i32, scale_log2="fp32",
                  stride_qb=i32, stride_qs=i32, stride_qh=i32, stride_kvb=i32, stride_kvs=i32, stride_ib=i32,
                  stride_is=i32, stride_ob=i32, stride_os=i32, stride_oh=i32, stride_lb=i32, stride_ls=i32),
-            dict(common, BLOCK_N=sm.BLOCK_N_FWD), num_warps=8, num_stages=2, aligned=("topk",),
+            dict(common, BLOCK_N=sm.forward_keys(elem_bytes)), num_warps=8, num_stages=2, aligned=("topk",),
         )
-        for lse_given in (False, True):  # the indexer loss's target in two passes, or one from the forward's lse
-            build(
-                sm._sparse_mla_head_mean_probs,
-                dict(Q=p, KV=p, IDX="*i32", LSE="*fp32", P="*fp32", n_heads=i32, topk=i32, scale_log2="fp32",
-                     inv_heads="fp32", stride_qb=i32, stride_qs=i32, stride_qh=i32, stride_kvb=i32, stride_kvs=i32,
-                     stride_ib=i32, stride_is=i32, stride_lb=i32, stride_ls=i32, stride_pb=i32, stride_ps=i32),
-                dict(common, BLOCK_N=sm.BLOCK_N_FWD, LSE_GIVEN=lse_given), num_warps=8, num_stages=2, aligned=("topk",),
-            )
         if block_h > 32:  # the single-kernel backward takes at most 32 heads per program
             continue
         # the query grad with the key grad (one head block of 16 or 32 heads)
@@ -103,17 +96,19 @@ def build_dsa(dtype: str) -> None:
             sm._sparse_mla_bwd_dq, bwd,
             dict(common, BLOCK_N=sm.BLOCK_N_FUSED, WITH_DKV=True), num_warps=8, num_stages=1, aligned=("topk",),
         )
-    if dtype == "bf16":  # the one-pass target with every head of V3.2 in one block (the kernel bench's alternative)
-        build(
-            sm._sparse_mla_head_mean_probs,
-            dict(Q=p, KV=p, IDX="*i32", LSE="*fp32", P="*fp32", n_heads=i32, topk=i32, scale_log2="fp32",
-                 inv_heads="fp32", stride_qb=i32, stride_qs=i32, stride_qh=i32, stride_kvb=i32, stride_kvs=i32,
-                 stride_ib=i32, stride_is=i32, stride_lb=i32, stride_ls=i32, stride_pb=i32, stride_ps=i32),
-            dict(sizes, BLOCK_H=128, BLOCK_N=sm.BLOCK_N_FWD, LSE_GIVEN=True), num_warps=8, num_stages=2,
-            aligned=("topk",),
-        )
+    for heads in (16, 128) if dtype == "bf16" else (16,):  # the indexer loss's target at its blocks
+        block_h, block_n, stages = sm.target_blocks(heads, elem_bytes)
+        for lse_given in (False, True):  # in two passes, or one from the forward's lse
+            build(
+                sm._sparse_mla_head_mean_probs,
+                dict(Q=p, KV=p, IDX="*i32", LSE="*fp32", P="*fp32", n_heads=i32, topk=i32, scale_log2="fp32",
+                     inv_heads="fp32", stride_qb=i32, stride_qs=i32, stride_qh=i32, stride_kvb=i32, stride_kvs=i32,
+                     stride_ib=i32, stride_is=i32, stride_lb=i32, stride_ls=i32, stride_pb=i32, stride_ps=i32),
+                dict(sizes, BLOCK_H=block_h, BLOCK_N=block_n, LSE_GIVEN=lse_given), num_warps=8, num_stages=stages,
+                aligned=("topk",),
+            )
     # the two-kernel backward: the query grad storing the probabilities and logit grads, then the key grad
-    blocks = sm.backward_blocks(2 if dtype == "bf16" else 4)
+    blocks = sm.backward_blocks(elem_bytes)
     build(
         sm._sparse_mla_bwd_dq, bwd,
         dict(sizes, BLOCK_H=blocks.dq_heads, BLOCK_N=blocks.dq_keys, WITH_DKV=False), num_warps=sm.BACKWARD_WARPS,

@@ -359,7 +359,13 @@ def _sparse_mla_head_mean_probs(
             tl.store(p_base + n, acc + tl.sum(p, axis=0) * inv_heads, mask=n < topk)
 
 
-BLOCK_N_FWD = 32
+# The forward's keys a step: 64 in bf16/fp16 (on an H100 at V3.2's sizes, 4,096 queries of a 32K
+# sequence: 9.8 ms against 14.4 ms at 32 keys), 32 in fp32 (the tests), whose tiles are twice the bytes.
+FORWARD_KEYS_HALF, FORWARD_KEYS_FP32 = 64, 32
+# The one-pass indexer-loss target in bf16/fp16: up to 128 heads a block, so each key row is gathered
+# once per token, 64 keys a step, one stage (H100, the same queries: 5.2 ms against 14.2 ms with the
+# forward's 64-head blocks; 222 KiB of shared memory at most, no spills).
+TARGET_HEADS_HALF, TARGET_KEYS_HALF = 128, 64
 BLOCK_N_FUSED = 16  # keys per step of the query-grad kernel when it also scatters the key grad
 
 
@@ -379,10 +385,12 @@ class BackwardBlocks:
 # In bf16/fp16 at DeepSeek's sizes (latent 512 + rope 64) on sm_90: the query grad takes 64 heads x
 # 32 keys a step, so its dots are warpgroup MMAs (wgmma; 172 KiB of shared memory, 32 bytes spilled)
 # and a query's key rows are gathered once per 64 heads. The key grad forms no logits: it reads the
-# stored probabilities and logit grads, 64 keys x 128 of the 576 columns a program (five column
-# blocks, the last the rope and no value), 32 heads a step (wgmma, no spills). fp32 (the tests) runs
-# 16 x 16 blocks, whose tiles fit shared memory at DeepSeek's sizes.
-HALF_BLOCKS = BackwardBlocks(dq_heads=64, dq_keys=32, dkv_heads=32, dkv_keys=64, dkv_cols=128, dkv_warps=8)
+# stored probabilities and logit grads, 128 keys x 128 of the 576 columns a program (five column
+# blocks, the last the rope and no value), 32 heads a step (wgmma, no spills). On an H100, 4,096
+# queries of a 32K sequence: the whole backward 43 ms at 128 keys a program against 79 ms at 64
+# (bench/dsa_kernel_launches.py). fp32 (the tests) runs 16 x 16 blocks, whose tiles fit shared
+# memory at DeepSeek's sizes.
+HALF_BLOCKS = BackwardBlocks(dq_heads=64, dq_keys=32, dkv_heads=32, dkv_keys=128, dkv_cols=128, dkv_warps=8)
 FP32_BLOCKS = BackwardBlocks(dq_heads=16, dq_keys=16, dkv_heads=16, dkv_keys=16, dkv_cols=64, dkv_warps=4)
 BACKWARD_WARPS = 8
 # Elements of each of the two ``[queries, heads, topk]`` buffers (probabilities, logit grads) that
@@ -395,6 +403,19 @@ STORED_ELEMENTS = 1 << 26
 def backward_blocks(elem_bytes: int) -> BackwardBlocks:
     """The two-kernel backward's blocks for elements of ``elem_bytes``."""
     return FP32_BLOCKS if elem_bytes > 2 else HALF_BLOCKS
+
+
+def forward_keys(elem_bytes: int) -> int:
+    """The forward's keys a step for elements of ``elem_bytes``."""
+    return FORWARD_KEYS_FP32 if elem_bytes > 2 else FORWARD_KEYS_HALF
+
+
+def target_blocks(n_heads: int, elem_bytes: int) -> tuple[int, int, int]:
+    """``head_mean_probs``' ``(heads, keys a step, pipeline stages)`` for ``n_heads`` heads of
+    ``elem_bytes`` elements: all heads (up to 128) in one block in bf16/fp16, the forward's in fp32."""
+    if elem_bytes > 2:
+        return _block_sizes(n_heads, 1, 0, elem_bytes, backward=False)[0], FORWARD_KEYS_FP32, 2
+    return min(TARGET_HEADS_HALF, max(16, triton.next_power_of_2(n_heads))), TARGET_KEYS_HALF, 1
 
 
 def _check(q, kv, indices, d_v):
@@ -415,13 +436,14 @@ def _last_dim_contiguous(t: torch.Tensor) -> torch.Tensor:
 def attention_forward(
     q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor, softmax_scale: float, d_v: int,
     out: torch.Tensor | None = None, lse: torch.Tensor | None = None,
-    keys_per_step: int = BLOCK_N_FWD, stages: int = 2,
+    keys_per_step: int | None = None, stages: int = 2,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The forward kernel: ``(out [B, S, H, d_v], lse [B, S, H] fp32, log2 domain)``, written into
     ``out``/``lse`` when given (views with a unit last stride, e.g. one chunk of queries' rows of
-    whole-sequence buffers). ``keys_per_step`` and ``stages``: the kernel's key block and software
-    pipeline depth (the kernel bench compares others)."""
+    whole-sequence buffers). ``keys_per_step`` (``forward_keys`` unless given) and ``stages``: the
+    kernel's key block and software pipeline depth (the kernel bench compares others)."""
     b, s, h, d = q.shape
+    keys_per_step = forward_keys(q.element_size()) if keys_per_step is None else keys_per_step
     d_rope = d - d_v
     block_h, block_dv, block_dr = _block_sizes(h, d_v, d_rope, q.element_size(), backward=False)
     out = torch.empty((b, s, h, d_v), dtype=q.dtype, device=q.device) if out is None else out
@@ -535,8 +557,8 @@ def head_mean_probs(
     other. ``lse``: the attention's log-sum-exp of the same logits, fp32 ``[B, S, H]``, natural
     log, +inf where a query has no valid key (what ``sparse_mla_attention(..., return_lse=True)``
     returns): with it each head block takes one pass over the keys (the probabilities), without it
-    two (the log-sum-exp first). ``blocks``: ``(heads, keys a step, pipeline stages)`` instead of the
-    forward's (the kernel bench compares others; 128 heads a block gathers each key row once).
+    two (the log-sum-exp first). ``blocks``: ``(heads, keys a step, pipeline stages)``,
+    ``target_blocks`` unless given (the kernel bench compares others).
     """
     _check(q, kv, indices, q.shape[-1])
     b, s, h, d = q.shape
@@ -548,10 +570,8 @@ def head_mean_probs(
     q, kv, indices = _last_dim_contiguous(q), _last_dim_contiguous(kv), _last_dim_contiguous(indices)
     # no value here: split the key row at its largest power of two (MLA's 576 = 512 latent + 64 rope)
     d_v = 1 << (d.bit_length() - 1)
-    block_h, block_dv, block_dr = _block_sizes(h, d_v, d - d_v, q.element_size(), backward=False)
-    block_n, stages = BLOCK_N_FWD, 2
-    if blocks is not None:
-        block_h, block_n, stages = blocks
+    _, block_dv, block_dr = _block_sizes(h, d_v, d - d_v, q.element_size(), backward=False)
+    block_h, block_n, stages = target_blocks(h, q.element_size()) if blocks is None else blocks
     probs = torch.zeros(indices.shape, dtype=torch.float32, device=q.device)
     if probs.numel():
         lse_given = lse is not None
