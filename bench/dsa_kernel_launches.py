@@ -28,7 +28,7 @@ from loongforge.kernels import sparse_mla
 # the key-grad kernel's blocks timed beside the default (``sparse_mla.HALF_BLOCKS``)
 KEY_GRAD_BLOCKS = tuple(
     replace(sparse_mla.HALF_BLOCKS, dkv_heads=h, dkv_keys=n, dkv_cols=c, dkv_warps=w)
-    for h, n, c, w in ((32, 64, 128, 8), (32, 128, 64, 8), (64, 128, 128, 8), (32, 128, 128, 4))
+    for h, n, c, w in ((32, 64, 128, 8), (32, 128, 64, 4), (64, 128, 128, 8), (32, 128, 128, 8))
 )
 
 

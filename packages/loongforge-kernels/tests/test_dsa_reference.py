@@ -228,3 +228,17 @@ def test_bad_shapes_name_the_inputs():
         dsa.sparse_mla_attention(q, kv, torch.zeros(2, 5, 3, dtype=torch.int32), 1.0, 16)
     with pytest.raises(ValueError, match="d_v=30"):
         dsa.sparse_mla_attention(q, kv, torch.zeros(2, 12, 3, dtype=torch.int32), 1.0, 30)
+
+
+@pytest.mark.parametrize("batch", [1, 2])
+def test_absorbed_query_written_in_place_equals_the_concatenated_form(batch):
+    # a slice of tokens of queries whose nope and rope parts are views of one tensor, as the ops take them
+    torch.manual_seed(0)
+    q = torch.randn(batch, 7, 4, 24)
+    q_nope, q_rope, w_uk = q[..., :16], q[..., 16:], torch.randn(4, 16, 32)
+    want = torch.cat([torch.einsum("bshd,hdc->bshc", q_nope[:, 2:6], w_uk), q_rope[:, 2:6]], dim=-1)
+    out = torch.full((batch, 4, 4, 40), float("nan"))
+    got = dsa.absorb_query(q_nope[:, 2:6], q_rope[:, 2:6], w_uk, out=out)
+    assert got.data_ptr() == out.data_ptr()
+    torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-5)
+    torch.testing.assert_close(dsa.absorb_query(q_nope[:, 2:6], q_rope[:, 2:6], w_uk), want, rtol=1e-6, atol=1e-5)

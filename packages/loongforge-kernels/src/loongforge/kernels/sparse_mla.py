@@ -386,11 +386,11 @@ class BackwardBlocks:
 # 32 keys a step, so its dots are warpgroup MMAs (wgmma; 172 KiB of shared memory, 32 bytes spilled)
 # and a query's key rows are gathered once per 64 heads. The key grad forms no logits: it reads the
 # stored probabilities and logit grads, 128 keys x 128 of the 576 columns a program (five column
-# blocks, the last the rope and no value), 32 heads a step (wgmma, no spills). On an H100, 4,096
-# queries of a 32K sequence: the whole backward 43 ms at 128 keys a program against 79 ms at 64
-# (bench/dsa_kernel_launches.py). fp32 (the tests) runs 16 x 16 blocks, whose tiles fit shared
+# blocks, the last the rope and no value), 32 heads a step, 4 warps (wgmma). On an H100, 4,096
+# queries of a 32K sequence: the whole backward 41.6 ms, against 43.0 with 8 warps and 79 ms at 64
+# keys a program (bench/dsa_kernel_launches.py). fp32 (the tests) runs 16 x 16 blocks, whose tiles fit shared
 # memory at DeepSeek's sizes.
-HALF_BLOCKS = BackwardBlocks(dq_heads=64, dq_keys=32, dkv_heads=32, dkv_keys=128, dkv_cols=128, dkv_warps=8)
+HALF_BLOCKS = BackwardBlocks(dq_heads=64, dq_keys=32, dkv_heads=32, dkv_keys=128, dkv_cols=128, dkv_warps=4)
 FP32_BLOCKS = BackwardBlocks(dq_heads=16, dq_keys=16, dkv_heads=16, dkv_keys=16, dkv_cols=64, dkv_warps=4)
 BACKWARD_WARPS = 8
 # Elements of each of the two ``[queries, heads, topk]`` buffers (probabilities, logit grads) that

@@ -8,7 +8,7 @@ and their grad, and the ``[S, H, 512]`` grad of the latent output, are each 3-4x
 tensors dense attention keeps (4.5 GiB each at 32K tokens and 128 heads, in bf16).
 
 Here the queries go in chunks (about ``CHUNK_ELEMENTS`` absorbed-query elements each): a chunk's
-absorbed queries are made, attended with ``sparse_mla.attention_forward`` and mapped back; only the
+absorbed queries are made (written by their GEMM into one buffer the chunks share), attended with ``sparse_mla.attention_forward`` and mapped back; only the
 latent output (``w_uv``'s grad needs it) and the log-sum-exp are kept for the backward; with
 ``return_lse`` the log-sum-exp is returned too, for the indexer loss's one-pass target. The
 backward makes each chunk's absorbed queries again (one small GEMM), runs
@@ -32,6 +32,18 @@ def _chunk_tokens(n_heads: int, row: int, chunk_elements: int) -> int:
     return max(1, chunk_elements // max(1, n_heads * row))
 
 
+def _absorbed_chunks(q_nope, q_rope, w_uk, chunk):
+    """``(t0, t1, absorbed queries of tokens t0:t1)`` per chunk, each written into one buffer that
+    the chunks share (the next chunk overwrites it)."""
+    b, s, h, _ = q_nope.shape
+    row = w_uk.shape[-1] + q_rope.shape[-1]
+    buffer = torch.empty(b * min(chunk, s) * h * row, dtype=q_nope.dtype, device=q_nope.device)
+    for t0 in range(0, s, chunk):
+        t1 = min(t0 + chunk, s)
+        q = buffer[: b * (t1 - t0) * h * row].view(b, t1 - t0, h, row)
+        yield t0, t1, absorb_query(q_nope[:, t0:t1], q_rope[:, t0:t1], w_uk, out=q)
+
+
 class _AbsorbedSparseMLA(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q_nope, q_rope, kv, indices, w_uk, w_uv, softmax_scale, chunk, return_lse):
@@ -40,9 +52,7 @@ class _AbsorbedSparseMLA(torch.autograd.Function):
         o_lat = torch.empty((b, s, h, d_c), dtype=q_nope.dtype, device=q_nope.device)
         lse = torch.empty((b, s, h), dtype=torch.float32, device=q_nope.device)
         out = torch.empty((b, s, h, d_v), dtype=q_nope.dtype, device=q_nope.device)
-        for t0 in range(0, s, chunk):
-            t1 = min(t0 + chunk, s)
-            q = absorb_query(q_nope[:, t0:t1], q_rope[:, t0:t1], w_uk)
+        for t0, t1, q in _absorbed_chunks(q_nope, q_rope, w_uk, chunk):
             attention_forward(q, kv, indices[:, t0:t1], softmax_scale, d_c, out=o_lat[:, t0:t1], lse=lse[:, t0:t1])
             out[:, t0:t1] = torch.einsum("bshc,hvc->bshv", o_lat[:, t0:t1], w_uv)
         ctx.save_for_backward(q_nope, q_rope, kv, indices, w_uk, w_uv, o_lat, lse)
@@ -61,14 +71,12 @@ class _AbsorbedSparseMLA(torch.autograd.Function):
         dkv = torch.zeros(kv.shape, dtype=torch.float32, device=kv.device)
         dw_uk = torch.zeros(w_uk.shape, dtype=torch.float32, device=w_uk.device)
         dw_uv = torch.zeros(w_uv.shape, dtype=torch.float32, device=w_uv.device)
-        for t0 in range(0, s, ctx.chunk):
-            t1 = min(t0 + ctx.chunk, s)
-            q = absorb_query(q_nope[:, t0:t1], q_rope[:, t0:t1], w_uk)
+        for t0, t1, q in _absorbed_chunks(q_nope, q_rope, w_uk, ctx.chunk):
             do = dout[:, t0:t1]
             do_lat = torch.einsum("bshv,hvc->bshc", do, w_uv)
             dq = attention_backward(q, kv, indices[:, t0:t1], o_lat[:, t0:t1], lse[:, t0:t1], do_lat,
                                     ctx.softmax_scale, d_c, dkv)
-            del q, do_lat
+            del do_lat
             dq_lat = dq[..., :d_c]
             dq_nope[:, t0:t1] = torch.einsum("bshc,hdc->bshd", dq_lat, w_uk)
             dq_rope[:, t0:t1] = dq[..., d_c:]

@@ -168,7 +168,8 @@ class DSAttention(nn.Module):
         losses = []
         for t0 in range(0, s, chunk):
             t1 = min(t0 + chunk, s)
-            q_abs = absorb_query(q_nope[:, t0:t1], q_rope[:, t0:t1], w_uk)
+            q_abs = q_nope.new_empty((*q_nope.shape[:1], t1 - t0, c.num_heads, kv.shape[-1]))
+            absorb_query(q_nope[:, t0:t1], q_rope[:, t0:t1], w_uk, out=q_abs)  # (detached: written in place)
             losses.append(self._indexer_loss(q_idx[:, t0:t1], k_idx, w_idx[:, t0:t1], q_abs, kv, c.softmax_scale,
                                              indices[:, t0:t1], lse[:, t0:t1]))
         return torch.cat(losses, dim=1)
