@@ -81,6 +81,7 @@ class _AbsorbedSparseMLA(torch.autograd.Function):
             dq_nope[:, t0:t1] = torch.einsum("bshc,hdc->bshd", dq_lat, w_uk)
             dq_rope[:, t0:t1] = dq[..., d_c:]
             dw_uk += torch.einsum("bshd,bshc->hdc", q_nope[:, t0:t1], dq_lat)
+            del dq, dq_lat  # (else the chunk's query grad would live on beside the next chunk's)
             dw_uv += torch.einsum("bshv,bshc->hvc", do, o_lat[:, t0:t1])
         return (dq_nope, dq_rope, dkv.to(kv.dtype), None, dw_uk.to(w_uk.dtype), dw_uv.to(w_uv.dtype), None, None, None)
 
