@@ -13,7 +13,8 @@ gradients with a multiply and a copy per tensor. Here:
 - ``adamw_update`` (``train.optimizer_kernel=loongforge``, CUDA, the fused kernels installed): the
   update itself through the registry's ``adamw_step`` (one kernel over a param group's tensors,
   the step's clipping factor applied inside it) in place of megatron's
-  ``step_with_ready_grads`` around torch's AdamW.
+  ``step_with_ready_grads`` around torch's AdamW; ``adamw_update_groups`` the same over one torch
+  AdamW (the PyTorch-native engine's).
 - ``scale_into_step`` otherwise: the step's factor (per-token mean and clipping) handed to torch's
   fused AdamW as its ``grad_scale`` (the tensor it divides every gradient by inside the update
   kernel, the hook ``torch.amp.GradScaler`` uses), or one multi-tensor multiply where the
@@ -151,33 +152,41 @@ def _adam_state(optimizer: torch.optim.Optimizer, p: torch.Tensor) -> dict:
 
 
 @torch.no_grad()
+def adamw_update_groups(optimizer: torch.optim.Optimizer, multiplier: torch.Tensor, adamw_step,
+                        found_inf: torch.Tensor | None = None, plans: dict | None = None) -> None:
+    """One AdamW update of every param group of ``optimizer`` (torch's AdamW without amsgrad or
+    maximize, its state as torch's fused AdamW keeps it) through the registry op ``adamw_step``
+    (one kernel per param group), every gradient multiplied by ``multiplier`` inside it, skipped
+    where ``found_inf`` is 1. ``plans``: the caller's dict for ``adamw_step`` to keep its launch
+    tables in between steps."""
+    for group in optimizer.param_groups:
+        params = [p for p in group["params"] if p.grad is not None]
+        if not params:
+            continue
+        states = [_adam_state(optimizer, p) for p in params]
+        steps = [state["step"] for state in states]
+        if found_inf is None:
+            torch._foreach_add_(steps, 1)
+        else:  # (a list of device scalars: the one-tensor form reads its scalar back to the host)
+            torch._foreach_add_(steps, [1 - found_inf] * len(steps))
+        beta1, beta2 = group["betas"]
+        adamw_step(params, [p.grad for p in params], [s["exp_avg"] for s in states],
+                   [s["exp_avg_sq"] for s in states], steps, lr=group["lr"], beta1=beta1, beta2=beta2,
+                   eps=group["eps"], weight_decay=group["weight_decay"], grad_scale=multiplier,
+                   found_inf=found_inf, plans=plans)
+
+
+@torch.no_grad()
 def adamw_update(optimizer, multiplier: torch.Tensor, adamw_step, found_inf: torch.Tensor | None = None,
                  plans: dict | None = None) -> None:
-    """One AdamW update of every parameter of ``optimizer`` (``adamw_applies``) through the registry
-    op ``adamw_step`` (one kernel per param group), every gradient multiplied by ``multiplier``
-    inside it, skipped where ``found_inf`` is 1; in mixed precision the bf16 model weights are then
+    """One AdamW update of every parameter of megatron's ``optimizer`` (``adamw_applies``) through
+    ``adamw_update_groups`` per sub-optimizer; in mixed precision the bf16 model weights are then
     refreshed from the fp32 main weights by one multi-tensor copy. What megatron's
-    ``step_with_ready_grads`` does around torch's AdamW, in fewer passes. ``plans``: the caller's
-    dict for ``adamw_step`` to keep its launch tables in between steps."""
+    ``step_with_ready_grads`` does around torch's AdamW, in fewer passes."""
     from megatron.core.optimizer import Float16OptimizerWithFloat16Params
 
     for sub in sub_optimizers(optimizer):
-        inner = sub.optimizer
-        for group in inner.param_groups:
-            params = [p for p in group["params"] if p.grad is not None]
-            if not params:
-                continue
-            states = [_adam_state(inner, p) for p in params]
-            steps = [state["step"] for state in states]
-            if found_inf is None:
-                torch._foreach_add_(steps, 1)
-            else:  # (a list of device scalars: the one-tensor form reads its scalar back to the host)
-                torch._foreach_add_(steps, [1 - found_inf] * len(steps))
-            beta1, beta2 = group["betas"]
-            adamw_step(params, [p.grad for p in params], [s["exp_avg"] for s in states],
-                       [s["exp_avg_sq"] for s in states], steps, lr=group["lr"], beta1=beta1, beta2=beta2,
-                       eps=group["eps"], weight_decay=group["weight_decay"], grad_scale=multiplier,
-                       found_inf=found_inf, plans=plans)
+        adamw_update_groups(sub.optimizer, multiplier, adamw_step, found_inf, plans)
         if isinstance(sub, Float16OptimizerWithFloat16Params):
             for model_params, main_params in zip(sub.float16_groups, sub.fp32_from_float16_groups):
                 if model_params:

@@ -71,9 +71,9 @@ class TrainConfig:
     nonfinite_patience: int = 1
     use_distributed_optimizer: bool = False  # megatron-core engine: shard optimizer state over DP (ZeRO-1)
     overlap_grad_reduce: bool = False  # megatron-core engine: overlap the DP gradient reduction with the backward
-    # megatron-core engine on CUDA, standard optimizer: loongforge (loongforge-kernels' adamw_step, one
-    # kernel per param group at 16-byte accesses; torch's fused AdamW where the kernels are not
-    # installed) | torch (torch's fused AdamW)
+    # on CUDA (the megatron-core engine's standard optimizer, the PyTorch-native engine's unsharded
+    # parameters): loongforge (loongforge-kernels' adamw_step, one kernel per param group at 16-byte
+    # accesses; torch's fused AdamW where the kernels are not installed) | torch (torch's fused AdamW)
     optimizer_kernel: str = "loongforge"
 
     def __post_init__(self):

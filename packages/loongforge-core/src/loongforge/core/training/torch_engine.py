@@ -1,6 +1,7 @@
 """The PyTorch-native engine: any ``nn.Module`` under DDP, FSDP2 or HSDP (``parallel.data_parallel``),
 with activation recomputation (``train.recompute``) and offloading (``train.offload_layers``), regional ``torch.compile`` (``train.compile``),
-bf16 autocast over fp32 weights or pure bf16 (``train.precision``), AdamW (fused on CUDA), an optional EMA of the weights
+bf16 autocast over fp32 weights or pure bf16 (``train.precision``), AdamW (on CUDA one fused kernel:
+``train.optimizer_kernel``), an optional EMA of the weights
 (``ema.decay``) and LoRA (``lora.rank > 0``: ``loongforge.core.lora``, applied to the task's model
 after its pretrained weights are read and before anything else touches it; only the adapters
 train). Context parallelism (``parallel.cp``) is the model's to implement (the task
@@ -25,7 +26,7 @@ Gradients: each micro-batch's summed loss is back-propagated as it is; after the
 loss sums and counts are all-reduced over the gradient group, and ``world / global count`` times
 the (DP-averaged) gradients are the gradients of the global mean loss whatever the split over ranks
 and micro-batches. ``train_step`` folds that factor and the clipping into one multiplier, which
-torch's fused AdamW applies inside its kernel (with the step's non-finite flag), so the optimizer
+the fused AdamW kernel applies inside it (with the step's non-finite flag), so the optimizer
 step is the only pass over the gradients and the step's numbers are read once, after the update is
 queued; ``forward_backward`` leaves the scaled gradients in ``.grad``.
 """
@@ -40,6 +41,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
+from loongforge.core.kernels import get_op
 from loongforge.core.training import grad_update, torch_parallel
 from loongforge.core.training.activation_offload import offload_first
 from loongforge.core.training.ema import EMA
@@ -145,6 +147,13 @@ class TorchEngine:
             list(self.named_trainable.values()), lr=train.lr, betas=(train.adam_beta1, train.adam_beta2),
             eps=train.adam_eps, weight_decay=train.weight_decay, fused=self.device.type == "cuda",
         )
+        # train.optimizer_kernel=loongforge: the update of plain (unsharded) parameters through the
+        # registry's adamw_step (CUDA, loongforge-kernels installed; the optimizer's state as torch's
+        # fused AdamW keeps it, so checkpoints are the same); otherwise torch's fused AdamW
+        self._adamw_step = ctx.kernels.get("adamw_step")
+        self._own_adamw = (train.optimizer_kernel == "loongforge" and self.device.type == "cuda"
+                           and self._adamw_step is not get_op("adamw_step").reference)
+        self._adamw_plans: dict = {}  # adamw_step's launch tables, kept between steps
         decay = ema.decay if ema is not None else 0.0
         self.ema = EMA(self.named_trainable, decay) if decay > 0 else None
         self.ema_interval = ema.update_interval if ema is not None else 1
@@ -269,10 +278,11 @@ class TorchEngine:
     def train_step(self, step: StepBatch, lr: float, measuring: bool = False) -> StepOutput:
         """The step, then the update at ``lr`` with every gradient multiplied by one factor: the
         per-token mean (``world / global count``) and the clipping ``clip_grad / (norm + 1e-6)``
-        where that is below 1, as ``torch.nn.utils.clip_grad_norm_``. With torch's fused AdamW over
-        plain (unsharded) tensors the factor and the non-finite flag go into its kernel
-        (``grad_update.fused_adamw_hooks``): no pass over the gradients of its own and nothing read
-        back before the update is queued. Otherwise one multi-tensor multiply, after the numbers are
+        where that is below 1, as ``torch.nn.utils.clip_grad_norm_``. Over plain (unsharded) tensors
+        the factor and the non-finite flag go into the update's kernel: the registry's ``adamw_step``
+        (``train.optimizer_kernel=loongforge``, ``grad_update.adamw_update_groups``) or torch's fused
+        AdamW (``grad_update.fused_adamw_hooks``): no pass over the gradients of its own and nothing
+        read back before the update is queued. Otherwise one multi-tensor multiply, after the numbers are
         read and found finite. A step whose loss or norm is not finite is never applied."""
         b = self._backward(step, measuring)
         norm = self._grad_norm_of(b.params) * b.scale
@@ -281,11 +291,16 @@ class TorchEngine:
         multiplier = b.scale * coefficient
         for group in self.optimizer.param_groups:
             group["lr"] = lr
-        if self._skips_on_device(b.params):
+        plain = not any(isinstance(p, DTensor) for p in b.params)
+        if plain and (self._own_adamw or grad_update.is_fused_adamw(self.optimizer)):
             loss = b.sums[0] / b.sums[1].clamp(min=1e-30)
             found_inf = (~(loss.isfinite() & norm.isfinite())).to(torch.float32)
-            with grad_update.fused_adamw_hooks([self.optimizer], 1.0 / multiplier, found_inf):
-                self.optimizer.step()
+            if self._own_adamw:
+                grad_update.adamw_update_groups(self.optimizer, multiplier, self._adamw_step, found_inf,
+                                                self._adamw_plans)
+            else:
+                with grad_update.fused_adamw_hooks([self.optimizer], 1.0 / multiplier, found_inf):
+                    self.optimizer.step()
             out = self._output(b, step, norm)
             applied = finite(out)
         else:
@@ -302,11 +317,6 @@ class TorchEngine:
             if self.ema is not None and self.updates % self.ema_interval == 0:
                 self.ema.update()
         return out
-
-    def _skips_on_device(self, params: list[torch.nn.Parameter]) -> bool:
-        """Torch's fused AdamW over plain tensors (FSDP2's DTensor parameters take the multiply)."""
-        return (grad_update.is_fused_adamw(self.optimizer)
-                and not any(isinstance(p, DTensor) for p in params))
 
     # -- checkpoints ---------------------------------------------------------------------------
     def layout_record(self) -> dict:
