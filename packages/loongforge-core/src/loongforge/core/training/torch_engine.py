@@ -148,11 +148,13 @@ class TorchEngine:
             eps=train.adam_eps, weight_decay=train.weight_decay, fused=self.device.type == "cuda",
         )
         # train.optimizer_kernel=loongforge: the update of plain (unsharded) parameters through the
-        # registry's adamw_step (CUDA, loongforge-kernels installed; the optimizer's state as torch's
-        # fused AdamW keeps it, so checkpoints are the same); otherwise torch's fused AdamW
+        # registry's adamw_step (CUDA, loongforge-kernels installed, every parameter contiguous, as the
+        # kernel needs; the optimizer's state as torch's fused AdamW keeps it, so checkpoints are the
+        # same); otherwise torch's fused AdamW
         self._adamw_step = ctx.kernels.get("adamw_step")
         self._own_adamw = (train.optimizer_kernel == "loongforge" and self.device.type == "cuda"
-                           and self._adamw_step is not get_op("adamw_step").reference)
+                           and self._adamw_step is not get_op("adamw_step").reference
+                           and all(p.is_contiguous() for p in self.named_trainable.values()))
         self._adamw_plans: dict = {}  # adamw_step's launch tables, kept between steps
         decay = ema.decay if ema is not None else 0.0
         self.ema = EMA(self.named_trainable, decay) if decay > 0 else None
