@@ -2,8 +2,11 @@
 
 On CPU: ``segment_cu_seqlens`` recovers the frame and window boundaries of the encoder's
 (permuted) patch order, and the masked SDPA path equals attention computed one segment at a
-time over those boundaries (the semantics of the variable-length kernel). On CUDA, the
-variable-length flash path is compared against the masked path, forward and backward.
+time over those boundaries (the semantics of the variable-length kernel). The variable-length
+path's own arithmetic (with the encoder's ``SegmentBounds`` or finding its row's boundaries itself)
+runs with a per-segment reference in the kernel's place, and the whole encoder's block takes the
+bounds through megatron's ``packed_seq_params`` unchanged. On CUDA, the variable-length flash path
+is compared against the masked path, forward and backward.
 """
 
 import pytest
@@ -11,7 +14,8 @@ import torch
 import torch.nn.functional as F
 
 from loongforge.vlm.encoders import geometry
-from loongforge.vlm.encoders.attention import FULL, WINDOW, SegmentAttention, segment_cu_seqlens, segment_ids
+from loongforge.vlm.encoders.attention import (FULL, WINDOW, SegmentAttention, SegmentBounds, segment_cu_seqlens,
+                                               segment_ids)
 
 MERGE, WINDOW_UNITS = 2, 2
 GRIDS = torch.tensor([[1, 8, 12], [2, 6, 4], [1, 10, 6]])  # windows that do not tile every frame
@@ -88,6 +92,66 @@ def test_masked_path_equals_per_segment_attention(megatron_world, row, batch, he
     got = module(q, k, v, segments)
     cu, _ = segment_cu_seqlens(segments[row])
     torch.testing.assert_close(got, per_segment_reference(q, k, v, cu, module.softmax_scale), atol=1e-5, rtol=1e-5)
+
+
+def reference_varlen(q, k, v, cu_q, cu_k, max_q, max_k, scale):
+    """What ``torch.nn.attention.varlen.varlen_attn`` computes, ``[t, h, d]`` packed (fp32, per segment)."""
+    assert torch.equal(cu_q, cu_k) and max_q == max_k == int((cu_q[1:] - cu_q[:-1]).max())
+    out = per_segment_reference(q[:, None], k[:, None], v[:, None], cu_q, scale)
+    return out.reshape(q.shape[0], q.shape[1], -1)
+
+
+@pytest.mark.parametrize("given", [True, False], ids=["encoder_bounds", "own_bounds"])
+@pytest.mark.parametrize("row", [FULL, WINDOW])
+def test_varlen_arithmetic_equals_the_masked_path(megatron_world, monkeypatch, row, given):
+    """The flash path's packing, batch folding and boundaries, with a per-segment reference as the
+    kernel: from the encoder's bounds no boundary is looked for again (the host sync per layer)."""
+    from loongforge.vlm.encoders import attention as segment_attention
+
+    segments, _ = encoder_segments(GRIDS)
+    s, batch, heads = segments.shape[1], 2, 4
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(s, batch, heads, 16, generator=g)
+    k, v = (torch.randn(s, batch, 2, 16, generator=g) for _ in range(2))
+    k, v = (t.repeat_interleave(2, dim=2) for t in (k, v))  # (the varlen kernel takes as many k/v heads as q)
+    module = attention(megatron_world, heads, heads, row)
+    bounds = SegmentBounds.of(segments) if given else None
+    looked_up = []
+    real = segment_attention.segment_cu_seqlens
+    monkeypatch.setattr(segment_attention, "segment_cu_seqlens", lambda ids: looked_up.append(1) or real(ids))
+    got = module._varlen(lambda *a, scale: reference_varlen(*a, scale=scale), q, k, v, segments[row], bounds)
+    assert len(looked_up) == (0 if given else 1)
+    expected = module._masked(q, k, v, segments[row], dropout=0.0)
+    torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
+
+
+def test_segment_bounds_pass_through_the_encoders_block(megatron_world):
+    """The encoder's megatron block with ``SegmentBounds`` as ``packed_seq_params`` (its CUDA form)
+    gives what it gives without them: megatron's attention leaves an ``sbhd`` layout and the
+    rotary path alone (on CPU the layers then run the masked path)."""
+    from megatron.core.transformer import TransformerConfig
+
+    from loongforge.vlm.encoders import build_encoder
+    from loongforge.vlm.encoders.layers import encoder_transformer_config
+    from loongforge.vlm.encoders.qwen2_5_vit import QwenViTConfig
+
+    cfg = QwenViTConfig(num_layers=2, hidden_size=64, num_attention_heads=4, ffn_hidden_size=128,
+                        window_size=WINDOW_UNITS * MERGE * 8, full_attention_layers=[1])
+    foundation = TransformerConfig(num_layers=1, hidden_size=64, num_attention_heads=4, use_cpu_initialization=True)
+    encoder = build_encoder(cfg, encoder_transformer_config(cfg, 1, "none", foundation), megatron_world.pgs)
+    segments, _ = encoder_segments(GRIDS)
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(segments.shape[1], 1, 64, generator=g)
+    rot = torch.randn(segments.shape[1], 1, 1, 16, generator=g)
+    bounds = SegmentBounds.of(segments)
+    assert [cu.tolist() for cu, _ in bounds.rows] == [segment_cu_seqlens(ids)[0].tolist() for ids in segments]
+    with_bounds = encoder.decoder(x, attention_mask=segments, rotary_pos_emb=rot, packed_seq_params=bounds)
+    without = encoder.decoder(x, attention_mask=segments, rotary_pos_emb=rot)
+    torch.testing.assert_close(with_bounds, without, atol=0, rtol=0)
+    with pytest.raises(ValueError, match="only SegmentBounds"):
+        from megatron.core.packed_seq_params import PackedSeqParams
+
+        encoder.decoder(x, attention_mask=segments, rotary_pos_emb=rot, packed_seq_params=PackedSeqParams(qkv_format="sbhd"))
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the variable-length flash path runs on CUDA")

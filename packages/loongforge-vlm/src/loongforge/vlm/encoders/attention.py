@@ -14,18 +14,22 @@ non-decreasing: every segment is one contiguous run (frames are laid out one aft
 and the encoder permutes the patches so that each window is contiguous too).
 
 Two kernels compute the same thing. On CUDA in bf16/fp16, torch's variable-length flash
-attention (``torch.nn.attention.varlen``) runs over the segment boundaries (``cu_seqlens``, from
-the ids of the layer's row: one small host sync per layer): memory linear in the sequence, and a
-window layer computes only the pairs within windows. Elsewhere (CPU, fp32, attention dropout) one
+attention (``torch.nn.attention.varlen``) runs over the segment boundaries (``cu_seqlens`` and the
+longest segment): memory linear in the sequence, and a window layer computes only the pairs within
+windows. The encoder finds both rows' boundaries once a forward (``SegmentBounds.of``, one host
+read a row) and hands them to every layer through the block's ``packed_seq_params``; without them a
+layer finds its row's itself, a host sync per layer. Elsewhere (CPU, fp32, attention dropout) one
 SDPA call with a dense ``[s, s]`` same-segment mask.
 """
 
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+from megatron.core.packed_seq_params import PackedSeqParams
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.utils import divide
 
@@ -59,6 +63,20 @@ def segment_cu_seqlens(ids: torch.Tensor) -> tuple[torch.Tensor, int]:
     return cu_seqlens, int(host[1].max())
 
 
+@dataclass
+class SegmentBounds(PackedSeqParams):
+    """Both segmentations' ``(cu_seqlens, longest)`` (rows ``FULL`` and ``WINDOW``) for one forward
+    of the encoder's block, passed as its ``packed_seq_params``. ``qkv_format`` is ``"sbhd"``, so
+    megatron's attention keeps its layout and rotary path; only ``SegmentAttention`` reads ``rows``."""
+
+    rows: tuple[tuple[torch.Tensor, int], ...] = ()
+
+    @classmethod
+    def of(cls, segments: torch.Tensor) -> SegmentBounds:
+        """The boundaries of each row of the ``[2, s]`` segment ids."""
+        return cls(qkv_format="sbhd", rows=tuple(segment_cu_seqlens(ids) for ids in segments))
+
+
 def _varlen_attn():
     """torch's variable-length flash attention, where this torch has it."""
     try:
@@ -88,21 +106,22 @@ class SegmentAttention(MegatronModule):
                 packed_seq_params=None):
         if attention_mask is None or attention_mask.dim() != 2:
             raise ValueError("SegmentAttention needs the [2, s] segment ids as attention_mask")
-        if packed_seq_params is not None or attention_bias is not None:
-            raise ValueError("SegmentAttention takes neither packed_seq_params nor attention_bias")
+        if (packed_seq_params is not None and not isinstance(packed_seq_params, SegmentBounds)) \
+                or attention_bias is not None:
+            raise ValueError("SegmentAttention takes no attention_bias, and as packed_seq_params only SegmentBounds")
         ids = attention_mask[self.segment_row]
         dropout = self.dropout if self.training else 0.0
         if query.is_cuda and query.dtype in (torch.float16, torch.bfloat16) and dropout == 0.0:
             varlen = _varlen_attn()
             if varlen is not None:
-                return self._varlen(varlen, query, key, value, ids)
+                return self._varlen(varlen, query, key, value, ids, packed_seq_params)
         return self._masked(query, key, value, ids, dropout)
 
-    def _varlen(self, varlen, query, key, value, ids):
-        """Flash attention within the runs of ``ids``; the ``b`` rows are folded into one packed
-        sequence (row ``i``'s boundaries shifted by ``i * s``)."""
+    def _varlen(self, varlen, query, key, value, ids, bounds: SegmentBounds | None = None):
+        """Flash attention within the runs of ``ids`` (their boundaries from ``bounds`` where given);
+        the ``b`` rows are folded into one packed sequence (row ``i``'s boundaries shifted by ``i * s``)."""
         s, b = query.shape[:2]
-        cu_seqlens, longest = segment_cu_seqlens(ids)
+        cu_seqlens, longest = bounds.rows[self.segment_row] if bounds is not None else segment_cu_seqlens(ids)
         if b > 1:
             shifts = torch.arange(b, device=cu_seqlens.device, dtype=torch.int32)[:, None] * s
             cu_seqlens = torch.cat([(cu_seqlens[:-1] + shifts).flatten(), cu_seqlens[-1:] + (b - 1) * s])

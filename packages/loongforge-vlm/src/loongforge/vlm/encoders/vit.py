@@ -14,7 +14,7 @@ import torch
 from megatron.core.transformer.module import MegatronModule
 
 from loongforge.vlm.encoders import geometry
-from loongforge.vlm.encoders.attention import segment_ids
+from loongforge.vlm.encoders.attention import SegmentBounds, segment_ids
 from loongforge.vlm.encoders.layers import init_linear_, vit_block_spec
 from loongforge.vlm.model_config import EncoderConfig
 
@@ -47,10 +47,12 @@ class VisionEncoder(MegatronModule):
     def run_block(self, x: torch.Tensor, segments: torch.Tensor, rot: torch.Tensor | None,
                   layers: tuple[int, ...]) -> list[torch.Tensor]:
         """The block over ``x [s, hidden]`` with segment ids ``segments [2, s]`` and rotary angles
-        ``rot [s, head_dim]`` (or None): the final output, then those of the 0-based ``layers``."""
+        ``rot [s, head_dim]`` (or None): the final output, then those of the 0-based ``layers``.
+        On CUDA the segments' boundaries are found here once for every layer's flash path."""
+        bounds = SegmentBounds.of(segments) if x.is_cuda else None
         out = self.decoder(x[:, None, :], attention_mask=segments,
                            rotary_pos_emb=rot[:, None, None, :] if rot is not None else None,
-                           extract_layer_indices=set(layers))
+                           packed_seq_params=bounds, extract_layer_indices=set(layers))
         out, extracted = out if layers else (out, [])
         return [t[:, 0] for t in (out, *extracted)]
 
