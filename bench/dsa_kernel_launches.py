@@ -6,7 +6,7 @@ One chunk of absorbed queries (``--chunk`` tokens, the last of each ``--seqs`` s
 ``sparse_mla_absorbed_attention`` runs them) at DeepSeek-V3.2's sizes: 128 heads, latent 512 +
 rope 64, top-2048 over causal random keys, bf16. Prints milliseconds and TFLOP/s per call: the
 forward, the backward (its two kernels: the query grad, then the key grad summed over heads; with the
-default blocks and with the key grad's alternatives in ``KEY_GRAD_BLOCKS``) and
+default blocks and with the alternatives in ``KEY_GRAD_BLOCKS`` and ``QUERY_GRAD_BLOCKS``) and
 ``head_mean_probs`` (the indexer loss's target) in two passes over the logits (recomputing each
 head's log-sum-exp) and in one (taking the forward's). FLOPs count each matmul once: forward ``2 *
 H * topk * (576 + 512)`` per query, backward ``2 * H * topk * (576 + 512 + 576 + 576 + 512)``
@@ -32,6 +32,13 @@ KEY_GRAD_BLOCKS = tuple(
 )
 
 
+# the query-grad kernel's (heads, keys a step, warps, stages) timed beside the default (64, 32, 8, 1): two
+# stages overlap the next key block's gather with this one's dots (ptxas at V3.2's sizes: 64 x 32 on
+# wgmma in 212 KiB of shared memory, 480 bytes spilled; 32 x 64 and 32 x 32 on mma.sync, no spills)
+QUERY_GRAD_BLOCKS = tuple(
+    replace(sparse_mla.HALF_BLOCKS, dq_heads=h, dq_keys=n, dq_warps=w, dq_stages=st)
+    for h, n, w, st in ((64, 32, 8, 2), (32, 64, 8, 2), (32, 32, 8, 2))
+)
 # the forward's (keys a step, pipeline stages) timed beside the default (``sparse_mla.forward_keys``, 2)
 FORWARD_BLOCKS = ((32, 2), (64, 1))
 # the one-pass target's (heads, keys a step, stages) beside the default (``sparse_mla.target_blocks``)
@@ -97,18 +104,27 @@ def time_chunk(seq: int, chunk: int, h: int, topk: int, iters: int) -> None:
         print(f"| {seq} | forward, {keys} keys a step, largest difference | {(other - out).abs().max().item():.1e} | |")
     dout = torch.randn_like(out)
     dkv = torch.zeros(kv.shape, dtype=torch.float32, device="cuda")
-    for blocks in (None, *KEY_GRAD_BLOCKS):
-        name = "backward" if blocks is None else (
-            f"backward, key grad {blocks.dkv_heads} heads x {blocks.dkv_keys} keys x {blocks.dkv_cols} columns, "
-            f"{blocks.dkv_warps} warps")
+    def backward_name(blocks) -> str:
+        if blocks is None:
+            return "backward"
+        return (f"backward, query grad {blocks.dq_heads} heads x {blocks.dq_keys} keys, {blocks.dq_warps} warps, "
+                f"{blocks.dq_stages} stages; key grad {blocks.dkv_heads} x {blocks.dkv_keys} x {blocks.dkv_cols} "
+                f"columns, {blocks.dkv_warps} warps")
+
+    choices = (None, *KEY_GRAD_BLOCKS, *QUERY_GRAD_BLOCKS)
+    for blocks in choices:
         ms = _ms(lambda: sparse_mla.attention_backward(q, kv, idx, out, lse, dout, scale, d_v, dkv, blocks=blocks), iters)
-        row(name, ms, 576 + 512 + 576 + 576 + 512)
-    grads = []
-    for blocks in (None, *KEY_GRAD_BLOCKS):  # every block choice gives the same key grad (atomics: not bit for bit)
+        row(backward_name(blocks), ms, 576 + 512 + 576 + 576 + 512)
+    grads, query_grads = [], []
+    for blocks in choices:  # every block choice gives the same grads (atomics: not bit for bit)
         grads.append(torch.zeros_like(dkv))
-        sparse_mla.attention_backward(q, kv, idx, out, lse, dout, scale, d_v, grads[-1], blocks=blocks)
+        query_grads.append(sparse_mla.attention_backward(q, kv, idx, out, lse, dout, scale, d_v, grads[-1], blocks=blocks))
     worst = max(((g - grads[0]).norm() / grads[0].norm()).item() for g in grads[1:])
+    worst_q = max(((g.float() - query_grads[0].float()).norm() / query_grads[0].float().norm()).item()
+                  for g in query_grads[1:])
     print(f"| {seq} | backward block choices, largest relative difference of the key grad | {worst:.1e} | |", flush=True)
+    print(f"| {seq} | backward block choices, largest relative difference of the query grad | {worst_q:.1e} | |",
+          flush=True)
     row("head_mean_probs, two passes", _ms(lambda: sparse_mla.head_mean_probs(q, kv, idx, scale), iters), 2 * 576)
     natural_lse = lse * sparse_mla.LN2  # the forward's log2-domain lse as the ops return it
     row("head_mean_probs, one pass (the forward's lse)",

@@ -94,7 +94,8 @@ def build_dsa(dtype: str) -> None:
         # the query grad with the key grad (one head block of 16 or 32 heads)
         build(
             sm._sparse_mla_bwd_dq, bwd,
-            dict(common, BLOCK_N=sm.BLOCK_N_FUSED, WITH_DKV=True), num_warps=8, num_stages=1, aligned=("topk",),
+            dict(common, BLOCK_N=sm.BLOCK_N_FUSED, WITH_DKV=True), num_warps=sm.FUSED_WARPS, num_stages=1,
+            aligned=("topk",),
         )
     for heads in (16, 128) if dtype == "bf16" else (16,):  # the indexer loss's target at its blocks
         block_h, block_n, stages = sm.target_blocks(heads, elem_bytes)
@@ -111,8 +112,8 @@ def build_dsa(dtype: str) -> None:
     blocks = sm.backward_blocks(elem_bytes)
     build(
         sm._sparse_mla_bwd_dq, bwd,
-        dict(sizes, BLOCK_H=blocks.dq_heads, BLOCK_N=blocks.dq_keys, WITH_DKV=False), num_warps=sm.BACKWARD_WARPS,
-        num_stages=1, aligned=("topk",),
+        dict(sizes, BLOCK_H=blocks.dq_heads, BLOCK_N=blocks.dq_keys, WITH_DKV=False), num_warps=blocks.dq_warps,
+        num_stages=blocks.dq_stages, aligned=("topk",),
     )
     build(
         sm._sparse_mla_bwd_dkv,

@@ -372,7 +372,8 @@ BLOCK_N_FUSED = 16  # keys per step of the query-grad kernel when it also scatte
 @dataclass(frozen=True)
 class BackwardBlocks:
     """The two-kernel backward's blocks: the query-grad kernel's heads and keys a step; the key-grad
-    kernel's heads a step, keys and row columns a program, and its warps."""
+    kernel's heads a step, keys and row columns a program, and its warps; the query-grad kernel's
+    warps and software-pipeline stages (at latent widths above 128)."""
 
     dq_heads: int
     dq_keys: int
@@ -380,6 +381,8 @@ class BackwardBlocks:
     dkv_keys: int
     dkv_cols: int
     dkv_warps: int
+    dq_warps: int = 8
+    dq_stages: int = 1
 
 
 # In bf16/fp16 at DeepSeek's sizes (latent 512 + rope 64) on sm_90: the query grad takes 64 heads x
@@ -392,7 +395,7 @@ class BackwardBlocks:
 # memory at DeepSeek's sizes.
 HALF_BLOCKS = BackwardBlocks(dq_heads=64, dq_keys=32, dkv_heads=32, dkv_keys=128, dkv_cols=128, dkv_warps=4)
 FP32_BLOCKS = BackwardBlocks(dq_heads=16, dq_keys=16, dkv_heads=16, dkv_keys=16, dkv_cols=64, dkv_warps=4)
-BACKWARD_WARPS = 8
+FUSED_WARPS = 8  # the one-kernel backward's (query grad with the key grad) at latent widths above 128
 # Elements of each of the two ``[queries, heads, topk]`` buffers (probabilities, logit grads) that
 # carry the query-grad kernel's work to the key-grad kernel: the backward runs its queries in passes
 # of ``STORED_ELEMENTS // (heads * topk)`` (256 at 128 heads and top-2048: 128 MiB each in bf16, 512
@@ -490,7 +493,8 @@ def attention_backward(
         dq_h, dq_n = fused_h, BLOCK_N_FUSED
     else:
         dq_h, dq_n = min(blocks.dq_heads, max(16, triton.next_power_of_2(h))), blocks.dq_keys
-    warps = 4 if block_dv <= 128 else BACKWARD_WARPS  # latent widths of 128 or less (tests): 4 warps
+    # latent widths of 128 or less (tests): 4 warps, one stage
+    warps, stages = (4, 1) if block_dv <= 128 else (FUSED_WARPS, 1) if with_dkv else (blocks.dq_warps, blocks.dq_stages)
     sizes = dict(D_V=d_v, D_ROPE=d_rope, BLOCK_DV=block_dv, BLOCK_DR=block_dr, PRECISION=dot_precision(q.dtype))
     per_pass = s if with_dkv else max(1, min(s, stored_elements // (h * topk)))
     if with_dkv:  # nothing stored: the kernel takes dq's pointer and strides in their place
@@ -507,7 +511,7 @@ def attention_backward(
             os_.stride(0), os_.stride(1), os_.stride(2), do.stride(0), do.stride(1), do.stride(2),
             ls.stride(0), ls.stride(1), dqs.stride(0), dqs.stride(1), dqs.stride(2), dkv.stride(0), dkv.stride(1),
             probs.stride(0), probs.stride(1), probs.stride(2),
-            BLOCK_H=dq_h, BLOCK_N=dq_n, WITH_DKV=with_dkv, **sizes, num_warps=warps, num_stages=1,
+            BLOCK_H=dq_h, BLOCK_N=dq_n, WITH_DKV=with_dkv, **sizes, num_warps=warps, num_stages=stages,
         )
         if with_dkv:
             continue
