@@ -125,10 +125,12 @@ def test_varlen_arithmetic_equals_the_masked_path(megatron_world, monkeypatch, r
     torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
 
 
-def test_segment_bounds_pass_through_the_encoders_block(megatron_world):
+@pytest.mark.parametrize("recompute", ["none", "full"])
+def test_segment_bounds_pass_through_the_encoders_block(megatron_world, recompute):
     """The encoder's megatron block with ``SegmentBounds`` as ``packed_seq_params`` (its CUDA form)
-    gives what it gives without them: megatron's attention leaves an ``sbhd`` layout and the
-    rotary path alone (on CPU the layers then run the masked path)."""
+    gives what it gives without them, forward and backward, with and without megatron's activation
+    recompute: megatron's attention leaves an ``sbhd`` layout and the rotary path alone (on CPU the
+    layers then run the masked path)."""
     from megatron.core.transformer import TransformerConfig
 
     from loongforge.vlm.encoders import build_encoder
@@ -138,16 +140,22 @@ def test_segment_bounds_pass_through_the_encoders_block(megatron_world):
     cfg = QwenViTConfig(num_layers=2, hidden_size=64, num_attention_heads=4, ffn_hidden_size=128,
                         window_size=WINDOW_UNITS * MERGE * 8, full_attention_layers=[1])
     foundation = TransformerConfig(num_layers=1, hidden_size=64, num_attention_heads=4, use_cpu_initialization=True)
-    encoder = build_encoder(cfg, encoder_transformer_config(cfg, 1, "none", foundation), megatron_world.pgs)
+    encoder = build_encoder(cfg, encoder_transformer_config(cfg, 1, recompute, foundation), megatron_world.pgs)
+    encoder.train()
     segments, _ = encoder_segments(GRIDS)
     g = torch.Generator().manual_seed(0)
     x = torch.randn(segments.shape[1], 1, 64, generator=g)
     rot = torch.randn(segments.shape[1], 1, 1, 16, generator=g)
     bounds = SegmentBounds.of(segments)
     assert [cu.tolist() for cu, _ in bounds.rows] == [segment_cu_seqlens(ids)[0].tolist() for ids in segments]
-    with_bounds = encoder.decoder(x, attention_mask=segments, rotary_pos_emb=rot, packed_seq_params=bounds)
-    without = encoder.decoder(x, attention_mask=segments, rotary_pos_emb=rot)
-    torch.testing.assert_close(with_bounds, without, atol=0, rtol=0)
+    results = []
+    for given in (bounds, None):
+        leaf = x.clone().requires_grad_()
+        out = encoder.decoder(leaf, attention_mask=segments, rotary_pos_emb=rot, packed_seq_params=given)
+        out.square().mean().backward()
+        results.append((out.detach(), leaf.grad))
+    for got, want in zip(*results):
+        torch.testing.assert_close(got, want, atol=0, rtol=0)
     with pytest.raises(ValueError, match="only SegmentBounds"):
         from megatron.core.packed_seq_params import PackedSeqParams
 
