@@ -22,15 +22,6 @@ from loongforge.core.training.task import StepBatch
 LR = 1e-2
 
 
-@pytest.fixture(scope="module")
-def world():
-    from loongforge.core.parallel import destroy_parallel, init_parallel
-
-    ctx = init_parallel(seed=0, engine="torch")
-    yield ctx
-    destroy_parallel()
-
-
 def micro_batches(seed: int, scale: float = 1.0) -> list:
     g = torch.Generator().manual_seed(seed)
     # two micro-batches of different sizes: the mean is over the step's loss elements, not per micro-batch

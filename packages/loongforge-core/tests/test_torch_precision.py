@@ -58,15 +58,6 @@ class RunConfig(core_helpers.RunConfig):
     ema: EmaConfig = field(default_factory=lambda: EmaConfig(decay=0.9))
 
 
-@pytest.fixture(scope="module")
-def world():
-    from loongforge.core.parallel import destroy_parallel, init_parallel
-
-    ctx = init_parallel(seed=0, engine="torch")
-    yield ctx
-    destroy_parallel()
-
-
 def trainer(ctx, run_dir, precision: str, log_interval: int = 1, **train):
     from loongforge.core.training.loop import Trainer
 
