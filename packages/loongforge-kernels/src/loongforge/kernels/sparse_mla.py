@@ -493,8 +493,12 @@ def attention_backward(
         dq_h, dq_n = fused_h, BLOCK_N_FUSED
     else:
         dq_h, dq_n = min(blocks.dq_heads, max(16, triton.next_power_of_2(h))), blocks.dq_keys
-    # latent widths of 128 or less (tests): 4 warps, one stage
-    warps, stages = (4, 1) if block_dv <= 128 else (FUSED_WARPS, 1) if with_dkv else (blocks.dq_warps, blocks.dq_stages)
+    if block_dv <= 128:  # latent widths of 128 or less (tests)
+        warps, stages = 4, 1
+    elif with_dkv:
+        warps, stages = FUSED_WARPS, 1
+    else:
+        warps, stages = blocks.dq_warps, blocks.dq_stages
     sizes = dict(D_V=d_v, D_ROPE=d_rope, BLOCK_DV=block_dv, BLOCK_DR=block_dr, PRECISION=dot_precision(q.dtype))
     per_pass = s if with_dkv else max(1, min(s, stored_elements // (h * topk)))
     if with_dkv:  # nothing stored: the kernel takes dq's pointer and strides in their place

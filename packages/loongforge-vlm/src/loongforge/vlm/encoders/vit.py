@@ -48,8 +48,10 @@ class VisionEncoder(MegatronModule):
                   layers: tuple[int, ...]) -> list[torch.Tensor]:
         """The block over ``x [s, hidden]`` with segment ids ``segments [2, s]`` and rotary angles
         ``rot [s, head_dim]`` (or None): the final output, then those of the 0-based ``layers``.
-        On CUDA the segments' boundaries are found here once for every layer's flash path."""
-        bounds = SegmentBounds.of(segments) if x.is_cuda else None
+        Where the layers take the flash path (CUDA, half precision) the segments' boundaries are
+        found here once for all of them."""
+        flash = x.is_cuda and x.dtype in (torch.float16, torch.bfloat16)
+        bounds = SegmentBounds.of(segments) if flash else None
         out = self.decoder(x[:, None, :], attention_mask=segments,
                            rotary_pos_emb=rot[:, None, None, :] if rot is not None else None,
                            packed_seq_params=bounds, extract_layer_indices=set(layers))
